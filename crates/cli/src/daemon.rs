@@ -1,0 +1,270 @@
+//! `plyfs mount`: build the stack, mount it, and serve it — in the foreground, or in a
+//! background daemon that reports back once the mount is ready.
+//!
+//! Going to the background re-executes the program with `--foreground` in a new session rather
+//! than forking: the stack and FUSE start threads, and a forked copy of a threaded process is
+//! not safe to continue. The child reports "ready" or its error over a pipe, so the parent's
+//! exit status and message are the mount's.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+use clap::Args;
+use plyfs_fuse::control::{self, ControlServer};
+use plyfs_fuse::{unmount, FrontOptions, MountRequest, Mounted, Unmounted};
+use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
+use plyfs_stack::{LowerDir, Stack};
+
+use crate::options;
+
+#[derive(Args, Clone)]
+pub struct MountArgs {
+    /// The directory whose contents the stack presents.
+    lower: PathBuf,
+    /// Where to mount.
+    mountpoint: PathBuf,
+    /// Layers from the top down, e.g. `trace:log=t.jsonl,null`.
+    #[arg(long, conflicts_with = "config")]
+    stack: Option<String>,
+    /// A TOML file describing the stack ([[layer]] tables).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Stay in the foreground and log to standard error.
+    #[arg(short, long)]
+    foreground: bool,
+    /// Mount options.
+    #[arg(short = 'o', value_name = "OPTIONS", help = options::HELP)]
+    options: Vec<String>,
+    /// Where a background daemon logs (default: next to its control socket).
+    #[arg(long)]
+    log: Option<PathBuf>,
+    /// Log more (debug); repeat for every request (trace).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+    /// Internal: the pipe to report readiness on.
+    #[arg(long, hide = true)]
+    ready_fd: Option<i32>,
+}
+
+pub fn mount(args: MountArgs) -> Result<(), String> {
+    // Check what can be checked before going to the background, so mistakes are reported here.
+    let specs = match (&args.stack, &args.config) {
+        (_, Some(config)) => load_stack_config(config).map_err(|e| e.to_string())?,
+        (Some(spec), None) => parse_stack_spec(spec).map_err(|e| e.to_string())?,
+        (None, None) => parse_stack_spec("null").map_err(|e| e.to_string())?,
+    };
+    let opts = options::parse(&args.options)?;
+    let lower = lower_dir(&args.lower)?;
+    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
+
+    if args.foreground {
+        return serve(&args, specs, opts, lower, mountpoint);
+    }
+    spawn_background(&args, &mountpoint)
+}
+
+fn lower_dir(path: &Path) -> Result<PathBuf, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("lower directory {}: {e}", path.display()))?;
+    if !meta.is_dir() {
+        return Err(format!("lower directory {}: not a directory", path.display()));
+    }
+    path.canonicalize().map_err(|e| format!("lower directory {}: {e}", path.display()))
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("PLYFS_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},fuser=warn")));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+}
+
+/// Block the termination signals in this thread before any other thread starts, so they all
+/// inherit the mask and only the signal thread receives them.
+fn block_signals() -> nix::sys::signal::SigSet {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        set.add(s);
+    }
+    let _ = set.thread_block();
+    set
+}
+
+struct Ready(Option<File>);
+
+impl Ready {
+    fn send(&mut self, line: &str) {
+        if let Some(mut f) = self.0.take() {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}
+
+fn serve(
+    args: &MountArgs,
+    specs: Vec<plyfs_stack::spec::LayerSpec>,
+    opts: options::MountOptions,
+    lower: PathBuf,
+    mountpoint: PathBuf,
+) -> Result<(), String> {
+    let mut ready = Ready(args.ready_fd.map(|fd| unsafe { File::from_raw_fd(fd) }));
+    let result = serve_inner(args, specs, opts, lower, mountpoint, &mut ready);
+    if let Err(e) = &result {
+        ready.send(&format!("ERR {e}"));
+    }
+    result
+}
+
+fn serve_inner(
+    args: &MountArgs,
+    specs: Vec<plyfs_stack::spec::LayerSpec>,
+    opts: options::MountOptions,
+    lower: PathBuf,
+    mountpoint: PathBuf,
+    ready: &mut Ready,
+) -> Result<(), String> {
+    let signals = block_signals();
+    init_logging(args.verbose);
+    // Modes arrive already masked by the kernel; a umask here would mask them twice.
+    unsafe { libc::umask(0) };
+
+    let bottom = LowerDir::level(&lower).map_err(|e| e.to_string())?;
+    let stack = Arc::new(Stack::build(&specs, plyfs_layers::registry(), bottom.layer().clone()).map_err(|e| e.to_string())?);
+    let names: Vec<&str> = stack.layers().iter().map(|l| l.name()).collect();
+
+    let request = MountRequest {
+        mountpoint: mountpoint.clone(),
+        fsname: lower.display().to_string(),
+        front: FrontOptions { entry_ttl: opts.entry_ttl, attr_ttl: opts.attr_ttl, passthrough: opts.passthrough },
+        threads: opts.threads,
+        allow_other: opts.allow_other,
+        allow_root: opts.allow_root,
+        read_only: opts.read_only,
+        flags: opts.flags.clone(),
+    };
+    let mounted = Mounted::mount(stack.clone(), &request).map_err(|e| e.to_string())?;
+    let io_mode = mounted.io_mode();
+    let control = match ControlServer::start(stack.clone(), &mountpoint) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::warn!("control socket: {e}; `plyfs op` will not reach this mount");
+            None
+        }
+    };
+    tracing::info!(
+        "mounted {} on {} with stack [{}]; file I/O: {io_mode}",
+        lower.display(),
+        mountpoint.display(),
+        names.join(", ")
+    );
+    ready.send(&format!("OK {io_mode}"));
+
+    let signal_mountpoint = mountpoint.clone();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || loop {
+            let Ok(sig) = signals.wait() else { continue };
+            tracing::info!("{sig}: unmounting {}", signal_mountpoint.display());
+            match unmount(&signal_mountpoint, false) {
+                Ok(_) => break,
+                Err(e) => {
+                    tracing::warn!("unmount {}: {e}; detaching it lazily", signal_mountpoint.display());
+                    match unmount(&signal_mountpoint, true) {
+                        Ok(Unmounted::Lazily | Unmounted::Done) => break,
+                        Err(e) => tracing::error!("unmount {}: {e}", signal_mountpoint.display()),
+                    }
+                }
+            }
+        })
+        .map_err(|e| e.to_string())?;
+
+    // Do not keep any directory busy.
+    let _ = std::env::set_current_dir("/");
+    let result = mounted.run();
+    drop(control);
+    tracing::info!("{} unmounted", mountpoint.display());
+    result.map_err(|e| format!("serving {}: {e}", mountpoint.display()))
+}
+
+fn spawn_background(args: &MountArgs, mountpoint: &Path) -> Result<(), String> {
+    let uid = unsafe { libc::geteuid() };
+    let log = match &args.log {
+        Some(l) => std::path::absolute(l).map_err(|e| format!("--log {}: {e}", l.display()))?,
+        None => {
+            control::ensure_runtime_dir(uid).map_err(|e| e.to_string())?;
+            control::log_path(uid, mountpoint)
+        }
+    };
+    let log_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)
+        .map_err(|e| format!("log {}: {e}", log.display()))?;
+
+    let (read_end, write_end) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+    let write_fd = write_end.as_raw_fd();
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find the plyfs program: {e}"))?;
+    let mut cmd = Command::new(exe);
+    cmd.args(child_args(args, write_fd));
+    cmd.stdin(Stdio::null()).stdout(log_file.try_clone().map_err(|e| e.to_string())?).stderr(log_file);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setsid();
+            let flags = libc::fcntl(write_fd, libc::F_GETFD);
+            libc::fcntl(write_fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(|e| format!("cannot start the daemon: {e}"))?;
+    drop(write_end);
+
+    let mut line = String::new();
+    let _ = BufReader::new(File::from(OwnedFd::from(read_end))).read_line(&mut line);
+    let line = line.trim_end();
+    if let Some(mode) = line.strip_prefix("OK ") {
+        eprintln!("plyfs: mounted {} (pid {}); file I/O: {mode}; log: {}", mountpoint.display(), child.id(), log.display());
+        Ok(())
+    } else if let Some(err) = line.strip_prefix("ERR ") {
+        let _ = child.wait();
+        Err(err.to_owned())
+    } else {
+        let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+        Err(format!("the daemon exited before the mount was ready ({status}); see {}", log.display()))
+    }
+}
+
+/// The arguments for the background child: the same mount, in the foreground, reporting on
+/// `ready_fd`. Relative paths stay valid because the child starts in the same directory.
+fn child_args(args: &MountArgs, ready_fd: i32) -> Vec<OsString> {
+    let mut v: Vec<OsString> = vec!["mount".into(), args.lower.clone().into(), args.mountpoint.clone().into()];
+    if let Some(s) = &args.stack {
+        v.push("--stack".into());
+        v.push(s.into());
+    }
+    if let Some(c) = &args.config {
+        v.push("--config".into());
+        v.push(c.clone().into());
+    }
+    for o in &args.options {
+        v.push("-o".into());
+        v.push(o.into());
+    }
+    for _ in 0..args.verbose {
+        v.push("-v".into());
+    }
+    v.push("--foreground".into());
+    v.push("--ready-fd".into());
+    v.push(ready_fd.to_string().into());
+    v
+}

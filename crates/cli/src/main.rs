@@ -1,0 +1,127 @@
+//! `plyfs`: mount, unmount and inspect stacks of file-system layers.
+
+mod daemon;
+mod options;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use plyfs_fuse::{control, mountinfo, unmount, Unmounted};
+
+#[derive(Parser)]
+#[command(name = "plyfs", version, about = "A user-space stackable file system", propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Mount a stack of layers over LOWER at MOUNTPOINT.
+    Mount(daemon::MountArgs),
+    /// Unmount a plyfs mount; also cleans up after a daemon that was killed.
+    Umount {
+        mountpoint: PathBuf,
+        /// Detach now even if files are open; the daemon exits when the last one is closed.
+        #[arg(short, long)]
+        lazy: bool,
+    },
+    /// Run an extended operation on a path inside a mounted stack: NAME, or NAME@LAYER to
+    /// address one layer.
+    Op {
+        path: PathBuf,
+        /// The operation (e.g. `stats`), or `--list` to list what the stack offers.
+        #[arg(allow_hyphen_values = true)]
+        name: String,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// List the available layers with their parameters and extended operations.
+    Layers,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Mount(args) => daemon::mount(args),
+        Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
+        Command::Op { path, name, args } => op(&path, &name, &args),
+        Command::Layers => {
+            print_layers();
+            Ok(())
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(msg) => {
+            eprintln!("plyfs: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The absolute form of a mount point, without looking through it (a stale mount cannot be
+/// looked through).
+fn mountpoint_path(path: &Path) -> Result<PathBuf, String> {
+    let abs = std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    match (abs.parent(), abs.file_name()) {
+        (Some(parent), Some(name)) => {
+            let parent = parent.canonicalize().map_err(|e| format!("{}: {e}", parent.display()))?;
+            Ok(parent.join(name))
+        }
+        _ => Ok(abs),
+    }
+}
+
+fn umount(path: &Path, lazy: bool) -> Result<(), String> {
+    let mountpoint = mountpoint_path(path)?;
+    let shown = mountpoint.display();
+    let entry = mountinfo::mount_at(&mountpoint).ok_or_else(|| format!("{shown}: not mounted"))?;
+    if !entry.is_plyfs() {
+        return Err(format!("{shown}: not a plyfs mount (it is {})", entry.fstype));
+    }
+    let stale = matches!(std::fs::metadata(&mountpoint), Err(e) if e.raw_os_error() == Some(libc::ENOTCONN));
+    match unmount(&mountpoint, lazy).map_err(|e| format!("unmount {shown}: {e}"))? {
+        Unmounted::Done => {}
+        Unmounted::Lazily => eprintln!("plyfs: {shown} detached; its daemon exits when the last open file is closed"),
+    }
+    let socket = control::socket_path(entry.user_id.unwrap_or(0), &mountpoint);
+    if stale {
+        let _ = std::fs::remove_file(&socket);
+        eprintln!("plyfs: {shown}: its daemon had died; the stale mount is cleaned up");
+    } else if !lazy {
+        // Return once the daemon has finished (flushed its logs and removed its socket).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while socket.exists() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+    Ok(())
+}
+
+fn op(path: &Path, name: &str, args: &[String]) -> Result<(), String> {
+    let value = control::call_op(path, name, args).map_err(|e| {
+        if name == "--list" { e } else { format!("op '{name}' on {}: {e}", path.display()) }
+    })?;
+    match value {
+        serde_json::Value::String(s) => println!("{s}"),
+        v => println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default()),
+    }
+    Ok(())
+}
+
+fn print_layers() {
+    for f in plyfs_layers::registry() {
+        println!("{:<8} {}", f.kind, f.summary);
+        for p in f.params.iter().chain([&plyfs_stack::NAME_PARAM]) {
+            let default = p.default.map(|d| format!(" (default: {d})")).unwrap_or_default();
+            println!("    {}=…{:<width$} {}{default}", p.name, "", p.help, width = 8usize.saturating_sub(p.name.len()));
+        }
+        for o in f.ext_ops {
+            let args = if o.args.is_empty() { String::new() } else { format!(" {}", o.args) };
+            println!("    op {}{args}: {}", o.name, o.help);
+        }
+    }
+    println!("\nEvery mount also answers `op lower-info` (where a file lives in the lower directory).");
+}

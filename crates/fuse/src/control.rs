@@ -1,0 +1,243 @@
+//! The control socket: how `plyfs op PATH NAME [ARGS...]` reaches the daemon of a mount.
+//!
+//! Each daemon listens on a Unix socket whose path follows from the mount's owner and mount
+//! point (see [`socket_path`]), so the client needs only the path it was given. One request per
+//! connection, one JSON line each way:
+//!
+//! ```text
+//! → {"path":"logs/app.log","op":"stats","args":[],"layer":null}
+//! ← {"ok":{...}}            or            ← {"error":"..."}
+//! ```
+//!
+//! The path is resolved inside the stack, through the same lookups a FUSE request would make;
+//! `.plyfs/NAME/...` paths resolve in the view below layer NAME. `"op":"--list"` lists the
+//! extended operations of the stack.
+
+use std::ffi::OsStr;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+use plyfs_stack::{Caller, Error, Level, NodeId, Stack};
+use serde_json::{json, Value};
+
+use crate::fs::LEVELS_DIR;
+use crate::mountinfo;
+
+/// Where the daemons of `uid` keep their sockets and logs.
+pub fn runtime_dir(uid: u32) -> PathBuf {
+    if uid == 0 {
+        PathBuf::from("/run/plyfs")
+    } else {
+        PathBuf::from(format!("/tmp/plyfs-{uid}"))
+    }
+}
+
+fn mount_key(mountpoint: &Path) -> String {
+    // FNV-1a: short, stable, and keeps socket paths under the 108-byte limit.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in mountpoint.as_os_str().as_encoded_bytes() {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{hash:016x}")
+}
+
+pub fn socket_path(uid: u32, mountpoint: &Path) -> PathBuf {
+    runtime_dir(uid).join(format!("{}.sock", mount_key(mountpoint)))
+}
+
+/// The default log file of a background daemon.
+pub fn log_path(uid: u32, mountpoint: &Path) -> PathBuf {
+    runtime_dir(uid).join(format!("{}.log", mount_key(mountpoint)))
+}
+
+/// Create the runtime directory, private to its user.
+pub fn ensure_runtime_dir(uid: u32) -> std::io::Result<PathBuf> {
+    let dir = runtime_dir(uid);
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = std::fs::symlink_metadata(&dir)?;
+    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+        return Err(std::io::Error::other(format!(
+            "{} must be a directory owned by uid {uid} with mode 0700",
+            dir.display()
+        )));
+    }
+    Ok(dir)
+}
+
+/// Serves extended operations for one mount until dropped.
+pub struct ControlServer {
+    path: PathBuf,
+}
+
+impl ControlServer {
+    pub fn start(stack: Arc<Stack>, mountpoint: &Path) -> std::io::Result<ControlServer> {
+        let uid = unsafe { libc::geteuid() };
+        ensure_runtime_dir(uid)?;
+        let path = socket_path(uid, mountpoint);
+        if path.exists() {
+            if UnixStream::connect(&path).is_ok() {
+                return Err(std::io::Error::other(format!("{} is in use by another daemon", path.display())));
+            }
+            std::fs::remove_file(&path)?;
+        }
+        let listener = UnixListener::bind(&path)?;
+        std::thread::Builder::new().name("control".into()).spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { continue };
+                let stack = stack.clone();
+                let _ = std::thread::Builder::new().name("control-op".into()).spawn(move || serve(&stack, conn));
+            }
+        })?;
+        Ok(ControlServer { path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn peer(conn: &UnixStream) -> Option<Caller> {
+    let cred = nix::sys::socket::getsockopt(conn, nix::sys::socket::sockopt::PeerCredentials).ok()?;
+    Some(Caller { uid: cred.uid(), gid: cred.gid(), pid: cred.pid() as u32 })
+}
+
+fn serve(stack: &Stack, conn: UnixStream) {
+    let mut line = String::new();
+    let mut reader = BufReader::new(&conn);
+    let answer = match (reader.read_line(&mut line), peer(&conn)) {
+        (Ok(_), Some(cx)) => {
+            let me = unsafe { libc::geteuid() };
+            if cx.uid != me && cx.uid != 0 {
+                json!({ "error": "permission denied: only the mount's owner may run operations" })
+            } else {
+                match handle(stack, &cx, &line) {
+                    Ok(v) => json!({ "ok": v }),
+                    Err(e) => json!({ "error": e }),
+                }
+            }
+        }
+        _ => json!({ "error": "malformed request" }),
+    };
+    let mut out = &conn;
+    let _ = writeln!(out, "{answer}");
+}
+
+fn handle(stack: &Stack, cx: &Caller, line: &str) -> Result<Value, String> {
+    let req: Value = serde_json::from_str(line).map_err(|e| format!("malformed request: {e}"))?;
+    let path = req["path"].as_str().unwrap_or("");
+    let op = req["op"].as_str().ok_or("request names no operation")?;
+    let args: Vec<String> =
+        req["args"].as_array().map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()).unwrap_or_default();
+    let names: Vec<&str> = stack.levels().iter().map(|l| l.name()).collect();
+
+    let mut components: Vec<&OsStr> = Path::new(path)
+        .components()
+        .filter_map(|c| match c {
+            Component::Normal(n) => Some(n),
+            _ => None,
+        })
+        .collect();
+    let mut view = 0;
+    if components.first().is_some_and(|c| *c == LEVELS_DIR) {
+        let name = components.get(1).ok_or("name a layer after .plyfs/")?;
+        view = stack.position(&name.to_string_lossy()).ok_or_else(|| format!("no layer named {name:?}"))? + 1;
+        components.drain(..2);
+    }
+    if let Some(layer) = req["layer"].as_str() {
+        if view != 0 {
+            return Err("give either OP@LAYER or a .plyfs/ path, not both".into());
+        }
+        view = stack
+            .levels()
+            .iter()
+            .position(|l| l.name() == layer)
+            .ok_or_else(|| format!("no layer named '{layer}' in this stack ({})", names.join(", ")))?;
+    }
+    let level = &stack.levels()[view];
+
+    if op == "--list" {
+        let ops: Vec<Value> = stack.levels()[view..]
+            .iter()
+            .flat_map(|l| {
+                l.layer().extended_ops().iter().map(move |o| json!({ "layer": l.name(), "op": o.name, "args": o.args, "help": o.help }))
+            })
+            .collect();
+        return Ok(Value::Array(ops));
+    }
+
+    let (node, held) = resolve(level, cx, &components).map_err(|e| format!("{path}: {e}"))?;
+    let result = level.extended(cx, node, op, &args);
+    for n in held {
+        level.forget(cx, n, 1);
+    }
+    result.map_err(|e| stack.explain(e).to_string())
+}
+
+/// Look `components` up from the root of `level`, returning the node and the lookups to drop.
+fn resolve(level: &Level, cx: &Caller, components: &[&OsStr]) -> Result<(NodeId, Vec<NodeId>), Error> {
+    let mut node = NodeId::ROOT;
+    let mut held = Vec::new();
+    for name in components {
+        match level.lookup(cx, node, name) {
+            Ok(e) => {
+                node = e.node;
+                held.push(e.node);
+            }
+            Err(e) => {
+                for n in held {
+                    level.forget(cx, n, 1);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok((node, held))
+}
+
+/// Run extended operation `op` (`NAME` or `NAME@LAYER`) on `path` in a mounted stack.
+pub fn call_op(path: &Path, op: &str, args: &[String]) -> Result<Value, String> {
+    let shown = path.display();
+    let canonical = path.canonicalize().map_err(|e| format!("{shown}: {e}"))?;
+    let mount = mountinfo::mount_containing(&canonical)
+        .filter(|m| m.is_plyfs())
+        .ok_or_else(|| format!("{shown} is not inside a plyfs mount"))?;
+    let rel = canonical.strip_prefix(&mount.mountpoint).unwrap_or(Path::new(""));
+    let (name, layer) = match op.split_once('@') {
+        Some((n, l)) => (n, Some(l)),
+        None => (op, None),
+    };
+    let socket = socket_path(mount.user_id.unwrap_or(0), &mount.mountpoint);
+    let conn = UnixStream::connect(&socket).map_err(|e| {
+        format!(
+            "cannot reach the daemon of {} ({}: {e}); if it was killed, `plyfs umount {}` cleans up",
+            mount.mountpoint.display(),
+            socket.display(),
+            mount.mountpoint.display()
+        )
+    })?;
+    let request = json!({ "path": rel.to_string_lossy(), "op": name, "args": args, "layer": layer });
+    let mut out = &conn;
+    writeln!(out, "{request}").map_err(|e| format!("control socket: {e}"))?;
+    let mut line = String::new();
+    BufReader::new(&conn).read_line(&mut line).map_err(|e| format!("control socket: {e}"))?;
+    let reply: Value = serde_json::from_str(&line).map_err(|_| "the daemon closed the connection without answering".to_owned())?;
+    match (reply.get("ok"), reply.get("error")) {
+        (Some(v), _) => Ok(v.clone()),
+        (_, Some(e)) => Err(e.as_str().unwrap_or("error").to_owned()),
+        _ => Err("malformed answer from the daemon".into()),
+    }
+}

@@ -1,0 +1,17 @@
+//! # plyfs-fuse
+//!
+//! The FUSE front end: the only crate that speaks FUSE.
+//!
+//! - [`fs`] turns kernel requests into stack operations, chooses the passthrough fast path or
+//!   the cached path for each open, and exposes every level under `.plyfs/` (fan-in).
+//! - [`mount`] mounts and unmounts, directly or through `fusermount3`.
+//! - [`control`] is the socket that carries extended operations from `plyfs op` to the stack.
+//! - [`mountinfo`] finds the mount a path is on.
+
+pub mod control;
+pub mod fs;
+pub mod mount;
+pub mod mountinfo;
+
+pub use fs::{FrontOptions, IoMode, LEVELS_DIR};
+pub use mount::{check_mountpoint, unmount, MountError, MountRequest, Mounted, Unmounted};

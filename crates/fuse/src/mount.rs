@@ -1,0 +1,345 @@
+//! Mounting and unmounting, with clear errors for the usual mistakes, and the `fusermount3`
+//! route for users who cannot open `/dev/fuse` themselves.
+
+use std::ffi::CString;
+use std::io::{self, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+use fuser::{Config, MountOption, Session, SessionACL};
+use plyfs_stack::Stack;
+
+use crate::fs::{FrontOptions, FrontStatus, FuseFs, IoMode};
+use crate::mountinfo;
+
+/// Everything `plyfs mount` decides before mounting.
+#[derive(Clone, Debug)]
+pub struct MountRequest {
+    pub mountpoint: PathBuf,
+    /// Shown as the source in `mount` output.
+    pub fsname: String,
+    pub front: FrontOptions,
+    pub threads: usize,
+    pub allow_other: bool,
+    pub allow_root: bool,
+    pub read_only: bool,
+    /// Other kernel mount flags (`noexec`, `nosuid`, `noatime`, ...), by their usual names.
+    pub flags: Vec<String>,
+}
+
+/// A mounted stack, ready to serve.
+pub struct Mounted {
+    session: Session<FuseFs>,
+    status: Arc<FrontStatus>,
+    mountpoint: PathBuf,
+}
+
+#[derive(Debug)]
+pub struct MountError(pub String);
+
+impl std::fmt::Display for MountError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for MountError {}
+
+/// Kernel mount flags `-o` accepts besides plyfs's own options.
+pub const KERNEL_FLAGS: &[&str] =
+    &["dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "noatime", "sync", "async", "dirsync", "rw"];
+
+fn flag_option(name: &str) -> Option<MountOption> {
+    Some(match name {
+        "dev" => MountOption::Dev,
+        "nodev" => MountOption::NoDev,
+        "suid" => MountOption::Suid,
+        "nosuid" => MountOption::NoSuid,
+        "exec" => MountOption::Exec,
+        "noexec" => MountOption::NoExec,
+        "atime" => MountOption::Atime,
+        "noatime" => MountOption::NoAtime,
+        "sync" => MountOption::Sync,
+        "async" => MountOption::Async,
+        "dirsync" => MountOption::DirSync,
+        "rw" => MountOption::RW,
+        _ => return None,
+    })
+}
+
+/// Check that `mountpoint` can take a mount: it exists, is a directory, is not mounted on, and is
+/// empty (mounting would hide what it holds).
+pub fn check_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountError> {
+    let shown = mountpoint.display();
+    let meta = std::fs::metadata(mountpoint).map_err(|e| MountError(format!("mount point {shown}: {e}")))?;
+    if !meta.is_dir() {
+        return Err(MountError(format!("mount point {shown}: not a directory")));
+    }
+    let canonical = mountpoint.canonicalize().map_err(|e| MountError(format!("mount point {shown}: {e}")))?;
+    if let Some(m) = mountinfo::mount_at(&canonical) {
+        return Err(MountError(format!("mount point {shown} is busy: {} is already mounted there", m.fstype)));
+    }
+    let mut entries = std::fs::read_dir(&canonical).map_err(|e| MountError(format!("mount point {shown}: {e}")))?;
+    if entries.next().is_some() {
+        return Err(MountError(format!("mount point {shown} is not empty: mounting would hide what it holds")));
+    }
+    Ok(canonical)
+}
+
+impl Mounted {
+    /// Mount `stack` as the request says. Returns once the kernel has agreed on features and
+    /// the mount serves requests (after `run` starts).
+    pub fn mount(stack: Arc<Stack>, req: &MountRequest) -> Result<Mounted, MountError> {
+        let mountpoint = check_mountpoint(&req.mountpoint)?;
+        let mut options = vec![
+            MountOption::FSName(req.fsname.clone()),
+            MountOption::Subtype("plyfs".into()),
+            // The daemon may run as root: the kernel checks permissions against the attributes,
+            // as for any local file system.
+            MountOption::DefaultPermissions,
+            if req.read_only { MountOption::RO } else { MountOption::RW },
+        ];
+        for flag in &req.flags {
+            let opt = flag_option(flag).ok_or_else(|| MountError(format!("unknown mount option '{flag}'")))?;
+            if !options.contains(&opt) {
+                options.push(opt);
+            }
+        }
+        let mut config = Config::default();
+        config.mount_options = options;
+        config.acl = if req.allow_other {
+            SessionACL::All
+        } else if req.allow_root {
+            SessionACL::RootAndOwner
+        } else {
+            SessionACL::Owner
+        };
+        config.n_threads = Some(req.threads.max(1));
+        config.clone_fd = true;
+
+        let fd = match mount_directly(&mountpoint, &config)? {
+            Some(fd) => fd,
+            // Not allowed to open /dev/fuse or to mount: go through the set-uid fusermount3,
+            // as libfuse does.
+            None => fusermount(&mountpoint, &config)?,
+        };
+        let (fs, status) = FuseFs::new(stack, req.front.clone());
+        let session = Session::from_fd(fs, fd, config.acl, config.clone()).map_err(|e| {
+            let _ = unmount(&mountpoint, true);
+            MountError(format!("mount {}: FUSE handshake failed: {e}", mountpoint.display()))
+        })?;
+        Ok(Mounted { session, status, mountpoint })
+    }
+
+    pub fn io_mode(&self) -> IoMode {
+        self.status.io_mode().unwrap_or(IoMode::Cached { reason: "the kernel did not negotiate".into() })
+    }
+
+    pub fn mountpoint(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// Serve requests until the file system is unmounted.
+    pub fn run(self) -> io::Result<()> {
+        self.session.run()
+    }
+}
+
+/// The option string `fusermount3` and the kernel share.
+fn fuse_options(config: &Config) -> Vec<String> {
+    let mut opts = vec!["default_permissions".to_owned()];
+    match config.acl {
+        SessionACL::All => opts.push("allow_other".into()),
+        // The kernel knows only allow_other; fuser turns away other users itself.
+        SessionACL::RootAndOwner => opts.push("allow_other".into()),
+        SessionACL::Owner => {}
+    }
+    opts
+}
+
+fn fsname(config: &Config) -> String {
+    config
+        .mount_options
+        .iter()
+        .find_map(|o| match o {
+            MountOption::FSName(n) => Some(n.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| "plyfs".into())
+}
+
+/// Open `/dev/fuse` and mount with `mount(2)`, as type `fuse.plyfs`. `None` when this process
+/// may not (no access to `/dev/fuse`, or no CAP_SYS_ADMIN).
+fn mount_directly(mountpoint: &Path, config: &Config) -> Result<Option<OwnedFd>, MountError> {
+    let dev = unsafe { libc::open(c"/dev/fuse".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if dev < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EACCES | libc::EPERM) => Ok(None),
+            _ => Err(MountError(format!("/dev/fuse: {e} (is the fuse module loaded?)"))),
+        };
+    }
+    let dev = unsafe { OwnedFd::from_raw_fd(dev) };
+    let root_mode = std::fs::metadata(mountpoint)
+        .map(|m| std::os::unix::fs::MetadataExt::mode(&m) & libc::S_IFMT)
+        .unwrap_or(libc::S_IFDIR);
+    let mut data = format!(
+        "fd={},rootmode={:o},user_id={},group_id={}",
+        dev.as_raw_fd(),
+        root_mode,
+        unsafe { libc::getuid() },
+        unsafe { libc::getgid() }
+    );
+    for o in fuse_options(config) {
+        data.push(',');
+        data.push_str(&o);
+    }
+    let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
+    for o in &config.mount_options {
+        match o {
+            MountOption::RO => flags |= libc::MS_RDONLY,
+            MountOption::Dev => flags &= !libc::MS_NODEV,
+            MountOption::Suid => flags &= !libc::MS_NOSUID,
+            MountOption::NoExec => flags |= libc::MS_NOEXEC,
+            MountOption::NoAtime => flags |= libc::MS_NOATIME,
+            MountOption::Sync => flags |= libc::MS_SYNCHRONOUS,
+            MountOption::DirSync => flags |= libc::MS_DIRSYNC,
+            _ => {}
+        }
+    }
+    let source = CString::new(fsname(config)).map_err(|_| MountError("fsname has a NUL byte".into()))?;
+    let target = CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| MountError("mount point has a NUL byte".into()))?;
+    let data = CString::new(data).expect("no NUL in options");
+    let rc = unsafe {
+        libc::mount(source.as_ptr(), target.as_ptr(), c"fuse.plyfs".as_ptr(), flags, data.as_ptr().cast())
+    };
+    if rc == 0 {
+        return Ok(Some(dev));
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EPERM) => Ok(None),
+        _ => Err(MountError(format!("mount {}: {e}", mountpoint.display()))),
+    }
+}
+
+/// Mount through `fusermount3`, which opens `/dev/fuse`, mounts, and sends the descriptor back
+/// over a socket (`_FUSE_COMMFD`).
+fn fusermount(mountpoint: &Path, config: &Config) -> Result<OwnedFd, MountError> {
+    let mut opts = fuse_options(config);
+    for o in &config.mount_options {
+        let s = match o {
+            MountOption::FSName(n) => format!("fsname={n}"),
+            MountOption::Subtype(n) => format!("subtype={n}"),
+            MountOption::DefaultPermissions => continue,
+            MountOption::RO => "ro".into(),
+            MountOption::RW => "rw".into(),
+            MountOption::NoDev => "nodev".into(),
+            MountOption::Dev => "dev".into(),
+            MountOption::NoSuid => "nosuid".into(),
+            MountOption::Suid => "suid".into(),
+            MountOption::NoExec => "noexec".into(),
+            MountOption::Exec => "exec".into(),
+            MountOption::NoAtime => "noatime".into(),
+            MountOption::Atime => "atime".into(),
+            MountOption::Sync => "sync".into(),
+            MountOption::Async => "async".into(),
+            MountOption::DirSync => "dirsync".into(),
+            other => format!("{other:?}").to_lowercase(),
+        };
+        opts.push(s);
+    }
+    let (ours, theirs) = UnixStream::pair().map_err(|e| MountError(format!("fusermount3: {e}")))?;
+    let their_fd = theirs.as_raw_fd();
+    let mut cmd = Command::new("fusermount3");
+    cmd.arg("-o").arg(opts.join(",")).arg("--").arg(mountpoint);
+    cmd.env("_FUSE_COMMFD", their_fd.to_string()).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let flags = libc::fcntl(their_fd, libc::F_GETFD);
+            if flags < 0 || libc::fcntl(their_fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(|e| {
+        MountError(format!("cannot open /dev/fuse and cannot run fusermount3 ({e}): install the fuse3 package"))
+    })?;
+    drop(theirs);
+    let received = receive_fd(&ours);
+    drop(ours);
+    let output = child.wait_with_output().map_err(|e| MountError(format!("fusermount3: {e}")))?;
+    match received {
+        Some(fd) => Ok(fd),
+        None => {
+            let msg = String::from_utf8_lossy(&output.stderr);
+            let msg = msg.trim().trim_start_matches("fusermount3: ");
+            Err(MountError(format!("mount {}: fusermount3: {msg}", mountpoint.display())))
+        }
+    }
+}
+
+fn receive_fd(sock: &UnixStream) -> Option<OwnedFd> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let mut byte = [0u8; 1];
+    let mut iov = [IoSliceMut::new(&mut byte)];
+    let mut space = nix::cmsg_space!(std::os::fd::RawFd);
+    let msg = loop {
+        match recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::empty()) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            other => break other.ok()?,
+        }
+    };
+    for cmsg in msg.cmsgs().ok()? {
+        if let ControlMessageOwned::ScmRights(fds) = cmsg {
+            if let Some(&fd) = fds.first() {
+                return Some(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+        }
+    }
+    None
+}
+
+fn fusermount_unmount(mountpoint: &Path, lazy: bool) -> Result<(), String> {
+    let mut cmd = Command::new("fusermount3");
+    cmd.arg(if lazy { "-uz" } else { "-u" }).arg("--").arg(mountpoint);
+    let out = cmd.output().map_err(|e| format!("fusermount3: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        let msg = String::from_utf8_lossy(&out.stderr);
+        Err(msg.trim().trim_start_matches("fusermount3: ").to_owned())
+    }
+}
+
+/// How an unmount went.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Unmounted {
+    Done,
+    /// Detached from the name space; the daemon serves open files until they are closed.
+    Lazily,
+}
+
+/// Unmount `mountpoint`. Without `lazy`, a busy mount is an error, as for `umount`. A stale
+/// mount (its daemon killed) unmounts like any other.
+pub fn unmount(mountpoint: &Path, lazy: bool) -> Result<Unmounted, String> {
+    let c = CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| "path has a NUL byte".to_owned())?;
+    let flags = if lazy { libc::MNT_DETACH } else { 0 };
+    if unsafe { libc::umount2(c.as_ptr(), flags) } == 0 {
+        return Ok(if lazy { Unmounted::Lazily } else { Unmounted::Done });
+    }
+    let err = io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EPERM) => fusermount_unmount(mountpoint, lazy).map(|()| if lazy { Unmounted::Lazily } else { Unmounted::Done }),
+        Some(libc::EBUSY) => Err("busy: files on it are in use (close them, or unmount with --lazy)".into()),
+        Some(libc::EINVAL) => Err("not a mount point".into()),
+        _ => Err(err.to_string()),
+    }
+}

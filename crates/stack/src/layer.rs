@@ -1,0 +1,227 @@
+//! The symmetric layer interface.
+//!
+//! Every layer sees the same [`Op`]s above and below it. A layer implements [`Layer::call`] for
+//! the operations it cares about and hands everything else to [`bypass`], which forwards the
+//! operation unchanged to the layer below — the default routine of Heidemann & Popek (`seeds/000`
+//! §3.3). An operation a layer has never heard of, including an extended operation defined by
+//! some lower layer, therefore still reaches the layer that understands it.
+
+use std::ffi::OsStr;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::op::{Op, Reply};
+use crate::types::*;
+
+/// What a layer does to file data, which decides whether the kernel may bypass it for reads and
+/// writes (FUSE passthrough).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataPath {
+    /// File bytes are the lower file's bytes and the layer need not see them move.
+    Transparent,
+    /// File bytes are unchanged, but the layer wants to see every read and write.
+    Observes,
+    /// The layer changes file bytes (or their size); the lower file cannot be handed out.
+    Transforms,
+}
+
+/// An extended operation a layer defines, for `plyfs layers` and `plyfs op PATH --list`.
+#[derive(Clone, Copy, Debug)]
+pub struct ExtOpInfo {
+    pub name: &'static str,
+    pub args: &'static str,
+    pub help: &'static str,
+}
+
+pub trait Layer: Send + Sync + 'static {
+    /// The layer's instance name, unique within its stack (`trace`, `null`, `null#2`, or the
+    /// name the user gave with `name=`).
+    fn name(&self) -> &str;
+
+    /// The layer's type (`trace`, `null`, ...).
+    fn kind(&self) -> &'static str;
+
+    fn data_path(&self) -> DataPath {
+        DataPath::Transparent
+    }
+
+    /// The levels directly below: one for a linear layer, several for a fan-out layer, none for
+    /// a bottom layer.
+    fn lower(&self) -> &[Level];
+
+    /// Handle one operation. The default bypasses every operation to the layer below.
+    fn call(&self, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+        bypass(self, cx, op)
+    }
+
+    /// The extended operations this layer answers.
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        &[]
+    }
+
+    /// Called once, from the top down, when the stack is taken down: flush what is buffered.
+    fn shutdown(&self) {}
+}
+
+/// Forward `op` unchanged to the single layer below. A bottom layer has nothing to forward to:
+/// extended operations end there as "unsupported", anything else as `ENOSYS`.
+pub fn bypass<L: Layer + ?Sized>(layer: &L, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+    match layer.lower() {
+        [below] => below.call(cx, op),
+        [] => Err(unsupported(&op)),
+        // A fan-out layer must route every operation itself; reaching here is a bug in it.
+        _ => Err(Error::Os(libc::ENOSYS)),
+    }
+}
+
+/// The error for an operation that reached the bottom of the stack unanswered.
+pub fn unsupported(op: &Op<'_>) -> Error {
+    match op {
+        Op::Extended { name, .. } => Error::UnsupportedOp { op: (*name).to_owned(), layers: vec![] },
+        _ => Error::Os(libc::ENOSYS),
+    }
+}
+
+/// A layer as seen from the layer above it: the entry point for every operation on it.
+///
+/// Calling through a `Level` rather than the layer directly is what keeps the passthrough fast
+/// path honest: a lower file handed up by `open` or `create` is dropped on its way through a
+/// layer that transforms or observes data.
+#[derive(Clone)]
+pub struct Level {
+    layer: Arc<dyn Layer>,
+    shares_lower_bytes: bool,
+}
+
+impl Level {
+    pub fn new(layer: Arc<dyn Layer>) -> Level {
+        let shares_lower_bytes = layer.data_path() == DataPath::Transparent;
+        Level { layer, shares_lower_bytes }
+    }
+
+    pub fn layer(&self) -> &Arc<dyn Layer> {
+        &self.layer
+    }
+
+    pub fn name(&self) -> &str {
+        self.layer.name()
+    }
+
+    #[inline]
+    pub fn call(&self, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+        let mut reply = self.layer.call(cx, op)?;
+        if !self.shares_lower_bytes {
+            match &mut reply {
+                Reply::Opened(o) | Reply::Created(_, o) => o.backing = None,
+                _ => {}
+            }
+        }
+        Ok(reply)
+    }
+
+    // Typed helpers: build the operation, unwrap the reply.
+
+    pub fn lookup(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Result<Entry> {
+        match self.call(cx, Op::Lookup { parent, name })? {
+            Reply::Entry(e) => Ok(e),
+            other => Err(mismatch("lookup", &other)),
+        }
+    }
+
+    pub fn forget(&self, cx: &Caller, node: NodeId, nlookup: u64) {
+        // Forget has no reply and cannot fail in a way the caller could act on.
+        let _ = self.call(cx, Op::Forget { node, nlookup });
+    }
+
+    pub fn getattr(&self, cx: &Caller, node: NodeId) -> Result<Attr> {
+        match self.call(cx, Op::GetAttr { node, fh: None })? {
+            Reply::Attr(a) => Ok(a),
+            other => Err(mismatch("getattr", &other)),
+        }
+    }
+
+    pub fn open(&self, cx: &Caller, node: NodeId, flags: i32) -> Result<Opened> {
+        match self.call(cx, Op::Open { node, flags })? {
+            Reply::Opened(o) => Ok(o),
+            other => Err(mismatch("open", &other)),
+        }
+    }
+
+    pub fn create(
+        &self,
+        cx: &Caller,
+        parent: NodeId,
+        name: &OsStr,
+        mode: u32,
+        flags: i32,
+    ) -> Result<(Entry, Opened)> {
+        match self.call(cx, Op::Create { parent, name, mode, flags })? {
+            Reply::Created(e, o) => Ok((e, o)),
+            other => Err(mismatch("create", &other)),
+        }
+    }
+
+    pub fn read(&self, cx: &Caller, node: NodeId, fh: FileHandle, offset: u64, size: u32) -> Result<Vec<u8>> {
+        match self.call(cx, Op::Read { node, fh, offset, size })? {
+            Reply::Data(d) => Ok(d),
+            other => Err(mismatch("read", &other)),
+        }
+    }
+
+    pub fn write(&self, cx: &Caller, node: NodeId, fh: FileHandle, offset: u64, data: &[u8]) -> Result<u32> {
+        match self.call(cx, Op::Write { node, fh, offset, data })? {
+            Reply::Written(n) => Ok(n),
+            other => Err(mismatch("write", &other)),
+        }
+    }
+
+    pub fn release(&self, cx: &Caller, node: NodeId, fh: FileHandle) -> Result<()> {
+        self.call(cx, Op::Release { node, fh }).map(|_| ())
+    }
+
+    pub fn mkdir(&self, cx: &Caller, parent: NodeId, name: &OsStr, mode: u32) -> Result<Entry> {
+        match self.call(cx, Op::MkDir { parent, name, mode })? {
+            Reply::Entry(e) => Ok(e),
+            other => Err(mismatch("mkdir", &other)),
+        }
+    }
+
+    pub fn unlink(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Result<()> {
+        self.call(cx, Op::Unlink { parent, name }).map(|_| ())
+    }
+
+    /// Read a whole directory (without `.` and `..`), opening and releasing it.
+    pub fn list_dir(&self, cx: &Caller, node: NodeId) -> Result<Vec<DirEntry>> {
+        let fh = match self.call(cx, Op::OpenDir { node })? {
+            Reply::Opened(o) => o.fh,
+            other => return Err(mismatch("opendir", &other)),
+        };
+        let mut all = Vec::new();
+        let mut offset = 0;
+        let result = loop {
+            match self.call(cx, Op::ReadDir { node, fh, offset, max_entries: 1024, plus: false }) {
+                Ok(Reply::Dir(batch)) if batch.is_empty() => break Ok(()),
+                Ok(Reply::Dir(batch)) => {
+                    offset = batch.last().map_or(offset, |e| e.next_offset);
+                    all.extend(batch.into_iter().filter(|e| e.name != "." && e.name != ".."));
+                }
+                Ok(other) => break Err(mismatch("readdir", &other)),
+                Err(e) => break Err(e),
+            }
+        };
+        let _ = self.call(cx, Op::ReleaseDir { node, fh });
+        result.map(|()| all)
+    }
+
+    pub fn extended(&self, cx: &Caller, node: NodeId, name: &str, args: &[String]) -> Result<serde_json::Value> {
+        match self.call(cx, Op::Extended { node, name, args })? {
+            Reply::Extended(v) => Ok(v),
+            other => Err(mismatch(name, &other)),
+        }
+    }
+}
+
+fn mismatch(op: &str, reply: &Reply) -> Error {
+    tracing::error!("{op}: a layer replied with the wrong kind of reply: {reply:?}");
+    Error::Os(libc::EIO)
+}

@@ -1,0 +1,28 @@
+//! # plyfs-stack
+//!
+//! The heart of plyfs: a stack of layers that all speak one symmetric interface.
+//!
+//! - [`Op`] is an operation with its descriptor (name, typed arguments); [`Reply`] its answer.
+//! - [`Layer`] is what a layer implements: [`Layer::call`] for the operations it cares about,
+//!   [`bypass`] for the rest. Extended operations ([`Op::Extended`]) travel down the same way.
+//! - [`Level`] is a layer as seen from above; [`Stack`] is the built stack, top to bottom.
+//! - [`LowerDir`] is the bottom layer, which owns the lower directory.
+//! - [`spec`] parses `--stack` specifications and TOML configurations.
+//!
+//! This crate knows nothing of FUSE: tests and offline tools run stacks in-process through
+//! [`Stack::top`].
+
+mod error;
+mod layer;
+mod lowerdir;
+mod op;
+pub mod spec;
+mod stack;
+mod types;
+
+pub use error::{Error, Result};
+pub use layer::{bypass, unsupported, DataPath, ExtOpInfo, Layer, Level};
+pub use lowerdir::LowerDir;
+pub use op::{Arg, Op, OpKind, Reply};
+pub use stack::{BuildArgs, LayerFactory, Stack, NAME_PARAM};
+pub use types::*;

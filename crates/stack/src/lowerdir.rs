@@ -1,0 +1,711 @@
+//! The bottom layer: it owns the lower directory and answers every operation with system calls
+//! on it. No other layer touches the lower directory.
+//!
+//! Each node keeps an `O_PATH` descriptor of its lower object, and every call works relative to
+//! such descriptors (`*at` calls, or `/proc/self/fd/N` where the kernel has no `*at` form). So
+//! renames above a node never break it, and a file deleted while open stays reachable.
+//!
+//! A node's id is the lower inode number, so hard links share one node, and `st_ino` is stable
+//! for the life of the mount and beyond. The exceptions get an id of their own, kept for the
+//! life of the mount: the root (FUSE wants id 1), objects on other file systems mounted inside
+//! the lower directory, and inode numbers too large for 56 bits.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, OsStr, OsString};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::layer::{unsupported, ExtOpInfo, Layer, Level};
+use crate::op::{Op, Reply};
+use crate::types::*;
+
+const EXT_OPS: &[ExtOpInfo] = &[ExtOpInfo {
+    name: "lower-info",
+    args: "",
+    help: "where the object lives in the lower directory (path, device, inode)",
+}];
+
+struct LowerNode {
+    /// `O_PATH` descriptor of the lower object.
+    fd: OwnedFd,
+    key: (u64, u64),
+    kind: FileKind,
+}
+
+/// Ids handed out where the lower inode number cannot serve (see the module documentation).
+const SYNTHETIC_IDS: u64 = 1 << 55;
+
+struct NodeTable {
+    /// Each known node with the number of lookups the layer above holds on it.
+    by_id: HashMap<u64, (Arc<LowerNode>, u64)>,
+    /// `(st_dev, st_ino)` of objects with synthetic ids. Never shrinks, so ids stay stable.
+    synthetic: HashMap<(u64, u64), u64>,
+    next_synthetic: u64,
+}
+
+struct DirStream {
+    /// A snapshot of the directory, taken when reading starts at offset 0.
+    entries: Vec<(OsString, u64, FileKind)>,
+}
+
+pub struct LowerDir {
+    root: PathBuf,
+    root_key: (u64, u64),
+    nodes: Mutex<NodeTable>,
+    files: Mutex<HashMap<u64, Arc<OwnedFd>>>,
+    dirs: Mutex<HashMap<u64, Arc<Mutex<DirStream>>>>,
+    next_fh: AtomicU64,
+    /// Running as root: create objects with the caller's fsuid/fsgid so they get the right owner.
+    switch_creds: bool,
+}
+
+fn cstr(name: &OsStr) -> Result<CString> {
+    CString::new(name.as_bytes()).map_err(|_| Error::Os(libc::EINVAL))
+}
+
+fn check(ret: libc::c_int) -> Result<libc::c_int> {
+    if ret < 0 {
+        Err(Error::last_os())
+    } else {
+        Ok(ret)
+    }
+}
+
+fn check_size(ret: libc::ssize_t) -> Result<usize> {
+    if ret < 0 {
+        Err(Error::last_os())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+/// The `/proc/self/fd/N` path of a descriptor, for calls that have no `*at` form taking
+/// `AT_EMPTY_PATH`.
+fn proc_path(fd: RawFd) -> CString {
+    CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL in a number")
+}
+
+fn fstat(fd: RawFd) -> Result<libc::stat> {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    let empty = c"";
+    check(unsafe { libc::fstatat(fd, empty.as_ptr(), &mut st, libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW) })?;
+    Ok(st)
+}
+
+fn time(secs: i64, nsecs: i64) -> SystemTime {
+    if secs >= 0 {
+        UNIX_EPOCH + Duration::new(secs as u64, nsecs as u32)
+    } else {
+        UNIX_EPOCH - Duration::new(secs.unsigned_abs(), 0) + Duration::from_nanos(nsecs as u64)
+    }
+}
+
+fn timespec(t: Option<TimeSet>) -> libc::timespec {
+    match t {
+        None => libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT },
+        Some(TimeSet::Now) => libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_NOW },
+        Some(TimeSet::At(t)) => match t.duration_since(UNIX_EPOCH) {
+            Ok(d) => libc::timespec { tv_sec: d.as_secs() as i64, tv_nsec: d.subsec_nanos() as i64 },
+            Err(e) => {
+                let d = e.duration();
+                let (mut s, mut ns) = (-(d.as_secs() as i64), -(d.subsec_nanos() as i64));
+                if ns < 0 {
+                    s -= 1;
+                    ns += 1_000_000_000;
+                }
+                libc::timespec { tv_sec: s, tv_nsec: ns }
+            }
+        },
+    }
+}
+
+/// Sets the thread's fsuid/fsgid to the caller's for the guard's life. fsuid is per thread on
+/// Linux, so other requests are unaffected.
+struct FsCreds;
+
+impl FsCreds {
+    fn assume(uid: u32, gid: u32) -> FsCreds {
+        unsafe {
+            libc::setfsgid(gid);
+            libc::setfsuid(uid);
+        }
+        FsCreds
+    }
+}
+
+impl Drop for FsCreds {
+    fn drop(&mut self) {
+        unsafe {
+            libc::setfsuid(0);
+            libc::setfsgid(0);
+        }
+    }
+}
+
+impl LowerDir {
+    pub fn open(root: &Path) -> Result<LowerDir> {
+        let path = cstr(root.as_os_str())?;
+        let fd = check(unsafe { libc::open(path.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) })
+            .map_err(|e| Error::config(format!("lower directory {}: {e}", root.display())))?;
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let st = fstat(fd.as_raw_fd())?;
+        let root_node = LowerNode { fd, key: (st.st_dev, st.st_ino), kind: FileKind::Dir };
+        let mut by_id = HashMap::new();
+        // The root is never forgotten: give it a lookup count no forget can exhaust.
+        by_id.insert(NodeId::ROOT.0, (Arc::new(root_node), u64::MAX / 2));
+        Ok(LowerDir {
+            root: root.to_owned(),
+            root_key: (st.st_dev, st.st_ino),
+            nodes: Mutex::new(NodeTable { by_id, synthetic: HashMap::new(), next_synthetic: SYNTHETIC_IDS }),
+            files: Mutex::new(HashMap::new()),
+            dirs: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            switch_creds: unsafe { libc::geteuid() } == 0,
+        })
+    }
+
+    /// Open `root` and make it the bottom level of a stack.
+    pub fn level(root: &Path) -> Result<Level> {
+        Ok(Level::new(Arc::new(LowerDir::open(root)?)))
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn node(&self, id: NodeId) -> Result<Arc<LowerNode>> {
+        match self.nodes.lock().by_id.get(&id.0) {
+            Some((node, _)) => Ok(node.clone()),
+            None => Err(Error::Os(libc::ESTALE)),
+        }
+    }
+
+    fn file(&self, fh: FileHandle) -> Result<Arc<OwnedFd>> {
+        self.files.lock().get(&fh.0).cloned().ok_or(Error::Os(libc::EBADF))
+    }
+
+    fn attr(st: &libc::stat) -> Attr {
+        Attr {
+            size: st.st_size as u64,
+            blocks: st.st_blocks as u64,
+            atime: time(st.st_atime, st.st_atime_nsec),
+            mtime: time(st.st_mtime, st.st_mtime_nsec),
+            ctime: time(st.st_ctime, st.st_ctime_nsec),
+            kind: FileKind::from_mode(st.st_mode).unwrap_or(FileKind::File),
+            perm: (st.st_mode & 0o7777) as u16,
+            nlink: st.st_nlink as u32,
+            uid: st.st_uid,
+            gid: st.st_gid,
+            rdev: st.st_rdev as u32,
+            blksize: st.st_blksize as u32,
+        }
+    }
+
+    /// The id of the lower object `(dev, ino)`, if its inode number can serve as one.
+    fn natural_id(&self, dev: u64, ino: u64) -> Option<u64> {
+        if (dev, ino) == self.root_key {
+            Some(NodeId::ROOT.0)
+        } else if dev == self.root_key.0 && ino != NodeId::ROOT.0 && ino < SYNTHETIC_IDS {
+            Some(ino)
+        } else {
+            None
+        }
+    }
+
+    fn id_of(&self, table: &mut NodeTable, key: (u64, u64)) -> u64 {
+        if let Some(id) = self.natural_id(key.0, key.1) {
+            return id;
+        }
+        let next = &mut table.next_synthetic;
+        *table.synthetic.entry(key).or_insert_with(|| {
+            *next += 1;
+            *next
+        })
+    }
+
+    /// Register the object `fd` refers to as a node, or count one more lookup of its node.
+    fn remember(&self, fd: OwnedFd) -> Result<Entry> {
+        let st = fstat(fd.as_raw_fd())?;
+        let key = (st.st_dev, st.st_ino);
+        let mut table = self.nodes.lock();
+        let id = self.id_of(&mut table, key);
+        match table.by_id.get_mut(&id) {
+            Some((_, count)) => *count += 1,
+            None => {
+                let kind = FileKind::from_mode(st.st_mode).unwrap_or(FileKind::File);
+                table.by_id.insert(id, (Arc::new(LowerNode { fd, key, kind }), 1));
+            }
+        }
+        drop(table);
+        Ok(Entry { node: NodeId(id), attr: Self::attr(&st), generation: 0 })
+    }
+
+    fn lookup_at(&self, parent: &LowerNode, name: &OsStr) -> Result<Entry> {
+        let c = cstr(name)?;
+        let fd = check(unsafe {
+            libc::openat(parent.fd.as_raw_fd(), c.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        })?;
+        self.remember(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn forget(&self, id: NodeId, nlookup: u64) {
+        let mut table = self.nodes.lock();
+        let gone = match table.by_id.get_mut(&id.0) {
+            Some((_, count)) => {
+                *count = count.saturating_sub(nlookup);
+                *count == 0
+            }
+            None => false,
+        };
+        if gone {
+            table.by_id.remove(&id.0);
+        }
+    }
+
+    /// Create an object as the caller, so it gets the caller's owner and group (and the
+    /// directory's group where it is set-group-ID), as a kernel file system would.
+    ///
+    /// The caller's supplementary groups are not known here; when only they would have granted
+    /// the access (the kernel already checked it, with `default_permissions`), the object is
+    /// created by the daemon and then given to the caller.
+    fn create_as<T>(
+        &self,
+        cx: &Caller,
+        parent: &LowerNode,
+        make: impl Fn() -> Result<T>,
+        fixup: impl FnOnce(&T) -> RawFd,
+    ) -> Result<T> {
+        if !self.switch_creds || (cx.uid == 0 && cx.gid == 0) || cx.pid == 0 {
+            return make();
+        }
+        let first = {
+            let _creds = FsCreds::assume(cx.uid, cx.gid);
+            make()
+        };
+        match first {
+            Err(Error::Os(libc::EACCES)) => {
+                let made = make()?;
+                let parent_st = fstat(parent.fd.as_raw_fd())?;
+                let gid = if parent_st.st_mode & libc::S_ISGID != 0 { parent_st.st_gid } else { cx.gid };
+                let empty = c"";
+                check(unsafe {
+                    libc::fchownat(fixup(&made), empty.as_ptr(), cx.uid, gid, libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW)
+                })?;
+                Ok(made)
+            }
+            other => other,
+        }
+    }
+
+    /// Make a named object with `make(parent_fd, name)` and look it up.
+    fn make_node(
+        &self,
+        cx: &Caller,
+        parent: NodeId,
+        name: &OsStr,
+        make: impl Fn(RawFd, &CStr) -> libc::c_int,
+    ) -> Result<Entry> {
+        let parent = self.node(parent)?;
+        let c = cstr(name)?;
+        let pfd = parent.fd.as_raw_fd();
+        let made = self.create_as(
+            cx,
+            &parent,
+            || {
+                check(make(pfd, &c))?;
+                // Open the new object at once so the fix-up and lookup see this object.
+                let fd = check(unsafe { libc::openat(pfd, c.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC) })?;
+                Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+            },
+            |fd| fd.as_raw_fd(),
+        )?;
+        self.remember(made)
+    }
+
+    fn new_fh(&self) -> u64 {
+        self.next_fh.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn register_file(&self, fd: OwnedFd) -> Opened {
+        let fd = Arc::new(fd);
+        let fh = self.new_fh();
+        self.files.lock().insert(fh, fd.clone());
+        Opened { fh: FileHandle(fh), backing: Some(fd), direct_io: false }
+    }
+
+    fn setattr(&self, node: NodeId, fh: Option<FileHandle>, set: &SetAttr) -> Result<Attr> {
+        let n = self.node(node)?;
+        let fd = n.fd.as_raw_fd();
+        let empty = c"";
+        if set.uid.is_some() || set.gid.is_some() {
+            let uid = set.uid.unwrap_or(u32::MAX);
+            let gid = set.gid.unwrap_or(u32::MAX);
+            check(unsafe { libc::fchownat(fd, empty.as_ptr(), uid, gid, libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW) })?;
+        }
+        if let Some(mode) = set.mode {
+            if n.kind == FileKind::Symlink {
+                return Err(Error::Os(libc::EOPNOTSUPP));
+            }
+            check(unsafe { libc::chmod(proc_path(fd).as_ptr(), mode & 0o7777) })?;
+        }
+        if let Some(size) = set.size {
+            match fh.and_then(|fh| self.file(fh).ok()) {
+                Some(file) => check(unsafe { libc::ftruncate(file.as_raw_fd(), size as i64) })?,
+                None => check(unsafe { libc::truncate(proc_path(fd).as_ptr(), size as i64) })?,
+            };
+        }
+        if set.atime.is_some() || set.mtime.is_some() {
+            let times = [timespec(set.atime), timespec(set.mtime)];
+            if n.kind == FileKind::Symlink {
+                check(unsafe { libc::utimensat(fd, empty.as_ptr(), times.as_ptr(), libc::AT_EMPTY_PATH) })?;
+            } else {
+                check(unsafe { libc::utimensat(libc::AT_FDCWD, proc_path(fd).as_ptr(), times.as_ptr(), 0) })?;
+            }
+        }
+        Ok(Self::attr(&fstat(fd)?))
+    }
+
+    fn read_dir_snapshot(&self, node: &LowerNode) -> Result<Vec<(OsString, u64, FileKind)>> {
+        let fd = check(unsafe {
+            libc::openat(node.fd.as_raw_fd(), c".".as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        })?;
+        let mut dir = nix::dir::Dir::from_fd(unsafe { OwnedFd::from_raw_fd(fd) })?;
+        let mut entries = Vec::new();
+        for entry in dir.iter() {
+            let entry = entry?;
+            let name = OsStr::from_bytes(entry.file_name().to_bytes()).to_owned();
+            let kind = match entry.file_type() {
+                Some(t) => kind_of(t),
+                None => FileKind::File,
+            };
+            entries.push((name, entry.ino(), kind));
+        }
+        Ok(entries)
+    }
+
+    fn readdir(&self, cx: &Caller, node: NodeId, fh: FileHandle, offset: u64, max: u32, plus: bool) -> Result<Vec<DirEntry>> {
+        let stream = self.dirs.lock().get(&fh.0).cloned().ok_or(Error::Os(libc::EBADF))?;
+        let n = self.node(node)?;
+        let mut stream = stream.lock();
+        if offset == 0 {
+            stream.entries = self.read_dir_snapshot(&n)?;
+        }
+        let start = (offset as usize).min(stream.entries.len());
+        let end = start.saturating_add(max.max(1) as usize).min(stream.entries.len());
+        let mut out = Vec::with_capacity(end - start);
+        for (i, (name, ino, kind)) in stream.entries[start..end].iter().enumerate() {
+            let dots = name == "." || name == "..";
+            let entry = if plus && !dots {
+                match self.lookup_at(&n, name) {
+                    Ok(e) => Some(e),
+                    // Removed since the snapshot: leave it out, as a fresh readdir would.
+                    Err(Error::Os(libc::ENOENT)) => continue,
+                    Err(e) => return Err(e),
+                }
+            } else {
+                None
+            };
+            let node = match entry {
+                Some(e) => e.node,
+                // `d_ino` carries no device; an entry that is a mount point shows the inode
+                // under it, as `readdir` on the lower directory does.
+                None => NodeId(self.natural_id(self.root_key.0, *ino).unwrap_or(*ino)),
+            };
+            let kind = entry.map_or(*kind, |e| e.attr.kind);
+            out.push(DirEntry { name: name.clone(), node, kind, next_offset: (start + i + 1) as u64, entry });
+        }
+        let _ = cx;
+        Ok(out)
+    }
+
+    fn xattr_reply(size: u32, fill: impl Fn(*mut libc::c_void, usize) -> libc::ssize_t) -> Result<XattrReply> {
+        if size == 0 {
+            return Ok(XattrReply::Size(check_size(fill(std::ptr::null_mut(), 0))? as u32));
+        }
+        let mut buf = vec![0u8; size as usize];
+        let n = check_size(fill(buf.as_mut_ptr().cast(), buf.len()))?;
+        buf.truncate(n);
+        Ok(XattrReply::Data(buf))
+    }
+
+    fn lower_info(&self, node: NodeId) -> Result<serde_json::Value> {
+        let n = self.node(node)?;
+        let path = std::fs::read_link(format!("/proc/self/fd/{}", n.fd.as_raw_fd()))?;
+        Ok(serde_json::json!({
+            "lower_path": path.to_string_lossy(),
+            "dev": n.key.0,
+            "ino": n.key.1,
+        }))
+    }
+}
+
+fn kind_of(t: nix::dir::Type) -> FileKind {
+    use nix::dir::Type;
+    match t {
+        Type::Fifo => FileKind::Fifo,
+        Type::CharacterDevice => FileKind::CharDevice,
+        Type::Directory => FileKind::Dir,
+        Type::BlockDevice => FileKind::BlockDevice,
+        Type::File => FileKind::File,
+        Type::Symlink => FileKind::Symlink,
+        Type::Socket => FileKind::Socket,
+    }
+}
+
+impl Layer for LowerDir {
+    fn name(&self) -> &str {
+        "lower"
+    }
+
+    fn kind(&self) -> &'static str {
+        "lower"
+    }
+
+    fn lower(&self) -> &[Level] {
+        &[]
+    }
+
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        EXT_OPS
+    }
+
+    fn call(&self, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+        let empty = c"";
+        match op {
+            Op::Lookup { parent, name } => {
+                let parent = self.node(parent)?;
+                self.lookup_at(&parent, name).map(Reply::Entry)
+            }
+            Op::Forget { node, nlookup } => {
+                self.forget(node, nlookup);
+                Ok(Reply::Empty)
+            }
+            Op::GetAttr { node, fh } => {
+                let st = match fh.and_then(|fh| self.file(fh).ok()) {
+                    Some(file) => fstat(file.as_raw_fd())?,
+                    None => fstat(self.node(node)?.fd.as_raw_fd())?,
+                };
+                Ok(Reply::Attr(Self::attr(&st)))
+            }
+            Op::SetAttr { node, fh, set } => self.setattr(node, fh, &set).map(Reply::Attr),
+            Op::ReadLink { node } => {
+                let n = self.node(node)?;
+                let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
+                let len = check_size(unsafe {
+                    libc::readlinkat(n.fd.as_raw_fd(), empty.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+                })?;
+                buf.truncate(len);
+                Ok(Reply::Data(buf))
+            }
+            Op::MkNod { parent, name, mode, rdev } => self
+                .make_node(cx, parent, name, |pfd, c| unsafe { libc::mknodat(pfd, c.as_ptr(), mode, rdev.into()) })
+                .map(Reply::Entry),
+            Op::MkDir { parent, name, mode } => self
+                .make_node(cx, parent, name, |pfd, c| unsafe { libc::mkdirat(pfd, c.as_ptr(), mode) })
+                .map(Reply::Entry),
+            Op::SymLink { parent, name, target } => {
+                let target = cstr(target.as_os_str())?;
+                self.make_node(cx, parent, name, |pfd, c| unsafe { libc::symlinkat(target.as_ptr(), pfd, c.as_ptr()) })
+                    .map(Reply::Entry)
+            }
+            Op::Unlink { parent, name } => {
+                let p = self.node(parent)?;
+                check(unsafe { libc::unlinkat(p.fd.as_raw_fd(), cstr(name)?.as_ptr(), 0) })?;
+                Ok(Reply::Empty)
+            }
+            Op::RmDir { parent, name } => {
+                let p = self.node(parent)?;
+                check(unsafe { libc::unlinkat(p.fd.as_raw_fd(), cstr(name)?.as_ptr(), libc::AT_REMOVEDIR) })?;
+                Ok(Reply::Empty)
+            }
+            Op::Rename { parent, name, new_parent, new_name, flags } => {
+                let (p, np) = (self.node(parent)?, self.node(new_parent)?);
+                let (from, to) = (cstr(name)?, cstr(new_name)?);
+                check(unsafe {
+                    libc::renameat2(p.fd.as_raw_fd(), from.as_ptr(), np.fd.as_raw_fd(), to.as_ptr(), flags)
+                })?;
+                Ok(Reply::Empty)
+            }
+            Op::Link { node, new_parent, new_name } => {
+                let (n, np) = (self.node(node)?, self.node(new_parent)?);
+                let to = cstr(new_name)?;
+                // linkat(AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH; the /proc path does not.
+                check(unsafe {
+                    libc::linkat(
+                        libc::AT_FDCWD,
+                        proc_path(n.fd.as_raw_fd()).as_ptr(),
+                        np.fd.as_raw_fd(),
+                        to.as_ptr(),
+                        libc::AT_SYMLINK_FOLLOW,
+                    )
+                })?;
+                self.lookup_at(&np, new_name).map(Reply::Entry)
+            }
+            Op::Open { node, flags } => {
+                let n = self.node(node)?;
+                let flags = (flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY | libc::O_DIRECT)) | libc::O_CLOEXEC;
+                let fd = check(unsafe { libc::open(proc_path(n.fd.as_raw_fd()).as_ptr(), flags) })?;
+                Ok(Reply::Opened(self.register_file(unsafe { OwnedFd::from_raw_fd(fd) })))
+            }
+            Op::Create { parent, name, mode, flags } => {
+                let p = self.node(parent)?;
+                let c = cstr(name)?;
+                let flags = (flags & !(libc::O_NOCTTY | libc::O_DIRECT)) | libc::O_CREAT | libc::O_CLOEXEC | libc::O_NOFOLLOW;
+                let pfd = p.fd.as_raw_fd();
+                let file = self.create_as(
+                    cx,
+                    &p,
+                    || Ok(unsafe { OwnedFd::from_raw_fd(check(libc::openat(pfd, c.as_ptr(), flags, mode))?) }),
+                    |fd| fd.as_raw_fd(),
+                )?;
+                let path_fd = check(unsafe { libc::openat(pfd, c.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC) })?;
+                let entry = self.remember(unsafe { OwnedFd::from_raw_fd(path_fd) })?;
+                Ok(Reply::Created(entry, self.register_file(file)))
+            }
+            Op::Read { fh, offset, size, .. } => {
+                let file = self.file(fh)?;
+                let mut buf = vec![0u8; size as usize];
+                let mut done = 0;
+                while done < buf.len() {
+                    let n = check_size(unsafe {
+                        libc::pread(file.as_raw_fd(), buf[done..].as_mut_ptr().cast(), buf.len() - done, (offset + done as u64) as i64)
+                    })?;
+                    if n == 0 {
+                        break;
+                    }
+                    done += n;
+                }
+                buf.truncate(done);
+                Ok(Reply::Data(buf))
+            }
+            Op::Write { fh, offset, data, .. } => {
+                let file = self.file(fh)?;
+                let mut done = 0;
+                while done < data.len() {
+                    let n = check_size(unsafe {
+                        libc::pwrite(file.as_raw_fd(), data[done..].as_ptr().cast(), data.len() - done, (offset + done as u64) as i64)
+                    })?;
+                    done += n;
+                }
+                Ok(Reply::Written(done as u32))
+            }
+            Op::Flush { fh, .. } => {
+                // Closing a duplicate reports errors a close would (NFS, quota) at close time.
+                let file = self.file(fh)?;
+                let dup = check(unsafe { libc::dup(file.as_raw_fd()) })?;
+                check(unsafe { libc::close(dup) })?;
+                Ok(Reply::Empty)
+            }
+            Op::Fsync { fh, datasync, .. } => {
+                let file = self.file(fh)?;
+                check(unsafe { if datasync { libc::fdatasync(file.as_raw_fd()) } else { libc::fsync(file.as_raw_fd()) } })?;
+                Ok(Reply::Empty)
+            }
+            Op::Release { fh, .. } => {
+                self.files.lock().remove(&fh.0);
+                Ok(Reply::Empty)
+            }
+            Op::OpenDir { node } => {
+                let n = self.node(node)?;
+                if n.kind != FileKind::Dir {
+                    return Err(Error::Os(libc::ENOTDIR));
+                }
+                let fh = self.new_fh();
+                self.dirs.lock().insert(fh, Arc::new(Mutex::new(DirStream { entries: Vec::new() })));
+                Ok(Reply::Opened(Opened { fh: FileHandle(fh), backing: None, direct_io: false }))
+            }
+            Op::ReadDir { node, fh, offset, max_entries, plus } => {
+                self.readdir(cx, node, fh, offset, max_entries, plus).map(Reply::Dir)
+            }
+            Op::ReleaseDir { fh, .. } => {
+                self.dirs.lock().remove(&fh.0);
+                Ok(Reply::Empty)
+            }
+            Op::FsyncDir { node, datasync, .. } => {
+                let n = self.node(node)?;
+                let fd = check(unsafe { libc::open(proc_path(n.fd.as_raw_fd()).as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) })?;
+                let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                check(unsafe { if datasync { libc::fdatasync(fd.as_raw_fd()) } else { libc::fsync(fd.as_raw_fd()) } })?;
+                Ok(Reply::Empty)
+            }
+            Op::StatFs { node } => {
+                let n = self.node(node)?;
+                let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+                check(unsafe { libc::fstatvfs(n.fd.as_raw_fd(), &mut st) })?;
+                Ok(Reply::StatFs(StatFs {
+                    blocks: st.f_blocks,
+                    bfree: st.f_bfree,
+                    bavail: st.f_bavail,
+                    files: st.f_files,
+                    ffree: st.f_ffree,
+                    bsize: st.f_bsize as u32,
+                    namelen: st.f_namemax as u32,
+                    frsize: st.f_frsize as u32,
+                }))
+            }
+            Op::Access { node, mask } => {
+                let n = self.node(node)?;
+                check(unsafe { libc::faccessat(libc::AT_FDCWD, proc_path(n.fd.as_raw_fd()).as_ptr(), mask, 0) })?;
+                Ok(Reply::Empty)
+            }
+            Op::GetXattr { node, name, size } => {
+                let n = self.node(node)?;
+                if n.kind == FileKind::Symlink {
+                    return Err(Error::Os(libc::ENODATA));
+                }
+                let (path, name) = (proc_path(n.fd.as_raw_fd()), cstr(name)?);
+                Self::xattr_reply(size, |buf, len| unsafe { libc::getxattr(path.as_ptr(), name.as_ptr(), buf, len) })
+                    .map(Reply::Xattr)
+            }
+            Op::ListXattr { node, size } => {
+                let n = self.node(node)?;
+                if n.kind == FileKind::Symlink {
+                    return Ok(Reply::Xattr(if size == 0 { XattrReply::Size(0) } else { XattrReply::Data(vec![]) }));
+                }
+                let path = proc_path(n.fd.as_raw_fd());
+                Self::xattr_reply(size, |buf, len| unsafe { libc::listxattr(path.as_ptr(), buf.cast(), len) })
+                    .map(Reply::Xattr)
+            }
+            Op::SetXattr { node, name, value, flags } => {
+                let n = self.node(node)?;
+                if n.kind == FileKind::Symlink {
+                    return Err(Error::Os(libc::EPERM));
+                }
+                let (path, name) = (proc_path(n.fd.as_raw_fd()), cstr(name)?);
+                check(unsafe { libc::setxattr(path.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), flags) })?;
+                Ok(Reply::Empty)
+            }
+            Op::RemoveXattr { node, name } => {
+                let n = self.node(node)?;
+                if n.kind == FileKind::Symlink {
+                    return Err(Error::Os(libc::ENODATA));
+                }
+                let (path, name) = (proc_path(n.fd.as_raw_fd()), cstr(name)?);
+                check(unsafe { libc::removexattr(path.as_ptr(), name.as_ptr()) })?;
+                Ok(Reply::Empty)
+            }
+            Op::Fallocate { fh, offset, length, mode, .. } => {
+                let file = self.file(fh)?;
+                check(unsafe { libc::fallocate(file.as_raw_fd(), mode, offset as i64, length as i64) })?;
+                Ok(Reply::Empty)
+            }
+            Op::Lseek { fh, offset, whence, .. } => {
+                let file = self.file(fh)?;
+                let pos = unsafe { libc::lseek(file.as_raw_fd(), offset, whence) };
+                if pos < 0 {
+                    return Err(Error::last_os());
+                }
+                Ok(Reply::Offset(pos as u64))
+            }
+            Op::Extended { node, name: "lower-info", .. } => self.lower_info(node).map(Reply::Extended),
+            op @ Op::Extended { .. } => Err(unsupported(&op)),
+        }
+    }
+}

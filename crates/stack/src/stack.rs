@@ -1,0 +1,157 @@
+//! Building a stack from specifications at run time.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::layer::{ExtOpInfo, Layer, Level};
+use crate::spec::{LayerSpec, ParamSpec, Params};
+
+/// Everything needed to build one layer.
+pub struct BuildArgs {
+    /// The instance name, unique within the stack.
+    pub name: String,
+    pub params: Params,
+    pub lower: Level,
+}
+
+/// A kind of layer that stacks can be built from.
+pub struct LayerFactory {
+    pub kind: &'static str,
+    pub summary: &'static str,
+    pub params: &'static [ParamSpec],
+    pub ext_ops: &'static [ExtOpInfo],
+    pub build: fn(BuildArgs) -> Result<Arc<dyn Layer>>,
+}
+
+/// The parameter every layer accepts.
+pub const NAME_PARAM: ParamSpec = ParamSpec {
+    name: "name",
+    help: "instance name, for .plyfs/NAME and `plyfs op PATH OP@NAME` (default: the layer type)",
+    default: None,
+};
+
+/// A built stack: its levels from the top (nearest the user) down to the bottom layer, which owns
+/// the lower storage.
+pub struct Stack {
+    levels: Vec<Level>,
+}
+
+impl Stack {
+    /// Build `specs` (top first) over `bottom`, looking layer kinds up in `registry`.
+    pub fn build(specs: &[LayerSpec], registry: &[LayerFactory], bottom: Arc<dyn Layer>) -> Result<Stack> {
+        let names = instance_names(specs)?;
+        let factories = specs
+            .iter()
+            .map(|spec| find_factory(registry, spec).and_then(|f| check_params(f, spec).map(|()| f)))
+            .collect::<Result<Vec<_>>>()?;
+
+        let mut levels = vec![Level::new(bottom)];
+        for ((spec, factory), name) in specs.iter().zip(&factories).zip(&names).rev() {
+            let params: Vec<_> = spec.params.iter().filter(|(k, _)| k != NAME_PARAM.name).cloned().collect();
+            let lower = levels.last().expect("the bottom is always there").clone();
+            let layer = (factory.build)(BuildArgs { name: name.clone(), params: Params::new(name, params), lower })?;
+            levels.push(Level::new(layer));
+        }
+        levels.reverse();
+        Ok(Stack { levels })
+    }
+
+    /// The level users see.
+    pub fn top(&self) -> &Level {
+        &self.levels[0]
+    }
+
+    /// All levels, top first, bottom last.
+    pub fn levels(&self) -> &[Level] {
+        &self.levels
+    }
+
+    /// The user's layers, top first (the bottom layer is not one of them).
+    pub fn layers(&self) -> &[Level] {
+        &self.levels[..self.levels.len() - 1]
+    }
+
+    /// The index of the user layer called `name`.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        self.layers().iter().position(|l| l.name() == name)
+    }
+
+    /// Every extended operation some level answers, with the level's name.
+    pub fn extended_ops(&self) -> Vec<(String, ExtOpInfo)> {
+        self.levels
+            .iter()
+            .flat_map(|l| l.layer().extended_ops().iter().map(move |op| (l.name().to_owned(), *op)))
+            .collect()
+    }
+
+    /// Fill in the layer names of an "unsupported operation" error from the bottom.
+    pub fn explain(&self, err: Error) -> Error {
+        match err {
+            Error::UnsupportedOp { op, .. } => Error::UnsupportedOp {
+                op,
+                layers: self.levels.iter().map(|l| l.name().to_owned()).collect(),
+            },
+            other => other,
+        }
+    }
+
+    /// Flush and stop every layer, top first.
+    pub fn shutdown(&self) {
+        for level in &self.levels {
+            level.layer().shutdown();
+        }
+    }
+}
+
+fn find_factory<'r>(registry: &'r [LayerFactory], spec: &LayerSpec) -> Result<&'r LayerFactory> {
+    registry.iter().find(|f| f.kind == spec.kind).ok_or_else(|| {
+        let known: Vec<_> = registry.iter().map(|f| f.kind).collect();
+        Error::config(format!("unknown layer '{}' (available: {})", spec.kind, known.join(", ")))
+    })
+}
+
+fn check_params(factory: &LayerFactory, spec: &LayerSpec) -> Result<()> {
+    for (key, _) in &spec.params {
+        if key != NAME_PARAM.name && !factory.params.iter().any(|p| p.name == key) {
+            let mut known: Vec<_> = factory.params.iter().map(|p| p.name).collect();
+            known.push(NAME_PARAM.name);
+            return Err(Error::config(format!(
+                "layer '{}': unknown parameter '{key}' (known: {})",
+                spec.kind,
+                known.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Instance names, top first: the `name=` parameter, else the kind, numbered from the top when
+/// a kind repeats (`null`, `null#2`, ...).
+fn instance_names(specs: &[LayerSpec]) -> Result<Vec<String>> {
+    let mut names: Vec<String> = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let name = match spec.params.iter().find(|(k, _)| k == NAME_PARAM.name) {
+            Some((_, given)) => {
+                let valid = !given.is_empty()
+                    && given.chars().all(|c| c.is_ascii_alphanumeric() || "-_.#".contains(c))
+                    && !given.starts_with('.');
+                if !valid {
+                    return Err(Error::config(format!(
+                        "layer '{}': bad name '{given}' (letters, digits, - _ . # only)",
+                        spec.kind
+                    )));
+                }
+                given.clone()
+            }
+            None => {
+                let same = names.iter().filter(|n| *n == &spec.kind || n.starts_with(&format!("{}#", spec.kind))).count();
+                if same == 0 { spec.kind.clone() } else { format!("{}#{}", spec.kind, same + 1) }
+            }
+        };
+        if names.contains(&name) {
+            return Err(Error::config(format!("two layers are named '{name}': give one another name= ")));
+        }
+        names.push(name);
+    }
+    Ok(names)
+}

@@ -1,0 +1,178 @@
+//! Plain data types that travel through the stack with operations.
+
+use std::ffi::OsString;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+/// Identifies a file-system object at one level of the stack, and is the inode number users see
+/// (`st_ino`): the same for every hard link of a file, and stable for the life of the mount.
+///
+/// Each layer presents node ids to the layer above it. A layer that does not remap objects (most
+/// layers) passes the ids of the layer below through unchanged. An id is not reused while the
+/// layer above still holds lookups of it. Ids fit in 56 bits: the FUSE front end uses the top
+/// byte to tell levels apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub u64);
+
+impl NodeId {
+    /// The root directory of every level.
+    pub const ROOT: NodeId = NodeId(1);
+    /// The largest id a layer may hand out.
+    pub const MAX: u64 = (1 << 56) - 1;
+}
+
+/// An open file or directory, as returned by `open`, `create` or `opendir` at some level.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FileHandle(pub u64);
+
+/// The caller of an operation: the process on whose behalf the kernel sent it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: u32,
+}
+
+impl Caller {
+    /// The daemon itself, for operations that no user process asked for (offline tools, tests,
+    /// the control socket).
+    pub fn daemon() -> Caller {
+        // SAFETY: these calls cannot fail.
+        unsafe { Caller { uid: libc::geteuid(), gid: libc::getegid(), pid: 0 } }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Fifo,
+    Socket,
+    CharDevice,
+    BlockDevice,
+}
+
+impl FileKind {
+    /// From the `S_IFMT` bits of a mode.
+    pub fn from_mode(mode: u32) -> Option<FileKind> {
+        Some(match mode & libc::S_IFMT {
+            libc::S_IFREG => FileKind::File,
+            libc::S_IFDIR => FileKind::Dir,
+            libc::S_IFLNK => FileKind::Symlink,
+            libc::S_IFIFO => FileKind::Fifo,
+            libc::S_IFSOCK => FileKind::Socket,
+            libc::S_IFCHR => FileKind::CharDevice,
+            libc::S_IFBLK => FileKind::BlockDevice,
+            _ => return None,
+        })
+    }
+
+    /// From a `d_type` value of `getdents`.
+    pub fn from_dirent_type(d_type: u8) -> Option<FileKind> {
+        Some(match d_type {
+            libc::DT_REG => FileKind::File,
+            libc::DT_DIR => FileKind::Dir,
+            libc::DT_LNK => FileKind::Symlink,
+            libc::DT_FIFO => FileKind::Fifo,
+            libc::DT_SOCK => FileKind::Socket,
+            libc::DT_CHR => FileKind::CharDevice,
+            libc::DT_BLK => FileKind::BlockDevice,
+            _ => return None,
+        })
+    }
+}
+
+/// The attributes of an object, as `stat` reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Attr {
+    pub size: u64,
+    /// 512-byte blocks in use.
+    pub blocks: u64,
+    pub atime: SystemTime,
+    pub mtime: SystemTime,
+    pub ctime: SystemTime,
+    pub kind: FileKind,
+    /// Permission bits, including set-id and sticky bits (no type bits).
+    pub perm: u16,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub rdev: u32,
+    pub blksize: u32,
+}
+
+/// The reply to a name lookup: the node, its attributes, and a generation for NFS-style reuse
+/// detection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub node: NodeId,
+    pub attr: Attr,
+    pub generation: u64,
+}
+
+/// A time to set with `setattr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TimeSet {
+    Now,
+    At(SystemTime),
+}
+
+/// What `setattr` changes; `None` leaves a field alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<TimeSet>,
+    pub mtime: Option<TimeSet>,
+}
+
+/// The result of `open` or `create` on a file.
+#[derive(Clone, Debug)]
+pub struct Opened {
+    pub fh: FileHandle,
+    /// The lower file whose bytes are exactly what this level shows, if the levels it came up
+    /// through changed no data. The FUSE front end hands it to the kernel (passthrough), so
+    /// reads and writes no longer reach the daemon. Layers that transform or observe data must
+    /// not let it through; the stack strips it for them (see [`crate::DataPath`]).
+    pub backing: Option<Arc<OwnedFd>>,
+    /// Ask the kernel not to cache this file's pages (each read and write reaches the stack).
+    pub direct_io: bool,
+}
+
+/// One directory entry as returned by `readdir`.
+#[derive(Clone, Debug)]
+pub struct DirEntry {
+    pub name: OsString,
+    /// The node a lookup of the name would return (its inode number).
+    pub node: NodeId,
+    pub kind: FileKind,
+    /// The offset to pass to `readdir` to continue after this entry.
+    pub next_offset: u64,
+    /// For `readdirplus`: the looked-up entry (counts as one lookup of the node). `None` for `.`
+    /// and `..`, which are never looked up this way.
+    pub entry: Option<Entry>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatFs {
+    pub blocks: u64,
+    pub bfree: u64,
+    pub bavail: u64,
+    pub files: u64,
+    pub ffree: u64,
+    pub bsize: u32,
+    pub namelen: u32,
+    pub frsize: u32,
+}
+
+/// The reply to `getxattr` and `listxattr`: the value (or the NUL-separated name list), or only
+/// its size when the caller asked with a zero-size buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum XattrReply {
+    Data(Vec<u8>),
+    Size(u32),
+}
