@@ -1,0 +1,372 @@
+//! The `plyfs` command: mount life cycle, bad input, extended operations, the trace layer and
+//! the fan-in view, each through a real mount.
+
+mod common;
+
+use std::fs;
+use std::io::Read;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::{is_root, mounted_fstype, plyfs, run, Mount};
+
+fn stderr_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn op(path: &Path, args: &[&str]) -> std::process::Output {
+    run(plyfs().arg("op").arg(path).args(args))
+}
+
+fn op_json(path: &Path, args: &[&str]) -> serde_json::Value {
+    let out = op(path, args);
+    assert!(out.status.success(), "plyfs op {args:?}: {}", stderr_of(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// A failed command: exit status 1, one line on stderr containing `expect`, nothing mounted.
+fn assert_refused(out: &std::process::Output, expect: &str) {
+    let err = stderr_of(out);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err:?}");
+    assert!(err.starts_with("plyfs: ") && err.contains(expect), "{err:?} should contain {expect:?}");
+}
+
+fn scratch() -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (lower, mnt) = (root.join("lower"), root.join("mnt"));
+    fs::create_dir(&lower).unwrap();
+    fs::create_dir(&mnt).unwrap();
+    fs::write(lower.join("keep.txt"), b"precious").unwrap();
+    (dir, lower, mnt)
+}
+
+#[test]
+fn bad_input_gets_one_clear_line_and_mounts_nothing() {
+    let (dir, lower, mnt) = scratch();
+    let mount = |args: &[&str]| run(plyfs().arg("mount").args(args));
+    let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
+
+    assert_refused(&mount(&["/nonexistent/lower", m]), "lower directory /nonexistent/lower: No such file or directory");
+    assert_refused(&mount(&[l, "/nonexistent/mnt"]), "mount point /nonexistent/mnt: No such file or directory");
+    assert_refused(&mount(&[l, m, "--stack", "null,gzipp"]), "unknown layer 'gzipp' (available: null, trace)");
+    assert_refused(&mount(&[l, m, "--stack", "trace:colour=red"]), "layer 'trace': unknown parameter 'colour'");
+    assert_refused(&mount(&[l, m, "--stack", "trace:io=maybe"]), "bad value 'maybe' for 'io'");
+    assert_refused(&mount(&[l, m, "--stack", "trace:log=/nonexistent/dir/t.jsonl"]), "cannot open log /nonexistent/dir/t.jsonl");
+    assert_refused(&mount(&[l, m, "-o", "turbo"]), "unknown mount option 'turbo'");
+    let config = dir.path().join("bad.toml");
+    fs::write(&config, "[[layer]]\ntype = \"null\"\n[[layer\n").unwrap();
+    assert_refused(&mount(&[l, m, "--config", config.to_str().unwrap()]), "bad.toml: line 3:");
+    assert_refused(&mount(&[l, m, "--config", "/nonexistent.toml"]), "/nonexistent.toml: No such file or directory");
+
+    let file_mnt = dir.path().join("file");
+    fs::write(&file_mnt, b"").unwrap();
+    assert_refused(&mount(&[l, file_mnt.to_str().unwrap()]), "not a directory");
+    fs::write(mnt.join("x"), b"").unwrap();
+    assert_refused(&mount(&[l, m]), "is not empty");
+    fs::remove_file(mnt.join("x")).unwrap();
+
+    assert!(mounted_fstype(&mnt).is_none());
+    assert_eq!(fs::read(lower.join("keep.txt")).unwrap(), b"precious");
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1);
+}
+
+#[test]
+fn a_busy_mount_point_is_refused() {
+    let m = Mount::new("null");
+    let out = run(plyfs().arg("mount").arg(&m.lower).arg(&m.mnt));
+    assert_refused(&out, "is busy: fuse.plyfs is already mounted there");
+}
+
+#[test]
+fn background_mount_reports_ready_and_umount_waits_for_the_daemon() {
+    let (dir, lower, mnt) = scratch();
+    let log = dir.path().join("daemon.log");
+    let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).arg("--stack").arg("trace,null").arg("--log").arg(&log));
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let said = stderr_of(&out);
+    assert!(said.contains("mounted ") && said.contains("file I/O: "), "{said}");
+    assert_eq!(mounted_fstype(&mnt).as_deref(), Some("fuse.plyfs"));
+    assert_eq!(fs::read(mnt.join("keep.txt")).unwrap(), b"precious");
+
+    let out = run(plyfs().arg("umount").arg(&mnt));
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert!(mounted_fstype(&mnt).is_none());
+    let log = fs::read_to_string(&log).unwrap();
+    assert!(log.contains("unmounted"), "the daemon finished before umount returned: {log}");
+    assert_refused(&run(plyfs().arg("umount").arg(&mnt)), "not mounted");
+}
+
+#[test]
+fn sigterm_and_sigint_unmount_cleanly() {
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        let mut m = Mount::new("trace,null");
+        fs::write(m.path("f"), b"data").unwrap();
+        unsafe { libc::kill(m.pid(), sig) };
+        let status = m.wait_exit(Duration::from_secs(20)).expect("daemon exits on signal");
+        assert!(status.success(), "exit status {status}: {}", m.daemon_log());
+        assert!(mounted_fstype(&m.mnt).is_none(), "unmounted");
+        assert_eq!(fs::read(m.lower_path("f")).unwrap(), b"data");
+    }
+}
+
+#[test]
+fn a_killed_daemon_leaves_a_stale_mount_that_umount_cleans_up() {
+    let mut m = Mount::new("null");
+    fs::write(m.path("f"), b"synced").unwrap();
+    m.child().kill().unwrap();
+    m.child().wait().unwrap();
+    assert_eq!(fs::metadata(m.path("f")).unwrap_err().raw_os_error(), Some(libc::ENOTCONN));
+    let out = run(plyfs().arg("umount").arg(&m.mnt));
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert!(stderr_of(&out).contains("its daemon had died"), "{}", stderr_of(&out));
+    assert!(mounted_fstype(&m.mnt).is_none());
+    assert_eq!(fs::read(m.lower_path("f")).unwrap(), b"synced");
+    // And it can be mounted again at once.
+    let again = Mount::start(tempfile::tempdir().unwrap(), m.lower.clone(), m.mnt.clone(), "null", &[]);
+    assert_eq!(fs::read(again.path("f")).unwrap(), b"synced");
+}
+
+#[test]
+fn a_busy_mount_is_not_unmounted_unless_lazily() {
+    let mut m = Mount::new("null");
+    fs::write(m.path("open"), b"in use").unwrap();
+    let mut f = fs::File::open(m.path("open")).unwrap();
+    assert_refused(&run(plyfs().arg("umount").arg(&m.mnt)), "busy");
+    assert_eq!(mounted_fstype(&m.mnt).as_deref(), Some("fuse.plyfs"));
+    let out = run(plyfs().arg("umount").arg("--lazy").arg(&m.mnt));
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert!(mounted_fstype(&m.mnt).is_none());
+    // The open file is still served until it is closed; then the daemon exits.
+    let mut s = String::new();
+    f.read_to_string(&mut s).unwrap();
+    assert_eq!(s, "in use");
+    drop(f);
+    assert!(m.wait_exit(Duration::from_secs(20)).expect("daemon exits after the last close").success());
+}
+
+#[test]
+fn trace_logs_every_operation_and_keeps_statistics() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("trace.jsonl");
+    let mut m = Mount::with(&format!("trace:log={}:io=on,null", log.display()), &[]);
+    fs::write(m.path("f"), b"hello").unwrap();
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"hello");
+    assert!(fs::metadata(m.path("missing")).is_err());
+
+    let stats = op_json(&m.path("f"), &["stats"]);
+    assert_eq!(stats["layer"], "trace");
+    assert!(stats["ops"]["write"]["count"].as_u64().unwrap() >= 1, "{stats}");
+    assert!(stats["ops"]["read"]["count"].as_u64().unwrap() >= 1, "{stats}");
+    assert!(stats["ops"]["lookup"]["errors"].as_u64().unwrap() >= 1, "the failed lookup is counted: {stats}");
+    for key in ["mean_us", "p50_us", "p99_us", "max_us"] {
+        assert!(stats["ops"]["lookup"][key].is_number(), "{key} in {stats}");
+    }
+    assert_eq!(op_json(&m.path(""), &["stats@trace"])["layer"], "trace");
+    op_json(&m.path(""), &["stats-reset"]);
+    assert!(op_json(&m.path(""), &["stats"])["ops"].get("write").is_none());
+
+    m.unmount();
+    let lines: Vec<serde_json::Value> =
+        fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).expect("each line is JSON")).collect();
+    let create = lines.iter().find(|l| l["op"] == "create").expect("create logged");
+    assert_eq!(create["args"]["name"], "f");
+    assert_eq!(create["result"], "ok");
+    assert!(create["us"].as_f64().unwrap() > 0.0);
+    let write = lines.iter().find(|l| l["op"] == "write").expect("write logged");
+    assert_eq!(write["args"]["data"]["bytes"], 5);
+    let miss = lines.iter().find(|l| l["op"] == "lookup" && l["args"]["name"] == "missing").expect("lookup logged");
+    assert_eq!(miss["result"], "ENOENT");
+}
+
+#[test]
+fn passthrough_keeps_reads_and_writes_out_of_the_daemon() {
+    let read_count = |m: &Mount| {
+        fs::write(m.path("big"), vec![7u8; 1 << 20]).unwrap();
+        let mut data = Vec::new();
+        fs::File::open(m.path("big")).unwrap().read_to_end(&mut data).unwrap();
+        assert_eq!(data.len(), 1 << 20);
+        let stats = op_json(&m.path(""), &["stats"]);
+        (stats["ops"]["read"]["count"].as_u64().unwrap_or(0), stats["ops"]["write"]["count"].as_u64().unwrap_or(0))
+    };
+    if is_root() {
+        let fast = Mount::new("trace,null");
+        assert!(fast.daemon_log().contains("file I/O: passthrough"), "{}", fast.daemon_log());
+        assert_eq!(read_count(&fast), (0, 0), "with passthrough no read or write reaches the stack");
+    }
+    let cached = Mount::with("trace,null", &["passthrough=off"]);
+    assert!(cached.daemon_log().contains("turned off with -o passthrough=off"), "{}", cached.daemon_log());
+    let (reads, writes) = read_count(&cached);
+    assert!(reads > 0 && writes > 0);
+    let observing = Mount::new("trace:io=on,null");
+    assert!(observing.daemon_log().contains("layer 'trace' observes file data"), "{}", observing.daemon_log());
+}
+
+#[test]
+fn extended_operations_from_the_command_line() {
+    let m = Mount::new("trace,null:name=inner");
+    fs::write(m.path("f"), b"x").unwrap();
+    let info = op_json(&m.path("f"), &["lower-info"]);
+    assert_eq!(info["lower_path"], m.lower_path("f").to_str().unwrap());
+    let list = op_json(&m.path(""), &["--list"]);
+    let names: Vec<&str> = list.as_array().unwrap().iter().map(|o| o["op"].as_str().unwrap()).collect();
+    assert_eq!(names, ["stats", "stats-reset", "lower-info"]);
+
+    assert_refused(
+        &op(&m.path("f"), &["frobnicate"]),
+        "unsupported operation 'frobnicate': no layer of the stack (trace, inner, lower) handles it",
+    );
+    assert_refused(&op(&m.path("f"), &["stats@inner"]), "unsupported operation 'stats'");
+    assert_refused(&op(&m.path("f"), &["stats@nope"]), "no layer named 'nope' in this stack (trace, inner, lower)");
+    assert_refused(&op(&m.path("nothing"), &["stats"]), "No such file or directory");
+    assert_refused(&op(Path::new("/etc"), &["stats"]), "/etc is not inside a plyfs mount");
+}
+
+#[test]
+fn every_level_is_reachable_under_dot_plyfs() {
+    let m = Mount::new("trace:name=outer,null");
+    fs::write(m.path("f"), b"same bytes").unwrap();
+    let mut levels: Vec<_> = fs::read_dir(m.path(".plyfs")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    levels.sort();
+    assert_eq!(levels, ["null", "outer"]);
+    assert_eq!(fs::read(m.path(".plyfs/outer/f")).unwrap(), b"same bytes");
+    assert_eq!(fs::read(m.path(".plyfs/null/f")).unwrap(), b"same bytes");
+    // Writing through a lower level reaches the same file.
+    fs::write(m.path(".plyfs/null/g"), b"from below").unwrap();
+    assert_eq!(fs::read(m.path("g")).unwrap(), b"from below");
+    // The reserved name cannot be removed, replaced or renamed.
+    assert_eq!(fs::remove_dir(m.path(".plyfs")).unwrap_err().raw_os_error(), Some(libc::EBUSY));
+    assert_eq!(fs::create_dir(m.path(".plyfs")).unwrap_err().raw_os_error(), Some(libc::EEXIST));
+    assert_eq!(fs::rename(m.path(".plyfs"), m.path("elsewhere")).unwrap_err().raw_os_error(), Some(libc::EBUSY));
+    fs::create_dir(m.path("d")).unwrap();
+    assert_eq!(fs::rename(m.path("d"), m.path(".plyfs")).unwrap_err().raw_os_error(), Some(libc::EBUSY));
+    assert_eq!(fs::rename(m.path(".plyfs/null/f"), m.path("h")).unwrap_err().raw_os_error(), Some(libc::EXDEV));
+    // Extended operations can address a level by path.
+    assert_eq!(op_json(&m.path(".plyfs/outer/f"), &["lower-info"])["lower_path"], m.lower_path("f").to_str().unwrap());
+}
+
+#[test]
+fn a_toml_config_gives_the_same_stack() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("stack.toml");
+    fs::write(&config, "[[layer]]\ntype = \"trace\"\nname = \"watch\"\n\n[[layer]]\ntype = \"null\"\n").unwrap();
+    let (_d, lower, mnt) = scratch();
+    let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).arg("--config").arg(&config));
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let stats = op(&mnt, &["stats@watch"]);
+    let _ = run(plyfs().arg("umount").arg(&mnt));
+    assert!(stats.status.success(), "{}", stderr_of(&stats));
+}
+
+#[test]
+fn layers_lists_every_layer_with_parameters() {
+    let out = run(&mut plyfs().arg("layers"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    for needle in ["null ", "trace ", "log=", "io=", "name=", "op stats", "lower-info"] {
+        assert!(text.contains(needle), "{needle} in {text}");
+    }
+}
+
+/// Without root: the mount goes through fusermount3, as on a normal Linux desktop.
+#[test]
+fn an_unprivileged_user_mounts_through_fusermount3() {
+    if !is_root() || std::process::Command::new("setpriv").arg("--help").stdout(Stdio::null()).status().is_err() {
+        eprintln!("skipped: needs root (to become another user) and setpriv");
+        return;
+    }
+    // fusermount3 opens /dev/fuse as the user. A normal system makes it 0666; where it is
+    // private to root (as on some build machines), grant this user access for the test.
+    let _access = match DevFuseAccess::grant(65534) {
+        Ok(a) => a,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let (dir, lower, mnt) = scratch();
+    for p in [dir.path(), &lower, &mnt] {
+        std::os::unix::fs::chown(p, Some(65534), Some(65534)).unwrap();
+    }
+    std::os::unix::fs::chown(lower.join("keep.txt"), Some(65534), Some(65534)).unwrap();
+    let as_nobody = |args: &[&std::ffi::OsStr]| {
+        let mut cmd = std::process::Command::new("setpriv");
+        cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--reset-env", "--"]).arg(env!("CARGO_BIN_EXE_plyfs")).args(args);
+        run(&mut cmd)
+    };
+    let out = as_nobody(&["mount".as_ref(), lower.as_os_str(), mnt.as_os_str(), "--stack".as_ref(), "trace,null".as_ref()]);
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let guard = scopeguard(&mnt);
+    assert!(stderr_of(&out).contains("FUSE I/O with the page cache kept (passthrough needs CAP_SYS_ADMIN)"), "{}", stderr_of(&out));
+    // The mount belongs to nobody: check its contents as nobody.
+    let mut cat = std::process::Command::new("setpriv");
+    cat.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--", "cat"]).arg(mnt.join("keep.txt"));
+    assert_eq!(run(&mut cat).stdout, b"precious");
+    let stats = as_nobody(&["op".as_ref(), mnt.as_os_str(), "stats".as_ref()]);
+    assert!(stats.status.success(), "{}", stderr_of(&stats));
+    let out = as_nobody(&["umount".as_ref(), mnt.as_os_str()]);
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert!(mounted_fstype(&mnt).is_none());
+    drop(guard);
+}
+
+/// Gives one user read-write access to /dev/fuse with an ACL, removed when dropped (the whole
+/// ACL if /dev/fuse had none before).
+struct DevFuseAccess(Option<(u32, bool)>);
+
+impl DevFuseAccess {
+    fn grant(uid: u32) -> Result<DevFuseAccess, String> {
+        let usable = std::process::Command::new("setpriv")
+            .args([format!("--reuid={uid}"), "--regid=65534".into(), "--clear-groups".into()])
+            .args(["test", "-r", "/dev/fuse", "-a", "-w", "/dev/fuse"])
+            .status()
+            .is_ok_and(|s| s.success());
+        if usable {
+            return Ok(DevFuseAccess(None));
+        }
+        let had_acl = std::process::Command::new("getfacl")
+            .args(["--skip-base", "/dev/fuse"])
+            .output()
+            .is_ok_and(|o| !o.stdout.is_empty());
+        let ok = std::process::Command::new("setfacl")
+            .args(["-m", &format!("u:{uid}:rw"), "/dev/fuse"])
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            Ok(DevFuseAccess(Some((uid, had_acl))))
+        } else {
+            Err("/dev/fuse is not usable by unprivileged users here and setfacl (package acl) cannot grant it".into())
+        }
+    }
+}
+
+impl Drop for DevFuseAccess {
+    fn drop(&mut self) {
+        match self.0 {
+            Some((uid, true)) => {
+                let _ = std::process::Command::new("setfacl").args(["-x", &format!("u:{uid}"), "/dev/fuse"]).status();
+            }
+            Some((_, false)) => {
+                let _ = std::process::Command::new("setfacl").args(["-b", "/dev/fuse"]).status();
+            }
+            None => {}
+        }
+    }
+}
+
+/// Unmounts `path` when dropped, whatever happened.
+struct Unmounter(std::path::PathBuf);
+
+fn scopeguard(path: &Path) -> Unmounter {
+    Unmounter(path.to_owned())
+}
+
+impl Drop for Unmounter {
+    fn drop(&mut self) {
+        if mounted_fstype(&self.0).is_some() {
+            let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+}

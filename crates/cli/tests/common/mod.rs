@@ -1,0 +1,186 @@
+//! Test harness: real FUSE mounts that are always unmounted, even when a test panics or hangs.
+#![allow(dead_code)]
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A test that still runs after this long is stuck on the mount: the watchdog kills the daemon
+/// (which makes the stuck calls fail) and detaches the mount.
+const WATCHDOG: Duration = Duration::from_secs(240);
+
+pub fn plyfs() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_plyfs"))
+}
+
+pub fn run(cmd: &mut Command) -> Output {
+    cmd.stdin(Stdio::null()).output().expect("run command")
+}
+
+pub fn is_root() -> bool {
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The fstype mounted exactly at `path`, if any.
+pub fn mounted_fstype(path: &Path) -> Option<String> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    text.lines().rev().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        let mp = left.split(' ').nth(4)?.replace("\\040", " ");
+        (Path::new(&mp) == path).then(|| right.split(' ').next().unwrap_or("").to_owned())
+    })
+}
+
+fn lazy_unmount(path: &Path) {
+    let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+    unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    let _ = Command::new("fusermount3").arg("-uz").arg(path).stderr(Stdio::null()).status();
+}
+
+pub struct Mount {
+    pub dir: tempfile::TempDir,
+    pub lower: PathBuf,
+    pub mnt: PathBuf,
+    daemon_log: PathBuf,
+    child: Option<Child>,
+    done: Arc<AtomicBool>,
+}
+
+impl Mount {
+    pub fn new(stack: &str) -> Mount {
+        Mount::with(stack, &[])
+    }
+
+    /// Mount `stack` in a foreground daemon owned by this test, with `-o` options.
+    pub fn with(stack: &str, options: &[&str]) -> Mount {
+        let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let (lower, mnt) = (root.join("lower"), root.join("mnt"));
+        std::fs::create_dir(&lower).unwrap();
+        std::fs::create_dir(&mnt).unwrap();
+        Mount::start(dir, lower, mnt, stack, options)
+    }
+
+    /// Mount over an existing lower directory (e.g. to remount), in a new temporary mount point.
+    pub fn start(dir: tempfile::TempDir, lower: PathBuf, mnt: PathBuf, stack: &str, options: &[&str]) -> Mount {
+        let daemon_log = dir.path().join(format!("daemon-{}.log", std::process::id()));
+        let log = std::fs::File::create(&daemon_log).unwrap();
+        let mut cmd = plyfs();
+        cmd.arg("mount").arg(&lower).arg(&mnt).arg("--stack").arg(stack).arg("--foreground");
+        for o in options {
+            cmd.arg("-o").arg(o);
+        }
+        let child = cmd.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap();
+        let mut m = Mount { dir, lower, mnt, daemon_log, child: Some(child), done: Arc::new(AtomicBool::new(false)) };
+        m.wait_ready();
+        m.start_watchdog();
+        m
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if mounted_fstype(&self.mnt).as_deref() == Some("fuse.plyfs") && self.daemon_log().contains("mounted ") {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("plyfs exited before mounting ({status}): {}", self.daemon_log());
+            }
+            assert!(Instant::now() < deadline, "mount not ready after 20 s: {}", self.daemon_log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn start_watchdog(&self) {
+        let done = self.done.clone();
+        let pid = self.child.as_ref().unwrap().id() as i32;
+        let mnt = self.mnt.clone();
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            while start.elapsed() < WATCHDOG {
+                if done.load(Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            if !done.load(Ordering::SeqCst) {
+                eprintln!("watchdog: test stuck on {} for {WATCHDOG:?}; killing its daemon", mnt.display());
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                lazy_unmount(&mnt);
+            }
+        });
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.mnt.join(rel)
+    }
+
+    pub fn lower_path(&self, rel: &str) -> PathBuf {
+        self.lower.join(rel)
+    }
+
+    pub fn daemon_log(&self) -> String {
+        std::fs::read_to_string(&self.daemon_log).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().map_or(0, |c| c.id() as i32)
+    }
+
+    /// Take the daemon process, for tests that signal or kill it; the guard still cleans up.
+    pub fn child(&mut self) -> &mut Child {
+        self.child.as_mut().unwrap()
+    }
+
+    /// Unmount with `plyfs umount` and wait for the daemon to exit; returns its exit status.
+    pub fn unmount(&mut self) -> std::process::ExitStatus {
+        let out = run(plyfs().arg("umount").arg(&self.mnt));
+        assert!(out.status.success(), "plyfs umount failed: {}", String::from_utf8_lossy(&out.stderr));
+        self.wait_exit(Duration::from_secs(20)).expect("daemon did not exit after unmount")
+    }
+
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        let child = self.child.as_mut()?;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::SeqCst);
+        if mounted_fstype(&self.mnt).is_some() {
+            let _ = plyfs().arg("umount").arg(&self.mnt).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        }
+        if self.wait_exit(Duration::from_secs(10)).is_none() {
+            if let Some(child) = self.child.as_mut() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        if mounted_fstype(&self.mnt).is_some() {
+            lazy_unmount(&self.mnt);
+        }
+    }
+}
+
+/// `errno` of a failed libc call.
+pub fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+pub fn cpath(p: &Path) -> CString {
+    CString::new(p.as_os_str().as_bytes()).unwrap()
+}

@@ -1,0 +1,273 @@
+//! File-system behaviour through real mounts, for every configuration of the front end: the
+//! passthrough fast path, the cached path, and a monitoring layer that sees all I/O.
+
+mod common;
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirEntryExt, FileExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::Path;
+
+use common::{cpath, errno, is_root, Mount};
+
+fn file_data(m: &Mount) {
+    let p = m.path("data.bin");
+    let mut f = OpenOptions::new().create(true).read(true).write(true).truncate(true).open(&p).unwrap();
+    let block: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    f.write_all(&block).unwrap();
+    f.write_at(b"MIDDLE", 100_000).unwrap();
+    let mut expect = block.clone();
+    expect[100_000..100_006].copy_from_slice(b"MIDDLE");
+    // Append through a second descriptor opened with O_APPEND.
+    OpenOptions::new().append(true).open(&p).unwrap().write_all(b"tail").unwrap();
+    expect.extend_from_slice(b"tail");
+    let mut buf = vec![0; 10];
+    f.read_exact_at(&mut buf, 99_998).unwrap();
+    assert_eq!(buf, &expect[99_998..100_008]);
+    assert_eq!(fs::read(&p).unwrap(), expect);
+    assert_eq!(fs::read(m.lower_path("data.bin")).unwrap(), expect, "the lower file holds the same bytes");
+
+    // Truncate down, then up: the new range reads as zeros.
+    f.set_len(1000).unwrap();
+    f.set_len(5000).unwrap();
+    let mut all = Vec::new();
+    File::open(&p).unwrap().read_to_end(&mut all).unwrap();
+    assert_eq!(&all[..1000], &expect[..1000]);
+    assert!(all[1000..].iter().all(|b| *b == 0));
+    assert_eq!(fs::metadata(&p).unwrap().len(), 5000);
+    // Truncate by path (setattr without a handle) and O_TRUNC.
+    OpenOptions::new().write(true).truncate(true).open(&p).unwrap();
+    assert_eq!(fs::metadata(&p).unwrap().len(), 0);
+
+    // Changes made to the lower file directly show up (the cache follows mtime and size).
+    fs::write(m.lower_path("outside.txt"), b"v1").unwrap();
+    assert_eq!(fs::read(m.path("outside.txt")).unwrap(), b"v1");
+}
+
+fn mmap_read_write(m: &Mount) {
+    let p = m.path("mapped");
+    let f = OpenOptions::new().create(true).read(true).write(true).open(&p).unwrap();
+    f.set_len(3 * 4096).unwrap();
+    unsafe {
+        let len = 3 * 4096;
+        let ptr = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f.as_raw_fd(), 0);
+        assert_ne!(ptr, libc::MAP_FAILED, "mmap: errno {}", errno());
+        let bytes = std::slice::from_raw_parts_mut(ptr as *mut u8, len);
+        bytes[5000..5005].copy_from_slice(b"hello");
+        assert_eq!(libc::msync(ptr, len, libc::MS_SYNC), 0);
+        libc::munmap(ptr, len);
+    }
+    drop(f);
+    let data = fs::read(&p).unwrap();
+    assert_eq!(&data[5000..5005], b"hello");
+    assert_eq!(&fs::read(m.lower_path("mapped")).unwrap()[5000..5005], b"hello");
+}
+
+fn directories(m: &Mount) {
+    fs::create_dir_all(m.path("a/b/c")).unwrap();
+    let names: Vec<String> = (0..600).map(|i| format!("file-with-a-longish-name-{i:04}")).collect();
+    for n in &names {
+        File::create(m.path("a/b").join(n)).unwrap();
+    }
+    let mut listed: Vec<String> = fs::read_dir(m.path("a/b")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    listed.sort();
+    let mut expect = names.clone();
+    expect.push("c".into());
+    expect.sort();
+    assert_eq!(listed, expect, "every entry listed exactly once");
+    // Entry types and inode numbers from readdir agree with stat.
+    for e in fs::read_dir(m.path("a")).unwrap() {
+        let e = e.unwrap();
+        assert!(e.file_type().unwrap().is_dir());
+        assert_eq!(e.ino(), fs::metadata(e.path()).unwrap().ino());
+    }
+    assert_eq!(fs::remove_dir(m.path("a/b")).unwrap_err().raw_os_error(), Some(libc::ENOTEMPTY));
+    fs::remove_dir(m.path("a/b/c")).unwrap();
+    assert!(!m.lower_path("a/b/c").exists());
+    assert_eq!(fs::read_dir(m.path("")).unwrap().filter(|e| e.as_ref().unwrap().file_name() == ".plyfs").count(), 0, ".plyfs is not listed");
+}
+
+fn symlinks(m: &Mount) {
+    fs::write(m.path("target"), b"pointed").unwrap();
+    std::os::unix::fs::symlink("target", m.path("link")).unwrap();
+    assert_eq!(fs::read_link(m.path("link")).unwrap(), Path::new("target"));
+    assert!(fs::symlink_metadata(m.path("link")).unwrap().file_type().is_symlink());
+    assert_eq!(fs::read(m.path("link")).unwrap(), b"pointed");
+    std::os::unix::fs::symlink("/nowhere/at/all", m.path("dangling")).unwrap();
+    assert_eq!(fs::read_link(m.lower_path("dangling")).unwrap(), Path::new("/nowhere/at/all"));
+}
+
+fn hard_links(m: &Mount) {
+    fs::write(m.path("one"), b"shared").unwrap();
+    fs::hard_link(m.path("one"), m.path("two")).unwrap();
+    let (a, b) = (fs::metadata(m.path("one")).unwrap(), fs::metadata(m.path("two")).unwrap());
+    assert_eq!(a.ino(), b.ino());
+    assert_eq!(a.nlink(), 2);
+    assert_eq!(a.ino(), fs::metadata(m.lower_path("one")).unwrap().ino(), "st_ino is the lower inode number");
+    fs::write(m.path("two"), b"changed").unwrap();
+    assert_eq!(fs::read(m.path("one")).unwrap(), b"changed");
+    fs::remove_file(m.path("one")).unwrap();
+    assert_eq!(fs::metadata(m.path("two")).unwrap().nlink(), 1);
+}
+
+fn renameat2(from: &Path, to: &Path, flags: u32) -> i32 {
+    let (f, t) = (cpath(from), cpath(to));
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, f.as_ptr(), libc::AT_FDCWD, t.as_ptr(), flags) };
+    if rc == 0 { 0 } else { errno() }
+}
+
+fn renames(m: &Mount) {
+    fs::create_dir(m.path("d1")).unwrap();
+    fs::create_dir(m.path("d2")).unwrap();
+    fs::write(m.path("d1/x"), b"x").unwrap();
+    fs::write(m.path("d2/y"), b"y").unwrap();
+    let ino = fs::metadata(m.path("d1/x")).unwrap().ino();
+    fs::rename(m.path("d1/x"), m.path("d2/moved")).unwrap();
+    assert_eq!(fs::metadata(m.path("d2/moved")).unwrap().ino(), ino, "rename keeps the inode");
+    assert_eq!(renameat2(&m.path("d2/moved"), &m.path("d2/y"), libc::RENAME_NOREPLACE), libc::EEXIST);
+    assert_eq!(renameat2(&m.path("d2/moved"), &m.path("d2/y"), libc::RENAME_EXCHANGE), 0);
+    assert_eq!(fs::read(m.path("d2/y")).unwrap(), b"x");
+    assert_eq!(fs::read(m.path("d2/moved")).unwrap(), b"y");
+    assert_eq!(renameat2(&m.path("d2/y"), &m.path("d1/new"), libc::RENAME_NOREPLACE), 0);
+    fs::rename(m.path("d2"), m.path("d1/sub")).unwrap();
+    assert_eq!(fs::read(m.path("d1/sub/moved")).unwrap(), b"y");
+    // Replacing a file by rename.
+    fs::write(m.path("d1/old"), b"old").unwrap();
+    fs::rename(m.path("d1/new"), m.path("d1/old")).unwrap();
+    assert_eq!(fs::read(m.path("d1/old")).unwrap(), b"x");
+    assert!(!m.path("d1/new").exists());
+}
+
+fn special_files(m: &Mount) {
+    let fifo = cpath(&m.path("fifo"));
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o640) }, 0, "mkfifo: errno {}", errno());
+    let md = fs::symlink_metadata(m.path("fifo")).unwrap();
+    assert!(md.file_type().is_fifo());
+    assert_eq!(md.permissions().mode() & 0o777, 0o640);
+    let listener = std::os::unix::net::UnixListener::bind(m.path("sock")).unwrap();
+    assert!(fs::symlink_metadata(m.path("sock")).unwrap().file_type().is_socket());
+    drop(listener);
+    assert!(fs::symlink_metadata(m.lower_path("sock")).unwrap().file_type().is_socket());
+}
+
+fn attributes(m: &Mount) {
+    let p = m.path("attrs");
+    fs::write(&p, b"a").unwrap();
+    fs::set_permissions(&p, fs::Permissions::from_mode(0o4751)).unwrap();
+    assert_eq!(fs::metadata(&p).unwrap().permissions().mode() & 0o7777, 0o4751);
+    let times = [
+        libc::timespec { tv_sec: 1_000_000_000, tv_nsec: 123_456_789 },
+        libc::timespec { tv_sec: 1_200_000_000, tv_nsec: 987_654_321 },
+    ];
+    assert_eq!(unsafe { libc::utimensat(libc::AT_FDCWD, cpath(&p).as_ptr(), times.as_ptr(), 0) }, 0);
+    let md = fs::metadata(&p).unwrap();
+    assert_eq!((md.atime(), md.atime_nsec()), (1_000_000_000, 123_456_789));
+    assert_eq!((md.mtime(), md.mtime_nsec()), (1_200_000_000, 987_654_321));
+    if is_root() {
+        std::os::unix::fs::chown(&p, Some(1234), Some(5678)).unwrap();
+        let md = fs::metadata(m.lower_path("attrs")).unwrap();
+        assert_eq!((md.uid(), md.gid()), (1234, 5678));
+    }
+}
+
+fn xattrs(m: &Mount) {
+    let p = cpath(&m.path("xa"));
+    fs::write(m.path("xa"), b"").unwrap();
+    let name = c"user.plyfs.test";
+    assert_eq!(unsafe { libc::setxattr(p.as_ptr(), name.as_ptr(), b"value".as_ptr().cast(), 5, 0) }, 0, "setxattr: errno {}", errno());
+    let mut buf = [0u8; 64];
+    assert_eq!(unsafe { libc::getxattr(p.as_ptr(), name.as_ptr(), std::ptr::null_mut(), 0) }, 5);
+    let n = unsafe { libc::getxattr(p.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    assert_eq!(&buf[..n as usize], b"value");
+    assert_eq!(unsafe { libc::getxattr(p.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), 2) }, -1);
+    assert_eq!(errno(), libc::ERANGE);
+    let n = unsafe { libc::listxattr(p.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    assert!(buf[..n as usize].split(|b| *b == 0).any(|s| s == b"user.plyfs.test"));
+    assert_eq!(unsafe { libc::setxattr(p.as_ptr(), name.as_ptr(), b"v".as_ptr().cast(), 1, libc::XATTR_CREATE) }, -1);
+    assert_eq!(errno(), libc::EEXIST);
+    assert_eq!(unsafe { libc::removexattr(p.as_ptr(), name.as_ptr()) }, 0);
+    assert_eq!(unsafe { libc::getxattr(p.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) }, -1);
+    assert_eq!(errno(), libc::ENODATA);
+}
+
+fn deleted_while_open(m: &Mount) {
+    let p = m.path("doomed");
+    let mut f = OpenOptions::new().create(true).read(true).write(true).open(&p).unwrap();
+    f.write_all(b"still here").unwrap();
+    fs::remove_file(&p).unwrap();
+    assert!(!p.exists());
+    assert!(!m.lower_path("doomed").exists());
+    f.write_all(b", and more").unwrap();
+    f.seek(SeekFrom::Start(0)).unwrap();
+    let mut s = String::new();
+    f.read_to_string(&mut s).unwrap();
+    assert_eq!(s, "still here, and more");
+    assert_eq!(f.metadata().unwrap().nlink(), 0);
+    assert_eq!(f.metadata().unwrap().len(), 20);
+}
+
+fn statfs_fallocate_and_holes(m: &Mount) {
+    let mut ours: libc::statvfs = unsafe { std::mem::zeroed() };
+    let mut theirs: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(cpath(&m.mnt).as_ptr(), &mut ours) }, 0);
+    assert_eq!(unsafe { libc::statvfs(cpath(&m.lower).as_ptr(), &mut theirs) }, 0);
+    assert_eq!((ours.f_blocks, ours.f_bsize, ours.f_files), (theirs.f_blocks, theirs.f_bsize, theirs.f_files));
+
+    let f = OpenOptions::new().create(true).read(true).write(true).open(m.path("sparse")).unwrap();
+    f.write_at(b"head", 0).unwrap();
+    f.write_at(b"far", 1 << 20).unwrap();
+    f.sync_all().unwrap();
+    let fd = f.as_raw_fd();
+    let lower = File::open(m.lower_path("sparse")).unwrap();
+    for (off, whence) in [(0, libc::SEEK_HOLE), (8192, libc::SEEK_DATA), (0, libc::SEEK_DATA)] {
+        let ours = unsafe { libc::lseek(fd, off, whence) };
+        let native = unsafe { libc::lseek(lower.as_raw_fd(), off, whence) };
+        assert_eq!(ours, native, "lseek({off}, {whence}) agrees with the lower file");
+    }
+    assert_eq!(unsafe { libc::fallocate(fd, 0, 0, 3 << 20) }, 0, "fallocate: errno {}", errno());
+    assert_eq!(f.metadata().unwrap().len(), 3 << 20);
+    assert_eq!(unsafe { libc::fallocate(fd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, 4096) }, 0);
+    let mut head = [1u8; 4];
+    f.read_exact_at(&mut head, 0).unwrap();
+    assert_eq!(head, [0; 4], "a punched hole reads as zeros");
+    f.sync_data().unwrap();
+    File::open(m.path("")).unwrap().sync_all().unwrap();
+}
+
+fn inode_numbers_survive_kernel_forgets(m: &Mount) {
+    fs::create_dir(m.path("keep")).unwrap();
+    fs::write(m.path("keep/f"), b"1").unwrap();
+    let before = (fs::metadata(m.path("keep")).unwrap().ino(), fs::metadata(m.path("keep/f")).unwrap().ino());
+    if is_root() {
+        // Drop dentries and inodes: the kernel forgets them and must look them up again.
+        let _ = fs::write("/proc/sys/vm/drop_caches", "2");
+    }
+    let after = (fs::metadata(m.path("keep")).unwrap().ino(), fs::metadata(m.path("keep/f")).unwrap().ino());
+    assert_eq!(before, after);
+}
+
+macro_rules! posix_tests {
+    ($config:ident, $stack:expr, $opts:expr) => {
+        mod $config {
+            use super::*;
+            posix_tests!(@each $stack, $opts; file_data, mmap_read_write, directories, symlinks, hard_links, renames,
+                special_files, attributes, xattrs, deleted_while_open, statfs_fallocate_and_holes,
+                inode_numbers_survive_kernel_forgets);
+        }
+    };
+    (@each $stack:expr, $opts:expr; $($test:ident),*) => {
+        $(
+            #[test]
+            fn $test() {
+                let m = Mount::with($stack, $opts);
+                super::$test(&m);
+            }
+        )*
+    };
+}
+
+posix_tests!(null_passthrough, "null", &[]);
+posix_tests!(null_cached, "null", &["passthrough=off"]);
+posix_tests!(trace_all_io, "trace:io=on,null", &[]);
+posix_tests!(eight_nulls, "null,null,null,null,null,null,null,null", &[]);

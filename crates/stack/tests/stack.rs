@@ -1,0 +1,233 @@
+//! The stack in-process, without FUSE: bypass, extended-operation routing, the passthrough
+//! guard, and building stacks from specs.
+
+use std::ffi::OsStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use plyfs_stack::spec::{parse_stack_config, parse_stack_spec, ParamSpec};
+use plyfs_stack::*;
+
+/// A layer that overrides nothing, counting what crosses it.
+struct Counting {
+    name: String,
+    lower: [Level; 1],
+    seen: AtomicU64,
+}
+
+impl Layer for Counting {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn kind(&self) -> &'static str {
+        "counting"
+    }
+    fn lower(&self) -> &[Level] {
+        &self.lower
+    }
+    fn call(&self, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+        self.seen.fetch_add(1, Ordering::Relaxed);
+        bypass(self, cx, op)
+    }
+}
+
+/// A layer that defines the extended operation `ping` and claims to transform data.
+struct Pinger {
+    lower: [Level; 1],
+}
+
+impl Layer for Pinger {
+    fn name(&self) -> &str {
+        "pinger"
+    }
+    fn kind(&self) -> &'static str {
+        "pinger"
+    }
+    fn data_path(&self) -> DataPath {
+        DataPath::Transforms
+    }
+    fn lower(&self) -> &[Level] {
+        &self.lower
+    }
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        &[ExtOpInfo { name: "ping", args: "[WORD]", help: "answers pong" }]
+    }
+    fn call(&self, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+        match op {
+            Op::Extended { name: "ping", node, args } => {
+                Ok(Reply::Extended(serde_json::json!({ "pong": args, "node": node.0 })))
+            }
+            other => bypass(self, cx, other),
+        }
+    }
+}
+
+fn counting(name: &str, lower: Level) -> Arc<Counting> {
+    Arc::new(Counting { name: name.into(), lower: [lower], seen: AtomicU64::new(0) })
+}
+
+fn cx() -> Caller {
+    Caller::daemon()
+}
+
+#[test]
+fn bypass_carries_every_operation_to_the_lower_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let bottom = LowerDir::level(dir.path()).unwrap();
+    let inner = counting("inner", bottom);
+    let outer = counting("outer", Level::new(inner.clone()));
+    let top = Level::new(outer.clone());
+
+    let (entry, opened) = top.create(&cx(), NodeId::ROOT, OsStr::new("f"), 0o644, libc::O_RDWR).unwrap();
+    assert_eq!(top.write(&cx(), entry.node, opened.fh, 0, b"layered").unwrap(), 7);
+    assert_eq!(top.read(&cx(), entry.node, opened.fh, 2, 100).unwrap(), b"yered");
+    top.release(&cx(), entry.node, opened.fh).unwrap();
+    assert_eq!(top.getattr(&cx(), entry.node).unwrap().size, 7);
+    assert_eq!(std::fs::read(dir.path().join("f")).unwrap(), b"layered");
+
+    let names: Vec<_> = top.list_dir(&cx(), NodeId::ROOT).unwrap().into_iter().map(|e| e.name).collect();
+    assert_eq!(names, vec!["f"]);
+    // Every operation crossed both layers: create, write, read, release, getattr (5), then
+    // opendir, two readdirs (entries, then the end), releasedir (4).
+    assert_eq!(outer.seen.load(Ordering::Relaxed), 9);
+    assert_eq!(inner.seen.load(Ordering::Relaxed), 9);
+}
+
+#[test]
+fn node_ids_are_inode_numbers_shared_by_hard_links() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("a"), b"x").unwrap();
+    std::fs::hard_link(dir.path().join("a"), dir.path().join("b")).unwrap();
+    let top = LowerDir::level(dir.path()).unwrap();
+    let a = top.lookup(&cx(), NodeId::ROOT, OsStr::new("a")).unwrap();
+    let b = top.lookup(&cx(), NodeId::ROOT, OsStr::new("b")).unwrap();
+    assert_eq!(a.node, b.node);
+    assert_eq!(a.attr.nlink, 2);
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(a.node.0, std::fs::metadata(dir.path().join("a")).unwrap().ino());
+    // Forgetting every lookup and looking up again gives the same id.
+    top.forget(&cx(), a.node, 2);
+    assert_eq!(top.lookup(&cx(), NodeId::ROOT, OsStr::new("a")).unwrap().node, a.node);
+}
+
+#[test]
+fn extended_operations_pass_through_layers_that_do_not_know_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let bottom = LowerDir::level(dir.path()).unwrap();
+    let pinger = Level::new(Arc::new(Pinger { lower: [bottom] }));
+    let top = Level::new(counting("unaware", Level::new(counting("also-unaware", pinger))));
+
+    let reply = top.extended(&cx(), NodeId::ROOT, "ping", &["hello".into()]).unwrap();
+    assert_eq!(reply["pong"][0], "hello");
+    assert_eq!(reply["node"], 1);
+
+    // The bottom layer's own operation is reachable through everything too.
+    let info = top.extended(&cx(), NodeId::ROOT, "lower-info", &[]).unwrap();
+    assert_eq!(info["lower_path"], dir.path().canonicalize().unwrap().to_str().unwrap());
+
+    match top.extended(&cx(), NodeId::ROOT, "no-such-op", &[]) {
+        Err(Error::UnsupportedOp { op, .. }) => assert_eq!(op, "no-such-op"),
+        other => panic!("expected unsupported, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_lower_file_is_not_handed_up_through_a_data_transforming_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let bottom = LowerDir::level(dir.path()).unwrap();
+    let (_, opened) = bottom.create(&cx(), NodeId::ROOT, OsStr::new("plain"), 0o644, libc::O_RDWR).unwrap();
+    assert!(opened.backing.is_some(), "the bottom offers its file for passthrough");
+
+    let over_transforming = Level::new(counting("above", Level::new(Arc::new(Pinger { lower: [bottom.clone()] }))));
+    let (_, opened) = over_transforming.create(&cx(), NodeId::ROOT, OsStr::new("x"), 0o644, libc::O_RDWR).unwrap();
+    assert!(opened.backing.is_none(), "a transforming layer must hide the lower file");
+
+    let over_bypass = Level::new(counting("only-bypass", bottom));
+    let node = over_bypass.lookup(&cx(), NodeId::ROOT, OsStr::new("plain")).unwrap().node;
+    assert!(over_bypass.open(&cx(), node, libc::O_RDONLY).unwrap().backing.is_some());
+}
+
+fn build_counting(args: BuildArgs) -> Result<Arc<dyn Layer>> {
+    if let Some(v) = args.params.get("fail") {
+        return Err(args.params.bad("fail", v, "asked to fail"));
+    }
+    Ok(counting(&args.name, args.lower))
+}
+
+const REGISTRY: &[LayerFactory] = &[LayerFactory {
+    kind: "counting",
+    summary: "counts operations",
+    params: &[ParamSpec { name: "fail", help: "fail to build", default: None }],
+    ext_ops: &[],
+    build: build_counting,
+}];
+
+#[test]
+fn stacks_build_from_specs_with_unique_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let bottom = LowerDir::level(dir.path()).unwrap();
+    let specs = parse_stack_spec("counting, counting:name=mine ,counting").unwrap();
+    let stack = Stack::build(&specs, REGISTRY, bottom.layer().clone()).unwrap();
+    let names: Vec<_> = stack.levels().iter().map(|l| l.name().to_owned()).collect();
+    assert_eq!(names, ["counting", "mine", "counting#2", "lower"]);
+    assert_eq!(stack.position("mine"), Some(1));
+    let err = stack.explain(stack.top().extended(&cx(), NodeId::ROOT, "nope", &[]).unwrap_err());
+    assert_eq!(
+        err.to_string(),
+        "unsupported operation 'nope': no layer of the stack (counting, mine, counting#2, lower) handles it"
+    );
+}
+
+#[test]
+fn bad_specs_are_refused_with_a_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let bottom = LowerDir::level(dir.path()).unwrap().layer().clone();
+    let build = |spec: &str| match parse_stack_spec(spec) {
+        Ok(specs) => Stack::build(&specs, REGISTRY, bottom.clone()).map(|_| ()).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    assert_eq!(build("").unwrap_err(), "empty stack: name at least one layer, e.g. --stack null");
+    assert_eq!(build("gzip").unwrap_err(), "unknown layer 'gzip' (available: counting)");
+    assert_eq!(build("counting,,counting").unwrap_err(), "stack spec: empty layer name in ''");
+    assert_eq!(build("counting:level").unwrap_err(), "layer 'counting': parameter 'level' is not key=value");
+    assert_eq!(build("counting:x=1").unwrap_err(), "layer 'counting': unknown parameter 'x' (known: fail, name)");
+    assert_eq!(build("counting:fail=1:fail=2").unwrap_err(), "layer 'counting': parameter 'fail' given twice");
+    assert_eq!(build("counting:fail=yes").unwrap_err(), "layer 'counting': bad value 'yes' for 'fail': asked to fail");
+    assert_eq!(build("counting:name=a,counting:name=a").unwrap_err(), "two layers are named 'a': give one another name= ");
+    assert_eq!(build("counting:name=.x").unwrap_err(), "layer 'counting': bad name '.x' (letters, digits, - _ . # only)");
+    assert_eq!(build("coun ting").unwrap_err(), "stack spec: bad layer name 'coun ting'");
+    assert!(build("counting , counting:name=b").is_ok());
+}
+
+#[test]
+fn toml_configs_give_the_same_stacks() {
+    let specs = parse_stack_config("[[layer]]\ntype = \"trace\"\nlog = \"t.jsonl\"\nio = true\n\n[[layer]]\ntype = \"null\"\n").unwrap();
+    assert_eq!(specs, parse_stack_spec("trace:io=true:log=t.jsonl,null").unwrap());
+
+    let err = |text: &str| parse_stack_config(text).unwrap_err().to_string();
+    assert_eq!(err(""), "no [[layer]] tables: name at least one layer");
+    assert!(err("[[layer]]\ntype = \"null\"\n[oops").starts_with("line 3: "), "{}", err("[[layer]]\n[oops"));
+    assert!(err("[[layer]]\nlog = 1\n").contains("missing field `type`"));
+    assert!(err("[[layer]]\ntype = \"trace\"\nlog = [1]\n").contains("must be a string, number or boolean"));
+    assert!(err("stack = 1\n").contains("unknown field `stack`"));
+}
+
+#[test]
+fn descriptors_name_the_operation_and_its_typed_arguments() {
+    let op = Op::Write { node: NodeId(7), fh: FileHandle(3), offset: 4096, data: b"abc" };
+    assert_eq!(op.name(), "write");
+    assert_eq!(op.kind(), OpKind::Write);
+    assert_eq!(
+        op.args(),
+        vec![("node", Arg::U64(7)), ("fh", Arg::U64(3)), ("offset", Arg::U64(4096)), ("data", Arg::Bytes(3))]
+    );
+    let args = ["a".to_owned()];
+    let ext = Op::Extended { node: NodeId::ROOT, name: "verify", args: &args };
+    assert_eq!(ext.name(), "verify");
+    assert_eq!(ext.args()[2], ("args", Arg::Strs(&args)));
+    // Every kind has a distinct name.
+    let mut names: Vec<_> = OpKind::ALL.iter().map(|k| k.name()).collect();
+    names.sort();
+    names.dedup();
+    assert_eq!(names.len(), OpKind::ALL.len());
+}
