@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole test suite: unit tests, real-mount integration tests, and the pjdfstest POSIX suite
+# against the stacks named in tests/pjdfstest/run.sh. Needs root for the FUSE mounts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/deps.sh
+
+cleanup_mounts() {
+  # Tests unmount after themselves; this only catches a run killed from outside.
+  grep -E ' fuse\.plyfs ' /proc/mounts | awk '{print $2}' | grep -E '^/tmp/plyfs-test-|^/var/tmp/plyfs-pjd' |
+    while read -r m; do umount -l "$m" 2>/dev/null || fusermount3 -uz "$m" 2>/dev/null || true; done
+}
+trap cleanup_mounts EXIT INT TERM
+
+echo "== cargo test" >&2
+timeout 1800 cargo test --workspace --release 2>&1
+
+if [ -x tests/pjdfstest/run.sh ]; then
+  echo "== pjdfstest" >&2
+  timeout 1800 tests/pjdfstest/run.sh
+fi
