@@ -48,6 +48,8 @@ pub struct Mount {
     daemon_log: PathBuf,
     child: Option<Child>,
     done: Arc<AtomicBool>,
+    stack: String,
+    options: Vec<String>,
 }
 
 impl Mount {
@@ -75,7 +77,16 @@ impl Mount {
             cmd.arg("-o").arg(o);
         }
         let child = cmd.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap();
-        let mut m = Mount { dir, lower, mnt, daemon_log, child: Some(child), done: Arc::new(AtomicBool::new(false)) };
+        let mut m = Mount {
+            dir,
+            lower,
+            mnt,
+            daemon_log,
+            child: Some(child),
+            done: Arc::new(AtomicBool::new(false)),
+            stack: stack.to_owned(),
+            options: options.iter().map(|o| o.to_string()).collect(),
+        };
         m.wait_ready();
         m.start_watchdog();
         m
@@ -113,6 +124,15 @@ impl Mount {
                 lazy_unmount(&mnt);
             }
         });
+    }
+
+    /// Unmount and mount the same stack again over the same lower directory.
+    pub fn remount(mut self) -> Mount {
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
+        let (lower, mnt, stack, options) = (self.lower.clone(), self.mnt.clone(), self.stack.clone(), self.options.clone());
+        drop(self);
+        let options: Vec<&str> = options.iter().map(String::as_str).collect();
+        Mount::start(dir, lower, mnt, &stack, &options)
     }
 
     pub fn path(&self, rel: &str) -> PathBuf {

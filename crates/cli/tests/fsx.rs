@@ -1,0 +1,207 @@
+//! A randomized differential tester in the style of fsx: long random sequences of writes,
+//! appends, truncates, reads, mmap reads and writes, fsyncs, reopens and remounts, applied both
+//! through a mount and to a reference file on the native file system; every read is compared
+//! byte for byte.
+//!
+//! `PLYFS_FSX_SEED=N` reproduces a run exactly; `PLYFS_FSX_OPS=N` sets its length (CI runs a short
+//! one per configuration; `PLYFS_FSX_OPS=1000000` is the long mode).
+
+mod common;
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use common::Mount;
+
+/// xorshift64*: tiny, deterministic, good enough to drive a tester.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+const MAX_LEN: u64 = 1 << 20;
+
+fn seed() -> u64 {
+    std::env::var("PLYFS_FSX_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
+    })
+}
+
+fn ops(default: usize) -> usize {
+    std::env::var("PLYFS_FSX_OPS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+fn open_rw(p: &Path) -> File {
+    OpenOptions::new().read(true).write(true).create(true).open(p).unwrap()
+}
+
+fn mmap_op(f: &File, offset: u64, data: Option<&[u8]>, len: usize) -> Vec<u8> {
+    let page = 4096u64;
+    let start = offset / page * page;
+    let map_len = (offset - start) as usize + len;
+    unsafe {
+        let prot = if data.is_some() { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+        let ptr = libc::mmap(std::ptr::null_mut(), map_len, prot, libc::MAP_SHARED, f.as_raw_fd(), start as i64);
+        assert_ne!(ptr, libc::MAP_FAILED, "mmap failed: {}", std::io::Error::last_os_error());
+        let bytes = std::slice::from_raw_parts_mut((ptr as *mut u8).add((offset - start) as usize), len);
+        let out = match data {
+            Some(d) => {
+                bytes.copy_from_slice(d);
+                libc::msync(ptr, map_len, libc::MS_SYNC);
+                Vec::new()
+            }
+            None => bytes.to_vec(),
+        };
+        libc::munmap(ptr, map_len);
+        out
+    }
+}
+
+fn run_fsx(stack: &str, options: &[&str], default_ops: usize) {
+    let seed = seed();
+    let count = ops(default_ops);
+    eprintln!("fsx on [{stack}] {options:?}: seed {seed}, {count} operations (PLYFS_FSX_SEED={seed} reproduces)");
+    let mut rng = Rng(seed);
+    let reference_dir = tempfile::tempdir().unwrap();
+    let reference_path = reference_dir.path().join("ref");
+    let mut mount = Mount::with(stack, options);
+    let mut ours = open_rw(&mount.path("fsx"));
+    let reference = open_rw(&reference_path);
+    let mut size: u64 = 0;
+    let mut history: Vec<String> = Vec::new();
+
+    for i in 0..count {
+        let choice = rng.below(100);
+        let desc;
+        match choice {
+            0..=29 => {
+                let off = rng.below(MAX_LEN);
+                let len = 1 + rng.below(64 * 1024) as usize;
+                let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                ours.write_all_at(&data, off).unwrap();
+                reference.write_all_at(&data, off).unwrap();
+                size = size.max(off + len as u64);
+                desc = format!("write {off}+{len}");
+            }
+            30..=37 => {
+                let len = 1 + rng.below(10_000) as usize;
+                let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                let mut a = OpenOptions::new().append(true).open(mount.path("fsx")).unwrap();
+                std::io::Write::write_all(&mut a, &data).unwrap();
+                reference.write_all_at(&data, size).unwrap();
+                size += len as u64;
+                desc = format!("append {len}");
+            }
+            38..=45 => {
+                let new = rng.below(MAX_LEN + 100_000);
+                ours.set_len(new).unwrap();
+                reference.set_len(new).unwrap();
+                size = new;
+                desc = format!("truncate {new}");
+            }
+            46..=75 => {
+                let off = rng.below(size + 1000);
+                let len = 1 + rng.below(100_000) as usize;
+                let mut a = vec![0u8; len];
+                let mut b = vec![0u8; len];
+                let n = read_at(&ours, &mut a, off);
+                let m = read_at(&reference, &mut b, off);
+                desc = format!("read {off}+{len}");
+                check(seed, i, &desc, &history, &a[..n], &b[..m], off);
+            }
+            76..=81 if size > 0 => {
+                let off = rng.below(size);
+                let len = 1 + rng.below((size - off).min(50_000)) as usize;
+                let a = mmap_op(&ours, off, None, len);
+                let mut b = vec![0u8; len];
+                reference.read_exact_at(&mut b, off).unwrap();
+                desc = format!("mmap read {off}+{len}");
+                check(seed, i, &desc, &history, &a, &b, off);
+            }
+            82..=86 if size > 0 => {
+                let off = rng.below(size);
+                let len = 1 + rng.below((size - off).min(20_000)) as usize;
+                let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                mmap_op(&ours, off, Some(&data), len);
+                reference.write_all_at(&data, off).unwrap();
+                desc = format!("mmap write {off}+{len}");
+            }
+            87..=90 => {
+                ours.sync_all().unwrap();
+                desc = "fsync".into();
+            }
+            91..=97 => {
+                ours = open_rw(&mount.path("fsx"));
+                desc = "close and reopen".into();
+            }
+            _ => {
+                drop(ours);
+                mount = mount.remount();
+                ours = open_rw(&mount.path("fsx"));
+                desc = "remount".into();
+            }
+        }
+        if history.len() == 20 {
+            history.remove(0);
+        }
+        history.push(format!("#{i} {desc}"));
+    }
+    // The whole file, at the end and after a final remount.
+    drop(ours);
+    let mount = mount.remount();
+    let a = std::fs::read(mount.path("fsx")).unwrap();
+    let b = std::fs::read(&reference_path).unwrap();
+    check(seed, count, "final compare after remount", &history, &a, &b, 0);
+}
+
+fn read_at(f: &File, buf: &mut [u8], off: u64) -> usize {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], off + done as u64).unwrap() {
+            0 => break,
+            n => done += n,
+        }
+    }
+    done
+}
+
+fn check(seed: u64, i: usize, what: &str, history: &[String], got: &[u8], want: &[u8], base: u64) {
+    if got == want {
+        return;
+    }
+    let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(got.len().min(want.len()));
+    panic!(
+        "fsx mismatch at op #{i} ({what}): {} bytes read, {} expected, first difference at file offset {}\n\
+         reproduce with PLYFS_FSX_SEED={seed}\nlast operations:\n  {}",
+        got.len(),
+        want.len(),
+        base + at as u64,
+        history.join("\n  ")
+    );
+}
+
+#[test]
+fn fsx_null_passthrough() {
+    run_fsx("null", &[], 400);
+}
+
+#[test]
+fn fsx_null_cached() {
+    run_fsx("null", &["passthrough=off"], 400);
+}
+
+#[test]
+fn fsx_trace_observing_all_io() {
+    run_fsx("trace:io=on,null", &[], 400);
+}
