@@ -83,8 +83,9 @@ fn init_logging(verbose: u8) {
         1 => "debug",
         _ => "trace",
     };
+    // fuser::reply only reports replies to requests the caller had already interrupted.
     let filter = tracing_subscriber::EnvFilter::try_from_env("PLYFS_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},fuser=warn")));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},fuser=warn,fuser::reply=off")));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
 }
 

@@ -247,13 +247,32 @@ fn inode_numbers_survive_kernel_forgets(m: &Mount) {
     assert_eq!(before, after);
 }
 
+/// A running program cannot be truncated: `open(O_TRUNC)` fails with ETXTBSY and leaves the file
+/// whole (the kernel checks before the truncate reaches the lower file).
+fn running_programs_are_not_truncated(m: &Mount) {
+    let prog = m.path("prog");
+    fs::copy("/bin/sleep", &prog).unwrap();
+    fs::set_permissions(&prog, fs::Permissions::from_mode(0o755)).unwrap();
+    let size = fs::metadata(&prog).unwrap().len();
+    let mut child = std::process::Command::new(&prog).arg("30").spawn().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    for flags in [libc::O_RDONLY | libc::O_TRUNC, libc::O_WRONLY, libc::O_RDWR | libc::O_TRUNC] {
+        let fd = unsafe { libc::open(cpath(&prog).as_ptr(), flags) };
+        assert_eq!((fd, errno()), (-1, libc::ETXTBSY), "open flags {flags:#o}");
+        assert_eq!(fs::metadata(&prog).unwrap().len(), size, "open flags {flags:#o} left the file whole");
+    }
+    assert!(child.try_wait().unwrap().is_none(), "the program still runs");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
 macro_rules! posix_tests {
     ($config:ident, $stack:expr, $opts:expr) => {
         mod $config {
             use super::*;
             posix_tests!(@each $stack, $opts; file_data, mmap_read_write, directories, symlinks, hard_links, renames,
                 special_files, attributes, xattrs, deleted_while_open, statfs_fallocate_and_holes,
-                inode_numbers_survive_kernel_forgets);
+                inode_numbers_survive_kernel_forgets, running_programs_are_not_truncated);
         }
     };
     (@each $stack:expr, $opts:expr; $($test:ident),*) => {

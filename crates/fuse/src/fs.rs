@@ -265,7 +265,7 @@ impl FuseFs {
 
     /// Open flags for a file opened without passthrough.
     fn cache_flags(&self, view: usize, opened: &Opened) -> FopenFlags {
-        if opened.direct_io {
+        let cache = if opened.direct_io {
             FopenFlags::FOPEN_DIRECT_IO
         } else if view == 0 {
             // The page cache stays valid across opens: all changes come through this mount,
@@ -274,7 +274,13 @@ impl FuseFs {
         } else {
             // Lower views share files with the top one; start each open from fresh pages.
             FopenFlags::empty()
-        }
+        };
+        cache | Self::flush_flags(opened)
+    }
+
+    /// Spare the `flush` round trip at every close when nothing in the stack needs it.
+    fn flush_flags(opened: &Opened) -> FopenFlags {
+        if opened.flush_on_close { FopenFlags::empty() } else { FopenFlags::FOPEN_NOFLUSH }
     }
 
     /// The kernel passthrough reference for this open, if passthrough applies.
@@ -387,7 +393,6 @@ impl Filesystem for FuseFs {
             InitFlags::FUSE_DO_READDIRPLUS,
             InitFlags::FUSE_READDIRPLUS_AUTO,
             InitFlags::FUSE_PARALLEL_DIROPS,
-            InitFlags::FUSE_ATOMIC_O_TRUNC,
             InitFlags::FUSE_AUTO_INVAL_DATA,
             InitFlags::FUSE_CACHE_SYMLINKS,
             InitFlags::FUSE_ASYNC_DIO,
@@ -396,6 +401,10 @@ impl Filesystem for FuseFs {
                 let _ = config.add_capabilities(flag);
             }
         }
+        // FUSE_ATOMIC_O_TRUNC is not requested: with it the kernel checks ETXTBSY only after the
+        // lower file was opened with O_TRUNC, so opening a running program O_RDONLY|O_TRUNC
+        // would fail and still destroy it. Without it the kernel checks first, then truncates
+        // with a separate setattr.
         let _ = config.set_max_write(1 << 20);
         let _ = config.set_max_background(64);
         let _ = config.set_congestion_threshold(48);
@@ -613,7 +622,7 @@ impl Filesystem for FuseFs {
             Err(e) => return reply.error(errno(&e)),
         };
         match self.backing_for(ino.0, &opened, |fd| reply.open_backing(fd)) {
-            Some(id) => reply.opened_passthrough(FuseFh(opened.fh.0), FopenFlags::empty(), &id),
+            Some(id) => reply.opened_passthrough(FuseFh(opened.fh.0), Self::flush_flags(&opened), &id),
             None => reply.opened(FuseFh(opened.fh.0), self.cache_flags(view, &opened)),
         }
     }
@@ -634,7 +643,7 @@ impl Filesystem for FuseFs {
         let attr = fuse_attr(ino, &entry.attr);
         let generation = Generation(entry.generation);
         match self.backing_for(ino, &opened, |fd| reply.open_backing(fd)) {
-            Some(id) => reply.created_passthrough(&self.options.entry_ttl, &attr, generation, FuseFh(opened.fh.0), FopenFlags::empty(), &id),
+            Some(id) => reply.created_passthrough(&self.options.entry_ttl, &attr, generation, FuseFh(opened.fh.0), Self::flush_flags(&opened), &id),
             None => reply.created(&self.options.entry_ttl, &attr, generation, FuseFh(opened.fh.0), self.cache_flags(view, &opened)),
         }
     }
@@ -879,6 +888,22 @@ impl Filesystem for FuseFs {
 
     fn fallocate(&self, req: &Request, ino: INodeNo, fh: FuseFh, offset: u64, length: u64, mode: i32, reply: ReplyEmpty) {
         self.empty_op(req, ino, reply, |node| Op::Fallocate { node, fh: FileHandle(fh.0), offset, length, mode })
+    }
+
+    /// No layer defines ioctls (extended operations travel through the control socket), so
+    /// answer as a file system without ioctls does.
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FuseFh,
+        _flags: fuser::IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: fuser::ReplyIoctl,
+    ) {
+        reply.error(Errno::ENOTTY);
     }
 
     fn lseek(&self, req: &Request, ino: INodeNo, fh: FuseFh, offset: i64, whence: i32, reply: ReplyLseek) {

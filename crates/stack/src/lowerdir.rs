@@ -64,6 +64,27 @@ pub struct LowerDir {
     next_fh: AtomicU64,
     /// Running as root: create objects with the caller's fsuid/fsgid so they get the right owner.
     switch_creds: bool,
+    /// The lower file system reports errors at close (network file systems), so `flush` must
+    /// reach it.
+    flush_on_close: bool,
+}
+
+/// File systems whose `close` can fail or publishes data to other clients.
+fn reports_at_close(fs_type: i64) -> bool {
+    const NETWORK_FS: &[i64] = &[
+        0x6969,              // NFS
+        0x517B,              // SMB
+        0xFF53_4D42,         // CIFS
+        0xFE53_4D42,         // SMB2
+        0x6573_5546,         // FUSE
+        0x0102_1997,         // 9P
+        0x00C3_6400,         // Ceph
+        0x6B41_4653,         // AFS
+        0x0BD0_0BD0,         // Lustre
+        0x0116_1970,         // GFS2
+        0x7461_636F,         // OCFS2
+    ];
+    NETWORK_FS.contains(&fs_type)
 }
 
 fn cstr(name: &OsStr) -> Result<CString> {
@@ -156,6 +177,8 @@ impl LowerDir {
             .map_err(|e| Error::config(format!("lower directory {}: {e}", root.display())))?;
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let st = fstat(fd.as_raw_fd())?;
+        let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
+        check(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut sfs) })?;
         let root_node = LowerNode { fd, key: (st.st_dev, st.st_ino), kind: FileKind::Dir };
         let mut by_id = HashMap::new();
         // The root is never forgotten: give it a lookup count no forget can exhaust.
@@ -168,6 +191,7 @@ impl LowerDir {
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             switch_creds: unsafe { libc::geteuid() } == 0,
+            flush_on_close: reports_at_close(sfs.f_type),
         })
     }
 
@@ -337,7 +361,7 @@ impl LowerDir {
         let fd = Arc::new(fd);
         let fh = self.new_fh();
         self.files.lock().insert(fh, fd.clone());
-        Opened { fh: FileHandle(fh), backing: Some(fd), direct_io: false }
+        Opened { fh: FileHandle(fh), backing: Some(fd), direct_io: false, flush_on_close: self.flush_on_close }
     }
 
     fn setattr(&self, node: NodeId, fh: Option<FileHandle>, set: &SetAttr) -> Result<Attr> {
@@ -619,7 +643,7 @@ impl Layer for LowerDir {
                 }
                 let fh = self.new_fh();
                 self.dirs.lock().insert(fh, Arc::new(Mutex::new(DirStream { entries: Vec::new() })));
-                Ok(Reply::Opened(Opened { fh: FileHandle(fh), backing: None, direct_io: false }))
+                Ok(Reply::Opened(Opened { fh: FileHandle(fh), backing: None, direct_io: false, flush_on_close: false }))
             }
             Op::ReadDir { node, fh, offset, max_entries, plus } => {
                 self.readdir(cx, node, fh, offset, max_entries, plus).map(Reply::Dir)

@@ -141,6 +141,9 @@ pub struct Opened {
     pub backing: Option<Arc<OwnedFd>>,
     /// Ask the kernel not to cache this file's pages (each read and write reaches the stack).
     pub direct_io: bool,
+    /// The stack wants `flush` at every close of a descriptor. Without it the kernel skips that
+    /// round trip. A layer that buffers data until close must set it.
+    pub flush_on_close: bool,
 }
 
 /// One directory entry as returned by `readdir`.
