@@ -246,7 +246,7 @@ impl FuseFs {
             Ok(d) => d,
             Err(e) => return reply.error(e),
         };
-        match level.call(&caller(req), op(node)) {
+        match level.call(&caller(req), &op(node)) {
             Ok(Reply::Entry(e)) => self.reply_entry(reply, view, e),
             Ok(_) => reply.error(Errno::EIO),
             Err(e) => reply.error(errno(&e)),
@@ -255,7 +255,7 @@ impl FuseFs {
 
     fn empty_op(&self, req: &Request, ino: INodeNo, reply: ReplyEmpty, op: impl FnOnce(NodeId) -> Op<'static>) {
         match self.decode(ino) {
-            Ok((level, _, node)) => match level.call(&caller(req), op(node)) {
+            Ok((level, _, node)) => match level.call(&caller(req), &op(node)) {
                 Ok(_) => reply.ok(),
                 Err(e) => reply.error(errno(&e)),
             },
@@ -365,7 +365,7 @@ impl FuseFs {
         }
         let max_entries = if plus { 128 } else { 512 };
         let op = Op::ReadDir { node, fh: FileHandle(fh.0), offset, max_entries, plus };
-        match level.call(&caller(req), op) {
+        match level.call(&caller(req), &op) {
             Ok(Reply::Dir(entries)) => Ok((view, entries.into())),
             Ok(_) => Err(Errno::EIO),
             Err(e) => Err(errno(&e)),
@@ -442,7 +442,7 @@ impl Filesystem for FuseFs {
             let cx = caller(req);
             // The kernel will forget this root like any looked-up node; take the lookup that
             // forget will drop.
-            return match level.call(&cx, Op::GetAttr { node: NodeId::ROOT, fh: None }) {
+            return match level.call(&cx, &Op::GetAttr { node: NodeId::ROOT, fh: None }) {
                 Ok(Reply::Attr(attr)) => {
                     let entry = plyfs_stack::Entry { node: NodeId::ROOT, attr, generation: 0 };
                     self.reply_entry(reply, pos + 1, entry)
@@ -483,7 +483,7 @@ impl Filesystem for FuseFs {
             Ok(d) => d,
             Err(e) => return reply.error(e),
         };
-        match level.call(&caller(req), Op::GetAttr { node, fh: fh.map(|f| FileHandle(f.0)) }) {
+        match level.call(&caller(req), &Op::GetAttr { node, fh: fh.map(|f| FileHandle(f.0)) }) {
             Ok(Reply::Attr(a)) => reply.attr(&self.options.attr_ttl, &fuse_attr(ino.0, &a)),
             Ok(_) => reply.error(Errno::EIO),
             Err(e) => reply.error(errno(&e)),
@@ -516,7 +516,7 @@ impl Filesystem for FuseFs {
             Err(e) => return reply.error(e),
         };
         let set = SetAttr { mode, uid, gid, size, atime: time_set(atime), mtime: time_set(mtime) };
-        match level.call(&caller(req), Op::SetAttr { node, fh: fh.map(|f| FileHandle(f.0)), set }) {
+        match level.call(&caller(req), &Op::SetAttr { node, fh: fh.map(|f| FileHandle(f.0)), set }) {
             Ok(Reply::Attr(a)) => reply.attr(&self.options.attr_ttl, &fuse_attr(ino.0, &a)),
             Ok(_) => reply.error(Errno::EIO),
             Err(e) => reply.error(errno(&e)),
@@ -528,7 +528,7 @@ impl Filesystem for FuseFs {
             Ok(d) => d,
             Err(e) => return reply.error(e),
         };
-        match level.call(&caller(req), Op::ReadLink { node }) {
+        match level.call(&caller(req), &Op::ReadLink { node }) {
             Ok(Reply::Data(d)) => reply.data(&d),
             Ok(_) => reply.error(Errno::EIO),
             Err(e) => reply.error(errno(&e)),
@@ -548,7 +548,7 @@ impl Filesystem for FuseFs {
             return reply.error(Errno::EBUSY);
         }
         match self.decode(parent) {
-            Ok((level, _, parent)) => match level.call(&caller(req), Op::Unlink { parent, name }) {
+            Ok((level, _, parent)) => match level.call(&caller(req), &Op::Unlink { parent, name }) {
                 Ok(_) => reply.ok(),
                 Err(e) => reply.error(errno(&e)),
             },
@@ -561,7 +561,7 @@ impl Filesystem for FuseFs {
             return reply.error(Errno::EBUSY);
         }
         match self.decode(parent) {
-            Ok((level, _, parent)) => match level.call(&caller(req), Op::RmDir { parent, name }) {
+            Ok((level, _, parent)) => match level.call(&caller(req), &Op::RmDir { parent, name }) {
                 Ok(_) => reply.ok(),
                 Err(e) => reply.error(errno(&e)),
             },
@@ -594,7 +594,7 @@ impl Filesystem for FuseFs {
             return reply.error(Errno::EXDEV);
         }
         let op = Op::Rename { parent, name, new_parent, new_name: newname, flags: flags.bits() };
-        match level.call(&caller(req), op) {
+        match level.call(&caller(req), &op) {
             Ok(_) => reply.ok(),
             Err(e) => reply.error(errno(&e)),
         }
@@ -702,7 +702,7 @@ impl Filesystem for FuseFs {
             Ok(d) => d,
             Err(e) => return reply.error(e),
         };
-        match level.call(&caller(req), Op::OpenDir { node }) {
+        match level.call(&caller(req), &Op::OpenDir { node }) {
             Ok(Reply::Opened(o)) => {
                 // The kernel may cache the listing; it drops it when the directory changes
                 // through this mount or its mtime moves.
@@ -816,7 +816,7 @@ impl Filesystem for FuseFs {
             Ok(d) => d,
             Err(e) => return reply.error(e),
         };
-        match level.call(&caller(req), Op::StatFs { node }) {
+        match level.call(&caller(req), &Op::StatFs { node }) {
             Ok(Reply::StatFs(s)) => reply.statfs(s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize),
             Ok(_) => reply.error(Errno::EIO),
             Err(e) => reply.error(errno(&e)),
@@ -828,7 +828,7 @@ impl Filesystem for FuseFs {
             return reply.error(Errno::EPERM);
         }
         match self.decode(ino) {
-            Ok((level, _, node)) => match level.call(&caller(req), Op::SetXattr { node, name, value, flags }) {
+            Ok((level, _, node)) => match level.call(&caller(req), &Op::SetXattr { node, name, value, flags }) {
                 Ok(_) => reply.ok(),
                 Err(e) => reply.error(errno(&e)),
             },
@@ -841,7 +841,7 @@ impl Filesystem for FuseFs {
             return reply.error(Errno::ENODATA);
         }
         match self.decode(ino) {
-            Ok((level, _, node)) => match level.call(&caller(req), Op::GetXattr { node, name, size }) {
+            Ok((level, _, node)) => match level.call(&caller(req), &Op::GetXattr { node, name, size }) {
                 Ok(Reply::Xattr(XattrReply::Size(n))) => reply.size(n),
                 Ok(Reply::Xattr(XattrReply::Data(d))) => reply.data(&d),
                 Ok(_) => reply.error(Errno::EIO),
@@ -856,7 +856,7 @@ impl Filesystem for FuseFs {
             return if size == 0 { reply.size(0) } else { reply.data(&[]) };
         }
         match self.decode(ino) {
-            Ok((level, _, node)) => match level.call(&caller(req), Op::ListXattr { node, size }) {
+            Ok((level, _, node)) => match level.call(&caller(req), &Op::ListXattr { node, size }) {
                 Ok(Reply::Xattr(XattrReply::Size(n))) => reply.size(n),
                 Ok(Reply::Xattr(XattrReply::Data(d))) => reply.data(&d),
                 Ok(_) => reply.error(Errno::EIO),
@@ -871,7 +871,7 @@ impl Filesystem for FuseFs {
             return reply.error(Errno::EPERM);
         }
         match self.decode(ino) {
-            Ok((level, _, node)) => match level.call(&caller(req), Op::RemoveXattr { node, name }) {
+            Ok((level, _, node)) => match level.call(&caller(req), &Op::RemoveXattr { node, name }) {
                 Ok(_) => reply.ok(),
                 Err(e) => reply.error(errno(&e)),
             },
@@ -911,7 +911,7 @@ impl Filesystem for FuseFs {
             Ok(d) => d,
             Err(e) => return reply.error(e),
         };
-        match level.call(&caller(req), Op::Lseek { node, fh: FileHandle(fh.0), offset, whence }) {
+        match level.call(&caller(req), &Op::Lseek { node, fh: FileHandle(fh.0), offset, whence }) {
             Ok(Reply::Offset(o)) => reply.offset(o as i64),
             Ok(_) => reply.error(Errno::EIO),
             Err(e) => reply.error(errno(&e)),

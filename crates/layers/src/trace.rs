@@ -257,7 +257,7 @@ impl Layer for Trace {
         EXT_OPS
     }
 
-    fn call(&self, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         match op {
             Op::Extended { name: "stats", .. } => return Ok(Reply::Extended(self.report())),
             Op::Extended { name: "stats-reset", .. } => {
@@ -266,15 +266,13 @@ impl Layer for Trace {
             }
             _ => {}
         }
-        // Operations are plain references and numbers (`Copy`), so the call can consume one
-        // while the log line still describes it.
         let kind = op.kind();
         let start = Instant::now();
         let result = self.lower[0].call(cx, op);
         let ns = start.elapsed().as_nanos() as u64;
         self.stats_of(kind).record(ns, result.is_err());
         if let Some(log) = &self.log {
-            log.send(self.log_line(cx, &op, &result, ns));
+            log.send(self.log_line(cx, op, &result, ns));
         }
         result
     }

@@ -50,7 +50,7 @@ pub trait Layer: Send + Sync + 'static {
     fn lower(&self) -> &[Level];
 
     /// Handle one operation. The default bypasses every operation to the layer below.
-    fn call(&self, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         bypass(self, cx, op)
     }
 
@@ -65,10 +65,10 @@ pub trait Layer: Send + Sync + 'static {
 
 /// Forward `op` unchanged to the single layer below. A bottom layer has nothing to forward to:
 /// extended operations end there as "unsupported", anything else as `ENOSYS`.
-pub fn bypass<L: Layer + ?Sized>(layer: &L, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+pub fn bypass<L: Layer + ?Sized>(layer: &L, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
     match layer.lower() {
         [below] => below.call(cx, op),
-        [] => Err(unsupported(&op)),
+        [] => Err(unsupported(op)),
         // A fan-out layer must route every operation itself; reaching here is a bug in it.
         _ => Err(Error::Os(libc::ENOSYS)),
     }
@@ -107,14 +107,16 @@ impl Level {
         self.layer.name()
     }
 
+    /// Operations travel by reference, as in the paper's argument blocks: a layer boundary
+    /// costs a call, not a copy of the arguments.
     #[inline]
-    pub fn call(&self, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+    pub fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        if self.shares_lower_bytes {
+            return self.layer.call(cx, op);
+        }
         let mut reply = self.layer.call(cx, op)?;
-        if !self.shares_lower_bytes {
-            match &mut reply {
-                Reply::Opened(o) | Reply::Created(_, o) => o.backing = None,
-                _ => {}
-            }
+        if let Reply::Opened(o) | Reply::Created(_, o) = &mut reply {
+            o.backing = None;
         }
         Ok(reply)
     }
@@ -122,7 +124,7 @@ impl Level {
     // Typed helpers: build the operation, unwrap the reply.
 
     pub fn lookup(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Result<Entry> {
-        match self.call(cx, Op::Lookup { parent, name })? {
+        match self.call(cx, &Op::Lookup { parent, name })? {
             Reply::Entry(e) => Ok(e),
             other => Err(mismatch("lookup", &other)),
         }
@@ -130,18 +132,18 @@ impl Level {
 
     pub fn forget(&self, cx: &Caller, node: NodeId, nlookup: u64) {
         // Forget has no reply and cannot fail in a way the caller could act on.
-        let _ = self.call(cx, Op::Forget { node, nlookup });
+        let _ = self.call(cx, &Op::Forget { node, nlookup });
     }
 
     pub fn getattr(&self, cx: &Caller, node: NodeId) -> Result<Attr> {
-        match self.call(cx, Op::GetAttr { node, fh: None })? {
+        match self.call(cx, &Op::GetAttr { node, fh: None })? {
             Reply::Attr(a) => Ok(a),
             other => Err(mismatch("getattr", &other)),
         }
     }
 
     pub fn open(&self, cx: &Caller, node: NodeId, flags: i32) -> Result<Opened> {
-        match self.call(cx, Op::Open { node, flags })? {
+        match self.call(cx, &Op::Open { node, flags })? {
             Reply::Opened(o) => Ok(o),
             other => Err(mismatch("open", &other)),
         }
@@ -155,51 +157,51 @@ impl Level {
         mode: u32,
         flags: i32,
     ) -> Result<(Entry, Opened)> {
-        match self.call(cx, Op::Create { parent, name, mode, flags })? {
+        match self.call(cx, &Op::Create { parent, name, mode, flags })? {
             Reply::Created(e, o) => Ok((e, o)),
             other => Err(mismatch("create", &other)),
         }
     }
 
     pub fn read(&self, cx: &Caller, node: NodeId, fh: FileHandle, offset: u64, size: u32) -> Result<Vec<u8>> {
-        match self.call(cx, Op::Read { node, fh, offset, size })? {
+        match self.call(cx, &Op::Read { node, fh, offset, size })? {
             Reply::Data(d) => Ok(d),
             other => Err(mismatch("read", &other)),
         }
     }
 
     pub fn write(&self, cx: &Caller, node: NodeId, fh: FileHandle, offset: u64, data: &[u8]) -> Result<u32> {
-        match self.call(cx, Op::Write { node, fh, offset, data })? {
+        match self.call(cx, &Op::Write { node, fh, offset, data })? {
             Reply::Written(n) => Ok(n),
             other => Err(mismatch("write", &other)),
         }
     }
 
     pub fn release(&self, cx: &Caller, node: NodeId, fh: FileHandle) -> Result<()> {
-        self.call(cx, Op::Release { node, fh }).map(|_| ())
+        self.call(cx, &Op::Release { node, fh }).map(|_| ())
     }
 
     pub fn mkdir(&self, cx: &Caller, parent: NodeId, name: &OsStr, mode: u32) -> Result<Entry> {
-        match self.call(cx, Op::MkDir { parent, name, mode })? {
+        match self.call(cx, &Op::MkDir { parent, name, mode })? {
             Reply::Entry(e) => Ok(e),
             other => Err(mismatch("mkdir", &other)),
         }
     }
 
     pub fn unlink(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Result<()> {
-        self.call(cx, Op::Unlink { parent, name }).map(|_| ())
+        self.call(cx, &Op::Unlink { parent, name }).map(|_| ())
     }
 
     /// Read a whole directory (without `.` and `..`), opening and releasing it.
     pub fn list_dir(&self, cx: &Caller, node: NodeId) -> Result<Vec<DirEntry>> {
-        let fh = match self.call(cx, Op::OpenDir { node })? {
+        let fh = match self.call(cx, &Op::OpenDir { node })? {
             Reply::Opened(o) => o.fh,
             other => return Err(mismatch("opendir", &other)),
         };
         let mut all = Vec::new();
         let mut offset = 0;
         let result = loop {
-            match self.call(cx, Op::ReadDir { node, fh, offset, max_entries: 1024, plus: false }) {
+            match self.call(cx, &Op::ReadDir { node, fh, offset, max_entries: 1024, plus: false }) {
                 Ok(Reply::Dir(batch)) if batch.is_empty() => break Ok(()),
                 Ok(Reply::Dir(batch)) => {
                     offset = batch.last().map_or(offset, |e| e.next_offset);
@@ -209,12 +211,12 @@ impl Level {
                 Err(e) => break Err(e),
             }
         };
-        let _ = self.call(cx, Op::ReleaseDir { node, fh });
+        let _ = self.call(cx, &Op::ReleaseDir { node, fh });
         result.map(|()| all)
     }
 
     pub fn extended(&self, cx: &Caller, node: NodeId, name: &str, args: &[String]) -> Result<serde_json::Value> {
-        match self.call(cx, Op::Extended { node, name, args })? {
+        match self.call(cx, &Op::Extended { node, name, args })? {
             Reply::Extended(v) => Ok(v),
             other => Err(mismatch(name, &other)),
         }

@@ -500,9 +500,9 @@ impl Layer for LowerDir {
         EXT_OPS
     }
 
-    fn call(&self, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         let empty = c"";
-        match op {
+        match *op {
             Op::Lookup { parent, name } => {
                 let parent = self.node(parent)?;
                 self.lookup_at(&parent, name).map(Reply::Entry)
@@ -518,7 +518,7 @@ impl Layer for LowerDir {
                 };
                 Ok(Reply::Attr(Self::attr(&st)))
             }
-            Op::SetAttr { node, fh, set } => self.setattr(node, fh, &set).map(Reply::Attr),
+            Op::SetAttr { node, fh, ref set } => self.setattr(node, fh, set).map(Reply::Attr),
             Op::ReadLink { node } => {
                 let n = self.node(node)?;
                 let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
@@ -729,7 +729,7 @@ impl Layer for LowerDir {
                 Ok(Reply::Offset(pos as u64))
             }
             Op::Extended { node, name: "lower-info", .. } => self.lower_info(node).map(Reply::Extended),
-            op @ Op::Extended { .. } => Err(unsupported(&op)),
+            Op::Extended { .. } => Err(unsupported(op)),
         }
     }
 }

@@ -25,7 +25,7 @@ impl Layer for Counting {
     fn lower(&self) -> &[Level] {
         &self.lower
     }
-    fn call(&self, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         self.seen.fetch_add(1, Ordering::Relaxed);
         bypass(self, cx, op)
     }
@@ -52,7 +52,7 @@ impl Layer for Pinger {
     fn extended_ops(&self) -> &[ExtOpInfo] {
         &[ExtOpInfo { name: "ping", args: "[WORD]", help: "answers pong" }]
     }
-    fn call(&self, cx: &Caller, op: Op<'_>) -> Result<Reply> {
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         match op {
             Op::Extended { name: "ping", node, args } => {
                 Ok(Reply::Extended(serde_json::json!({ "pong": args, "node": node.0 })))
