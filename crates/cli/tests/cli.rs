@@ -4,7 +4,7 @@
 mod common;
 
 use std::fs;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
@@ -368,5 +368,57 @@ impl Drop for Unmounter {
         if mounted_fstype(&self.0).is_some() {
             let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
         }
+    }
+}
+
+/// An unprivileged write or truncate clears set-user-ID, and set-group-ID where the kernel
+/// would, through passthrough and the cached path alike (the daemon does it for the kernel,
+/// which hands the duty over with FUSE_HANDLE_KILLPRIV_V2). Native ext4 is the reference.
+#[test]
+fn unprivileged_writes_and_truncates_clear_set_id_bits_like_a_kernel_fs() {
+    if !is_root() {
+        eprintln!("skipped: needs root to act as another user");
+        return;
+    }
+    let as_nobody = |script: &str| {
+        let status = std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", script])
+            .status()
+            .unwrap();
+        assert!(status.success(), "{script}");
+    };
+    use std::os::unix::fs::PermissionsExt;
+    let mode_after = |dir: &Path, name: &str, mode: u32, group: u32, action: &str| {
+        let f = dir.join(name);
+        fs::write(&f, b"x").unwrap();
+        std::os::unix::fs::chown(&f, None, Some(group)).unwrap();
+        fs::set_permissions(&f, fs::Permissions::from_mode(mode)).unwrap();
+        let p = f.display();
+        as_nobody(&match action {
+            "write" => format!("echo more >> {p}"),
+            _ => format!("truncate -s 1 {p}"),
+        });
+        fs::metadata(&f).unwrap().permissions().mode() & 0o7777
+    };
+    let native = tempfile::tempdir_in("/tmp").unwrap();
+    fs::set_permissions(native.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    for opts in [&["allow_other"][..], &["allow_other", "passthrough=off"][..]] {
+        let m = Mount::with("null", opts);
+        fs::set_permissions(&m.mnt, fs::Permissions::from_mode(0o777)).unwrap();
+        for mode in [0o4777, 0o6777, 0o2777, 0o2767, 0o0777] {
+            for group in [0, 65534] {
+                for action in ["write", "truncate"] {
+                    let name = format!("f{mode:o}-{group}-{action}");
+                    let want = mode_after(native.path(), &name, mode, group, action);
+                    let got = mode_after(&m.mnt, &name, mode, group, action);
+                    assert_eq!(got, want, "{opts:?}: {action} on mode {mode:o} group {group} as nobody");
+                }
+            }
+        }
+        // A privileged writer keeps the bits, as on a kernel file system.
+        fs::write(m.path("root"), b"").unwrap();
+        fs::set_permissions(m.path("root"), fs::Permissions::from_mode(0o4755)).unwrap();
+        fs::OpenOptions::new().append(true).open(m.path("root")).unwrap().write_all(b"root writes").unwrap();
+        assert_eq!(fs::metadata(m.path("root")).unwrap().permissions().mode() & 0o7777, 0o4755);
     }
 }

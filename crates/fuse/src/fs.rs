@@ -165,6 +165,19 @@ fn time_set(t: Option<TimeOrNow>) -> Option<TimeSet> {
     })
 }
 
+/// Whether the caller belongs to `gid`, by its primary or a supplementary group.
+fn in_group(cx: &Caller, gid: u32) -> bool {
+    if cx.gid == gid || cx.uid == 0 {
+        return true;
+    }
+    std::fs::read_to_string(format!("/proc/{}/status", cx.pid)).ok().is_some_and(|status| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("Groups:"))
+            .is_some_and(|groups| groups.split_whitespace().any(|g| g.parse() == Ok(gid)))
+    })
+}
+
 /// Whether this process may register passthrough files (`FUSE_DEV_IOC_BACKING_OPEN` needs
 /// CAP_SYS_ADMIN).
 fn have_cap_sys_admin() -> bool {
@@ -319,6 +332,33 @@ impl FuseFs {
         }
     }
 
+    /// Clear the set-user-ID bit, and the set-group-ID bit of a group-executable file, as a
+    /// kernel file system does when an unprivileged caller writes or truncates a file. With
+    /// FUSE_HANDLE_KILLPRIV_V2 the kernel leaves this to us: it says so with an empty SETATTR
+    /// before a write (also one through passthrough, which never reaches us), with
+    /// FUSE_WRITE_KILL_SUIDGID on a write, and by truncating as an unprivileged caller.
+    fn kill_privileges(&self, level: &Level, cx: &Caller, node: NodeId, fh: Option<FileHandle>) -> plyfs_stack::Result<()> {
+        let attr = match level.call(cx, &Op::GetAttr { node, fh })? {
+            Reply::Attr(a) => a,
+            _ => return Err(Error::Os(libc::EIO)),
+        };
+        if attr.kind != FileKind::File {
+            return Ok(());
+        }
+        let mode = u32::from(attr.perm);
+        let mut kept = mode & !libc::S_ISUID;
+        // As the kernel's setattr_should_drop_sgid: a group-executable file always loses
+        // set-group-ID; another one only when the caller is not in the file's group.
+        if mode & libc::S_ISGID != 0 && (mode & libc::S_IXGRP != 0 || !in_group(cx, attr.gid)) {
+            kept &= !libc::S_ISGID;
+        }
+        if kept != mode {
+            let set = SetAttr { mode: Some(kept), ..SetAttr::default() };
+            level.call(&Caller::daemon(), &Op::SetAttr { node, fh, set })?;
+        }
+        Ok(())
+    }
+
     fn decide_io_mode(&self, kernel_has_passthrough: bool) -> IoMode {
         let blocking = self.stack.levels().iter().find(|l| l.layer().data_path() != DataPath::Transparent);
         let reason = if !self.options.passthrough {
@@ -393,6 +433,10 @@ impl Filesystem for FuseFs {
             InitFlags::FUSE_DO_READDIRPLUS,
             InitFlags::FUSE_READDIRPLUS_AUTO,
             InitFlags::FUSE_PARALLEL_DIROPS,
+            // The daemon clears set-user/group-ID bits itself (see `kill_privileges`). In
+            // return the kernel stops asking for security.capability before every write and
+            // refreshing attributes before every chown (it may mark inodes S_NOSEC).
+            InitFlags::FUSE_HANDLE_KILLPRIV_V2,
             InitFlags::FUSE_AUTO_INVAL_DATA,
             InitFlags::FUSE_CACHE_SYMLINKS,
             InitFlags::FUSE_ASYNC_DIO,
@@ -515,8 +559,16 @@ impl Filesystem for FuseFs {
             Ok(d) => d,
             Err(e) => return reply.error(e),
         };
+        let cx = caller(req);
+        let fh = fh.map(|f| FileHandle(f.0));
         let set = SetAttr { mode, uid, gid, size, atime: time_set(atime), mtime: time_set(mtime) };
-        match level.call(&caller(req), &Op::SetAttr { node, fh: fh.map(|f| FileHandle(f.0)), set }) {
+        let unprivileged = cx.uid != 0;
+        if set == SetAttr::default() || (size.is_some() && unprivileged) {
+            if let Err(e) = self.kill_privileges(level, &cx, node, fh) {
+                return reply.error(errno(&e));
+            }
+        }
+        match level.call(&cx, &Op::SetAttr { node, fh, set }) {
             Ok(Reply::Attr(a)) => reply.attr(&self.options.attr_ttl, &fuse_attr(ino.0, &a)),
             Ok(_) => reply.error(Errno::EIO),
             Err(e) => reply.error(errno(&e)),
@@ -666,7 +718,7 @@ impl Filesystem for FuseFs {
         fh: FuseFh,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
@@ -675,7 +727,13 @@ impl Filesystem for FuseFs {
             Ok(d) => d,
             Err(e) => return reply.error(e),
         };
-        match level.write(&caller(req), node, FileHandle(fh.0), offset, data) {
+        let cx = caller(req);
+        if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
+            if let Err(e) = self.kill_privileges(level, &cx, node, Some(FileHandle(fh.0))) {
+                return reply.error(errno(&e));
+            }
+        }
+        match level.write(&cx, node, FileHandle(fh.0), offset, data) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(&e)),
         }
