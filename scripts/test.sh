@@ -6,11 +6,17 @@ cd "$(dirname "$0")/.."
 . scripts/deps.sh
 
 cleanup_mounts() {
-  # Tests unmount after themselves; this only catches a run killed from outside.
-  grep -E ' fuse\.plyfs ' /proc/mounts | awk '{print $2}' | grep -E '^/tmp/plyfs-test-|^/var/tmp/plyfs-pjd' |
-    while read -r m; do umount -l "$m" 2>/dev/null || fusermount3 -uz "$m" 2>/dev/null || true; done
+  # Tests unmount after themselves; this only catches a run killed from outside. It must not
+  # change the exit status: finding nothing to clean is the normal case.
+  local m
+  for m in $(awk '$3 == "fuse.plyfs" { print $2 }' /proc/mounts); do
+    case $m in
+      /tmp/plyfs-test-*|/var/tmp/plyfs-pjd*) umount -l "$m" 2>/dev/null || fusermount3 -uz "$m" 2>/dev/null || true ;;
+    esac
+  done
 }
-trap cleanup_mounts EXIT INT TERM
+trap 'status=$?; cleanup_mounts; exit $status' EXIT
+trap 'exit 130' INT TERM
 
 echo "== cargo test" >&2
 timeout 1800 cargo test --workspace --release 2>&1
