@@ -212,13 +212,23 @@ fn extended_operations_from_the_command_line() {
     assert_eq!(info["lower_path"], m.lower_path("f").to_str().unwrap());
     let list = op_json(&m.path(""), &["--list"]);
     let names: Vec<&str> = list.as_array().unwrap().iter().map(|o| o["op"].as_str().unwrap()).collect();
-    assert_eq!(names, ["stats", "stats-reset", "lower-info"]);
+    assert_eq!(names, ["stats", "stats-reset", "describe", "lower-info"]);
+    // `describe` is answered by the null layer, below a trace layer that does not know it.
+    let chain = op_json(&m.path(""), &["describe"]);
+    let described: Vec<(&str, &str, &str)> = chain
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["name"].as_str().unwrap(), l["kind"].as_str().unwrap(), l["data"].as_str().unwrap()))
+        .collect();
+    assert_eq!(described, [("inner", "null", "transparent"), ("lower", "lower", "transparent")]);
 
     assert_refused(
         &op(&m.path("f"), &["frobnicate"]),
         "unsupported operation 'frobnicate': no layer of the stack (trace, inner, lower) handles it",
     );
     assert_refused(&op(&m.path("f"), &["stats@inner"]), "unsupported operation 'stats'");
+    assert_eq!(op_json(&m.path("f"), &["describe@inner"])[0]["name"], "inner");
     assert_refused(&op(&m.path("f"), &["stats@nope"]), "no layer named 'nope' in this stack (trace, inner, lower)");
     assert_refused(&op(&m.path("nothing"), &["stats"]), "No such file or directory");
     assert_refused(&op(Path::new("/etc"), &["stats"]), "/etc is not inside a plyfs mount");

@@ -1,14 +1,39 @@
-//! `null`: the pure bypass layer. It overrides nothing, so every operation goes straight to the
-//! layer below; it exists to measure what a layer boundary costs and as the template for new
-//! layers.
+//! `null`: the pure bypass layer. It handles no file-system operation, so every one goes straight
+//! to the layer below; it exists to measure what a layer boundary costs and as the template for
+//! new layers. Its one extended operation, `describe`, shows how a layer adds an operation that
+//! travels through layers that do not know it.
 
 use std::sync::Arc;
 
-use plyfs_stack::{BuildArgs, Layer, LayerFactory, Level, Result};
+use plyfs_stack::{bypass, BuildArgs, Caller, DataPath, ExtOpInfo, Layer, LayerFactory, Level, Op, Reply, Result};
+use serde_json::{json, Value};
 
 pub struct Null {
     name: String,
     lower: [Level; 1],
+}
+
+const EXT_OPS: &[ExtOpInfo] = &[ExtOpInfo {
+    name: "describe",
+    args: "",
+    help: "this layer and the chain below it: names, kinds, and what each does to file data",
+}];
+
+/// The chain from `level` down to the bottom, one entry per layer.
+fn describe_chain(level: &Level) -> Vec<Value> {
+    let mut chain = Vec::new();
+    let mut next = Some(level.clone());
+    while let Some(level) = next {
+        let layer = level.layer();
+        let data = match layer.data_path() {
+            DataPath::Transparent => "transparent",
+            DataPath::Observes => "observes",
+            DataPath::Transforms => "transforms",
+        };
+        chain.push(json!({ "name": layer.name(), "kind": layer.kind(), "data": data }));
+        next = layer.lower().first().cloned();
+    }
+    chain
 }
 
 impl Layer for Null {
@@ -23,6 +48,21 @@ impl Layer for Null {
     fn lower(&self) -> &[Level] {
         &self.lower
     }
+
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        EXT_OPS
+    }
+
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        match op {
+            Op::Extended { name: "describe", .. } => {
+                let mut chain = vec![json!({ "name": self.name, "kind": "null", "data": "transparent" })];
+                chain.extend(describe_chain(&self.lower[0]));
+                Ok(Reply::Extended(Value::Array(chain)))
+            }
+            other => bypass(self, cx, other),
+        }
+    }
 }
 
 fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
@@ -33,6 +73,6 @@ pub const FACTORY: LayerFactory = LayerFactory {
     kind: "null",
     summary: "pure bypass: passes every operation to the layer below unchanged",
     params: &[],
-    ext_ops: &[],
+    ext_ops: EXT_OPS,
     build,
 };
