@@ -266,7 +266,7 @@ impl FuseFs {
         }
     }
 
-    fn empty_op(&self, req: &Request, ino: INodeNo, reply: ReplyEmpty, op: impl FnOnce(NodeId) -> Op<'static>) {
+    fn empty_op<'a>(&self, req: &Request, ino: INodeNo, reply: ReplyEmpty, op: impl FnOnce(NodeId) -> Op<'a>) {
         match self.decode(ino) {
             Ok((level, _, node)) => match level.call(&caller(req), &op(node)) {
                 Ok(_) => reply.ok(),
@@ -274,6 +274,15 @@ impl FuseFs {
             },
             Err(e) => reply.error(e),
         }
+    }
+
+    /// An operation on a name in a directory that answers nothing. The reserved `.plyfs` is busy,
+    /// like a mount point.
+    fn name_op<'a>(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty, op: impl FnOnce(NodeId) -> Op<'a>) {
+        if self.is_levels_dir_name(parent, name) {
+            return reply.error(Errno::EBUSY);
+        }
+        self.empty_op(req, parent, reply, op)
     }
 
     /// Open flags for a file opened without passthrough.
@@ -364,11 +373,7 @@ impl FuseFs {
         let reason = if !self.options.passthrough {
             "passthrough turned off with -o passthrough=off".to_owned()
         } else if let Some(level) = blocking {
-            let what = match level.layer().data_path() {
-                DataPath::Observes => "observes",
-                _ => "transforms",
-            };
-            format!("layer '{}' {what} file data", level.name())
+            format!("layer '{}' {} file data", level.name(), level.layer().data_path())
         } else if !kernel_has_passthrough {
             "the kernel offers no FUSE passthrough (needs Linux 6.9 or later)".to_owned()
         } else if !have_cap_sys_admin() {
@@ -596,29 +601,11 @@ impl Filesystem for FuseFs {
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        if self.is_levels_dir_name(parent, name) {
-            return reply.error(Errno::EBUSY);
-        }
-        match self.decode(parent) {
-            Ok((level, _, parent)) => match level.call(&caller(req), &Op::Unlink { parent, name }) {
-                Ok(_) => reply.ok(),
-                Err(e) => reply.error(errno(&e)),
-            },
-            Err(e) => reply.error(e),
-        }
+        self.name_op(req, parent, name, reply, |parent| Op::Unlink { parent, name })
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        if self.is_levels_dir_name(parent, name) {
-            return reply.error(Errno::EBUSY);
-        }
-        match self.decode(parent) {
-            Ok((level, _, parent)) => match level.call(&caller(req), &Op::RmDir { parent, name }) {
-                Ok(_) => reply.ok(),
-                Err(e) => reply.error(errno(&e)),
-            },
-            Err(e) => reply.error(e),
-        }
+        self.name_op(req, parent, name, reply, |parent| Op::RmDir { parent, name })
     }
 
     fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use plyfs_stack::{bypass, BuildArgs, Caller, DataPath, ExtOpInfo, Layer, LayerFactory, Level, Op, Reply, Result};
+use plyfs_stack::{bypass, BuildArgs, Caller, ExtOpInfo, Layer, LayerFactory, Level, Op, Reply, Result};
 use serde_json::{json, Value};
 
 pub struct Null {
@@ -25,12 +25,7 @@ fn describe_chain(level: &Level) -> Vec<Value> {
     let mut next = Some(level.clone());
     while let Some(level) = next {
         let layer = level.layer();
-        let data = match layer.data_path() {
-            DataPath::Transparent => "transparent",
-            DataPath::Observes => "observes",
-            DataPath::Transforms => "transforms",
-        };
-        chain.push(json!({ "name": layer.name(), "kind": layer.kind(), "data": data }));
+        chain.push(json!({ "name": layer.name(), "kind": layer.kind(), "data": layer.data_path().to_string() }));
         next = layer.lower().first().cloned();
     }
     chain
@@ -56,7 +51,7 @@ impl Layer for Null {
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         match op {
             Op::Extended { name: "describe", .. } => {
-                let mut chain = vec![json!({ "name": self.name, "kind": "null", "data": "transparent" })];
+                let mut chain = vec![json!({ "name": self.name, "kind": self.kind(), "data": self.data_path().to_string() })];
                 chain.extend(describe_chain(&self.lower[0]));
                 Ok(Reply::Extended(Value::Array(chain)))
             }

@@ -25,6 +25,16 @@ pub enum DataPath {
     Transforms,
 }
 
+impl std::fmt::Display for DataPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DataPath::Transparent => "transparent",
+            DataPath::Observes => "observes",
+            DataPath::Transforms => "transforms",
+        })
+    }
+}
+
 /// An extended operation a layer defines, for `plyfs layers` and `plyfs op PATH --list`.
 #[derive(Clone, Copy, Debug)]
 pub struct ExtOpInfo {
