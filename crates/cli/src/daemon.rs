@@ -9,7 +9,7 @@
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -231,7 +231,7 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path) -> Result<(), String> {
     drop(write_end);
 
     let mut line = String::new();
-    let _ = BufReader::new(File::from(OwnedFd::from(read_end))).read_line(&mut line);
+    let _ = BufReader::new(File::from(read_end)).read_line(&mut line);
     let line = line.trim_end();
     if let Some(mode) = line.strip_prefix("OK ") {
         eprintln!("plyfs: mounted {} (pid {}); file I/O: {mode}; log: {}", mountpoint.display(), child.id(), log.display());

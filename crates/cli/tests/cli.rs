@@ -272,7 +272,7 @@ fn a_toml_config_gives_the_same_stack() {
 
 #[test]
 fn layers_lists_every_layer_with_parameters() {
-    let out = run(&mut plyfs().arg("layers"));
+    let out = run(plyfs().arg("layers"));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
     for needle in ["null ", "trace ", "log=", "io=", "name=", "op stats", "lower-info"] {

@@ -43,7 +43,7 @@ fn ops(default: usize) -> usize {
 }
 
 fn open_rw(p: &Path) -> File {
-    OpenOptions::new().read(true).write(true).create(true).open(p).unwrap()
+    OpenOptions::new().read(true).write(true).create(true).truncate(false).open(p).unwrap()
 }
 
 fn mmap_op(f: &File, offset: u64, data: Option<&[u8]>, len: usize) -> Vec<u8> {

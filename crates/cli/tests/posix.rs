@@ -47,7 +47,7 @@ fn file_data(m: &Mount) {
 
 fn mmap_read_write(m: &Mount) {
     let p = m.path("mapped");
-    let f = OpenOptions::new().create(true).read(true).write(true).open(&p).unwrap();
+    let f = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&p).unwrap();
     f.set_len(3 * 4096).unwrap();
     unsafe {
         let len = 3 * 4096;
@@ -193,7 +193,7 @@ fn xattrs(m: &Mount) {
 
 fn deleted_while_open(m: &Mount) {
     let p = m.path("doomed");
-    let mut f = OpenOptions::new().create(true).read(true).write(true).open(&p).unwrap();
+    let mut f = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&p).unwrap();
     f.write_all(b"still here").unwrap();
     fs::remove_file(&p).unwrap();
     assert!(!p.exists());
@@ -214,7 +214,7 @@ fn statfs_fallocate_and_holes(m: &Mount) {
     assert_eq!(unsafe { libc::statvfs(cpath(&m.lower).as_ptr(), &mut theirs) }, 0);
     assert_eq!((ours.f_blocks, ours.f_bsize, ours.f_files), (theirs.f_blocks, theirs.f_bsize, theirs.f_files));
 
-    let f = OpenOptions::new().create(true).read(true).write(true).open(m.path("sparse")).unwrap();
+    let f = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(m.path("sparse")).unwrap();
     f.write_at(b"head", 0).unwrap();
     f.write_at(b"far", 1 << 20).unwrap();
     f.sync_all().unwrap();

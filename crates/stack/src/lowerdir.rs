@@ -414,7 +414,7 @@ impl LowerDir {
         Ok(entries)
     }
 
-    fn readdir(&self, cx: &Caller, node: NodeId, fh: FileHandle, offset: u64, max: u32, plus: bool) -> Result<Vec<DirEntry>> {
+    fn readdir(&self, node: NodeId, fh: FileHandle, offset: u64, max: u32, plus: bool) -> Result<Vec<DirEntry>> {
         let stream = self.dirs.lock().get(&fh.0).cloned().ok_or(Error::Os(libc::EBADF))?;
         let n = self.node(node)?;
         let mut stream = stream.lock();
@@ -445,7 +445,6 @@ impl LowerDir {
             let kind = entry.map_or(*kind, |e| e.attr.kind);
             out.push(DirEntry { name: name.clone(), node, kind, next_offset: (start + i + 1) as u64, entry });
         }
-        let _ = cx;
         Ok(out)
     }
 
@@ -646,7 +645,7 @@ impl Layer for LowerDir {
                 Ok(Reply::Opened(Opened { fh: FileHandle(fh), backing: None, direct_io: false, flush_on_close: false }))
             }
             Op::ReadDir { node, fh, offset, max_entries, plus } => {
-                self.readdir(cx, node, fh, offset, max_entries, plus).map(Reply::Dir)
+                self.readdir(node, fh, offset, max_entries, plus).map(Reply::Dir)
             }
             Op::ReleaseDir { fh, .. } => {
                 self.dirs.lock().remove(&fh.0);
