@@ -254,7 +254,18 @@ fn running_programs_are_not_truncated(m: &Mount) {
     fs::copy("/bin/sleep", &prog).unwrap();
     fs::set_permissions(&prog, fs::Permissions::from_mode(0o755)).unwrap();
     let size = fs::metadata(&prog).unwrap().len();
-    let mut child = std::process::Command::new(&prog).arg("30").spawn().unwrap();
+    // Another test thread may fork while the copy's write descriptor is open, and the child
+    // holds it until it execs: that exec fails with ETXTBSY for a moment. Retry briefly.
+    let mut attempts = 0;
+    let mut child = loop {
+        match std::process::Command::new(&prog).arg("30").spawn() {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && attempts < 100 => {
+                attempts += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => break other.unwrap(),
+        }
+    };
     std::thread::sleep(std::time::Duration::from_millis(200));
     for flags in [libc::O_RDONLY | libc::O_TRUNC, libc::O_WRONLY, libc::O_RDWR | libc::O_TRUNC] {
         let fd = unsafe { libc::open(cpath(&prog).as_ptr(), flags) };
