@@ -138,6 +138,8 @@ fn serve_inner(
     init_logging(args.verbose);
     // Modes arrive already masked by the kernel; a umask here would mask them twice.
     unsafe { libc::umask(0) };
+    let fd_limit = plyfs_stack::raise_fd_limit();
+    tracing::debug!("open-files limit: {fd_limit}");
 
     let bottom = LowerDir::level(&lower).map_err(|e| e.to_string())?;
     let stack = Arc::new(Stack::build(&specs, plyfs_layers::registry(), bottom.layer().clone()).map_err(|e| e.to_string())?);

@@ -432,3 +432,54 @@ fn unprivileged_writes_and_truncates_clear_set_id_bits_like_a_kernel_fs() {
         assert_eq!(fs::metadata(m.path("root")).unwrap().permissions().mode() & 0o7777, 0o4755);
     }
 }
+
+/// The bottom layer keeps a descriptor per file the kernel knows: the daemon raises its soft
+/// open-files limit (commonly 1024) to the hard limit, and when even that runs out it says so
+/// once, clearly, and keeps serving.
+#[test]
+fn the_daemon_outgrows_a_small_open_files_limit_and_reports_running_out() {
+    let mount_with_limits = |soft: u32, hard: u32| {
+        let (dir, lower, mnt) = scratch();
+        let log = dir.path().join("daemon.log");
+        let script = format!(
+            "ulimit -Sn {soft} && ulimit -Hn {hard} && exec {} mount {} {} --log {}",
+            env!("CARGO_BIN_EXE_plyfs"),
+            lower.display(),
+            mnt.display(),
+            log.display()
+        );
+        let out = run(std::process::Command::new("sh").args(["-c", &script]));
+        assert!(out.status.success(), "{}", stderr_of(&out));
+        (dir, mnt, log)
+    };
+    let hard = {
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+        lim.rlim_max.min(65536) as u32
+    };
+    if hard < 4096 {
+        eprintln!("skipped: the hard open-files limit ({hard}) is too low to test above 1024");
+        return;
+    }
+    // A soft limit of 1024 does not limit the daemon.
+    let (_dir, mnt, _log) = mount_with_limits(1024, hard);
+    let guard = scopeguard(&mnt);
+    for i in 0..2000 {
+        fs::write(mnt.join(format!("f{i}")), b"x").unwrap_or_else(|e| panic!("file {i}: {e}"));
+    }
+    assert_eq!(fs::read_dir(&mnt).unwrap().count(), 2001, "2000 files and keep.txt");
+    drop(guard);
+
+    // A hard limit of 256 runs out: the failures are EMFILE, the log says why, and the daemon
+    // lives on.
+    let (_dir, mnt, log) = mount_with_limits(256, 256);
+    let guard = scopeguard(&mnt);
+    let failures = (0..600).filter(|i| fs::write(mnt.join(format!("f{i}")), b"x").is_err()).count();
+    assert!(failures > 0, "256 descriptors cannot hold 600 files");
+    let text = fs::read_to_string(&log).unwrap();
+    assert_eq!(text.matches("out of file descriptors").count(), 1, "{text}");
+    assert!(fs::metadata(&mnt).is_ok(), "the daemon still serves");
+    let out = run(plyfs().arg("umount").arg(&mnt));
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    drop(guard);
+}

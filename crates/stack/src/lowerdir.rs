@@ -39,6 +39,24 @@ struct LowerNode {
     kind: FileKind,
 }
 
+/// Raise this process's open-files limit as far as it may go, and return the new soft limit.
+///
+/// The bottom layer holds one descriptor per node the kernel remembers, so a daemon serving a
+/// large tree needs many more than the usual soft limit of 1024.
+pub fn raise_fd_limit() -> u64 {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    // Above the hard limit needs CAP_SYS_RESOURCE; try the kernel's ceiling, then settle.
+    let ceiling = std::fs::read_to_string("/proc/sys/fs/nr_open").ok().and_then(|s| s.trim().parse().ok()).unwrap_or(lim.rlim_max);
+    for target in [ceiling.max(lim.rlim_max), lim.rlim_max] {
+        let want = libc::rlimit { rlim_cur: target, rlim_max: target };
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
+            return target;
+        }
+    }
+    lim.rlim_cur
+}
+
 /// Ids handed out where the lower inode number cannot serve (see the module documentation).
 const SYNTHETIC_IDS: u64 = 1 << 55;
 
@@ -67,6 +85,7 @@ pub struct LowerDir {
     /// The lower file system reports errors at close (network file systems), so `flush` must
     /// reach it.
     flush_on_close: bool,
+    out_of_descriptors: std::sync::atomic::AtomicBool,
 }
 
 /// File systems whose `close` can fail or publishes data to other clients.
@@ -192,6 +211,7 @@ impl LowerDir {
             next_fh: AtomicU64::new(1),
             switch_creds: unsafe { libc::geteuid() } == 0,
             flush_on_close: reports_at_close(sfs.f_type),
+            out_of_descriptors: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -277,6 +297,19 @@ impl LowerDir {
             libc::openat(parent.fd.as_raw_fd(), c.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         })?;
         self.remember(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Say once, clearly, why operations fail when the descriptors run out.
+    fn warn_if_out_of_descriptors(&self, e: &Error) {
+        if matches!(e, Error::Os(libc::EMFILE | libc::ENFILE))
+            && !self.out_of_descriptors.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            let held = self.nodes.lock().by_id.len();
+            tracing::error!(
+                "{}: out of file descriptors with {held} files known to the kernel; raise the open-files limit (ulimit -Hn)",
+                self.root.display()
+            );
+        }
     }
 
     fn forget(&self, id: NodeId, nlookup: u64) {
@@ -500,6 +533,12 @@ impl Layer for LowerDir {
     }
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        self.dispatch(cx, op).inspect_err(|e| self.warn_if_out_of_descriptors(e))
+    }
+}
+
+impl LowerDir {
+    fn dispatch(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         let empty = c"";
         match *op {
             Op::Lookup { parent, name } => {
