@@ -5,6 +5,11 @@
 //! such descriptors (`*at` calls, or `/proc/self/fd/N` where the kernel has no `*at` form). So
 //! renames above a node never break it, and a file deleted while open stays reachable.
 //!
+//! The kernel decides how many nodes it remembers, and each needs a descriptor. A daemon that
+//! may open files by handle (CAP_DAC_READ_SEARCH, as root has) keeps a file handle per node and
+//! only a bounded number of descriptors, closing the least recently used and reopening them on
+//! demand; the number of files it can serve is then not bounded by the open-files limit.
+//!
 //! A node's id is the lower inode number, so hard links share one node, and `st_ino` is stable
 //! for the life of the mount and beyond. The exceptions get an id of their own, kept for the
 //! life of the mount: the root (FUSE wants id 1), objects on other file systems mounted inside
@@ -15,7 +20,7 @@ use std::ffi::{CStr, CString, OsStr, OsString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -33,10 +38,52 @@ const EXT_OPS: &[ExtOpInfo] = &[ExtOpInfo {
 }];
 
 struct LowerNode {
-    /// `O_PATH` descriptor of the lower object.
-    fd: OwnedFd,
     key: (u64, u64),
     kind: FileKind,
+    /// A handle to reopen the object by (`open_by_handle_at`), where this daemon may.
+    handle: Option<Box<[u8]>>,
+    /// The `O_PATH` descriptor, while open; nodes without a handle always keep theirs.
+    fd: Mutex<Option<Arc<OwnedFd>>>,
+    /// Used since the last eviction pass (second chance).
+    used: AtomicBool,
+}
+
+/// A node ready for use: its descriptor stays open while the reference lives.
+struct NodeRef {
+    fd: Arc<OwnedFd>,
+    key: (u64, u64),
+    kind: FileKind,
+}
+
+const CAP_DAC_READ_SEARCH: u32 = 2;
+
+fn has_capability(cap: u32) -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|h| u64::from_str_radix(h.trim(), 16).ok()))
+        .is_some_and(|caps| caps & (1 << cap) != 0)
+}
+
+fn fd_limit() -> u64 {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    lim.rlim_cur
+}
+
+/// The `struct file_handle` of the object `fd` refers to, as bytes.
+fn handle_of(fd: RawFd) -> Option<Box<[u8]>> {
+    let header = std::mem::size_of::<libc::file_handle>();
+    let mut buf = vec![0u64; (header + libc::MAX_HANDLE_SZ as usize).div_ceil(8)];
+    let fh = buf.as_mut_ptr() as *mut libc::file_handle;
+    let mut mount_id = 0;
+    unsafe { (*fh).handle_bytes = libc::MAX_HANDLE_SZ as u32 };
+    let rc = unsafe { libc::name_to_handle_at(fd, c"".as_ptr(), fh, &mut mount_id, libc::AT_EMPTY_PATH) };
+    if rc != 0 {
+        return None;
+    }
+    let len = header + unsafe { (*fh).handle_bytes } as usize;
+    let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, len) };
+    Some(bytes.into())
 }
 
 /// Raise this process's open-files limit as far as it may go, and return the new soft limit.
@@ -85,7 +132,15 @@ pub struct LowerDir {
     /// The lower file system reports errors at close (network file systems), so `flush` must
     /// reach it.
     flush_on_close: bool,
-    out_of_descriptors: std::sync::atomic::AtomicBool,
+    out_of_descriptors: AtomicBool,
+    /// A plain (not `O_PATH`) descriptor of the lower root: the mount reference
+    /// `open_by_handle_at` needs, which it refuses as `O_PATH`.
+    mount_fd: OwnedFd,
+    /// Whether nodes get handles (the daemon may call `open_by_handle_at`).
+    reopen_by_handle: bool,
+    /// Node descriptors open now, and how many may be before the least used are closed.
+    open_node_fds: AtomicU64,
+    node_fd_budget: u64,
 }
 
 /// File systems whose `close` can fail or publishes data to other clients.
@@ -198,7 +253,19 @@ impl LowerDir {
         let st = fstat(fd.as_raw_fd())?;
         let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
         check(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut sfs) })?;
-        let root_node = LowerNode { fd, key: (st.st_dev, st.st_ino), kind: FileKind::Dir };
+        let mount_fd = check(unsafe {
+            libc::openat(fd.as_raw_fd(), c".".as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        })
+        .map_err(|e| Error::config(format!("lower directory {}: {e}", root.display())))?;
+        let mount_fd = unsafe { OwnedFd::from_raw_fd(mount_fd) };
+        let fd = Arc::new(fd);
+        let root_node = LowerNode {
+            key: (st.st_dev, st.st_ino),
+            kind: FileKind::Dir,
+            handle: None,
+            fd: Mutex::new(Some(fd.clone())),
+            used: AtomicBool::new(true),
+        };
         let mut by_id = HashMap::new();
         // The root is never forgotten: give it a lookup count no forget can exhaust.
         by_id.insert(NodeId::ROOT.0, (Arc::new(root_node), u64::MAX / 2));
@@ -211,7 +278,11 @@ impl LowerDir {
             next_fh: AtomicU64::new(1),
             switch_creds: unsafe { libc::geteuid() } == 0,
             flush_on_close: reports_at_close(sfs.f_type),
-            out_of_descriptors: std::sync::atomic::AtomicBool::new(false),
+            out_of_descriptors: AtomicBool::new(false),
+            mount_fd,
+            reopen_by_handle: has_capability(CAP_DAC_READ_SEARCH),
+            open_node_fds: AtomicU64::new(1),
+            node_fd_budget: (fd_limit() / 2).max(64),
         })
     }
 
@@ -224,10 +295,59 @@ impl LowerDir {
         &self.root
     }
 
-    fn node(&self, id: NodeId) -> Result<Arc<LowerNode>> {
-        match self.nodes.lock().by_id.get(&id.0) {
-            Some((node, _)) => Ok(node.clone()),
-            None => Err(Error::Os(libc::ESTALE)),
+    fn node(&self, id: NodeId) -> Result<NodeRef> {
+        let node = match self.nodes.lock().by_id.get(&id.0) {
+            Some((node, _)) => node.clone(),
+            None => return Err(Error::Os(libc::ESTALE)),
+        };
+        let fd = self.fd_of(&node)?;
+        Ok(NodeRef { fd, key: node.key, kind: node.kind })
+    }
+
+    /// The node's descriptor, reopened by handle if it was closed.
+    fn fd_of(&self, node: &LowerNode) -> Result<Arc<OwnedFd>> {
+        node.used.store(true, Ordering::Relaxed);
+        let mut slot = node.fd.lock();
+        if let Some(fd) = &*slot {
+            return Ok(fd.clone());
+        }
+        let handle = node.handle.as_ref().ok_or(Error::Os(libc::ESTALE))?;
+        let mut copy: Vec<u64> = vec![0; handle.len().div_ceil(8)];
+        unsafe { std::ptr::copy_nonoverlapping(handle.as_ptr(), copy.as_mut_ptr() as *mut u8, handle.len()) };
+        let raw = check(unsafe {
+            libc::open_by_handle_at(self.mount_fd.as_raw_fd(), copy.as_mut_ptr() as *mut libc::file_handle, libc::O_PATH | libc::O_CLOEXEC)
+        })?;
+        let fd = Arc::new(unsafe { OwnedFd::from_raw_fd(raw) });
+        let st = fstat(fd.as_raw_fd())?;
+        if (st.st_dev, st.st_ino) != node.key {
+            return Err(Error::Os(libc::ESTALE));
+        }
+        *slot = Some(fd.clone());
+        drop(slot);
+        if self.open_node_fds.fetch_add(1, Ordering::Relaxed) + 1 > self.node_fd_budget {
+            self.close_idle_node_fds();
+        }
+        Ok(fd)
+    }
+
+    /// Close the descriptors of nodes not used since the last pass (second chance) until a
+    /// quarter of the budget is free. Only nodes that can be reopened by handle are closed.
+    fn close_idle_node_fds(&self) {
+        let target = self.node_fd_budget * 3 / 4;
+        let table = self.nodes.lock();
+        for (node, _) in table.by_id.values() {
+            if self.open_node_fds.load(Ordering::Relaxed) <= target {
+                break;
+            }
+            if node.handle.is_none() || node.used.swap(false, Ordering::Relaxed) {
+                continue;
+            }
+            if let Some(mut slot) = node.fd.try_lock() {
+                if slot.as_ref().is_some_and(|fd| Arc::strong_count(fd) == 1) {
+                    *slot = None;
+                    self.open_node_fds.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
         }
     }
 
@@ -284,14 +404,25 @@ impl LowerDir {
             Some((_, count)) => *count += 1,
             None => {
                 let kind = FileKind::from_mode(st.st_mode).unwrap_or(FileKind::File);
-                table.by_id.insert(id, (Arc::new(LowerNode { fd, key, kind }), 1));
+                // Directories and regular files, the bulk of any tree, can be reopened by handle;
+                // symlinks and special files keep their descriptors (reopening a symlink by
+                // handle fails with ESTALE here).
+                let reopenable = matches!(kind, FileKind::Dir | FileKind::File) && key.0 == self.root_key.0;
+                let handle = (self.reopen_by_handle && reopenable).then(|| handle_of(fd.as_raw_fd())).flatten();
+                let node = LowerNode { key, kind, handle, fd: Mutex::new(Some(Arc::new(fd))), used: AtomicBool::new(true) };
+                table.by_id.insert(id, (Arc::new(node), 1));
+                drop(table);
+                if self.open_node_fds.fetch_add(1, Ordering::Relaxed) + 1 > self.node_fd_budget {
+                    self.close_idle_node_fds();
+                }
+                return Ok(Entry { node: NodeId(id), attr: Self::attr(&st), generation: 0 });
             }
         }
         drop(table);
         Ok(Entry { node: NodeId(id), attr: Self::attr(&st), generation: 0 })
     }
 
-    fn lookup_at(&self, parent: &LowerNode, name: &OsStr) -> Result<Entry> {
+    fn lookup_at(&self, parent: &NodeRef, name: &OsStr) -> Result<Entry> {
         let c = cstr(name)?;
         let fd = check(unsafe {
             libc::openat(parent.fd.as_raw_fd(), c.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
@@ -322,7 +453,11 @@ impl LowerDir {
             None => false,
         };
         if gone {
-            table.by_id.remove(&id.0);
+            if let Some((node, _)) = table.by_id.remove(&id.0) {
+                if node.fd.lock().is_some() {
+                    self.open_node_fds.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
         }
     }
 
@@ -335,7 +470,7 @@ impl LowerDir {
     fn create_as<T>(
         &self,
         cx: &Caller,
-        parent: &LowerNode,
+        parent: &NodeRef,
         make: impl Fn() -> Result<T>,
         fixup: impl FnOnce(&T) -> RawFd,
     ) -> Result<T> {
@@ -429,7 +564,7 @@ impl LowerDir {
         Ok(Self::attr(&fstat(fd)?))
     }
 
-    fn read_dir_snapshot(&self, node: &LowerNode) -> Result<Vec<(OsString, u64, FileKind)>> {
+    fn read_dir_snapshot(&self, node: &NodeRef) -> Result<Vec<(OsString, u64, FileKind)>> {
         let fd = check(unsafe {
             libc::openat(node.fd.as_raw_fd(), c".".as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC)
         })?;
