@@ -182,14 +182,7 @@ fn in_group(cx: &Caller, gid: u32) -> bool {
 /// CAP_SYS_ADMIN).
 fn have_cap_sys_admin() -> bool {
     const CAP_SYS_ADMIN: u32 = 21;
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        })
-        .is_some_and(|caps| caps & (1 << CAP_SYS_ADMIN) != 0)
+    plyfs_stack::has_capability(CAP_SYS_ADMIN)
 }
 
 impl FuseFs {

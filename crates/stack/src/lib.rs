@@ -22,7 +22,7 @@ mod types;
 
 pub use error::{Error, Result};
 pub use layer::{bypass, unsupported, DataPath, ExtOpInfo, Layer, Level};
-pub use lowerdir::{raise_fd_limit, LowerDir};
+pub use lowerdir::{has_capability, raise_fd_limit, LowerDir};
 pub use op::{Arg, Op, OpKind, Reply};
 pub use stack::{BuildArgs, LayerFactory, Stack, NAME_PARAM};
 pub use types::*;

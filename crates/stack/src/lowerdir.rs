@@ -57,7 +57,8 @@ struct NodeRef {
 
 const CAP_DAC_READ_SEARCH: u32 = 2;
 
-fn has_capability(cap: u32) -> bool {
+/// Whether this process has capability number `cap` in its effective set.
+pub fn has_capability(cap: u32) -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| s.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|h| u64::from_str_radix(h.trim(), 16).ok()))
