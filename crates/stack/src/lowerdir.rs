@@ -41,7 +41,7 @@ struct LowerNode {
     key: (u64, u64),
     kind: FileKind,
     /// A handle to reopen the object by (`open_by_handle_at`), where this daemon may.
-    handle: Option<Box<[u8]>>,
+    handle: Option<Box<[u64]>>,
     /// The `O_PATH` descriptor, while open; nodes without a handle always keep theirs.
     fd: Mutex<Option<Arc<OwnedFd>>>,
     /// Used since the last eviction pass (second chance).
@@ -65,14 +65,14 @@ pub fn has_capability(cap: u32) -> bool {
         .is_some_and(|caps| caps & (1 << cap) != 0)
 }
 
-fn fd_limit() -> u64 {
+fn open_files_limit() -> libc::rlimit {
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
-    lim.rlim_cur
+    lim
 }
 
-/// The `struct file_handle` of the object `fd` refers to, as bytes.
-fn handle_of(fd: RawFd) -> Option<Box<[u8]>> {
+/// The `struct file_handle` of the object `fd` refers to, in a buffer aligned for the kernel.
+fn handle_of(fd: RawFd) -> Option<Box<[u64]>> {
     let header = std::mem::size_of::<libc::file_handle>();
     let mut buf = vec![0u64; (header + libc::MAX_HANDLE_SZ as usize).div_ceil(8)];
     let fh = buf.as_mut_ptr() as *mut libc::file_handle;
@@ -83,8 +83,8 @@ fn handle_of(fd: RawFd) -> Option<Box<[u8]>> {
         return None;
     }
     let len = header + unsafe { (*fh).handle_bytes } as usize;
-    let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, len) };
-    Some(bytes.into())
+    buf.truncate(len.div_ceil(8));
+    Some(buf.into_boxed_slice())
 }
 
 /// Raise this process's open-files limit as far as it may go, and return the new soft limit.
@@ -92,8 +92,7 @@ fn handle_of(fd: RawFd) -> Option<Box<[u8]>> {
 /// The bottom layer holds one descriptor per node the kernel remembers, so a daemon serving a
 /// large tree needs many more than the usual soft limit of 1024.
 pub fn raise_fd_limit() -> u64 {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    let lim = open_files_limit();
     // Above the hard limit needs CAP_SYS_RESOURCE; try the kernel's ceiling, then settle.
     let ceiling = std::fs::read_to_string("/proc/sys/fs/nr_open").ok().and_then(|s| s.trim().parse().ok()).unwrap_or(lim.rlim_max);
     for target in [ceiling.max(lim.rlim_max), lim.rlim_max] {
@@ -283,7 +282,7 @@ impl LowerDir {
             mount_fd,
             reopen_by_handle: has_capability(CAP_DAC_READ_SEARCH),
             open_node_fds: AtomicU64::new(1),
-            node_fd_budget: (fd_limit() / 2).max(64),
+            node_fd_budget: (open_files_limit().rlim_cur / 2).max(64),
         })
     }
 
@@ -313,10 +312,9 @@ impl LowerDir {
             return Ok(fd.clone());
         }
         let handle = node.handle.as_ref().ok_or(Error::Os(libc::ESTALE))?;
-        let mut copy: Vec<u64> = vec![0; handle.len().div_ceil(8)];
-        unsafe { std::ptr::copy_nonoverlapping(handle.as_ptr(), copy.as_mut_ptr() as *mut u8, handle.len()) };
+        // The kernel only reads the handle, whatever the binding's `*mut` says.
         let raw = check(unsafe {
-            libc::open_by_handle_at(self.mount_fd.as_raw_fd(), copy.as_mut_ptr() as *mut libc::file_handle, libc::O_PATH | libc::O_CLOEXEC)
+            libc::open_by_handle_at(self.mount_fd.as_raw_fd(), handle.as_ptr() as *mut libc::file_handle, libc::O_PATH | libc::O_CLOEXEC)
         })?;
         let fd = Arc::new(unsafe { OwnedFd::from_raw_fd(raw) });
         let st = fstat(fd.as_raw_fd())?;
@@ -325,10 +323,15 @@ impl LowerDir {
         }
         *slot = Some(fd.clone());
         drop(slot);
+        self.count_open_node_fd();
+        Ok(fd)
+    }
+
+    /// Count one more open node descriptor, closing idle ones when over budget.
+    fn count_open_node_fd(&self) {
         if self.open_node_fds.fetch_add(1, Ordering::Relaxed) + 1 > self.node_fd_budget {
             self.close_idle_node_fds();
         }
-        Ok(fd)
     }
 
     /// Close the descriptors of nodes not used since the last pass (second chance) until a
@@ -401,8 +404,11 @@ impl LowerDir {
         let key = (st.st_dev, st.st_ino);
         let mut table = self.nodes.lock();
         let id = self.id_of(&mut table, key);
-        match table.by_id.get_mut(&id) {
-            Some((_, count)) => *count += 1,
+        let new_node = match table.by_id.get_mut(&id) {
+            Some((_, count)) => {
+                *count += 1;
+                false
+            }
             None => {
                 let kind = FileKind::from_mode(st.st_mode).unwrap_or(FileKind::File);
                 // Directories and regular files, the bulk of any tree, can be reopened by handle;
@@ -412,14 +418,13 @@ impl LowerDir {
                 let handle = (self.reopen_by_handle && reopenable).then(|| handle_of(fd.as_raw_fd())).flatten();
                 let node = LowerNode { key, kind, handle, fd: Mutex::new(Some(Arc::new(fd))), used: AtomicBool::new(true) };
                 table.by_id.insert(id, (Arc::new(node), 1));
-                drop(table);
-                if self.open_node_fds.fetch_add(1, Ordering::Relaxed) + 1 > self.node_fd_budget {
-                    self.close_idle_node_fds();
-                }
-                return Ok(Entry { node: NodeId(id), attr: Self::attr(&st), generation: 0 });
+                true
             }
-        }
+        };
         drop(table);
+        if new_node {
+            self.count_open_node_fd();
+        }
         Ok(Entry { node: NodeId(id), attr: Self::attr(&st), generation: 0 })
     }
 
@@ -434,7 +439,7 @@ impl LowerDir {
     /// Say once, clearly, why operations fail when the descriptors run out.
     fn warn_if_out_of_descriptors(&self, e: &Error) {
         if matches!(e, Error::Os(libc::EMFILE | libc::ENFILE))
-            && !self.out_of_descriptors.swap(true, std::sync::atomic::Ordering::Relaxed)
+            && !self.out_of_descriptors.swap(true, Ordering::Relaxed)
         {
             let held = self.nodes.lock().by_id.len();
             tracing::error!(
