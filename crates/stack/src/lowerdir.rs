@@ -46,6 +46,10 @@ struct LowerNode {
     fd: Mutex<Option<Arc<OwnedFd>>>,
     /// Used since the last eviction pass (second chance).
     used: AtomicBool,
+    /// Its name was removed through this layer: the descriptor stays open until the node is
+    /// forgotten, so the lower file system cannot give its inode number to a new object while
+    /// the kernel still knows this one by that number.
+    pinned: AtomicBool,
 }
 
 /// A node ready for use: its descriptor stays open while the reference lives.
@@ -265,6 +269,7 @@ impl LowerDir {
             handle: None,
             fd: Mutex::new(Some(fd.clone())),
             used: AtomicBool::new(true),
+            pinned: AtomicBool::new(true),
         };
         let mut by_id = HashMap::new();
         // The root is never forgotten: give it a lookup count no forget can exhaust.
@@ -343,7 +348,7 @@ impl LowerDir {
             if self.open_node_fds.load(Ordering::Relaxed) <= target {
                 break;
             }
-            if node.handle.is_none() || node.used.swap(false, Ordering::Relaxed) {
+            if node.handle.is_none() || node.pinned.load(Ordering::Relaxed) || node.used.swap(false, Ordering::Relaxed) {
                 continue;
             }
             if let Some(mut slot) = node.fd.try_lock() {
@@ -416,7 +421,7 @@ impl LowerDir {
                 // handle fails with ESTALE here).
                 let reopenable = matches!(kind, FileKind::Dir | FileKind::File) && key.0 == self.root_key.0;
                 let handle = (self.reopen_by_handle && reopenable).then(|| handle_of(fd.as_raw_fd())).flatten();
-                let node = LowerNode { key, kind, handle, fd: Mutex::new(Some(Arc::new(fd))), used: AtomicBool::new(true) };
+                let node = LowerNode { key, kind, handle, fd: Mutex::new(Some(Arc::new(fd))), used: AtomicBool::new(true), pinned: AtomicBool::new(false) };
                 table.by_id.insert(id, (Arc::new(node), 1));
                 true
             }
@@ -434,6 +439,31 @@ impl LowerDir {
             libc::openat(parent.fd.as_raw_fd(), c.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         })?;
         self.remember(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Before a name is removed (unlink, rmdir, rename over it), hold the inode it names open if
+    /// the kernel knows it as a node: node ids are inode numbers, and a freed inode's number may
+    /// go to the next object created while the kernel still holds the old node.
+    fn pin_victim(&self, parent: &NodeRef, name: &CStr) {
+        let Ok(raw) = check(unsafe {
+            libc::openat(parent.fd.as_raw_fd(), name.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        }) else {
+            return;
+        };
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let Ok(st) = fstat(fd.as_raw_fd()) else { return };
+        let Some(id) = self.natural_id(st.st_dev, st.st_ino) else { return };
+        let node = match self.nodes.lock().by_id.get(&id) {
+            Some((node, _)) if node.key == (st.st_dev, st.st_ino) => node.clone(),
+            _ => return,
+        };
+        node.pinned.store(true, Ordering::Relaxed);
+        let mut slot = node.fd.lock();
+        if slot.is_none() {
+            *slot = Some(Arc::new(fd));
+            drop(slot);
+            self.count_open_node_fd();
+        }
     }
 
     /// Say once, clearly, why operations fail when the descriptors run out.
@@ -719,18 +749,23 @@ impl LowerDir {
                     .map(Reply::Entry)
             }
             Op::Unlink { parent, name } => {
-                let p = self.node(parent)?;
-                check(unsafe { libc::unlinkat(p.fd.as_raw_fd(), cstr(name)?.as_ptr(), 0) })?;
+                let (p, name) = (self.node(parent)?, cstr(name)?);
+                self.pin_victim(&p, &name);
+                check(unsafe { libc::unlinkat(p.fd.as_raw_fd(), name.as_ptr(), 0) })?;
                 Ok(Reply::Empty)
             }
             Op::RmDir { parent, name } => {
-                let p = self.node(parent)?;
-                check(unsafe { libc::unlinkat(p.fd.as_raw_fd(), cstr(name)?.as_ptr(), libc::AT_REMOVEDIR) })?;
+                let (p, name) = (self.node(parent)?, cstr(name)?);
+                self.pin_victim(&p, &name);
+                check(unsafe { libc::unlinkat(p.fd.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) })?;
                 Ok(Reply::Empty)
             }
             Op::Rename { parent, name, new_parent, new_name, flags } => {
                 let (p, np) = (self.node(parent)?, self.node(new_parent)?);
                 let (from, to) = (cstr(name)?, cstr(new_name)?);
+                if flags & libc::RENAME_EXCHANGE == 0 {
+                    self.pin_victim(&np, &to);
+                }
                 check(unsafe {
                     libc::renameat2(p.fd.as_raw_fd(), from.as_ptr(), np.fd.as_raw_fd(), to.as_ptr(), flags)
                 })?;
