@@ -269,6 +269,19 @@ impl FuseFs {
         }
     }
 
+    /// `getxattr` or `listxattr`: the reply is a value, or only its size.
+    fn xattr_op<'a>(&self, req: &Request, ino: INodeNo, reply: ReplyXattr, op: impl FnOnce(NodeId) -> Op<'a>) {
+        match self.decode(ino) {
+            Ok((level, _, node)) => match level.call(&caller(req), &op(node)) {
+                Ok(Reply::Xattr(XattrReply::Size(n))) => reply.size(n),
+                Ok(Reply::Xattr(XattrReply::Data(d))) => reply.data(&d),
+                Ok(_) => reply.error(Errno::EIO),
+                Err(e) => reply.error(errno(&e)),
+            },
+            Err(e) => reply.error(e),
+        }
+    }
+
     /// An operation on a name in a directory that answers nothing. The reserved `.plyfs` is busy,
     /// like a mount point.
     fn name_op<'a>(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty, op: impl FnOnce(NodeId) -> Op<'a>) {
@@ -865,56 +878,28 @@ impl Filesystem for FuseFs {
         if ino.0 == LEVELS_DIR_INO {
             return reply.error(Errno::EPERM);
         }
-        match self.decode(ino) {
-            Ok((level, _, node)) => match level.call(&caller(req), &Op::SetXattr { node, name, value, flags }) {
-                Ok(_) => reply.ok(),
-                Err(e) => reply.error(errno(&e)),
-            },
-            Err(e) => reply.error(e),
-        }
+        self.empty_op(req, ino, reply, |node| Op::SetXattr { node, name, value, flags })
     }
 
     fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         if ino.0 == LEVELS_DIR_INO {
             return reply.error(Errno::ENODATA);
         }
-        match self.decode(ino) {
-            Ok((level, _, node)) => match level.call(&caller(req), &Op::GetXattr { node, name, size }) {
-                Ok(Reply::Xattr(XattrReply::Size(n))) => reply.size(n),
-                Ok(Reply::Xattr(XattrReply::Data(d))) => reply.data(&d),
-                Ok(_) => reply.error(Errno::EIO),
-                Err(e) => reply.error(errno(&e)),
-            },
-            Err(e) => reply.error(e),
-        }
+        self.xattr_op(req, ino, reply, |node| Op::GetXattr { node, name, size })
     }
 
     fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
         if ino.0 == LEVELS_DIR_INO {
             return if size == 0 { reply.size(0) } else { reply.data(&[]) };
         }
-        match self.decode(ino) {
-            Ok((level, _, node)) => match level.call(&caller(req), &Op::ListXattr { node, size }) {
-                Ok(Reply::Xattr(XattrReply::Size(n))) => reply.size(n),
-                Ok(Reply::Xattr(XattrReply::Data(d))) => reply.data(&d),
-                Ok(_) => reply.error(Errno::EIO),
-                Err(e) => reply.error(errno(&e)),
-            },
-            Err(e) => reply.error(e),
-        }
+        self.xattr_op(req, ino, reply, |node| Op::ListXattr { node, size })
     }
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         if ino.0 == LEVELS_DIR_INO {
             return reply.error(Errno::EPERM);
         }
-        match self.decode(ino) {
-            Ok((level, _, node)) => match level.call(&caller(req), &Op::RemoveXattr { node, name }) {
-                Ok(_) => reply.ok(),
-                Err(e) => reply.error(errno(&e)),
-            },
-            Err(e) => reply.error(e),
-        }
+        self.empty_op(req, ino, reply, |node| Op::RemoveXattr { node, name })
     }
 
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {

@@ -19,14 +19,11 @@ const EXT_OPS: &[ExtOpInfo] = &[ExtOpInfo {
     help: "this layer and the chain below it: names, kinds, and what each does to file data",
 }];
 
-/// The chain from `level` down to the bottom, one entry per layer.
-fn describe_chain(level: &Level) -> Vec<Value> {
-    let mut chain = Vec::new();
-    let mut next = Some(level.clone());
-    while let Some(level) = next {
-        let layer = level.layer();
-        chain.push(json!({ "name": layer.name(), "kind": layer.kind(), "data": layer.data_path().to_string() }));
-        next = layer.lower().first().cloned();
+/// `layer` and every layer below it, one entry each.
+fn describe_chain(layer: &dyn Layer) -> Vec<Value> {
+    let mut chain = vec![json!({ "name": layer.name(), "kind": layer.kind(), "data": layer.data_path().to_string() })];
+    if let Some(below) = layer.lower().first() {
+        chain.extend(describe_chain(below.layer().as_ref()));
     }
     chain
 }
@@ -50,11 +47,7 @@ impl Layer for Null {
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         match op {
-            Op::Extended { name: "describe", .. } => {
-                let mut chain = vec![json!({ "name": self.name, "kind": self.kind(), "data": self.data_path().to_string() })];
-                chain.extend(describe_chain(&self.lower[0]));
-                Ok(Reply::Extended(Value::Array(chain)))
-            }
+            Op::Extended { name: "describe", .. } => Ok(Reply::Extended(Value::Array(describe_chain(self)))),
             other => bypass(self, cx, other),
         }
     }
