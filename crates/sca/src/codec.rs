@@ -1,0 +1,38 @@
+//! What a size-changing layer implements: the two routines of Fast Indexing §6 (`encode_data`,
+//! `decode_data`) and a few facts about them. The framework does everything else.
+
+/// A size-changing algorithm, applied to one chunk at a time.
+pub trait Codec: Send + Sync + 'static {
+    /// Four bytes stored in every file this codec writes, so that a file is never decoded with
+    /// the wrong algorithm.
+    fn tag(&self) -> [u8; 4];
+
+    /// Append the encoding of `chunk` to `out`.
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String>;
+
+    /// Append the decoding of `encoded` to `out`. `decoded_len` is what it decoded to when it
+    /// was written; the framework checks that it still does.
+    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> Result<(), String>;
+
+    /// Whether the lower file may hold data unencoded: fast tails, and chunks a compressor
+    /// could not shrink. A cipher says no.
+    fn plaintext_safe(&self) -> bool {
+        true
+    }
+
+    /// Whether equal chunks always encode to equal bytes, so one encoded chunk can stand for a
+    /// whole run of zero chunks (a hole). A cipher with random nonces says no.
+    fn deterministic(&self) -> bool {
+        true
+    }
+
+    /// Whether to store a chunk as-is when encoding would not make it smaller (compressors).
+    fn store_raw_if_larger(&self) -> bool {
+        false
+    }
+}
+
+/// A four-character tag as text, for messages.
+pub fn tag_name(tag: [u8; 4]) -> String {
+    tag.iter().map(|&b| if b.is_ascii_graphic() { b as char } else { '?' }).collect::<String>().trim_end_matches('?').to_owned()
+}

@@ -1,0 +1,1077 @@
+//! One encoded file: reads, writes, truncation, recovery and compaction over its lower file.
+//!
+//! Writes never change a record in place. A rewritten chunk is appended to the log as a new
+//! record and the old one becomes dead space (the "decoupled order" of Fast Indexing §9), so a
+//! write in the middle costs one chunk of work however long the file is. [`ScaFile::compact`]
+//! reclaims the dead space; it runs by itself once the dead space outgrows the live data.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use plyfs_stack::{Error, Result};
+use serde_json::{json, Value};
+
+use crate::chunkmap::RecordRef;
+use crate::codec::{tag_name, Codec};
+use crate::format::*;
+use crate::index::FileIndex;
+
+/// The lower file under an encoded file. The layer implements it with operations on the layer
+/// below; tests implement it in memory.
+pub trait LowerIo {
+    /// Up to `len` bytes at `off` (fewer at the end of the file).
+    fn read_at(&self, off: u64, len: usize) -> Result<Vec<u8>>;
+    fn write_at(&self, off: u64, data: &[u8]) -> Result<()>;
+    fn set_len(&self, len: u64) -> Result<()>;
+    fn len(&self) -> Result<u64>;
+    fn sync(&self) -> Result<()>;
+    /// Whether the file can be written (repairs are skipped when it cannot).
+    fn writable(&self) -> bool;
+    /// The file, for messages.
+    fn describe(&self) -> String;
+}
+
+/// Per-layer settings and shared state: the codec and what it encodes a zero chunk to.
+pub struct Engine {
+    pub kind: &'static str,
+    pub codec: Arc<dyn Codec>,
+    /// Chunk size for new files, as a power of two.
+    pub chunk_shift: u8,
+    pub fast_tails: bool,
+    zero_chunks: Mutex<HashMap<u8, Arc<EncodedChunk>>>,
+}
+
+struct EncodedChunk {
+    payload: Vec<u8>,
+    raw: bool,
+}
+
+impl Engine {
+    pub fn new(kind: &'static str, codec: Arc<dyn Codec>, chunk_shift: u8, fast_tails: bool) -> Engine {
+        Engine { kind, codec, chunk_shift, fast_tails, zero_chunks: Mutex::new(HashMap::new()) }
+    }
+
+    fn encode(&self, chunk: &[u8]) -> Result<EncodedChunk> {
+        let mut payload = Vec::with_capacity(chunk.len() / 2 + 64);
+        self.codec
+            .encode(chunk, &mut payload)
+            .map_err(|e| Error::Corrupt(format!("{}: encoding failed: {e}", self.kind)))?;
+        if self.codec.store_raw_if_larger() && payload.len() >= chunk.len() {
+            return Ok(EncodedChunk { payload: chunk.to_vec(), raw: true });
+        }
+        Ok(EncodedChunk { payload, raw: false })
+    }
+
+    /// A zero chunk encoded once, for runs of holes.
+    fn zero_chunk(&self, chunk_shift: u8) -> Result<Arc<EncodedChunk>> {
+        if let Some(z) = self.zero_chunks.lock().get(&chunk_shift) {
+            return Ok(z.clone());
+        }
+        let z = Arc::new(self.encode(&vec![0; 1 << chunk_shift])?);
+        self.zero_chunks.lock().insert(chunk_shift, z.clone());
+        Ok(z)
+    }
+}
+
+/// Why a read could not be served from the index as it stands.
+#[derive(Debug)]
+pub enum Fault {
+    /// The index disagrees with the lower file: rebuild it and try again.
+    Stale(String),
+    Fail(Error),
+}
+
+impl From<Error> for Fault {
+    fn from(e: Error) -> Fault {
+        Fault::Fail(e)
+    }
+}
+
+/// Compaction runs once dead space exceeds both the live bytes and this much, so that small
+/// files do not pay its fsyncs for every few appends.
+pub const COMPACT_SLACK_BYTES: u64 = 64 << 10;
+/// A checkpoint is written at close once this many records followed the last one.
+const CHECKPOINT_EVERY_RECORDS: u64 = 32;
+/// Largest lower read or write the file issues at once.
+const IO_WINDOW_BYTES: u64 = 4 << 20;
+
+pub struct ScaFile<L: LowerIo> {
+    engine: Arc<Engine>,
+    lower: L,
+    ix: FileIndex,
+    header_on_disk: bool,
+    slot_seq: u64,
+    slot_dirty: bool,
+    /// Chunks whose newest data is gone: they read as EIO until rewritten whole.
+    lost: BTreeSet<u64>,
+    /// Records appended but not yet written to the lower file.
+    pending: Vec<u8>,
+    pending_start: u64,
+}
+
+impl<L: LowerIo> ScaFile<L> {
+    /// Open the encoded file in `lower`, loading and checking its index, and rebuilding it from
+    /// the records if it is missing or inconsistent.
+    pub fn open(engine: Arc<Engine>, lower: L) -> Result<ScaFile<L>> {
+        let mut f = ScaFile {
+            ix: FileIndex::new(engine.chunk_shift),
+            engine,
+            lower,
+            header_on_disk: false,
+            slot_seq: 0,
+            slot_dirty: false,
+            lost: BTreeSet::new(),
+            pending: Vec::new(),
+            pending_start: 0,
+        };
+        f.load()?;
+        Ok(f)
+    }
+
+    fn load(&mut self) -> Result<()> {
+        self.pending.clear();
+        self.lost.clear();
+        let len = self.lower.len()?;
+        self.header_on_disk = len > 0;
+        self.slot_seq = 0;
+        self.slot_dirty = false;
+        self.ix = FileIndex::new(self.engine.chunk_shift);
+        if len == 0 {
+            return Ok(());
+        }
+        let head = self.lower.read_at(0, DATA_START as usize)?;
+        let Some(header) = FileHeader::decode(&head) else {
+            return self.rebuild_without_header(len);
+        };
+        if header.codec != self.engine.codec.tag() {
+            return Err(Error::Corrupt(format!(
+                "{}: encoded by '{}', not by this '{}' layer",
+                self.lower.describe(),
+                tag_name(header.codec),
+                self.engine.kind
+            )));
+        }
+        self.ix = FileIndex::new(header.chunk_shift);
+        let slots = SLOT_OFFSETS.map(|at| head.get(at as usize..).and_then(Slot::decode));
+        let slot = Slot::newest(slots[0], slots[1]);
+        self.slot_seq = slot.map_or(0, |s| s.slot_seq);
+        match self.load_from_checkpoint(slot, len) {
+            Ok(()) => Ok(()),
+            Err(Fault::Stale(why)) => {
+                tracing::warn!("{}: the index is inconsistent ({why}); rebuilding it from the data", self.lower.describe());
+                self.rebuild(header.chunk_shift, None)
+            }
+            Err(Fault::Fail(e)) => Err(e),
+        }
+    }
+
+    /// The normal path: the checkpoint the slot names, then the records written after it.
+    fn load_from_checkpoint(&mut self, slot: Option<Slot>, len: u64) -> std::result::Result<(), Fault> {
+        let shift = self.ix.chunk_shift;
+        let mut ix = match slot.filter(|s| s.checkpoint_off != 0) {
+            None => FileIndex::new(shift),
+            Some(s) => {
+                let (h, payload) = self
+                    .read_record(s.checkpoint_off, len)?
+                    .ok_or_else(|| Fault::Stale(format!("no valid checkpoint at {}", s.checkpoint_off)))?;
+                if h.kind != Kind::Index || h.seq != s.checkpoint_seq || h.chunk_shift != shift {
+                    return Err(Fault::Stale(format!("the record at {} is not the checkpoint the header names", s.checkpoint_off)));
+                }
+                FileIndex::from_checkpoint(shift, s.checkpoint_off, &h, &payload).map_err(Fault::Stale)?
+            }
+        };
+        let after = ix.checkpoint.map_or(0, |c| c.seq);
+        let mut failure = None;
+        let end = self.scan(ix.log_end, len, false, |off, h, payload, ok| {
+            if failure.is_some() || h.seq <= after || h.chunk_shift != shift {
+                return; // copies left behind by compaction, already covered by the checkpoint
+            }
+            if !ok {
+                failure = Some(format!("the record at {off} has a bad checksum"));
+            } else if let Err(e) = ix.apply(off, h, payload) {
+                failure = Some(e);
+            }
+        })?;
+        if let Some(why) = failure {
+            return Err(Fault::Stale(why));
+        }
+        if end < len {
+            // Something after the last whole record: an interrupted append is harmless, but
+            // whole records further on mean damage in the middle of the log.
+            let mut later = false;
+            self.scan(end, len, true, |_, h, _, _| later |= h.seq > after)?;
+            if later {
+                return Err(Fault::Stale(format!("unreadable bytes at {end} before later records")));
+            }
+            tracing::warn!(
+                "{}: dropping {} bytes after the last whole record (an interrupted write)",
+                self.lower.describe(),
+                len - end
+            );
+            if self.lower.writable() {
+                self.lower.set_len(end)?;
+            }
+        }
+        ix.log_end = ix.log_end.max(end);
+        ix.validate(ix.log_end).map_err(Fault::Stale)?;
+        self.ix = ix;
+        Ok(())
+    }
+
+    /// The file header is unreadable: rebuild from the records if there are any, else this is
+    /// not an encoded file.
+    fn rebuild_without_header(&mut self, len: u64) -> Result<()> {
+        let mut shift = None;
+        self.scan(DATA_START, len, true, |_, h, _, _| {
+            shift.get_or_insert(h.chunk_shift);
+        })
+        .map_err(fault_to_error)?;
+        match shift {
+            Some(shift) => {
+                tracing::warn!("{}: the file header is damaged; rebuilding it and the index from the data", self.lower.describe());
+                self.rebuild(shift, None)
+            }
+            None => Err(Error::Corrupt(format!(
+                "{}: not a '{}' file (no plyfs header); convert existing files with `plyfs encode`",
+                self.lower.describe(),
+                self.engine.kind
+            ))),
+        }
+    }
+
+    /// Rebuild the index from the records alone (Fast Indexing §5), replaying every valid
+    /// record in sequence order. Chunks whose newest record is gone, judged against `known`
+    /// (the index in memory) or else the newest checkpoint found, become lost: EIO, not stale
+    /// data.
+    fn rebuild(&mut self, shift: u8, known: Option<&FileIndex>) -> Result<()> {
+        let len = self.lower.len()?;
+        let mut found: Vec<(RecordHeader, u64, Vec<u8>, bool)> = Vec::new();
+        self.scan(DATA_START, len, true, |off, h, payload, ok| {
+            if h.chunk_shift == shift {
+                let keep = matches!(h.kind, Kind::Tail | Kind::Index);
+                found.push((*h, off, if keep { payload.to_vec() } else { Vec::new() }, ok));
+            }
+        })
+        .map_err(fault_to_error)?;
+        // Compaction may leave copies of a record: keep one, a sound one if there is one.
+        found.sort_by_key(|(h, off, _, ok)| (h.seq, !*ok, *off));
+        found.dedup_by_key(|(h, _, _, _)| h.seq);
+
+        let newest_checkpoint = found
+            .iter()
+            .rev()
+            .filter(|(h, _, _, ok)| h.kind == Kind::Index && *ok)
+            .find_map(|(h, off, payload, _)| FileIndex::from_checkpoint(shift, *off, h, payload).ok());
+        let bound = known.cloned().or(newest_checkpoint);
+
+        let mut ix = FileIndex::new(shift);
+        let mut lost = BTreeSet::new();
+        for (h, off, payload, ok) in &found {
+            if h.kind == Kind::Index {
+                ix.log_end = ix.log_end.max(off + h.bytes());
+                ix.next_seq = ix.next_seq.max(h.seq + 1);
+                continue;
+            }
+            let zeros;
+            let payload = if *ok || h.kind != Kind::Tail {
+                payload.as_slice()
+            } else {
+                lost.insert(h.chunk);
+                zeros = vec![0; h.payload_len as usize];
+                zeros.as_slice()
+            };
+            if let Err(e) = ix.apply(*off, h, payload) {
+                tracing::warn!("{}: skipping record at {off}: {e}", self.lower.describe());
+            }
+        }
+        ix.checkpoint = None;
+        if let Some(bound) = &bound {
+            for chunk in 0..ix.chunks().min(bound.chunks()) {
+                if newest_seq(&ix, chunk) < newest_seq(bound, chunk) {
+                    lost.insert(chunk);
+                }
+            }
+        }
+        for chunk in 0..ix.chunks() {
+            let has_data = ix.map.get(chunk).is_some() || ix.tail.as_ref().is_some_and(|t| t.chunk == chunk);
+            if !has_data {
+                lost.insert(chunk);
+            }
+        }
+        lost.retain(|c| *c < ix.chunks());
+        if !lost.is_empty() {
+            tracing::error!(
+                "{}: the newest data of {} chunk(s) is missing or damaged (first at offset {}); they read as I/O errors until rewritten",
+                self.lower.describe(),
+                lost.len(),
+                lost.first().map_or(0, |c| c << shift)
+            );
+        }
+        self.ix = ix;
+        self.lost = lost;
+        self.header_on_disk = true;
+        if self.lower.writable() {
+            if self.ix.log_end < len {
+                self.lower.set_len(self.ix.log_end)?;
+            }
+            let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: shift };
+            self.lower.write_at(0, &header.encode())?;
+            self.write_checkpoint()?;
+            // Both slots, so that no older slot can name an older checkpoint.
+            self.write_slot()?;
+            self.lower.sync()?;
+        }
+        tracing::warn!(
+            "{}: index rebuilt from {} records: {} bytes in {} chunks",
+            self.lower.describe(),
+            found.len(),
+            self.ix.size,
+            self.ix.chunks()
+        );
+        Ok(())
+    }
+
+    /// Walk the records from `start`: each valid header with its payload and whether the
+    /// payload checks out. Without `resync` the walk stops at the first unreadable record;
+    /// with it, it searches on for the next one. Returns where the last valid record ends.
+    fn scan(
+        &self,
+        start: u64,
+        len: u64,
+        resync: bool,
+        mut visit: impl FnMut(u64, &RecordHeader, &[u8], bool),
+    ) -> std::result::Result<u64, Fault> {
+        let mut window = Window { start, bytes: Vec::new() };
+        let mut pos = start;
+        let mut valid_end = start;
+        while pos + RECORD_HEADER_BYTES <= len {
+            let header = window.get(&self.lower, pos, RECORD_HEADER_BYTES, len)?.and_then(RecordHeader::decode);
+            let whole = header.filter(|h| pos + h.bytes() <= len);
+            match whole {
+                Some(h) => {
+                    let payload_at = pos + RECORD_HEADER_BYTES;
+                    let payload = window.get(&self.lower, payload_at, h.payload_len.into(), len)?.unwrap_or(&[]);
+                    let ok = payload_ok(&h, payload);
+                    if !ok && !resync {
+                        break;
+                    }
+                    visit(pos, &h, payload, ok);
+                    pos += h.bytes();
+                    valid_end = pos;
+                }
+                None if resync => pos += RECORD_ALIGN,
+                None => break,
+            }
+        }
+        Ok(valid_end)
+    }
+
+    /// One record at `off`: its header and payload if both are valid.
+    fn read_record(&self, off: u64, len: u64) -> std::result::Result<Option<(RecordHeader, Vec<u8>)>, Fault> {
+        let head = self.lower.read_at(off, RECORD_HEADER_BYTES as usize)?;
+        let Some(h) = RecordHeader::decode(&head).filter(|h| off + h.bytes() <= len) else {
+            return Ok(None);
+        };
+        let payload = self.lower.read_at(off + RECORD_HEADER_BYTES, h.payload_len as usize)?;
+        Ok(payload_ok(&h, &payload).then_some((h, payload)))
+    }
+
+    // Reading.
+
+    pub fn size(&self) -> u64 {
+        self.ix.size
+    }
+
+    pub fn index(&self) -> &FileIndex {
+        &self.ix
+    }
+
+    pub fn lower(&self) -> &L {
+        &self.lower
+    }
+
+    /// Decoded bytes `off..off + len`, clipped to the file size.
+    pub fn read(&self, off: u64, len: usize) -> std::result::Result<Vec<u8>, Fault> {
+        let end = (off + len as u64).min(self.ix.size);
+        if off >= end {
+            return Ok(Vec::new());
+        }
+        let shift = self.ix.chunk_shift;
+        let cs = self.ix.chunk_bytes();
+        let mut out = Vec::with_capacity((end - off) as usize);
+        let mut chunk = off >> shift;
+        let last = (end - 1) >> shift;
+        let range_in = |c: u64| {
+            let start = c << shift;
+            ((off.max(start) - start) as usize, (end.min(start + cs) - start) as usize)
+        };
+        while chunk <= last {
+            self.check_not_lost(chunk)?;
+            if self.ix.tail.as_ref().is_some_and(|t| t.chunk == chunk) {
+                let content = self.tail_content()?;
+                let (s, e) = range_in(chunk);
+                copy_padded(&mut out, &content, s, e);
+                chunk += 1;
+                continue;
+            }
+            // Chunks whose records sit back to back in the log are read with one request.
+            let first = self.record_of(chunk)?;
+            let mut span = vec![(chunk, first)];
+            let (span_start, mut span_end) = (first.off, first.off + first.bytes());
+            while chunk + (span.len() as u64) <= last {
+                let next = chunk + span.len() as u64;
+                if self.lost.contains(&next) || self.ix.tail.as_ref().is_some_and(|t| t.chunk == next) {
+                    break;
+                }
+                let rec = self.record_of(next)?;
+                let same_run = rec.off == span.last().expect("not empty").1.off;
+                if !same_run && (rec.off != span_end || span_end - span_start >= IO_WINDOW_BYTES) {
+                    break;
+                }
+                span_end = span_end.max(rec.off + rec.bytes());
+                span.push((next, rec));
+            }
+            let bytes = self.lower.read_at(span_start, (span_end - span_start) as usize)?;
+            let mut run_cache: Option<(u64, Vec<u8>)> = None;
+            for (c, rec) in &span {
+                let at = (rec.off - span_start) as usize;
+                let (s, e) = range_in(*c);
+                if rec.kind == Kind::Run {
+                    if run_cache.as_ref().is_none_or(|(o, _)| *o != rec.off) {
+                        let payload = self.check_record(*c, rec, bytes.get(at..).unwrap_or(&[]))?;
+                        let mut decoded = Vec::with_capacity(cs as usize);
+                        self.decode_into(*c, rec, payload, &mut decoded)?;
+                        run_cache = Some((rec.off, decoded));
+                    }
+                    copy_padded(&mut out, &run_cache.as_ref().expect("filled").1, s, e);
+                    continue;
+                }
+                let payload = self.check_record(*c, rec, bytes.get(at..).unwrap_or(&[]))?;
+                if s == 0 && e == rec.decoded_len as usize {
+                    self.decode_into(*c, rec, payload, &mut out)?;
+                } else {
+                    let mut decoded = Vec::with_capacity(rec.decoded_len as usize);
+                    self.decode_into(*c, rec, payload, &mut decoded)?;
+                    copy_padded(&mut out, &decoded, s, e);
+                }
+            }
+            chunk += span.len() as u64;
+        }
+        Ok(out)
+    }
+
+    fn check_not_lost(&self, chunk: u64) -> std::result::Result<(), Fault> {
+        if self.lost.contains(&chunk) {
+            return Err(Fault::Fail(Error::Corrupt(format!(
+                "{}: data at offset {} is lost (its newest record is missing or damaged)",
+                self.lower.describe(),
+                chunk << self.ix.chunk_shift
+            ))));
+        }
+        Ok(())
+    }
+
+    fn record_of(&self, chunk: u64) -> std::result::Result<RecordRef, Fault> {
+        self.ix.map.get(chunk).ok_or_else(|| Fault::Stale(format!("chunk {chunk} has no record")))
+    }
+
+    /// Check that `bytes` (starting at the record) hold the record the index expects for
+    /// `chunk`, and return its payload.
+    fn check_record<'b>(&self, chunk: u64, rec: &RecordRef, bytes: &'b [u8]) -> std::result::Result<&'b [u8], Fault> {
+        let stale = || Fault::Stale(format!("the record at {} is not chunk {chunk}'s", rec.off));
+        let h = RecordHeader::decode(bytes).ok_or_else(stale)?;
+        let count = if h.kind == Kind::Run { u64::from(h.count) } else { 1 };
+        if h.kind != rec.kind
+            || h.seq != rec.seq
+            || h.payload_len != rec.payload_len
+            || h.decoded_len != rec.decoded_len
+            || !(h.chunk..h.chunk + count).contains(&chunk)
+        {
+            return Err(stale());
+        }
+        let payload = bytes.get(RECORD_HEADER_BYTES as usize..(RECORD_HEADER_BYTES + u64::from(h.payload_len)) as usize);
+        match payload {
+            Some(p) if payload_ok(&h, p) => Ok(p),
+            _ => Err(Fault::Fail(self.corrupt(chunk, rec.off, "checksum mismatch"))),
+        }
+    }
+
+    fn decode_into(&self, chunk: u64, rec: &RecordRef, payload: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), Fault> {
+        let before = out.len();
+        if rec.raw {
+            out.extend_from_slice(payload);
+        } else if let Err(e) = self.engine.codec.decode(payload, rec.decoded_len as usize, out) {
+            out.truncate(before);
+            return Err(Fault::Fail(self.corrupt(chunk, rec.off, &e)));
+        }
+        if out.len() - before != rec.decoded_len as usize {
+            let got = out.len() - before;
+            out.truncate(before);
+            return Err(Fault::Fail(self.corrupt(chunk, rec.off, &format!("decoded to {got} bytes, not {}", rec.decoded_len))));
+        }
+        Ok(())
+    }
+
+    /// Log and return the error for a damaged chunk: the file, the upper offset, the lower
+    /// offset, the cause.
+    fn corrupt(&self, chunk: u64, lower_off: u64, why: &str) -> Error {
+        let msg = format!(
+            "{}: corrupt data at offset {} (record at lower offset {lower_off}): {why}",
+            self.lower.describe(),
+            chunk << self.ix.chunk_shift
+        );
+        tracing::error!("{msg}");
+        Error::Corrupt(msg)
+    }
+
+    fn tail_content(&self) -> std::result::Result<Vec<u8>, Fault> {
+        let t = self.ix.tail.as_ref().expect("caller checked");
+        let mut content = Vec::with_capacity(t.len() as usize);
+        if let Some(base) = &t.base {
+            let bytes = self.lower.read_at(base.off, base.bytes() as usize)?;
+            let payload = self.check_record(t.chunk, base, &bytes)?;
+            self.decode_into(t.chunk, base, payload, &mut content)?;
+            content.truncate(t.keep as usize);
+        }
+        content.extend_from_slice(&t.bytes);
+        Ok(content)
+    }
+
+    /// The decoded content of one chunk (empty past the end of the file).
+    fn chunk_content(&self, chunk: u64) -> std::result::Result<Vec<u8>, Fault> {
+        let start = chunk << self.ix.chunk_shift;
+        let len = self.ix.chunk_len(chunk) as usize;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        self.read(start, len)
+    }
+
+    // Writing.
+
+    /// Run `op`, rebuilding the index once if it turns out stale.
+    fn with_rebuild<T>(&mut self, mut op: impl FnMut(&mut Self) -> std::result::Result<T, Fault>) -> Result<T> {
+        match op(self) {
+            Ok(v) => Ok(v),
+            Err(Fault::Fail(e)) => Err(e),
+            Err(Fault::Stale(why)) => {
+                // Records already appended by the failed attempt are valid: keep them.
+                self.flush_pending()?;
+                tracing::warn!("{}: the index is inconsistent ({why}); rebuilding it from the data", self.lower.describe());
+                let known = self.ix.clone();
+                self.rebuild(self.ix.chunk_shift, Some(&known))?;
+                op(self).map_err(fault_to_error)
+            }
+        }
+    }
+
+    /// Write `data` at `off`, extending the file with zeros if `off` is past its end.
+    pub fn write(&mut self, off: u64, data: &[u8]) -> Result<usize> {
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let result = self.with_rebuild(|f| f.write_chunks(off, data));
+        self.finish(result.map(|()| data.len()))
+    }
+
+    fn write_chunks(&mut self, off: u64, data: &[u8]) -> std::result::Result<(), Fault> {
+        if off > self.ix.size {
+            self.extend(off)?;
+        }
+        let shift = self.ix.chunk_shift;
+        let cs = self.ix.chunk_bytes();
+        let end = off + data.len() as u64;
+        for chunk in (off >> shift)..=((end - 1) >> shift) {
+            let start = chunk << shift;
+            let s = (off.max(start) - start) as usize;
+            let e = (end.min(start + cs) - start) as usize;
+            let piece = &data[(start + s as u64 - off) as usize..(start + e as u64 - off) as usize];
+            let current = self.ix.chunk_len(chunk) as usize;
+            let new_size = self.ix.size.max(start + e as u64);
+            if self.engine.fast_tails && s == current && (e as u64) < cs {
+                // An append inside the last chunk: store the bytes as they are (§4.2).
+                self.check_not_lost(chunk)?;
+                self.append_tail(chunk, s as u32, piece, new_size)?;
+            } else if s == 0 && e >= current {
+                self.lost.remove(&chunk);
+                self.store_chunk(chunk, piece, new_size)?;
+            } else {
+                let mut content = self.chunk_content(chunk)?;
+                content.resize(current.max(e), 0);
+                content[s..e].copy_from_slice(piece);
+                self.store_chunk(chunk, &content, new_size)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Grow the file to `size` with zeros, encoding them too (§4.4, case 4).
+    fn extend(&mut self, size: u64) -> std::result::Result<(), Fault> {
+        let shift = self.ix.chunk_shift;
+        let cs = self.ix.chunk_bytes();
+        let old = self.ix.size;
+        if old % cs != 0 {
+            // Fill out the partial last chunk (as far as the new size reaches into it).
+            let chunk = old >> shift;
+            let current = (old % cs) as usize;
+            let target = (size - (chunk << shift)).min(cs) as usize;
+            let new_size = (chunk << shift) + target as u64;
+            if self.engine.fast_tails && (target as u64) < cs {
+                self.append_tail(chunk, current as u32, &vec![0; target - current], new_size)?;
+            } else {
+                let mut content = self.chunk_content(chunk)?;
+                content.resize(target, 0);
+                self.store_chunk(chunk, &content, new_size)?;
+            }
+        }
+        let first_hole = self.ix.size.div_ceil(cs);
+        let full_end = size >> shift;
+        if full_end > first_hole {
+            self.zero_run(first_hole, full_end - first_hole)?;
+        }
+        if size > self.ix.size {
+            let chunk = size >> shift;
+            let zeros = vec![0; (size - (chunk << shift)) as usize];
+            if self.engine.fast_tails {
+                self.append_tail(chunk, 0, &zeros, size)?;
+            } else {
+                self.store_chunk(chunk, &zeros, size)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Zero chunks `first..first + count`, as shared `Run` records when the codec allows.
+    fn zero_run(&mut self, first: u64, count: u64) -> std::result::Result<(), Fault> {
+        let shift = self.ix.chunk_shift;
+        if !self.engine.codec.deterministic() {
+            let zeros = vec![0; 1 << shift];
+            for chunk in first..first + count {
+                self.store_chunk(chunk, &zeros, (chunk + 1) << shift)?;
+            }
+            return Ok(());
+        }
+        let z = self.engine.zero_chunk(shift)?;
+        let mut chunk = first;
+        while chunk < first + count {
+            let n = (first + count - chunk).min(u64::from(u32::MAX));
+            let header = RecordHeader {
+                kind: Kind::Run,
+                flags: if z.raw { FLAG_RAW } else { 0 },
+                count: n as u32,
+                decoded_len: 1 << shift,
+                ..self.header_for(chunk, (chunk + n) << shift)
+            };
+            self.append_record(header, &z.payload)?;
+            chunk += n;
+        }
+        Ok(())
+    }
+
+    /// Store a chunk's whole content: encoded, or raw as the fast tail when it is the partial
+    /// last chunk and fast tails are on.
+    fn store_chunk(&mut self, chunk: u64, content: &[u8], new_size: u64) -> std::result::Result<(), Fault> {
+        let is_partial_last = (content.len() as u64) < self.ix.chunk_bytes() && new_size >> self.ix.chunk_shift == chunk;
+        if self.engine.fast_tails && is_partial_last {
+            return self.append_tail(chunk, 0, content, new_size);
+        }
+        let encoded = self.engine.encode(content)?;
+        let header = RecordHeader {
+            kind: Kind::Data,
+            flags: if encoded.raw { FLAG_RAW } else { 0 },
+            count: 1,
+            decoded_len: content.len() as u32,
+            ..self.header_for(chunk, new_size)
+        };
+        Ok(self.append_record(header, &encoded.payload)?)
+    }
+
+    fn append_tail(&mut self, chunk: u64, keep: u32, bytes: &[u8], new_size: u64) -> std::result::Result<(), Fault> {
+        let header = RecordHeader { kind: Kind::Tail, count: keep, decoded_len: bytes.len() as u32, ..self.header_for(chunk, new_size) };
+        self.append_record(header, bytes)?;
+        // Many small appends leave many fragments: fold them into one now and then.
+        let fragments = self.ix.tail.as_ref().map_or(0, |t| t.fragments.len());
+        if fragments > 64 {
+            let content = self.tail_content()?;
+            let t = self.ix.tail.as_ref().expect("just appended");
+            let header = RecordHeader { kind: Kind::Tail, count: 0, decoded_len: content.len() as u32, ..self.header_for(t.chunk, self.ix.size) };
+            self.append_record(header, &content)?;
+        }
+        Ok(())
+    }
+
+    fn header_for(&self, chunk: u64, file_size: u64) -> RecordHeader {
+        RecordHeader {
+            kind: Kind::Data,
+            flags: 0,
+            chunk_shift: self.ix.chunk_shift,
+            seq: self.ix.next_seq,
+            chunk,
+            count: 0,
+            decoded_len: 0,
+            payload_len: 0,
+            payload_crc: 0,
+            file_size,
+        }
+    }
+
+    /// Add a record at the end of the log and to the index. It reaches the lower file at the
+    /// next [`Self::flush_pending`], at the latest when the operation ends.
+    fn append_record(&mut self, header: RecordHeader, payload: &[u8]) -> Result<()> {
+        if !self.header_on_disk {
+            self.pending_start = 0;
+            self.pending.clear();
+            let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: self.ix.chunk_shift };
+            self.pending.extend_from_slice(&header.encode());
+            self.pending.resize(DATA_START as usize, 0);
+            self.header_on_disk = true;
+        }
+        let off = self.ix.log_end;
+        if self.pending.is_empty() {
+            self.pending_start = off;
+        }
+        debug_assert_eq!(self.pending_start + self.pending.len() as u64, off);
+        let mut out = std::mem::take(&mut self.pending);
+        let start = out.len();
+        build_record(header, payload, &mut out);
+        let written = RecordHeader::decode(&out[start..]).expect("a record just built is valid");
+        self.pending = out;
+        self.ix.apply(off, &written, payload).map_err(|e| Error::Corrupt(format!("{}: {e}", self.lower.describe())))?;
+        self.slot_dirty = true;
+        if self.pending.len() as u64 >= IO_WINDOW_BYTES {
+            self.flush_pending()?;
+        }
+        Ok(())
+    }
+
+    fn flush_pending(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let bytes = std::mem::take(&mut self.pending);
+        self.lower.write_at(self.pending_start, &bytes)
+    }
+
+    /// End a modifying operation: write what is pending, compact if it is time. On a lower
+    /// failure the index in memory may be ahead of the file, so it is reloaded.
+    fn finish<T>(&mut self, result: Result<T>) -> Result<T> {
+        let result = result.and_then(|v| self.flush_pending().map(|()| v));
+        match result {
+            Ok(v) => {
+                if self.ix.dead_bytes() > self.ix.live_bytes().max(COMPACT_SLACK_BYTES) {
+                    self.compact()?;
+                }
+                Ok(v)
+            }
+            Err(e) => {
+                self.pending.clear();
+                if let Err(reload) = self.load() {
+                    tracing::error!("{}: reloading the index after a failed write: {reload}", self.lower.describe());
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Set the decoded size (§4.4): on a chunk boundary, inside a chunk, inside a fast tail,
+    /// or past the end.
+    pub fn truncate(&mut self, size: u64) -> Result<()> {
+        if size == self.ix.size {
+            return Ok(());
+        }
+        if size == 0 {
+            self.pending.clear();
+            self.lower.set_len(0)?;
+            self.ix = FileIndex::new(self.engine.chunk_shift);
+            self.header_on_disk = false;
+            self.lost.clear();
+            self.slot_seq = 0;
+            self.slot_dirty = false;
+            return Ok(());
+        }
+        let result = self.with_rebuild(|f| f.truncate_chunks(size));
+        self.finish(result)
+    }
+
+    fn truncate_chunks(&mut self, size: u64) -> std::result::Result<(), Fault> {
+        if size > self.ix.size {
+            return self.extend(size);
+        }
+        let shift = self.ix.chunk_shift;
+        let chunk = size >> shift;
+        let keep = (size - (chunk << shift)) as u32;
+        let in_tail = self.ix.tail.as_ref().is_some_and(|t| t.chunk == chunk);
+        if keep == 0 {
+            let header = RecordHeader { kind: Kind::Size, ..self.header_for(chunk, size) };
+            self.append_record(header, &[])?;
+        } else if in_tail || (self.engine.fast_tails && !self.lost.contains(&chunk)) {
+            // Keep a prefix of the chunk as it is stored: no decoding, no encoding.
+            if !in_tail && self.ix.map.get(chunk).is_none_or(|r| r.decoded_len < keep) {
+                let content = self.chunk_content(chunk)?;
+                return self.store_chunk(chunk, &content[..keep as usize], size);
+            }
+            self.append_tail(chunk, keep, &[], size)?;
+        } else {
+            let content = self.chunk_content(chunk)?;
+            self.store_chunk(chunk, &content[..keep as usize], size)?;
+        }
+        self.lost.retain(|c| *c < self.ix.chunks());
+        Ok(())
+    }
+
+    /// Zero `off..off + len` inside the file (hole punching).
+    pub fn zero_range(&mut self, off: u64, len: u64) -> Result<()> {
+        let end = (off + len).min(self.ix.size);
+        let mut at = off;
+        while at < end {
+            let n = (end - at).min(IO_WINDOW_BYTES);
+            self.write(at, &vec![0; n as usize])?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    // Persistence.
+
+    /// Make everything written so far durable.
+    pub fn sync(&mut self) -> Result<()> {
+        self.flush_pending()?;
+        if self.slot_dirty {
+            self.write_slot()?;
+        }
+        self.lower.sync()
+    }
+
+    /// Called at the last close: leave a checkpoint if many records followed the last one,
+    /// and the slot up to date, so the next open reads little.
+    pub fn close(&mut self) -> Result<()> {
+        self.flush_pending()?;
+        if self.ix.since_checkpoint >= CHECKPOINT_EVERY_RECORDS {
+            self.write_checkpoint()?;
+        } else if self.slot_dirty {
+            self.write_slot()?;
+        }
+        Ok(())
+    }
+
+    fn write_checkpoint(&mut self) -> Result<()> {
+        if !self.header_on_disk {
+            return Ok(());
+        }
+        let payload = self.ix.checkpoint_payload();
+        let header = RecordHeader { kind: Kind::Index, ..self.header_for(0, self.ix.size) };
+        self.append_record(header, &payload)?;
+        self.flush_pending()?;
+        self.write_slot()
+    }
+
+    fn write_slot(&mut self) -> Result<()> {
+        if !self.header_on_disk {
+            return Ok(());
+        }
+        self.flush_pending()?;
+        self.slot_seq += 1;
+        let checkpoint = self.ix.checkpoint;
+        let slot = Slot {
+            slot_seq: self.slot_seq,
+            file_size: self.ix.size,
+            covered_seq: self.ix.next_seq - 1,
+            log_end: self.ix.log_end,
+            checkpoint_off: checkpoint.map_or(0, |c| c.off),
+            checkpoint_seq: checkpoint.map_or(0, |c| c.seq),
+        };
+        self.lower.write_at(Slot::offset_for(self.slot_seq), &slot.encode())?;
+        self.slot_dirty = false;
+        Ok(())
+    }
+
+    /// Move the live records together at the front of the log and cut the file after them.
+    ///
+    /// Crash safety: a checkpoint of the current state is made durable first, so the records
+    /// written after it (none) are all the normal load reads. Records then move only into dead
+    /// space, directly when they all fit into the first gap, otherwise through a copy after
+    /// the end of the log that is made durable before anything it came from is overwritten.
+    /// Every live record thus exists intact somewhere at every moment, and the newest
+    /// checkpoint is never overwritten before a newer one is durable.
+    pub fn compact(&mut self) -> Result<Value> {
+        let before = self.lower.len()?;
+        if !self.header_on_disk || !self.lower.writable() {
+            return Ok(json!({ "before": before, "after": before }));
+        }
+        self.flush_pending()?;
+        self.write_checkpoint()?;
+        self.lower.sync()?;
+        let live = self.ix.live_records();
+        let mut w = DATA_START;
+        let mut settled = 0;
+        while settled < live.len() && live[settled].off == w {
+            w += live[settled].bytes();
+            settled += 1;
+        }
+        let movers = &live[settled..];
+        let moved_bytes: u64 = movers.iter().map(|r| r.bytes()).sum();
+        let mut relocation = HashMap::new();
+        if !movers.is_empty() {
+            if w + moved_bytes <= movers[0].off {
+                self.copy_records(movers, w, &mut relocation)?;
+            } else {
+                let scratch = self.ix.log_end;
+                let mut via_scratch = HashMap::new();
+                self.copy_records(movers, scratch, &mut via_scratch)?;
+                self.lower.sync()?;
+                let staged: Vec<RecordRef> = movers.iter().map(|r| RecordRef { off: via_scratch[&r.off], ..*r }).collect();
+                let mut down = HashMap::new();
+                self.copy_records(&staged, w, &mut down)?;
+                for r in movers {
+                    relocation.insert(r.off, down[&via_scratch[&r.off]]);
+                }
+            }
+            self.lower.sync()?;
+        }
+        let old_checkpoint = self.ix.checkpoint.expect("written above");
+        let compacted_end = w + moved_bytes;
+        self.ix.relocate(&relocation);
+        // The next checkpoint may not overwrite the one in force (see above).
+        let next_bytes = record_bytes(self.ix.checkpoint_payload().len() as u32);
+        let overlaps = compacted_end + next_bytes > old_checkpoint.off && compacted_end < old_checkpoint.off + old_checkpoint.bytes;
+        self.ix.log_end = if overlaps { old_checkpoint.off + old_checkpoint.bytes } else { compacted_end };
+        self.ix.checkpoint = None;
+        self.write_checkpoint()?;
+        self.lower.sync()?;
+        self.lower.set_len(self.ix.log_end)?;
+        let after = self.ix.log_end;
+        tracing::debug!("{}: compacted from {before} to {after} bytes", self.lower.describe());
+        Ok(json!({ "before": before, "after": after }))
+    }
+
+    /// Copy `records` (in log order) to consecutive places from `to`, recording old → new.
+    fn copy_records(&self, records: &[RecordRef], mut to: u64, moved: &mut HashMap<u64, u64>) -> Result<()> {
+        let mut i = 0;
+        while i < records.len() {
+            // A group of records adjacent in the log, up to the I/O window.
+            let start = records[i].off;
+            let mut end = start + records[i].bytes();
+            let mut j = i + 1;
+            while j < records.len() && records[j].off == end && end - start < IO_WINDOW_BYTES {
+                end += records[j].bytes();
+                j += 1;
+            }
+            let bytes = self.lower.read_at(start, (end - start) as usize)?;
+            if bytes.len() as u64 != end - start {
+                return Err(Error::Corrupt(format!("{}: the log is shorter than its index says", self.lower.describe())));
+            }
+            self.lower.write_at(to, &bytes)?;
+            for r in &records[i..j] {
+                moved.insert(r.off, to + (r.off - start));
+            }
+            to += end - start;
+            i = j;
+        }
+        Ok(())
+    }
+
+    // Extended operations.
+
+    /// Decode every chunk and check the index: a report of what is wrong, if anything.
+    pub fn verify(&mut self) -> Result<Value> {
+        let len = self.lower.len()?;
+        let mut problems = Vec::new();
+        if let Err(e) = self.ix.validate(len) {
+            problems.push(json!({ "offset": Value::Null, "error": format!("index: {e}") }));
+        }
+        let cs = self.ix.chunk_bytes();
+        for chunk in 0..self.ix.chunks() {
+            if let Err(fault) = self.read(chunk * cs, cs as usize) {
+                let error = match fault {
+                    Fault::Stale(why) => format!("index: {why}"),
+                    Fault::Fail(e) => e.to_string(),
+                };
+                problems.push(json!({ "offset": chunk * cs, "error": error }));
+            }
+        }
+        Ok(json!({
+            "ok": problems.is_empty(),
+            "chunks": self.ix.chunks(),
+            "size": self.ix.size,
+            "problems": problems,
+        }))
+    }
+
+    /// Rebuild the index from the data, whatever state it is in.
+    pub fn recover_index(&mut self) -> Result<Value> {
+        self.flush_pending()?;
+        let known = self.ix.clone();
+        self.rebuild(self.ix.chunk_shift, Some(&known))?;
+        Ok(json!({ "size": self.ix.size, "chunks": self.ix.chunks(), "lost_chunks": self.lost.len() }))
+    }
+
+    pub fn stats(&self) -> Result<Value> {
+        let lower = self.lower.len()?;
+        let ix = &self.ix;
+        Ok(json!({
+            "codec": self.engine.kind,
+            "chunk_bytes": ix.chunk_bytes(),
+            "decoded_size": ix.size,
+            "encoded_size": lower,
+            "ratio": if ix.size == 0 { Value::Null } else { json!((lower as f64) / (ix.size as f64)) },
+            "live_bytes": if lower == 0 { 0 } else { ix.live_bytes() },
+            "dead_bytes": ix.dead_bytes(),
+            "chunks": ix.chunks(),
+            "fast_tail_bytes": ix.tail.as_ref().map_or(0, |t| t.bytes.len()),
+            "lost_chunks": self.lost.len(),
+            "index": ix.checkpoint.map(|c| json!({ "offset": c.off, "bytes": c.bytes, "seq": c.seq })),
+            "records_since_checkpoint": ix.since_checkpoint,
+        }))
+    }
+}
+
+fn fault_to_error(f: Fault) -> Error {
+    match f {
+        Fault::Fail(e) => e,
+        Fault::Stale(why) => Error::Corrupt(why),
+    }
+}
+
+/// The newest record sequence number behind `chunk` in `ix`.
+fn newest_seq(ix: &FileIndex, chunk: u64) -> u64 {
+    if let Some(t) = ix.tail.as_ref().filter(|t| t.chunk == chunk) {
+        return t.fragments.iter().map(|f| f.seq).max().unwrap_or(0);
+    }
+    ix.map.get(chunk).map_or(0, |r| r.seq)
+}
+
+/// Append `content[s..e]` to `out`, with zeros for whatever `content` lacks.
+fn copy_padded(out: &mut Vec<u8>, content: &[u8], s: usize, e: usize) {
+    let have = content.len().min(e);
+    if s < have {
+        out.extend_from_slice(&content[s..have]);
+    }
+    out.resize(out.len() + (e - s.max(have)), 0);
+}
+
+/// A sliding read window over the lower file, for scans.
+struct Window {
+    start: u64,
+    bytes: Vec<u8>,
+}
+
+impl Window {
+    /// `len` bytes at `off`, or `None` if the file ends first.
+    fn get<'w, L: LowerIo>(&'w mut self, lower: &L, off: u64, len: u64, file_len: u64) -> Result<Option<&'w [u8]>> {
+        if off + len > file_len {
+            return Ok(None);
+        }
+        let have = off >= self.start && off + len <= self.start + self.bytes.len() as u64;
+        if !have {
+            let want = len.max(1 << 20).min(file_len - off);
+            self.bytes = lower.read_at(off, want as usize)?;
+            self.start = off;
+            if (self.bytes.len() as u64) < len {
+                return Ok(None);
+            }
+        }
+        let at = (off - self.start) as usize;
+        Ok(Some(&self.bytes[at..at + len as usize]))
+    }
+}

@@ -1,0 +1,535 @@
+//! [`ScaLayer`]: a size-changing layer around any [`Codec`]. Upper files show decoded bytes
+//! and sizes; the lower files hold the encoded records and the index.
+//!
+//! Each open file has one [`ScaFile`] shared by all its handles and hard links, reading and
+//! writing the lower file through a handle the layer opens for itself below. Everything that
+//! is not about file data bypasses to the layer below.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::SystemTime;
+
+use parking_lot::{Mutex, RwLock};
+use plyfs_stack::{
+    bypass, Attr, BuildArgs, Caller, DataPath, Error, ExtOpInfo, FileHandle, FileKind, Layer, Level, NodeId, Op, Opened,
+    Reply, Result, SetAttr,
+};
+use plyfs_stack::spec::{ParamSpec, Params};
+use serde_json::Value;
+
+use crate::codec::Codec;
+use crate::file::{Engine, Fault, LowerIo, ScaFile};
+use crate::format::{FileHeader, Slot, DATA_START, MAX_CHUNK_SHIFT, MIN_CHUNK_SHIFT, SLOT_OFFSETS};
+
+pub const CHUNK_PARAM: ParamSpec = ParamSpec {
+    name: "chunk",
+    help: "chunk size for new files: a power of two from 4k to 1m (larger chunks compress better)",
+    default: Some("4k"),
+};
+
+pub const FAST_TAILS_PARAM: ParamSpec = ParamSpec {
+    name: "fast_tails",
+    help: "keep the last partial chunk unencoded, so small appends do not re-encode it (on/off)",
+    default: Some("off"),
+};
+
+pub const EXT_OPS: &[ExtOpInfo] = &[
+    ExtOpInfo { name: "verify", args: "", help: "decode every chunk of the file and check its index" },
+    ExtOpInfo { name: "recover-index", args: "", help: "rebuild the file's index from its data" },
+    ExtOpInfo { name: "compact", args: "", help: "move the file's live records together and cut the dead space" },
+    ExtOpInfo { name: "sca-stats", args: "", help: "decoded size, encoded size, ratio, dead space" },
+];
+
+/// Parse a chunk size (`4k`, `64k`, `1m`, `65536`) into its power of two.
+pub fn parse_chunk_size(params: &Params, value: &str) -> Result<u8> {
+    let v = value.trim().to_ascii_lowercase();
+    let (digits, unit) = match v.strip_suffix(['k', 'm']) {
+        Some(d) => (d, if v.ends_with('k') { 1u64 << 10 } else { 1 << 20 }),
+        None => (v.as_str(), 1),
+    };
+    let bytes = digits.parse::<u64>().ok().and_then(|n| n.checked_mul(unit));
+    match bytes {
+        Some(b) if b.is_power_of_two() && (MIN_CHUNK_SHIFT..=MAX_CHUNK_SHIFT).contains(&(b.trailing_zeros() as u8)) => {
+            Ok(b.trailing_zeros() as u8)
+        }
+        _ => Err(params.bad(CHUNK_PARAM.name, value, "expected a power of two from 4k to 1m")),
+    }
+}
+
+/// Build a size-changing layer of kind `kind` around `codec`, reading the framework's own
+/// parameters (`chunk`, `fast_tails`) from `args`.
+pub fn build_sca_layer(args: BuildArgs, kind: &'static str, codec: Arc<dyn Codec>) -> Result<Arc<dyn Layer>> {
+    let chunk_shift = match args.params.get(CHUNK_PARAM.name) {
+        Some(v) => parse_chunk_size(&args.params, v)?,
+        None => MIN_CHUNK_SHIFT,
+    };
+    let fast_tails = args.params.flag(FAST_TAILS_PARAM.name, false)?;
+    if fast_tails && !codec.plaintext_safe() {
+        return Err(Error::config(format!(
+            "layer '{}': fast_tails=on is refused: '{kind}' must never leave unencoded data in the lower file",
+            args.name
+        )));
+    }
+    Ok(Arc::new(ScaLayer {
+        name: args.name,
+        engine: Arc::new(Engine::new(kind, codec, chunk_shift, fast_tails)),
+        lower: [args.lower],
+        open: Mutex::new(HashMap::new()),
+        next_fh: AtomicU64::new(1),
+        sizes: Mutex::new(HashMap::new()),
+    }))
+}
+
+pub struct ScaLayer {
+    name: String,
+    engine: Arc<Engine>,
+    lower: [Level; 1],
+    /// Files open through this layer (or held by an extended operation).
+    open: Mutex<HashMap<NodeId, Arc<OpenFile>>>,
+    next_fh: AtomicU64,
+    /// Decoded sizes of closed files, valid while the lower attributes are unchanged.
+    sizes: Mutex<HashMap<NodeId, CachedSize>>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct LowerStamp {
+    size: u64,
+    mtime: SystemTime,
+    ctime: SystemTime,
+}
+
+impl LowerStamp {
+    fn of(a: &Attr) -> LowerStamp {
+        LowerStamp { size: a.size, mtime: a.mtime, ctime: a.ctime }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct CachedSize {
+    stamp: LowerStamp,
+    decoded: u64,
+}
+
+struct OpenFile {
+    /// Upper handles plus extended operations in progress.
+    users: Mutex<usize>,
+    file: RwLock<ScaFile<LowerFile>>,
+}
+
+/// The lower file under an open encoded file: the layer's own handle on the level below.
+struct LowerFile {
+    level: Level,
+    node: NodeId,
+    fh: FileHandle,
+    writable: bool,
+    label: OnceLock<String>,
+}
+
+fn internal() -> Caller {
+    Caller::daemon()
+}
+
+impl LowerIo for LowerFile {
+    fn read_at(&self, off: u64, len: usize) -> Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(len);
+        while out.len() < len {
+            let want = (len - out.len()).min(u32::MAX as usize >> 1) as u32;
+            let got = self.level.read(&internal(), self.node, self.fh, off + out.len() as u64, want)?;
+            if got.is_empty() {
+                break;
+            }
+            out.extend_from_slice(&got);
+        }
+        Ok(out)
+    }
+
+    fn write_at(&self, off: u64, data: &[u8]) -> Result<()> {
+        let mut done = 0;
+        while done < data.len() {
+            let n = self.level.write(&internal(), self.node, self.fh, off + done as u64, &data[done..])? as usize;
+            if n == 0 {
+                return Err(Error::Os(libc::EIO));
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> Result<()> {
+        let set = SetAttr { size: Some(len), ..Default::default() };
+        self.level.call(&internal(), &Op::SetAttr { node: self.node, fh: Some(self.fh), set }).map(|_| ())
+    }
+
+    fn len(&self) -> Result<u64> {
+        match self.level.call(&internal(), &Op::GetAttr { node: self.node, fh: Some(self.fh) })? {
+            Reply::Attr(a) => Ok(a.size),
+            _ => Err(Error::Os(libc::EIO)),
+        }
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.level.call(&internal(), &Op::Fsync { node: self.node, fh: self.fh, datasync: true }).map(|_| ())
+    }
+
+    fn writable(&self) -> bool {
+        self.writable
+    }
+
+    fn describe(&self) -> String {
+        self.label
+            .get_or_init(|| {
+                self.level
+                    .extended(&internal(), self.node, "lower-info", &[])
+                    .ok()
+                    .and_then(|v| v.get("lower_path").and_then(Value::as_str).map(str::to_owned))
+                    .unwrap_or_else(|| format!("inode {}", self.node.0))
+            })
+            .clone()
+    }
+}
+
+impl ScaLayer {
+    fn below(&self) -> &Level {
+        &self.lower[0]
+    }
+
+    /// Open the node's lower file for the layer's own use: read-write when possible.
+    fn open_lower(&self, node: NodeId) -> Result<LowerFile> {
+        let cx = internal();
+        let (opened, writable) = match self.below().open(&cx, node, libc::O_RDWR) {
+            Ok(o) => (o, true),
+            Err(Error::Os(libc::EACCES | libc::EROFS | libc::EPERM)) => (self.below().open(&cx, node, libc::O_RDONLY)?, false),
+            Err(e) => return Err(e),
+        };
+        Ok(LowerFile { level: self.below().clone(), node, fh: opened.fh, writable, label: OnceLock::new() })
+    }
+
+    fn release_lower(&self, lower: &LowerFile) {
+        let _ = self.below().release(&internal(), lower.node, lower.fh);
+    }
+
+    /// The open state of `node`, opening it if needed, with one more user.
+    fn acquire(&self, node: NodeId, created: Option<LowerFile>) -> Result<Arc<OpenFile>> {
+        let mut open = self.open.lock();
+        if let Some(f) = open.get(&node) {
+            *f.users.lock() += 1;
+            if let Some(extra) = created {
+                self.release_lower(&extra);
+            }
+            return Ok(f.clone());
+        }
+        let lower = match created {
+            Some(l) => l,
+            None => self.open_lower(node)?,
+        };
+        let fh = lower.fh;
+        let file = ScaFile::open(self.engine.clone(), lower).inspect_err(|_| {
+            let _ = self.below().release(&internal(), node, fh);
+        })?;
+        let f = Arc::new(OpenFile { users: Mutex::new(1), file: RwLock::new(file) });
+        open.insert(node, f.clone());
+        Ok(f)
+    }
+
+    /// Drop one user; the last one closes the file.
+    fn relinquish(&self, node: NodeId) -> Result<()> {
+        let mut open = self.open.lock();
+        let Some(f) = open.get(&node).cloned() else { return Ok(()) };
+        let mut users = f.users.lock();
+        *users -= 1;
+        if *users > 0 {
+            return Ok(());
+        }
+        drop(users);
+        open.remove(&node);
+        drop(open);
+        let mut file = f.file.write();
+        let result = file.close();
+        let decoded = file.size();
+        self.release_lower(file.lower());
+        if result.is_ok() {
+            if let Ok(attr) = self.below().getattr(&internal(), node) {
+                self.sizes.lock().insert(node, CachedSize { stamp: LowerStamp::of(&attr), decoded });
+            }
+        }
+        result
+    }
+
+    fn file_of(&self, node: NodeId) -> Result<Arc<OpenFile>> {
+        self.open.lock().get(&node).cloned().ok_or(Error::Os(libc::EBADF))
+    }
+
+    /// Run `op` on the node's file, opening it for the duration if it is not open.
+    fn with_file<T>(&self, node: NodeId, op: impl FnOnce(&mut ScaFile<LowerFile>) -> Result<T>) -> Result<T> {
+        let f = self.acquire(node, None)?;
+        let result = op(&mut f.file.write());
+        let closed = self.relinquish(node);
+        let value = result?;
+        closed.map(|()| value)
+    }
+
+    /// Report the decoded size of regular files, without decoding any data.
+    fn fix_attr(&self, node: NodeId, attr: &mut Attr) {
+        if attr.kind != FileKind::File {
+            return;
+        }
+        let open = self.open.lock().get(&node).cloned();
+        if let Some(f) = open {
+            attr.size = f.file.read().size();
+            return;
+        }
+        if attr.size == 0 {
+            return;
+        }
+        let stamp = LowerStamp::of(attr);
+        if let Some(c) = self.sizes.lock().get(&node).filter(|c| c.stamp == stamp) {
+            attr.size = c.decoded;
+            return;
+        }
+        match self.size_from_header(node, stamp.size).or_else(|_| self.with_file(node, |f| Ok(f.size()))) {
+            Ok(decoded) => {
+                let mut sizes = self.sizes.lock();
+                if sizes.len() > 1 << 16 {
+                    sizes.clear();
+                }
+                sizes.insert(node, CachedSize { stamp, decoded });
+                attr.size = decoded;
+            }
+            Err(e) => tracing::warn!("{}: inode {}: cannot tell the decoded size: {e}", self.name, node.0),
+        }
+    }
+
+    /// The decoded size recorded in the file's slots, if they describe the lower file as it is
+    /// (a clean close).
+    fn size_from_header(&self, node: NodeId, lower_size: u64) -> Result<u64> {
+        let lower = self.open_lower(node)?;
+        let head = lower.read_at(0, DATA_START as usize);
+        self.release_lower(&lower);
+        let head = head?;
+        let unclean = || Error::Corrupt("not closed cleanly".into());
+        FileHeader::decode(&head).filter(|h| h.codec == self.engine.codec.tag()).ok_or_else(unclean)?;
+        let slots = SLOT_OFFSETS.map(|at| head.get(at as usize..).and_then(Slot::decode));
+        match Slot::newest(slots[0], slots[1]) {
+            Some(s) if s.log_end == lower_size => Ok(s.file_size),
+            _ => Err(unclean()),
+        }
+    }
+
+    fn reply_with_attr(&self, node: NodeId, reply: Reply) -> Reply {
+        match reply {
+            Reply::Attr(mut a) => {
+                self.fix_attr(node, &mut a);
+                Reply::Attr(a)
+            }
+            Reply::Entry(mut e) => {
+                self.fix_attr(e.node, &mut e.attr);
+                Reply::Entry(e)
+            }
+            Reply::Created(mut e, o) => {
+                self.fix_attr(e.node, &mut e.attr);
+                Reply::Created(e, o)
+            }
+            Reply::Dir(mut entries) => {
+                for entry in entries.iter_mut().filter_map(|d| d.entry.as_mut()) {
+                    self.fix_attr(entry.node, &mut entry.attr);
+                }
+                Reply::Dir(entries)
+            }
+            other => other,
+        }
+    }
+
+    fn new_handle(&self) -> Opened {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        Opened { fh: FileHandle(fh), backing: None, direct_io: false, flush_on_close: false }
+    }
+
+    fn open(&self, node: NodeId, flags: i32) -> Result<Opened> {
+        let f = self.acquire(node, None)?;
+        let wants_write = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        let mut result = Ok(());
+        if wants_write && !f.file.read().lower().writable {
+            result = Err(Error::Os(libc::EACCES));
+        } else if flags & libc::O_TRUNC != 0 && wants_write {
+            result = f.file.write().truncate(0);
+        }
+        match result {
+            Ok(()) => Ok(self.new_handle()),
+            Err(e) => {
+                let _ = self.relinquish(node);
+                Err(e)
+            }
+        }
+    }
+
+    fn create(&self, cx: &Caller, parent: NodeId, name: &std::ffi::OsStr, mode: u32, flags: i32) -> Result<Reply> {
+        // The layer's own handle must be able to read and write whatever the caller asked for.
+        let lower_flags = (flags & !(libc::O_ACCMODE | libc::O_APPEND | libc::O_TRUNC)) | libc::O_RDWR;
+        let (mut entry, opened) = self.below().create(cx, parent, name, mode, lower_flags)?;
+        let lower = LowerFile { level: self.below().clone(), node: entry.node, fh: opened.fh, writable: true, label: OnceLock::new() };
+        let f = self.acquire(entry.node, Some(lower))?;
+        if flags & libc::O_TRUNC != 0 {
+            if let Err(e) = f.file.write().truncate(0) {
+                let _ = self.relinquish(entry.node);
+                return Err(e);
+            }
+        }
+        entry.attr.size = f.file.read().size();
+        Ok(Reply::Created(entry, self.new_handle()))
+    }
+
+    fn read(&self, node: NodeId, offset: u64, size: u32) -> Result<Vec<u8>> {
+        let f = self.file_of(node)?;
+        let first = f.file.read().read(offset, size as usize);
+        match first {
+            Ok(data) => Ok(data),
+            Err(Fault::Fail(e)) => Err(e),
+            Err(Fault::Stale(why)) => {
+                // Another reader may have rebuilt it meanwhile; `read_repairing` copes.
+                let mut file = f.file.write();
+                file.read_repairing(offset, size as usize, &why)
+            }
+        }
+    }
+
+    fn setattr(&self, cx: &Caller, node: NodeId, set: &SetAttr) -> Result<Reply> {
+        if let Some(size) = set.size {
+            self.with_file(node, |f| f.truncate(size))?;
+        }
+        let rest = SetAttr { size: None, ..*set };
+        let reply = self.below().call(cx, &Op::SetAttr { node, fh: None, set: rest })?;
+        Ok(self.reply_with_attr(node, reply))
+    }
+
+    fn fallocate(&self, node: NodeId, offset: u64, length: u64, mode: i32) -> Result<Reply> {
+        let f = self.file_of(node)?;
+        let mut file = f.file.write();
+        let end = offset.checked_add(length).ok_or(Error::Os(libc::EFBIG))?;
+        let keep_size = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
+        match mode & !libc::FALLOC_FL_KEEP_SIZE {
+            0 => {
+                if !keep_size && end > file.size() {
+                    file.truncate(end)?;
+                }
+            }
+            libc::FALLOC_FL_PUNCH_HOLE if keep_size => file.zero_range(offset, length)?,
+            libc::FALLOC_FL_ZERO_RANGE => {
+                file.zero_range(offset, length)?;
+                if !keep_size && end > file.size() {
+                    file.truncate(end)?;
+                }
+            }
+            _ => return Err(Error::Os(libc::EOPNOTSUPP)),
+        }
+        Ok(Reply::Empty)
+    }
+
+    fn lseek(&self, node: NodeId, offset: i64, whence: i32) -> Result<Reply> {
+        let size = self.file_of(node)?.file.read().size();
+        let offset = u64::try_from(offset).map_err(|_| Error::Os(libc::EINVAL))?;
+        if offset >= size {
+            return Err(Error::Os(libc::ENXIO));
+        }
+        match whence {
+            libc::SEEK_DATA => Ok(Reply::Offset(offset)),
+            libc::SEEK_HOLE => Ok(Reply::Offset(size)),
+            _ => Err(Error::Os(libc::EINVAL)),
+        }
+    }
+
+    fn extended(&self, cx: &Caller, op: &Op<'_>, node: NodeId, name: &str) -> Result<Reply> {
+        let attr = self.below().getattr(&internal(), node)?;
+        if attr.kind != FileKind::File {
+            return match bypass(self, cx, op) {
+                Err(Error::UnsupportedOp { .. }) => {
+                    Err(Error::BadArgs(format!("{name}: not a regular file (run it on a file of the '{}' layer)", self.name)))
+                }
+                other => other,
+            };
+        }
+        let value = self.with_file(node, |f| match name {
+            "verify" => f.verify(),
+            "recover-index" => f.recover_index(),
+            "compact" => f.compact(),
+            _ => f.stats(),
+        })?;
+        Ok(Reply::Extended(value))
+    }
+}
+
+impl<L: LowerIo> ScaFile<L> {
+    /// Retry a read that found the index stale, rebuilding it first unless someone else has.
+    pub fn read_repairing(&mut self, offset: u64, size: usize, why: &str) -> Result<Vec<u8>> {
+        match self.read(offset, size) {
+            Ok(d) => Ok(d),
+            Err(Fault::Fail(e)) => Err(e),
+            Err(Fault::Stale(_)) => {
+                tracing::warn!("{}: the index is inconsistent ({why}); rebuilding it from the data", self.lower().describe());
+                self.recover_index()?;
+                self.read(offset, size).map_err(|f| match f {
+                    Fault::Fail(e) => e,
+                    Fault::Stale(why) => Error::Corrupt(format!("{}: {why}", self.lower().describe())),
+                })
+            }
+        }
+    }
+}
+
+impl Layer for ScaLayer {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> &'static str {
+        self.engine.kind
+    }
+
+    fn data_path(&self) -> DataPath {
+        DataPath::Transforms
+    }
+
+    fn lower(&self) -> &[Level] {
+        &self.lower
+    }
+
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        EXT_OPS
+    }
+
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        match *op {
+            Op::Lookup { .. } | Op::MkNod { .. } | Op::Link { .. } | Op::GetAttr { .. } | Op::ReadDir { plus: true, .. } => {
+                let reply = bypass(self, cx, op)?;
+                Ok(self.reply_with_attr(op.node(), reply))
+            }
+            Op::SetAttr { node, ref set, .. } => self.setattr(cx, node, set),
+            Op::Open { node, flags } => self.open(node, flags).map(Reply::Opened),
+            Op::Create { parent, name, mode, flags } => self.create(cx, parent, name, mode, flags),
+            Op::Read { node, offset, size, .. } => self.read(node, offset, size).map(Reply::Data),
+            Op::Write { node, offset, data, .. } => {
+                let f = self.file_of(node)?;
+                let n = f.file.write().write(offset, data)?;
+                Ok(Reply::Written(n as u32))
+            }
+            Op::Flush { .. } => Ok(Reply::Empty),
+            Op::Fsync { node, .. } => self.file_of(node)?.file.write().sync().map(|()| Reply::Empty),
+            Op::Release { node, .. } => self.relinquish(node).map(|()| Reply::Empty),
+            Op::Fallocate { node, offset, length, mode, .. } => self.fallocate(node, offset, length, mode),
+            Op::Lseek { node, offset, whence, .. } => self.lseek(node, offset, whence),
+            Op::Extended { node, name, .. } if EXT_OPS.iter().any(|e| e.name == name) => self.extended(cx, op, node, name),
+            _ => bypass(self, cx, op),
+        }
+    }
+
+    fn shutdown(&self) {
+        let nodes: Vec<NodeId> = self.open.lock().keys().copied().collect();
+        for node in nodes {
+            if let Ok(f) = self.file_of(node) {
+                if let Err(e) = f.file.write().close() {
+                    tracing::error!("{}: inode {}: closing at shutdown: {e}", self.name, node.0);
+                }
+            }
+        }
+    }
+}
