@@ -1,14 +1,22 @@
 //! # plyfs-layers
 //!
 //! One module per layer. [`registry`] lists them all for stack building and `plyfs layers`.
+//! The size-changing layers (`copy`, `uuencode`, `gzip`, `zstd`, `lz4`) are each a codec; the
+//! `plyfs-sca` framework does the rest.
 
+pub mod copy;
+pub mod gzip;
+pub mod lz4;
 pub mod null;
 pub mod trace;
+pub mod uuencode;
+pub mod zstd;
 
 use plyfs_stack::LayerFactory;
 
 /// Every layer this build knows.
 pub fn registry() -> &'static [LayerFactory] {
-    static REGISTRY: [LayerFactory; 2] = [null::FACTORY, trace::FACTORY];
+    static REGISTRY: [LayerFactory; 7] =
+        [null::FACTORY, trace::FACTORY, copy::FACTORY, uuencode::FACTORY, gzip::FACTORY, zstd::FACTORY, lz4::FACTORY];
     &REGISTRY
 }

@@ -1,0 +1,88 @@
+//! `gzip`: deflate compression of each chunk (Gzipfs in Fast Indexing §7.1), through `flate2`.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
+use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
+use plyfs_stack::spec::ParamSpec;
+use plyfs_stack::{BuildArgs, Layer, LayerFactory, Result};
+
+pub struct Gzip {
+    level: u32,
+}
+
+thread_local! {
+    // Deflate state is costly to set up; each thread keeps one of each and resets it.
+    static DEFLATE: RefCell<Option<(u32, Compress)>> = const { RefCell::new(None) };
+    static INFLATE: RefCell<Option<Decompress>> = const { RefCell::new(None) };
+}
+
+impl Codec for Gzip {
+    fn tag(&self) -> [u8; 4] {
+        *b"gzip"
+    }
+
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        DEFLATE.with_borrow_mut(|slot| {
+            let (_, deflate) = match slot {
+                Some((level, d)) if *level == self.level => {
+                    d.reset();
+                    slot.as_mut().expect("matched")
+                }
+                _ => slot.insert((self.level, Compress::new(Compression::new(self.level), false))),
+            };
+            // Deflate never grows data by more than 5 bytes per 16 KiB block plus a little.
+            out.reserve(chunk.len() + chunk.len() / 1000 + 64);
+            match deflate.compress_vec(chunk, out, FlushCompress::Finish) {
+                Ok(Status::StreamEnd) => Ok(()),
+                Ok(status) => Err(format!("deflate stopped early ({status:?})")),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+    }
+
+    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        INFLATE.with_borrow_mut(|slot| {
+            let inflate = match slot {
+                Some(d) => {
+                    d.reset(false);
+                    d
+                }
+                None => slot.insert(Decompress::new(false)),
+            };
+            out.reserve(decoded_len);
+            let before = out.len();
+            match inflate.decompress_vec(encoded, out, FlushDecompress::Finish) {
+                Ok(Status::StreamEnd) if out.len() - before == decoded_len => Ok(()),
+                Ok(_) => Err("the deflate stream does not decode to the chunk".into()),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+    }
+
+    fn store_raw_if_larger(&self) -> bool {
+        true
+    }
+}
+
+const LEVEL: ParamSpec = ParamSpec { name: "level", help: "compression level, 1 (fastest) to 9 (smallest)", default: Some("6") };
+
+fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
+    let level = match args.params.get(LEVEL.name) {
+        None => 6,
+        Some(v) => match v.parse::<u32>() {
+            Ok(l @ 1..=9) => l,
+            _ => return Err(args.params.bad(LEVEL.name, v, "expected 1 to 9")),
+        },
+    };
+    build_sca_layer(args, "gzip", Arc::new(Gzip { level }))
+}
+
+pub const FACTORY: LayerFactory = LayerFactory {
+    kind: "gzip",
+    summary: "deflate compression (as gzip), chunk by chunk",
+    params: &[LEVEL, CHUNK_PARAM, FAST_TAILS_PARAM],
+    ext_ops: EXT_OPS,
+    build,
+};

@@ -1,0 +1,55 @@
+//! `lz4`: LZ4 block compression of each chunk, through `lz4_flex`: the fastest of the
+//! compressors, for data that is read far more than it is written.
+
+use std::sync::Arc;
+
+use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
+use plyfs_stack::{BuildArgs, Layer, LayerFactory, Result};
+
+pub struct Lz4;
+
+impl Codec for Lz4 {
+    fn tag(&self) -> [u8; 4] {
+        *b"lz4\0"
+    }
+
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        let start = out.len();
+        out.resize(start + lz4_flex::block::get_maximum_output_size(chunk.len()), 0);
+        let n = lz4_flex::block::compress_into(chunk, &mut out[start..]).map_err(|e| e.to_string())?;
+        out.truncate(start + n);
+        Ok(())
+    }
+
+    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        let start = out.len();
+        out.resize(start + decoded_len, 0);
+        match lz4_flex::block::decompress_into(encoded, &mut out[start..]) {
+            Ok(n) if n == decoded_len => Ok(()),
+            Ok(n) => {
+                out.truncate(start);
+                Err(format!("decoded to {n} bytes, not {decoded_len}"))
+            }
+            Err(e) => {
+                out.truncate(start);
+                Err(e.to_string())
+            }
+        }
+    }
+
+    fn store_raw_if_larger(&self) -> bool {
+        true
+    }
+}
+
+fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
+    build_sca_layer(args, "lz4", Arc::new(Lz4))
+}
+
+pub const FACTORY: LayerFactory = LayerFactory {
+    kind: "lz4",
+    summary: "LZ4 compression, chunk by chunk: fastest to decode",
+    params: &[CHUNK_PARAM, FAST_TAILS_PARAM],
+    ext_ops: EXT_OPS,
+    build,
+};
