@@ -4,7 +4,11 @@
 //! byte for byte.
 //!
 //! `PLYFS_FSX_SEED=N` reproduces a run exactly; `PLYFS_FSX_OPS=N` sets its length (CI runs a short
-//! one per configuration; `PLYFS_FSX_OPS=1000000` is the long mode).
+//! one per configuration; `scripts/fsx.sh --long` runs a million operations per configuration).
+//!
+//! It runs on every size-changing layer, with and without fast tails, with 4 KiB and 64 KiB
+//! chunks. Written data is half random bytes and half compressible text, so compressors both
+//! shrink chunks and fall back to storing them raw.
 
 mod common;
 
@@ -27,6 +31,20 @@ impl Rng {
     }
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n.max(1)
+    }
+
+    /// `len` bytes to write: random, or drawn from a few words so that it compresses.
+    fn data(&mut self, len: usize) -> Vec<u8> {
+        const WORDS: [&[u8]; 6] = [b"fast ", b"indexing ", b"chunk ", b"tail\n", b"0000", b"layer "];
+        if self.below(2) == 0 {
+            return (0..len).map(|_| self.next() as u8).collect();
+        }
+        let mut out = Vec::with_capacity(len + 16);
+        while out.len() < len {
+            out.extend_from_slice(WORDS[self.below(WORDS.len() as u64) as usize]);
+        }
+        out.truncate(len);
+        out
     }
 }
 
@@ -88,7 +106,7 @@ fn run_fsx(stack: &str, options: &[&str], default_ops: usize) {
             0..=29 => {
                 let off = rng.below(MAX_LEN);
                 let len = 1 + rng.below(64 * 1024) as usize;
-                let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                let data = rng.data(len);
                 ours.write_all_at(&data, off).unwrap();
                 reference.write_all_at(&data, off).unwrap();
                 size = size.max(off + len as u64);
@@ -96,7 +114,7 @@ fn run_fsx(stack: &str, options: &[&str], default_ops: usize) {
             }
             30..=37 => {
                 let len = 1 + rng.below(10_000) as usize;
-                let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                let data = rng.data(len);
                 let mut a = OpenOptions::new().append(true).open(mount.path("fsx")).unwrap();
                 std::io::Write::write_all(&mut a, &data).unwrap();
                 reference.write_all_at(&data, size).unwrap();
@@ -132,7 +150,7 @@ fn run_fsx(stack: &str, options: &[&str], default_ops: usize) {
             82..=86 if size > 0 => {
                 let off = rng.below(size);
                 let len = 1 + rng.below((size - off).min(20_000)) as usize;
-                let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                let data = rng.data(len);
                 mmap_op(&ours, off, Some(&data), len);
                 reference.write_all_at(&data, off).unwrap();
                 desc = format!("mmap write {off}+{len}");
@@ -204,4 +222,40 @@ fn fsx_null_cached() {
 #[test]
 fn fsx_trace_observing_all_io() {
     run_fsx("trace:io=on,null", &[], 400);
+}
+
+/// One test per size-changing layer, fast tails off and on, 4 KiB and 64 KiB chunks.
+macro_rules! fsx_sca {
+    ($($name:ident: $stack:literal,)*) => {
+        $(
+            #[test]
+            fn $name() {
+                run_fsx($stack, &[], 250);
+            }
+        )*
+    };
+}
+
+fsx_sca! {
+    fsx_copy_4k: "copy",
+    fsx_copy_4k_fast_tails: "copy:fast_tails=on",
+    fsx_copy_64k: "copy:chunk=64k",
+    fsx_copy_64k_fast_tails: "copy:chunk=64k:fast_tails=on",
+    fsx_uuencode_4k: "uuencode",
+    fsx_uuencode_4k_fast_tails: "uuencode:fast_tails=on",
+    fsx_uuencode_64k: "uuencode:chunk=64k",
+    fsx_uuencode_64k_fast_tails: "uuencode:chunk=64k:fast_tails=on",
+    fsx_gzip_4k: "gzip",
+    fsx_gzip_4k_fast_tails: "gzip:fast_tails=on",
+    fsx_gzip_64k: "gzip:chunk=64k",
+    fsx_gzip_64k_fast_tails: "gzip:chunk=64k:fast_tails=on",
+    fsx_zstd_4k: "zstd",
+    fsx_zstd_4k_fast_tails: "zstd:fast_tails=on",
+    fsx_zstd_64k: "zstd:chunk=64k",
+    fsx_zstd_64k_fast_tails: "zstd:chunk=64k:fast_tails=on",
+    fsx_lz4_4k: "lz4",
+    fsx_lz4_4k_fast_tails: "lz4:fast_tails=on",
+    fsx_lz4_64k: "lz4:chunk=64k",
+    fsx_lz4_64k_fast_tails: "lz4:chunk=64k:fast_tails=on",
+    fsx_zstd_over_copy: "zstd:fast_tails=on,copy:chunk=64k",
 }
