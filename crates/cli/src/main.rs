@@ -1,6 +1,7 @@
 //! `plyfs`: mount, unmount and inspect stacks of file-system layers.
 
 mod daemon;
+mod offline;
 mod options;
 
 use std::path::{Path, PathBuf};
@@ -39,6 +40,39 @@ enum Command {
     },
     /// List the available layers with their parameters and extended operations.
     Layers,
+    /// Write plain files (a file or a whole tree) in the lower format of a stack, without
+    /// mounting: DEST can then be mounted with the same stack.
+    Encode {
+        src: PathBuf,
+        dest: PathBuf,
+        #[arg(long)]
+        stack: String,
+    },
+    /// Write the decoded contents of a lower directory (or of --path inside it) to DEST,
+    /// without mounting.
+    Decode {
+        lower: PathBuf,
+        dest: PathBuf,
+        #[arg(long)]
+        stack: String,
+        /// Only this file or directory, relative to LOWER.
+        #[arg(long)]
+        path: Option<PathBuf>,
+    },
+    /// Verify every file of a lower directory through a stack, without mounting; damaged
+    /// indexes are rebuilt, damaged data is listed.
+    Fsck {
+        lower: PathBuf,
+        #[arg(long)]
+        stack: String,
+    },
+    /// Decoded size against the space used, for each entry of a directory: inside a mount, or
+    /// a lower directory read through --stack.
+    Du {
+        path: PathBuf,
+        #[arg(long)]
+        stack: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -51,6 +85,10 @@ fn main() -> ExitCode {
             print_layers();
             Ok(())
         }
+        Command::Encode { src, dest, stack } => offline_run(|| offline::encode(&src, &dest, &stack)),
+        Command::Decode { lower, dest, stack, path } => offline_run(|| offline::decode(&lower, &dest, &stack, path.as_deref())),
+        Command::Fsck { lower, stack } => offline_run(|| offline::fsck(&lower, &stack)),
+        Command::Du { path, stack } => offline_run(|| offline::du(&path, stack.as_deref())),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -59,6 +97,11 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn offline_run(work: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+    offline::init_logging();
+    work()
 }
 
 /// The absolute form of a mount point, without looking through it (a stale mount cannot be

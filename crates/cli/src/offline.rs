@@ -1,0 +1,512 @@
+//! Working on a lower directory without mounting it: the stack runs in this process.
+//!
+//! - `plyfs encode SRC DEST --stack SPEC`: write plain files or trees in the stack's lower format;
+//! - `plyfs decode LOWER DEST --stack SPEC`: the reverse;
+//! - `plyfs fsck LOWER --stack SPEC`: verify every file, rebuilding damaged indexes;
+//! - `plyfs du PATH [--stack SPEC]`: decoded size against space used, per entry.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use plyfs_stack::{Caller, Entry, FileKind, Level, LowerDir, NodeId, Op, SetAttr, Stack, TimeSet};
+
+type Res<T> = Result<T, String>;
+
+/// Build the stack `spec` over `lower`, in process.
+pub fn open_stack(lower: &Path, spec: &str) -> Res<Stack> {
+    let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| e.to_string())?;
+    let bottom = LowerDir::level(lower).map_err(|e| format!("{}: {e}", lower.display()))?;
+    Stack::build(&specs, plyfs_layers::registry(), bottom.layer().clone()).map_err(|e| e.to_string())
+}
+
+fn cx() -> Caller {
+    Caller::daemon()
+}
+
+/// A progress bar over `total` bytes, on standard error when it is a terminal. Log lines are
+/// printed above it.
+fn progress(total: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(what.to_owned());
+    bar.enable_steady_tick(Duration::from_millis(200));
+    LOG_BAR.with(|b| *b.borrow_mut() = Some(bar.clone()));
+    bar
+}
+
+thread_local! {
+    static LOG_BAR: std::cell::RefCell<Option<ProgressBar>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Logs from the layers (index rebuilt, data lost) go to standard error above the bar.
+pub fn init_logging() {
+    struct AboveBar;
+    impl Write for AboveBar {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let bar = LOG_BAR.with(|b| b.borrow().clone());
+            match bar {
+                Some(bar) => bar.suspend(|| std::io::stderr().write_all(buf)),
+                None => std::io::stderr().write_all(buf),
+            }?;
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            std::io::stderr().flush()
+        }
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("PLYFS_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(|| AboveBar)
+        .without_time()
+        .with_target(false)
+        .try_init();
+}
+
+fn lookup(level: &Level, parent: NodeId, name: &OsStr) -> Res<Entry> {
+    level.lookup(&cx(), parent, name).map_err(|e| format!("{}: {e}", name.to_string_lossy()))
+}
+
+/// The node at `rel` (relative to the root), looked up one component at a time. Every lookup
+/// but the last is forgotten again.
+fn resolve(level: &Level, rel: &Path) -> Res<Entry> {
+    let mut entry = Entry { node: NodeId::ROOT, attr: level.getattr(&cx(), NodeId::ROOT).map_err(|e| e.to_string())?, generation: 0 };
+    let mut held: Option<NodeId> = None;
+    for part in rel.components() {
+        let std::path::Component::Normal(name) = part else { continue };
+        let next = lookup(level, entry.node, name).map_err(|e| format!("{}: {e}", rel.display()))?;
+        if let Some(prev) = held.replace(next.node) {
+            level.forget(&cx(), prev, 1);
+        }
+        entry = next;
+    }
+    Ok(entry)
+}
+
+/// Visit every object below `dir` (depth first, parents before children) with its path
+/// relative to the walk's root.
+fn walk(level: &Level, dir: NodeId, rel: &Path, visit: &mut dyn FnMut(&Path, &Entry) -> Res<()>) -> Res<()> {
+    let entries = level.list_dir(&cx(), dir).map_err(|e| format!("{}: {e}", rel.display()))?;
+    for d in entries {
+        let path = rel.join(&d.name);
+        let entry = lookup(level, dir, &d.name).map_err(|e| format!("{}: {e}", path.display()))?;
+        let result = visit(&path, &entry).and_then(|()| match entry.attr.kind {
+            FileKind::Dir => walk(level, entry.node, &path, visit),
+            _ => Ok(()),
+        });
+        level.forget(&cx(), entry.node, 1);
+        result?;
+    }
+    Ok(())
+}
+
+fn time_set(t: SystemTime) -> Option<TimeSet> {
+    Some(TimeSet::At(t))
+}
+
+/// Give `node` the mode, owner (when running as root) and times of `meta`.
+fn copy_attrs_in(level: &Level, node: NodeId, meta: &fs::Metadata, is_link: bool) -> Res<()> {
+    let root = unsafe { libc::geteuid() } == 0;
+    let set = SetAttr {
+        mode: (!is_link).then_some(meta.mode() & 0o7777),
+        uid: root.then_some(meta.uid()),
+        gid: root.then_some(meta.gid()),
+        size: None,
+        atime: meta.accessed().ok().and_then(time_set),
+        mtime: meta.modified().ok().and_then(time_set),
+    };
+    level.call(&cx(), &Op::SetAttr { node, fh: None, set }).map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// Write plain `src` (a file or a tree) into `dest` in the lower format of `spec`.
+pub fn encode(src: &Path, dest: &Path, spec: &str) -> Res<()> {
+    let meta = fs::symlink_metadata(src).map_err(|e| format!("{}: {e}", src.display()))?;
+    let (lower_root, name) = if meta.is_dir() {
+        match fs::read_dir(dest).map(|mut d| d.next().is_some()) {
+            Ok(true) => return Err(format!("{}: not empty; encode into a new or empty directory", dest.display())),
+            Ok(false) => {}
+            Err(_) => fs::create_dir_all(dest).map_err(|e| format!("{}: {e}", dest.display()))?,
+        }
+        (dest.to_path_buf(), None)
+    } else {
+        if fs::symlink_metadata(dest).is_ok() {
+            return Err(format!("{}: already exists", dest.display()));
+        }
+        let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let name = dest.file_name().ok_or_else(|| format!("{}: not a file name", dest.display()))?;
+        (parent.to_path_buf(), Some(name.to_owned()))
+    };
+    let stack = open_stack(&lower_root, spec)?;
+    let top = stack.top().clone();
+    let total = plain_bytes(src);
+    let bar = progress(total, "encoding");
+    let mut links = HashMap::new();
+    let result = match &name {
+        Some(name) => encode_one(&top, NodeId::ROOT, name, src, &meta, &bar, &mut links),
+        None => encode_tree(&top, NodeId::ROOT, src, &bar, &mut links).and_then(|()| copy_attrs_in(&top, NodeId::ROOT, &meta, false)),
+    };
+    stack.shutdown();
+    bar.finish_and_clear();
+    result?;
+    eprintln!("plyfs: encoded {} ({}) into {}", src.display(), human(total), dest.display());
+    Ok(())
+}
+
+fn plain_bytes(path: &Path) -> u64 {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => fs::read_dir(path).map_or(0, |d| d.flatten().map(|e| plain_bytes(&e.path())).sum()),
+        Ok(m) if m.is_file() => m.len(),
+        _ => 0,
+    }
+}
+
+fn encode_tree(top: &Level, dir: NodeId, src: &Path, bar: &ProgressBar, links: &mut HashMap<(u64, u64), NodeId>) -> Res<()> {
+    let mut entries: Vec<_> = fs::read_dir(src).map_err(|e| format!("{}: {e}", src.display()))?.flatten().collect();
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let path = e.path();
+        let meta = fs::symlink_metadata(&path).map_err(|err| format!("{}: {err}", path.display()))?;
+        encode_one(top, dir, &e.file_name(), &path, &meta, bar, links)?;
+    }
+    Ok(())
+}
+
+fn encode_one(
+    top: &Level,
+    parent: NodeId,
+    name: &OsStr,
+    src: &Path,
+    meta: &fs::Metadata,
+    bar: &ProgressBar,
+    links: &mut HashMap<(u64, u64), NodeId>,
+) -> Res<()> {
+    let at = |e: plyfs_stack::Error| format!("{}: {e}", src.display());
+    let ft = meta.file_type();
+    if meta.nlink() > 1 && !ft.is_dir() {
+        if let Some(&first) = links.get(&(meta.dev(), meta.ino())) {
+            top.call(&cx(), &Op::Link { node: first, new_parent: parent, new_name: name }).map_err(at)?;
+            top.forget(&cx(), first, 1);
+            bar.inc(meta.len());
+            return Ok(());
+        }
+    }
+    let entry = if ft.is_dir() {
+        let e = top.mkdir(&cx(), parent, name, 0o700).map_err(at)?;
+        encode_tree(top, e.node, src, bar, links)?;
+        e
+    } else if ft.is_symlink() {
+        let target = fs::read_link(src).map_err(|e| format!("{}: {e}", src.display()))?;
+        match top.call(&cx(), &Op::SymLink { parent, name, target: &target }).map_err(at)? {
+            plyfs_stack::Reply::Entry(e) => e,
+            _ => return Err(format!("{}: symlink gave no entry", src.display())),
+        }
+    } else if ft.is_file() {
+        let (e, opened) = top.create(&cx(), parent, name, 0o600, libc::O_WRONLY | libc::O_EXCL).map_err(at)?;
+        let copied = copy_into(top, e.node, opened.fh, src, bar);
+        let released = top.release(&cx(), e.node, opened.fh).map_err(at);
+        copied.and(released)?;
+        e
+    } else {
+        let mode = meta.mode();
+        match top.call(&cx(), &Op::MkNod { parent, name, mode, rdev: meta.rdev() as u32 }).map_err(at)? {
+            plyfs_stack::Reply::Entry(e) => e,
+            _ => return Err(format!("{}: mknod gave no entry", src.display())),
+        }
+    };
+    copy_attrs_in(top, entry.node, meta, ft.is_symlink()).map_err(|e| format!("{}: {e}", src.display()))?;
+    if meta.nlink() > 1 && !ft.is_dir() {
+        links.insert((meta.dev(), meta.ino()), entry.node);
+    } else {
+        top.forget(&cx(), entry.node, 1);
+    }
+    Ok(())
+}
+
+fn copy_into(top: &Level, node: NodeId, fh: plyfs_stack::FileHandle, src: &Path, bar: &ProgressBar) -> Res<()> {
+    let mut f = fs::File::open(src).map_err(|e| format!("{}: {e}", src.display()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    loop {
+        let n = f.read(&mut buf).map_err(|e| format!("{}: {e}", src.display()))?;
+        if n == 0 {
+            return Ok(());
+        }
+        top.write(&cx(), node, fh, off, &buf[..n]).map_err(|e| format!("{}: {e}", src.display()))?;
+        off += n as u64;
+        bar.inc(n as u64);
+    }
+}
+
+/// Write the decoded contents of `lower` (all of it, or `--path` within it) into `dest`.
+pub fn decode(lower: &Path, dest: &Path, spec: &str, sub: Option<&Path>) -> Res<()> {
+    if fs::symlink_metadata(dest).is_ok() {
+        return Err(format!("{}: already exists; decode into a new path", dest.display()));
+    }
+    let stack = open_stack(lower, spec)?;
+    let top = stack.top().clone();
+    let start = resolve(&top, sub.unwrap_or(Path::new("")))?;
+    let mut total = 0;
+    if start.attr.kind == FileKind::Dir {
+        walk(&top, start.node, Path::new(""), &mut |_, e| {
+            if e.attr.kind == FileKind::File {
+                total += e.attr.size;
+            }
+            Ok(())
+        })?;
+    } else {
+        total = start.attr.size;
+    }
+    let bar = progress(total, "decoding");
+    let result = decode_one(&top, &start, dest, &bar);
+    let result = result.and_then(|()| {
+        if start.attr.kind != FileKind::Dir {
+            return Ok(());
+        }
+        let mut dirs = Vec::new();
+        let mut links: HashMap<NodeId, std::path::PathBuf> = HashMap::new();
+        walk(&top, start.node, Path::new(""), &mut |rel, e| {
+            let out = dest.join(rel);
+            if e.attr.nlink > 1 && e.attr.kind != FileKind::Dir {
+                if let Some(first) = links.get(&e.node) {
+                    bar.inc(e.attr.size);
+                    return fs::hard_link(first, &out).map_err(|err| format!("{}: {err}", out.display()));
+                }
+                links.insert(e.node, out.clone());
+            }
+            decode_one(&top, e, &out, &bar)?;
+            if e.attr.kind == FileKind::Dir {
+                dirs.push((out, e.attr));
+            }
+            Ok(())
+        })?;
+        // Directory times last, once nothing more is written into them.
+        for (out, attr) in dirs.iter().rev().chain(std::iter::once(&(dest.to_path_buf(), start.attr))) {
+            set_plain_attrs(out, &attr_meta(attr), false)?;
+        }
+        Ok(())
+    });
+    stack.shutdown();
+    bar.finish_and_clear();
+    result?;
+    eprintln!("plyfs: decoded {} into {}", human(total), dest.display());
+    Ok(())
+}
+
+struct PlainAttrs {
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    atime: SystemTime,
+    mtime: SystemTime,
+}
+
+fn attr_meta(a: &plyfs_stack::Attr) -> PlainAttrs {
+    PlainAttrs { mode: a.perm.into(), uid: a.uid, gid: a.gid, atime: a.atime, mtime: a.mtime }
+}
+
+fn set_plain_attrs(path: &Path, a: &PlainAttrs, is_link: bool) -> Res<()> {
+    let at = |e: std::io::Error| format!("{}: {e}", path.display());
+    if unsafe { libc::geteuid() } == 0 {
+        std::os::unix::fs::lchown(path, Some(a.uid), Some(a.gid)).map_err(at)?;
+    }
+    if !is_link {
+        fs::set_permissions(path, fs::Permissions::from_mode(a.mode)).map_err(at)?;
+        let f = fs::File::options().read(true).open(path).or_else(|_| fs::File::open(path)).map_err(at)?;
+        let times = fs::FileTimes::new().set_accessed(a.atime).set_modified(a.mtime);
+        if let Err(e) = f.set_times(times) {
+            return Err(at(e));
+        }
+    }
+    Ok(())
+}
+
+fn decode_one(top: &Level, e: &Entry, out: &Path, bar: &ProgressBar) -> Res<()> {
+    let at = |err: plyfs_stack::Error| format!("{}: {err}", out.display());
+    match e.attr.kind {
+        FileKind::Dir => fs::create_dir(out).map_err(|err| format!("{}: {err}", out.display())),
+        FileKind::Symlink => {
+            let target = match top.call(&cx(), &Op::ReadLink { node: e.node }).map_err(at)? {
+                plyfs_stack::Reply::Data(d) => d,
+                _ => return Err(format!("{}: readlink gave no target", out.display())),
+            };
+            std::os::unix::fs::symlink(OsStr::from_bytes(&target), out).map_err(|err| format!("{}: {err}", out.display()))?;
+            set_plain_attrs(out, &attr_meta(&e.attr), true)
+        }
+        FileKind::File => {
+            let opened = top.open(&cx(), e.node, libc::O_RDONLY).map_err(at)?;
+            let copied = (|| -> Res<()> {
+                let mut f = fs::File::create(out).map_err(|err| format!("{}: {err}", out.display()))?;
+                let mut off = 0u64;
+                loop {
+                    let data = top.read(&cx(), e.node, opened.fh, off, 1 << 20).map_err(at)?;
+                    if data.is_empty() {
+                        return Ok(());
+                    }
+                    f.write_all(&data).map_err(|err| format!("{}: {err}", out.display()))?;
+                    off += data.len() as u64;
+                    bar.inc(data.len() as u64);
+                }
+            })();
+            let _ = top.release(&cx(), e.node, opened.fh);
+            copied?;
+            set_plain_attrs(out, &attr_meta(&e.attr), false)
+        }
+        _ => {
+            let kind = match e.attr.kind {
+                FileKind::Fifo => libc::S_IFIFO,
+                FileKind::Socket => libc::S_IFSOCK,
+                FileKind::CharDevice => libc::S_IFCHR,
+                _ => libc::S_IFBLK,
+            };
+            let c = std::ffi::CString::new(out.as_os_str().as_bytes()).map_err(|err| err.to_string())?;
+            if unsafe { libc::mknod(c.as_ptr(), kind | u32::from(e.attr.perm), e.attr.rdev.into()) } != 0 {
+                return Err(format!("{}: {}", out.display(), std::io::Error::last_os_error()));
+            }
+            set_plain_attrs(out, &attr_meta(&e.attr), false)
+        }
+    }
+}
+
+/// Verify every file of `lower` through the stack. Opening a file rebuilds a damaged index
+/// (logged); files whose data is damaged are listed and make the result an error.
+pub fn fsck(lower: &Path, spec: &str) -> Res<()> {
+    let stack = Arc::new(open_stack(lower, spec)?);
+    let top = stack.top().clone();
+    let mut files = Vec::new();
+    walk(&top, NodeId::ROOT, Path::new(""), &mut |rel, e| {
+        if e.attr.kind == FileKind::File {
+            files.push((rel.to_path_buf(), e.attr.size));
+        }
+        Ok(())
+    })?;
+    let bar = progress(files.iter().map(|f| f.1).sum(), "checking");
+    let mut damaged = Vec::new();
+    for (rel, size) in &files {
+        let outcome = resolve(&top, rel).and_then(|e| {
+            let v = top.extended(&cx(), e.node, "verify", &[]).map_err(|err| stack.explain(err).to_string());
+            top.forget(&cx(), e.node, 1);
+            v
+        });
+        match outcome {
+            Ok(v) if v.get("ok").and_then(|o| o.as_bool()) == Some(true) => {}
+            Ok(v) => {
+                let problems = v.get("problems").and_then(|p| p.as_array()).cloned().unwrap_or_default();
+                for p in &problems {
+                    let what = p.get("error").and_then(|e| e.as_str()).unwrap_or("?");
+                    bar.suspend(|| eprintln!("plyfs: {}: {what}", rel.display()));
+                }
+                damaged.push(rel.clone());
+            }
+            Err(e) if e.starts_with("unsupported operation") => {
+                bar.finish_and_clear();
+                return Err(format!("fsck: {e}: the stack has no size-changing layer to check"));
+            }
+            Err(e) => {
+                bar.suspend(|| eprintln!("plyfs: {}: {e}", rel.display()));
+                damaged.push(rel.clone());
+            }
+        }
+        bar.inc(*size);
+    }
+    stack.shutdown();
+    bar.finish_and_clear();
+    if damaged.is_empty() {
+        eprintln!("plyfs: fsck: {} files checked, all sound", files.len());
+        Ok(())
+    } else {
+        Err(format!("fsck: {} of {} files have damaged data (listed above)", damaged.len(), files.len()))
+    }
+}
+
+/// Decoded bytes against the space used, for each entry of `path` and in total. With a stack,
+/// `path` is a lower directory read in process; without, a directory inside a mount.
+pub fn du(path: &Path, spec: Option<&str>) -> Res<()> {
+    let mut rows: Vec<(String, u64, u64)> = Vec::new();
+    match spec {
+        None => {
+            let mut entries: Vec<_> = fs::read_dir(path).map_err(|e| format!("{}: {e}", path.display()))?.flatten().collect();
+            entries.sort_by_key(|e| e.file_name());
+            for e in entries {
+                let (decoded, stored) = plain_usage(&e.path());
+                rows.push((display_name(&e.file_name(), e.path().is_dir()), decoded, stored));
+            }
+        }
+        Some(spec) => {
+            let stack = open_stack(path, spec)?;
+            let top = stack.top().clone();
+            let bottom = stack.levels().last().expect("bottom").clone();
+            for d in top.list_dir(&cx(), NodeId::ROOT).map_err(|e| e.to_string())? {
+                let e = lookup(&top, NodeId::ROOT, &d.name)?;
+                let (mut decoded, mut stored) = usage_of(&bottom, &e);
+                if e.attr.kind == FileKind::Dir {
+                    walk(&top, e.node, Path::new(""), &mut |_, inner| {
+                        let (a, b) = usage_of(&bottom, inner);
+                        decoded += a;
+                        stored += b;
+                        Ok(())
+                    })?;
+                }
+                top.forget(&cx(), e.node, 1);
+                rows.push((display_name(&d.name, e.attr.kind == FileKind::Dir), decoded, stored));
+            }
+            stack.shutdown();
+        }
+    }
+    let (decoded, stored) = rows.iter().fold((0, 0), |(a, b), r| (a + r.1, b + r.2));
+    println!("{:>10} {:>10} {:>7}  path", "decoded", "stored", "ratio");
+    for (name, d, s) in rows.iter().chain(std::iter::once(&("total".to_owned(), decoded, stored))) {
+        println!("{:>10} {:>10} {:>7}  {name}", human(*d), human(*s), ratio(*s, *d));
+    }
+    Ok(())
+}
+
+fn display_name(name: &OsStr, dir: bool) -> String {
+    format!("{}{}", name.to_string_lossy(), if dir { "/" } else { "" })
+}
+
+/// (decoded size, space used) of one object seen through the stack: the decoded size from
+/// the top, the blocks from the bottom.
+fn usage_of(bottom: &Level, e: &Entry) -> (u64, u64) {
+    let stored = bottom.getattr(&cx(), e.node).map_or(e.attr.blocks * 512, |a| a.blocks * 512);
+    let decoded = if e.attr.kind == FileKind::File { e.attr.size } else { 0 };
+    (decoded, stored)
+}
+
+/// (sizes, blocks) under a path on a mounted file system, where sizes are already decoded.
+fn plain_usage(path: &Path) -> (u64, u64) {
+    let Ok(m) = fs::symlink_metadata(path) else { return (0, 0) };
+    let mut total = (if m.is_file() { m.len() } else { 0 }, m.blocks() * 512);
+    if m.is_dir() {
+        for e in fs::read_dir(path).into_iter().flatten().flatten() {
+            let (a, b) = plain_usage(&e.path());
+            total = (total.0 + a, total.1 + b);
+        }
+    }
+    total
+}
+
+fn ratio(stored: u64, decoded: u64) -> String {
+    if decoded == 0 { "-".into() } else { format!("{:.2}", stored as f64 / decoded as f64) }
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "K", "M", "G", "T"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{bytes}B") } else { format!("{v:.1}{}", UNITS[unit]) }
+}
