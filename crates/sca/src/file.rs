@@ -156,6 +156,10 @@ impl<L: LowerIo> ScaFile<L> {
         let slots = SLOT_OFFSETS.map(|at| head.get(at as usize..).and_then(Slot::decode));
         let slot = Slot::newest(slots[0], slots[1]);
         self.slot_seq = slot.map_or(0, |s| s.slot_seq);
+        if slot.is_none() && len > DATA_START {
+            tracing::warn!("{}: the index is missing; rebuilding it from the data", self.lower.describe());
+            return self.rebuild(header.chunk_shift, None);
+        }
         match self.load_from_checkpoint(slot, len) {
             Ok(()) => Ok(()),
             Err(Fault::Stale(why)) => {

@@ -224,7 +224,8 @@ impl ScaLayer {
             None => self.open_lower(node)?,
         };
         let fh = lower.fh;
-        let file = ScaFile::open(self.engine.clone(), lower).inspect_err(|_| {
+        let file = ScaFile::open(self.engine.clone(), lower).inspect_err(|e| {
+            tracing::error!("{}: {e}", self.name);
             let _ = self.below().release(&internal(), node, fh);
         })?;
         let f = Arc::new(OpenFile { users: Mutex::new(1), file: RwLock::new(file) });

@@ -1,0 +1,324 @@
+//! Size-changing layers through a real mount: sizes and savings in `stat`, index loss and
+//! damage, a daemon killed in the middle of writes, corrupt chunks, foreign files, and the
+//! extended and offline operations.
+
+mod common;
+
+use std::fs::{self, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{plyfs, run, Mount};
+use serde_json::Value;
+
+fn text(len: usize) -> Vec<u8> {
+    let words = ["stackable ", "file ", "system ", "index ", "chunk\n", "tail "];
+    let mut out = Vec::with_capacity(len + 16);
+    let mut i = 0usize;
+    while out.len() < len {
+        out.extend_from_slice(words[(i * 7 + i / 3) % words.len()].as_bytes());
+        i += 1;
+    }
+    out.truncate(len);
+    out
+}
+
+fn op(m: &Mount, rel: &str, name: &str) -> Value {
+    let out = run(plyfs().arg("op").arg(m.path(rel)).arg(name));
+    assert!(out.status.success(), "op {name}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn stat_shows_decoded_size_and_real_usage() {
+    let m = Mount::new("zstd");
+    let data = text(1 << 20);
+    fs::write(m.path("big.txt"), &data).unwrap();
+    let meta = fs::metadata(m.path("big.txt")).unwrap();
+    assert_eq!(meta.len(), data.len() as u64);
+    let lower = fs::metadata(m.lower_path("big.txt")).unwrap();
+    assert!(lower.len() < data.len() as u64 / 4, "zstd should shrink text: {} bytes", lower.len());
+    assert_eq!(meta.blocks(), lower.blocks(), "st_blocks reports the lower usage");
+    let stats = op(&m, "big.txt", "sca-stats");
+    assert_eq!(stats["decoded_size"], data.len() as u64);
+    assert!(stats["ratio"].as_f64().unwrap() < 0.25);
+    // After a remount, stat answers from the file's header, without decoding.
+    let m = m.remount();
+    assert_eq!(fs::metadata(m.path("big.txt")).unwrap().len(), data.len() as u64);
+    assert_eq!(fs::read(m.path("big.txt")).unwrap(), data);
+}
+
+/// Write a file spanning many chunks, then unmount; return its content.
+fn file_with_index(m: &Mount) -> Vec<u8> {
+    let mut data = text(300_000);
+    fs::write(m.path("f"), &data).unwrap();
+    // A few writes in the middle, so the log holds dead records as well.
+    let f = OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    for (i, off) in [5000u64, 70_000, 123_457].iter().enumerate() {
+        let patch = vec![b'0' + i as u8; 3000];
+        f.write_all_at(&patch, *off).unwrap();
+        data[*off as usize..*off as usize + 3000].copy_from_slice(&patch);
+    }
+    drop(f);
+    data
+}
+
+#[test]
+fn a_lost_truncated_or_scribbled_index_is_rebuilt() {
+    type Damage = fn(&Path, u64, u64);
+    let cases: [(&str, Damage); 3] = [
+        ("deleted", |p, off, _| {
+            // The slots that point at it, and the index itself.
+            let f = OpenOptions::new().write(true).open(p).unwrap();
+            f.write_all_at(&[0; 128], 64).unwrap();
+            f.set_len(off).unwrap();
+        }),
+        ("truncated", |p, off, len| {
+            OpenOptions::new().write(true).open(p).unwrap().set_len(off + len / 2).unwrap();
+        }),
+        ("scribbled", |p, off, len| {
+            let junk: Vec<u8> = (0..len).map(|i| (i * 131 + 7) as u8).collect();
+            OpenOptions::new().write(true).open(p).unwrap().write_all_at(&junk, off).unwrap();
+        }),
+    ];
+    for (what, damage) in cases {
+        let mut m = Mount::new("gzip:level=9");
+        let data = file_with_index(&m);
+        // Compaction leaves the index at the end of the file; find it.
+        op(&m, "f", "compact");
+        let stats = op(&m, "f", "sca-stats");
+        let index = &stats["index"];
+        assert!(index.is_object(), "{what}: no index after close: {stats}");
+        let (off, len) = (index["offset"].as_u64().unwrap(), index["bytes"].as_u64().unwrap());
+        m.unmount();
+        damage(&m.lower_path("f"), off, len);
+        let m = m.remount();
+        assert_eq!(fs::read(m.path("f")).unwrap(), data, "index {what}: data read back wrong");
+        assert!(m.daemon_log().contains("rebuil"), "index {what}: no warning in the log:\n{}", m.daemon_log());
+        let stats = op(&m, "f", "sca-stats");
+        assert!(stats["index"].is_object(), "index {what}: not rebuilt: {stats}");
+        assert_eq!(op(&m, "f", "verify")["ok"], true, "index {what}");
+    }
+}
+
+#[test]
+fn a_corrupt_chunk_reads_as_eio_and_is_logged_with_file_and_offset() {
+    let mut m = Mount::new("zstd");
+    let data = text(200_000);
+    fs::write(m.path("c.txt"), &data).unwrap();
+    m.unmount();
+    // Damage the record holding bytes 40960.. (the 11th chunk): find it by its offset in the
+    // lower file, which is laid out in order after a single sequential write.
+    let lower = m.lower_path("c.txt");
+    let bytes = fs::read(&lower).unwrap();
+    let mut records = Vec::new();
+    let mut at = 256usize;
+    while at + 56 <= bytes.len() && &bytes[at..at + 4] == b"PLYR" {
+        records.push(at);
+        let payload = u32::from_le_bytes(bytes[at + 32..at + 36].try_into().unwrap()) as usize;
+        at += 56 + payload.div_ceil(8) * 8;
+    }
+    assert!(records.len() > 20);
+    let victim = records[10];
+    let f = OpenOptions::new().write(true).open(&lower).unwrap();
+    f.write_all_at(b"\xff\xff\xff\xff", victim as u64 + 60).unwrap();
+    let m = m.remount();
+    let file = fs::File::open(m.path("c.txt")).unwrap();
+    let mut buf = vec![0; 4096];
+    let err = file.read_at(&mut buf, 10 * 4096).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO));
+    // The rest reads fine, and the daemon is alive.
+    file.read_exact_at(&mut buf, 0).unwrap();
+    assert_eq!(buf, data[..4096]);
+    file.read_exact_at(&mut buf, 20 * 4096).unwrap();
+    assert_eq!(buf, data[20 * 4096..21 * 4096]);
+    let log = m.daemon_log();
+    assert!(
+        log.contains(&format!("{}: corrupt data at offset 40960", lower.display())),
+        "the log must name the file and offset:\n{log}"
+    );
+    let report = op(&m, "c.txt", "verify");
+    assert_eq!(report["ok"], false);
+    assert_eq!(report["problems"][0]["offset"], 40960);
+}
+
+#[test]
+fn foreign_and_mismatched_files_give_clear_errors() {
+    let mut m = Mount::new("gzip");
+    fs::write(m.path("z"), text(10_000)).unwrap();
+    m.unmount();
+    fs::write(m.lower_path("plain.txt"), b"not encoded at all").unwrap();
+    let m = Mount::start(tempfile::tempdir().unwrap(), m.lower.clone(), m.mnt.clone(), "zstd", &[]);
+    for (name, expect) in [("plain.txt", "not a 'zstd' file"), ("z", "encoded by 'gzip'")] {
+        let err = fs::read(m.path(name)).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{name}");
+        assert!(m.daemon_log().contains(expect), "{name}: log lacks '{expect}':\n{}", m.daemon_log());
+    }
+}
+
+#[test]
+fn fast_tails_append_without_reencoding_and_truncate_in_the_tail() {
+    let m = Mount::new("gzip:level=9:fast_tails=on");
+    let mut model = Vec::new();
+    for i in 0..500 {
+        let line = format!("log line {i}\n");
+        let mut f = OpenOptions::new().append(true).create(true).open(m.path("log")).unwrap();
+        f.write_all(line.as_bytes()).unwrap();
+        model.extend_from_slice(line.as_bytes());
+    }
+    let stats = op(&m, "log", "sca-stats");
+    let tail = stats["fast_tail_bytes"].as_u64().unwrap();
+    assert!(tail > 0 && tail < 4096, "the partial last chunk is a fast tail: {stats}");
+    // Truncate inside the fast tail, then past the end (a hole of zeros).
+    let cut = model.len() as u64 - tail / 2;
+    let f = OpenOptions::new().write(true).open(m.path("log")).unwrap();
+    f.set_len(cut).unwrap();
+    model.truncate(cut as usize);
+    f.set_len(cut + 100_000).unwrap();
+    model.resize(cut as usize + 100_000, 0);
+    drop(f);
+    let m = m.remount();
+    assert_eq!(fs::read(m.path("log")).unwrap(), model);
+    assert_eq!(op(&m, "log", "verify")["ok"], true);
+}
+
+#[test]
+fn writes_in_the_middle_stay_bounded_and_compact() {
+    let m = Mount::new("zstd");
+    let size = 2 << 20;
+    let mut model = text(size);
+    fs::write(m.path("db"), &model).unwrap();
+    let f = OpenOptions::new().write(true).open(m.path("db")).unwrap();
+    for i in 0..3000u64 {
+        let off = (i * 7919 * 4096 + i * 13) % (size as u64 - 5000);
+        let patch = format!("<update {i}>").into_bytes();
+        f.write_all_at(&patch, off).unwrap();
+        model[off as usize..off as usize + patch.len()].copy_from_slice(&patch);
+    }
+    drop(f);
+    let stats = op(&m, "db", "sca-stats");
+    let (live, dead) = (stats["live_bytes"].as_u64().unwrap(), stats["dead_bytes"].as_u64().unwrap());
+    assert!(dead <= live.max(64 << 10), "dead space must stay bounded: {stats}");
+    let compacted = op(&m, "db", "compact");
+    assert!(compacted["after"].as_u64().unwrap() <= compacted["before"].as_u64().unwrap());
+    let stats = op(&m, "db", "sca-stats");
+    let (live, dead) = (stats["live_bytes"].as_u64().unwrap(), stats["dead_bytes"].as_u64().unwrap());
+    assert!(dead < live / 50, "compaction leaves (almost) no dead space: {stats}");
+    assert_eq!(fs::read(m.path("db")).unwrap(), model);
+}
+
+/// The state of one file in the crash workload: appends, with what was fsync'd and the
+/// append in flight when the daemon died.
+#[derive(Default, Clone)]
+struct Appended {
+    written: Vec<u8>,
+    synced: usize,
+    in_flight: Vec<u8>,
+}
+
+#[test]
+fn a_killed_daemon_loses_nothing_that_was_fsynced() {
+    for stack in ["zstd:fast_tails=on", "gzip:chunk=64k"] {
+        let mut m = Mount::new(stack);
+        let files: Vec<Arc<Mutex<Appended>>> = (0..4).map(|_| Arc::new(Mutex::new(Appended::default()))).collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let writers: Vec<_> = files
+            .iter()
+            .enumerate()
+            .map(|(n, state)| {
+                let (state, stop, path) = (state.clone(), stop.clone(), m.path(&format!("f{n}")));
+                std::thread::spawn(move || {
+                    let Ok(mut f) = OpenOptions::new().append(true).create(true).open(&path) else { return };
+                    let mut i = 0usize;
+                    while !stop.load(Ordering::SeqCst) {
+                        let mut chunk = format!("<{n}:{i}>").into_bytes();
+                        chunk.extend_from_slice(&text(50 + (i * 977) % 9000));
+                        state.lock().unwrap().in_flight = chunk.clone();
+                        if f.write_all(&chunk).is_err() {
+                            return;
+                        }
+                        let mut s = state.lock().unwrap();
+                        s.written.extend_from_slice(&chunk);
+                        s.in_flight.clear();
+                        drop(s);
+                        if i % 5 == 4 {
+                            if f.sync_all().is_err() {
+                                return;
+                            }
+                            let mut s = state.lock().unwrap();
+                            s.synced = s.written.len();
+                        }
+                        i += 1;
+                    }
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(700));
+        unsafe { libc::kill(m.pid(), libc::SIGKILL) };
+        stop.store(true, Ordering::SeqCst);
+        for w in writers {
+            w.join().unwrap();
+        }
+        m.wait_exit(Duration::from_secs(10)).expect("the daemon died");
+        assert!(run(plyfs().arg("umount").arg(&m.mnt)).status.success());
+        let fsck = run(plyfs().arg("fsck").arg(&m.lower).arg("--stack").arg(stack));
+        assert!(fsck.status.success(), "[{stack}] fsck after the crash: {}", String::from_utf8_lossy(&fsck.stderr));
+        let m = Mount::start(tempfile::tempdir().unwrap(), m.lower.clone(), m.mnt.clone(), stack, &[]);
+        for (n, state) in files.iter().enumerate() {
+            let s = state.lock().unwrap().clone();
+            let mut got = Vec::new();
+            fs::File::open(m.path(&format!("f{n}"))).unwrap().read_to_end(&mut got).unwrap();
+            assert!(s.synced > 0, "[{stack}] f{n}: the workload never synced");
+            assert!(got.len() >= s.synced, "[{stack}] f{n}: {} bytes read back, {} were fsynced", got.len(), s.synced);
+            let mut all = s.written.clone();
+            all.extend_from_slice(&s.in_flight);
+            assert!(got.len() <= all.len(), "[{stack}] f{n}: longer than anything written");
+            assert!(got[..] == all[..got.len()], "[{stack}] f{n}: reads back bytes no one wrote");
+        }
+    }
+}
+
+#[test]
+fn offline_encode_fsck_du_and_decode_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    fs::create_dir_all(src.join("sub")).unwrap();
+    fs::write(src.join("a.txt"), text(100_000)).unwrap();
+    fs::write(src.join("sub/b.bin"), (0..50_000u32).map(|i| (i * 2_654_435_761u32 >> 24) as u8).collect::<Vec<_>>()).unwrap();
+    fs::write(src.join("sub/empty"), b"").unwrap();
+    std::os::unix::fs::symlink("a.txt", src.join("link")).unwrap();
+    let enc = dir.path().join("enc");
+    let ok = |cmd: &mut std::process::Command| {
+        let out = run(cmd);
+        assert!(out.status.success(), "{:?}: {}", cmd, String::from_utf8_lossy(&out.stderr));
+        out
+    };
+    ok(plyfs().arg("encode").arg(&src).arg(&enc).args(["--stack", "zstd:chunk=64k"]));
+    assert!(fs::metadata(enc.join("a.txt")).unwrap().len() < 20_000);
+    ok(plyfs().arg("fsck").arg(&enc).args(["--stack", "zstd"]));
+    let du = ok(plyfs().arg("du").arg(&enc).args(["--stack", "zstd"]));
+    let du = String::from_utf8_lossy(&du.stdout);
+    assert!(du.lines().any(|l| l.ends_with(" a.txt") && l.contains("97.7K")), "du output:\n{du}");
+    let dec: PathBuf = dir.path().join("dec");
+    ok(plyfs().arg("decode").arg(&enc).arg(&dec).args(["--stack", "zstd"]));
+    for rel in ["a.txt", "sub/b.bin", "sub/empty"] {
+        assert_eq!(fs::read(src.join(rel)).unwrap(), fs::read(dec.join(rel)).unwrap(), "{rel}");
+    }
+    assert_eq!(fs::read_link(dec.join("link")).unwrap(), Path::new("a.txt"));
+    // The encoded tree mounts with the same stack.
+    fs::create_dir(dir.path().join("mnt")).unwrap();
+    let m = Mount::start(tempfile::tempdir().unwrap(), enc.clone(), dir.path().join("mnt"), "zstd", &[]);
+    assert_eq!(fs::read(m.path("a.txt")).unwrap(), fs::read(src.join("a.txt")).unwrap());
+    // fsck reports damaged data and fails.
+    drop(m);
+    let victim = enc.join("sub/b.bin");
+    let len = fs::metadata(&victim).unwrap().len();
+    OpenOptions::new().write(true).open(&victim).unwrap().write_all_at(&[0x5a; 64], len / 2).unwrap();
+    let out = run(plyfs().arg("fsck").arg(&enc).args(["--stack", "zstd"]));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sub/b.bin"), "{}", String::from_utf8_lossy(&out.stderr));
+}
