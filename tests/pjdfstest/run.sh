@@ -4,7 +4,8 @@
 #
 #   tests/pjdfstest/run.sh [OPTIONS] [STACK...] [-- TEST_PATTERN...]
 #
-# STACK is a `--stack` spec (default: `null`, `trace`, `zstd`, `copy` and `gzip:level=9:fast_tails=on`). For each one a fresh lower directory on
+# STACK is a `--stack` spec (default: `null`, `trace`, `zstd`, `copy` and
+# `gzip:level=9:fast_tails=on`). For each one a fresh lower directory on
 # the real disk and an empty mount point are made, plyfs is mounted over them with
 # `-o allow_other` (pjdfstest switches to other users), pjdfstest runs inside the mount, and the
 # mount is taken down again - always, even on failure or interruption.
