@@ -69,13 +69,7 @@ impl Codec for Gzip {
 const LEVEL: ParamSpec = ParamSpec { name: "level", help: "compression level, 1 (fastest) to 9 (smallest)", default: Some("6") };
 
 fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
-    let level = match args.params.get(LEVEL.name) {
-        None => 6,
-        Some(v) => match v.parse::<u32>() {
-            Ok(l @ 1..=9) => l,
-            _ => return Err(args.params.bad(LEVEL.name, v, "expected 1 to 9")),
-        },
-    };
+    let level = args.params.int_in(LEVEL.name, 6, 1..=9)? as u32;
     build_sca_layer(args, "gzip", Arc::new(Gzip { level }))
 }
 

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use plyfs_sca::codec::decode_in_place;
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
 use plyfs_stack::{BuildArgs, Layer, LayerFactory, Result};
 
@@ -22,19 +23,7 @@ impl Codec for Lz4 {
     }
 
     fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
-        let start = out.len();
-        out.resize(start + decoded_len, 0);
-        match lz4_flex::block::decompress_into(encoded, &mut out[start..]) {
-            Ok(n) if n == decoded_len => Ok(()),
-            Ok(n) => {
-                out.truncate(start);
-                Err(format!("decoded to {n} bytes, not {decoded_len}"))
-            }
-            Err(e) => {
-                out.truncate(start);
-                Err(e.to_string())
-            }
-        }
+        decode_in_place(out, decoded_len, |dst| lz4_flex::block::decompress_into(encoded, dst).map_err(|e| e.to_string()))
     }
 
     fn store_raw_if_larger(&self) -> bool {

@@ -4,6 +4,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use ::zstd::bulk::{Compressor, Decompressor};
+use plyfs_sca::codec::decode_in_place;
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
 use plyfs_stack::spec::ParamSpec;
 use plyfs_stack::{BuildArgs, Layer, LayerFactory, Result};
@@ -43,19 +44,7 @@ impl Codec for Zstd {
                 *slot = Some(Decompressor::new().map_err(|e| e.to_string())?);
             }
             let d = slot.as_mut().expect("set above");
-            let start = out.len();
-            out.resize(start + decoded_len, 0);
-            match d.decompress_to_buffer(encoded, &mut out[start..]) {
-                Ok(n) if n == decoded_len => Ok(()),
-                Ok(n) => {
-                    out.truncate(start);
-                    Err(format!("decoded to {n} bytes, not {decoded_len}"))
-                }
-                Err(e) => {
-                    out.truncate(start);
-                    Err(e.to_string())
-                }
-            }
+            decode_in_place(out, decoded_len, |dst| d.decompress_to_buffer(encoded, dst).map_err(|e| e.to_string()))
         })
     }
 
@@ -67,13 +56,7 @@ impl Codec for Zstd {
 const LEVEL: ParamSpec = ParamSpec { name: "level", help: "compression level, 1 (fastest) to 19 (smallest)", default: Some("3") };
 
 fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
-    let level = match args.params.get(LEVEL.name) {
-        None => 3,
-        Some(v) => match v.parse::<i32>() {
-            Ok(l @ 1..=19) => l,
-            _ => return Err(args.params.bad(LEVEL.name, v, "expected 1 to 19")),
-        },
-    };
+    let level = args.params.int_in(LEVEL.name, 3, 1..=19)? as i32;
     build_sca_layer(args, "zstd", Arc::new(Zstd { level }))
 }
 

@@ -36,3 +36,26 @@ pub trait Codec: Send + Sync + 'static {
 pub fn tag_name(tag: [u8; 4]) -> String {
     tag.iter().map(|&b| if b.is_ascii_graphic() { b as char } else { '?' }).collect::<String>().trim_end_matches('?').to_owned()
 }
+
+/// Decode into the `decoded_len` bytes appended to `out` by `fill`, which returns how many it
+/// wrote; on failure or a wrong length `out` is left as it was. For codecs whose decoders
+/// write into a slice.
+pub fn decode_in_place(
+    out: &mut Vec<u8>,
+    decoded_len: usize,
+    fill: impl FnOnce(&mut [u8]) -> Result<usize, String>,
+) -> Result<(), String> {
+    let start = out.len();
+    out.resize(start + decoded_len, 0);
+    match fill(&mut out[start..]) {
+        Ok(n) if n == decoded_len => Ok(()),
+        Ok(n) => {
+            out.truncate(start);
+            Err(format!("decoded to {n} bytes, not {decoded_len}"))
+        }
+        Err(e) => {
+            out.truncate(start);
+            Err(e)
+        }
+    }
+}

@@ -169,6 +169,17 @@ impl Params {
         }
     }
 
+    /// An integer parameter within `range`.
+    pub fn int_in(&self, key: &str, default: i64, range: std::ops::RangeInclusive<i64>) -> Result<i64> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => match v.parse::<i64>() {
+                Ok(n) if range.contains(&n) => Ok(n),
+                _ => Err(self.bad(key, v, &format!("expected {} to {}", range.start(), range.end()))),
+            },
+        }
+    }
+
     /// The error for a parameter value a layer cannot use.
     pub fn bad(&self, key: &str, value: &str, why: &str) -> Error {
         Error::config(format!("layer '{}': bad value '{value}' for '{key}': {why}", self.layer))
