@@ -234,19 +234,36 @@ impl ScaLayer {
     }
 
     /// Drop one user; the last one closes the file.
+    ///
+    /// The file stays in the table while it is being closed, so that an `open` arriving
+    /// meanwhile (the kernel sends `release` asynchronously, often after the next `open` of the
+    /// same file) shares this state instead of loading a second one from a file still being
+    /// written. If it was reopened during the close, it simply stays open.
     fn relinquish(&self, node: NodeId) -> Result<()> {
-        let mut open = self.open.lock();
-        let Some(f) = open.get(&node).cloned() else { return Ok(()) };
-        let mut users = f.users.lock();
-        *users -= 1;
-        if *users > 0 {
-            return Ok(());
-        }
-        drop(users);
-        open.remove(&node);
-        drop(open);
+        let f = {
+            let open = self.open.lock();
+            let Some(f) = open.get(&node).cloned() else { return Ok(()) };
+            let remaining = {
+                let mut users = f.users.lock();
+                *users -= 1;
+                *users
+            };
+            if remaining > 0 {
+                return Ok(());
+            }
+            f
+        };
         let mut file = f.file.write();
         let result = file.close();
+        {
+            let mut open = self.open.lock();
+            if *f.users.lock() > 0 {
+                return result;
+            }
+            if open.get(&node).is_some_and(|current| Arc::ptr_eq(current, &f)) {
+                open.remove(&node);
+            }
+        }
         let decoded = file.size();
         self.release_lower(file.lower());
         if result.is_ok() {
