@@ -95,6 +95,9 @@ pub const COMPACT_SLACK_BYTES: u64 = 64 << 10;
 const CHECKPOINT_EVERY_RECORDS: u64 = 32;
 /// Largest lower read or write the file issues at once.
 const IO_WINDOW_BYTES: u64 = 4 << 20;
+/// Opening reads this much from the start of the lower file in one request: for most files,
+/// header, slots and every record.
+const OPEN_READ_BYTES: usize = 64 << 10;
 
 pub struct ScaFile<L: LowerIo> {
     engine: Arc<Engine>,
@@ -108,6 +111,10 @@ pub struct ScaFile<L: LowerIo> {
     /// Records appended but not yet written to the lower file.
     pending: Vec<u8>,
     pending_start: u64,
+    /// The start of the lower file, read once while loading.
+    prefetched: Vec<u8>,
+    /// Whether this open changed the file.
+    modified: bool,
 }
 
 impl<L: LowerIo> ScaFile<L> {
@@ -124,15 +131,25 @@ impl<L: LowerIo> ScaFile<L> {
             lost: BTreeSet::new(),
             pending: Vec::new(),
             pending_start: 0,
+            prefetched: Vec::new(),
+            modified: false,
         };
         f.load()?;
         Ok(f)
     }
 
     fn load(&mut self) -> Result<()> {
+        let first = self.lower.read_at(0, OPEN_READ_BYTES)?;
+        let len = if first.len() < OPEN_READ_BYTES { first.len() as u64 } else { self.lower.len()? };
+        self.prefetched = first;
+        let result = self.load_with(len);
+        self.prefetched = Vec::new();
+        result
+    }
+
+    fn load_with(&mut self, len: u64) -> Result<()> {
         self.pending.clear();
         self.lost.clear();
-        let len = self.lower.len()?;
         self.header_on_disk = len > 0;
         self.slot_seq = 0;
         self.slot_dirty = false;
@@ -140,7 +157,7 @@ impl<L: LowerIo> ScaFile<L> {
         if len == 0 {
             return Ok(());
         }
-        let head = self.lower.read_at(0, DATA_START as usize)?;
+        let head = self.read_cached(0, DATA_START as usize)?;
         let Some(header) = FileHeader::decode(&head) else {
             return self.rebuild_without_header(len);
         };
@@ -346,7 +363,7 @@ impl<L: LowerIo> ScaFile<L> {
         resync: bool,
         mut visit: impl FnMut(u64, &RecordHeader, &[u8], bool),
     ) -> std::result::Result<u64, Fault> {
-        let mut window = Window { start, bytes: Vec::new() };
+        let mut window = Window { start: 0, bytes: self.prefetched.clone() };
         let mut pos = start;
         let mut valid_end = start;
         while pos + RECORD_HEADER_BYTES <= len {
@@ -373,12 +390,20 @@ impl<L: LowerIo> ScaFile<L> {
 
     /// One record at `off`: its header and payload if both are valid.
     fn read_record(&self, off: u64, len: u64) -> std::result::Result<Option<(RecordHeader, Vec<u8>)>, Fault> {
-        let head = self.lower.read_at(off, RECORD_HEADER_BYTES as usize)?;
+        let head = self.read_cached(off, RECORD_HEADER_BYTES as usize)?;
         let Some(h) = RecordHeader::decode(&head).filter(|h| off + h.bytes() <= len) else {
             return Ok(None);
         };
-        let payload = self.lower.read_at(off + RECORD_HEADER_BYTES, h.payload_len as usize)?;
+        let payload = self.read_cached(off + RECORD_HEADER_BYTES, h.payload_len as usize)?;
         Ok(payload_ok(&h, &payload).then_some((h, payload)))
+    }
+
+    /// Bytes of the lower file, from what was read at open when it covers them.
+    fn read_cached(&self, off: u64, len: usize) -> Result<Vec<u8>> {
+        match self.prefetched.get(off as usize..off as usize + len) {
+            Some(bytes) => Ok(bytes.to_vec()),
+            None => self.lower.read_at(off, len),
+        }
     }
 
     // Reading.
@@ -743,6 +768,7 @@ impl<L: LowerIo> ScaFile<L> {
         self.pending = out;
         self.ix.apply(off, &written, payload).map_err(|e| Error::Corrupt(format!("{}: {e}", self.lower.describe())))?;
         self.slot_dirty = true;
+        self.modified = true;
         if self.pending.len() as u64 >= IO_WINDOW_BYTES {
             self.flush_pending()?;
         }
@@ -752,6 +778,14 @@ impl<L: LowerIo> ScaFile<L> {
     fn flush_pending(&mut self) -> Result<()> {
         if self.pending.is_empty() {
             return Ok(());
+        }
+        if self.pending_start == 0 {
+            // A new file: its first slot goes out with the header, sparing a write at close.
+            self.slot_seq += 1;
+            let at = Slot::offset_for(self.slot_seq) as usize;
+            let slot = self.current_slot().encode();
+            self.pending[at..at + slot.len()].copy_from_slice(&slot);
+            self.slot_dirty = false;
         }
         let bytes = std::mem::take(&mut self.pending);
         self.lower.write_at(self.pending_start, &bytes)
@@ -786,6 +820,7 @@ impl<L: LowerIo> ScaFile<L> {
         }
         if size == 0 {
             self.pending.clear();
+            self.modified = true;
             self.lower.set_len(0)?;
             self.ix = FileIndex::new(self.engine.chunk_shift);
             self.header_on_disk = false;
@@ -876,18 +911,27 @@ impl<L: LowerIo> ScaFile<L> {
         }
         self.flush_pending()?;
         self.slot_seq += 1;
+        self.lower.write_at(Slot::offset_for(self.slot_seq), &self.current_slot().encode())?;
+        self.slot_dirty = false;
+        Ok(())
+    }
+
+    /// The slot describing the index as it is now, numbered `slot_seq`.
+    fn current_slot(&self) -> Slot {
         let checkpoint = self.ix.checkpoint;
-        let slot = Slot {
+        Slot {
             slot_seq: self.slot_seq,
             file_size: self.ix.size,
             covered_seq: self.ix.next_seq - 1,
             log_end: self.ix.log_end,
             checkpoint_off: checkpoint.map_or(0, |c| c.off),
             checkpoint_seq: checkpoint.map_or(0, |c| c.seq),
-        };
-        self.lower.write_at(Slot::offset_for(self.slot_seq), &slot.encode())?;
-        self.slot_dirty = false;
-        Ok(())
+        }
+    }
+
+    /// Whether this open wrote to the file.
+    pub fn modified(&self) -> bool {
+        self.modified
     }
 
     /// Move the live records together at the front of the log and cut the file after them.

@@ -92,16 +92,18 @@ pub struct ScaLayer {
     sizes: Mutex<HashMap<NodeId, CachedSize>>,
 }
 
+/// What identifies a version of a lower file's content: any write through this layer or from
+/// outside changes its size or mtime. (ctime is left out: chmod and chown change it, and
+/// `setattr` here keeps the cache current for utime.)
 #[derive(Clone, Copy, PartialEq, Eq)]
 struct LowerStamp {
     size: u64,
     mtime: SystemTime,
-    ctime: SystemTime,
 }
 
 impl LowerStamp {
     fn of(a: &Attr) -> LowerStamp {
-        LowerStamp { size: a.size, mtime: a.mtime, ctime: a.ctime }
+        LowerStamp { size: a.size, mtime: a.mtime }
     }
 }
 
@@ -266,7 +268,7 @@ impl ScaLayer {
         }
         let decoded = file.size();
         self.release_lower(file.lower());
-        if result.is_ok() {
+        if result.is_ok() && file.modified() {
             if let Ok(attr) = self.below().getattr(&internal(), node) {
                 self.sizes.lock().insert(node, CachedSize { stamp: LowerStamp::of(&attr), decoded });
             }
@@ -417,6 +419,12 @@ impl ScaLayer {
         }
         let rest = SetAttr { size: None, ..*set };
         let reply = self.below().call(cx, &Op::SetAttr { node, fh: None, set: rest })?;
+        if let (Reply::Attr(a), None) = (&reply, set.size) {
+            // Only metadata changed: the cached decoded size still holds under the new stamp.
+            if let Some(c) = self.sizes.lock().get_mut(&node).filter(|c| c.stamp.size == a.size) {
+                c.stamp = LowerStamp::of(a);
+            }
+        }
         Ok(self.reply_with_attr(node, reply))
     }
 
