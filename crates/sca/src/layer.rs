@@ -76,6 +76,7 @@ pub fn build_sca_layer(args: BuildArgs, kind: &'static str, codec: Arc<dyn Codec
         engine: Arc::new(Engine::new(kind, codec, chunk_shift, fast_tails)),
         lower: [args.lower],
         open: Mutex::new(HashMap::new()),
+        idle: Mutex::new(std::collections::VecDeque::new()),
         next_fh: AtomicU64::new(1),
         sizes: Mutex::new(HashMap::new()),
     }))
@@ -85,8 +86,11 @@ pub struct ScaLayer {
     name: String,
     engine: Arc<Engine>,
     lower: [Level; 1],
-    /// Files open through this layer (or held by an extended operation).
+    /// Files open through this layer (or held by an extended operation), and recently closed
+    /// ones kept idle.
     open: Mutex<HashMap<NodeId, Arc<OpenFile>>>,
+    /// Idle files, oldest first.
+    idle: Mutex<std::collections::VecDeque<NodeId>>,
     next_fh: AtomicU64,
     /// Decoded sizes of closed files, valid while the lower attributes are unchanged.
     sizes: Mutex<HashMap<NodeId, CachedSize>>,
@@ -114,10 +118,25 @@ struct CachedSize {
 }
 
 struct OpenFile {
-    /// Upper handles plus extended operations in progress.
-    users: Mutex<usize>,
+    users: Mutex<Users>,
     file: RwLock<ScaFile<LowerFile>>,
+    /// The layer's handle on the lower file (also inside `file`), to release it without
+    /// taking the file's lock.
+    lower_fh: FileHandle,
 }
+
+#[derive(Default)]
+struct Users {
+    /// Upper handles plus extended operations in progress.
+    count: usize,
+    /// Set once the last user has closed the file: the lower file as it was then. The state
+    /// is kept (Fast Indexing §3: the index stays cached as long as possible) and reused by
+    /// the next open if the lower file is unchanged.
+    idle: Option<LowerStamp>,
+}
+
+/// How many closed files keep their index in memory.
+const IDLE_FILES: usize = 64;
 
 /// The lower file under an open encoded file: the layer's own handle on the level below.
 struct LowerFile {
@@ -214,12 +233,25 @@ impl ScaLayer {
     /// The open state of `node`, opening it if needed, with one more user.
     fn acquire(&self, node: NodeId, created: Option<LowerFile>) -> Result<Arc<OpenFile>> {
         let mut open = self.open.lock();
-        if let Some(f) = open.get(&node) {
-            *f.users.lock() += 1;
-            if let Some(extra) = created {
-                self.release_lower(&extra);
+        if let Some(f) = open.get(&node).cloned() {
+            let mut users = f.users.lock();
+            let reusable = match users.idle {
+                None => true, // open, or being closed
+                Some(stamp) => self.below().getattr(&internal(), node).is_ok_and(|a| LowerStamp::of(&a) == stamp),
+            };
+            if reusable {
+                users.count += 1;
+                if users.idle.take().is_some() {
+                    self.idle.lock().retain(|n| *n != node);
+                }
+                if let Some(extra) = created {
+                    self.release_lower(&extra);
+                }
+                return Ok(f.clone());
             }
-            return Ok(f.clone());
+            // Changed from outside since it was closed: load it afresh.
+            drop(users);
+            self.evict(&mut open, node);
         }
         let lower = match created {
             Some(l) => l,
@@ -230,12 +262,22 @@ impl ScaLayer {
             tracing::error!("{}: {e}", self.name);
             let _ = self.below().release(&internal(), node, fh);
         })?;
-        let f = Arc::new(OpenFile { users: Mutex::new(1), file: RwLock::new(file) });
+        let users = Users { count: 1, idle: None };
+        let f = Arc::new(OpenFile { users: Mutex::new(users), file: RwLock::new(file), lower_fh: fh });
         open.insert(node, f.clone());
         Ok(f)
     }
 
-    /// Drop one user; the last one closes the file.
+    /// Drop an idle file's state.
+    fn evict(&self, open: &mut HashMap<NodeId, Arc<OpenFile>>, node: NodeId) {
+        let idle = open.get(&node).is_some_and(|f| f.users.lock().idle.is_some());
+        if let Some(f) = open.remove(&node).filter(|_| idle) {
+            self.idle.lock().retain(|n| *n != node);
+            let _ = self.below().release(&internal(), node, f.lower_fh);
+        }
+    }
+
+    /// Drop one user; the last one closes the file, which then stays idle in the table.
     ///
     /// The file stays in the table while it is being closed, so that an `open` arriving
     /// meanwhile (the kernel sends `release` asynchronously, often after the next `open` of the
@@ -247,37 +289,53 @@ impl ScaLayer {
             let Some(f) = open.get(&node).cloned() else { return Ok(()) };
             let remaining = {
                 let mut users = f.users.lock();
-                *users -= 1;
-                *users
+                users.count -= 1;
+                users.count
             };
             if remaining > 0 {
                 return Ok(());
             }
             f
         };
-        let mut file = f.file.write();
-        let result = file.close();
-        {
-            let mut open = self.open.lock();
-            if *f.users.lock() > 0 {
-                return result;
+        let file = f.file.write();
+        let result = file_close(file);
+        let stamp = self.below().getattr(&internal(), node).map(|a| LowerStamp::of(&a));
+        let mut open = self.open.lock();
+        let mut users = f.users.lock();
+        if users.count > 0 {
+            return result.map(|_| ());
+        }
+        match (&result, stamp) {
+            (Ok(modified), Ok(stamp)) => {
+                users.idle = Some(stamp);
+                drop(users);
+                if *modified {
+                    let decoded = f.file.read().size();
+                    self.sizes.lock().insert(node, CachedSize { stamp, decoded });
+                }
+                let oldest = {
+                    let mut idle = self.idle.lock();
+                    idle.push_back(node);
+                    if idle.len() > IDLE_FILES { idle.pop_front() } else { None }
+                };
+                if let Some(old) = oldest {
+                    self.evict(&mut open, old);
+                }
             }
-            if open.get(&node).is_some_and(|current| Arc::ptr_eq(current, &f)) {
-                open.remove(&node);
+            _ => {
+                drop(users);
+                if open.get(&node).is_some_and(|current| Arc::ptr_eq(current, &f)) {
+                    open.remove(&node);
+                }
+                let _ = self.below().release(&internal(), node, f.lower_fh);
             }
         }
-        let decoded = file.size();
-        self.release_lower(file.lower());
-        if result.is_ok() && file.modified() {
-            if let Ok(attr) = self.below().getattr(&internal(), node) {
-                self.sizes.lock().insert(node, CachedSize { stamp: LowerStamp::of(&attr), decoded });
-            }
-        }
-        result
+        result.map(|_| ())
     }
 
     fn file_of(&self, node: NodeId) -> Result<Arc<OpenFile>> {
-        self.open.lock().get(&node).cloned().ok_or(Error::Os(libc::EBADF))
+        let f = self.open.lock().get(&node).cloned();
+        f.filter(|f| f.users.lock().count > 0).ok_or(Error::Os(libc::EBADF))
     }
 
     /// Run `op` on the node's file, opening it for the duration if it is not open.
@@ -296,8 +354,11 @@ impl ScaLayer {
         }
         let open = self.open.lock().get(&node).cloned();
         if let Some(f) = open {
-            attr.size = f.file.read().size();
-            return;
+            let idle = f.users.lock().idle;
+            if idle.is_none_or(|stamp| stamp == LowerStamp::of(attr)) {
+                attr.size = f.file.read().size();
+                return;
+            }
         }
         if attr.size == 0 {
             return;
@@ -484,6 +545,12 @@ impl ScaLayer {
     }
 }
 
+/// Close a file (see [`ScaFile::close`]); `Ok(true)` if it was written while open.
+fn file_close(mut file: parking_lot::RwLockWriteGuard<'_, ScaFile<LowerFile>>) -> Result<bool> {
+    let modified = file.modified();
+    file.close().map(|()| modified)
+}
+
 impl<L: LowerIo> ScaFile<L> {
     /// Retry a read that found the index stale, rebuilding it first unless someone else has.
     pub fn read_repairing(&mut self, offset: u64, size: usize, why: &str) -> Result<Vec<u8>> {
@@ -541,6 +608,11 @@ impl Layer for ScaLayer {
             Op::Flush { .. } => Ok(Reply::Empty),
             Op::Fsync { node, .. } => self.file_of(node)?.file.write().sync().map(|()| Reply::Empty),
             Op::Release { node, .. } => self.relinquish(node).map(|()| Reply::Empty),
+            Op::Forget { node, .. } => {
+                // The kernel no longer knows the file: keep no idle state for it.
+                self.evict(&mut self.open.lock(), node);
+                bypass(self, cx, op)
+            }
             Op::Fallocate { node, offset, length, mode, .. } => self.fallocate(node, offset, length, mode),
             Op::Lseek { node, offset, whence, .. } => self.lseek(node, offset, whence),
             Op::Extended { node, name, .. } if EXT_OPS.iter().any(|e| e.name == name) => self.extended(cx, op, node, name),
@@ -549,13 +621,12 @@ impl Layer for ScaLayer {
     }
 
     fn shutdown(&self) {
-        let nodes: Vec<NodeId> = self.open.lock().keys().copied().collect();
-        for node in nodes {
-            if let Ok(f) = self.file_of(node) {
-                if let Err(e) = f.file.write().close() {
-                    tracing::error!("{}: inode {}: closing at shutdown: {e}", self.name, node.0);
-                }
+        let files: Vec<(NodeId, Arc<OpenFile>)> = self.open.lock().drain().collect();
+        for (node, f) in files {
+            if let Err(e) = f.file.write().close() {
+                tracing::error!("{}: inode {}: closing at shutdown: {e}", self.name, node.0);
             }
+            let _ = self.below().release(&internal(), node, f.lower_fh);
         }
     }
 }
