@@ -121,7 +121,14 @@ impl<L: LowerIo> ScaFile<L> {
     /// Open the encoded file in `lower`, loading and checking its index, and rebuilding it from
     /// the records if it is missing or inconsistent.
     pub fn open(engine: Arc<Engine>, lower: L) -> Result<ScaFile<L>> {
-        let mut f = ScaFile {
+        let mut f = ScaFile::new_empty(engine, lower);
+        f.load()?;
+        Ok(f)
+    }
+
+    /// The state of a file just created empty below: nothing to read.
+    pub fn new_empty(engine: Arc<Engine>, lower: L) -> ScaFile<L> {
+        ScaFile {
             ix: FileIndex::new(engine.chunk_shift),
             engine,
             lower,
@@ -133,9 +140,7 @@ impl<L: LowerIo> ScaFile<L> {
             pending_start: 0,
             prefetched: Vec::new(),
             modified: false,
-        };
-        f.load()?;
-        Ok(f)
+        }
     }
 
     fn load(&mut self) -> Result<()> {

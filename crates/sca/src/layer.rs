@@ -231,7 +231,9 @@ impl ScaLayer {
     }
 
     /// The open state of `node`, opening it if needed, with one more user.
-    fn acquire(&self, node: NodeId, created: Option<LowerFile>) -> Result<Arc<OpenFile>> {
+    /// `created`: the layer's handle on a file `create` just opened below, and whether the
+    /// file is new and empty there (then nothing needs reading).
+    fn acquire(&self, node: NodeId, created: Option<(LowerFile, bool)>) -> Result<Arc<OpenFile>> {
         let mut open = self.open.lock();
         if let Some(f) = open.get(&node).cloned() {
             let mut users = f.users.lock();
@@ -244,7 +246,7 @@ impl ScaLayer {
                 if users.idle.take().is_some() {
                     self.idle.lock().retain(|n| *n != node);
                 }
-                if let Some(extra) = created {
+                if let Some((extra, _)) = created {
                     self.release_lower(&extra);
                 }
                 return Ok(f.clone());
@@ -253,15 +255,19 @@ impl ScaLayer {
             drop(users);
             self.evict(&mut open, node);
         }
-        let lower = match created {
-            Some(l) => l,
-            None => self.open_lower(node)?,
+        let (lower, empty) = match created {
+            Some(c) => c,
+            None => (self.open_lower(node)?, false),
         };
         let fh = lower.fh;
-        let file = ScaFile::open(self.engine.clone(), lower).inspect_err(|e| {
-            tracing::error!("{}: {e}", self.name);
-            let _ = self.below().release(&internal(), node, fh);
-        })?;
+        let file = if empty {
+            ScaFile::new_empty(self.engine.clone(), lower)
+        } else {
+            ScaFile::open(self.engine.clone(), lower).inspect_err(|e| {
+                tracing::error!("{}: {e}", self.name);
+                let _ = self.below().release(&internal(), node, fh);
+            })?
+        };
         let users = Users { count: 1, idle: None };
         let f = Arc::new(OpenFile { users: Mutex::new(users), file: RwLock::new(file), lower_fh: fh });
         open.insert(node, f.clone());
@@ -449,7 +455,7 @@ impl ScaLayer {
         let lower_flags = (flags & !(libc::O_ACCMODE | libc::O_APPEND | libc::O_TRUNC)) | libc::O_RDWR;
         let (mut entry, opened) = self.below().create(cx, parent, name, mode, lower_flags)?;
         let lower = LowerFile { level: self.below().clone(), node: entry.node, fh: opened.fh, writable: true, label: OnceLock::new() };
-        let f = self.acquire(entry.node, Some(lower))?;
+        let f = self.acquire(entry.node, Some((lower, entry.attr.size == 0)))?;
         if flags & libc::O_TRUNC != 0 {
             if let Err(e) = f.file.write().truncate(0) {
                 let _ = self.relinquish(entry.node);
@@ -481,9 +487,17 @@ impl ScaLayer {
         let rest = SetAttr { size: None, ..*set };
         let reply = self.below().call(cx, &Op::SetAttr { node, fh: None, set: rest })?;
         if let (Reply::Attr(a), None) = (&reply, set.size) {
-            // Only metadata changed: the cached decoded size still holds under the new stamp.
+            // Only metadata changed: what is cached about the content still holds, under the
+            // lower file's new stamp.
             if let Some(c) = self.sizes.lock().get_mut(&node).filter(|c| c.stamp.size == a.size) {
                 c.stamp = LowerStamp::of(a);
+            }
+            let idle = self.open.lock().get(&node).cloned();
+            if let Some(f) = idle {
+                let mut users = f.users.lock();
+                if let Some(stamp) = users.idle.as_mut().filter(|s| s.size == a.size) {
+                    *stamp = LowerStamp::of(a);
+                }
             }
         }
         Ok(self.reply_with_attr(node, reply))

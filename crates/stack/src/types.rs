@@ -38,8 +38,10 @@ impl Caller {
     /// The daemon itself, for operations that no user process asked for (offline tools, tests,
     /// the control socket).
     pub fn daemon() -> Caller {
-        // SAFETY: these calls cannot fail.
-        unsafe { Caller { uid: libc::geteuid(), gid: libc::getegid(), pid: 0 } }
+        static DAEMON: std::sync::OnceLock<Caller> = std::sync::OnceLock::new();
+        // SAFETY: these calls cannot fail. The daemon never changes its own ids (it switches
+        // only the file-system ids, per thread, for the duration of a call).
+        *DAEMON.get_or_init(|| unsafe { Caller { uid: libc::geteuid(), gid: libc::getegid(), pid: 0 } })
     }
 }
 
