@@ -115,6 +115,10 @@ pub struct ScaFile<L: LowerIo> {
     prefetched: Vec<u8>,
     /// Whether this open changed the file.
     modified: bool,
+    /// The partial chunk last stored, decoded, with its record's sequence number: the next
+    /// write into it (a program writing in pieces that are not whole chunks) needs neither to
+    /// read nor to decode it.
+    hot: Option<(u64, u64, Vec<u8>)>,
 }
 
 impl<L: LowerIo> ScaFile<L> {
@@ -140,6 +144,7 @@ impl<L: LowerIo> ScaFile<L> {
             pending_start: 0,
             prefetched: Vec::new(),
             modified: false,
+            hot: None,
         }
     }
 
@@ -573,11 +578,16 @@ impl<L: LowerIo> ScaFile<L> {
     }
 
     /// The decoded content of one chunk (empty past the end of the file).
-    fn chunk_content(&self, chunk: u64) -> std::result::Result<Vec<u8>, Fault> {
+    fn chunk_content(&mut self, chunk: u64) -> std::result::Result<Vec<u8>, Fault> {
         let start = chunk << self.ix.chunk_shift;
         let len = self.ix.chunk_len(chunk) as usize;
         if len == 0 {
             return Ok(Vec::new());
+        }
+        let current_seq = self.ix.map.get(chunk).map(|r| r.seq);
+        if let Some((_, _, mut content)) = self.hot.take().filter(|(c, seq, _)| *c == chunk && Some(*seq) == current_seq) {
+            content.resize(len, 0);
+            return Ok(content);
         }
         self.read(start, len)
     }
@@ -718,7 +728,11 @@ impl<L: LowerIo> ScaFile<L> {
             decoded_len: content.len() as u32,
             ..self.header_for(chunk, new_size)
         };
-        Ok(self.append_record(header, &encoded.payload)?)
+        self.append_record(header, &encoded.payload)?;
+        if is_partial_last {
+            self.hot = Some((chunk, self.ix.next_seq - 1, content.to_vec()));
+        }
+        Ok(())
     }
 
     fn append_tail(&mut self, chunk: u64, keep: u32, bytes: &[u8], new_size: u64) -> std::result::Result<(), Fault> {
