@@ -253,7 +253,8 @@ impl ScaLayer {
             }
             // Changed from outside since it was closed: load it afresh.
             drop(users);
-            self.evict(&mut open, node);
+            let stale = self.evict(&mut open, node);
+            self.release_evicted(stale);
         }
         let (lower, empty) = match created {
             Some(c) => c,
@@ -275,11 +276,22 @@ impl ScaLayer {
     }
 
     /// Drop an idle file's state.
-    fn evict(&self, open: &mut HashMap<NodeId, Arc<OpenFile>>, node: NodeId) {
+    ///
+    /// Returns the lower handle to release once the table is unlocked (closing a descriptor
+    /// under the lock would hold up every open). A file in use is left alone.
+    fn evict(&self, open: &mut HashMap<NodeId, Arc<OpenFile>>, node: NodeId) -> Option<(NodeId, FileHandle)> {
         let idle = open.get(&node).is_some_and(|f| f.users.lock().idle.is_some());
-        if let Some(f) = open.remove(&node).filter(|_| idle) {
-            self.idle.lock().retain(|n| *n != node);
-            let _ = self.below().release(&internal(), node, f.lower_fh);
+        if !idle {
+            return None;
+        }
+        let f = open.remove(&node)?;
+        self.idle.lock().retain(|n| *n != node);
+        Some((node, f.lower_fh))
+    }
+
+    fn release_evicted(&self, evicted: Option<(NodeId, FileHandle)>) {
+        if let Some((node, fh)) = evicted {
+            let _ = self.below().release(&internal(), node, fh);
         }
     }
 
@@ -324,9 +336,9 @@ impl ScaLayer {
                     idle.push_back(node);
                     if idle.len() > IDLE_FILES { idle.pop_front() } else { None }
                 };
-                if let Some(old) = oldest {
-                    self.evict(&mut open, old);
-                }
+                let evicted = oldest.and_then(|old| self.evict(&mut open, old));
+                drop(open);
+                self.release_evicted(evicted);
             }
             _ => {
                 drop(users);
@@ -624,7 +636,8 @@ impl Layer for ScaLayer {
             Op::Release { node, .. } => self.relinquish(node).map(|()| Reply::Empty),
             Op::Forget { node, .. } => {
                 // The kernel no longer knows the file: keep no idle state for it.
-                self.evict(&mut self.open.lock(), node);
+                let evicted = self.evict(&mut self.open.lock(), node);
+                self.release_evicted(evicted);
                 bypass(self, cx, op)
             }
             Op::Fallocate { node, offset, length, mode, .. } => self.fallocate(node, offset, length, mode),
