@@ -157,13 +157,25 @@ impl<L: LowerIo> ScaFile<L> {
         result
     }
 
-    fn load_with(&mut self, len: u64) -> Result<()> {
+    /// Forget all state about the file's content: as if empty, or about to be loaded.
+    fn start_over(&mut self, header_on_disk: bool) {
         self.pending.clear();
         self.lost.clear();
-        self.header_on_disk = len > 0;
+        self.header_on_disk = header_on_disk;
         self.slot_seq = 0;
         self.slot_dirty = false;
-        self.ix = FileIndex::new(self.engine.chunk_shift);
+        self.replace_index(FileIndex::new(self.engine.chunk_shift));
+    }
+
+    /// Put a new index in place. What was remembered about records of the old one goes: an
+    /// emptied file numbers its records from 1 again.
+    fn replace_index(&mut self, ix: FileIndex) {
+        self.ix = ix;
+        self.hot = None;
+    }
+
+    fn load_with(&mut self, len: u64) -> Result<()> {
+        self.start_over(len > 0);
         if len == 0 {
             return Ok(());
         }
@@ -179,7 +191,7 @@ impl<L: LowerIo> ScaFile<L> {
                 self.engine.kind
             )));
         }
-        self.ix = FileIndex::new(header.chunk_shift);
+        self.replace_index(FileIndex::new(header.chunk_shift));
         let slots = SLOT_OFFSETS.map(|at| head.get(at as usize..).and_then(Slot::decode));
         let slot = Slot::newest(slots[0], slots[1]);
         self.slot_seq = slot.map_or(0, |s| s.slot_seq);
@@ -246,7 +258,7 @@ impl<L: LowerIo> ScaFile<L> {
         }
         ix.log_end = ix.log_end.max(end);
         ix.validate(ix.log_end).map_err(Fault::Stale)?;
-        self.ix = ix;
+        self.replace_index(ix);
         Ok(())
     }
 
@@ -339,7 +351,7 @@ impl<L: LowerIo> ScaFile<L> {
                 lost.first().map_or(0, |c| c << shift)
             );
         }
-        self.ix = ix;
+        self.replace_index(ix);
         self.lost = lost;
         self.header_on_disk = true;
         if self.lower.writable() {
@@ -841,11 +853,7 @@ impl<L: LowerIo> ScaFile<L> {
             self.pending.clear();
             self.modified = true;
             self.lower.set_len(0)?;
-            self.ix = FileIndex::new(self.engine.chunk_shift);
-            self.header_on_disk = false;
-            self.lost.clear();
-            self.slot_seq = 0;
-            self.slot_dirty = false;
+            self.start_over(false);
             return Ok(());
         }
         let result = self.with_rebuild(|f| f.truncate_chunks(size));

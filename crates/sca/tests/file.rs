@@ -313,3 +313,19 @@ fn every_crash_point_leaves_a_state_the_user_saw() {
     }
     assert!(checked > 100, "only {checked} crash points were checked");
 }
+
+/// Emptying a file restarts its sequence numbers, so nothing remembered about the old content
+/// may be matched against the new records: here the decoded chunk kept for the next write.
+#[test]
+fn emptying_a_file_forgets_the_chunk_kept_for_rewriting() {
+    let lower = MemLower::default();
+    let mut f = ScaFile::open(engine(12, false), lower).unwrap();
+    f.write(0, &[7; 6000]).unwrap(); // chunk 1 is left partial, and kept decoded
+    f.truncate(0).unwrap();
+    f.truncate(4096).unwrap();
+    f.truncate(8192).unwrap(); // chunk 1 is now zeros, from a record numbered as the old one
+    f.write(5000, &[1]).unwrap();
+    let mut want = vec![0; 8192];
+    want[5000] = 1;
+    assert_eq!(read_all(&f), want);
+}
