@@ -85,7 +85,7 @@ fi
 # Progress goes to the script's own standard error (fd 3), even from inside a redirected command
 # or from the cleanup trap.
 exec 3>&2
-log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&3; }
+. "$REPO/bench/common.sh"
 
 # ---------------------------------------------------------------- dependencies
 need=()
@@ -117,7 +117,6 @@ FAILLOG=$OUT/failures-$TS.log
 WORK=$OUT/work
 TARBALL=$OUT/include.tar
 
-is_mounted() { awk -v p="$1" '$5 == p { found = 1 } END { exit !found }' /proc/self/mountinfo; }
 if is_mounted "$MNT"; then
     echo "run.sh: $MNT is still mounted (from an earlier run?); unmount it first" >&2
     exit 1
@@ -170,27 +169,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-
-# run_timed SECS CMD...: run CMD under timeout, in the background so that signals to this
-# script are handled at once; sets ELAPSED (seconds) and returns CMD's status.
-ELAPSED=0
-run_timed() {
-    local secs=$1 rc=0 t0 t1
-    shift
-    t0=$EPOCHREALTIME
-    timeout --kill-after=10 "$secs" "$@" &
-    CHILD=$!
-    wait "$CHILD" || rc=$?
-    CHILD=""
-    t1=$EPOCHREALTIME
-    ELAPSED=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.4f", b - a }')
-    return "$rc"
-}
-
-drop_caches() {
-    sync
-    echo 3 >/proc/sys/vm/drop_caches
-}
 
 # ---------------------------------------------------------------- plyfs binary
 if [[ -n ${PLYFS_BIN:-} ]]; then

@@ -1,0 +1,28 @@
+# Helpers shared by bench/run.sh and bench/sca.sh (sourced; both log on descriptor 3).
+
+log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&3; }
+
+is_mounted() { awk -v p="$1" '$5 == p { found = 1 } END { exit !found }' /proc/self/mountinfo; }
+
+# run_timed SECS CMD...: run CMD under timeout, in the background so that signals to this
+# script are handled at once; sets ELAPSED (seconds) and returns CMD's status. The caller's
+# cleanup trap kills $CHILD if it is still running.
+ELAPSED=0
+CHILD=""
+run_timed() {
+    local secs=$1 rc=0 t0 t1
+    shift
+    t0=$EPOCHREALTIME
+    timeout --kill-after=10 "$secs" "$@" &
+    CHILD=$!
+    wait "$CHILD" || rc=$?
+    CHILD=""
+    t1=$EPOCHREALTIME
+    ELAPSED=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.4f", b - a }')
+    return "$rc"
+}
+
+drop_caches() {
+    sync
+    echo 3 >/proc/sys/vm/drop_caches
+}
