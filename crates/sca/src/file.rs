@@ -192,8 +192,7 @@ impl<L: LowerIo> ScaFile<L> {
             )));
         }
         self.replace_index(FileIndex::new(header.chunk_shift));
-        let slots = SLOT_OFFSETS.map(|at| head.get(at as usize..).and_then(Slot::decode));
-        let slot = Slot::newest(slots[0], slots[1]);
+        let slot = Slot::newest_in(&head);
         self.slot_seq = slot.map_or(0, |s| s.slot_seq);
         if slot.is_none() && len > DATA_START {
             tracing::warn!("{}: the index is missing; rebuilding it from the data", self.lower.describe());
@@ -385,7 +384,7 @@ impl<L: LowerIo> ScaFile<L> {
         resync: bool,
         mut visit: impl FnMut(u64, &RecordHeader, &[u8], bool),
     ) -> std::result::Result<u64, Fault> {
-        let mut window = Window { start: 0, bytes: self.prefetched.clone() };
+        let mut window = Window { start: 0, bytes: self.prefetched.as_slice().into() };
         let mut pos = start;
         let mut valid_end = start;
         while pos + RECORD_HEADER_BYTES <= len {
@@ -617,9 +616,18 @@ impl<L: LowerIo> ScaFile<L> {
                 tracing::warn!("{}: the index is inconsistent ({why}); rebuilding it from the data", self.lower.describe());
                 let known = self.ix.clone();
                 self.rebuild(self.ix.chunk_shift, Some(&known))?;
-                op(self).map_err(fault_to_error)
+                op(self).map_err(|f| match f {
+                    Fault::Fail(e) => e,
+                    Fault::Stale(why) => Error::Corrupt(format!("{}: {why}", self.lower.describe())),
+                })
             }
         }
+    }
+
+    /// A read that rebuilds a stale index (unless a reader before it already has) and tries
+    /// again.
+    pub fn read_repairing(&mut self, offset: u64, size: usize) -> Result<Vec<u8>> {
+        self.with_rebuild(|f| f.read(offset, size))
     }
 
     /// Write `data` at `off`, extending the file with zeros if `off` is past its end.
@@ -1125,13 +1133,13 @@ fn copy_padded(out: &mut Vec<u8>, content: &[u8], s: usize, e: usize) {
     out.resize(out.len() + (e - s.max(have)), 0);
 }
 
-/// A sliding read window over the lower file, for scans.
-struct Window {
+/// A sliding read window over the lower file, for scans. It starts on the bytes read at open.
+struct Window<'p> {
     start: u64,
-    bytes: Vec<u8>,
+    bytes: std::borrow::Cow<'p, [u8]>,
 }
 
-impl Window {
+impl Window<'_> {
     /// `len` bytes at `off`, or `None` if the file ends first.
     fn get<'w, L: LowerIo>(&'w mut self, lower: &L, off: u64, len: u64, file_len: u64) -> Result<Option<&'w [u8]>> {
         if off + len > file_len {
@@ -1140,7 +1148,7 @@ impl Window {
         let have = off >= self.start && off + len <= self.start + self.bytes.len() as u64;
         if !have {
             let want = len.max(1 << 20).min(file_len - off);
-            self.bytes = lower.read_at(off, want as usize)?;
+            self.bytes = lower.read_at(off, want as usize)?.into();
             self.start = off;
             if (self.bytes.len() as u64) < len {
                 return Ok(None);

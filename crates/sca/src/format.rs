@@ -163,6 +163,12 @@ impl Slot {
         })
     }
 
+    /// The slot in force in `head`, the first bytes of a file (at least [`DATA_START`]).
+    pub fn newest_in(head: &[u8]) -> Option<Slot> {
+        let [a, b] = SLOT_OFFSETS.map(|at| head.get(at as usize..).and_then(Slot::decode));
+        Slot::newest(a, b)
+    }
+
     /// The slot in force among the two stored ones.
     pub fn newest(a: Option<Slot>, b: Option<Slot>) -> Option<Slot> {
         match (a, b) {

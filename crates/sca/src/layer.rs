@@ -20,7 +20,7 @@ use serde_json::Value;
 
 use crate::codec::Codec;
 use crate::file::{Engine, Fault, LowerIo, ScaFile};
-use crate::format::{FileHeader, Slot, DATA_START, MAX_CHUNK_SHIFT, MIN_CHUNK_SHIFT, SLOT_OFFSETS};
+use crate::format::{FileHeader, Slot, DATA_START, MAX_CHUNK_SHIFT, MIN_CHUNK_SHIFT};
 
 pub const CHUNK_PARAM: ParamSpec = ParamSpec {
     name: "chunk",
@@ -226,8 +226,9 @@ impl ScaLayer {
         Ok(LowerFile { level: self.below().clone(), node, fh: opened.fh, writable, label: OnceLock::new() })
     }
 
-    fn release_lower(&self, lower: &LowerFile) {
-        let _ = self.below().release(&internal(), lower.node, lower.fh);
+    /// Close the layer's own handle on a lower file.
+    fn release_lower(&self, node: NodeId, fh: FileHandle) {
+        let _ = self.below().release(&internal(), node, fh);
     }
 
     /// The open state of `node`, opening it if needed, with one more user.
@@ -247,14 +248,16 @@ impl ScaLayer {
                     self.idle.lock().retain(|n| *n != node);
                 }
                 if let Some((extra, _)) = created {
-                    self.release_lower(&extra);
+                    self.release_lower(extra.node, extra.fh);
                 }
                 return Ok(f.clone());
             }
             // Changed from outside since it was closed: load it afresh.
             drop(users);
             let stale = self.evict(&mut open, node);
-            self.release_evicted(stale);
+            if let Some((node, fh)) = stale {
+                self.release_lower(node, fh);
+            }
         }
         let (lower, empty) = match created {
             Some(c) => c,
@@ -266,7 +269,7 @@ impl ScaLayer {
         } else {
             ScaFile::open(self.engine.clone(), lower).inspect_err(|e| {
                 tracing::error!("{}: {e}", self.name);
-                let _ = self.below().release(&internal(), node, fh);
+                self.release_lower(node, fh);
             })?
         };
         let users = Users { count: 1, idle: None };
@@ -287,12 +290,6 @@ impl ScaLayer {
         let f = open.remove(&node)?;
         self.idle.lock().retain(|n| *n != node);
         Some((node, f.lower_fh))
-    }
-
-    fn release_evicted(&self, evicted: Option<(NodeId, FileHandle)>) {
-        if let Some((node, fh)) = evicted {
-            let _ = self.below().release(&internal(), node, fh);
-        }
     }
 
     /// Drop one user; the last one closes the file, which then stays idle in the table.
@@ -338,14 +335,16 @@ impl ScaLayer {
                 };
                 let evicted = oldest.and_then(|old| self.evict(&mut open, old));
                 drop(open);
-                self.release_evicted(evicted);
+                if let Some((old, fh)) = evicted {
+                    self.release_lower(old, fh);
+                }
             }
             _ => {
                 drop(users);
                 if open.get(&node).is_some_and(|current| Arc::ptr_eq(current, &f)) {
                     open.remove(&node);
                 }
-                let _ = self.below().release(&internal(), node, f.lower_fh);
+                self.release_lower(node, f.lower_fh);
             }
         }
         result.map(|_| ())
@@ -404,12 +403,11 @@ impl ScaLayer {
     fn size_from_header(&self, node: NodeId, lower_size: u64) -> Result<u64> {
         let lower = self.open_lower(node)?;
         let head = lower.read_at(0, DATA_START as usize);
-        self.release_lower(&lower);
+        self.release_lower(lower.node, lower.fh);
         let head = head?;
         let unclean = || Error::Corrupt("not closed cleanly".into());
         FileHeader::decode(&head).filter(|h| h.codec == self.engine.codec.tag()).ok_or_else(unclean)?;
-        let slots = SLOT_OFFSETS.map(|at| head.get(at as usize..).and_then(Slot::decode));
-        match Slot::newest(slots[0], slots[1]) {
+        match Slot::newest_in(&head) {
             Some(s) if s.log_end == lower_size => Ok(s.file_size),
             _ => Err(unclean()),
         }
@@ -484,11 +482,7 @@ impl ScaLayer {
         match first {
             Ok(data) => Ok(data),
             Err(Fault::Fail(e)) => Err(e),
-            Err(Fault::Stale(why)) => {
-                // Another reader may have rebuilt it meanwhile; `read_repairing` copes.
-                let mut file = f.file.write();
-                file.read_repairing(offset, size as usize, &why)
-            }
+            Err(Fault::Stale(_)) => f.file.write().read_repairing(offset, size as usize),
         }
     }
 
@@ -577,24 +571,6 @@ fn file_close(mut file: parking_lot::RwLockWriteGuard<'_, ScaFile<LowerFile>>) -
     file.close().map(|()| modified)
 }
 
-impl<L: LowerIo> ScaFile<L> {
-    /// Retry a read that found the index stale, rebuilding it first unless someone else has.
-    pub fn read_repairing(&mut self, offset: u64, size: usize, why: &str) -> Result<Vec<u8>> {
-        match self.read(offset, size) {
-            Ok(d) => Ok(d),
-            Err(Fault::Fail(e)) => Err(e),
-            Err(Fault::Stale(_)) => {
-                tracing::warn!("{}: the index is inconsistent ({why}); rebuilding it from the data", self.lower().describe());
-                self.recover_index()?;
-                self.read(offset, size).map_err(|f| match f {
-                    Fault::Fail(e) => e,
-                    Fault::Stale(why) => Error::Corrupt(format!("{}: {why}", self.lower().describe())),
-                })
-            }
-        }
-    }
-}
-
 impl Layer for ScaLayer {
     fn name(&self) -> &str {
         &self.name
@@ -637,7 +613,9 @@ impl Layer for ScaLayer {
             Op::Forget { node, .. } => {
                 // The kernel no longer knows the file: keep no idle state for it.
                 let evicted = self.evict(&mut self.open.lock(), node);
-                self.release_evicted(evicted);
+                if let Some((node, fh)) = evicted {
+                    self.release_lower(node, fh);
+                }
                 bypass(self, cx, op)
             }
             Op::Fallocate { node, offset, length, mode, .. } => self.fallocate(node, offset, length, mode),
@@ -653,7 +631,7 @@ impl Layer for ScaLayer {
             if let Err(e) = f.file.write().close() {
                 tracing::error!("{}: inode {}: closing at shutdown: {e}", self.name, node.0);
             }
-            let _ = self.below().release(&internal(), node, f.lower_fh);
+            self.release_lower(node, f.lower_fh);
         }
     }
 }
