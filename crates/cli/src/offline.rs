@@ -149,7 +149,7 @@ pub fn encode(src: &Path, dest: &Path, spec: &str) -> Res<()> {
     };
     let stack = open_stack(&lower_root, spec)?;
     let top = stack.top().clone();
-    let total = plain_bytes(src);
+    let (total, _) = plain_usage(src);
     let bar = progress(total, "encoding");
     let mut links = HashMap::new();
     let result = match &name {
@@ -161,14 +161,6 @@ pub fn encode(src: &Path, dest: &Path, spec: &str) -> Res<()> {
     result?;
     eprintln!("plyfs: encoded {} ({}) into {}", src.display(), human(total), dest.display());
     Ok(())
-}
-
-fn plain_bytes(path: &Path) -> u64 {
-    match fs::symlink_metadata(path) {
-        Ok(m) if m.is_dir() => fs::read_dir(path).map_or(0, |d| d.flatten().map(|e| plain_bytes(&e.path())).sum()),
-        Ok(m) if m.is_file() => m.len(),
-        _ => 0,
-    }
 }
 
 fn encode_tree(top: &Level, dir: NodeId, src: &Path, bar: &ProgressBar, links: &mut HashMap<(u64, u64), NodeId>) -> Res<()> {
