@@ -9,6 +9,7 @@ use plyfs_sca::format::DATA_START;
 use plyfs_sca::{Codec, Engine, LowerIo, ScaFile};
 use plyfs_stack::Result;
 use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
 
 /// Run-length encoding: output size depends on the data, which exercises size changes.
 struct Rle;
@@ -172,7 +173,12 @@ fn run(steps: &[Step], shift: u8, fast_tails: bool) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+    // Failing cases are saved beside this file and replayed first on every run.
+    #![proptest_config(ProptestConfig {
+        cases: 256,
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct("tests/file.proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn matches_reference_4k(steps in proptest::collection::vec(step(), 1..60)) {
