@@ -325,8 +325,7 @@ impl ScaLayer {
                 users.idle = Some(stamp);
                 drop(users);
                 if *modified {
-                    let decoded = f.file.read().size();
-                    self.sizes.lock().insert(node, CachedSize { stamp, decoded });
+                    self.remember_size(node, stamp, f.file.read().size());
                 }
                 let oldest = {
                     let mut idle = self.idle.lock();
@@ -387,15 +386,20 @@ impl ScaLayer {
         }
         match self.size_from_header(node, stamp.size).or_else(|_| self.with_file(node, |f| Ok(f.size()))) {
             Ok(decoded) => {
-                let mut sizes = self.sizes.lock();
-                if sizes.len() > 1 << 16 {
-                    sizes.clear();
-                }
-                sizes.insert(node, CachedSize { stamp, decoded });
+                self.remember_size(node, stamp, decoded);
                 attr.size = decoded;
             }
             Err(e) => tracing::warn!("{}: inode {}: cannot tell the decoded size: {e}", self.name, node.0),
         }
+    }
+
+    /// Cache a closed file's decoded size; the cache starts over when it grows large.
+    fn remember_size(&self, node: NodeId, stamp: LowerStamp, decoded: u64) {
+        let mut sizes = self.sizes.lock();
+        if sizes.len() > 1 << 16 {
+            sizes.clear();
+        }
+        sizes.insert(node, CachedSize { stamp, decoded });
     }
 
     /// The decoded size recorded in the file's slots, if they describe the lower file as it is
