@@ -26,3 +26,26 @@ drop_caches() {
     sync
     echo 3 >/proc/sys/vm/drop_caches
 }
+
+# install_missing CMD[:PACKAGE]...: install (with apt) the packages of the commands not found.
+install_missing() {
+    local need=() t
+    for t; do command -v "${t%%:*}" >/dev/null || need+=("${t#*:}"); done
+    if ((${#need[@]})); then
+        log "installing ${need[*]}"
+        apt-get update -q
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
+    fi
+}
+
+# set_out_dir SCRIPT: OUT = $BENCH_OUT or REPO/bench-out, made and made absolute; refused on tmpfs,
+# where page-cache and disk behaviour are not what is being measured.
+set_out_dir() {
+    OUT=${BENCH_OUT:-$REPO/bench-out}
+    mkdir -p "$OUT"
+    OUT=$(cd "$OUT" && pwd)
+    if [[ $(stat -f -c %T "$OUT") == tmpfs ]]; then
+        echo "$1: $OUT is on tmpfs; set BENCH_OUT to a directory on a real disk" >&2
+        exit 1
+    fi
+}

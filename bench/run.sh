@@ -88,26 +88,10 @@ exec 3>&2
 . "$REPO/bench/common.sh"
 
 # ---------------------------------------------------------------- dependencies
-need=()
-command -v fio >/dev/null || need+=(fio)
-command -v bindfs >/dev/null || need+=(bindfs)
-command -v fusermount3 >/dev/null || need+=(fuse3)
-command -v jq >/dev/null || need+=(jq)
-command -v python3 >/dev/null || need+=(python3)
-if ((${#need[@]})); then
-    log "installing ${need[*]}"
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
-fi
+install_missing fio bindfs fusermount3:fuse3 jq python3
 
 # ---------------------------------------------------------------- directories
-OUT=${BENCH_OUT:-$REPO/bench-out}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-if [[ $(stat -f -c %T "$OUT") == tmpfs ]]; then
-    echo "run.sh: $OUT is on tmpfs; set BENCH_OUT to a directory on a real disk" >&2
-    exit 1
-fi
+set_out_dir run.sh
 LOWER=$OUT/lower
 MNT=$OUT/mnt
 LOGDIR=$OUT/logs

@@ -107,27 +107,10 @@ exec 3>&2
 . "$REPO/bench/common.sh"
 
 # ---------------------------------------------------------------- dependencies
-need=()
-command -v fio >/dev/null || need+=(fio)
-command -v fusermount3 >/dev/null || need+=(fuse3)
-command -v python3 >/dev/null || need+=(python3)
-command -v xz >/dev/null || need+=(xz-utils)
-command -v zstd >/dev/null || need+=(zstd)
-command -v jq >/dev/null || need+=(jq)
-if ((${#need[@]})); then
-    log "installing ${need[*]}"
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
-fi
+install_missing fio fusermount3:fuse3 python3 xz:xz-utils zstd jq
 
 # ---------------------------------------------------------------- directories
-OUT=${BENCH_OUT:-$REPO/bench-out}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-if [[ $(stat -f -c %T "$OUT") == tmpfs ]]; then
-    echo "sca.sh: $OUT is on tmpfs; set BENCH_OUT to a directory on a real disk" >&2
-    exit 1
-fi
+set_out_dir sca.sh
 DATA=$OUT/data
 S=$OUT/sca
 LOWERS=$S/lower     # one lower directory per configuration: $LOWERS/CFG
