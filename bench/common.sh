@@ -49,3 +49,28 @@ set_out_dir() {
         exit 1
     fi
 }
+
+# use_plyfs SCRIPT BINDIR BUILD: set PLYFS and PLYFS_REV. With PLYFS_BIN, that binary; else
+# (when BUILD is 1) `cargo build --release`, and a copy in BINDIR is the program under test, so
+# that a rebuild during the benchmark does not change it.
+use_plyfs() {
+    if [[ -n ${PLYFS_BIN:-} ]]; then
+        PLYFS=$PLYFS_BIN
+        [[ -x $PLYFS ]] || { echo "$1: PLYFS_BIN=$PLYFS is not executable" >&2; exit 1; }
+        PLYFS_REV=${PLYFS_REV:-"PLYFS_BIN=$PLYFS"}
+        return
+    fi
+    if (($3)); then
+        log "building plyfs (cargo build --release)"
+        (cd "$REPO" && cargo build --release --quiet)
+    fi
+    mkdir -p "$2"
+    if [[ -x $REPO/target/release/plyfs ]]; then
+        cp -f "$REPO/target/release/plyfs" "$2/plyfs"
+    fi
+    PLYFS=$2/plyfs
+    PLYFS_REV=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)
+    if [[ -n $(git -C "$REPO" status --porcelain -- crates Cargo.toml Cargo.lock 2>/dev/null) ]]; then
+        PLYFS_REV="$PLYFS_REV + uncommitted changes under crates/"
+    fi
+}

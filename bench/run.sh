@@ -155,29 +155,9 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 # ---------------------------------------------------------------- plyfs binary
-if [[ -n ${PLYFS_BIN:-} ]]; then
-    PLYFS=$PLYFS_BIN
-    [[ -x $PLYFS ]] || { echo "run.sh: PLYFS_BIN=$PLYFS is not executable" >&2; exit 1; }
-    PLYFS_REV=${PLYFS_REV:-"PLYFS_BIN=$PLYFS"}
-else
-    need_plyfs=0
-    for c in "${CONFIGS[@]}"; do [[ $c == plyfs-* ]] && need_plyfs=1; done
-    if ((need_plyfs)); then
-        log "building plyfs (cargo build --release)"
-        (cd "$REPO" && cargo build --release --quiet)
-    fi
-    # Run a copy, so that a rebuild during the benchmark does not change the program under test.
-    mkdir -p "$OUT/bin"
-    if [[ -x $REPO/target/release/plyfs ]]; then
-        cp -f "$REPO/target/release/plyfs" "$OUT/bin/plyfs"
-    fi
-    PLYFS=$OUT/bin/plyfs
-    rev=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)
-    if [[ -n $(git -C "$REPO" status --porcelain -- crates Cargo.toml Cargo.lock 2>/dev/null) ]]; then
-        rev="$rev + uncommitted changes under crates/"
-    fi
-    PLYFS_REV=$rev
-fi
+need_plyfs=0
+for c in "${CONFIGS[@]}"; do [[ $c == plyfs-* ]] && need_plyfs=1; done
+use_plyfs run.sh "$OUT/bin" "$need_plyfs"
 
 # ---------------------------------------------------------------- data
 if [[ ! -s $TARBALL ]]; then

@@ -194,23 +194,7 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 # ---------------------------------------------------------------- plyfs binary
-if [[ -n ${PLYFS_BIN:-} ]]; then
-    PLYFS=$PLYFS_BIN
-    [[ -x $PLYFS ]] || { echo "sca.sh: PLYFS_BIN=$PLYFS is not executable" >&2; exit 1; }
-    PLYFS_REV=${PLYFS_REV:-"PLYFS_BIN=$PLYFS"}
-else
-    log "building plyfs (cargo build --release)"
-    (cd "$REPO" && cargo build --release --quiet)
-    # Run a copy, so that a rebuild during the benchmark does not change the program under test.
-    mkdir -p "$S/bin"
-    cp -f "$REPO/target/release/plyfs" "$S/bin/plyfs"
-    PLYFS=$S/bin/plyfs
-    rev=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)
-    if [[ -n $(git -C "$REPO" status --porcelain -- crates Cargo.toml Cargo.lock 2>/dev/null) ]]; then
-        rev="$rev + uncommitted changes under crates/"
-    fi
-    PLYFS_REV=$rev
-fi
+use_plyfs sca.sh "$S/bin" 1
 
 # The commit the run starts from (HEAD may move while it runs; the binary under test does not).
 HEAD_AT_START=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)
