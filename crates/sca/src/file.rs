@@ -5,6 +5,7 @@
 //! write in the middle costs one chunk of work however long the file is. [`ScaFile::compact`]
 //! reclaims the dead space; it runs by itself once the dead space outgrows the live data.
 
+use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -54,13 +55,25 @@ impl Engine {
 
     fn encode(&self, chunk: &[u8]) -> Result<EncodedChunk> {
         let mut payload = Vec::with_capacity(chunk.len() / 2 + 64);
-        self.codec
-            .encode(chunk, &mut payload)
-            .map_err(|e| Error::Corrupt(format!("{}: encoding failed: {e}", self.kind)))?;
-        if self.codec.store_raw_if_larger() && payload.len() >= chunk.len() {
-            return Ok(EncodedChunk { payload: chunk.to_vec(), raw: true });
+        let raw = self.encode_into(chunk, &mut payload)?;
+        Ok(EncodedChunk { payload, raw })
+    }
+
+    /// Append the encoding of `chunk` to `out`, or the chunk itself when the codec stores
+    /// chunks it cannot shrink as they are; returns whether it did the latter (raw). On
+    /// failure `out` is left as it was.
+    fn encode_into(&self, chunk: &[u8], out: &mut Vec<u8>) -> Result<bool> {
+        let start = out.len();
+        if let Err(e) = self.codec.encode(chunk, out) {
+            out.truncate(start);
+            return Err(Error::Corrupt(format!("{}: encoding failed: {e}", self.kind)));
         }
-        Ok(EncodedChunk { payload, raw: false })
+        if self.codec.store_raw_if_larger() && out.len() - start >= chunk.len() {
+            out.truncate(start);
+            out.extend_from_slice(chunk);
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// A zero chunk encoded once, for runs of holes.
@@ -98,6 +111,8 @@ const IO_WINDOW_BYTES: u64 = 4 << 20;
 /// Opening reads this much from the start of the lower file in one request: for most files,
 /// header, slots and every record.
 const OPEN_READ_BYTES: usize = 64 << 10;
+/// The buffer of records to write is kept between operations up to this size.
+const KEEP_BUFFER_BYTES: usize = 256 << 10;
 
 pub struct ScaFile<L: LowerIo> {
     engine: Arc<Engine>,
@@ -111,14 +126,19 @@ pub struct ScaFile<L: LowerIo> {
     /// Records appended but not yet written to the lower file.
     pending: Vec<u8>,
     pending_start: u64,
-    /// The start of the lower file, read once while loading.
+    /// The start of the lower file, read once while loading. Reads of a small file are served
+    /// from it until the file is first written to or closed.
     prefetched: Vec<u8>,
+    /// The records in this range of `prefetched` had their checksums checked while loading.
+    verified: std::ops::Range<u64>,
     /// Whether this open changed the file.
     modified: bool,
     /// The partial chunk last stored, decoded, with its record's sequence number: the next
     /// write into it (a program writing in pieces that are not whole chunks) needs neither to
     /// read nor to decode it.
     hot: Option<(u64, u64, Vec<u8>)>,
+    /// A chunk-sized buffer for read-modify-write.
+    scratch: Vec<u8>,
 }
 
 impl<L: LowerIo> ScaFile<L> {
@@ -143,8 +163,10 @@ impl<L: LowerIo> ScaFile<L> {
             pending: Vec::new(),
             pending_start: 0,
             prefetched: Vec::new(),
+            verified: 0..0,
             modified: false,
             hot: None,
+            scratch: Vec::new(),
         }
     }
 
@@ -152,9 +174,18 @@ impl<L: LowerIo> ScaFile<L> {
         let first = self.lower.read_at(0, OPEN_READ_BYTES)?;
         let len = if first.len() < OPEN_READ_BYTES { first.len() as u64 } else { self.lower.len()? };
         self.prefetched = first;
+        self.verified = 0..0;
         let result = self.load_with(len);
-        self.prefetched = Vec::new();
+        if result.is_err() {
+            self.drop_prefetched();
+        }
         result
+    }
+
+    /// Stop serving reads from the bytes read at open: the lower file is about to change.
+    fn drop_prefetched(&mut self) {
+        self.prefetched = Vec::new();
+        self.verified = 0..0;
     }
 
     /// Forget all state about the file's content: as if empty, or about to be loaded.
@@ -225,7 +256,8 @@ impl<L: LowerIo> ScaFile<L> {
         };
         let after = ix.checkpoint.map_or(0, |c| c.seq);
         let mut failure = None;
-        let end = self.scan(ix.log_end, len, false, |off, h, payload, ok| {
+        let scan_from = ix.log_end;
+        let end = self.scan(scan_from, len, false, |off, h, payload, ok| {
             if failure.is_some() || h.seq <= after || h.chunk_shift != shift {
                 return; // copies left behind by compaction, already covered by the checkpoint
             }
@@ -238,6 +270,7 @@ impl<L: LowerIo> ScaFile<L> {
         if let Some(why) = failure {
             return Err(Fault::Stale(why));
         }
+        self.verified = scan_from..end.min(self.prefetched.len() as u64);
         if end < len {
             // Something after the last whole record: an interrupted append is harmless, but
             // whole records further on mean damage in the middle of the log.
@@ -252,6 +285,7 @@ impl<L: LowerIo> ScaFile<L> {
                 len - end
             );
             if self.lower.writable() {
+                self.drop_prefetched();
                 self.lower.set_len(end)?;
             }
         }
@@ -354,6 +388,7 @@ impl<L: LowerIo> ScaFile<L> {
         self.lost = lost;
         self.header_on_disk = true;
         if self.lower.writable() {
+            self.drop_prefetched();
             if self.ix.log_end < len {
                 self.lower.set_len(self.ix.log_end)?;
             }
@@ -421,9 +456,13 @@ impl<L: LowerIo> ScaFile<L> {
 
     /// Bytes of the lower file, from what was read at open when it covers them.
     fn read_cached(&self, off: u64, len: usize) -> Result<Vec<u8>> {
+        self.log_bytes(off, len).map(Cow::into_owned)
+    }
+
+    fn log_bytes(&self, off: u64, len: usize) -> Result<Cow<'_, [u8]>> {
         match self.prefetched.get(off as usize..off as usize + len) {
-            Some(bytes) => Ok(bytes.to_vec()),
-            None => self.lower.read_at(off, len),
+            Some(bytes) => Ok(Cow::Borrowed(bytes)),
+            None => self.lower.read_at(off, len).map(Cow::Owned),
         }
     }
 
@@ -482,7 +521,7 @@ impl<L: LowerIo> ScaFile<L> {
                 span_end = span_end.max(rec.off + rec.bytes());
                 span.push((next, rec));
             }
-            let bytes = self.lower.read_at(span_start, (span_end - span_start) as usize)?;
+            let bytes = self.log_bytes(span_start, (span_end - span_start) as usize)?;
             let mut run_cache: Option<(u64, Vec<u8>)> = None;
             for (c, rec) in &span {
                 let at = (rec.off - span_start) as usize;
@@ -541,8 +580,10 @@ impl<L: LowerIo> ScaFile<L> {
             return Err(stale());
         }
         let payload = bytes.get(RECORD_HEADER_BYTES as usize..(RECORD_HEADER_BYTES + u64::from(h.payload_len)) as usize);
+        // Bytes still as they were checked while loading need no second check.
+        let checked = self.verified.start <= rec.off && rec.off + rec.bytes() <= self.verified.end;
         match payload {
-            Some(p) if payload_ok(&h, p) => Ok(p),
+            Some(p) if checked || payload_ok(&h, p) => Ok(p),
             _ => Err(Fault::Fail(self.corrupt(chunk, rec.off, "checksum mismatch"))),
         }
     }
@@ -590,17 +631,28 @@ impl<L: LowerIo> ScaFile<L> {
 
     /// The decoded content of one chunk (empty past the end of the file).
     fn chunk_content(&mut self, chunk: u64) -> std::result::Result<Vec<u8>, Fault> {
+        let mut content = Vec::new();
+        self.chunk_content_into(chunk, &mut content)?;
+        Ok(content)
+    }
+
+    /// [`Self::chunk_content`] into `out`, which is cleared first.
+    fn chunk_content_into(&mut self, chunk: u64, out: &mut Vec<u8>) -> std::result::Result<(), Fault> {
+        out.clear();
         let start = chunk << self.ix.chunk_shift;
         let len = self.ix.chunk_len(chunk) as usize;
         if len == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let current_seq = self.ix.map.get(chunk).map(|r| r.seq);
-        if let Some((_, _, mut content)) = self.hot.take().filter(|(c, seq, _)| *c == chunk && Some(*seq) == current_seq) {
-            content.resize(len, 0);
-            return Ok(content);
+        match &self.hot {
+            Some((c, seq, content)) if *c == chunk && Some(*seq) == current_seq => {
+                out.extend_from_slice(&content[..len.min(content.len())]);
+                out.resize(len, 0);
+            }
+            _ => *out = self.read(start, len)?,
         }
-        self.read(start, len)
+        Ok(())
     }
 
     // Writing.
@@ -646,6 +698,8 @@ impl<L: LowerIo> ScaFile<L> {
         let shift = self.ix.chunk_shift;
         let cs = self.ix.chunk_bytes();
         let end = off + data.len() as u64;
+        let chunks = ((end - 1) >> shift) - (off >> shift) + 1;
+        self.pending.reserve(DATA_START as usize + data.len() + chunks as usize * (RECORD_HEADER_BYTES as usize + 8));
         for chunk in (off >> shift)..=((end - 1) >> shift) {
             let start = chunk << shift;
             let s = (off.max(start) - start) as usize;
@@ -661,10 +715,14 @@ impl<L: LowerIo> ScaFile<L> {
                 self.lost.remove(&chunk);
                 self.store_chunk(chunk, piece, new_size)?;
             } else {
-                let mut content = self.chunk_content(chunk)?;
+                // Read-modify-write, in a buffer kept for the purpose.
+                let mut content = std::mem::take(&mut self.scratch);
+                self.chunk_content_into(chunk, &mut content)?;
                 content.resize(current.max(e), 0);
                 content[s..e].copy_from_slice(piece);
-                self.store_chunk(chunk, &content, new_size)?;
+                let stored = self.store_chunk(chunk, &content, new_size);
+                self.scratch = content;
+                stored?;
             }
         }
         Ok(())
@@ -740,17 +798,15 @@ impl<L: LowerIo> ScaFile<L> {
         if self.engine.fast_tails && is_partial_last {
             return self.append_tail(chunk, 0, content, new_size);
         }
-        let encoded = self.engine.encode(content)?;
-        let header = RecordHeader {
-            kind: Kind::Data,
-            flags: if encoded.raw { FLAG_RAW } else { 0 },
-            count: 1,
-            decoded_len: content.len() as u32,
-            ..self.header_for(chunk, new_size)
-        };
-        self.append_record(header, &encoded.payload)?;
+        let header = RecordHeader { kind: Kind::Data, count: 1, decoded_len: content.len() as u32, ..self.header_for(chunk, new_size) };
+        let engine = self.engine.clone();
+        self.append_with(header, |out| Ok(if engine.encode_into(content, out)? { FLAG_RAW } else { 0 }))?;
         if is_partial_last {
-            self.hot = Some((chunk, self.ix.next_seq - 1, content.to_vec()));
+            // Reuse the buffer of the chunk last kept.
+            let mut kept = self.hot.take().map(|(_, _, v)| v).unwrap_or_default();
+            kept.clear();
+            kept.extend_from_slice(content);
+            self.hot = Some((chunk, self.ix.next_seq - 1, kept));
         }
         Ok(())
     }
@@ -787,6 +843,15 @@ impl<L: LowerIo> ScaFile<L> {
     /// Add a record at the end of the log and to the index. It reaches the lower file at the
     /// next [`Self::flush_pending`], at the latest when the operation ends.
     fn append_record(&mut self, header: RecordHeader, payload: &[u8]) -> Result<()> {
+        self.append_with(header, |out| {
+            out.extend_from_slice(payload);
+            Ok(0)
+        })
+    }
+
+    /// Append a record whose payload `fill` appends to the log buffer (so that an encoder
+    /// writes straight into it); `fill` returns flags to add to the header.
+    fn append_with(&mut self, header: RecordHeader, fill: impl FnOnce(&mut Vec<u8>) -> Result<u8>) -> Result<()> {
         if !self.header_on_disk {
             self.pending_start = 0;
             self.pending.clear();
@@ -800,11 +865,17 @@ impl<L: LowerIo> ScaFile<L> {
             self.pending_start = off;
         }
         debug_assert_eq!(self.pending_start + self.pending.len() as u64, off);
-        let mut out = std::mem::take(&mut self.pending);
-        let start = out.len();
-        build_record(header, payload, &mut out);
-        let written = RecordHeader::decode(&out[start..]).expect("a record just built is valid");
-        self.pending = out;
+        let start = begin_record(&mut self.pending);
+        let flags = match fill(&mut self.pending) {
+            Ok(flags) => flags,
+            Err(e) => {
+                self.pending.truncate(start);
+                return Err(e);
+            }
+        };
+        let written = finish_record(RecordHeader { flags: header.flags | flags, ..header }, &mut self.pending, start);
+        let payload_at = start + RECORD_HEADER_BYTES as usize;
+        let payload = &self.pending[payload_at..payload_at + written.payload_len as usize];
         self.ix.apply(off, &written, payload).map_err(|e| Error::Corrupt(format!("{}: {e}", self.lower.describe())))?;
         self.slot_dirty = true;
         self.modified = true;
@@ -814,6 +885,8 @@ impl<L: LowerIo> ScaFile<L> {
         Ok(())
     }
 
+    /// Write the records appended since the last flush. The buffer is kept for the next ones
+    /// unless it grew large.
     fn flush_pending(&mut self) -> Result<()> {
         if self.pending.is_empty() {
             return Ok(());
@@ -826,8 +899,13 @@ impl<L: LowerIo> ScaFile<L> {
             self.pending[at..at + slot.len()].copy_from_slice(&slot);
             self.slot_dirty = false;
         }
-        let bytes = std::mem::take(&mut self.pending);
-        self.lower.write_at(self.pending_start, &bytes)
+        self.drop_prefetched();
+        let result = self.lower.write_at(self.pending_start, &self.pending);
+        self.pending.clear();
+        if self.pending.capacity() > KEEP_BUFFER_BYTES {
+            self.pending = Vec::new();
+        }
+        result
     }
 
     /// End a modifying operation: write what is pending, compact if it is time. On a lower
@@ -836,9 +914,7 @@ impl<L: LowerIo> ScaFile<L> {
         let result = result.and_then(|v| self.flush_pending().map(|()| v));
         match result {
             Ok(v) => {
-                if self.ix.dead_bytes() > self.ix.live_bytes().max(COMPACT_SLACK_BYTES) {
-                    self.compact()?;
-                }
+                self.compact_if_due()?;
                 Ok(v)
             }
             Err(e) => {
@@ -860,6 +936,7 @@ impl<L: LowerIo> ScaFile<L> {
         if size == 0 {
             self.pending.clear();
             self.modified = true;
+            self.drop_prefetched();
             self.lower.set_len(0)?;
             self.start_over(false);
             return Ok(());
@@ -920,11 +997,22 @@ impl<L: LowerIo> ScaFile<L> {
     /// Called at the last close: leave a checkpoint if many records followed the last one,
     /// and the slot up to date, so the next open reads little.
     pub fn close(&mut self) -> Result<()> {
+        self.drop_prefetched();
         self.flush_pending()?;
         if self.ix.since_checkpoint >= CHECKPOINT_EVERY_RECORDS {
+            // The new checkpoint leaves the old one dead, which may be the byte too many.
             self.write_checkpoint()?;
+            self.compact_if_due()?;
         } else if self.slot_dirty {
             self.write_slot()?;
+        }
+        Ok(())
+    }
+
+    /// Compact when dead space exceeds both the live bytes and the slack.
+    fn compact_if_due(&mut self) -> Result<()> {
+        if self.ix.dead_bytes() > self.ix.live_bytes().max(COMPACT_SLACK_BYTES) {
+            self.compact()?;
         }
         Ok(())
     }
@@ -945,6 +1033,7 @@ impl<L: LowerIo> ScaFile<L> {
             return Ok(());
         }
         self.flush_pending()?;
+        self.drop_prefetched();
         self.slot_seq += 1;
         self.lower.write_at(Slot::offset_for(self.slot_seq), &self.current_slot().encode())?;
         self.slot_dirty = false;
@@ -982,6 +1071,7 @@ impl<L: LowerIo> ScaFile<L> {
         if !self.header_on_disk || !self.lower.writable() {
             return Ok(json!({ "before": before, "after": before }));
         }
+        self.drop_prefetched();
         self.flush_pending()?;
         self.write_checkpoint()?;
         self.lower.sync()?;

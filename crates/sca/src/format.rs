@@ -274,13 +274,31 @@ impl RecordHeader {
 }
 
 /// Build a whole record: header, payload and alignment padding.
-pub fn build_record(mut header: RecordHeader, payload: &[u8], out: &mut Vec<u8>) {
+pub fn build_record(header: RecordHeader, payload: &[u8], out: &mut Vec<u8>) -> RecordHeader {
+    let start = begin_record(out);
+    out.extend_from_slice(payload);
+    finish_record(header, out, start)
+}
+
+/// Start a record at the end of `out`: room for its header, which [`finish_record`] fills in
+/// once the payload has been appended after it. Returns where the record starts.
+pub fn begin_record(out: &mut Vec<u8>) -> usize {
+    let start = out.len();
+    out.resize(start + RECORD_HEADER_BYTES as usize, 0);
+    start
+}
+
+/// Complete the record begun at `start`: everything appended since its header is the payload.
+/// Fills in the header (lengths and CRCs) and pads the record; returns the header written.
+pub fn finish_record(mut header: RecordHeader, out: &mut Vec<u8>, start: usize) -> RecordHeader {
+    let payload_at = start + RECORD_HEADER_BYTES as usize;
+    let payload = &out[payload_at..];
     header.payload_len = u32::try_from(payload.len()).expect("payloads are far below 4 GiB");
     header.payload_crc = crc(payload);
-    out.extend_from_slice(&header.encode());
-    out.extend_from_slice(payload);
-    let padded = align_up(payload.len() as u64) as usize;
-    out.resize(out.len() + padded - payload.len(), 0);
+    out[start..payload_at].copy_from_slice(&header.encode());
+    let padded = align_up(u64::from(header.payload_len)) as usize;
+    out.resize(payload_at + padded, 0);
+    header
 }
 
 pub fn payload_ok(header: &RecordHeader, payload: &[u8]) -> bool {

@@ -153,14 +153,18 @@ fn internal() -> Caller {
 
 impl LowerIo for LowerFile {
     fn read_at(&self, off: u64, len: usize) -> Result<Vec<u8>> {
-        let mut out = Vec::with_capacity(len);
+        let mut out = Vec::new();
         while out.len() < len {
             let want = (len - out.len()).min(u32::MAX as usize >> 1) as u32;
             let got = self.level.read(&internal(), self.node, self.fh, off + out.len() as u64, want)?;
             if got.is_empty() {
                 break;
             }
-            out.extend_from_slice(&got);
+            if out.is_empty() {
+                out = got;
+            } else {
+                out.extend_from_slice(&got);
+            }
         }
         Ok(out)
     }

@@ -175,7 +175,7 @@ fn run(steps: &[Step], shift: u8, fast_tails: bool) {
 proptest! {
     // Failing cases are saved beside this file and replayed first on every run.
     #![proptest_config(ProptestConfig {
-        cases: 256,
+        cases: 4096,
         failure_persistence: Some(Box::new(FileFailurePersistence::Direct("tests/file.proptest-regressions"))),
         ..ProptestConfig::default()
     })]

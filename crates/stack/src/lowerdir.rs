@@ -809,18 +809,19 @@ impl LowerDir {
             }
             Op::Read { fh, offset, size, .. } => {
                 let file = self.file(fh)?;
-                let mut buf = vec![0u8; size as usize];
-                let mut done = 0;
-                while done < buf.len() {
-                    let n = check_size(unsafe {
-                        libc::pread(file.as_raw_fd(), buf[done..].as_mut_ptr().cast(), buf.len() - done, (offset + done as u64) as i64)
-                    })?;
+                // Read into uninitialised capacity: zeroing a buffer the read then overwrites
+                // costs as much as a small read itself.
+                let mut buf: Vec<u8> = Vec::with_capacity(size as usize);
+                while buf.len() < size as usize {
+                    let spare = buf.spare_capacity_mut();
+                    let at = offset + (size as usize - spare.len()) as u64;
+                    let n = check_size(unsafe { libc::pread(file.as_raw_fd(), spare.as_mut_ptr().cast(), spare.len(), at as i64) })?;
                     if n == 0 {
                         break;
                     }
-                    done += n;
+                    // SAFETY: pread initialised the first n bytes of the spare capacity.
+                    unsafe { buf.set_len(buf.len() + n) };
                 }
-                buf.truncate(done);
                 Ok(Reply::Data(buf))
             }
             Op::Write { fh, offset, data, .. } => {
