@@ -4,7 +4,8 @@
 #
 #   tests/pjdfstest/run.sh [OPTIONS] [STACK...] [-- TEST_PATTERN...]
 #
-# STACK is a `--stack` spec (default: `null`, `trace`, `zstd`, `copy` and
+# STACK is a `--stack` spec, optionally followed by more mount arguments (default: `null`,
+# `trace`, `zstd`, `copy`, `null --rules mixed-rules.toml` and
 # `gzip:level=9:fast_tails=on`). For each one a fresh lower directory on
 # the real disk and an empty mount point are made, plyfs is mounted over them with
 # `-o allow_other` (pjdfstest switches to other users), pjdfstest runs inside the mount, and the
@@ -45,7 +46,9 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 PJDFSTEST_VERSION=0.2.2
-DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on")
+# An entry may add mount arguments after the spec, e.g. `null --rules FILE`: the last one mixes
+# compressed files (names ending in an even hex digit, by rule) with untouched ones.
+DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml")
 
 die() { echo "pjdfstest/run.sh: $*" >&2; exit 2; }
 say() { echo "== $*" >&2; }
@@ -403,8 +406,12 @@ fi
 # plyfs stacks.
 
 i=0
-for spec in ${STACKS[@]+"${STACKS[@]}"}; do
+for entry in ${STACKS[@]+"${STACKS[@]}"}; do
   i=$((i + 1))
+  spec=${entry%% *}
+  extra=()
+  [ "$spec" = "$entry" ] || read -r -a extra <<<"${entry#* }"
+  [ ${#extra[@]} -eq 0 ] || spec="$spec ${extra[*]}"
   label="$i-$(printf '%s' "$spec" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-40)"
   lower=$WORK/$i-lower
   mnt=$WORK/$i-mnt
@@ -415,7 +422,7 @@ for spec in ${STACKS[@]+"${STACKS[@]}"}; do
   TARGET_ERROR=""
   MOUNTS+=("$mnt")   # registered first, so the traps unmount it even if mounting is interrupted
   DAEMONS+=("")
-  out=$(timeout 60 "$PLYFS" mount "$lower" "$mnt" --stack "$spec" -o "$opts" --log "$RESULTS/$label.daemon.log" 2>&1) || {
+  out=$(timeout 60 "$PLYFS" mount "$lower" "$mnt" --stack "${entry%% *}" ${extra[@]+"${extra[@]}"} -o "$opts" --log "$RESULTS/$label.daemon.log" 2>&1) || {
     echo "$out" >&2
     {
       echo

@@ -19,7 +19,7 @@ use clap::Args;
 use plyfs_fuse::control::{self, ControlServer};
 use plyfs_fuse::{unmount, FrontOptions, MountRequest, Mounted, Unmounted};
 use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
-use plyfs_stack::{LowerDir, Stack};
+use plyfs_stack::LowerDir;
 
 use crate::options;
 
@@ -35,6 +35,10 @@ pub struct MountArgs {
     /// A TOML file describing the stack ([[layer]] tables).
     #[arg(long)]
     config: Option<PathBuf>,
+    /// A TOML file of rules choosing the data layers of files by path, extension and size
+    /// ([[rule]] tables); file and directory attributes (user.plyfs.layers) take precedence.
+    #[arg(long)]
+    rules: Option<PathBuf>,
     /// Stay in the foreground and log to standard error.
     #[arg(short, long)]
     foreground: bool,
@@ -61,12 +65,21 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
     };
     let opts = options::parse(&args.options)?;
     let lower = lower_dir(&args.lower)?;
+    if let Some(rules) = &args.rules {
+        load_rules(rules, &lower)?;
+    }
     let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
 
     if args.foreground {
         return serve(&args, specs, opts, lower, mountpoint);
     }
     spawn_background(&args, &mountpoint)
+}
+
+/// Read and check a rules file: every rule's layers must exist and take the parameters given.
+pub fn load_rules(path: &Path, lower: &Path) -> Result<plyfs_policy::Rules, String> {
+    let bottom = LowerDir::level(lower).map_err(|e| format!("lower directory {}: {e}", lower.display()))?;
+    plyfs_policy::Rules::load(path, plyfs_policy::rule_checker(plyfs_layers::registry(), &bottom)).map_err(|e| e.to_string())
 }
 
 fn lower_dir(path: &Path) -> Result<PathBuf, String> {
@@ -141,8 +154,10 @@ fn serve_inner(
     let fd_limit = plyfs_stack::raise_fd_limit();
     tracing::debug!("open-files limit: {fd_limit}");
 
+    let rules = args.rules.as_deref().map(|r| load_rules(r, &lower)).transpose()?;
     let bottom = LowerDir::level(&lower).map_err(|e| e.to_string())?;
-    let stack = Arc::new(Stack::build(&specs, plyfs_layers::registry(), bottom.layer().clone()).map_err(|e| e.to_string())?);
+    let (stack, _policy) = plyfs_policy::build_stack(&specs, rules, plyfs_layers::registry(), bottom).map_err(|e| e.to_string())?;
+    let stack = Arc::new(stack);
     let names: Vec<&str> = stack.layers().iter().map(|l| l.name()).collect();
 
     let request = MountRequest {
@@ -258,6 +273,10 @@ fn child_args(args: &MountArgs, ready_fd: i32) -> Vec<OsString> {
     if let Some(c) = &args.config {
         v.push("--config".into());
         v.push(c.clone().into());
+    }
+    if let Some(r) = &args.rules {
+        v.push("--rules".into());
+        v.push(r.canonicalize().unwrap_or_else(|_| r.clone()).into());
     }
     for o in &args.options {
         v.push("-o".into());

@@ -3,6 +3,7 @@
 mod daemon;
 mod offline;
 mod options;
+mod policy;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -73,6 +74,26 @@ enum Command {
         #[arg(long)]
         stack: Option<String>,
     },
+    /// Per-file layer chains (user.plyfs.layers attributes and the mount's rules).
+    Policy {
+        #[command(subcommand)]
+        action: PolicyAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum PolicyAction {
+    /// Which chain applies to a file inside a mount, which attribute or rule decided it, and
+    /// the chain its data is encoded with.
+    Explain { path: PathBuf },
+    /// Re-encode files whose data is encoded with another chain than their policy says:
+    /// each file atomically; run again after an interruption to finish.
+    Apply {
+        path: PathBuf,
+        /// Every file under the directory PATH.
+        #[arg(short, long)]
+        recursive: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -89,6 +110,8 @@ fn main() -> ExitCode {
         Command::Decode { lower, dest, stack, path } => offline_run(|| offline::decode(&lower, &dest, &stack, path.as_deref())),
         Command::Fsck { lower, stack } => offline_run(|| offline::fsck(&lower, &stack)),
         Command::Du { path, stack } => offline_run(|| offline::du(&path, stack.as_deref())),
+        Command::Policy { action: PolicyAction::Explain { path } } => policy::explain(&path),
+        Command::Policy { action: PolicyAction::Apply { path, recursive } } => policy::apply(&path, recursive),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

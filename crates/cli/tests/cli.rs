@@ -215,7 +215,8 @@ fn extended_operations_from_the_command_line() {
     assert_eq!(info["lower_path"], m.lower_path("f").to_str().unwrap());
     let list = op_json(&m.path(""), &["--list"]);
     let names: Vec<&str> = list.as_array().unwrap().iter().map(|o| o["op"].as_str().unwrap()).collect();
-    assert_eq!(names, ["stats", "stats-reset", "describe", "lower-info"]);
+    // The policy layer (per-file chains) sits between the mount-wide layers and the bottom.
+    assert_eq!(names, ["stats", "stats-reset", "describe", "policy-explain", "policy-apply", "lower-info"]);
     // `describe` is answered by the null layer, below a trace layer that does not know it.
     let chain = op_json(&m.path(""), &["describe"]);
     let described: Vec<(&str, &str, &str)> = chain
@@ -224,15 +225,15 @@ fn extended_operations_from_the_command_line() {
         .iter()
         .map(|l| (l["name"].as_str().unwrap(), l["kind"].as_str().unwrap(), l["data"].as_str().unwrap()))
         .collect();
-    assert_eq!(described, [("inner", "null", "transparent"), ("lower", "lower", "transparent")]);
+    assert_eq!(described, [("inner", "null", "transparent"), ("policy", "policy", "transparent"), ("lower", "lower", "transparent")]);
 
     assert_refused(
         &op(&m.path("f"), &["frobnicate"]),
-        "unsupported operation 'frobnicate': no layer of the stack (trace, inner, lower) handles it",
+        "unsupported operation 'frobnicate': no layer of the stack (trace, inner, policy, lower) handles it",
     );
     assert_refused(&op(&m.path("f"), &["stats@inner"]), "unsupported operation 'stats'");
     assert_eq!(op_json(&m.path("f"), &["describe@inner"])[0]["name"], "inner");
-    assert_refused(&op(&m.path("f"), &["stats@nope"]), "no layer named 'nope' in this stack (trace, inner, lower)");
+    assert_refused(&op(&m.path("f"), &["stats@nope"]), "no layer named 'nope' in this stack (trace, inner, policy, lower)");
     assert_refused(&op(&m.path("nothing"), &["stats"]), "No such file or directory");
     assert_refused(&op(Path::new("/etc"), &["stats"]), "/etc is not inside a plyfs mount");
 }
@@ -243,8 +244,9 @@ fn every_level_is_reachable_under_dot_plyfs() {
     fs::write(m.path("f"), b"same bytes").unwrap();
     let mut levels: Vec<_> = fs::read_dir(m.path(".plyfs")).unwrap().map(|e| e.unwrap().file_name()).collect();
     levels.sort();
-    assert_eq!(levels, ["null", "outer"]);
+    assert_eq!(levels, ["null", "outer", "policy"]);
     assert_eq!(fs::read(m.path(".plyfs/outer/f")).unwrap(), b"same bytes");
+    assert_eq!(fs::read(m.path(".plyfs/policy/f")).unwrap(), b"same bytes", "below the policy layer: the lower files");
     assert_eq!(fs::read(m.path(".plyfs/null/f")).unwrap(), b"same bytes");
     // Writing through a lower level reaches the same file.
     fs::write(m.path(".plyfs/null/g"), b"from below").unwrap();

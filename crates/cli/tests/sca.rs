@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{plyfs, run, Mount};
+use common::{cpath, plyfs, run, Mount};
 use serde_json::Value;
 
 fn text(len: usize) -> Vec<u8> {
@@ -42,7 +42,18 @@ fn stat_shows_decoded_size_and_real_usage() {
     assert_eq!(meta.len(), data.len() as u64);
     let lower = fs::metadata(m.lower_path("big.txt")).unwrap();
     assert!(lower.len() < data.len() as u64 / 4, "zstd should shrink text: {} bytes", lower.len());
-    assert_eq!(meta.blocks(), lower.blocks(), "st_blocks reports the lower usage");
+    // The kernel sends `release` after close(2) returns, and the layer's last write (the index
+    // checkpoint) happens there; the kernel also caches attributes for a second. So compare
+    // until both have settled.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let (upper, lower) = (fs::metadata(m.path("big.txt")).unwrap().blocks(), fs::metadata(m.lower_path("big.txt")).unwrap().blocks());
+        if upper == lower {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "st_blocks reports the lower usage: {upper} != {lower}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let stats = op(&m, "big.txt", "sca-stats");
     assert_eq!(stats["decoded_size"], data.len() as u64);
     assert!(stats["ratio"].as_f64().unwrap() < 0.25);
@@ -152,6 +163,15 @@ fn foreign_and_mismatched_files_give_clear_errors() {
     fs::write(m.path("z"), text(10_000)).unwrap();
     m.unmount();
     fs::write(m.lower_path("plain.txt"), b"not encoded at all").unwrap();
+    // A file carries a record of its chain, and reads back through it under any --stack.
+    let m = Mount::start(tempfile::tempdir().unwrap(), m.lower.clone(), m.mnt.clone(), "zstd", &[]);
+    assert_eq!(fs::read(m.path("z")).unwrap(), text(10_000));
+    let mut m = m;
+    m.unmount();
+    // Without the record (copied without its attributes, say), it is read through the mount's
+    // default and refused as what it is.
+    let z = cpath(&m.lower_path("z"));
+    assert_eq!(unsafe { libc::removexattr(z.as_ptr(), c"user.plyfs.chain".as_ptr()) }, 0);
     let m = Mount::start(tempfile::tempdir().unwrap(), m.lower.clone(), m.mnt.clone(), "zstd", &[]);
     for (name, expect) in [("plain.txt", "not a 'zstd' file"), ("z", "encoded by 'gzip'")] {
         let err = fs::read(m.path(name)).unwrap_err();

@@ -49,6 +49,9 @@ impl Default for FrontOptions {
 pub enum IoMode {
     /// Reads and writes go from the kernel to the lower files; the daemon is not on the path.
     Passthrough,
+    /// Passthrough for files that no data layer transforms; the files a per-file chain (or the
+    /// default chain) encodes use FUSE I/O with the page cache kept.
+    Mixed,
     /// Reads and writes reach the daemon; the kernel page cache is kept across opens.
     Cached { reason: String },
 }
@@ -57,6 +60,9 @@ impl std::fmt::Display for IoMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             IoMode::Passthrough => f.write_str("passthrough (the kernel reads and writes the lower files directly)"),
+            IoMode::Mixed => f.write_str(
+                "passthrough for files that no data layer transforms (the kernel reads and writes the lower files directly); FUSE I/O with the page cache kept for the others",
+            ),
             IoMode::Cached { reason } => write!(f, "FUSE I/O with the page cache kept ({reason})"),
         }
     }
@@ -375,7 +381,9 @@ impl FuseFs {
     }
 
     fn decide_io_mode(&self, kernel_has_passthrough: bool) -> IoMode {
-        let blocking = self.stack.levels().iter().find(|l| l.layer().data_path() != DataPath::Transparent);
+        // Levels below a per-file router are not on every file's path: they strip passthrough
+        // for their own files (see `Level::call`).
+        let blocking = self.stack.shared_levels().iter().find(|l| l.layer().data_path() != DataPath::Transparent);
         let reason = if !self.options.passthrough {
             "passthrough turned off with -o passthrough=off".to_owned()
         } else if let Some(level) = blocking {
@@ -476,6 +484,11 @@ impl Filesystem for FuseFs {
         } else {
             IoMode::Cached { reason: "the kernel refused the passthrough settings".into() }
         };
+        // Below a per-file router, data layers serve some files only.
+        let per_file_transforms = self.stack.levels()[self.stack.shared_levels().len()..]
+            .iter()
+            .any(|l| l.layer().data_path() == DataPath::Transforms);
+        let mode = if mode == IoMode::Passthrough && per_file_transforms { IoMode::Mixed } else { mode };
         tracing::info!("file I/O: {mode}");
         *self.status.io_mode.lock() = Some(mode);
         Ok(())

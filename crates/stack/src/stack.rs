@@ -34,18 +34,31 @@ pub const NAME_PARAM: ParamSpec = ParamSpec {
 /// the lower storage.
 pub struct Stack {
     levels: Vec<Level>,
+    /// How many levels, from the top, every operation passes through. Below them a routing
+    /// layer (per-file chains) may send each file its own way.
+    shared: usize,
 }
 
 impl Stack {
     /// Build `specs` (top first) over `bottom`, looking layer kinds up in `registry`.
     pub fn build(specs: &[LayerSpec], registry: &[LayerFactory], bottom: Arc<dyn Layer>) -> Result<Stack> {
+        Stack::build_over(specs, registry, vec![Level::new(bottom)])
+    }
+
+    /// Build `specs` (top first) over `below`, levels already built (top first, the bottom
+    /// layer last), which become the lower part of the stack.
+    pub fn build_over(specs: &[LayerSpec], registry: &[LayerFactory], below: Vec<Level>) -> Result<Stack> {
+        assert!(!below.is_empty(), "a stack needs a bottom");
         let names = instance_names(specs)?;
+        if let Some(taken) = names.iter().find(|n| below.iter().any(|l| l.name() == n.as_str())) {
+            return Err(Error::config(format!("layer name '{taken}' is taken by the stack itself: give the layer another name=")));
+        }
         let factories = specs
             .iter()
             .map(|spec| find_factory(registry, spec).and_then(|f| check_params(f, spec).map(|()| f)))
             .collect::<Result<Vec<_>>>()?;
 
-        let mut levels = vec![Level::new(bottom)];
+        let mut levels: Vec<Level> = below.into_iter().rev().collect();
         for ((spec, factory), name) in specs.iter().zip(&factories).zip(&names).rev() {
             let params: Vec<_> = spec.params.iter().filter(|(k, _)| k != NAME_PARAM.name).cloned().collect();
             let lower = levels.last().expect("the bottom is always there").clone();
@@ -53,12 +66,25 @@ impl Stack {
             levels.push(Level::new(layer));
         }
         levels.reverse();
-        Ok(Stack { levels })
+        let shared = levels.len();
+        Ok(Stack { levels, shared })
     }
 
     /// The level users see.
     pub fn top(&self) -> &Level {
         &self.levels[0]
+    }
+
+    /// Declare that only the top `n` levels see every operation (see [`Stack::shared_levels`]).
+    pub fn with_shared(mut self, n: usize) -> Stack {
+        self.shared = n.min(self.levels.len());
+        self
+    }
+
+    /// The levels every operation passes through, top first: all of them, unless a routing
+    /// layer sends files through per-file chains below it.
+    pub fn shared_levels(&self) -> &[Level] {
+        &self.levels[..self.shared]
     }
 
     /// All levels, top first, bottom last.

@@ -74,7 +74,12 @@ impl Mount {
         let mut cmd = plyfs();
         cmd.arg("mount").arg(&lower).arg(&mnt).arg("--stack").arg(stack).arg("--foreground");
         for o in options {
-            cmd.arg("-o").arg(o);
+            // `--flag=value` goes as it is (e.g. `--rules=FILE`); anything else is a `-o` option.
+            if o.starts_with("--") {
+                cmd.arg(o);
+            } else {
+                cmd.arg("-o").arg(o);
+            }
         }
         let child = cmd.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap();
         let mut m = Mount {

@@ -1,0 +1,380 @@
+//! The mount-wide rules file (ATTEST's "config file" of rules, `seeds/004` §6).
+//!
+//! ```toml
+//! [[rule]]
+//! glob = "*.log"            # a name without '/' matches the file name in any directory
+//! layers = "zstd:level=3"
+//!
+//! [[rule]]
+//! glob = "docs/**"          # a pattern with '/' matches the path from the mount root
+//! layers = "gzip"
+//!
+//! [[rule]]
+//! extension = ["mp4", "mkv", "jpg"]
+//! layers = "none"
+//!
+//! [[rule]]
+//! min_size = "1G"           # and max_size: sizes in bytes, or with k, M, G, T (powers of 1024)
+//! layers = "none"
+//! ```
+//!
+//! A rule matches when every condition it has matches; a rule without conditions matches every
+//! file. The first matching rule, in file order, decides.
+
+use std::path::Path;
+
+use plyfs_stack::{Error, Result};
+use serde::Deserialize;
+
+use crate::chain::Policy;
+
+#[derive(Debug, Default)]
+pub struct Rules {
+    rules: Vec<Rule>,
+}
+
+#[derive(Debug)]
+pub struct Rule {
+    /// 1-based position in the file, for `policy explain`.
+    pub number: usize,
+    glob: Option<Glob>,
+    extensions: Vec<String>,
+    min_size: Option<u64>,
+    max_size: Option<u64>,
+    pub policy: Policy,
+    /// The rule as written, for messages.
+    pub text: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RulesFile {
+    #[serde(default, rename = "rule")]
+    rules: Vec<RuleTable>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleTable {
+    glob: Option<String>,
+    #[serde(default)]
+    extension: Extensions,
+    min_size: Option<Size>,
+    max_size: Option<Size>,
+    layers: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(untagged)]
+enum Extensions {
+    #[default]
+    None,
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Size {
+    Bytes(u64),
+    Text(String),
+}
+
+impl Rules {
+    /// Read and check a rules file. `check` validates each rule's layers (known layers, valid
+    /// parameters), so that a bad rule stops the mount instead of failing later, file by file.
+    pub fn load(path: &Path, check: impl Fn(&Policy) -> Result<()>) -> Result<Rules> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::config(format!("{}: {e}", path.display())))?;
+        Rules::parse(&text, check).map_err(|e| Error::config(format!("{}: {e}", path.display())))
+    }
+
+    pub fn parse(text: &str, check: impl Fn(&Policy) -> Result<()>) -> Result<Rules> {
+        let file: RulesFile = toml::from_str(text).map_err(|e| Error::config(e.message().to_owned()))?;
+        let mut rules = Vec::new();
+        for (i, t) in file.rules.into_iter().enumerate() {
+            let number = i + 1;
+            let bad = |why: String| Error::config(format!("rule {number}: {why}"));
+            let policy = Policy::parse(&t.layers).map_err(|e| bad(e.to_string()))?;
+            check(&policy).map_err(|e| bad(e.to_string()))?;
+            let glob = t.glob.as_deref().map(Glob::new).transpose().map_err(bad)?;
+            let extensions = match t.extension {
+                Extensions::None => vec![],
+                Extensions::One(e) => vec![e],
+                Extensions::Many(v) => v,
+            };
+            let extensions: Vec<String> = extensions.into_iter().map(|e| e.trim_start_matches('.').to_owned()).collect();
+            if extensions.iter().any(|e| e.is_empty() || e.contains('/')) {
+                return Err(bad("an extension is empty or contains '/'".into()));
+            }
+            let size = |s: Option<Size>, what: &str| -> Result<Option<u64>> {
+                match s {
+                    None => Ok(None),
+                    Some(Size::Bytes(n)) => Ok(Some(n)),
+                    Some(Size::Text(t)) => parse_size(&t).map(Some).ok_or_else(|| bad(format!("{what}: '{t}' is not a size (like 4096, 64k, 1G)"))),
+                }
+            };
+            let (min_size, max_size) = (size(t.min_size, "min_size")?, size(t.max_size, "max_size")?);
+            let mut text = Vec::new();
+            if let Some(g) = &glob {
+                text.push(format!("glob {:?}", g.pattern));
+            }
+            if !extensions.is_empty() {
+                text.push(format!("extension {}", extensions.join("|")));
+            }
+            if let Some(n) = min_size {
+                text.push(format!("size >= {n}"));
+            }
+            if let Some(n) = max_size {
+                text.push(format!("size <= {n}"));
+            }
+            if text.is_empty() {
+                text.push("every file".into());
+            }
+            let text = format!("{} -> {}", text.join(", "), policy);
+            rules.push(Rule { number, glob, extensions, min_size, max_size, policy, text });
+        }
+        Ok(Rules { rules })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rules.is_empty()
+    }
+
+    /// The first rule matching the file at `path` (relative to the mount root, without a
+    /// leading '/') of `size` bytes.
+    pub fn find(&self, path: &str, size: u64) -> Option<&Rule> {
+        self.rules.iter().find(|r| r.matches(path, size))
+    }
+}
+
+impl Rule {
+    fn matches(&self, path: &str, size: u64) -> bool {
+        let name = path.rsplit('/').next().unwrap_or(path);
+        if let Some(g) = &self.glob {
+            let subject = if g.pattern.contains('/') { path } else { name };
+            if !g.matches(subject) {
+                return false;
+            }
+        }
+        if !self.extensions.is_empty() {
+            let ext = name.rsplit_once('.').map(|(stem, e)| if stem.is_empty() { "" } else { e }).unwrap_or("");
+            if !self.extensions.iter().any(|e| e.eq_ignore_ascii_case(ext)) {
+                return false;
+            }
+        }
+        self.min_size.is_none_or(|m| size >= m) && self.max_size.is_none_or(|m| size <= m)
+    }
+}
+
+/// `4096`, `64k`, `1M`, `1.5G`: bytes, with binary multiples.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let (num, mult) = match t.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
+        None => (t, 1u64),
+        Some((i, _)) => {
+            let unit = t[i..].trim().to_ascii_lowercase();
+            let mult = match unit.trim_end_matches("ib").trim_end_matches('b') {
+                "" => 1,
+                "k" => 1 << 10,
+                "m" => 1 << 20,
+                "g" => 1 << 30,
+                "t" => 1 << 40,
+                _ => return None,
+            };
+            (t[..i].trim(), mult)
+        }
+    };
+    if let Ok(n) = num.parse::<u64>() {
+        return n.checked_mul(mult);
+    }
+    let f: f64 = num.parse().ok()?;
+    (f.is_finite() && f >= 0.0).then(|| (f * mult as f64) as u64)
+}
+
+/// A shell-style glob: `*` (any run of characters except '/'), `**` (anything, '/' included),
+/// `?` (one character except '/'), `[abc]`, `[a-z]`, `[!abc]`, and `\` to quote.
+#[derive(Debug, Clone)]
+pub struct Glob {
+    pub pattern: String,
+    tokens: Vec<Token>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Token {
+    Char(char),
+    Any,
+    Star,
+    DoubleStar,
+    Class { negated: bool, ranges: Vec<(char, char)> },
+}
+
+impl Glob {
+    pub fn new(pattern: &str) -> std::result::Result<Glob, String> {
+        let pattern = pattern.trim_start_matches('/');
+        let mut tokens = Vec::new();
+        let mut chars = pattern.chars().peekable();
+        while let Some(c) = chars.next() {
+            let t = match c {
+                '\\' => Token::Char(chars.next().ok_or_else(|| format!("glob {pattern:?} ends with '\\'"))?),
+                '?' => Token::Any,
+                '*' if chars.peek() == Some(&'*') => {
+                    chars.next();
+                    // `**/` also matches no directory at all: `a/**/b` matches `a/b`.
+                    if chars.peek() == Some(&'/') {
+                        chars.next();
+                        tokens.push(Token::DoubleStar);
+                        tokens.push(Token::Char('/'));
+                        continue;
+                    }
+                    Token::DoubleStar
+                }
+                '*' => Token::Star,
+                '[' => {
+                    let negated = chars.peek().is_some_and(|c| *c == '!' || *c == '^');
+                    if negated {
+                        chars.next();
+                    }
+                    let mut ranges = Vec::new();
+                    let mut first = true;
+                    loop {
+                        let c = chars.next().ok_or_else(|| format!("glob {pattern:?}: '[' without ']'"))?;
+                        if c == ']' && !first {
+                            break;
+                        }
+                        first = false;
+                        if chars.peek() == Some(&'-') {
+                            let mut ahead = chars.clone();
+                            ahead.next();
+                            if let Some(&end) = ahead.peek().filter(|e| **e != ']') {
+                                chars.next();
+                                chars.next();
+                                ranges.push((c, end));
+                                continue;
+                            }
+                        }
+                        ranges.push((c, c));
+                    }
+                    Token::Class { negated, ranges }
+                }
+                c => Token::Char(c),
+            };
+            tokens.push(t);
+        }
+        if pattern.is_empty() {
+            return Err("empty glob".into());
+        }
+        Ok(Glob { pattern: pattern.to_owned(), tokens })
+    }
+
+    pub fn matches(&self, subject: &str) -> bool {
+        let s: Vec<char> = subject.chars().collect();
+        // `**/` followed by a '/' token: let it match the empty string too (see `new`).
+        matches_from(&self.tokens, &s)
+    }
+}
+
+fn matches_from(tokens: &[Token], s: &[char]) -> bool {
+    let Some((first, rest)) = tokens.split_first() else {
+        return s.is_empty();
+    };
+    match first {
+        Token::Char(c) => s.first() == Some(c) && matches_from(rest, &s[1..]),
+        Token::Any => s.first().is_some_and(|c| *c != '/') && matches_from(rest, &s[1..]),
+        Token::Class { negated, ranges } => {
+            s.first().is_some_and(|c| *c != '/' && ranges.iter().any(|(a, b)| (*a..=*b).contains(c)) != *negated)
+                && matches_from(rest, &s[1..])
+        }
+        Token::Star => {
+            for i in 0..=s.len() {
+                if matches_from(rest, &s[i..]) {
+                    return true;
+                }
+                if s.get(i) == Some(&'/') {
+                    return false;
+                }
+            }
+            false
+        }
+        Token::DoubleStar => {
+            // `**/` may match nothing: skip the '/' that follows it.
+            if rest.first() == Some(&Token::Char('/')) && matches_from(&rest[1..], s) {
+                return true;
+            }
+            (0..=s.len()).any(|i| matches_from(rest, &s[i..]))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn g(p: &str, s: &str) -> bool {
+        Glob::new(p).unwrap().matches(s)
+    }
+
+    #[test]
+    fn globs() {
+        assert!(g("*.log", "a.log"));
+        assert!(!g("*.log", "dir/a.log"), "a star stops at '/'");
+        assert!(g("docs/**", "docs/a/b/c.txt"));
+        assert!(g("docs/**", "docs/x"));
+        assert!(!g("docs/**", "src/docs/x"));
+        assert!(g("**/build/*.o", "build/a.o"));
+        assert!(g("**/build/*.o", "x/y/build/a.o"));
+        assert!(g("a/**/b", "a/b"));
+        assert!(g("a/**/b", "a/x/y/b"));
+        assert!(g("file?.[ch]", "file1.c"));
+        assert!(!g("file?.[ch]", "file1.o"));
+        assert!(g("[!a]*", "bcd"));
+        assert!(!g("[!a]*", "abc"));
+        assert!(g("[a-c]x", "bx"));
+        assert!(g("\\*", "*"));
+        assert!(!g("\\*", "a"));
+        assert!(Glob::new("[ab").is_err());
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("64k"), Some(65536));
+        assert_eq!(parse_size("1G"), Some(1 << 30));
+        assert_eq!(parse_size("1GiB"), Some(1 << 30));
+        assert_eq!(parse_size("1.5M"), Some(3 << 19));
+        assert_eq!(parse_size("12 furlongs"), None);
+    }
+
+    #[test]
+    fn first_match_wins_and_conditions_combine() {
+        let text = r#"
+            [[rule]]
+            min_size = "1G"
+            layers = "none"
+            [[rule]]
+            glob = "*.log"
+            layers = "zstd:level=3"
+            [[rule]]
+            glob = "docs/**"
+            extension = ["txt", ".md"]
+            layers = "gzip"
+        "#;
+        let rules = Rules::parse(text, |_| Ok(())).unwrap();
+        assert_eq!(rules.find("x/app.log", 10).map(|r| r.number), Some(2));
+        assert_eq!(rules.find("x/app.log", 2 << 30).map(|r| r.number), Some(1));
+        assert_eq!(rules.find("docs/a/readme.MD", 10).map(|r| r.number), Some(3));
+        assert_eq!(rules.find("docs/a/image.png", 10).map(|r| r.number), None);
+        assert_eq!(rules.find("src/readme.md", 10).map(|r| r.number), None);
+    }
+
+    #[test]
+    fn bad_rules_say_which_and_why() {
+        let e = Rules::parse("[[rule]]\nglob = \"[x\"\nlayers = \"zstd\"\n", |_| Ok(())).unwrap_err().to_string();
+        assert!(e.contains("rule 1") && e.contains("without ']'"), "{e}");
+        let e = Rules::parse("[[rule]]\nmin_size = \"big\"\nlayers = \"none\"\n", |_| Ok(())).unwrap_err().to_string();
+        assert!(e.contains("min_size") && e.contains("big"), "{e}");
+        let e = Rules::parse("[[rule]]\nglob = \"*\"\nlayers = \"zstd\"\ncolour = 1\n", |_| Ok(())).unwrap_err().to_string();
+        assert!(e.contains("colour"), "{e}");
+        let e = Rules::parse("[[rule]]\nlayers = \"zstd\"\n", |_| Err(Error::config("no zstd here"))).unwrap_err().to_string();
+        assert!(e.contains("rule 1") && e.contains("no zstd here"), "{e}");
+    }
+}
