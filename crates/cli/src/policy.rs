@@ -24,7 +24,7 @@ pub fn explain(path: &Path) -> Result<(), String> {
     }
     println!("  policy:        {}", s("policy"));
     println!("  decided by:    {}", s("source"));
-    println!("  encoded with:  {}  (recorded by {})", s("recorded"), s("recorded_by"));
+    println!("  encoded with:  {}  ({})", s("recorded"), s("recorded_by"));
     if v.get("pending").and_then(Value::as_bool) == Some(true) {
         println!("  pending:       `plyfs policy apply` will re-encode it");
     }

@@ -595,7 +595,7 @@ impl PolicyLayer {
             "policy": decided.policy.to_string(),
             "source": decided.source.to_string(),
             "recorded": chain.text,
-            "recorded_by": if recorded_explicitly { format!("{CHAIN_XATTR} on the lower file") } else { "the mount's default chain (no record)".to_owned() },
+            "recorded_by": if recorded_explicitly { format!("recorded in {CHAIN_XATTR} on the lower file") } else { "no record on the lower file: the mount's default chain".to_owned() },
             "pending": pending,
         }))
     }
