@@ -130,6 +130,24 @@ fn rules_and_attributes_combine_as_documented() {
     assert_eq!(fs::read(m.lower_path("b.jpg")).unwrap(), data);
     let out = run(plyfs().args(["policy", "explain"]).arg(m.path("keep")));
     assert!(stdout(&out).contains("new files get: lz4"), "{}", stdout(&out));
+    // A file's own attribute beats the rest; it takes effect at `apply`.
+    set_policy(&m.path("a.log"), "copy").unwrap();
+    let out = run(plyfs().args(["policy", "explain"]).arg(m.path("a.log")));
+    assert!(stdout(&out).contains("file's own") && stdout(&out).contains("pending"), "{}", stdout(&out));
+    let out = run(plyfs().args(["policy", "apply"]).arg(m.path("a.log")));
+    assert!(out.status.success() && stdout(&out).contains("zstd -> copy"), "{}{}", stdout(&out), stderr(&out));
+    assert_eq!(fs::read(m.path("a.log")).unwrap(), data);
+    // Rename into a directory with another policy keeps the file's chain (and its data).
+    fs::rename(m.path("a.log"), m.path("keep/moved.log")).unwrap();
+    assert_eq!(fs::read(m.path("keep/moved.log")).unwrap(), data);
+    let out = run(plyfs().args(["policy", "explain"]).arg(m.path("keep/moved.log")));
+    assert!(stdout(&out).contains("encoded with:  copy"), "{}", stdout(&out));
+    // Opening a file that is being used does not stop the others from being converted.
+    let held = fs::File::open(m.path("c.txt")).unwrap();
+    set_policy(&m.path("c.txt"), "lz4").unwrap();
+    let out = run(plyfs().args(["policy", "apply"]).arg(m.path("c.txt")));
+    assert!(!out.status.success() && stderr(&out).contains("it is open"), "{}", stderr(&out));
+    drop(held);
     // A rules file that names an unknown layer stops the mount with a clear message.
     fs::write(&rules, "[[rule]]\nglob = \"*\"\nlayers = \"zstd:level=0\"\n").unwrap();
     let other = tempfile::tempdir().unwrap();

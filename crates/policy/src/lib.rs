@@ -69,9 +69,9 @@ pub enum Source {
     /// The file's own `user.plyfs.layers`.
     FileAttr,
     /// `user.plyfs.layers` on this directory (relative path; "" is the mount root).
-    DirAttr(String),
+    DirAttr(Arc<str>),
     /// Rule number N of the rules file, with its text.
-    Rule(usize, String),
+    Rule(usize, Arc<str>),
     /// The data layers of the mount's `--stack`.
     Default,
 }
@@ -88,9 +88,10 @@ impl std::fmt::Display for Source {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 struct Decided {
-    policy: Policy,
+    /// The chain the policy names, built.
+    chain: ChainRef,
     source: Source,
 }
 
@@ -124,6 +125,8 @@ pub struct PolicyLayer {
     none: ChainRef,
     default: ChainRef,
     rules: Rules,
+    /// The chain of each rule, built at its first match (rules were checked at mount).
+    rule_chains: Vec<OnceLock<ChainRef>>,
     chains: Mutex<HashMap<String, ChainRef>>,
     nodes: RwLock<HashMap<NodeId, Known>>,
     dirs: Mutex<HashMap<NodeId, DirState>>,
@@ -164,6 +167,7 @@ impl PolicyLayer {
             registry,
             none,
             default,
+            rule_chains: (0..rules.len()).map(|_| OnceLock::new()).collect(),
             rules,
             chains: Mutex::new(chains),
             nodes: RwLock::new(nodes),
@@ -202,6 +206,9 @@ impl PolicyLayer {
     // What is known about nodes.
 
     fn note_entry(&self, e: &Entry) {
+        if self.nodes.read().contains_key(&e.node) {
+            return;
+        }
         let mut nodes = self.nodes.write();
         nodes.entry(e.node).or_insert_with(|| {
             if e.attr.kind == FileKind::File {
@@ -342,7 +349,7 @@ impl PolicyLayer {
         }
         let path = self.rel_path(dir)?;
         let decided = match self.own_policy(dir)? {
-            Some(policy) => Some(Decided { policy, source: Source::DirAttr(path.clone()) }),
+            Some(policy) => Some(Decided { chain: self.chain_for(&policy)?, source: Source::DirAttr(path.as_str().into()) }),
             None if dir == NodeId::ROOT => None,
             None => {
                 let parent = self.below().lookup(&daemon(), dir, OsStr::new(".."))?;
@@ -370,10 +377,18 @@ impl PolicyLayer {
             let name = name.to_string_lossy();
             let path = if dir_path.is_empty() { name.into_owned() } else { format!("{dir_path}/{name}") };
             if let Some(r) = self.rules.find(&path, size) {
-                return Ok(Decided { policy: r.policy.clone(), source: Source::Rule(r.number, r.text.clone()) });
+                let slot = &self.rule_chains[r.number - 1];
+                let chain = match slot.get() {
+                    Some(c) => c.clone(),
+                    None => {
+                        let c = self.chain_for(&r.policy)?;
+                        slot.get_or_init(|| c).clone()
+                    }
+                };
+                return Ok(Decided { chain, source: Source::Rule(r.number, r.text.as_str().into()) });
             }
         }
-        Ok(Decided { policy: self.default.policy.clone(), source: Source::Default })
+        Ok(Decided { chain: self.default.clone(), source: Source::Default })
     }
 
     /// The parent directory and name of an existing file, found from its path. The returned
@@ -394,7 +409,7 @@ impl PolicyLayer {
     fn decide_existing(&self, node: NodeId) -> Result<(Decided, String, Held<'_>, OsString)> {
         let (held, name, path) = self.parent_and_name(node)?;
         let decided = match self.own_policy(node)? {
-            Some(policy) => Decided { policy, source: Source::FileAttr },
+            Some(policy) => Decided { chain: self.chain_for(&policy)?, source: Source::FileAttr },
             None => {
                 let size = self.chain_of(node)?.top.getattr(&daemon(), node)?.size;
                 self.decide_in(held.last(), &name, size)?
@@ -445,7 +460,7 @@ impl PolicyLayer {
             }
         }
         let decided = self.decide_in(parent, name, 0)?;
-        let chain = self.chain_for(&decided.policy)?;
+        let chain = decided.chain;
         let reply = chain.top.call(cx, &Op::Create { parent, name, mode, flags });
         self.finish_create(reply, &chain, true, parent, name)
     }
@@ -581,18 +596,18 @@ impl PolicyLayer {
             return Ok(json!({
                 "path": path,
                 "kind": "directory",
-                "new_files": decided.policy.to_string(),
+                "new_files": decided.chain.text,
                 "source": decided.source.to_string(),
                 "rules_apply": decided.source == Source::Default && !self.rules.is_empty(),
             }));
         }
         let recorded_explicitly = self.read_xattr(node, CHAIN_XATTR)?.is_some();
         let (decided, path, ..) = self.decide_existing(node)?;
-        let pending = decided.policy.to_string() != chain.text;
+        let pending = decided.chain.text != chain.text;
         Ok(json!({
             "path": path,
             "kind": "file",
-            "policy": decided.policy.to_string(),
+            "policy": decided.chain.text,
             "source": decided.source.to_string(),
             "recorded": chain.text,
             "recorded_by": if recorded_explicitly { format!("recorded in {CHAIN_XATTR} on the lower file") } else { "no record on the lower file: the mount's default chain".to_owned() },
@@ -601,7 +616,7 @@ impl PolicyLayer {
     }
 
     fn rule_or_default_for_dir(&self) -> Decided {
-        Decided { policy: self.default.policy.clone(), source: Source::Default }
+        Decided { chain: self.default.clone(), source: Source::Default }
     }
 
     /// Re-encode a file to its policy; remove a leftover of an interrupted re-encoding.
@@ -614,7 +629,7 @@ impl PolicyLayer {
             return self.remove_leftover(node);
         }
         let (decided, path, held, name) = self.decide_existing(node)?;
-        let target = self.chain_for(&decided.policy)?;
+        let target = decided.chain.clone();
         if target.text == chain.text {
             return Ok(json!({ "path": path, "changed": false, "chain": chain.text }));
         }

@@ -140,6 +140,10 @@ impl Rules {
         self.rules.is_empty()
     }
 
+    pub fn len(&self) -> usize {
+        self.rules.len()
+    }
+
     /// The first rule matching the file at `path` (relative to the mount root, without a
     /// leading '/') of `size` bytes.
     pub fn find(&self, path: &str, size: u64) -> Option<&Rule> {
