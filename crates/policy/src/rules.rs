@@ -147,16 +147,19 @@ impl Rules {
     /// The first rule matching the file at `path` (relative to the mount root, without a
     /// leading '/') of `size` bytes.
     pub fn find(&self, path: &str, size: u64) -> Option<&Rule> {
-        self.rules.iter().find(|r| r.matches(path, size))
+        let name = path.rsplit('/').next().unwrap_or(path);
+        // Decoded once for all the globs.
+        let path_chars: Vec<char> = path.chars().collect();
+        let name_chars = &path_chars[path_chars.len() - name.chars().count()..];
+        self.rules.iter().find(|r| r.matches(&path_chars, name_chars, name, size))
     }
 }
 
 impl Rule {
-    fn matches(&self, path: &str, size: u64) -> bool {
-        let name = path.rsplit('/').next().unwrap_or(path);
+    fn matches(&self, path: &[char], name_chars: &[char], name: &str, size: u64) -> bool {
         if let Some(g) = &self.glob {
-            let subject = if g.pattern.contains('/') { path } else { name };
-            if !g.matches(subject) {
+            let subject = if g.pattern.contains('/') { path } else { name_chars };
+            if !matches_from(&g.tokens, subject) {
                 return false;
             }
         }
