@@ -77,9 +77,14 @@ fn a_compressed_directory_beside_untouched_files_that_keep_passthrough() {
         assert!(trace_counts(&m).0 > before.0, "reads of a compressed file go through its chain");
     }
     // After a remount every file reads back through the chain it was written with.
-    let m = m.remount();
+    let mut m = m.remount();
     assert_eq!(fs::read(m.path("logs/deep/er/app.log")).unwrap(), data);
     assert_eq!(fs::read(m.path("plain.bin")).unwrap(), data);
+    // Offline, each file is checked through its own chain; plain files need no check.
+    m.unmount();
+    let out = run(plyfs().arg("fsck").arg(&m.lower).args(["--stack", "null"]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("1 files checked, all sound (1 plain"), "{}", stderr(&out));
 }
 
 #[test]
