@@ -49,7 +49,7 @@ impl Default for FrontOptions {
 pub enum IoMode {
     /// Reads and writes go from the kernel to the lower files; the daemon is not on the path.
     Passthrough,
-    /// Passthrough for files that no data layer transforms; the files a per-file chain (or the
+    /// Passthrough for files that no data layer encodes; the files a per-file chain (or the
     /// default chain) encodes use FUSE I/O with the page cache kept.
     Mixed,
     /// Reads and writes reach the daemon; the kernel page cache is kept across opens.
@@ -61,7 +61,7 @@ impl std::fmt::Display for IoMode {
         match self {
             IoMode::Passthrough => f.write_str("passthrough (the kernel reads and writes the lower files directly)"),
             IoMode::Mixed => f.write_str(
-                "passthrough for files that no data layer transforms (the kernel reads and writes the lower files directly); FUSE I/O with the page cache kept for the others",
+                "passthrough for files that no data layer encodes (the kernel reads and writes the lower files directly); FUSE I/O with the page cache kept for the files a data layer encodes",
             ),
             IoMode::Cached { reason } => write!(f, "FUSE I/O with the page cache kept ({reason})"),
         }
@@ -484,11 +484,10 @@ impl Filesystem for FuseFs {
         } else {
             IoMode::Cached { reason: "the kernel refused the passthrough settings".into() }
         };
-        // Below a per-file router, data layers serve some files only.
-        let per_file_transforms = self.stack.levels()[self.stack.shared_levels().len()..]
-            .iter()
-            .any(|l| l.layer().data_path() == DataPath::Transforms);
-        let mode = if mode == IoMode::Passthrough && per_file_transforms { IoMode::Mixed } else { mode };
+        // Below a per-file router (levels not every file passes), files may have data layers
+        // of their own, now or once a policy gives them some.
+        let per_file = self.stack.shared_levels().len() < self.stack.levels().len();
+        let mode = if mode == IoMode::Passthrough && per_file { IoMode::Mixed } else { mode };
         tracing::info!("file I/O: {mode}");
         *self.status.io_mode.lock() = Some(mode);
         Ok(())
