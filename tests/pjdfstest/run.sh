@@ -47,7 +47,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 PJDFSTEST_VERSION=0.2.2
 # An entry may add mount arguments after the spec, e.g. `null --rules FILE`: the last one mixes
-# compressed files (names ending in an even hex digit, by rule) with untouched ones.
+# compressed files (half of the names, by rule) with untouched ones.
 DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml")
 
 die() { echo "pjdfstest/run.sh: $*" >&2; exit 2; }

@@ -47,6 +47,9 @@ pub const POLICY_XATTR: &str = "user.plyfs.layers";
 pub const CHAIN_XATTR: &str = "user.plyfs.chain";
 /// Marks a re-encoded copy that is not yet in place (hidden from the mount).
 const TEMP_XATTR: &str = "user.plyfs.reencoding";
+/// On the root of the lower directory once any file below has a record (hidden from the mount).
+/// Until then no file has one, and looking a file up needs no attribute read.
+pub const RECORDS_XATTR: &str = "user.plyfs.records";
 /// Name prefix of re-encoded copies while they are written.
 pub const TEMP_PREFIX: &str = ".plyfs-reencode.";
 
@@ -136,6 +139,8 @@ pub struct PolicyLayer {
     lower_root: OnceLock<String>,
     temp_counter: AtomicU64,
     warned_no_xattrs: std::sync::atomic::AtomicBool,
+    /// Whether any file of the lower directory may carry a record ([`RECORDS_XATTR`]).
+    records: std::sync::atomic::AtomicBool,
     /// Opens take it shared; the moment a re-encoded file replaces the old one takes it
     /// exclusively, so that no open can slip between the last check and the switch.
     switch: RwLock<()>,
@@ -161,6 +166,13 @@ impl PolicyLayer {
         chains.insert(default.text.clone(), default.clone());
         let mut nodes = HashMap::new();
         nodes.insert(NodeId::ROOT, Known::Other);
+        let op = Op::GetXattr { node: NodeId::ROOT, name: OsStr::new(RECORDS_XATTR), size: 64 };
+        let records = match lower.call(&daemon(), &op) {
+            Ok(_) => true,
+            Err(Error::Os(libc::ENODATA | libc::ENOTSUP)) => false,
+            // Unknown: read every file's record, to be safe.
+            Err(_) => true,
+        };
         Ok(Arc::new(PolicyLayer {
             name: name.to_owned(),
             lower: [lower],
@@ -176,6 +188,7 @@ impl PolicyLayer {
             lower_root: OnceLock::new(),
             temp_counter: AtomicU64::new(0),
             warned_no_xattrs: std::sync::atomic::AtomicBool::new(false),
+            records: std::sync::atomic::AtomicBool::new(records),
             switch: RwLock::new(()),
         }))
     }
@@ -250,6 +263,9 @@ impl PolicyLayer {
 
     /// The chain recorded with a regular file, or the default when it has no record.
     fn recorded_chain(&self, node: NodeId) -> Result<ChainRef> {
+        if !self.records.load(Ordering::Acquire) {
+            return Ok(self.default.clone());
+        }
         match self.read_xattr(node, CHAIN_XATTR)? {
             None => Ok(self.default.clone()),
             Some(text) => {
@@ -286,6 +302,25 @@ impl PolicyLayer {
             Err(Error::Os(libc::ENODATA | libc::ENOTSUP)) => Ok(None),
             Err(e) => Err(e),
         }
+    }
+
+    /// Record `chain` with a file. The first record of a lower directory first marks its root
+    /// (durably), so that later mounts know to read records.
+    fn record(&self, node: NodeId, chain: &str) -> Result<()> {
+        if !self.records.load(Ordering::Acquire) {
+            let _once = self.switch.write();
+            if !self.records.load(Ordering::Acquire) {
+                self.write_xattr(NodeId::ROOT, RECORDS_XATTR, "1")?;
+                let cx = daemon();
+                if let Ok(Reply::Opened(o)) = self.below().call(&cx, &Op::OpenDir { node: NodeId::ROOT }) {
+                    let synced = self.below().call(&cx, &Op::FsyncDir { node: NodeId::ROOT, fh: o.fh, datasync: false });
+                    let _ = self.below().call(&cx, &Op::ReleaseDir { node: NodeId::ROOT, fh: o.fh });
+                    synced?;
+                }
+                self.records.store(true, Ordering::Release);
+            }
+        }
+        self.write_xattr(node, CHAIN_XATTR, chain)
     }
 
     fn write_xattr(&self, node: NodeId, name: &str, value: &str) -> Result<()> {
@@ -472,7 +507,7 @@ impl PolicyLayer {
             // Record the chain before any data is written, so that the file is read through it
             // even if the mount's default changes. (A file without a record is read through the
             // default; only plain files in a mount without data layers go unrecorded, at no cost.)
-            if let Err(err) = self.write_xattr(e.node, CHAIN_XATTR, &chain.text) {
+            if let Err(err) = self.record(e.node, &chain.text) {
                 if is_default {
                     if !self.warned_no_xattrs.swap(true, Ordering::Relaxed) {
                         tracing::warn!("the lower file system refuses extended attributes ({err}): files are not recorded with their chain and must be mounted with the same --stack");
@@ -527,7 +562,7 @@ impl PolicyLayer {
             let empty = chain.top.getattr(&daemon(), node).is_ok_and(|a| a.size == 0);
             if empty && chain.text != policy.to_string() {
                 let new = self.chain_for(&policy)?;
-                self.write_xattr(node, CHAIN_XATTR, &new.text)?;
+                self.record(node, &new.text)?;
                 // Drop what the old chain keeps about the file.
                 let _ = chain.top.call(&daemon(), &Op::Forget { node, nlookup: 0 });
                 self.note_file(node, new);
@@ -674,7 +709,7 @@ impl PolicyLayer {
         let mut open = Some(fh);
         let result = (|| {
             self.write_xattr(tmp, TEMP_XATTR, path)?;
-            self.write_xattr(tmp, CHAIN_XATTR, &to.text)?;
+            self.record(tmp, &to.text)?;
             let bytes = self.copy_data(node, from, tmp, fh, to)?;
             to.top.call(&cx, &Op::Fsync { node: tmp, fh, datasync: false })?;
             to.top.release(&cx, tmp, fh)?;
@@ -794,7 +829,7 @@ impl Drop for Held<'_> {
 
 /// Attributes the layer keeps for itself.
 fn hidden(name: &OsStr) -> bool {
-    name == CHAIN_XATTR || name == TEMP_XATTR
+    name == CHAIN_XATTR || name == TEMP_XATTR || name == RECORDS_XATTR
 }
 
 impl Layer for PolicyLayer {

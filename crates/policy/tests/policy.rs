@@ -285,6 +285,9 @@ fn a_recorded_chain_this_build_lacks_is_a_clear_error() {
     let c = std::ffi::CString::new(f.lower.join("f").as_os_str().as_encoded_bytes()).unwrap();
     let v = b"rot13:rounds=2";
     assert_eq!(unsafe { libc::setxattr(c.as_ptr(), c"user.plyfs.chain".as_ptr(), v.as_ptr().cast(), v.len(), 0) }, 0);
+    // As if a plyfs of another build had recorded it: the root says the tree has records.
+    let root = std::ffi::CString::new(f.lower.as_os_str().as_encoded_bytes()).unwrap();
+    assert_eq!(unsafe { libc::setxattr(root.as_ptr(), c"user.plyfs.records".as_ptr(), b"1".as_ptr().cast(), 1, 0) }, 0);
     // A fresh stack (the old one cached the chain).
     let bottom = LowerDir::level(&f.lower).unwrap();
     let (stack, _) = build_stack(&parse_stack_spec("null").unwrap(), None, plyfs_layers::registry(), bottom).unwrap();
@@ -334,4 +337,29 @@ fn a_default_chain_mount_records_and_reads_like_before() {
     assert_eq!(f.stack.shared_levels().len(), 1);
     let _ = &f.policy;
     f.stack.shutdown();
+}
+
+#[test]
+fn the_root_says_whether_any_file_has_a_record() {
+    let f = fixture("null", "");
+    f.write_file("", "plain", &text(5000));
+    assert_eq!(xattr(&f.lower, "user.plyfs.records"), None, "plain files only: no record, no marker");
+    f.mkdir("", "z");
+    f.set_policy("z", "zstd").unwrap();
+    f.write_file("z", "packed", &text(5000));
+    assert_eq!(xattr(&f.lower, "user.plyfs.records").as_deref(), Some("1"), "marked before the first record");
+    // Hidden from the mount like the records themselves.
+    let list = match f.stack.top().call(&cx(), &Op::ListXattr { node: NodeId::ROOT, size: 4096 }).unwrap() {
+        Reply::Xattr(XattrReply::Data(d)) => d,
+        other => panic!("{other:?}"),
+    };
+    assert!(!String::from_utf8_lossy(&list).contains("plyfs.records"));
+    // A fresh stack over the tree reads the record.
+    f.stack.shutdown();
+    let bottom = LowerDir::level(&f.lower).unwrap();
+    let (stack, _) = build_stack(&parse_stack_spec("null").unwrap(), None, plyfs_layers::registry(), bottom).unwrap();
+    let z = stack.top().lookup(&cx(), NodeId::ROOT, OsStr::new("z")).unwrap().node;
+    let p = stack.top().lookup(&cx(), z, OsStr::new("packed")).unwrap();
+    assert_eq!(p.attr.size, 5000, "the decoded size, through the recorded chain");
+    stack.shutdown();
 }
