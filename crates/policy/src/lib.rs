@@ -245,14 +245,14 @@ impl PolicyLayer {
     /// The chain a node's operations go to: its recorded chain for a regular file, none for
     /// anything else.
     fn chain_of(&self, node: NodeId) -> Result<ChainRef> {
-        match self.nodes.read().get(&node) {
+        let known_file = match self.nodes.read().get(&node) {
             Some(Known::Other) => return Ok(self.none.clone()),
             Some(Known::File(FileState { superseded: true, .. })) => return Err(Error::Os(libc::ESTALE)),
             Some(Known::File(FileState { chain: Some(c), .. })) => return Ok(c.clone()),
-            _ => {}
-        }
-        let attr = self.below().getattr(&daemon(), node)?;
-        if attr.kind != FileKind::File {
+            Some(Known::File(_)) => true,
+            None => false,
+        };
+        if !known_file && self.below().getattr(&daemon(), node)?.kind != FileKind::File {
             self.nodes.write().insert(node, Known::Other);
             return Ok(self.none.clone());
         }
@@ -467,8 +467,9 @@ impl PolicyLayer {
 
     /// Report what the file's chain shows (the decoded size) instead of the lower attributes.
     fn fix_entry(&self, e: &mut Entry) -> Result<()> {
-        // An empty lower file is an empty file whatever its chain.
-        if e.attr.kind != FileKind::File || e.attr.size == 0 {
+        // An empty lower file is an empty file whatever its chain; and while no file of the
+        // tree has a record and the default encodes nothing, no file is encoded.
+        if e.attr.kind != FileKind::File || e.attr.size == 0 || !self.default.transforms() && !self.records.load(Ordering::Acquire) {
             return Ok(());
         }
         // A file whose chain cannot be read still has a name and attributes (the error is in the
