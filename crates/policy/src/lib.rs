@@ -201,9 +201,10 @@ impl PolicyLayer {
         &self.default
     }
 
-    /// Check that `policy` can be built here (known layers, valid parameters, data layers only).
-    pub fn check(&self, policy: &Policy) -> Result<()> {
-        self.chain_for(policy).map(|_| ())
+    /// The chain an attribute value names, built (known layers, valid parameters, data layers
+    /// only) or refused.
+    fn chain_named(&self, text: &str) -> Result<ChainRef> {
+        self.chain_for(&Policy::parse(text)?)
     }
 
     /// The chain for `policy`, built once per distinct policy.
@@ -337,10 +338,10 @@ impl PolicyLayer {
 
     /// The policy attribute of a node, `None` when it has none. A value that does not parse
     /// (written from outside the mount) is ignored with a warning.
-    fn own_policy(&self, node: NodeId) -> Result<Option<Policy>> {
+    fn own_policy(&self, node: NodeId) -> Result<Option<ChainRef>> {
         let Some(text) = self.read_xattr(node, POLICY_XATTR)? else { return Ok(None) };
-        match Policy::parse(&text).and_then(|p| self.check(&p).map(|()| p)) {
-            Ok(p) => Ok(Some(p)),
+        match self.chain_named(&text) {
+            Ok(chain) => Ok(Some(chain)),
             Err(e) => {
                 tracing::warn!("{}: ignoring {POLICY_XATTR}={text:?}: {e}", self.describe(node));
                 Ok(None)
@@ -384,7 +385,7 @@ impl PolicyLayer {
         }
         let path = self.rel_path(dir)?;
         let decided = match self.own_policy(dir)? {
-            Some(policy) => Some(Decided { chain: self.chain_for(&policy)?, source: Source::DirAttr(path.as_str().into()) }),
+            Some(chain) => Some(Decided { chain, source: Source::DirAttr(path.as_str().into()) }),
             None if dir == NodeId::ROOT => None,
             None => {
                 let parent = self.below().lookup(&daemon(), dir, OsStr::new(".."))?;
@@ -444,7 +445,7 @@ impl PolicyLayer {
     fn decide_existing(&self, node: NodeId) -> Result<(Decided, String, Held<'_>, OsString)> {
         let (held, name, path) = self.parent_and_name(node)?;
         let decided = match self.own_policy(node)? {
-            Some(policy) => Decided { chain: self.chain_for(&policy)?, source: Source::FileAttr },
+            Some(chain) => Decided { chain, source: Source::FileAttr },
             None => {
                 let size = self.chain_of(node)?.top.getattr(&daemon(), node)?.size;
                 self.decide_in(held.last(), &name, size)?
@@ -455,7 +456,9 @@ impl PolicyLayer {
 
     // Operations.
 
-    fn lookup(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+    /// An operation that answers with an entry (lookup, link, mknod, mkdir, symlink): note the
+    /// node, and show a file as its chain does.
+    fn entry_op(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         let mut e = match self.below().call(cx, op)? {
             Reply::Entry(e) => e,
             other => return Ok(other),
@@ -544,7 +547,7 @@ impl PolicyLayer {
 
     fn set_policy_attr(&self, cx: &Caller, op: &Op<'_>, node: NodeId, value: &[u8]) -> Result<Reply> {
         let text = String::from_utf8_lossy(value);
-        let policy = Policy::parse(&text).and_then(|p| self.check(&p).map(|()| p)).map_err(|e| {
+        let new = self.chain_named(&text).map_err(|e| {
             tracing::error!("{}: refusing {POLICY_XATTR}={text:?}: {e}", self.describe(node));
             Error::Os(libc::EINVAL)
         })?;
@@ -561,8 +564,7 @@ impl PolicyLayer {
         if idle {
             let chain = self.chain_of(node)?;
             let empty = chain.top.getattr(&daemon(), node).is_ok_and(|a| a.size == 0);
-            if empty && chain.text != policy.to_string() {
-                let new = self.chain_for(&policy)?;
+            if empty && chain.text != new.text {
                 self.record(node, &new.text)?;
                 // Drop what the old chain keeps about the file.
                 let _ = chain.top.call(&daemon(), &Op::Forget { node, nlookup: 0 });
@@ -858,15 +860,7 @@ impl Layer for PolicyLayer {
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         match *op {
-            Op::Lookup { .. } => self.lookup(cx, op),
-            Op::Link { .. } | Op::MkNod { .. } | Op::MkDir { .. } | Op::SymLink { .. } => {
-                let mut reply = self.below().call(cx, op)?;
-                if let Reply::Entry(e) = &mut reply {
-                    self.note_entry(e);
-                    self.fix_entry(e)?;
-                }
-                Ok(reply)
-            }
+            Op::Lookup { .. } | Op::Link { .. } | Op::MkNod { .. } | Op::MkDir { .. } | Op::SymLink { .. } => self.entry_op(cx, op),
             Op::ReadDir { plus: true, .. } => {
                 let mut reply = self.below().call(cx, op)?;
                 if let Reply::Dir(entries) = &mut reply {

@@ -195,7 +195,7 @@ pub fn parse_size(text: &str) -> Option<u64> {
         return n.checked_mul(mult);
     }
     let f: f64 = num.parse().ok()?;
-    (f.is_finite() && f >= 0.0).then(|| (f * mult as f64) as u64)
+    (f.is_finite() && f >= 0.0).then_some((f * mult as f64) as u64)
 }
 
 /// A shell-style glob: `*` (any run of characters except '/'), `**` (anything, '/' included),
