@@ -386,6 +386,7 @@ pub fn fsck(lower: &Path, spec: &str) -> Res<()> {
     let bar = progress(files.iter().map(|f| f.1).sum(), "checking");
     let mut damaged = Vec::new();
     let mut plain = 0usize;
+    let mut repaired = 0usize;
     for (rel, size) in &files {
         let outcome = resolve(&top, rel).and_then(|e| {
             let v = top.extended(&cx(), e.node, "verify", &[]).map_err(|err| stack.explain(err).to_string());
@@ -393,7 +394,12 @@ pub fn fsck(lower: &Path, spec: &str) -> Res<()> {
             v
         });
         match outcome {
-            Ok(v) if v.get("ok").and_then(|o| o.as_bool()) == Some(true) => {}
+            Ok(v) if v.get("ok").and_then(|o| o.as_bool()) == Some(true) => {
+                if let Some(why) = v.get("index_rebuilt").and_then(|w| w.as_str()) {
+                    bar.suspend(|| eprintln!("plyfs: {}: repaired: the index was inconsistent ({why}); rebuilt from the data", rel.display()));
+                    repaired += 1;
+                }
+            }
             Ok(v) => {
                 let problems = v.get("problems").and_then(|p| p.as_array()).cloned().unwrap_or_default();
                 for p in &problems {
@@ -416,7 +422,8 @@ pub fn fsck(lower: &Path, spec: &str) -> Res<()> {
     let checked = files.len() - plain;
     let plain_note = if plain > 0 { format!(" ({plain} plain files, which no layer encodes, need no check)") } else { String::new() };
     if damaged.is_empty() {
-        eprintln!("plyfs: fsck: {checked} files checked, all sound{plain_note}");
+        let repaired_note = if repaired > 0 { format!(", {repaired} of them after rebuilding the index") } else { String::new() };
+        eprintln!("plyfs: fsck: {checked} files checked, all sound{repaired_note}{plain_note}");
         Ok(())
     } else {
         Err(format!("fsck: {} of {checked} files have damaged data (listed above){plain_note}", damaged.len()))

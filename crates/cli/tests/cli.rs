@@ -147,7 +147,8 @@ fn a_busy_mount_is_not_unmounted_unless_lazily() {
     f.read_to_string(&mut s).unwrap();
     assert_eq!(s, "in use");
     drop(f);
-    assert!(m.wait_exit(Duration::from_secs(20)).expect("daemon exits after the last close").success());
+    let status = m.wait_exit(Duration::from_secs(20)).expect("daemon exits after the last close");
+    assert!(status.success(), "the daemon exited with {status}: {:?}", m.daemon_log());
 }
 
 #[test]

@@ -37,6 +37,8 @@ pub struct Mounted {
     session: Session<FuseFs>,
     status: Arc<FrontStatus>,
     mountpoint: PathBuf,
+    /// The mount's `major:minor`, to tell it from a later mount at the same place.
+    dev: Option<String>,
 }
 
 #[derive(Debug)]
@@ -133,7 +135,8 @@ impl Mounted {
             let _ = unmount(&mountpoint, true);
             MountError(format!("mount {}: FUSE handshake failed: {e}", mountpoint.display()))
         })?;
-        Ok(Mounted { session, status, mountpoint })
+        let dev = mountinfo::mount_at(&mountpoint).filter(|m| m.is_plyfs()).map(|m| m.dev);
+        Ok(Mounted { session, status, mountpoint, dev })
     }
 
     pub fn io_mode(&self) -> IoMode {
@@ -145,8 +148,27 @@ impl Mounted {
     }
 
     /// Serve requests until the file system is unmounted.
+    ///
+    /// When the last user of a lazily detached mount goes, the kernel tears the connection
+    /// down, and a request reader may see ECONNABORTED instead of ENODEV: that is the normal
+    /// end too, told from an aborted connection (`/sys/fs/fuse/connections/N/abort`) by the
+    /// mount being gone.
     pub fn run(self) -> io::Result<()> {
-        self.session.run()
+        let (mountpoint, dev) = (self.mountpoint, self.dev);
+        match self.session.run() {
+            Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => {
+                let still_mounted = dev.is_none_or(|dev| mountinfo::mounts().iter().any(|m| m.dev == dev));
+                if still_mounted {
+                    Err(io::Error::new(
+                        e.kind(),
+                        format!("the kernel aborted the FUSE connection; the mount is dead until `plyfs umount {}`", mountpoint.display()),
+                    ))
+                } else {
+                    Ok(())
+                }
+            }
+            other => other,
+        }
     }
 }
 

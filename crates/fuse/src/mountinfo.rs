@@ -4,6 +4,8 @@ use std::path::{Path, PathBuf};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MountEntry {
+    /// `major:minor` of the mounted file system: for FUSE, one per connection.
+    pub dev: String,
     pub mountpoint: PathBuf,
     pub fstype: String,
     pub source: String,
@@ -38,13 +40,14 @@ fn unescape(field: &str) -> String {
 /// Parse one line of mountinfo.
 pub fn parse_line(line: &str) -> Option<MountEntry> {
     let (left, right) = line.split_once(" - ")?;
+    let dev = left.split(' ').nth(2)?.to_owned();
     let mountpoint = unescape(left.split(' ').nth(4)?);
     let mut right = right.split(' ');
     let fstype = right.next()?.to_owned();
     let source = unescape(right.next()?);
     let super_opts = right.next().unwrap_or("");
     let user_id = super_opts.split(',').find_map(|o| o.strip_prefix("user_id=")).and_then(|v| v.parse().ok());
-    Some(MountEntry { mountpoint: PathBuf::from(mountpoint), fstype, source, user_id })
+    Some(MountEntry { dev, mountpoint: PathBuf::from(mountpoint), fstype, source, user_id })
 }
 
 pub fn mounts() -> Vec<MountEntry> {

@@ -1147,28 +1147,49 @@ impl<L: LowerIo> ScaFile<L> {
     // Extended operations.
 
     /// Decode every chunk and check the index: a report of what is wrong, if anything.
+    ///
+    /// An index that disagrees with the records (a daemon killed in the middle of a compaction
+    /// leaves the slot naming the checkpoint from before it) is rebuilt from the data, as any
+    /// read would, and the check starts again; only what is wrong after that is a problem.
     pub fn verify(&mut self) -> Result<Value> {
-        let len = self.lower.len()?;
-        let mut problems = Vec::new();
-        if let Err(e) = self.ix.validate(len) {
-            problems.push(json!({ "offset": Value::Null, "error": format!("index: {e}") }));
-        }
-        let cs = self.ix.chunk_bytes();
-        for chunk in 0..self.ix.chunks() {
-            if let Err(fault) = self.read(chunk * cs, cs as usize) {
-                let error = match fault {
-                    Fault::Stale(why) => format!("index: {why}"),
-                    Fault::Fail(e) => e.to_string(),
-                };
-                problems.push(json!({ "offset": chunk * cs, "error": error }));
+        let mut rebuilt = None;
+        loop {
+            let len = self.lower.len()?;
+            let mut problems = Vec::new();
+            let mut stale = None;
+            if let Err(e) = self.ix.validate(len) {
+                stale = Some(e);
             }
+            let cs = self.ix.chunk_bytes();
+            let mut chunk = 0;
+            while stale.is_none() && chunk < self.ix.chunks() {
+                match self.read(chunk * cs, cs as usize) {
+                    Ok(_) => {}
+                    Err(Fault::Stale(why)) => stale = Some(why),
+                    Err(Fault::Fail(e)) => problems.push(json!({ "offset": chunk * cs, "error": e.to_string() })),
+                }
+                chunk += 1;
+            }
+            match stale {
+                Some(why) if rebuilt.is_none() => {
+                    tracing::warn!("{}: the index is inconsistent ({why}); rebuilding it from the data", self.lower.describe());
+                    self.flush_pending()?;
+                    let known = self.ix.clone();
+                    self.rebuild(self.ix.chunk_shift, Some(&known))?;
+                    rebuilt = Some(why);
+                    continue;
+                }
+                Some(why) => problems.push(json!({ "offset": Value::Null, "error": format!("index: {why}") })),
+                None => {}
+            }
+            return Ok(json!({
+                "ok": problems.is_empty(),
+                "chunks": self.ix.chunks(),
+                "size": self.ix.size,
+                "index_rebuilt": rebuilt,
+                "problems": problems,
+            }));
         }
-        Ok(json!({
-            "ok": problems.is_empty(),
-            "chunks": self.ix.chunks(),
-            "size": self.ix.size,
-            "problems": problems,
-        }))
     }
 
     /// Rebuild the index from the data, whatever state it is in.
