@@ -54,6 +54,12 @@ pub struct MountArgs {
     /// Internal: the pipe to report readiness on.
     #[arg(long, hide = true)]
     ready_fd: Option<i32>,
+    /// Internal: the pipe the parent hands an unlocked volume's master key over on.
+    #[arg(long, hide = true)]
+    key_fd: Option<i32>,
+    /// The password or key file of a crypt volume.
+    #[command(flatten)]
+    secret: crate::secret::SecretArgs,
 }
 
 pub fn mount(args: MountArgs) -> Result<(), String> {
@@ -70,10 +76,18 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
     }
     let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
 
+    // Unlock a crypt volume here, so that a wrong password is reported before anything starts.
+    let volume = match args.key_fd {
+        Some(_) => None,
+        None => crate::secret::unlock_if_volume(&lower, &args.secret)?,
+    };
     if args.foreground {
+        if let Some(v) = volume {
+            plyfs_layers::crypt::keys::register(v);
+        }
         return serve(&args, specs, opts, lower, mountpoint);
     }
-    spawn_background(&args, &mountpoint)
+    spawn_background(&args, &mountpoint, volume)
 }
 
 /// Read and check a rules file: every rule's layers must exist and take the parameters given.
@@ -149,6 +163,9 @@ fn serve_inner(
 ) -> Result<(), String> {
     let signals = block_signals();
     init_logging(args.verbose);
+    if let Some(fd) = args.key_fd {
+        crate::secret::register_key_from_fd(&lower, fd)?;
+    }
     // Modes arrive already masked by the kernel; a umask here would mask them twice.
     unsafe { libc::umask(0) };
     let fd_limit = plyfs_stack::raise_fd_limit();
@@ -214,7 +231,7 @@ fn serve_inner(
     result.map_err(|e| format!("serving {}: {e}", mountpoint.display()))
 }
 
-fn spawn_background(args: &MountArgs, mountpoint: &Path) -> Result<(), String> {
+fn spawn_background(args: &MountArgs, mountpoint: &Path, volume: Option<plyfs_layers::crypt::keys::Volume>) -> Result<(), String> {
     let uid = unsafe { libc::geteuid() };
     let log = match &args.log {
         Some(l) => std::path::absolute(l).map_err(|e| format!("--log {}: {e}", l.display()))?,
@@ -231,21 +248,36 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path) -> Result<(), String> {
 
     let (read_end, write_end) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
     let write_fd = write_end.as_raw_fd();
+    // An unlocked volume's key goes to the child through a pipe, never its arguments. 32
+    // bytes fit in the pipe's buffer, so it is written before the child starts.
+    let key_pipe = match &volume {
+        Some(v) => {
+            let (key_read, key_write) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+            File::from(key_write).write_all(v.key.bytes()).map_err(|e| format!("pipe: {e}"))?;
+            Some(key_read)
+        }
+        None => None,
+    };
+    let key_fd = key_pipe.as_ref().map(|k| k.as_raw_fd());
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the plyfs program: {e}"))?;
     let mut cmd = Command::new(exe);
-    cmd.args(child_args(args, write_fd));
+    cmd.args(child_args(args, write_fd, key_fd));
     cmd.stdin(Stdio::null()).stdout(log_file.try_clone().map_err(|e| e.to_string())?).stderr(log_file);
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             libc::setsid();
-            let flags = libc::fcntl(write_fd, libc::F_GETFD);
-            libc::fcntl(write_fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+            for fd in [Some(write_fd), key_fd].into_iter().flatten() {
+                let flags = libc::fcntl(fd, libc::F_GETFD);
+                libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+            }
             Ok(())
         });
     }
     let mut child = cmd.spawn().map_err(|e| format!("cannot start the daemon: {e}"))?;
     drop(write_end);
+    drop(key_pipe);
+    drop(volume);
 
     let mut line = String::new();
     let _ = BufReader::new(File::from(read_end)).read_line(&mut line);
@@ -264,7 +296,7 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path) -> Result<(), String> {
 
 /// The arguments for the background child: the same mount, in the foreground, reporting on
 /// `ready_fd`. Relative paths stay valid because the child starts in the same directory.
-fn child_args(args: &MountArgs, ready_fd: i32) -> Vec<OsString> {
+fn child_args(args: &MountArgs, ready_fd: i32, key_fd: Option<i32>) -> Vec<OsString> {
     let mut v: Vec<OsString> = vec!["mount".into(), args.lower.clone().into(), args.mountpoint.clone().into()];
     if let Some(s) = &args.stack {
         v.push("--stack".into());
@@ -288,5 +320,9 @@ fn child_args(args: &MountArgs, ready_fd: i32) -> Vec<OsString> {
     v.push("--foreground".into());
     v.push("--ready-fd".into());
     v.push(ready_fd.to_string().into());
+    if let Some(fd) = key_fd {
+        v.push("--key-fd".into());
+        v.push(fd.to_string().into());
+    }
     v
 }

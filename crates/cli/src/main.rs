@@ -4,6 +4,7 @@ mod daemon;
 mod offline;
 mod options;
 mod policy;
+mod secret;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -48,6 +49,8 @@ enum Command {
         dest: PathBuf,
         #[arg(long)]
         stack: String,
+        #[command(flatten)]
+        secret: secret::SecretArgs,
     },
     /// Write the decoded contents of a lower directory (or of --path inside it) to DEST,
     /// without mounting.
@@ -59,6 +62,8 @@ enum Command {
         /// Only this file or directory, relative to LOWER.
         #[arg(long)]
         path: Option<PathBuf>,
+        #[command(flatten)]
+        secret: secret::SecretArgs,
     },
     /// Verify every file of a lower directory through a stack, without mounting; damaged
     /// indexes are rebuilt, damaged data is listed.
@@ -66,6 +71,8 @@ enum Command {
         lower: PathBuf,
         #[arg(long)]
         stack: String,
+        #[command(flatten)]
+        secret: secret::SecretArgs,
     },
     /// Decoded size against the space used, for each entry of a directory: inside a mount, or
     /// a lower directory read through --stack.
@@ -73,7 +80,14 @@ enum Command {
         path: PathBuf,
         #[arg(long)]
         stack: Option<String>,
+        #[command(flatten)]
+        secret: secret::SecretArgs,
     },
+    /// Make LOWER a crypt volume: a random master key, wrapped with a password (asked for, or
+    /// --passfile / --extpass) or a key file, in LOWER/.plyfs-crypt.conf.
+    Init(secret::InitArgs),
+    /// Change the password (or key file) of a crypt volume, without re-encrypting anything.
+    Passwd(secret::PasswdArgs),
     /// Per-file layer chains (user.plyfs.layers attributes and the mount's rules).
     Policy {
         #[command(subcommand)]
@@ -106,10 +120,26 @@ fn main() -> ExitCode {
             print_layers();
             Ok(())
         }
-        Command::Encode { src, dest, stack } => offline_run(|| offline::encode(&src, &dest, &stack)),
-        Command::Decode { lower, dest, stack, path } => offline_run(|| offline::decode(&lower, &dest, &stack, path.as_deref())),
-        Command::Fsck { lower, stack } => offline_run(|| offline::fsck(&lower, &stack)),
-        Command::Du { path, stack } => offline_run(|| offline::du(&path, stack.as_deref())),
+        Command::Encode { src, dest, stack, secret } => offline_run(|| {
+            secret::unlock_and_register(&dest, &secret)?;
+            offline::encode(&src, &dest, &stack)
+        }),
+        Command::Decode { lower, dest, stack, path, secret } => offline_run(|| {
+            secret::unlock_and_register(&lower, &secret)?;
+            offline::decode(&lower, &dest, &stack, path.as_deref())
+        }),
+        Command::Fsck { lower, stack, secret } => offline_run(|| {
+            secret::unlock_and_register(&lower, &secret)?;
+            offline::fsck(&lower, &stack)
+        }),
+        Command::Du { path, stack, secret } => offline_run(|| {
+            if stack.is_some() {
+                secret::unlock_and_register(&path, &secret)?;
+            }
+            offline::du(&path, stack.as_deref())
+        }),
+        Command::Init(args) => secret::init(&args),
+        Command::Passwd(args) => secret::passwd(&args),
         Command::Policy { action: PolicyAction::Explain { path } } => policy::explain(&path),
         Command::Policy { action: PolicyAction::Apply { path, recursive } } => policy::apply(&path, recursive),
     };

@@ -12,6 +12,12 @@ pub struct Gzip {
     level: u32,
 }
 
+impl Gzip {
+    pub const fn new(level: u32) -> Gzip {
+        Gzip { level }
+    }
+}
+
 thread_local! {
     // Deflate state is costly to set up; each thread keeps one of each and resets it.
     static DEFLATE: RefCell<Option<(u32, Compress)>> = const { RefCell::new(None) };

@@ -2,9 +2,10 @@
 //!
 //! One module per layer. [`registry`] lists them all for stack building and `plyfs layers`.
 //! The size-changing layers (`copy`, `uuencode`, `gzip`, `zstd`, `lz4`) are each a codec; the
-//! `plyfs-sca` framework does the rest.
+//! `plyfs-sca` framework does the rest. `crypt` is a codec too, with its volume keys.
 
 pub mod copy;
+pub mod crypt;
 pub mod gzip;
 pub mod lz4;
 pub mod null;
@@ -16,7 +17,15 @@ use plyfs_stack::LayerFactory;
 
 /// Every layer this build knows.
 pub fn registry() -> &'static [LayerFactory] {
-    static REGISTRY: [LayerFactory; 7] =
-        [null::FACTORY, trace::FACTORY, copy::FACTORY, uuencode::FACTORY, gzip::FACTORY, zstd::FACTORY, lz4::FACTORY];
+    static REGISTRY: [LayerFactory; 8] = [
+        null::FACTORY,
+        trace::FACTORY,
+        copy::FACTORY,
+        uuencode::FACTORY,
+        gzip::FACTORY,
+        zstd::FACTORY,
+        lz4::FACTORY,
+        crypt::FACTORY,
+    ];
     &REGISTRY
 }

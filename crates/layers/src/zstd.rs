@@ -13,6 +13,12 @@ pub struct Zstd {
     level: i32,
 }
 
+impl Zstd {
+    pub const fn new(level: i32) -> Zstd {
+        Zstd { level }
+    }
+}
+
 thread_local! {
     // Contexts are costly to create; each thread keeps one of each.
     static COMPRESSOR: RefCell<Option<(i32, Compressor<'static>)>> = const { RefCell::new(None) };

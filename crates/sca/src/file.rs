@@ -14,7 +14,7 @@ use plyfs_stack::{Error, Result};
 use serde_json::{json, Value};
 
 use crate::chunkmap::RecordRef;
-use crate::codec::{tag_name, Codec};
+use crate::codec::{tag_name, Codec, Place};
 use crate::format::*;
 use crate::index::FileIndex;
 
@@ -53,18 +53,18 @@ impl Engine {
         Engine { kind, codec, chunk_shift, fast_tails, zero_chunks: Mutex::new(HashMap::new()) }
     }
 
-    fn encode(&self, chunk: &[u8]) -> Result<EncodedChunk> {
+    fn encode(&self, place: &Place, chunk: &[u8]) -> Result<EncodedChunk> {
         let mut payload = Vec::with_capacity(chunk.len() / 2 + 64);
-        let raw = self.encode_into(chunk, &mut payload)?;
+        let raw = self.encode_into(place, chunk, &mut payload)?;
         Ok(EncodedChunk { payload, raw })
     }
 
-    /// Append the encoding of `chunk` to `out`, or the chunk itself when the codec stores
-    /// chunks it cannot shrink as they are; returns whether it did the latter (raw). On
-    /// failure `out` is left as it was.
-    fn encode_into(&self, chunk: &[u8], out: &mut Vec<u8>) -> Result<bool> {
+    /// Append the encoding of `chunk` (for `place`) to `out`, or the chunk itself when the
+    /// codec stores chunks it cannot shrink as they are; returns whether it did the latter
+    /// (raw). On failure `out` is left as it was.
+    fn encode_into(&self, place: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<bool> {
         let start = out.len();
-        if let Err(e) = self.codec.encode(chunk, out) {
+        if let Err(e) = self.codec.encode_at(place, chunk, out) {
             out.truncate(start);
             return Err(Error::Corrupt(format!("{}: encoding failed: {e}", self.kind)));
         }
@@ -76,12 +76,14 @@ impl Engine {
         Ok(false)
     }
 
-    /// A zero chunk encoded once, for runs of holes.
+    /// A zero chunk encoded once, for runs of holes, for a deterministic codec whose output
+    /// does not depend on its place.
     fn zero_chunk(&self, chunk_shift: u8) -> Result<Arc<EncodedChunk>> {
         if let Some(z) = self.zero_chunks.lock().get(&chunk_shift) {
             return Ok(z.clone());
         }
-        let z = Arc::new(self.encode(&vec![0; 1 << chunk_shift])?);
+        let anywhere = Place { file_id: [0; 16], chunk: 0, count: 1 };
+        let z = Arc::new(self.encode(&anywhere, &vec![0; 1 << chunk_shift])?);
         self.zero_chunks.lock().insert(chunk_shift, z.clone());
         Ok(z)
     }
@@ -119,6 +121,8 @@ pub struct ScaFile<L: LowerIo> {
     lower: L,
     ix: FileIndex,
     header_on_disk: bool,
+    /// The file's identity from its header (zeros when its codec uses none).
+    file_id: [u8; 16],
     slot_seq: u64,
     slot_dirty: bool,
     /// Chunks whose newest data is gone: they read as EIO until rewritten whole.
@@ -157,6 +161,7 @@ impl<L: LowerIo> ScaFile<L> {
             engine,
             lower,
             header_on_disk: false,
+            file_id: [0; 16],
             slot_seq: 0,
             slot_dirty: false,
             lost: BTreeSet::new(),
@@ -193,6 +198,7 @@ impl<L: LowerIo> ScaFile<L> {
         self.pending.clear();
         self.lost.clear();
         self.header_on_disk = header_on_disk;
+        self.file_id = [0; 16];
         self.slot_seq = 0;
         self.slot_dirty = false;
         self.replace_index(FileIndex::new(self.engine.chunk_shift));
@@ -223,6 +229,7 @@ impl<L: LowerIo> ScaFile<L> {
             )));
         }
         self.replace_index(FileIndex::new(header.chunk_shift));
+        self.file_id = header.file_id.unwrap_or_default();
         let slot = Slot::newest_in(&head);
         self.slot_seq = slot.map_or(0, |s| s.slot_seq);
         if slot.is_none() && len > DATA_START {
@@ -392,7 +399,8 @@ impl<L: LowerIo> ScaFile<L> {
             if self.ix.log_end < len {
                 self.lower.set_len(self.ix.log_end)?;
             }
-            let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: shift };
+            let file_id = (self.file_id != [0; 16]).then_some(self.file_id);
+            let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: shift, file_id };
             self.lower.write_at(0, &header.encode())?;
             self.write_checkpoint()?;
             // Both slots, so that no older slot can name an older checkpoint.
@@ -567,7 +575,7 @@ impl<L: LowerIo> ScaFile<L> {
 
     /// Check that `bytes` (starting at the record) hold the record the index expects for
     /// `chunk`, and return its payload.
-    fn check_record<'b>(&self, chunk: u64, rec: &RecordRef, bytes: &'b [u8]) -> std::result::Result<&'b [u8], Fault> {
+    fn check_record<'b>(&self, chunk: u64, rec: &RecordRef, bytes: &'b [u8]) -> std::result::Result<(&'b [u8], Place), Fault> {
         let stale = || Fault::Stale(format!("the record at {} is not chunk {chunk}'s", rec.off));
         let h = RecordHeader::decode(bytes).ok_or_else(stale)?;
         let count = if h.kind == Kind::Run { u64::from(h.count) } else { 1 };
@@ -582,17 +590,18 @@ impl<L: LowerIo> ScaFile<L> {
         let payload = bytes.get(RECORD_HEADER_BYTES as usize..(RECORD_HEADER_BYTES + u64::from(h.payload_len)) as usize);
         // Bytes still as they were checked while loading need no second check.
         let checked = self.verified.start <= rec.off && rec.off + rec.bytes() <= self.verified.end;
+        let place = Place { file_id: self.file_id, chunk: h.chunk, count };
         match payload {
-            Some(p) if checked || payload_ok(&h, p) => Ok(p),
+            Some(p) if checked || payload_ok(&h, p) => Ok((p, place)),
             _ => Err(Fault::Fail(self.corrupt(chunk, rec.off, "checksum mismatch"))),
         }
     }
 
-    fn decode_into(&self, chunk: u64, rec: &RecordRef, payload: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), Fault> {
+    fn decode_into(&self, chunk: u64, rec: &RecordRef, (payload, place): (&[u8], Place), out: &mut Vec<u8>) -> std::result::Result<(), Fault> {
         let before = out.len();
         if rec.raw {
             out.extend_from_slice(payload);
-        } else if let Err(e) = self.engine.codec.decode(payload, rec.decoded_len as usize, out) {
+        } else if let Err(e) = self.engine.codec.decode_at(&place, payload, rec.decoded_len as usize, out) {
             out.truncate(before);
             return Err(Fault::Fail(self.corrupt(chunk, rec.off, &e)));
         }
@@ -764,20 +773,21 @@ impl<L: LowerIo> ScaFile<L> {
         Ok(())
     }
 
-    /// Zero chunks `first..first + count`, as shared `Run` records when the codec allows.
+    /// Zero chunks `first..first + count` with `Run` records: one encoded zero chunk stands for
+    /// each run. A deterministic codec shares one encoding among all runs; any other (a
+    /// cipher) encodes one per run, bound to the run's place.
     fn zero_run(&mut self, first: u64, count: u64) -> std::result::Result<(), Fault> {
         let shift = self.ix.chunk_shift;
-        if !self.engine.codec.deterministic() {
-            let zeros = vec![0; 1 << shift];
-            for chunk in first..first + count {
-                self.store_chunk(chunk, &zeros, (chunk + 1) << shift)?;
-            }
-            return Ok(());
-        }
-        let z = self.engine.zero_chunk(shift)?;
+        let shared = self.engine.codec.deterministic();
         let mut chunk = first;
         while chunk < first + count {
             let n = (first + count - chunk).min(u64::from(u32::MAX));
+            let z = if shared {
+                self.engine.zero_chunk(shift)?
+            } else {
+                let place = self.place(chunk, n);
+                Arc::new(self.engine.encode(&place, &vec![0; 1 << shift])?)
+            };
             let header = RecordHeader {
                 kind: Kind::Run,
                 flags: if z.raw { FLAG_RAW } else { 0 },
@@ -800,7 +810,8 @@ impl<L: LowerIo> ScaFile<L> {
         }
         let header = RecordHeader { kind: Kind::Data, count: 1, decoded_len: content.len() as u32, ..self.header_for(chunk, new_size) };
         let engine = self.engine.clone();
-        self.append_with(header, |out| Ok(if engine.encode_into(content, out)? { FLAG_RAW } else { 0 }))?;
+        let place = self.place(chunk, 1);
+        self.append_with(header, |out| Ok(if engine.encode_into(&place, content, out)? { FLAG_RAW } else { 0 }))?;
         if is_partial_last {
             // Reuse the buffer of the chunk last kept.
             let mut kept = self.hot.take().map(|(_, _, v)| v).unwrap_or_default();
@@ -823,6 +834,28 @@ impl<L: LowerIo> ScaFile<L> {
             self.append_record(header, &content)?;
         }
         Ok(())
+    }
+
+    /// Where a payload for chunks `chunk..chunk + count` belongs. The file gets its header
+    /// (and identity) first if it has none yet.
+    fn place(&mut self, chunk: u64, count: u64) -> Place {
+        self.start_file();
+        Place { file_id: self.file_id, chunk, count }
+    }
+
+    /// Begin the log of a file that has none with its header, made up by the next flush.
+    fn start_file(&mut self) {
+        if self.header_on_disk {
+            return;
+        }
+        self.pending_start = 0;
+        self.pending.clear();
+        let file_id = self.engine.codec.new_file_id();
+        self.file_id = file_id.unwrap_or_default();
+        let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: self.ix.chunk_shift, file_id };
+        self.pending.extend_from_slice(&header.encode());
+        self.pending.resize(DATA_START as usize, 0);
+        self.header_on_disk = true;
     }
 
     fn header_for(&self, chunk: u64, file_size: u64) -> RecordHeader {
@@ -852,14 +885,7 @@ impl<L: LowerIo> ScaFile<L> {
     /// Append a record whose payload `fill` appends to the log buffer (so that an encoder
     /// writes straight into it); `fill` returns flags to add to the header.
     fn append_with(&mut self, header: RecordHeader, fill: impl FnOnce(&mut Vec<u8>) -> Result<u8>) -> Result<()> {
-        if !self.header_on_disk {
-            self.pending_start = 0;
-            self.pending.clear();
-            let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: self.ix.chunk_shift };
-            self.pending.extend_from_slice(&header.encode());
-            self.pending.resize(DATA_START as usize, 0);
-            self.header_on_disk = true;
-        }
+        self.start_file();
         let off = self.ix.log_end;
         if self.pending.is_empty() {
             self.pending_start = off;
@@ -1198,6 +1224,16 @@ impl<L: LowerIo> ScaFile<L> {
         let known = self.ix.clone();
         self.rebuild(self.ix.chunk_shift, Some(&known))?;
         Ok(json!({ "size": self.ix.size, "chunks": self.ix.chunks(), "lost_chunks": self.lost.len() }))
+    }
+
+    pub fn facts(&self) -> crate::codec::FileFacts {
+        crate::codec::FileFacts {
+            tag: self.engine.codec.tag(),
+            file_id: (self.file_id != [0; 16]).then_some(self.file_id),
+            chunk_bytes: self.ix.chunk_bytes(),
+            chunks: self.ix.chunks(),
+            size: self.ix.size,
+        }
     }
 
     pub fn stats(&self) -> Result<Value> {

@@ -88,10 +88,18 @@ pub fn record_bytes(payload_len: u32) -> u64 {
 }
 
 /// The fixed header at offset 0.
+///
+/// ```text
+/// 0   magic (8)   8  codec tag (4)   12 chunk shift   13 format version   16 CRC of 0..16
+/// 20  file id (16), for codecs that bind payloads to their file   36 CRC of 20..36
+/// ```
+///
+/// Files of codecs without a file id leave bytes 20..40 zero.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FileHeader {
     pub codec: [u8; 4],
     pub chunk_shift: u8,
+    pub file_id: Option<[u8; 16]>,
 }
 
 impl FileHeader {
@@ -103,19 +111,26 @@ impl FileHeader {
         b[13] = FORMAT_VERSION;
         let c = crc(&b[0..16]);
         b[16..20].copy_from_slice(&c.to_le_bytes());
+        if let Some(id) = &self.file_id {
+            b[20..36].copy_from_slice(id);
+            let c = crc(&b[20..36]);
+            b[36..40].copy_from_slice(&c.to_le_bytes());
+        }
         b
     }
 
-    /// `None` if the bytes are not a valid header of this format.
+    /// `None` if the bytes are not a valid header of this format. A damaged file id reads as
+    /// none: the codec then refuses the file's payloads, and says so.
     pub fn decode(b: &[u8]) -> Option<FileHeader> {
-        if b.len() < 20 || b[0..8] != FILE_MAGIC || u32_at(b, 16) != crc(&b[0..16]) || b[13] != FORMAT_VERSION {
+        if b.len() < 40 || b[0..8] != FILE_MAGIC || u32_at(b, 16) != crc(&b[0..16]) || b[13] != FORMAT_VERSION {
             return None;
         }
         let chunk_shift = b[12];
         if !(MIN_CHUNK_SHIFT..=MAX_CHUNK_SHIFT).contains(&chunk_shift) {
             return None;
         }
-        Some(FileHeader { codec: b[8..12].try_into().expect("4 bytes"), chunk_shift })
+        let file_id = (b[20..40] != [0; 20] && u32_at(b, 36) == crc(&b[20..36])).then(|| b[20..36].try_into().expect("16 bytes"));
+        Some(FileHeader { codec: b[8..12].try_into().expect("4 bytes"), chunk_shift, file_id })
     }
 }
 

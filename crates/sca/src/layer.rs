@@ -71,7 +71,10 @@ pub fn build_sca_layer(args: BuildArgs, kind: &'static str, codec: Arc<dyn Codec
             args.name
         )));
     }
+    let mut ops = EXT_OPS.to_vec();
+    ops.extend(codec.info_op());
     Ok(Arc::new(ScaLayer {
+        ops,
         name: args.name,
         engine: Arc::new(Engine::new(kind, codec, chunk_shift, fast_tails)),
         lower: [args.lower],
@@ -84,6 +87,8 @@ pub fn build_sca_layer(args: BuildArgs, kind: &'static str, codec: Arc<dyn Codec
 
 pub struct ScaLayer {
     name: String,
+    /// The framework's extended operations, and the codec's own.
+    ops: Vec<ExtOpInfo>,
     engine: Arc<Engine>,
     lower: [Level; 1],
     /// Files open through this layer (or held by an extended operation), and recently closed
@@ -567,7 +572,8 @@ impl ScaLayer {
             "verify" => f.verify(),
             "recover-index" => f.recover_index(),
             "compact" => f.compact(),
-            _ => f.stats(),
+            "sca-stats" => f.stats(),
+            _ => Ok(self.engine.codec.info(&f.facts())),
         })?;
         Ok(Reply::Extended(value))
     }
@@ -597,7 +603,7 @@ impl Layer for ScaLayer {
     }
 
     fn extended_ops(&self) -> &[ExtOpInfo] {
-        EXT_OPS
+        &self.ops
     }
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
@@ -628,7 +634,7 @@ impl Layer for ScaLayer {
             }
             Op::Fallocate { node, offset, length, mode, .. } => self.fallocate(node, offset, length, mode),
             Op::Lseek { node, offset, whence, .. } => self.lseek(node, offset, whence),
-            Op::Extended { node, name, .. } if EXT_OPS.iter().any(|e| e.name == name) => self.extended(cx, op, node, name),
+            Op::Extended { node, name, .. } if self.ops.iter().any(|e| e.name == name) => self.extended(cx, op, node, name),
             _ => bypass(self, cx, op),
         }
     }

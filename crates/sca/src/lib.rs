@@ -19,6 +19,6 @@ pub mod format;
 pub mod index;
 pub mod layer;
 
-pub use codec::Codec;
+pub use codec::{Codec, FileFacts, Place};
 pub use file::{Engine, LowerIo, ScaFile};
 pub use layer::{build_sca_layer, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};

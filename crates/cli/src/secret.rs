@@ -1,0 +1,224 @@
+//! Passwords and key files for crypt volumes: from a prompt on the terminal, a file, or a
+//! command; and `plyfs init` / `plyfs passwd`.
+
+use std::io::{BufRead, Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use clap::Args;
+use plyfs_layers::crypt::keys::{self, CipherKind, Secret, Volume, VolumeConfig, VolumeSettings};
+use zeroize::Zeroizing;
+
+/// Where the secret of a crypt volume comes from; without any of these, a prompt.
+#[derive(Args, Clone, Default, Debug)]
+pub struct SecretArgs {
+    /// Read the crypt volume's password from the first line of FILE.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["extpass", "keyfile"])]
+    pub passfile: Option<PathBuf>,
+    /// Run CMD with `sh -c` and use the first line it prints as the password.
+    #[arg(long, value_name = "CMD", conflicts_with = "keyfile")]
+    pub extpass: Option<String>,
+    /// Use the contents of FILE (at least 32 random bytes) instead of a password.
+    #[arg(long, value_name = "FILE")]
+    pub keyfile: Option<PathBuf>,
+}
+
+/// The new secret for `plyfs passwd`.
+#[derive(Args, Clone, Default, Debug)]
+pub struct NewSecretArgs {
+    /// Read the new password from the first line of FILE.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["new_extpass", "new_keyfile"])]
+    pub new_passfile: Option<PathBuf>,
+    /// Run CMD with `sh -c` and use the first line it prints as the new password.
+    #[arg(long, value_name = "CMD", conflicts_with = "new_keyfile")]
+    pub new_extpass: Option<String>,
+    /// Switch the volume to the key file FILE.
+    #[arg(long, value_name = "FILE")]
+    pub new_keyfile: Option<PathBuf>,
+}
+
+impl NewSecretArgs {
+    fn as_secret_args(&self) -> SecretArgs {
+        SecretArgs { passfile: self.new_passfile.clone(), extpass: self.new_extpass.clone(), keyfile: self.new_keyfile.clone() }
+    }
+}
+
+fn first_line(bytes: &[u8], from: &str) -> Result<Zeroizing<String>, String> {
+    let line = bytes.split(|b| *b == b'\n').next().unwrap_or(&[]);
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let text = String::from_utf8(line.to_vec()).map_err(|_| format!("{from}: the password is not UTF-8"))?;
+    if text.is_empty() {
+        return Err(format!("{from}: the password is empty"));
+    }
+    Ok(Zeroizing::new(text))
+}
+
+impl SecretArgs {
+    pub fn given(&self) -> bool {
+        self.passfile.is_some() || self.extpass.is_some() || self.keyfile.is_some()
+    }
+
+    /// The secret, from the source given, or else from a prompt (twice when `confirm`).
+    pub fn get(&self, what: &str, confirm: bool) -> Result<Secret, String> {
+        if let Some(path) = &self.keyfile {
+            let bytes = std::fs::read(path).map_err(|e| format!("key file {}: {e}", path.display()))?;
+            return Ok(Secret::KeyFile(Zeroizing::new(bytes)));
+        }
+        if let Some(path) = &self.passfile {
+            let bytes = Zeroizing::new(std::fs::read(path).map_err(|e| format!("password file {}: {e}", path.display()))?);
+            return Ok(Secret::Password(first_line(&bytes, &format!("password file {}", path.display()))?));
+        }
+        if let Some(cmd) = &self.extpass {
+            let out = Command::new("/bin/sh")
+                .arg("-c")
+                .arg(cmd)
+                .stdin(Stdio::inherit())
+                .stderr(Stdio::inherit())
+                .output()
+                .map_err(|e| format!("--extpass '{cmd}': {e}"))?;
+            let stdout = Zeroizing::new(out.stdout);
+            if !out.status.success() {
+                return Err(format!("--extpass '{cmd}' failed ({})", out.status));
+            }
+            return Ok(Secret::Password(first_line(&stdout, &format!("--extpass '{cmd}'"))?));
+        }
+        let pw = prompt(&format!("{what}: "))?;
+        if confirm {
+            let again = prompt("Repeat it: ")?;
+            if *again != *pw {
+                return Err("the two passwords differ".into());
+            }
+        }
+        Ok(Secret::Password(pw))
+    }
+}
+
+/// Read a password from the terminal without echoing it.
+fn prompt(text: &str) -> Result<Zeroizing<String>, String> {
+    let no_tty = || "no password given and no terminal to ask on: use --passfile FILE, --extpass CMD or --keyfile FILE".to_owned();
+    let mut tty = std::fs::OpenOptions::new().read(true).write(true).open("/dev/tty").map_err(|_| no_tty())?;
+    let fd = tty.as_raw_fd();
+    let mut saved: libc::termios = unsafe { std::mem::zeroed() };
+    if unsafe { libc::tcgetattr(fd, &mut saved) } != 0 {
+        return Err(no_tty());
+    }
+    let mut quiet = saved;
+    quiet.c_lflag &= !libc::ECHO;
+    quiet.c_lflag |= libc::ECHONL;
+    unsafe { libc::tcsetattr(fd, libc::TCSANOW, &quiet) };
+    let _ = tty.write_all(text.as_bytes());
+    let _ = tty.flush();
+    let mut line = Zeroizing::new(String::new());
+    let read = std::io::BufReader::new(&mut tty).read_line(&mut line);
+    unsafe { libc::tcsetattr(fd, libc::TCSANOW, &saved) };
+    read.map_err(|e| format!("reading the password: {e}"))?;
+    let trimmed = Zeroizing::new(line.trim_end_matches(['\n', '\r']).to_owned());
+    if trimmed.is_empty() {
+        return Err("the password is empty".into());
+    }
+    Ok(trimmed)
+}
+
+/// Unlock the crypt volume at `lower`, if it is one, and put its key in the keyring for the
+/// crypt layers built after this. `Ok(None)` when `lower` is not a crypt volume.
+pub fn unlock_if_volume(lower: &Path, secret: &SecretArgs) -> Result<Option<Volume>, String> {
+    if !keys::config_path(lower).exists() {
+        if secret.given() {
+            return Err(format!("{}: not a crypt volume, so it takes no password or key file", lower.display()));
+        }
+        return Ok(None);
+    }
+    let s = secret.get(&format!("Password for {}", lower.display()), false)?;
+    keys::unlock(lower, &s).map(Some)
+}
+
+/// Unlock as [`unlock_if_volume`] and register the key.
+pub fn unlock_and_register(lower: &Path, secret: &SecretArgs) -> Result<(), String> {
+    if let Some(v) = unlock_if_volume(lower, secret)? {
+        keys::register(v);
+    }
+    Ok(())
+}
+
+/// Register a master key handed over by the parent process on a pipe.
+pub fn register_key_from_fd(lower: &Path, fd: i32) -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
+    let mut key = Zeroizing::new([0u8; 32]);
+    f.read_exact(&mut key[..]).map_err(|e| format!("reading the volume key from the parent: {e}"))?;
+    let config = VolumeConfig::load(lower)?;
+    keys::register(Volume {
+        id: config.id()?,
+        cipher: config.cipher,
+        plaintext_names: config.plaintext_names,
+        key: keys::MasterKey::from_bytes(*key),
+    });
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct InitArgs {
+    /// The directory to make a volume of (empty, unless --plaintext-names).
+    lower: PathBuf,
+    /// The layer to set up: crypt.
+    #[arg(long, default_value = "crypt")]
+    layer: String,
+    /// The cipher for file data: aes-256-gcm (default) or xchacha20-poly1305.
+    #[arg(long, default_value = "aes-256-gcm")]
+    cipher: String,
+    /// Leave file names unencrypted.
+    #[arg(long)]
+    plaintext_names: bool,
+    #[command(flatten)]
+    secret: SecretArgs,
+    /// Argon2id memory cost in KiB (default 65536). Lower only for tests.
+    #[arg(long, hide = true)]
+    kdf_memory: Option<u32>,
+}
+
+pub fn init(args: &InitArgs) -> Result<(), String> {
+    if args.layer != "crypt" {
+        return Err(format!("--layer {}: only the crypt layer needs setting up", args.layer));
+    }
+    let meta = std::fs::metadata(&args.lower).map_err(|e| format!("{}: {e}", args.lower.display()))?;
+    if !meta.is_dir() {
+        return Err(format!("{}: not a directory", args.lower.display()));
+    }
+    let settings = VolumeSettings {
+        cipher: CipherKind::parse(&args.cipher)?,
+        plaintext_names: args.plaintext_names,
+        kdf_memory_kib: args.kdf_memory.unwrap_or(keys::DEFAULT_KDF_MEMORY_KIB),
+    };
+    let secret = args.secret.get("New password", true)?;
+    keys::init(&args.lower, &settings, &secret)?;
+    eprintln!(
+        "plyfs: {} is now a crypt volume ({}, {} names); keep {} safe: without it nothing can be decrypted",
+        args.lower.display(),
+        settings.cipher.name(),
+        if settings.plaintext_names { "plaintext" } else { "encrypted" },
+        keys::config_path(&args.lower).display()
+    );
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct PasswdArgs {
+    /// The crypt volume.
+    lower: PathBuf,
+    /// The current secret.
+    #[command(flatten)]
+    secret: SecretArgs,
+    #[command(flatten)]
+    new: NewSecretArgs,
+}
+
+pub fn passwd(args: &PasswdArgs) -> Result<(), String> {
+    // Check it is a volume before asking anything.
+    VolumeConfig::load(&args.lower)?;
+    let old = args.secret.get("Current password", false)?;
+    let new = args.new.as_secret_args().get("New password", true)?;
+    keys::change_secret(&args.lower, &old, &new)?;
+    eprintln!("plyfs: {}: the master key is re-wrapped for the new secret; no data was re-encrypted", args.lower.display());
+    Ok(())
+}

@@ -1,0 +1,473 @@
+//! A crypt volume's keys: the configuration file at the root of the lower directory, the
+//! master key wrapped in it, and the keyring that unlocked volumes live in.
+//!
+//! The master key is 32 random bytes. It is stored only wrapped: sealed with AES-256-GCM under
+//! a key-encryption key (KEK) derived from a password by Argon2id, or from a key file by
+//! HKDF-SHA256. The volume's settings are the associated data of that seal, so editing them in
+//! the file makes unlocking fail instead of changing how data is read. Changing the password
+//! re-wraps the same master key: no data is re-encrypted.
+//!
+//! Keys in memory are zeroized when dropped and never logged; `Debug` prints no key bytes.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use aes_gcm::aead::{Aead, KeyInit, Payload};
+use aes_gcm::Aes256Gcm;
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine as _;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use zeroize::{Zeroize, Zeroizing};
+
+/// The configuration file's name in the lower directory's root.
+pub const CONFIG_NAME: &str = ".plyfs-crypt.conf";
+const CONFIG_VERSION: u32 = 1;
+/// Argon2id memory cost for new volumes, in KiB (64 MiB, as gocryptfs' scrypt).
+pub const DEFAULT_KDF_MEMORY_KIB: u32 = 64 << 10;
+const KDF_ITERATIONS: u32 = 3;
+const KDF_LANES: u32 = 1;
+/// The least memory cost accepted (tests use it to stay fast).
+pub const MIN_KDF_MEMORY_KIB: u32 = 1 << 10;
+
+/// The authenticated cipher sealing each chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CipherKind {
+    #[serde(rename = "aes-256-gcm")]
+    Aes256Gcm,
+    #[serde(rename = "xchacha20-poly1305")]
+    XChaCha20Poly1305,
+}
+
+impl CipherKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            CipherKind::Aes256Gcm => "aes-256-gcm",
+            CipherKind::XChaCha20Poly1305 => "xchacha20-poly1305",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<CipherKind, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "aes-256-gcm" | "aes" | "aes-gcm" | "gcm" => Ok(CipherKind::Aes256Gcm),
+            "xchacha20-poly1305" | "xchacha" | "xchacha20" | "chacha" => Ok(CipherKind::XChaCha20Poly1305),
+            _ => Err(format!("unknown cipher '{s}': use aes-256-gcm (the default) or xchacha20-poly1305")),
+        }
+    }
+}
+
+/// What unlocks a volume.
+pub enum Secret {
+    Password(Zeroizing<String>),
+    KeyFile(Zeroizing<Vec<u8>>),
+}
+
+impl Secret {
+    fn kind(&self) -> &'static str {
+        match self {
+            Secret::Password(_) => "password",
+            Secret::KeyFile(_) => "key file",
+        }
+    }
+}
+
+/// The master key of an unlocked volume.
+#[derive(Clone)]
+pub struct MasterKey(Zeroizing<[u8; 32]>);
+
+impl std::fmt::Debug for MasterKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MasterKey(..)")
+    }
+}
+
+impl MasterKey {
+    pub fn from_bytes(bytes: [u8; 32]) -> MasterKey {
+        MasterKey(Zeroizing::new(bytes))
+    }
+
+    pub fn bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// A key for one purpose, derived with HKDF-SHA256, so that no two uses share a key.
+    pub fn subkey<const N: usize>(&self, purpose: &str) -> Zeroizing<[u8; N]> {
+        let mut out = Zeroizing::new([0u8; N]);
+        hkdf::Hkdf::<sha2::Sha256>::new(Some(b"plyfs crypt v1"), &self.0[..])
+            .expand(purpose.as_bytes(), &mut out[..])
+            .expect("HKDF output length is small");
+        out
+    }
+}
+
+/// How the key-encryption key is derived.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "algorithm", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Kdf {
+    Argon2id { salt: String, memory_kib: u32, iterations: u32, lanes: u32 },
+    Keyfile { salt: String },
+}
+
+/// The volume configuration file: settings and the wrapped master key. Nothing in it is
+/// secret without the password or key file.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeConfig {
+    pub version: u32,
+    /// Random, hex: tells volumes apart in the keyring.
+    pub volume_id: String,
+    pub cipher: CipherKind,
+    pub plaintext_names: bool,
+    pub kdf: Kdf,
+    /// base64 of nonce (12) || sealed master key (32) || tag (16).
+    pub wrapped_key: String,
+}
+
+/// Settings chosen when a volume is created.
+#[derive(Clone, Debug)]
+pub struct VolumeSettings {
+    pub cipher: CipherKind,
+    pub plaintext_names: bool,
+    pub kdf_memory_kib: u32,
+}
+
+impl Default for VolumeSettings {
+    fn default() -> Self {
+        VolumeSettings { cipher: CipherKind::Aes256Gcm, plaintext_names: false, kdf_memory_kib: DEFAULT_KDF_MEMORY_KIB }
+    }
+}
+
+/// An unlocked volume: its settings and master key.
+#[derive(Debug)]
+pub struct Volume {
+    pub id: [u8; 16],
+    pub cipher: CipherKind,
+    pub plaintext_names: bool,
+    pub key: MasterKey,
+}
+
+pub fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
+    getrandom::getrandom(&mut b).expect("the system's random number generator failed");
+    b
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
+    if s.len() != 2 * N || !s.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+pub fn config_path(lower: &Path) -> PathBuf {
+    lower.join(CONFIG_NAME)
+}
+
+impl VolumeConfig {
+    /// What the wrapped key's seal authenticates: every setting that changes how data is
+    /// read, and the KDF (so its cost cannot be lowered behind the owner's back).
+    fn associated_data(&self) -> Vec<u8> {
+        let kdf = toml::to_string(&self.kdf).unwrap_or_default();
+        format!(
+            "plyfs-crypt-config|{}|{}|{}|{}|{}",
+            self.version,
+            self.volume_id,
+            self.cipher.name(),
+            self.plaintext_names,
+            kdf
+        )
+        .into_bytes()
+    }
+
+    fn derive_kek(&self, secret: &Secret) -> Result<Zeroizing<[u8; 32]>, String> {
+        let mut kek = Zeroizing::new([0u8; 32]);
+        match (&self.kdf, secret) {
+            (Kdf::Argon2id { salt, memory_kib, iterations, lanes }, Secret::Password(pw)) => {
+                let salt = B64.decode(salt).map_err(|e| format!("kdf salt: {e}"))?;
+                let params = argon2::Params::new(*memory_kib, *iterations, *lanes, Some(32)).map_err(|e| format!("kdf parameters: {e}"))?;
+                argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params)
+                    .hash_password_into(pw.as_bytes(), &salt, &mut kek[..])
+                    .map_err(|e| format!("argon2id: {e}"))?;
+            }
+            (Kdf::Keyfile { salt }, Secret::KeyFile(bytes)) => {
+                let salt = B64.decode(salt).map_err(|e| format!("kdf salt: {e}"))?;
+                hkdf::Hkdf::<sha2::Sha256>::new(Some(&salt), bytes)
+                    .expand(b"plyfs crypt key file", &mut kek[..])
+                    .expect("HKDF output length is small");
+            }
+            (Kdf::Argon2id { .. }, s) => return Err(format!("this volume is unlocked with a password, not a {}", s.kind())),
+            (Kdf::Keyfile { .. }, s) => return Err(format!("this volume is unlocked with a key file, not a {}", s.kind())),
+        }
+        Ok(kek)
+    }
+
+    fn wrap(&mut self, key: &MasterKey, secret: &Secret) -> Result<(), String> {
+        let kek = self.derive_kek(secret)?;
+        let nonce: [u8; 12] = random_bytes();
+        let sealed = Aes256Gcm::new_from_slice(&kek[..])
+            .expect("32-byte key")
+            .encrypt((&nonce).into(), Payload { msg: key.bytes(), aad: &self.associated_data() })
+            .map_err(|_| "sealing the master key failed".to_owned())?;
+        let mut blob = nonce.to_vec();
+        blob.extend_from_slice(&sealed);
+        self.wrapped_key = B64.encode(&blob);
+        Ok(())
+    }
+
+    fn unwrap_key(&self, secret: &Secret, shown: &str) -> Result<MasterKey, String> {
+        let kek = self.derive_kek(secret).map_err(|e| format!("{shown}: {e}"))?;
+        let blob = B64.decode(&self.wrapped_key).map_err(|e| format!("{shown}: corrupt: wrapped_key: {e}"))?;
+        if blob.len() != 12 + 32 + 16 {
+            return Err(format!("{shown}: corrupt: wrapped_key has {} bytes, not 60", blob.len()));
+        }
+        let mut opened = Aes256Gcm::new_from_slice(&kek[..])
+            .expect("32-byte key")
+            .decrypt(blob[..12].into(), Payload { msg: &blob[12..], aad: &self.associated_data() })
+            .map_err(|_| match secret {
+                Secret::Password(_) => format!("{shown}: wrong password (or the file was altered)"),
+                Secret::KeyFile(_) => format!("{shown}: wrong key file (or the file was altered)"),
+            })?;
+        let mut bytes = [0u8; 32];
+        bytes.copy_from_slice(&opened);
+        opened.zeroize();
+        Ok(MasterKey::from_bytes(bytes))
+    }
+
+    pub fn id(&self) -> Result<[u8; 16], String> {
+        unhex(&self.volume_id).ok_or_else(|| format!("corrupt: volume_id '{}' is not 32 hex digits", self.volume_id))
+    }
+
+    pub fn uses_password(&self) -> bool {
+        matches!(self.kdf, Kdf::Argon2id { .. })
+    }
+
+    /// Parse and check a configuration file's text.
+    pub fn parse(text: &str, shown: &str) -> Result<VolumeConfig, String> {
+        let c: VolumeConfig = toml::from_str(text).map_err(|e| format!("{shown}: corrupt: {}", e.message()))?;
+        if c.version != CONFIG_VERSION {
+            return Err(format!("{shown}: version {} is not supported by this plyfs (it knows version {CONFIG_VERSION})", c.version));
+        }
+        c.id().map_err(|e| format!("{shown}: {e}"))?;
+        Ok(c)
+    }
+
+    /// Read the configuration of the volume at `lower`.
+    pub fn load(lower: &Path) -> Result<VolumeConfig, String> {
+        let path = config_path(lower);
+        let shown = path.display().to_string();
+        let text = match std::fs::read(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(format!(
+                    "{}: not a crypt volume ({CONFIG_NAME} is missing); create one with `plyfs init {} --layer crypt`",
+                    lower.display(),
+                    lower.display()
+                ))
+            }
+            Err(e) => return Err(format!("{shown}: {e}")),
+        };
+        let text = String::from_utf8(text).map_err(|_| format!("{shown}: corrupt: not text"))?;
+        VolumeConfig::parse(&text, &shown)
+    }
+
+    /// Write the configuration atomically: a temporary file, fsynced, renamed over the old
+    /// one, and the directory fsynced. A crash leaves the old file or the new one.
+    fn store(&self, lower: &Path) -> Result<(), String> {
+        let path = config_path(lower);
+        let tmp = lower.join(format!("{CONFIG_NAME}.tmp"));
+        let text = format!(
+            "# plyfs crypt volume: the settings and the wrapped master key. Without this file the\n\
+             # data cannot be decrypted: back it up. Editing it makes unlocking fail.\n{}",
+            toml::to_string(self).map_err(|e| e.to_string())?
+        );
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode_0400().open(&tmp)?;
+            f.write_all(text.as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            std::fs::File::open(lower)?.sync_all()
+        };
+        write().map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("{}: {e}", path.display())
+        })
+    }
+}
+
+trait Mode0400 {
+    fn mode_0400(&mut self) -> &mut Self;
+}
+
+impl Mode0400 for std::fs::OpenOptions {
+    fn mode_0400(&mut self) -> &mut Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        self.mode(0o400)
+    }
+}
+
+fn new_kdf(secret: &Secret, memory_kib: u32) -> Result<Kdf, String> {
+    let salt = B64.encode(random_bytes::<32>());
+    Ok(match secret {
+        Secret::Password(pw) => {
+            if pw.is_empty() {
+                return Err("the password is empty".into());
+            }
+            if memory_kib < MIN_KDF_MEMORY_KIB {
+                return Err(format!("kdf memory {memory_kib} KiB is below the least allowed, {MIN_KDF_MEMORY_KIB} KiB"));
+            }
+            Kdf::Argon2id { salt, memory_kib, iterations: KDF_ITERATIONS, lanes: KDF_LANES }
+        }
+        Secret::KeyFile(bytes) => {
+            if bytes.len() < 32 {
+                return Err(format!("the key file holds {} bytes: at least 32 random bytes are needed", bytes.len()));
+            }
+            Kdf::Keyfile { salt }
+        }
+    })
+}
+
+/// Create a volume at `lower`: a new random master key, wrapped with `secret`.
+pub fn init(lower: &Path, settings: &VolumeSettings, secret: &Secret) -> Result<VolumeConfig, String> {
+    let path = config_path(lower);
+    if path.exists() {
+        return Err(format!("{}: already a crypt volume ({CONFIG_NAME} exists)", lower.display()));
+    }
+    if !settings.plaintext_names {
+        let mut entries = std::fs::read_dir(lower).map_err(|e| format!("{}: {e}", lower.display()))?;
+        if entries.next().is_some() {
+            return Err(format!(
+                "{}: not empty: with encrypted names the names already there would not decrypt (use an empty directory, or --plaintext-names)",
+                lower.display()
+            ));
+        }
+    }
+    let mut config = VolumeConfig {
+        version: CONFIG_VERSION,
+        volume_id: hex(&random_bytes::<16>()),
+        cipher: settings.cipher,
+        plaintext_names: settings.plaintext_names,
+        kdf: new_kdf(secret, settings.kdf_memory_kib)?,
+        wrapped_key: String::new(),
+    };
+    let key = MasterKey::from_bytes(random_bytes());
+    config.wrap(&key, secret)?;
+    config.store(lower)?;
+    Ok(config)
+}
+
+/// Unlock the volume at `lower` with `secret`.
+pub fn unlock(lower: &Path, secret: &Secret) -> Result<Volume, String> {
+    let config = VolumeConfig::load(lower)?;
+    let shown = config_path(lower).display().to_string();
+    let key = config.unwrap_key(secret, &shown)?;
+    Ok(Volume { id: config.id()?, cipher: config.cipher, plaintext_names: config.plaintext_names, key })
+}
+
+/// Re-wrap the master key of the volume at `lower` for `new`, after unlocking it with `old`.
+pub fn change_secret(lower: &Path, old: &Secret, new: &Secret) -> Result<(), String> {
+    let mut config = VolumeConfig::load(lower)?;
+    let shown = config_path(lower).display().to_string();
+    let key = config.unwrap_key(old, &shown)?;
+    let memory_kib = match &config.kdf {
+        Kdf::Argon2id { memory_kib, .. } => *memory_kib,
+        Kdf::Keyfile { .. } => DEFAULT_KDF_MEMORY_KIB,
+    };
+    config.kdf = new_kdf(new, memory_kib)?;
+    config.wrap(&key, new)?;
+    config.store(lower)
+}
+
+/// Unlocked volumes by id, for crypt layers to find their key when they are built.
+fn keyring() -> &'static Mutex<HashMap<[u8; 16], Arc<Volume>>> {
+    static KEYRING: OnceLock<Mutex<HashMap<[u8; 16], Arc<Volume>>>> = OnceLock::new();
+    KEYRING.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Make an unlocked volume's key available to the crypt layers built after this.
+pub fn register(volume: Volume) -> Arc<Volume> {
+    let v = Arc::new(volume);
+    keyring().lock().insert(v.id, v.clone());
+    v
+}
+
+/// The unlocked volume with this id, if any.
+pub fn registered(id: &[u8; 16]) -> Option<Arc<Volume>> {
+    keyring().lock().get(id).cloned()
+}
+
+/// Forget a volume's key (at unmount).
+pub fn forget(id: &[u8; 16]) {
+    keyring().lock().remove(id);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pw(s: &str) -> Secret {
+        Secret::Password(Zeroizing::new(s.to_owned()))
+    }
+
+    fn fast() -> VolumeSettings {
+        VolumeSettings { kdf_memory_kib: MIN_KDF_MEMORY_KIB, ..VolumeSettings::default() }
+    }
+
+    #[test]
+    fn init_unlock_and_change_the_password() {
+        let dir = tempfile::tempdir().unwrap();
+        init(dir.path(), &fast(), &pw("hunter2")).unwrap();
+        let v = unlock(dir.path(), &pw("hunter2")).unwrap();
+        let err = unlock(dir.path(), &pw("hunter3")).unwrap_err();
+        assert!(err.contains("wrong password"), "{err}");
+        change_secret(dir.path(), &pw("hunter2"), &pw("correct horse")).unwrap();
+        assert!(unlock(dir.path(), &pw("hunter2")).unwrap_err().contains("wrong password"));
+        let again = unlock(dir.path(), &pw("correct horse")).unwrap();
+        assert_eq!(v.key.bytes(), again.key.bytes(), "the master key is kept");
+        assert!(init(dir.path(), &fast(), &pw("x")).unwrap_err().contains("already a crypt volume"));
+    }
+
+    #[test]
+    fn editing_a_setting_makes_unlocking_fail() {
+        let dir = tempfile::tempdir().unwrap();
+        init(dir.path(), &fast(), &pw("pw")).unwrap();
+        let path = config_path(dir.path());
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        std::fs::write(&path, text.replace("plaintext_names = false", "plaintext_names = true")).unwrap();
+        assert!(unlock(dir.path(), &pw("pw")).unwrap_err().contains("wrong password (or the file was altered)"));
+        std::fs::write(&path, "version = 1\nvolume_id = [").unwrap();
+        assert!(unlock(dir.path(), &pw("pw")).unwrap_err().contains("corrupt"));
+        std::fs::remove_file(&path).unwrap();
+        assert!(unlock(dir.path(), &pw("pw")).unwrap_err().contains("not a crypt volume"));
+    }
+
+    #[test]
+    fn key_files_and_passwords_do_not_mix() {
+        let dir = tempfile::tempdir().unwrap();
+        let kf = Secret::KeyFile(Zeroizing::new(random_bytes::<32>().to_vec()));
+        init(dir.path(), &fast(), &kf).unwrap();
+        unlock(dir.path(), &kf).unwrap();
+        assert!(unlock(dir.path(), &pw("x")).unwrap_err().contains("key file, not a password"));
+        let short = Secret::KeyFile(Zeroizing::new(vec![1; 8]));
+        let other = tempfile::tempdir().unwrap();
+        assert!(init(other.path(), &fast(), &short).unwrap_err().contains("at least 32"));
+    }
+
+    #[test]
+    fn a_non_empty_directory_needs_plaintext_names() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("f"), b"x").unwrap();
+        assert!(init(dir.path(), &fast(), &pw("p")).unwrap_err().contains("not empty"));
+        init(dir.path(), &VolumeSettings { plaintext_names: true, ..fast() }, &pw("p")).unwrap();
+    }
+}

@@ -1,0 +1,80 @@
+//! `crypt`: authenticated encryption of file data, chunk by chunk, on the size-changing
+//! framework. See [`codec`] for the format of a chunk and [`keys`] for the volume's keys.
+//!
+//! The layer finds its volume by the configuration file at the root of the directory below
+//! it, and its key in the keyring, where `plyfs mount` (or an offline tool) put it after
+//! unlocking the volume. A volume that is not unlocked cannot be stacked.
+
+pub mod codec;
+pub mod keys;
+
+use std::ffi::OsStr;
+use std::sync::Arc;
+
+use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
+use plyfs_stack::{BuildArgs, Caller, Error, ExtOpInfo, Layer, LayerFactory, Level, NodeId, Result};
+
+use codec::CryptCodec;
+use keys::{Volume, VolumeConfig, CONFIG_NAME};
+
+/// Read the volume configuration at the root of `lower`.
+pub fn config_below(lower: &Level) -> Result<Option<VolumeConfig>> {
+    let cx = Caller::daemon();
+    let entry = match lower.lookup(&cx, NodeId::ROOT, OsStr::new(CONFIG_NAME)) {
+        Ok(e) => e,
+        Err(Error::Os(libc::ENOENT)) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let read = (|| {
+        let opened = lower.open(&cx, entry.node, libc::O_RDONLY)?;
+        let text = lower.read(&cx, entry.node, opened.fh, 0, 1 << 16);
+        let _ = lower.release(&cx, entry.node, opened.fh);
+        text
+    })();
+    lower.forget(&cx, entry.node, 1);
+    let text = String::from_utf8(read?).map_err(|_| Error::config(format!("{CONFIG_NAME}: corrupt: not text")))?;
+    VolumeConfig::parse(&text, CONFIG_NAME).map(Some).map_err(Error::config)
+}
+
+/// The unlocked volume whose configuration sits at the root of `lower`.
+pub fn volume_below(lower: &Level, layer: &str) -> Result<Arc<Volume>> {
+    let config = config_below(lower)?.ok_or_else(|| {
+        Error::config(format!(
+            "layer '{layer}': the directory below is not a crypt volume ({CONFIG_NAME} is missing); create one with `plyfs init LOWER --layer crypt`"
+        ))
+    })?;
+    let id = config.id().map_err(Error::config)?;
+    keys::registered(&id).ok_or_else(|| {
+        Error::config(format!(
+            "layer '{layer}': the crypt volume is locked: give its password (prompt, --passfile or --extpass) or --keyfile"
+        ))
+    })
+}
+
+/// Build a crypt layer; `inner` is a compressor collapsed into it (`zstd,crypt`), given by its
+/// layer kind and codec.
+pub fn build_crypt(args: BuildArgs, kind: &'static str, inner: Option<(&str, Arc<dyn Codec>)>) -> Result<Arc<dyn Layer>> {
+    let volume = volume_below(&args.lower, &args.name)?;
+    let inner = match inner {
+        None => None,
+        Some((k, c)) => Some((
+            codec::kind_of(k).ok_or_else(|| Error::config(format!("layer '{k}' cannot be collapsed into crypt")))?,
+            c,
+        )),
+    };
+    build_sca_layer(args, kind, Arc::new(CryptCodec::new(volume.cipher, &volume.key, inner)))
+}
+
+fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
+    build_crypt(args, "crypt", None)
+}
+
+pub const CRYPT_OPS: [ExtOpInfo; 5] = [EXT_OPS[0], EXT_OPS[1], EXT_OPS[2], EXT_OPS[3], codec::INFO_OP];
+
+pub const FACTORY: LayerFactory = LayerFactory {
+    kind: "crypt",
+    summary: "authenticated encryption (AES-256-GCM or XChaCha20-Poly1305), chunk by chunk",
+    params: &[CHUNK_PARAM, FAST_TAILS_PARAM],
+    ext_ops: &CRYPT_OPS,
+    build,
+};
