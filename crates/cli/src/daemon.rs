@@ -70,6 +70,12 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
         (None, None) => parse_stack_spec("null").map_err(|e| e.to_string())?,
     };
     let opts = options::parse(&args.options)?;
+    // (A foreground mount logs them as it builds the stack.)
+    if !args.foreground {
+        for w in plyfs_stack::order_warnings(&specs, plyfs_layers::registry()) {
+            eprintln!("plyfs: warning: {w}");
+        }
+    }
     let lower = lower_dir(&args.lower)?;
     if let Some(rules) = &args.rules {
         load_rules(rules, &lower)?;

@@ -85,4 +85,5 @@ pub const FACTORY: LayerFactory = LayerFactory {
     params: &[LEVEL, CHUNK_PARAM, FAST_TAILS_PARAM],
     ext_ops: EXT_OPS,
     build,
+    absorbs: &[],
 };

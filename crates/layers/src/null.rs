@@ -63,4 +63,5 @@ pub const FACTORY: LayerFactory = LayerFactory {
     params: &[],
     ext_ops: EXT_OPS,
     build,
+    absorbs: &[],
 };

@@ -323,4 +323,5 @@ pub const FACTORY: LayerFactory = LayerFactory {
     ],
     ext_ops: EXT_OPS,
     build,
+    absorbs: &[],
 };

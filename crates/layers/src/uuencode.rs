@@ -76,6 +76,7 @@ pub const FACTORY: LayerFactory = LayerFactory {
     params: &[CHUNK_PARAM, FAST_TAILS_PARAM],
     ext_ops: EXT_OPS,
     build,
+    absorbs: &[],
 };
 
 #[cfg(test)]

@@ -24,5 +24,5 @@ pub use error::{Error, Result};
 pub use layer::{bypass, unsupported, DataPath, ExtOpInfo, Layer, Level};
 pub use lowerdir::{has_capability, raise_fd_limit, LowerDir};
 pub use op::{Arg, Op, OpKind, Reply};
-pub use stack::{BuildArgs, LayerFactory, Stack, NAME_PARAM};
+pub use stack::{collapse_specs, order_warnings, BuildArgs, LayerFactory, Stack, COLLAPSE_PARAM, NAME_PARAM};
 pub use types::*;

@@ -21,7 +21,16 @@ pub struct LayerFactory {
     pub params: &'static [ParamSpec],
     pub ext_ops: &'static [ExtOpInfo],
     pub build: fn(BuildArgs) -> Result<Arc<dyn Layer>>,
+    /// Kinds of layer this one collapses with when one sits directly above it (layer
+    /// collapsing, `seeds/002` §4.3): the pair is built as this layer alone, with the upper
+    /// layer's kind as the parameter `collapse` and its parameters added, so that the two run
+    /// as one per-chunk pipeline with one index. Such a kind further below this layer is
+    /// warned about: it would see this layer's output.
+    pub absorbs: &'static [&'static str],
 }
+
+/// The parameter a collapsed layer receives the absorbed layer's kind in.
+pub const COLLAPSE_PARAM: &str = "collapse";
 
 /// The parameter every layer accepts.
 pub const NAME_PARAM: ParamSpec = ParamSpec {
@@ -49,6 +58,7 @@ impl Stack {
     /// layer last), which become the lower part of the stack.
     pub fn build_over(specs: &[LayerSpec], registry: &[LayerFactory], below: Vec<Level>) -> Result<Stack> {
         assert!(!below.is_empty(), "a stack needs a bottom");
+        let specs = &collapse_specs(specs, registry)?;
         let names = instance_names(specs)?;
         if let Some(taken) = names.iter().find(|n| below.iter().any(|l| l.name() == n.as_str())) {
             return Err(Error::config(format!("layer name '{taken}' is taken by the stack itself: give the layer another name=")));
@@ -127,6 +137,61 @@ impl Stack {
             level.layer().shutdown();
         }
     }
+}
+
+/// Merge every layer into the layer directly below it when that one absorbs its kind (see
+/// [`LayerFactory::absorbs`]), and warn about absorbable layers placed further below.
+pub fn collapse_specs(specs: &[LayerSpec], registry: &[LayerFactory]) -> Result<Vec<LayerSpec>> {
+    for w in order_warnings(specs, registry) {
+        tracing::warn!("{w}");
+    }
+    let absorbs = |lower: &LayerSpec, upper: &LayerSpec| absorbs(registry, lower, upper);
+    let mut out: Vec<LayerSpec> = Vec::with_capacity(specs.len());
+    let mut i = 0;
+    while i < specs.len() {
+        let (upper, lower) = (&specs[i], specs.get(i + 1));
+        let Some(lower) = lower.filter(|l| absorbs(l, upper)) else {
+            out.push(upper.clone());
+            i += 1;
+            continue;
+        };
+        let mut merged = lower.clone();
+        merged.params.push((COLLAPSE_PARAM.to_owned(), upper.kind.clone()));
+        for (k, v) in upper.params.iter().filter(|(k, _)| k != NAME_PARAM.name) {
+            match merged.params.iter().find(|(mk, _)| mk == k) {
+                Some((_, mv)) if mv != v => {
+                    return Err(Error::config(format!(
+                        "layers '{}' and '{}' run as one pipeline, so they must agree on '{k}' ({v} against {mv})",
+                        upper.kind, lower.kind
+                    )))
+                }
+                Some(_) => {}
+                None => merged.params.push((k.clone(), v.clone())),
+            }
+        }
+        out.push(merged);
+        i += 2;
+    }
+    Ok(out)
+}
+
+fn absorbs(registry: &[LayerFactory], lower: &LayerSpec, upper: &LayerSpec) -> bool {
+    registry.iter().find(|f| f.kind == lower.kind).is_some_and(|f| f.absorbs.contains(&upper.kind.as_str()))
+}
+
+/// Layers placed below a layer that would absorb them, where they only see its output (a
+/// compressor below a cipher): one message each.
+pub fn order_warnings(specs: &[LayerSpec], registry: &[LayerFactory]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, spec) in specs.iter().enumerate() {
+        for below in specs[i + 1..].iter().filter(|b| absorbs(registry, spec, b)) {
+            out.push(format!(
+                "layer '{}' sits below '{}' and only ever sees its output, which it cannot shrink: put it directly above '{}'",
+                below.kind, spec.kind, spec.kind
+            ));
+        }
+    }
+    out
 }
 
 fn find_factory<'r>(registry: &'r [LayerFactory], spec: &LayerSpec) -> Result<&'r LayerFactory> {

@@ -154,13 +154,50 @@ fn build_counting(args: BuildArgs) -> Result<Arc<dyn Layer>> {
     Ok(counting(&args.name, args.lower))
 }
 
-const REGISTRY: &[LayerFactory] = &[LayerFactory {
-    kind: "counting",
-    summary: "counts operations",
-    params: &[ParamSpec { name: "fail", help: "fail to build", default: None }],
-    ext_ops: &[],
-    build: build_counting,
-}];
+/// A layer that collapses with a `counting` layer above it; its instance name shows what it
+/// was given.
+fn build_absorbing(args: BuildArgs) -> Result<Arc<dyn Layer>> {
+    let shown = format!("{}[{}:{}]", args.name, args.params.get("collapse").unwrap_or("-"), args.params.get("fail").unwrap_or("-"));
+    Ok(counting(&shown, args.lower))
+}
+
+const REGISTRY: &[LayerFactory] = &[
+    LayerFactory {
+        kind: "counting",
+        summary: "counts operations",
+        params: &[ParamSpec { name: "fail", help: "fail to build", default: None }],
+        ext_ops: &[],
+        build: build_counting,
+        absorbs: &[],
+    },
+    LayerFactory {
+        kind: "absorbing",
+        summary: "collapses with a counting layer above it",
+        params: &[
+            ParamSpec { name: "fail", help: "shown in the name", default: None },
+            ParamSpec { name: "collapse", help: "the absorbed kind", default: None },
+        ],
+        ext_ops: &[],
+        build: build_absorbing,
+        absorbs: &["counting"],
+    },
+];
+
+#[test]
+fn a_layer_directly_above_one_that_absorbs_it_collapses_into_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let bottom = LowerDir::level(dir.path()).unwrap();
+    let build = |spec: &str| Stack::build(&parse_stack_spec(spec).unwrap(), REGISTRY, bottom.layer().clone());
+    let names = |s: &Stack| s.layers().iter().map(|l| l.name().to_owned()).collect::<Vec<_>>();
+    // The pair becomes one layer, named as the lower one, with the upper's kind and parameters.
+    assert_eq!(names(&build("counting:fail=no,absorbing").unwrap()), ["absorbing[counting:no]"]);
+    // Not adjacent, or the other way round: no collapsing.
+    assert_eq!(names(&build("absorbing,counting").unwrap()), ["absorbing[-:-]", "counting"]);
+    assert_eq!(names(&build("counting,counting,absorbing").unwrap()), ["counting", "absorbing[counting:-]"]);
+    // Disagreeing parameters are refused.
+    let err = build("counting:fail=a,absorbing:fail=b").err().unwrap().to_string();
+    assert!(err.contains("must agree on 'fail'"), "{err}");
+}
 
 #[test]
 fn stacks_build_from_specs_with_unique_names() {
@@ -187,7 +224,7 @@ fn bad_specs_are_refused_with_a_clear_message() {
         Err(e) => Err(e.to_string()),
     };
     assert_eq!(build("").unwrap_err(), "empty stack: name at least one layer, e.g. --stack null");
-    assert_eq!(build("gzip").unwrap_err(), "unknown layer 'gzip' (available: counting)");
+    assert_eq!(build("gzip").unwrap_err(), "unknown layer 'gzip' (available: counting, absorbing)");
     assert_eq!(build("counting,,counting").unwrap_err(), "stack spec: empty layer name in ''");
     assert_eq!(build("counting:level").unwrap_err(), "layer 'counting': parameter 'level' is not key=value");
     assert_eq!(build("counting:x=1").unwrap_err(), "layer 'counting': unknown parameter 'x' (known: fail, name)");

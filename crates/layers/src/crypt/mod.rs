@@ -12,13 +12,20 @@ use std::ffi::OsStr;
 use std::sync::Arc;
 
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
-use plyfs_stack::{BuildArgs, Caller, Error, ExtOpInfo, Layer, LayerFactory, Level, NodeId, Result};
+use plyfs_stack::spec::ParamSpec;
+use plyfs_stack::{BuildArgs, Caller, Error, ExtOpInfo, Layer, LayerFactory, Level, NodeId, Result, COLLAPSE_PARAM};
 
 use codec::CryptCodec;
 use keys::{Volume, VolumeConfig, CONFIG_NAME};
 
-/// Read the volume configuration at the root of `lower`.
+/// Read the volume configuration at the root of the storage under `lower`: from the bottom
+/// level, past any layer that would transform the file.
 pub fn config_below(lower: &Level) -> Result<Option<VolumeConfig>> {
+    let mut bottom = lower.clone();
+    while let Some(next) = bottom.layer().lower().first().cloned() {
+        bottom = next;
+    }
+    let lower = &bottom;
     let cx = Caller::daemon();
     let entry = match lower.lookup(&cx, NodeId::ROOT, OsStr::new(CONFIG_NAME)) {
         Ok(e) => e,
@@ -66,15 +73,41 @@ pub fn build_crypt(args: BuildArgs, kind: &'static str, inner: Option<(&str, Arc
 }
 
 fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
-    build_crypt(args, "crypt", None)
+    let inner: Option<(&str, Arc<dyn Codec>)> = match args.params.get(COLLAPSE_PARAM) {
+        None | Some("none") => {
+            if let Some(v) = args.params.get(LEVEL.name) {
+                return Err(args.params.bad(LEVEL.name, v, "a level needs a compressor (collapse=zstd, gzip or lz4)"));
+            }
+            None
+        }
+        Some("zstd") => Some(("zstd", Arc::new(crate::zstd::Zstd::new(args.params.int_in(LEVEL.name, 3, 1..=19)? as i32)))),
+        Some("gzip") => Some(("gzip", Arc::new(crate::gzip::Gzip::new(args.params.int_in(LEVEL.name, 6, 1..=9)? as u32)))),
+        Some("lz4") => {
+            if let Some(v) = args.params.get(LEVEL.name) {
+                return Err(args.params.bad(LEVEL.name, v, "lz4 has no levels"));
+            }
+            Some(("lz4", Arc::new(crate::lz4::Lz4)))
+        }
+        Some(other) => return Err(args.params.bad(COLLAPSE_PARAM, other, "expected zstd, gzip, lz4 or none")),
+    };
+    build_crypt(args, "crypt", inner)
 }
+
+const COLLAPSE: ParamSpec = ParamSpec {
+    name: COLLAPSE_PARAM,
+    help: "compress each chunk before sealing it, in one pass: zstd, gzip, lz4 or none; set by itself when one of them sits directly above crypt (`zstd,crypt`)",
+    default: Some("none"),
+};
+
+const LEVEL: ParamSpec = ParamSpec { name: "level", help: "level of the collapsed compressor", default: None };
 
 pub const CRYPT_OPS: [ExtOpInfo; 5] = [EXT_OPS[0], EXT_OPS[1], EXT_OPS[2], EXT_OPS[3], codec::INFO_OP];
 
 pub const FACTORY: LayerFactory = LayerFactory {
     kind: "crypt",
     summary: "authenticated encryption (AES-256-GCM or XChaCha20-Poly1305), chunk by chunk",
-    params: &[CHUNK_PARAM, FAST_TAILS_PARAM],
+    params: &[CHUNK_PARAM, FAST_TAILS_PARAM, COLLAPSE, LEVEL],
     ext_ops: &CRYPT_OPS,
     build,
+    absorbs: &["zstd", "gzip", "lz4"],
 };
