@@ -277,6 +277,10 @@ impl<L: LowerIo> ScaFile<L> {
         if let Some(why) = failure {
             return Err(Fault::Stale(why));
         }
+        if let Some(s) = slot.filter(|s| s.covered_seq >= ix.next_seq) {
+            // The slot was written after records that are gone: the log was cut short.
+            return Err(Fault::Stale(format!("the log ends before record {}, which the header says was written", s.covered_seq)));
+        }
         self.verified = scan_from..end.min(self.prefetched.len() as u64);
         if end < len {
             // Something after the last whole record: an interrupted append is harmless, but
@@ -347,6 +351,8 @@ impl<L: LowerIo> ScaFile<L> {
             .filter(|(h, _, _, ok)| h.kind == Kind::Index && *ok)
             .find_map(|(h, off, payload, _)| FileIndex::from_checkpoint(shift, *off, h, payload).ok());
         let bound = known.cloned().or(newest_checkpoint);
+        // The slot in force, if readable, says how far the log went and how large the file was.
+        let slot = self.lower.read_at(0, DATA_START as usize).ok().and_then(|head| Slot::newest_in(&head));
 
         let mut ix = FileIndex::new(shift);
         let mut lost = BTreeSet::new();
@@ -369,6 +375,31 @@ impl<L: LowerIo> ScaFile<L> {
             }
         }
         ix.checkpoint = None;
+        let cut = slot.filter(|s| s.covered_seq >= ix.next_seq && s.file_size > ix.size);
+        if let Some(s) = cut {
+            // Records the slot vouches for are gone (the file was cut): the end of the file is
+            // lost, not silently shorter.
+            tracing::warn!(
+                "{}: the log ends before record {}: the file was {} bytes, its records reach {}",
+                self.lower.describe(),
+                s.covered_seq,
+                s.file_size,
+                ix.size
+            );
+            let old_chunks = ix.chunks();
+            ix.extend_without_data(s.file_size);
+            // A chunk the records leave shorter than the vouched size needs was completed by a
+            // record that is gone.
+            for chunk in old_chunks.saturating_sub(1)..ix.chunks() {
+                let have = match ix.tail.as_ref().filter(|t| t.chunk == chunk) {
+                    Some(t) => t.len(),
+                    None => ix.map.get(chunk).map_or(0, |r| u64::from(r.decoded_len)),
+                };
+                if have < ix.chunk_len(chunk) {
+                    lost.insert(chunk);
+                }
+            }
+        }
         if let Some(bound) = &bound {
             for chunk in 0..ix.chunks().min(bound.chunks()) {
                 if newest_seq(&ix, chunk) < newest_seq(bound, chunk) {
@@ -402,9 +433,13 @@ impl<L: LowerIo> ScaFile<L> {
             let file_id = (self.file_id != [0; 16]).then_some(self.file_id);
             let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: shift, file_id };
             self.lower.write_at(0, &header.encode())?;
-            self.write_checkpoint()?;
-            // Both slots, so that no older slot can name an older checkpoint.
-            self.write_slot()?;
+            // A cut log keeps the slot that vouches for what is gone, so that every open finds
+            // the damage again (until the lost chunks are rewritten, which records the size).
+            if cut.is_none() {
+                self.write_checkpoint()?;
+                // Both slots, so that no older slot can name an older checkpoint.
+                self.write_slot()?;
+            }
             self.lower.sync()?;
         }
         tracing::warn!(
@@ -1182,10 +1217,9 @@ impl<L: LowerIo> ScaFile<L> {
         loop {
             let len = self.lower.len()?;
             let mut problems = Vec::new();
-            let mut stale = None;
-            if let Err(e) = self.ix.validate(len) {
-                stale = Some(e);
-            }
+            // Lost chunks have no records, which the index check would call inconsistent: the
+            // reads below report them instead.
+            let mut stale = if self.lost.is_empty() { self.ix.validate(len).err() } else { None };
             let cs = self.ix.chunk_bytes();
             let mut chunk = 0;
             while stale.is_none() && chunk < self.ix.chunks() {

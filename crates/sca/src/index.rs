@@ -174,6 +174,14 @@ impl FileIndex {
     }
 
     /// Cut or extend the decoded size; chunks past the end are dropped.
+    /// Grow the size to `size` without adding records: the chunks past the old end have no
+    /// data (the caller marks them lost).
+    pub fn extend_without_data(&mut self, size: u64) {
+        if size > self.size {
+            self.size = size;
+        }
+    }
+
     fn set_size(&mut self, size: u64) {
         self.size = size;
         let chunks = self.chunks();

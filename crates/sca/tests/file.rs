@@ -320,6 +320,46 @@ fn every_crash_point_leaves_a_state_the_user_saw() {
     assert!(checked > 100, "only {checked} crash points were checked");
 }
 
+/// A lower file cut short (by damage, or on purpose) does not read as a shorter file: the
+/// size the header vouches for stays, the chunks whose records are gone read as errors, and
+/// the rest reads as before. (A cut that also takes away rewrites of earlier chunks gives
+/// those chunks their previous content back: nothing left in the file tells them apart.)
+#[test]
+fn a_cut_log_reads_as_errors_past_the_cut_never_as_a_shorter_file() {
+    for fast_tails in [false, true] {
+        let lower = MemLower::default();
+        let mut f = ScaFile::open(engine(12, fast_tails), lower.clone()).unwrap();
+        let mut model = Vec::new();
+        for i in 0..40u64 {
+            let d = data(1000 + (i as usize * 37) % 3000, i as u8, i % 2 == 0);
+            f.write(model.len() as u64, &d).unwrap();
+            model.extend_from_slice(&d);
+        }
+        f.close().unwrap();
+        let full = lower.0.lock().clone();
+        let cut = DATA_START as usize + (full.len() - DATA_START as usize) / 2;
+        *lower.0.lock() = full[..cut].to_vec();
+        let mut f = ScaFile::open(engine(12, fast_tails), lower.clone()).unwrap();
+        assert_eq!(f.size(), model.len() as u64, "the size stays what the header says");
+        let (mut good, mut bad) = (0, 0);
+        for chunk in 0..(model.len() as u64).div_ceil(4096) {
+            let off = chunk * 4096;
+            let len = (model.len() as u64 - off).min(4096) as usize;
+            match f.read_repairing(off, len) {
+                Ok(d) => {
+                    assert!(d == model[off as usize..off as usize + len], "chunk {chunk} reads back other bytes");
+                    assert_eq!(bad, 0, "chunk {chunk} reads after a lost one");
+                    good += 1;
+                }
+                Err(_) => bad += 1,
+            }
+        }
+        assert!(good > 0 && bad > 0, "fast tails {fast_tails}: {good} chunks read, {bad} lost");
+        let report = f.verify().unwrap();
+        assert_eq!(report["ok"], false, "{report}");
+    }
+}
+
 /// One change a crashing process may have made to its lower file.
 #[derive(Clone)]
 enum LowerOp {
