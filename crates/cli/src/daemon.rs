@@ -179,6 +179,7 @@ fn serve_inner(
 
     let rules = args.rules.as_deref().map(|r| load_rules(r, &lower)).transpose()?;
     let bottom = LowerDir::level(&lower).map_err(|e| e.to_string())?;
+    let bottom = plyfs_layers::crypt::with_names(bottom).map_err(|e| e.to_string())?;
     let (stack, _policy) = plyfs_policy::build_stack(&specs, rules, plyfs_layers::registry(), bottom).map_err(|e| e.to_string())?;
     let stack = Arc::new(stack);
     let names: Vec<&str> = stack.layers().iter().map(|l| l.name()).collect();

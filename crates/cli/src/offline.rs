@@ -24,6 +24,7 @@ type Res<T> = Result<T, String>;
 pub fn open_stack(lower: &Path, spec: &str) -> Res<Stack> {
     let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| e.to_string())?;
     let bottom = LowerDir::level(lower).map_err(|e| format!("{}: {e}", lower.display()))?;
+    let bottom = plyfs_layers::crypt::with_names(bottom).map_err(|e| e.to_string())?;
     // The same routing as a mount: each file is read through the chain recorded with it.
     plyfs_policy::build_stack(&specs, None, plyfs_layers::registry(), bottom).map(|(s, _)| s).map_err(|e| e.to_string())
 }

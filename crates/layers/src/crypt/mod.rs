@@ -7,6 +7,7 @@
 
 pub mod codec;
 pub mod keys;
+pub mod names;
 
 use std::ffi::OsStr;
 use std::sync::Arc;
@@ -56,6 +57,16 @@ pub fn volume_below(lower: &Level, layer: &str) -> Result<Arc<Volume>> {
             "layer '{layer}': the crypt volume is locked: give its password (prompt, --passfile or --extpass) or --keyfile"
         ))
     })
+}
+
+/// `lower` (the lower directory of a mount) with the names layer of its crypt volume on top,
+/// when it is one; unchanged when it is not. The volume must be unlocked.
+pub fn with_names(lower: Level) -> Result<Level> {
+    if config_below(&lower)?.is_none() {
+        return Ok(lower);
+    }
+    let volume = volume_below(&lower, "crypt-names")?;
+    Ok(names::names_level(&volume, lower))
 }
 
 /// Build a crypt layer; `inner` is a compressor collapsed into it (`zstd,crypt`), given by its
