@@ -971,7 +971,16 @@ pub fn build_stack(specs: &[LayerSpec], rules: Option<Rules>, registry: &'static
     let policy = PolicyLayer::new("policy", &default, rules.unwrap_or_default(), registry, lower.clone())?;
     let mut below = vec![Level::new(policy.clone())];
     below.extend(policy.default_chain().levels().iter().cloned());
-    below.push(lower);
+    // `lower` may itself be a layer over the lower directory (a crypt volume's names): list
+    // every level down to the bottom, so each has its view under `.plyfs`.
+    let mut level = lower;
+    loop {
+        below.push(level.clone());
+        match level.layer().lower() {
+            [next] => level = next.clone(),
+            _ => break,
+        }
+    }
     let stack = Stack::build_over(&mount_wide, registry, below)?.with_shared(mount_wide.len() + 1);
     Ok((stack, policy))
 }
