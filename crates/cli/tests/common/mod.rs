@@ -67,6 +67,21 @@ impl Mount {
         Mount::start(dir, lower, mnt, stack, options)
     }
 
+    /// Make a new crypt volume (`plyfs init --layer crypt` with `init_args`, e.g.
+    /// `--plaintext-names` or `--cipher=xchacha20-poly1305`) and mount `stack` over it, unlocked
+    /// with the password file [`crypt_passfile`] of the test's directory.
+    pub fn crypt(stack: &str, init_args: &[&str], options: &[&str]) -> Mount {
+        let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let (lower, mnt) = (root.join("lower"), root.join("mnt"));
+        std::fs::create_dir(&lower).unwrap();
+        std::fs::create_dir(&mnt).unwrap();
+        let passfile = crypt_init(&root, &lower, init_args);
+        let passfile = format!("--passfile={}", passfile.display());
+        let options: Vec<&str> = options.iter().copied().chain([passfile.as_str()]).collect();
+        Mount::start(dir, lower, mnt, stack, &options)
+    }
+
     /// Mount over an existing lower directory (e.g. to remount), in a new temporary mount point.
     pub fn start(dir: tempfile::TempDir, lower: PathBuf, mnt: PathBuf, stack: &str, options: &[&str]) -> Mount {
         let daemon_log = dir.path().join(format!("daemon-{}.log", std::process::id()));
@@ -199,6 +214,28 @@ impl Drop for Mount {
             lazy_unmount(&self.mnt);
         }
     }
+}
+
+/// The password of the crypt volumes tests make.
+pub const CRYPT_PASSWORD: &str = "correct horse battery staple";
+
+/// The password file for the crypt volumes made in the test directory `dir`: written on first
+/// use.
+pub fn crypt_passfile(dir: &Path) -> PathBuf {
+    let path = dir.join("passfile");
+    if !path.exists() {
+        std::fs::write(&path, format!("{CRYPT_PASSWORD}\n")).unwrap();
+    }
+    path
+}
+
+/// Make `lower` a crypt volume with the password of [`crypt_passfile`]`(dir)`, whose path is
+/// returned. `--kdf-memory 1024` keeps Argon2id fast; `init_args` are passed as they are.
+pub fn crypt_init(dir: &Path, lower: &Path, init_args: &[&str]) -> PathBuf {
+    let passfile = crypt_passfile(dir);
+    let out = run(plyfs().arg("init").arg(lower).args(["--layer", "crypt", "--kdf-memory", "1024", "--passfile"]).arg(&passfile).args(init_args));
+    assert!(out.status.success(), "plyfs init {}: {}", lower.display(), String::from_utf8_lossy(&out.stderr));
+    passfile
 }
 
 /// `errno` of a failed libc call.
