@@ -634,6 +634,10 @@ impl<L: LowerIo> ScaFile<L> {
 
     fn decode_into(&self, chunk: u64, rec: &RecordRef, (payload, place): (&[u8], Place), out: &mut Vec<u8>) -> std::result::Result<(), Fault> {
         let before = out.len();
+        if rec.raw && !self.engine.codec.store_raw_if_larger() {
+            // This codec never stores a chunk as it is (a cipher): the flag was forged.
+            return Err(Fault::Fail(self.corrupt(chunk, rec.off, "a record marked unencoded, which this codec never writes")));
+        }
         if rec.raw {
             out.extend_from_slice(payload);
         } else if let Err(e) = self.engine.codec.decode_at(&place, payload, rec.decoded_len as usize, out) {
@@ -662,6 +666,11 @@ impl<L: LowerIo> ScaFile<L> {
 
     fn tail_content(&self) -> std::result::Result<Vec<u8>, Fault> {
         let t = self.ix.tail.as_ref().expect("caller checked");
+        if !self.engine.codec.plaintext_safe() {
+            // A codec that may not leave plaintext below never writes a fast tail: it was forged.
+            let at = t.fragments.last().map_or(0, |f| f.off);
+            return Err(Fault::Fail(self.corrupt(t.chunk, at, "an unencoded fast tail, which this codec never writes")));
+        }
         let mut content = Vec::with_capacity(t.len() as usize);
         if let Some(base) = &t.base {
             let bytes = self.lower.read_at(base.off, base.bytes() as usize)?;
