@@ -1,0 +1,169 @@
+//! Encrypted names through a real mount: long names under stress, renames, hard links and
+//! symlinks, across a remount; and the password prompt on a terminal.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use common::*;
+
+fn listing(dir: &Path) -> BTreeSet<String> {
+    fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect()
+}
+
+/// A name of exactly `len` bytes, different for each `i`.
+fn long_name(len: usize, i: usize) -> String {
+    let head = format!("{i:04}-é-");
+    let mut s = head.clone();
+    while s.len() < len {
+        s.push((b'a' + ((s.len() + i) % 26) as u8) as char);
+    }
+    s
+}
+
+#[test]
+fn long_names_renames_links_and_symlinks_survive_a_remount() {
+    let m = Mount::crypt("crypt", &[], &[]);
+    let d = m.path("dir");
+    fs::create_dir(&d).unwrap();
+    let mut files = BTreeSet::new();
+    for i in 0..150 {
+        let name = long_name(150 + i % 106, i);
+        fs::write(d.join(&name), format!("content {i}")).unwrap();
+        files.insert(name);
+    }
+    assert_eq!(listing(&d), files);
+    // Rename a third to other long names, a third into a subdirectory with a long name.
+    let sub_name = long_name(255, 9999);
+    let sub = d.join(&sub_name);
+    fs::create_dir(&sub).unwrap();
+    let mut in_sub = BTreeSet::new();
+    for (k, name) in files.clone().iter().enumerate() {
+        match k % 3 {
+            0 => {
+                let to = long_name(255 - k % 50, 5000 + k);
+                fs::rename(d.join(name), d.join(&to)).unwrap();
+                files.remove(name);
+                files.insert(to);
+            }
+            1 => {
+                fs::rename(d.join(name), sub.join(name)).unwrap();
+                files.remove(name);
+                in_sub.insert(name.clone());
+            }
+            _ => {}
+        }
+    }
+    files.insert(sub_name.clone());
+    // Hard links and symlinks with long names and targets.
+    let first = in_sub.iter().next().unwrap().clone();
+    let link = long_name(240, 7777);
+    fs::hard_link(sub.join(&first), d.join(&link)).unwrap();
+    files.insert(link.clone());
+    let sym = long_name(230, 8888);
+    let target = format!("{sub_name}/{first}");
+    std::os::unix::fs::symlink(&target, d.join(&sym)).unwrap();
+    files.insert(sym.clone());
+    assert_eq!(listing(&d), files);
+    assert_eq!(listing(&sub), in_sub);
+
+    let m = m.remount();
+    let d = m.path("dir");
+    let sub = d.join(&sub_name);
+    assert_eq!(listing(&d), files);
+    assert_eq!(listing(&sub), in_sub);
+    assert_eq!(fs::read_link(d.join(&sym)).unwrap().to_str().unwrap(), target);
+    assert_eq!(fs::symlink_metadata(d.join(&sym)).unwrap().len(), target.len() as u64);
+    let via_link = fs::read_to_string(d.join(&sym)).unwrap();
+    assert_eq!(via_link, fs::read_to_string(d.join(&link)).unwrap());
+    assert_eq!(fs::metadata(d.join(&link)).unwrap().nlink(), 2);
+    for name in &in_sub {
+        let i: usize = name[..4].parse().unwrap();
+        assert_eq!(fs::read_to_string(sub.join(name)).unwrap(), format!("content {i}"));
+    }
+    // Nothing below shows a plaintext name; removing everything leaves only the volume file.
+    let mut below = vec![m.lower.clone()];
+    while let Some(dir) = below.pop() {
+        for e in fs::read_dir(&dir).unwrap() {
+            let e = e.unwrap();
+            let n = e.file_name().into_string().unwrap();
+            assert!(!n.contains('é') && !n.contains("-e-"), "a plaintext name below: {n}");
+            if e.file_type().unwrap().is_dir() {
+                below.push(e.path());
+            }
+        }
+    }
+    fs::remove_dir_all(&d).unwrap();
+    assert_eq!(listing(&m.lower), [".plyfs-crypt.conf".to_owned()].into_iter().collect());
+}
+
+/// Run `plyfs ARGS` on a terminal (through `script`), typing `lines` at its prompts.
+fn on_terminal(args: &str, lines: &[&str]) -> std::process::Output {
+    let bin = env!("CARGO_BIN_EXE_plyfs");
+    let mut child = Command::new("script")
+        .args(["-q", "-e", "-c", &format!("{bin} {args}"), "/dev/null"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("script (util-linux)");
+    let mut stdin = child.stdin.take().unwrap();
+    for line in lines {
+        // Each answer after its prompt is up: the prompt turns echo off first.
+        std::thread::sleep(std::time::Duration::from_millis(400));
+        writeln!(stdin, "{line}").unwrap();
+    }
+    drop(stdin);
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn passwords_typed_at_the_prompt_are_not_echoed_and_unlock_the_volume() {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let (lower, mnt) = (dir.path().join("lower"), dir.path().join("mnt"));
+    fs::create_dir(&lower).unwrap();
+    fs::create_dir(&mnt).unwrap();
+    let out = on_terminal(&format!("init {} --kdf-memory 1024", lower.display()), &["typed secret", "typed secret"]);
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "init at a prompt: {shown}");
+    assert!(shown.contains("New password") && shown.contains("Repeat it"), "{shown}");
+    assert!(!shown.contains("typed secret"), "the password was echoed: {shown}");
+    // Two different answers are refused.
+    let other = dir.path().join("other");
+    fs::create_dir(&other).unwrap();
+    let out = on_terminal(&format!("init {} --kdf-memory 1024", other.display()), &["one", "two"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("the two passwords differ"));
+    // Typed at the mount's prompt, a wrong password mounts nothing; the right one mounts.
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            if mounted_fstype(self.0).is_some() {
+                let _ = run(plyfs().arg("umount").arg(self.0));
+                let _ = run(plyfs().arg("umount").arg("--lazy").arg(self.0));
+            }
+        }
+    }
+    let guard = Unmount(&mnt);
+    let out = on_terminal(&format!("mount {} {} --stack crypt", lower.display(), mnt.display()), &["wrong one"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("wrong password"), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(mounted_fstype(&mnt).is_none());
+    let out = on_terminal(&format!("mount {} {} --stack crypt", lower.display(), mnt.display()), &["typed secret"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert_eq!(mounted_fstype(&mnt).as_deref(), Some("fuse.plyfs"));
+    fs::write(mnt.join("typed"), b"through the prompt").unwrap();
+    assert!(run(plyfs().arg("umount").arg(&mnt)).status.success());
+    drop(guard);
+    // The same password from a file.
+    let passfile = dir.path().join("pw");
+    fs::write(&passfile, "typed secret\n").unwrap();
+    let m = Mount::start(dir, lower, mnt, "crypt", &[&format!("--passfile={}", passfile.display())]);
+    assert_eq!(fs::read(m.path("typed")).unwrap(), b"through the prompt");
+    drop(m);
+}
