@@ -7,7 +7,7 @@
 //! one per configuration; `scripts/fsx.sh --long` runs a million operations per configuration).
 //!
 //! It runs on every size-changing layer, with and without fast tails, with 4 KiB and 64 KiB
-//! chunks. Written data is half random bytes and half compressible text, so compressors both
+//! chunks, and on crypt volumes (alone and with zstd collapsed into it). Written data is half random bytes and half compressible text, so compressors both
 //! shrink chunks and fall back to storing them raw.
 
 mod common;
@@ -87,13 +87,22 @@ fn mmap_op(f: &File, offset: u64, data: Option<&[u8]>, len: usize) -> Vec<u8> {
 }
 
 fn run_fsx(stack: &str, options: &[&str], default_ops: usize) {
+    run_fsx_on(&format!("[{stack}] {options:?}"), || Mount::with(stack, options), default_ops);
+}
+
+/// fsx on a crypt volume (made with `init_args`) mounted with `stack`.
+fn run_fsx_crypt(stack: &str, init_args: &[&str], default_ops: usize) {
+    run_fsx_on(&format!("[{stack}] on a crypt volume {init_args:?}"), || Mount::crypt(stack, init_args, &[]), default_ops);
+}
+
+fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize) {
     let seed = seed();
     let count = ops(default_ops);
-    eprintln!("fsx on [{stack}] {options:?}: seed {seed}, {count} operations (PLYFS_FSX_SEED={seed} reproduces)");
+    eprintln!("fsx on {what}: seed {seed}, {count} operations (PLYFS_FSX_SEED={seed} reproduces)");
     let mut rng = Rng(seed);
     let reference_dir = tempfile::tempdir().unwrap();
     let reference_path = reference_dir.path().join("ref");
-    let mut mount = Mount::with(stack, options);
+    let mut mount = mount();
     let mut ours = open_rw(&mount.path("fsx"));
     let reference = open_rw(&reference_path);
     let mut size: u64 = 0;
@@ -258,4 +267,27 @@ fsx_sca! {
     fsx_lz4_64k: "lz4:chunk=64k",
     fsx_lz4_64k_fast_tails: "lz4:chunk=64k:fast_tails=on",
     fsx_zstd_over_copy: "zstd:fast_tails=on,copy:chunk=64k",
+}
+
+// Authenticated encryption (fast tails are refused: they would leave plaintext below), alone and
+// with a compressor collapsed into it, on both ciphers.
+
+#[test]
+fn fsx_crypt_4k() {
+    run_fsx_crypt("crypt", &[], 250);
+}
+
+#[test]
+fn fsx_crypt_xchacha_64k() {
+    run_fsx_crypt("crypt:chunk=64k", &["--cipher", "xchacha20-poly1305"], 250);
+}
+
+#[test]
+fn fsx_zstd_crypt_4k() {
+    run_fsx_crypt("zstd,crypt", &[], 250);
+}
+
+#[test]
+fn fsx_zstd_crypt_64k() {
+    run_fsx_crypt("zstd:chunk=64k,crypt", &[], 250);
 }
