@@ -462,7 +462,7 @@ fn a_hole_is_sealed_like_data() {
     m.unmount();
     let mut run = None;
     edit_lower(&m, "sparse", |b| {
-        let r = *records(b).iter().filter(|r| r.kind == KIND_RUN).last().expect("a run record for the hole");
+        let r = *records(b).iter().rfind(|r| r.kind == KIND_RUN).expect("a run record for the hole");
         assert_eq!((r.chunk, r.count as usize), (1, hole_chunks), "the run stands for the whole hole: {r:?}");
         b[r.payload().start + NONCE + 1] ^= 0x04;
         reseal_crcs(b, &r);
