@@ -5,11 +5,13 @@
 #   tests/pjdfstest/run.sh [OPTIONS] [STACK...] [-- TEST_PATTERN...]
 #
 # STACK is a `--stack` spec, optionally followed by more mount arguments (default: `null`,
-# `trace`, `zstd`, `copy`, `null --rules mixed-rules.toml` and
-# `gzip:level=9:fast_tails=on`). For each one a fresh lower directory on
+# `trace`, `zstd`, `copy`, `null --rules mixed-rules.toml`,
+# `gzip:level=9:fast_tails=on` and `crypt`). For each one a fresh lower directory on
 # the real disk and an empty mount point are made, plyfs is mounted over them with
 # `-o allow_other` (pjdfstest switches to other users), pjdfstest runs inside the mount, and the
-# mount is taken down again - always, even on failure or interruption.
+# mount is taken down again - always, even on failure or interruption. For a stack with a
+# `crypt` layer the lower directory is first made a crypt volume (`plyfs init`, encrypted names)
+# with a password file, and the mount is given `--passfile`.
 #
 # Options:
 #   -o OPTS       extra plyfs mount options for every stack (e.g. `passthrough=off`)
@@ -48,7 +50,7 @@ REPO=$(cd "$HERE/../.." && pwd)
 PJDFSTEST_VERSION=0.2.2
 # An entry may add mount arguments after the spec, e.g. `null --rules FILE`: the last one mixes
 # compressed files (half of the names, by rule) with untouched ones.
-DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml")
+DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt)
 
 die() { echo "pjdfstest/run.sh: $*" >&2; exit 2; }
 say() { echo "== $*" >&2; }
@@ -265,14 +267,17 @@ parse_results() { # LOG
 }
 
 # The message pjdfstest printed under a failed test.
+# awk reads to the end rather than exiting early: an early exit would kill sed with SIGPIPE, and
+# under pipefail and errexit that ended the whole script in the middle of a report.
 failure_detail() { # LOG NAME
   sed 's/\x1b\[[0-9;]*m//g' "$1" | awk -v want="$2" '
+    done { next }
     /^[^ \t].*::[^ \t]*[ \t]+(ok|FAILED|skipped|failed as expected|PASSED UNEXPECTEDLY)$/ {
-      if (grab) exit
+      if (grab) { done = 1; next }
       if ($1 == want && $0 ~ /FAILED$/) { grab = 1; n = 0 }
       next
     }
-    grab && (/^$/ || /^(Stack )?[Bb]acktrace:/) { exit }
+    grab && (/^$/ || /^(Stack )?[Bb]acktrace:/) { done = 1; next }
     grab && n < 12 { sub(/^[ \t]+/, ""); print "        " $0; n++ }'
 }
 
@@ -422,6 +427,22 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
   TARGET_ERROR=""
   MOUNTS+=("$mnt")   # registered first, so the traps unmount it even if mounting is interrupted
   DAEMONS+=("")
+  # A crypt layer needs a crypt volume below, unlocked with its password.
+  if [[ ",${entry%% *}," == *,crypt[,:]* ]]; then
+    passfile=$WORK/$i-passfile
+    printf 'pjdfstest password %s\n' "$i" >"$passfile"
+    chmod 600 "$passfile"
+    out=$("$PLYFS" init "$lower" --layer crypt --passfile "$passfile" 2>&1) || {
+      {
+        echo
+        echo "### plyfs stack '$spec': plyfs init FAILED"
+        echo "$out" | sed 's/^/  /'
+      } | tee -a "$SUMMARY" >&2
+      OVERALL=1
+      continue
+    }
+    extra+=(--passfile "$passfile")
+  fi
   out=$(timeout 60 "$PLYFS" mount "$lower" "$mnt" --stack "${entry%% *}" ${extra[@]+"${extra[@]}"} -o "$opts" --log "$RESULTS/$label.daemon.log" 2>&1) || {
     echo "$out" >&2
     {
