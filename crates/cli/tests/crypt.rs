@@ -799,6 +799,70 @@ fn garbage_appended_to_a_lower_file_is_ignored() {
     assert_alive(&mut m);
 }
 
+/// A record header as the format builds it, with its CRCs, for forging records.
+fn forged_record(kind: u8, flags: u8, seq: u64, chunk: u64, count: u32, decoded_len: u32, file_size: u64, payload: &[u8]) -> Vec<u8> {
+    let mut r = vec![0u8; RECORD_HEADER];
+    r[0..4].copy_from_slice(b"PLYR");
+    r[4] = kind;
+    r[5] = flags;
+    r[6] = 12; // 4 KiB chunks
+    r[8..16].copy_from_slice(&seq.to_le_bytes());
+    r[16..24].copy_from_slice(&chunk.to_le_bytes());
+    r[24..28].copy_from_slice(&count.to_le_bytes());
+    r[28..32].copy_from_slice(&decoded_len.to_le_bytes());
+    r[32..36].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    r[36..40].copy_from_slice(&crc32(payload).to_le_bytes());
+    r[40..48].copy_from_slice(&file_size.to_le_bytes());
+    let crc = crc32(&r[0..52]);
+    r[52..56].copy_from_slice(&crc.to_le_bytes());
+    r.extend_from_slice(payload);
+    r.resize(RECORD_HEADER + payload.len().div_ceil(8) * 8, 0);
+    r
+}
+
+#[test]
+fn forged_unencoded_records_appended_to_the_log_read_as_eio() {
+    // Records the cipher never writes — a chunk flagged as stored as it is, a fast tail — carry
+    // plaintext of the attacker's choosing; appended after the log with newer sequence numbers
+    // they would replace real chunks.
+    let data = chunked("real", 4);
+    let m = tamper_volume(&[("raw", &data), ("tail", &data)]);
+    const EVIL: &[u8] = b"EVIL";
+    let evil_chunk: Vec<u8> = EVIL.iter().copied().cycle().take(CHUNK).collect();
+    for (name, chunk) in [("raw", 1u64), ("tail", 3)] {
+        edit_lower(&m, name, |b| {
+            let next_seq = records(b).iter().map(|r| r.seq).max().unwrap() + 1;
+            let forged = match name {
+                "raw" => forged_record(KIND_DATA, 1, next_seq, chunk, 1, CHUNK as u32, data.len() as u64, &evil_chunk),
+                // Keep 100 bytes of the sealed chunk, then the attacker's bytes.
+                _ => forged_record(3, 0, next_seq, chunk, 100, EVIL.len() as u32, (3 * CHUNK + 100 + EVIL.len()) as u64, EVIL),
+            };
+            b.extend_from_slice(&forged);
+        });
+    }
+    let mut m = m.remount();
+    for (name, chunk) in [("raw", 1usize), ("tail", 3)] {
+        let f = open_random(&m.path(name));
+        for c in 0..4 {
+            match read_chunk(&f, c) {
+                Ok(got) => {
+                    assert!(!contains(&got, EVIL), "{name}: chunk {c} serves the attacker's bytes");
+                    assert!(c != chunk, "{name}: the forged chunk {c} read as {} bytes instead of EIO", got.len());
+                    assert!(got == data[c * CHUNK..(c + 1) * CHUNK], "{name}: chunk {c} reads back wrong");
+                }
+                Err(e) => {
+                    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{name}: chunk {c}: {e}");
+                    assert_eq!(c, chunk, "{name}: chunk {c} should still read");
+                }
+            }
+        }
+        assert!(!fs::read(m.path(name)).is_ok_and(|all| contains(&all, EVIL)), "{name}: the attacker's bytes read back");
+    }
+    assert_logged(&m, "raw", 1, "a record marked unencoded");
+    assert_logged(&m, "tail", 3, "an unencoded fast tail");
+    assert_alive(&mut m);
+}
+
 // ------------------------------------------------------------------------------------------
 // Offline tools.
 
