@@ -77,20 +77,20 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
         }
     }
     let lower = lower_dir(&args.lower)?;
+    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
+    // Unlock a crypt volume here, so that a wrong password is reported before anything starts
+    // (and rules naming crypt can be checked).
+    let volume = match args.key_fd {
+        Some(fd) => {
+            crate::secret::register_key_from_fd(&lower, fd)?;
+            None
+        }
+        None => crate::secret::unlock_if_volume(&lower, &args.secret)?.map(plyfs_layers::crypt::keys::register),
+    };
     if let Some(rules) = &args.rules {
         load_rules(rules, &lower)?;
     }
-    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
-
-    // Unlock a crypt volume here, so that a wrong password is reported before anything starts.
-    let volume = match args.key_fd {
-        Some(_) => None,
-        None => crate::secret::unlock_if_volume(&lower, &args.secret)?,
-    };
     if args.foreground {
-        if let Some(v) = volume {
-            plyfs_layers::crypt::keys::register(v);
-        }
         return serve(&args, specs, opts, lower, mountpoint);
     }
     spawn_background(&args, &mountpoint, volume)
@@ -169,9 +169,6 @@ fn serve_inner(
 ) -> Result<(), String> {
     let signals = block_signals();
     init_logging(args.verbose);
-    if let Some(fd) = args.key_fd {
-        crate::secret::register_key_from_fd(&lower, fd)?;
-    }
     // Modes arrive already masked by the kernel; a umask here would mask them twice.
     unsafe { libc::umask(0) };
     let fd_limit = plyfs_stack::raise_fd_limit();
@@ -238,7 +235,7 @@ fn serve_inner(
     result.map_err(|e| format!("serving {}: {e}", mountpoint.display()))
 }
 
-fn spawn_background(args: &MountArgs, mountpoint: &Path, volume: Option<plyfs_layers::crypt::keys::Volume>) -> Result<(), String> {
+fn spawn_background(args: &MountArgs, mountpoint: &Path, volume: Option<Arc<plyfs_layers::crypt::keys::Volume>>) -> Result<(), String> {
     let uid = unsafe { libc::geteuid() };
     let log = match &args.log {
         Some(l) => std::path::absolute(l).map_err(|e| format!("--log {}: {e}", l.display()))?,

@@ -121,7 +121,7 @@ fn main() -> ExitCode {
             Ok(())
         }
         Command::Encode { src, dest, stack, secret } => offline_run(|| {
-            secret::unlock_and_register(&dest, &secret)?;
+            secret::unlock_and_register(&offline::encode_root(&src, &dest), &secret)?;
             offline::encode(&src, &dest, &stack)
         }),
         Command::Decode { lower, dest, stack, path, secret } => offline_run(|| {

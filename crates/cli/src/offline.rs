@@ -11,7 +11,7 @@ use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -131,11 +131,22 @@ fn copy_attrs_in(level: &Level, node: NodeId, meta: &fs::Metadata, is_link: bool
     level.call(&cx(), &Op::SetAttr { node, fh: None, set }).map(|_| ()).map_err(|e| e.to_string())
 }
 
+/// The lower directory `encode` writes into: `dest` for a tree, its parent for a file.
+pub fn encode_root(src: &Path, dest: &Path) -> PathBuf {
+    if fs::metadata(src).is_ok_and(|m| m.is_dir()) {
+        dest.to_path_buf()
+    } else {
+        dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf()
+    }
+}
+
 /// Write plain `src` (a file or a tree) into `dest` in the lower format of `spec`.
 pub fn encode(src: &Path, dest: &Path, spec: &str) -> Res<()> {
     let meta = fs::symlink_metadata(src).map_err(|e| format!("{}: {e}", src.display()))?;
     let (lower_root, name) = if meta.is_dir() {
-        match fs::read_dir(dest).map(|mut d| d.next().is_some()) {
+        // A crypt volume made for it holds its configuration already.
+        let config = std::ffi::OsStr::new(plyfs_layers::crypt::keys::CONFIG_NAME);
+        match fs::read_dir(dest).map(|mut d| d.any(|e| e.map_or(true, |e| e.file_name() != config))) {
             Ok(true) => return Err(format!("{}: not empty; encode into a new or empty directory", dest.display())),
             Ok(false) => {}
             Err(_) => fs::create_dir_all(dest).map_err(|e| format!("{}: {e}", dest.display()))?,

@@ -167,3 +167,59 @@ fn passwords_typed_at_the_prompt_are_not_echoed_and_unlock_the_volume() {
     assert_eq!(fs::read(m.path("typed")).unwrap(), b"through the prompt");
     drop(m);
 }
+
+/// Rules match the plaintext paths of a volume with encrypted names, `policy explain` names
+/// the rule, and a rule may itself choose `crypt` (the volume is unlocked before rules load).
+#[test]
+fn rules_see_plaintext_paths_on_a_volume_with_encrypted_names() {
+    let rules_dir = tempfile::tempdir().unwrap();
+    let rules = rules_dir.path().join("rules.toml");
+    fs::write(
+        &rules,
+        "[[rule]]\nglob = \"sub/*.txt\"\nlayers = \"zstd,crypt\"\n\n[[rule]]\nglob = \"*.log\"\nlayers = \"none\"\n",
+    )
+    .unwrap();
+    let m = Mount::crypt("crypt", &[], &[&format!("--rules={}", rules.display())]);
+    fs::create_dir(m.path("sub")).unwrap();
+    let text = "a line of text that compresses well\n".repeat(2000);
+    fs::write(m.path("sub/a.txt"), &text).unwrap();
+    fs::write(m.path("top.log"), "plain log line\n").unwrap();
+    fs::write(m.path("sub/b.log"), "another plain log line\n").unwrap();
+    fs::write(m.path("other.dat"), &text).unwrap();
+    let explain = |rel: &str| {
+        let out = run(plyfs().args(["policy", "explain"]).arg(m.path(rel)));
+        assert!(out.status.success(), "explain {rel}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let a = explain("sub/a.txt");
+    assert!(a.contains("rule 1") && a.contains("zstd,crypt"), "{a}");
+    assert!(explain("top.log").contains("rule 2"), "{}", explain("top.log"));
+    assert!(explain("sub/b.log").contains("rule 2"));
+    assert!(explain("other.dat").contains("default"), "{}", explain("other.dat"));
+    // What each file became below: the logs stay plain (as their rule says), the rest is sealed;
+    // sub/a.txt compressed too.
+    let mut plain = 0;
+    let mut sealed_sizes = Vec::new();
+    let mut below = vec![m.lower.clone()];
+    while let Some(dir) = below.pop() {
+        for e in fs::read_dir(&dir).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                below.push(e.path());
+            } else if e.file_name() != ".plyfs-crypt.conf" {
+                let bytes = fs::read(e.path()).unwrap();
+                if bytes.ends_with(b"log line\n") {
+                    plain += 1;
+                } else {
+                    assert!(bytes.starts_with(b"PLYSCA"), "{}", e.path().display());
+                    sealed_sizes.push(bytes.len());
+                }
+            }
+        }
+    }
+    assert_eq!(plain, 2);
+    sealed_sizes.sort();
+    assert_eq!(sealed_sizes.len(), 2);
+    assert!(sealed_sizes[0] * 4 < sealed_sizes[1], "sub/a.txt is compressed before it is sealed: {sealed_sizes:?}");
+    assert_eq!(fs::read_to_string(m.path("sub/a.txt")).unwrap(), text);
+}

@@ -101,7 +101,7 @@ pub struct FuseFs {
 
 fn errno(e: &Error) -> Errno {
     if let Error::Corrupt(msg) = e {
-        tracing::warn!("{msg}");
+        tracing::error!("{msg}");
     }
     Errno::from_i32(e.errno())
 }

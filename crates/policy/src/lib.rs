@@ -116,8 +116,9 @@ struct FileState {
 
 struct DirState {
     generation: u64,
-    /// Relative to the mount root, "" for the root.
-    path: String,
+    /// Relative to the mount root, "" for the root; known only where rules or the directory's
+    /// own policy need it.
+    path: Option<String>,
     decided: Option<Decided>,
 }
 
@@ -136,7 +137,6 @@ pub struct PolicyLayer {
     /// Bumped whenever a directory policy or the shape of the tree changes: cached directory
     /// decisions older than it are recomputed.
     generation: AtomicU64,
-    lower_root: OnceLock<String>,
     temp_counter: AtomicU64,
     warned_no_xattrs: std::sync::atomic::AtomicBool,
     /// Whether any file of the lower directory may carry a record ([`RECORDS_XATTR`]).
@@ -185,7 +185,6 @@ impl PolicyLayer {
             nodes: RwLock::new(nodes),
             dirs: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(1),
-            lower_root: OnceLock::new(),
             temp_counter: AtomicU64::new(0),
             warned_no_xattrs: std::sync::atomic::AtomicBool::new(false),
             records: std::sync::atomic::AtomicBool::new(records),
@@ -351,41 +350,32 @@ impl PolicyLayer {
 
     // Paths.
 
-    fn lower_path(&self, node: NodeId) -> Result<String> {
-        let v = self.below().extended(&daemon(), node, "lower-info", &[])?;
-        v.get("lower_path").and_then(Value::as_str).map(str::to_owned).ok_or(Error::Os(libc::EIO))
-    }
-
-    /// The node's path relative to the mount root ("" for the root).
+    /// The node's path relative to the mount root ("" for the root), as the layers above
+    /// name it: the bottom's `lower-info` says, translated by any layer between (a crypt
+    /// volume's names).
     fn rel_path(&self, node: NodeId) -> Result<String> {
-        let root = match self.lower_root.get() {
-            Some(r) => r.clone(),
-            None => {
-                let r = self.lower_path(NodeId::ROOT)?;
-                self.lower_root.get_or_init(|| r).clone()
-            }
-        };
         if node == NodeId::ROOT {
             return Ok(String::new());
         }
-        let full = self.lower_path(node)?;
-        full.strip_prefix(&root)
-            .map(|p| p.trim_start_matches('/').to_owned())
-            .ok_or_else(|| Error::Corrupt(format!("{full} is outside the lower directory {root}")))
+        let v = self.below().extended(&daemon(), node, "lower-info", &[])?;
+        v.get("path").and_then(Value::as_str).map(str::to_owned).ok_or(Error::Os(libc::EIO))
     }
 
     // Deciding.
 
     /// The policy directory `dir` hands down to new files: its own attribute, else its
     /// parent's. Cached until a directory policy changes or a directory moves.
-    fn dir_decision(&self, dir: NodeId) -> Result<(String, Option<Decided>)> {
+    fn dir_decision(&self, dir: NodeId) -> Result<(Option<String>, Option<Decided>)> {
         let generation = self.generation.load(Ordering::Acquire);
         if let Some(d) = self.dirs.lock().get(&dir).filter(|d| d.generation == generation) {
             return Ok((d.path.clone(), d.decided.clone()));
         }
-        let path = self.rel_path(dir)?;
-        let decided = match self.own_policy(dir)? {
-            Some(chain) => Some(Decided { chain, source: Source::DirAttr(path.as_str().into()) }),
+        // Paths serve to match rules and to name a directory's own policy; without either no
+        // path is asked for (a deep tree's lower paths can pass PATH_MAX).
+        let own = self.own_policy(dir)?;
+        let path = if !self.rules.is_empty() || own.is_some() { Some(self.rel_path(dir)?) } else { None };
+        let decided = match own {
+            Some(chain) => Some(Decided { chain, source: Source::DirAttr(path.clone().unwrap_or_default().as_str().into()) }),
             None if dir == NodeId::ROOT => None,
             None => {
                 let parent = self.below().lookup(&daemon(), dir, OsStr::new(".."))?;
@@ -411,6 +401,7 @@ impl PolicyLayer {
         }
         if !self.rules.is_empty() {
             let name = name.to_string_lossy();
+            let dir_path = dir_path.unwrap_or_default();
             let path = if dir_path.is_empty() { name.into_owned() } else { format!("{dir_path}/{name}") };
             if let Some(r) = self.rules.find(&path, size) {
                 let slot = &self.rule_chains[r.number - 1];
@@ -630,6 +621,10 @@ impl PolicyLayer {
         let chain = self.chain_of(node)?;
         if !matches!(self.nodes.read().get(&node), Some(Known::File(_))) {
             let (path, decided) = self.dir_decision(node)?;
+            let path = match path {
+                Some(p) => p,
+                None => self.rel_path(node)?,
+            };
             let decided = decided.unwrap_or_else(|| self.rule_or_default_for_dir());
             return Ok(json!({
                 "path": path,

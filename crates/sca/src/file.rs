@@ -652,16 +652,14 @@ impl<L: LowerIo> ScaFile<L> {
         Ok(())
     }
 
-    /// Log and return the error for a damaged chunk: the file, the upper offset, the lower
-    /// offset, the cause.
+    /// The error for a damaged chunk: the file, the upper offset, the lower offset, the cause.
+    /// Whoever reports the error logs it (the FUSE front end logs every one it turns into EIO).
     fn corrupt(&self, chunk: u64, lower_off: u64, why: &str) -> Error {
-        let msg = format!(
+        Error::Corrupt(format!(
             "{}: corrupt data at offset {} (record at lower offset {lower_off}): {why}",
             self.lower.describe(),
             chunk << self.ix.chunk_shift
-        );
-        tracing::error!("{msg}");
-        Error::Corrupt(msg)
+        ))
     }
 
     fn tail_content(&self) -> std::result::Result<Vec<u8>, Fault> {

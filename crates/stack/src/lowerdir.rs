@@ -126,6 +126,8 @@ struct DirStream {
 
 pub struct LowerDir {
     root: PathBuf,
+    /// The root's path as the kernel names it (absolute, no symlinks), for `lower-info`.
+    root_real: PathBuf,
     root_key: (u64, u64),
     nodes: Mutex<NodeTable>,
     files: Mutex<HashMap<u64, Arc<OwnedFd>>>,
@@ -262,6 +264,7 @@ impl LowerDir {
         })
         .map_err(|e| Error::config(format!("lower directory {}: {e}", root.display())))?;
         let mount_fd = unsafe { OwnedFd::from_raw_fd(mount_fd) };
+        let root_real = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap_or_else(|_| root.to_owned());
         let fd = Arc::new(fd);
         let root_node = LowerNode {
             key: (st.st_dev, st.st_ino),
@@ -276,6 +279,7 @@ impl LowerDir {
         by_id.insert(NodeId::ROOT.0, (Arc::new(root_node), u64::MAX / 2));
         Ok(LowerDir {
             root: root.to_owned(),
+            root_real,
             root_key: (st.st_dev, st.st_ino),
             nodes: Mutex::new(NodeTable { by_id, synthetic: HashMap::new(), next_synthetic: SYNTHETIC_IDS }),
             files: Mutex::new(HashMap::new()),
@@ -665,7 +669,11 @@ impl LowerDir {
     fn lower_info(&self, node: NodeId) -> Result<serde_json::Value> {
         let n = self.node(node)?;
         let path = std::fs::read_link(format!("/proc/self/fd/{}", n.fd.as_raw_fd()))?;
+        // The same path relative to the lower directory: what the layers above call it, unless
+        // one of them renames things (a crypt volume's names layer translates it).
+        let rel = path.strip_prefix(&self.root_real).map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
         Ok(serde_json::json!({
+            "path": rel,
             "lower_path": path.to_string_lossy(),
             "dev": n.key.0,
             "ino": n.key.1,

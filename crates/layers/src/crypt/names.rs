@@ -356,6 +356,44 @@ impl CryptNames {
         Ok(Reply::Dir(shown))
     }
 
+    /// The plaintext form of a path relative to the lower root.
+    fn plain_path(&self, lower: &str) -> Result<String> {
+        let cx = internal();
+        let comps: Vec<&str> = lower.split('/').filter(|c| !c.is_empty()).collect();
+        let mut parent = NodeId::ROOT;
+        let mut held = Vec::new();
+        let mut out = Vec::with_capacity(comps.len());
+        let result = (|| {
+            for (i, c) in comps.iter().enumerate() {
+                let id = self.dir_id(parent)?;
+                let name = self.shown_name(parent, &id, OsStr::new(c)).ok_or(Error::Os(libc::EIO))?;
+                out.push(name.to_string_lossy().into_owned());
+                if i + 1 < comps.len() {
+                    let e = self.below().lookup(&cx, parent, OsStr::new(c))?;
+                    held.push(e.node);
+                    parent = e.node;
+                }
+            }
+            Ok(())
+        })();
+        for node in held {
+            self.below().forget(&cx, node, 1);
+        }
+        result.map(|()| out.join("/"))
+    }
+
+    fn lower_info(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        let mut v = match self.below().call(cx, op)? {
+            Reply::Extended(v) => v,
+            other => return Ok(other),
+        };
+        if let Some(lower) = v.get("path").and_then(|p| p.as_str()).map(str::to_owned) {
+            v["lower_rel_path"] = lower.clone().into();
+            v["path"] = self.plain_path(&lower)?.into();
+        }
+        Ok(Reply::Extended(v))
+    }
+
     fn xattr_hidden(&self, name: &OsStr) -> bool {
         !self.plaintext && name.as_bytes() == DIRID_XATTR.as_bytes()
     }
@@ -492,6 +530,7 @@ impl Layer for CryptNames {
             Op::GetXattr { name, .. } if self.xattr_hidden(name) => Err(Error::Os(libc::ENODATA)),
             Op::SetXattr { name, .. } | Op::RemoveXattr { name, .. } if self.xattr_hidden(name) => Err(Error::Os(libc::EPERM)),
             Op::ListXattr { node, size } if !self.plaintext => self.list_xattrs(cx, node, size),
+            Op::Extended { name: "lower-info", .. } if !self.plaintext => self.lower_info(cx, op),
             _ => bypass(self, cx, op),
         }
     }
