@@ -228,7 +228,7 @@ fn reseal_crcs(bytes: &mut [u8], r: &Record) {
 }
 
 /// The nonce length of the AES-256-GCM payloads of these tests.
-const NONCE: usize = 16;
+const NONCE: usize = 12;
 const TAG: usize = 16;
 
 // ------------------------------------------------------------------------------------------

@@ -1,23 +1,23 @@
 //! Known answers for the crypt layer's on-disk chunk format, computed independently of the
 //! codec: the key derived with HKDF-SHA256 and the chunk sealed with the `aes-gcm` and
-//! `chacha20poly1305` crates directly, and pinned as hex bytes (checked against Python's
+//! `chacha20poly1305` crates directly (the AES-256-GCM file key too), and pinned as hex bytes (checked against Python's
 //! `cryptography` package, with HChaCha20 written out by hand for XChaCha20-Poly1305). A change
 //! of format — key derivation, associated data, nonce, kind byte, layout — fails here before
 //! it can make existing volumes unreadable.
 //!
 //! ```text
-//! key       = HKDF-SHA256(salt "plyfs crypt v1", ikm master key, info "data <cipher>")
+//! data key  = HKDF-SHA256(salt "plyfs crypt v1", ikm master key, info "data <cipher>")
+//! key       = AES-256-GCM: HKDF-SHA256(salt "plyfs crypt v1 file", ikm data key, info file id)
+//!             XChaCha20-Poly1305: the data key
 //! AD        = "plyfs crypt v1" || file id (16) || first chunk (u64 LE) || chunk count (u64 LE)
 //! plaintext = chunk || kind (0: stored, 1: zstd)
-//! payload   = nonce (16 for AES-256-GCM, 24 for XChaCha20-Poly1305) || ciphertext || tag (16)
+//! payload   = nonce (12 for AES-256-GCM, 24 for XChaCha20-Poly1305) || ciphertext || tag (16)
 //! ```
 
 use std::sync::Arc;
 
-use aes_gcm::aead::consts::U16;
 use aes_gcm::aead::{Aead, KeyInit, Payload};
-use aes_gcm::aes::Aes256;
-use aes_gcm::AesGcm;
+use aes_gcm::Aes256Gcm;
 use chacha20poly1305::XChaCha20Poly1305;
 use plyfs_layers::crypt::codec::{CryptCodec, KIND_STORED, KIND_ZSTD};
 use plyfs_layers::crypt::keys::{CipherKind, MasterKey};
@@ -37,6 +37,13 @@ fn data_key(info: &str) -> [u8; 32] {
     key
 }
 
+/// The AES-256-GCM key of the file `file_id`.
+fn file_key(file_id: &[u8; 16]) -> [u8; 32] {
+    let mut key = [0u8; 32];
+    hkdf::Hkdf::<sha2::Sha256>::new(Some(b"plyfs crypt v1 file"), &data_key("data aes-256-gcm")).expand(file_id, &mut key).unwrap();
+    key
+}
+
 fn associated_data(place: &Place) -> Vec<u8> {
     let mut ad = b"plyfs crypt v1".to_vec();
     ad.extend_from_slice(&place.file_id);
@@ -47,7 +54,7 @@ fn associated_data(place: &Place) -> Vec<u8> {
 
 fn nonce_len(cipher: CipherKind) -> usize {
     match cipher {
-        CipherKind::Aes256Gcm => 16,
+        CipherKind::Aes256Gcm => 12,
         CipherKind::XChaCha20Poly1305 => 24,
     }
 }
@@ -58,7 +65,7 @@ fn independent_seal(cipher: CipherKind, nonce: &[u8], place: &Place, body: &[u8]
     msg.push(kind);
     let aad = associated_data(place);
     let sealed = match cipher {
-        CipherKind::Aes256Gcm => AesGcm::<Aes256, U16>::new_from_slice(&data_key("data aes-256-gcm"))
+        CipherKind::Aes256Gcm => Aes256Gcm::new_from_slice(&file_key(&place.file_id))
             .unwrap()
             .encrypt(nonce.into(), Payload { msg: &msg, aad: &aad }),
         CipherKind::XChaCha20Poly1305 => XChaCha20Poly1305::new_from_slice(&data_key("data xchacha20-poly1305"))
@@ -76,7 +83,7 @@ fn independent_open(cipher: CipherKind, place: &Place, payload: &[u8]) -> (Vec<u
     let (nonce, sealed) = payload.split_at(nonce_len(cipher));
     let aad = associated_data(place);
     let mut plain = match cipher {
-        CipherKind::Aes256Gcm => AesGcm::<Aes256, U16>::new_from_slice(&data_key("data aes-256-gcm"))
+        CipherKind::Aes256Gcm => Aes256Gcm::new_from_slice(&file_key(&place.file_id))
             .unwrap()
             .decrypt(nonce.into(), Payload { msg: sealed, aad: &aad }),
         CipherKind::XChaCha20Poly1305 => XChaCha20Poly1305::new_from_slice(&data_key("data xchacha20-poly1305"))
@@ -112,7 +119,7 @@ fn decode(codec: &CryptCodec, place: &Place, payload: &[u8], len: usize) -> Resu
 fn pinned_payloads_of_a_tiny_chunk() {
     let place = Place { file_id: FILE_ID, chunk: 5, count: 1 };
     for (cipher, expected) in [
-        (CipherKind::Aes256Gcm, "000102030405060708090a0b0c0d0e0f49858e641ab86468707c77cf045f9843b4d71cd638f5"),
+        (CipherKind::Aes256Gcm, "000102030405060708090a0b75d511dd8bcca81a335bb491c4b008b6f57412dd560f"),
         (
             CipherKind::XChaCha20Poly1305,
             "000102030405060708090a0b0c0d0e0f101112131415161736afff4e5fb989235332c324a70fc7ec8c881048cde4",

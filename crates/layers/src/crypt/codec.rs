@@ -7,11 +7,17 @@
 //! AD        = "plyfs crypt v1" || file id (16) || first chunk (u64 LE) || chunk count (u64 LE)
 //! ```
 //!
-//! The nonce is fresh and random for every seal: 16 bytes for AES-256-GCM (as gocryptfs, which
-//! keeps random nonces far from collision), 24 for XChaCha20-Poly1305. The associated data binds
-//! the payload to its file (the random id in the file header) and its place in it, so a chunk
-//! copied to another position or file, or any altered byte, fails to open: EIO, never garbage.
-//! A run of zero chunks (a hole) is one payload bound to the whole run.
+//! The nonce is fresh and random for every seal: 12 bytes for AES-256-GCM, under a key of the
+//! file's own (HKDF-SHA256 of the volume's data key and the file id), so the usual bound of
+//! 2^32 random nonces per key is 2^32 chunks per file (16 TiB at 4 KiB); 24 bytes for
+//! XChaCha20-Poly1305, under the volume's data key. The associated data binds the payload to
+//! its file (the random id in the file header) and its place in it, so a chunk copied to
+//! another position or file, or any altered byte, fails to open: EIO, never garbage. A run of
+//! zero chunks (a hole) is one payload bound to the whole run.
+//!
+//! AES-256-GCM comes from `ring` (AES-NI, VAES and carry-less multiplication: about 0.5 µs per
+//! 4 KiB chunk here, five times the RustCrypto implementation), XChaCha20-Poly1305 from
+//! RustCrypto.
 //!
 //! Because the compression kind is inside the sealed plaintext, every crypt layer reads every
 //! chunk, whether a collapsed `zstd,crypt` pipeline or a plain `crypt` wrote it.
@@ -20,11 +26,13 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use aes_gcm::aead::consts::U16;
-use aes_gcm::aead::{AeadInPlace, KeyInit};
-use aes_gcm::aes::Aes256;
-use aes_gcm::AesGcm;
+use std::collections::HashMap;
+
+use chacha20poly1305::aead::{AeadInPlace, KeyInit};
 use chacha20poly1305::XChaCha20Poly1305;
+use parking_lot::RwLock;
+use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
+use zeroize::Zeroizing;
 use plyfs_sca::{Codec, FileFacts, Place};
 use plyfs_stack::ExtOpInfo;
 use serde_json::json;
@@ -63,9 +71,13 @@ fn decoder_for(kind: u8) -> Option<&'static dyn Codec> {
 }
 
 enum Sealer {
-    Gcm(Box<AesGcm<Aes256, U16>>),
+    /// The volume's data key, and the keys derived from it per file.
+    Gcm { data_key: Zeroizing<[u8; 32]>, files: RwLock<HashMap<[u8; 16], Arc<LessSafeKey>>> },
     XChaCha(Box<XChaCha20Poly1305>),
 }
+
+/// Per-file keys kept at most (each is a few hundred bytes); the table starts over when full.
+const FILE_KEYS: usize = 4096;
 
 /// Where nonces and file ids come from.
 enum Nonces {
@@ -116,10 +128,7 @@ impl CryptCodec {
     /// The chunk cipher of a volume, with `inner` compressing each chunk before it is sealed.
     pub fn new(cipher: CipherKind, key: &MasterKey, inner: Option<(u8, Arc<dyn Codec>)>) -> CryptCodec {
         let sealer = match cipher {
-            CipherKind::Aes256Gcm => {
-                let k = key.subkey::<32>("data aes-256-gcm");
-                Sealer::Gcm(Box::new(AesGcm::new_from_slice(&k[..]).expect("32-byte key")))
-            }
+            CipherKind::Aes256Gcm => Sealer::Gcm { data_key: key.subkey::<32>("data aes-256-gcm"), files: RwLock::new(HashMap::new()) },
             CipherKind::XChaCha20Poly1305 => {
                 let k = key.subkey::<32>("data xchacha20-poly1305");
                 Sealer::XChaCha(Box::new(XChaCha20Poly1305::new_from_slice(&k[..]).expect("32-byte key")))
@@ -137,9 +146,28 @@ impl CryptCodec {
 
     fn nonce_len(&self) -> usize {
         match self.sealer {
-            Sealer::Gcm(_) => 16,
+            Sealer::Gcm { .. } => 12,
             Sealer::XChaCha(_) => 24,
         }
+    }
+
+    /// The AES-256-GCM key of one file: HKDF-SHA256(salt "plyfs crypt v1 file", data key,
+    /// info file id).
+    fn file_key(data_key: &[u8; 32], files: &RwLock<HashMap<[u8; 16], Arc<LessSafeKey>>>, file_id: &[u8; 16]) -> Arc<LessSafeKey> {
+        if let Some(k) = files.read().get(file_id) {
+            return k.clone();
+        }
+        let mut bytes = Zeroizing::new([0u8; 32]);
+        hkdf::Hkdf::<sha2::Sha256>::new(Some(b"plyfs crypt v1 file"), data_key)
+            .expand(file_id, &mut bytes[..])
+            .expect("HKDF output length is small");
+        let key = Arc::new(LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &bytes[..]).expect("32-byte key")));
+        let mut files = files.write();
+        if files.len() >= FILE_KEYS {
+            files.clear();
+        }
+        files.insert(*file_id, key.clone());
+        key
     }
 
     fn associated_data(place: &Place) -> [u8; 46] {
@@ -151,17 +179,26 @@ impl CryptCodec {
         ad
     }
 
-    fn seal(&self, nonce: &[u8], ad: &[u8], buf: &mut [u8]) -> Result<[u8; TAG_BYTES], String> {
-        let tag = match &self.sealer {
-            Sealer::Gcm(c) => c.encrypt_in_place_detached(nonce.into(), ad, buf),
-            Sealer::XChaCha(c) => c.encrypt_in_place_detached(nonce.into(), ad, buf),
-        };
-        tag.map(|t| t.into()).map_err(|_| "sealing failed".to_owned())
+    fn seal(&self, place: &Place, nonce: &[u8], ad: &[u8], buf: &mut [u8]) -> Result<[u8; TAG_BYTES], String> {
+        let failed = |_| "sealing failed".to_owned();
+        match &self.sealer {
+            Sealer::Gcm { data_key, files } => {
+                let key = Self::file_key(data_key, files, &place.file_id);
+                let nonce = Nonce::try_assume_unique_for_key(nonce).map_err(failed)?;
+                let tag = key.seal_in_place_separate_tag(nonce, Aad::from(ad), buf).map_err(failed)?;
+                Ok(tag.as_ref().try_into().expect("16-byte tag"))
+            }
+            Sealer::XChaCha(c) => c.encrypt_in_place_detached(nonce.into(), ad, buf).map(|t| t.into()).map_err(|_| "sealing failed".to_owned()),
+        }
     }
 
-    fn open(&self, nonce: &[u8], ad: &[u8], buf: &mut [u8], tag: &[u8]) -> bool {
+    fn open(&self, place: &Place, nonce: &[u8], ad: &[u8], buf: &mut [u8], tag: &[u8]) -> bool {
         match &self.sealer {
-            Sealer::Gcm(c) => c.decrypt_in_place_detached(nonce.into(), ad, buf, tag.into()).is_ok(),
+            Sealer::Gcm { data_key, files } => {
+                let key = Self::file_key(data_key, files, &place.file_id);
+                let (Ok(nonce), Ok(tag)) = (Nonce::try_assume_unique_for_key(nonce), <[u8; 16]>::try_from(tag)) else { return false };
+                key.open_in_place_separate_tag(nonce, Aad::from(ad), Tag::from(tag), buf, 0..).is_ok()
+            }
             Sealer::XChaCha(c) => c.decrypt_in_place_detached(nonce.into(), ad, buf, tag.into()).is_ok(),
         }
     }
@@ -170,7 +207,7 @@ impl CryptCodec {
 impl Codec for CryptCodec {
     fn tag(&self) -> [u8; 4] {
         match self.cipher {
-            CipherKind::Aes256Gcm => *b"cryG",
+            CipherKind::Aes256Gcm => *b"cgcm",
             CipherKind::XChaCha20Poly1305 => *b"cryX",
         }
     }
@@ -209,7 +246,7 @@ impl Codec for CryptCodec {
             }
         };
         out.push(kind);
-        match self.seal(nonce, &Self::associated_data(place), &mut out[body..]) {
+        match self.seal(place, nonce, &Self::associated_data(place), &mut out[body..]) {
             Ok(tag) => {
                 out.extend_from_slice(&tag);
                 Ok(())
@@ -233,7 +270,7 @@ impl Codec for CryptCodec {
         let (sealed, tag) = rest.split_at(rest.len() - TAG_BYTES);
         let start = out.len();
         out.extend_from_slice(sealed);
-        if !self.open(nonce, &Self::associated_data(place), &mut out[start..], tag) {
+        if !self.open(place, nonce, &Self::associated_data(place), &mut out[start..], tag) {
             out.truncate(start);
             return Err("authentication failed: the chunk was altered, moved from another place or file, or is not this volume's".into());
         }
