@@ -3,48 +3,11 @@
 
 use std::sync::Arc;
 
-use parking_lot::Mutex;
 use plyfs_layers::crypt::codec::CryptCodec;
 use plyfs_layers::crypt::keys::{CipherKind, MasterKey};
 use plyfs_sca::format::{build_record, Kind, RecordHeader, DATA_START, FLAG_RAW, RECORD_HEADER_BYTES};
+use plyfs_sca::mem::MemLower as Mem;
 use plyfs_sca::{Engine, LowerIo, ScaFile};
-use plyfs_stack::Result;
-
-#[derive(Clone, Default)]
-struct Mem(Arc<Mutex<Vec<u8>>>);
-
-impl LowerIo for Mem {
-    fn read_at(&self, off: u64, len: usize) -> Result<Vec<u8>> {
-        let b = self.0.lock();
-        let s = (off as usize).min(b.len());
-        Ok(b[s..(s + len).min(b.len())].to_vec())
-    }
-    fn write_at(&self, off: u64, data: &[u8]) -> Result<()> {
-        let mut b = self.0.lock();
-        let end = off as usize + data.len();
-        if b.len() < end {
-            b.resize(end, 0);
-        }
-        b[off as usize..end].copy_from_slice(data);
-        Ok(())
-    }
-    fn set_len(&self, len: u64) -> Result<()> {
-        self.0.lock().resize(len as usize, 0);
-        Ok(())
-    }
-    fn len(&self) -> Result<u64> {
-        Ok(self.0.lock().len() as u64)
-    }
-    fn sync(&self) -> Result<()> {
-        Ok(())
-    }
-    fn writable(&self) -> bool {
-        true
-    }
-    fn describe(&self) -> String {
-        "mem".into()
-    }
-}
 
 fn engine() -> Arc<Engine> {
     let codec = CryptCodec::new(CipherKind::Aes256Gcm, &MasterKey::from_bytes([9; 32]), None);

@@ -43,7 +43,7 @@ fn name_of(len: usize, seed: u8) -> OsString {
     // Multi-byte UTF-8 and ASCII mixed, exactly `len` bytes.
     let mut v = Vec::with_capacity(len);
     while v.len() < len {
-        if len - v.len() >= 2 && (v.len() / 2 + seed as usize) % 3 == 0 {
+        if len - v.len() >= 2 && (v.len() / 2 + seed as usize).is_multiple_of(3) {
             v.extend_from_slice("é".as_bytes());
         } else {
             v.push(b'a' + (v.len() as u8 + seed) % 26);

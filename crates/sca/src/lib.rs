@@ -18,6 +18,7 @@ pub mod file;
 pub mod format;
 pub mod index;
 pub mod layer;
+pub mod mem;
 
 pub use codec::{Codec, FileFacts, Place};
 pub use file::{Engine, LowerIo, ScaFile};

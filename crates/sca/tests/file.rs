@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use plyfs_sca::format::DATA_START;
+use plyfs_sca::mem::MemLower;
 use plyfs_sca::{Codec, Engine, LowerIo, ScaFile};
 use plyfs_stack::Result;
 use proptest::prelude::*;
@@ -46,42 +47,6 @@ impl Codec for Rle {
 
     fn store_raw_if_larger(&self) -> bool {
         true
-    }
-}
-
-#[derive(Clone, Default)]
-struct MemLower(Arc<Mutex<Vec<u8>>>);
-
-impl LowerIo for MemLower {
-    fn read_at(&self, off: u64, len: usize) -> Result<Vec<u8>> {
-        let b = self.0.lock();
-        let start = (off as usize).min(b.len());
-        Ok(b[start..(start + len).min(b.len())].to_vec())
-    }
-    fn write_at(&self, off: u64, data: &[u8]) -> Result<()> {
-        let mut b = self.0.lock();
-        let end = off as usize + data.len();
-        if b.len() < end {
-            b.resize(end, 0);
-        }
-        b[off as usize..end].copy_from_slice(data);
-        Ok(())
-    }
-    fn set_len(&self, len: u64) -> Result<()> {
-        self.0.lock().resize(len as usize, 0);
-        Ok(())
-    }
-    fn len(&self) -> Result<u64> {
-        Ok(self.0.lock().len() as u64)
-    }
-    fn sync(&self) -> Result<()> {
-        Ok(())
-    }
-    fn writable(&self) -> bool {
-        true
-    }
-    fn describe(&self) -> String {
-        "mem".into()
     }
 }
 

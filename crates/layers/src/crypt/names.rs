@@ -201,7 +201,7 @@ impl CryptNames {
             let companion = format!("{text}{COMPANION_SUFFIX}");
             let full = self.read_companion(dir, OsStr::new(&companion))?;
             let hash = B64.encode(sha2::Sha256::digest(full.as_bytes()));
-            if text[LONG_PREFIX.len()..] != hash {
+            if text.strip_prefix(LONG_PREFIX) != Some(hash.as_str()) {
                 tracing::warn!("directory {}: {companion} does not belong to {text}; hiding it", dir.0);
                 return None;
             }
