@@ -102,24 +102,51 @@ fn long_names_renames_links_and_symlinks_survive_a_remount() {
     assert_eq!(listing(&m.lower), [".plyfs-crypt.conf".to_owned()].into_iter().collect());
 }
 
-/// Run `plyfs ARGS` on a terminal (through `script`), typing `lines` at its prompts.
-fn on_terminal(args: &str, lines: &[&str]) -> std::process::Output {
+/// Run `plyfs ARGS` on a terminal (through `script`), typing each line once the prompt before
+/// it is on the screen (typed earlier, the terminal would still echo it). Returns the exit
+/// status and everything shown.
+fn on_terminal(args: &str, answers: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    use std::sync::{Arc, Mutex};
     let bin = env!("CARGO_BIN_EXE_plyfs");
     let mut child = Command::new("script")
         .args(["-q", "-e", "-c", &format!("{bin} {args}"), "/dev/null"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(Stdio::null())
         .spawn()
         .expect("script (util-linux)");
+    let shown = Arc::new(Mutex::new(String::new()));
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = {
+        let shown = shown.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 256];
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                shown.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        })
+    };
     let mut stdin = child.stdin.take().unwrap();
-    for line in lines {
-        // Each answer after its prompt is up: the prompt turns echo off first.
-        std::thread::sleep(std::time::Duration::from_millis(400));
+    for (i, (prompt, line)) in answers.iter().enumerate() {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        // The i-th answer waits for the prompt's (i+1)-th appearance counted over all answers.
+        let wanted = answers[..=i].iter().filter(|(p, _)| p == prompt).count();
+        while shown.lock().unwrap().matches(prompt).count() < wanted {
+            assert!(std::time::Instant::now() < deadline, "no prompt {prompt:?}: {}", shown.lock().unwrap());
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        // The prompt is written once echo is off.
         writeln!(stdin, "{line}").unwrap();
     }
     drop(stdin);
-    child.wait_with_output().unwrap()
+    let status = child.wait().unwrap();
+    reader.join().unwrap();
+    let text = shown.lock().unwrap().clone();
+    (status, text)
 }
 
 #[test]
@@ -128,17 +155,16 @@ fn passwords_typed_at_the_prompt_are_not_echoed_and_unlock_the_volume() {
     let (lower, mnt) = (dir.path().join("lower"), dir.path().join("mnt"));
     fs::create_dir(&lower).unwrap();
     fs::create_dir(&mnt).unwrap();
-    let out = on_terminal(&format!("init {} --kdf-memory 1024", lower.display()), &["typed secret", "typed secret"]);
-    let shown = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "init at a prompt: {shown}");
+    let (status, shown) = on_terminal(&format!("init {} --kdf-memory 1024", lower.display()), &[("New password", "typed secret"), ("Repeat it", "typed secret")]);
+    assert!(status.success(), "init at a prompt: {shown}");
     assert!(shown.contains("New password") && shown.contains("Repeat it"), "{shown}");
     assert!(!shown.contains("typed secret"), "the password was echoed: {shown}");
     // Two different answers are refused.
     let other = dir.path().join("other");
     fs::create_dir(&other).unwrap();
-    let out = on_terminal(&format!("init {} --kdf-memory 1024", other.display()), &["one", "two"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stdout).contains("the two passwords differ"));
+    let (status, shown) = on_terminal(&format!("init {} --kdf-memory 1024", other.display()), &[("New password", "one"), ("Repeat it", "two")]);
+    assert!(!status.success());
+    assert!(shown.contains("the two passwords differ"), "{shown}");
     // Typed at the mount's prompt, a wrong password mounts nothing; the right one mounts.
     struct Unmount<'a>(&'a Path);
     impl Drop for Unmount<'_> {
@@ -150,12 +176,12 @@ fn passwords_typed_at_the_prompt_are_not_echoed_and_unlock_the_volume() {
         }
     }
     let guard = Unmount(&mnt);
-    let out = on_terminal(&format!("mount {} {} --stack crypt", lower.display(), mnt.display()), &["wrong one"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stdout).contains("wrong password"), "{}", String::from_utf8_lossy(&out.stdout));
+    let (status, shown) = on_terminal(&format!("mount {} {} --stack crypt", lower.display(), mnt.display()), &[("Password for", "wrong one")]);
+    assert!(!status.success());
+    assert!(shown.contains("wrong password"), "{shown}");
     assert!(mounted_fstype(&mnt).is_none());
-    let out = on_terminal(&format!("mount {} {} --stack crypt", lower.display(), mnt.display()), &["typed secret"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    let (status, shown) = on_terminal(&format!("mount {} {} --stack crypt", lower.display(), mnt.display()), &[("Password for", "typed secret")]);
+    assert!(status.success(), "{shown}");
     assert_eq!(mounted_fstype(&mnt).as_deref(), Some("fuse.plyfs"));
     fs::write(mnt.join("typed"), b"through the prompt").unwrap();
     assert!(run(plyfs().arg("umount").arg(&mnt)).status.success());
