@@ -191,6 +191,19 @@ impl Level {
         self.call(cx, &Op::Release { node, fh }).map(|_| ())
     }
 
+    /// The first `max` bytes of the file `name` in `dir`, looked up, opened, read and let go
+    /// again: for small files a layer keeps for itself (a configuration, a companion).
+    pub fn read_small_file(&self, cx: &Caller, dir: NodeId, name: &OsStr, max: u32) -> Result<Vec<u8>> {
+        let entry = self.lookup(cx, dir, name)?;
+        let data = self.open(cx, entry.node, libc::O_RDONLY).and_then(|opened| {
+            let data = self.read(cx, entry.node, opened.fh, 0, max);
+            let _ = self.release(cx, entry.node, opened.fh);
+            data
+        });
+        self.forget(cx, entry.node, 1);
+        data
+    }
+
     pub fn mkdir(&self, cx: &Caller, parent: NodeId, name: &OsStr, mode: u32) -> Result<Entry> {
         match self.call(cx, &Op::MkDir { parent, name, mode })? {
             Reply::Entry(e) => Ok(e),

@@ -26,22 +26,23 @@ pub fn config_below(lower: &Level) -> Result<Option<VolumeConfig>> {
     while let Some(next) = bottom.layer().lower().first().cloned() {
         bottom = next;
     }
-    let lower = &bottom;
-    let cx = Caller::daemon();
-    let entry = match lower.lookup(&cx, NodeId::ROOT, OsStr::new(CONFIG_NAME)) {
-        Ok(e) => e,
+    let bytes = match bottom.read_small_file(&Caller::daemon(), NodeId::ROOT, OsStr::new(CONFIG_NAME), 1 << 16) {
+        Ok(b) => b,
         Err(Error::Os(libc::ENOENT)) => return Ok(None),
         Err(e) => return Err(e),
     };
-    let read = (|| {
-        let opened = lower.open(&cx, entry.node, libc::O_RDONLY)?;
-        let text = lower.read(&cx, entry.node, opened.fh, 0, 1 << 16);
-        let _ = lower.release(&cx, entry.node, opened.fh);
-        text
-    })();
-    lower.forget(&cx, entry.node, 1);
-    let text = String::from_utf8(read?).map_err(|_| Error::config(format!("{CONFIG_NAME}: corrupt: not text")))?;
+    let text = String::from_utf8(bytes).map_err(|_| Error::config(format!("{CONFIG_NAME}: corrupt: not text")))?;
     VolumeConfig::parse(&text, CONFIG_NAME).map(Some).map_err(Error::config)
+}
+
+/// The unlocked volume of `config`.
+fn unlocked(config: &VolumeConfig, layer: &str) -> Result<Arc<Volume>> {
+    let id = config.id().map_err(Error::config)?;
+    keys::registered(&id).ok_or_else(|| {
+        Error::config(format!(
+            "layer '{layer}': the crypt volume is locked: give its password (prompt, --passfile or --extpass) or --keyfile"
+        ))
+    })
 }
 
 /// The unlocked volume whose configuration sits at the root of `lower`.
@@ -51,22 +52,16 @@ pub fn volume_below(lower: &Level, layer: &str) -> Result<Arc<Volume>> {
             "layer '{layer}': the directory below is not a crypt volume ({CONFIG_NAME} is missing); create one with `plyfs init LOWER --layer crypt`"
         ))
     })?;
-    let id = config.id().map_err(Error::config)?;
-    keys::registered(&id).ok_or_else(|| {
-        Error::config(format!(
-            "layer '{layer}': the crypt volume is locked: give its password (prompt, --passfile or --extpass) or --keyfile"
-        ))
-    })
+    unlocked(&config, layer)
 }
 
 /// `lower` (the lower directory of a mount) with the names layer of its crypt volume on top,
 /// when it is one; unchanged when it is not. The volume must be unlocked.
 pub fn with_names(lower: Level) -> Result<Level> {
-    if config_below(&lower)?.is_none() {
-        return Ok(lower);
+    match config_below(&lower)? {
+        None => Ok(lower),
+        Some(config) => Ok(names::names_level(&unlocked(&config, "crypt-names")?, lower)),
     }
-    let volume = volume_below(&lower, "crypt-names")?;
-    Ok(names::names_level(&volume, lower))
 }
 
 /// Build a crypt layer; `inner` is a compressor collapsed into it (`zstd,crypt`), given by its

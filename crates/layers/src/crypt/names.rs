@@ -215,17 +215,7 @@ impl CryptNames {
     }
 
     fn read_companion(&self, dir: NodeId, name: &OsStr) -> Option<String> {
-        let cx = internal();
-        let lower = self.below();
-        let entry = lower.lookup(&cx, dir, name).ok()?;
-        let text = (|| {
-            let opened = lower.open(&cx, entry.node, libc::O_RDONLY).ok()?;
-            let data = lower.read(&cx, entry.node, opened.fh, 0, 4096);
-            let _ = lower.release(&cx, entry.node, opened.fh);
-            String::from_utf8(data.ok()?).ok()
-        })();
-        lower.forget(&cx, entry.node, 1);
-        text
+        String::from_utf8(self.below().read_small_file(&internal(), dir, name, 4096).ok()?).ok()
     }
 
     /// Write the companion of a long name (its content depends on the name alone, so one that
