@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{cpath, plyfs, run, Mount};
+use common::{cpath, crypt_passfile, plyfs, run, Mount};
 use serde_json::Value;
 
 fn text(len: usize) -> Vec<u8> {
@@ -242,8 +242,12 @@ struct Appended {
 
 #[test]
 fn a_killed_daemon_loses_nothing_that_was_fsynced() {
-    for stack in ["zstd:fast_tails=on", "gzip:chunk=64k"] {
-        let mut m = Mount::new(stack);
+    // The last two on crypt volumes, whose password the remount and fsck need too.
+    for (stack, crypt) in [("zstd:fast_tails=on", false), ("gzip:chunk=64k", false), ("crypt", true), ("zstd,crypt", true)] {
+        let mut m = if crypt { Mount::crypt(stack, &[], &[]) } else { Mount::new(stack) };
+        let passfile = crypt.then(|| crypt_passfile(m.dir.path()));
+        let secret: Vec<String> = passfile.iter().map(|p| format!("--passfile={}", p.display())).collect();
+        let secret: Vec<&str> = secret.iter().map(String::as_str).collect();
         let files: Vec<Arc<Mutex<Appended>>> = (0..4).map(|_| Arc::new(Mutex::new(Appended::default()))).collect();
         let stop = Arc::new(AtomicBool::new(false));
         let writers: Vec<_> = files
@@ -285,9 +289,9 @@ fn a_killed_daemon_loses_nothing_that_was_fsynced() {
         }
         m.wait_exit(Duration::from_secs(10)).expect("the daemon died");
         assert!(run(plyfs().arg("umount").arg(&m.mnt)).status.success());
-        let fsck = run(plyfs().arg("fsck").arg(&m.lower).arg("--stack").arg(stack));
+        let fsck = run(plyfs().arg("fsck").arg(&m.lower).arg("--stack").arg(stack).args(&secret));
         assert!(fsck.status.success(), "[{stack}] fsck after the crash: {}", String::from_utf8_lossy(&fsck.stderr));
-        let m = Mount::start(tempfile::tempdir().unwrap(), m.lower.clone(), m.mnt.clone(), stack, &[]);
+        let m = Mount::start(tempfile::tempdir().unwrap(), m.lower.clone(), m.mnt.clone(), stack, &secret);
         for (n, state) in files.iter().enumerate() {
             let s = state.lock().unwrap().clone();
             let mut got = Vec::new();
