@@ -35,6 +35,10 @@ pub struct MountArgs {
     /// A TOML file describing the stack ([[layer]] tables).
     #[arg(long)]
     config: Option<PathBuf>,
+    /// A further branch for the stack's first fan-out layer (union, mirror), which takes LOWER
+    /// as its first branch and these after it, in order: DIR, DIR=rw (the default) or DIR=ro.
+    #[arg(long = "branch", value_name = "DIR[=ro|rw]")]
+    branches: Vec<String>,
     /// A TOML file of rules choosing the data layers of files by path, extension and size
     /// ([[rule]] tables); file and directory attributes (user.plyfs.layers) take precedence.
     #[arg(long)]
@@ -87,9 +91,6 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
         }
         None => crate::secret::unlock_if_volume(&lower, &args.secret)?.map(plyfs_layers::crypt::keys::register),
     };
-    if let Some(rules) = &args.rules {
-        load_rules(rules, &lower)?;
-    }
     if args.foreground {
         return serve(&args, specs, opts, lower, mountpoint);
     }
@@ -174,10 +175,7 @@ fn serve_inner(
     let fd_limit = plyfs_stack::raise_fd_limit();
     tracing::debug!("open-files limit: {fd_limit}");
 
-    let rules = args.rules.as_deref().map(|r| load_rules(r, &lower)).transpose()?;
-    let bottom = LowerDir::level(&lower).map_err(|e| e.to_string())?;
-    let bottom = plyfs_layers::crypt::with_names(bottom).map_err(|e| e.to_string())?;
-    let (stack, _policy) = plyfs_policy::build_stack(&specs, rules, plyfs_layers::registry(), bottom).map_err(|e| e.to_string())?;
+    let stack = crate::tree::build_stack(&specs, &lower, &args.branches, args.rules.as_deref(), Some(&mountpoint))?;
     let stack = Arc::new(stack);
     let names: Vec<&str> = stack.layers().iter().map(|l| l.name()).collect();
 
@@ -309,6 +307,11 @@ fn child_args(args: &MountArgs, ready_fd: i32, key_fd: Option<i32>) -> Vec<OsStr
     if let Some(c) = &args.config {
         v.push("--config".into());
         v.push(c.clone().into());
+    }
+    for b in &args.branches {
+        // Relative directories stay valid: the child starts in the same directory.
+        v.push("--branch".into());
+        v.push(b.into());
     }
     if let Some(r) = &args.rules {
         v.push("--rules".into());

@@ -5,6 +5,7 @@ mod offline;
 mod options;
 mod policy;
 mod secret;
+mod tree;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

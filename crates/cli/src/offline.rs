@@ -16,17 +16,16 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use plyfs_stack::{Caller, Entry, FileKind, Level, LowerDir, NodeId, Op, SetAttr, Stack, TimeSet};
+use plyfs_stack::{Caller, Entry, FileKind, Level, NodeId, Op, SetAttr, Stack, TimeSet};
 
 type Res<T> = Result<T, String>;
 
 /// Build the stack `spec` over `lower`, in process.
 pub fn open_stack(lower: &Path, spec: &str) -> Res<Stack> {
     let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| e.to_string())?;
-    let bottom = LowerDir::level(lower).map_err(|e| format!("{}: {e}", lower.display()))?;
-    let bottom = plyfs_layers::crypt::with_names(bottom).map_err(|e| e.to_string())?;
-    // The same routing as a mount: each file is read through the chain recorded with it.
-    plyfs_policy::build_stack(&specs, None, plyfs_layers::registry(), bottom).map(|(s, _)| s).map_err(|e| e.to_string())
+    // The same stack as a mount: each file is read through the chain recorded with it, and a
+    // tree's branches are built as the mount builds them.
+    crate::tree::build_stack(&specs, lower, &[], None, None)
 }
 
 fn cx() -> Caller {

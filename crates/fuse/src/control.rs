@@ -142,7 +142,6 @@ fn handle(stack: &Stack, cx: &Caller, line: &str) -> Result<Value, String> {
     let op = req["op"].as_str().ok_or("request names no operation")?;
     let args: Vec<String> =
         req["args"].as_array().map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()).unwrap_or_default();
-    let names: Vec<&str> = stack.levels().iter().map(|l| l.name()).collect();
 
     let mut components: Vec<&OsStr> = Path::new(path)
         .components()
@@ -151,31 +150,39 @@ fn handle(stack: &Stack, cx: &Caller, line: &str) -> Result<Value, String> {
             _ => None,
         })
         .collect();
-    let mut view = 0;
+    let mut level = stack.top().clone();
+    let mut from_view = false;
     if components.first().is_some_and(|c| *c == LEVELS_DIR) {
         let name = components.get(1).ok_or("name a layer after .plyfs/")?;
-        view = stack.position(&name.to_string_lossy()).ok_or_else(|| format!("no layer named {name:?}"))? + 1;
+        let view = stack.view_named(&name.to_string_lossy()).ok_or_else(|| format!("no layer named {name:?}"))?;
+        level = stack.view(view).ok_or_else(|| format!("layer {name:?} is gone"))?;
+        from_view = true;
         components.drain(..2);
     }
     if let Some(layer) = req["layer"].as_str() {
-        if view != 0 {
+        if from_view {
             return Err("give either OP@LAYER or a .plyfs/ path, not both".into());
         }
-        view = stack
-            .levels()
-            .iter()
-            .position(|l| l.name() == layer)
-            .ok_or_else(|| format!("no layer named '{layer}' in this stack ({})", names.join(", ")))?;
+        level = stack.level_named(layer).ok_or_else(|| {
+            let names: Vec<String> = stack.named_levels().into_iter().map(|n| n.name).collect();
+            format!("no layer named '{layer}' in this stack ({})", names.join(", "))
+        })?;
     }
-    let level = &stack.levels()[view];
+    let level = &level;
 
     if op == "--list" {
-        let ops: Vec<Value> = stack.levels()[view..]
-            .iter()
-            .flat_map(|l| {
-                l.layer().extended_ops().iter().map(move |o| json!({ "layer": l.name(), "op": o.name, "args": o.args, "help": o.help }))
-            })
-            .collect();
+        // The operations of this level and of every level below it, branches included.
+        let named = stack.named_levels();
+        let start = named.iter().position(|n| n.level.same(level)).unwrap_or(0);
+        let mut seen: Vec<&plyfs_stack::Level> = Vec::new();
+        let mut ops = Vec::new();
+        for n in &named[start..] {
+            if seen.iter().any(|l| l.same(&n.level)) {
+                continue;
+            }
+            seen.push(&n.level);
+            ops.extend(n.level.layer().extended_ops().iter().map(|o| json!({ "layer": n.name, "op": o.name, "args": o.args, "help": o.help })));
+        }
         return Ok(Value::Array(ops));
     }
 

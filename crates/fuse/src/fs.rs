@@ -210,13 +210,14 @@ impl FuseFs {
         ((view as u64) << VIEW_SHIFT) | node.0
     }
 
-    /// The level and node a FUSE inode number stands for.
-    fn decode(&self, ino: INodeNo) -> Result<(&Level, usize, NodeId), Errno> {
+    /// The level and node a FUSE inode number stands for. A view whose level is gone (a
+    /// removed branch) answers ESTALE.
+    fn decode(&self, ino: INodeNo) -> Result<(Level, usize, NodeId), Errno> {
         let view = (ino.0 >> VIEW_SHIFT) as usize;
         let node = NodeId(ino.0 & NodeId::MAX);
-        match self.stack.levels().get(view) {
+        match self.stack.view(view) {
             Some(level) => Ok((level, view, node)),
-            None => Err(Errno::ENOENT),
+            None => Err(Errno::ESTALE),
         }
     }
 
@@ -403,8 +404,9 @@ impl FuseFs {
             (LEVELS_DIR_INO, FileType::Directory, ".".to_owned()),
             (NodeId::ROOT.0, FileType::Directory, "..".to_owned()),
         ];
-        for (i, layer) in self.stack.layers().iter().enumerate() {
-            entries.push((Self::encode(i + 1, NodeId::ROOT), FileType::Directory, layer.name().to_owned()));
+        self.stack.refresh_views();
+        for (view, name) in self.stack.views() {
+            entries.push((Self::encode(view, NodeId::ROOT), FileType::Directory, name));
         }
         entries
     }
@@ -420,7 +422,7 @@ impl FuseFs {
             if continues {
                 return Ok((view, pending));
             }
-            self.forget_entries(level, pending);
+            self.forget_entries(&level, pending);
         }
         let max_entries = if plus { 128 } else { 512 };
         let op = Op::ReadDir { node, fh: FileHandle(fh.0), offset, max_entries, plus };
@@ -486,7 +488,8 @@ impl Filesystem for FuseFs {
         };
         // Below a per-file router (levels not every file passes), files may have data layers
         // of their own, now or once a policy gives them some.
-        let per_file = self.stack.shared_levels().len() < self.stack.levels().len();
+        let per_file = self.stack.shared_levels().len() < self.stack.levels().len()
+            || self.stack.levels().last().is_some_and(|l| !l.layer().branches().is_empty());
         let mode = if mode == IoMode::Passthrough && per_file { IoMode::Mixed } else { mode };
         tracing::info!("file I/O: {mode}");
         *self.status.io_mode.lock() = Some(mode);
@@ -502,17 +505,16 @@ impl Filesystem for FuseFs {
             return reply.entry(&self.options.entry_ttl, &self.levels_dir_attr(), Generation(0));
         }
         if parent.0 == LEVELS_DIR_INO {
-            let Some(pos) = self.stack.layers().iter().position(|l| l.name() == name) else {
+            let Some((view, level)) = name.to_str().and_then(|n| self.stack.view_named(n)).and_then(|v| Some((v, self.stack.view(v)?))) else {
                 return reply.error(Errno::ENOENT);
             };
-            let level = &self.stack.levels()[pos + 1];
             let cx = caller(req);
             // The kernel will forget this root like any looked-up node; take the lookup that
             // forget will drop.
             return match level.call(&cx, &Op::GetAttr { node: NodeId::ROOT, fh: None }) {
                 Ok(Reply::Attr(attr)) => {
                     let entry = plyfs_stack::Entry { node: NodeId::ROOT, attr, generation: 0 };
-                    self.reply_entry(reply, pos + 1, entry)
+                    self.reply_entry(reply, view, entry)
                 }
                 Ok(_) => reply.error(Errno::EIO),
                 Err(e) => reply.error(errno(&e)),
@@ -587,7 +589,7 @@ impl Filesystem for FuseFs {
         let set = SetAttr { mode, uid, gid, size, atime: time_set(atime), mtime: time_set(mtime) };
         let unprivileged = cx.uid != 0;
         if set == SetAttr::default() || (size.is_some() && unprivileged) {
-            if let Err(e) = self.kill_privileges(level, &cx, node, fh) {
+            if let Err(e) = self.kill_privileges(&level, &cx, node, fh) {
                 return reply.error(errno(&e));
             }
         }
@@ -734,7 +736,7 @@ impl Filesystem for FuseFs {
         };
         let cx = caller(req);
         if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
-            if let Err(e) = self.kill_privileges(level, &cx, node, Some(FileHandle(fh.0))) {
+            if let Err(e) = self.kill_privileges(&level, &cx, node, Some(FileHandle(fh.0))) {
                 return reply.error(errno(&e));
             }
         }
@@ -810,7 +812,7 @@ impl Filesystem for FuseFs {
             let cx = caller(req);
             for (i, (ino, _, name)) in self.levels_dir_entries().into_iter().enumerate().skip(offset as usize) {
                 let view = (ino >> VIEW_SHIFT) as usize;
-                let attr = match self.stack.levels().get(view).map(|l| l.getattr(&cx, NodeId::ROOT)) {
+                let attr = match self.stack.view(view).map(|l| l.getattr(&cx, NodeId::ROOT)) {
                     Some(Ok(a)) if name != "." && name != ".." => fuse_attr(ino, &a),
                     _ => blank_attr(ino),
                 };
@@ -826,10 +828,12 @@ impl Filesystem for FuseFs {
             Ok(b) => b,
             Err(e) => return reply.error(e),
         };
-        let level = &self.stack.levels()[view];
+        let Some(level) = self.stack.view(view) else {
+            return reply.error(Errno::ESTALE);
+        };
         while let Some(e) = batch.pop_front() {
             if self.hides(view, ino, &e.name) {
-                self.forget_entries(level, [e]);
+                self.forget_entries(&level, [e]);
                 continue;
             }
             let full = match &e.entry {
@@ -860,7 +864,7 @@ impl Filesystem for FuseFs {
         }
         if let Some(pending) = self.dir_pending.lock().remove(&(ino.0, fh.0)) {
             if let Ok((level, _, _)) = self.decode(ino) {
-                self.forget_entries(level, pending);
+                self.forget_entries(&level, pending);
             }
         }
         self.empty_op(req, ino, reply, |node| Op::ReleaseDir { node, fh: FileHandle(fh.0) })

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
-use plyfs_stack::{BuildArgs, Layer, LayerFactory, Result};
+use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
 pub struct Copy;
 
@@ -33,6 +33,6 @@ pub const FACTORY: LayerFactory = LayerFactory {
     summary: "identity size-changing layer: measures the fast-indexing machinery alone",
     params: &[CHUNK_PARAM, FAST_TAILS_PARAM],
     ext_ops: EXT_OPS,
-    build,
+    build: Build::Linear(build),
     absorbs: &[],
 };

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
 use plyfs_stack::spec::ParamSpec;
-use plyfs_stack::{BuildArgs, Layer, LayerFactory, Result};
+use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
 pub struct Gzip {
     level: u32,
@@ -84,6 +84,6 @@ pub const FACTORY: LayerFactory = LayerFactory {
     summary: "deflate compression (as gzip), chunk by chunk",
     params: &[LEVEL, CHUNK_PARAM, FAST_TAILS_PARAM],
     ext_ops: EXT_OPS,
-    build,
+    build: Build::Linear(build),
     absorbs: &[],
 };

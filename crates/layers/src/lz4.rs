@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use plyfs_sca::codec::decode_in_place;
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
-use plyfs_stack::{BuildArgs, Layer, LayerFactory, Result};
+use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
 pub struct Lz4;
 
@@ -40,6 +40,6 @@ pub const FACTORY: LayerFactory = LayerFactory {
     summary: "LZ4 compression, chunk by chunk: fastest to decode",
     params: &[CHUNK_PARAM, FAST_TAILS_PARAM],
     ext_ops: EXT_OPS,
-    build,
+    build: Build::Linear(build),
     absorbs: &[],
 };

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use plyfs_stack::{bypass, BuildArgs, Caller, ExtOpInfo, Layer, LayerFactory, Level, Op, Reply, Result};
+use plyfs_stack::{Build, bypass, BuildArgs, Caller, ExtOpInfo, Layer, LayerFactory, Level, Op, Reply, Result};
 use serde_json::{json, Value};
 
 pub struct Null {
@@ -62,6 +62,6 @@ pub const FACTORY: LayerFactory = LayerFactory {
     summary: "pure bypass: passes every operation to the layer below unchanged",
     params: &[],
     ext_ops: EXT_OPS,
-    build,
+    build: Build::Linear(build),
     absorbs: &[],
 };

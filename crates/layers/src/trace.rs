@@ -17,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use plyfs_stack::spec::ParamSpec;
-use plyfs_stack::{
+use plyfs_stack::{Build, 
     Arg, BuildArgs, Caller, DataPath, Error, ExtOpInfo, Layer, LayerFactory, Level, Op, OpKind, Reply, Result,
 };
 use serde_json::{json, Map, Value};
@@ -322,6 +322,6 @@ pub const FACTORY: LayerFactory = LayerFactory {
         },
     ],
     ext_ops: EXT_OPS,
-    build,
+    build: Build::Linear(build),
     absorbs: &[],
 };

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
-use plyfs_stack::{BuildArgs, Layer, LayerFactory, Result};
+use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
 pub struct Uuencode;
 
@@ -75,7 +75,7 @@ pub const FACTORY: LayerFactory = LayerFactory {
     summary: "stores data uuencoded (3 bytes become 4 printable characters): a size-increasing layer",
     params: &[CHUNK_PARAM, FAST_TAILS_PARAM],
     ext_ops: EXT_OPS,
-    build,
+    build: Build::Linear(build),
     absorbs: &[],
 };
 

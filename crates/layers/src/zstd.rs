@@ -7,7 +7,7 @@ use ::zstd::bulk::{Compressor, Decompressor};
 use plyfs_sca::codec::decode_in_place;
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
 use plyfs_stack::spec::ParamSpec;
-use plyfs_stack::{BuildArgs, Layer, LayerFactory, Result};
+use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
 pub struct Zstd {
     level: i32,
@@ -71,6 +71,6 @@ pub const FACTORY: LayerFactory = LayerFactory {
     summary: "Zstandard compression, chunk by chunk",
     params: &[LEVEL, CHUNK_PARAM, FAST_TAILS_PARAM],
     ext_ops: EXT_OPS,
-    build,
+    build: Build::Linear(build),
     absorbs: &[],
 };

@@ -55,9 +55,14 @@ pub trait Layer: Send + Sync + 'static {
         DataPath::Transparent
     }
 
-    /// The levels directly below: one for a linear layer, several for a fan-out layer, none for
-    /// a bottom layer.
+    /// The level directly below a linear layer; none for a bottom layer or a fan-out layer,
+    /// whose branches (which may change at run time) [`Layer::branches`] lists.
     fn lower(&self) -> &[Level];
+
+    /// The branches of a fan-out layer, top priority first, as they are now.
+    fn branches(&self) -> Vec<crate::Branch> {
+        Vec::new()
+    }
 
     /// Handle one operation. The default bypasses every operation to the layer below.
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
@@ -78,8 +83,8 @@ pub trait Layer: Send + Sync + 'static {
 pub fn bypass<L: Layer + ?Sized>(layer: &L, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
     match layer.lower() {
         [below] => below.call(cx, op),
+        // A bottom layer ends the stack; a fan-out layer routes every operation itself.
         [] => Err(unsupported(op)),
-        // A fan-out layer must route every operation itself; reaching here is a bug in it.
         _ => Err(Error::Os(libc::ENOSYS)),
     }
 }
@@ -115,6 +120,11 @@ impl Level {
 
     pub fn name(&self) -> &str {
         self.layer.name()
+    }
+
+    /// Whether both are the same level (the same layer instance).
+    pub fn same(&self, other: &Level) -> bool {
+        Arc::ptr_eq(&self.layer, &other.layer)
     }
 
     /// Operations travel by reference, as in the paper's argument blocks: a layer boundary

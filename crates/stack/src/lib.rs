@@ -7,7 +7,8 @@
 //!   [`bypass`] for the rest. Extended operations ([`Op::Extended`]) travel down the same way.
 //! - [`Level`] is a layer as seen from above; [`Stack`] is the built stack, top to bottom.
 //! - [`LowerDir`] is the bottom layer, which owns the lower directory.
-//! - [`spec`] parses `--stack` specifications and TOML configurations.
+//! - [`spec`] parses `--stack` specifications and TOML configurations, trees included.
+//! - A fan-out layer ([`Build::FanOut`]) has several [`Branch`]es, each a stack of its own.
 //!
 //! This crate knows nothing of FUSE: tests and offline tools run stacks in-process through
 //! [`Stack::top`].
@@ -24,5 +25,8 @@ pub use error::{Error, Result};
 pub use layer::{bypass, unsupported, DataPath, ExtOpInfo, Layer, Level};
 pub use lowerdir::{has_capability, raise_fd_limit, LowerDir};
 pub use op::{Arg, Op, OpKind, Reply};
-pub use stack::{collapse_specs, order_warnings, BuildArgs, LayerFactory, Stack, COLLAPSE_PARAM, NAME_PARAM};
+pub use stack::{
+    assign_branch_dirs, check_branch_dirs, collapse_specs, is_fan_out, order_warnings, Branch, BranchBuilder, Build,
+    BuildArgs, FanOutArgs, LayerFactory, NamedLevel, Stack, COLLAPSE_PARAM, MAX_VIEWS, NAME_PARAM,
+};
 pub use types::*;

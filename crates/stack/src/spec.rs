@@ -3,9 +3,19 @@
 //! A spec lists layers from the top (nearest the user) to the bottom. Each layer is
 //! `name[:key=value]...`. Every layer accepts `name=` to give the instance its own name, which
 //! is how it is addressed from the mount (`.plyfs/NAME`) and by `plyfs op NAME@LAYER`.
+//!
+//! Stacks can be trees (`seeds/000` §3.2): a fan-out layer (`union`, `mirror`) is the last layer
+//! of its list and may be followed by its branches in brackets, separated by `|`. Each branch is
+//! itself a stack over its own lower directory:
+//!
+//! ```text
+//! BRANCH := [LAYERS] ['@' [DIR] ['=' ro|rw]]
+//! union[crypt@/srv/private | @/srv/shared=ro]      two branches with their own directories
+//! mirror[zstd|zstd]                                 directories from LOWER and --branch
+//! ```
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
@@ -16,6 +26,88 @@ use crate::error::{Error, Result};
 pub struct LayerSpec {
     pub kind: String,
     pub params: Vec<(String, String)>,
+    /// The branches of a fan-out layer, top priority first (empty for other layers, and for a
+    /// fan-out layer whose branches all come from the command line).
+    pub branches: Vec<BranchSpec>,
+}
+
+impl LayerSpec {
+    pub fn new(kind: &str, params: Vec<(String, String)>) -> LayerSpec {
+        LayerSpec { kind: kind.to_owned(), params, branches: Vec::new() }
+    }
+}
+
+/// Whether a branch of a fan-out layer may be written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BranchMode {
+    ReadWrite,
+    ReadOnly,
+}
+
+impl BranchMode {
+    pub fn parse(text: &str) -> Option<BranchMode> {
+        match text.trim() {
+            "rw" => Some(BranchMode::ReadWrite),
+            "ro" => Some(BranchMode::ReadOnly),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BranchMode::ReadWrite => "rw",
+            BranchMode::ReadOnly => "ro",
+        }
+    }
+}
+
+/// One branch of a fan-out layer: a stack of its own over its own lower directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BranchSpec {
+    /// The branch's name under `.plyfs/` (default: the fan-out layer's name, a dot, its index).
+    pub name: Option<String>,
+    /// The branch's lower directory; `None` until filled from LOWER and `--branch`.
+    pub dir: Option<PathBuf>,
+    /// `None` means "as the command line says, else rw".
+    pub mode: Option<BranchMode>,
+    /// The branch's layers, top first (empty: the directory as it is).
+    pub layers: Vec<LayerSpec>,
+}
+
+impl BranchSpec {
+    pub fn of_dir(dir: PathBuf, mode: BranchMode) -> BranchSpec {
+        BranchSpec { name: None, dir: Some(dir), mode: Some(mode), layers: Vec::new() }
+    }
+
+    pub fn mode(&self) -> BranchMode {
+        self.mode.unwrap_or(BranchMode::ReadWrite)
+    }
+}
+
+/// Split `text` at `sep` where it is not inside brackets.
+fn split_top(text: &str, sep: char) -> Result<Vec<&str>> {
+    let (mut depth, mut start, mut parts) = (0i32, 0, Vec::new());
+    for (i, c) in text.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => {
+                depth -= 1;
+                if depth < 0 {
+                    return Err(Error::config(format!("stack spec: ']' without '[' in '{text}'")));
+                }
+            }
+            c if c == sep && depth == 0 => {
+                parts.push(&text[start..i]);
+                start = i + c.len_utf8();
+            }
+            _ => {}
+        }
+    }
+    if depth != 0 {
+        return Err(Error::config(format!("stack spec: '[' without ']' in '{text}'")));
+    }
+    parts.push(&text[start..]);
+    Ok(parts)
 }
 
 /// Parse a comma-separated stack spec.
@@ -24,12 +116,21 @@ pub fn parse_stack_spec(spec: &str) -> Result<Vec<LayerSpec>> {
     if spec.is_empty() {
         return Err(Error::config("empty stack: name at least one layer, e.g. --stack null"));
     }
-    spec.split(',').map(parse_layer_spec).collect()
+    split_top(spec, ',')?.into_iter().map(parse_layer_spec).collect()
 }
 
 fn parse_layer_spec(text: &str) -> Result<LayerSpec> {
     let text = text.trim();
-    let mut parts = text.split(':');
+    let (head, branches) = match text.find('[') {
+        Some(open) => {
+            let Some(inner) = text[open + 1..].strip_suffix(']') else {
+                return Err(Error::config(format!("stack spec: nothing may follow the branches of '{}'", &text[..open])));
+            };
+            (&text[..open], Some(inner))
+        }
+        None => (text, None),
+    };
+    let mut parts = head.split(':');
     let kind = parts.next().unwrap_or("").trim();
     if kind.is_empty() {
         return Err(Error::config(format!("stack spec: empty layer name in '{text}'")));
@@ -53,7 +154,43 @@ fn parse_layer_spec(text: &str) -> Result<LayerSpec> {
         }
         params.push((key.to_owned(), value.trim().to_owned()));
     }
-    Ok(LayerSpec { kind: kind.to_owned(), params })
+    let branches = match branches {
+        Some(inner) => split_top(inner, '|')?
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| parse_branch_spec(b).map_err(|e| Error::config(format!("layer '{kind}', branch {i}: {e}"))))
+            .collect::<Result<Vec<_>>>()?,
+        None => Vec::new(),
+    };
+    Ok(LayerSpec { kind: kind.to_owned(), params, branches })
+}
+
+/// `[LAYERS] ['@' [DIR] ['=' ro|rw]]`.
+fn parse_branch_spec(text: &str) -> Result<BranchSpec> {
+    let text = text.trim();
+    let at = split_top(text, '@')?;
+    if at.len() > 2 {
+        return Err(Error::config(format!("'{text}' has more than one '@'")));
+    }
+    let layers = match at[0].trim() {
+        "" => Vec::new(),
+        stack => parse_stack_spec(stack)?,
+    };
+    let (mut dir, mut mode) = (None, None);
+    if let Some(place) = at.get(1).map(|p| p.trim()) {
+        let (path, m) = match place.rsplit_once('=') {
+            Some((p, m)) => match BranchMode::parse(m) {
+                Some(m) => (p.trim(), Some(m)),
+                None => return Err(Error::config(format!("bad branch mode '{m}' (ro or rw)"))),
+            },
+            None => (place, None),
+        };
+        if !path.is_empty() {
+            dir = Some(PathBuf::from(path));
+        }
+        mode = m;
+    }
+    Ok(BranchSpec { name: None, dir, mode, layers })
 }
 
 /// The TOML form of a mount configuration.
@@ -77,8 +214,22 @@ pub struct StackConfig {
 pub struct LayerTable {
     #[serde(rename = "type")]
     pub kind: String,
+    /// The branches of a fan-out layer (`[[layer.branch]]`).
+    #[serde(default, rename = "branch")]
+    pub branches: Vec<BranchTable>,
     #[serde(flatten)]
     pub params: BTreeMap<String, toml::Value>,
+}
+
+/// A branch in TOML: `dir`, `mode`, `name`, and its own `[[layer.branch.layer]]` tables.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BranchTable {
+    pub dir: Option<PathBuf>,
+    pub mode: Option<String>,
+    pub name: Option<String>,
+    #[serde(default, rename = "layer")]
+    pub layers: Vec<LayerTable>,
 }
 
 /// Read a stack from a TOML configuration file.
@@ -103,10 +254,28 @@ pub fn parse_stack_config(text: &str) -> Result<Vec<LayerSpec>> {
     if config.layers.is_empty() {
         return Err(Error::config("no [[layer]] tables: name at least one layer"));
     }
-    config
-        .layers
+    layers_of_tables(config.layers)
+}
+
+fn layers_of_tables(tables: Vec<LayerTable>) -> Result<Vec<LayerSpec>> {
+    tables
         .into_iter()
         .map(|t| {
+            let kind = t.kind.clone();
+            let branches = t
+                .branches
+                .into_iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    let mode = match b.mode.as_deref() {
+                        None => None,
+                        Some(m) => Some(BranchMode::parse(m).ok_or_else(|| {
+                            Error::config(format!("layer '{kind}', branch {i}: bad mode '{m}' (ro or rw)"))
+                        })?),
+                    };
+                    Ok(BranchSpec { name: b.name, dir: b.dir, mode, layers: layers_of_tables(b.layers)? })
+                })
+                .collect::<Result<Vec<_>>>()?;
             let params = t
                 .params
                 .into_iter()
@@ -127,7 +296,7 @@ pub fn parse_stack_config(text: &str) -> Result<Vec<LayerSpec>> {
                     Ok((k, v))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            Ok(LayerSpec { kind: t.kind, params })
+            Ok(LayerSpec { kind: t.kind, params, branches })
         })
         .collect()
 }

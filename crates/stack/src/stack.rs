@@ -1,17 +1,68 @@
-//! Building a stack from specifications at run time.
+//! Building a stack from specifications at run time, and naming every level of it (fan-in).
+//!
+//! A stack is a list of levels ending in a bottom layer or in a fan-out layer. A fan-out layer's
+//! branches are stacks of their own ([`Branch`]), so a whole mount is a tree (`seeds/000` §3.2).
 
+use std::path::PathBuf;
 use std::sync::Arc;
+
+use parking_lot::RwLock;
 
 use crate::error::{Error, Result};
 use crate::layer::{ExtOpInfo, Layer, Level};
-use crate::spec::{LayerSpec, ParamSpec, Params};
+use crate::spec::{BranchMode, BranchSpec, LayerSpec, ParamSpec, Params};
 
-/// Everything needed to build one layer.
+/// Everything needed to build one linear layer.
 pub struct BuildArgs {
     /// The instance name, unique within the stack.
     pub name: String,
     pub params: Params,
     pub lower: Level,
+}
+
+/// Everything needed to build one fan-out layer.
+pub struct FanOutArgs {
+    pub name: String,
+    pub params: Params,
+    /// The branches, top priority first, already built.
+    pub branches: Vec<Branch>,
+    /// Builds the branches added at run time.
+    pub builder: Arc<dyn BranchBuilder>,
+}
+
+/// How a kind of layer is built: over one level, or over several branches.
+pub enum Build {
+    Linear(fn(BuildArgs) -> Result<Arc<dyn Layer>>),
+    FanOut(fn(FanOutArgs) -> Result<Arc<dyn Layer>>),
+}
+
+/// One branch of a fan-out layer: a stack over its own lower directory.
+#[derive(Clone)]
+pub struct Branch {
+    /// Unique in the mount: `.plyfs/NAME/` shows the branch, `OP@NAME` starts there.
+    pub name: String,
+    /// The lower directory (canonical).
+    pub dir: PathBuf,
+    pub mode: BranchMode,
+    pub stack: Arc<Stack>,
+}
+
+impl Branch {
+    /// The branch's top level: what the fan-out layer calls.
+    pub fn top(&self) -> &Level {
+        self.stack.top()
+    }
+
+    pub fn writable(&self) -> bool {
+        self.mode == BranchMode::ReadWrite
+    }
+}
+
+/// Builds a branch's stack over its directory. The mount supplies it (it knows about lower
+/// directories, volumes and per-file policies); fan-out layers keep it to add branches later.
+pub trait BranchBuilder: Send + Sync {
+    /// Build `spec`, whose directory is filled in, as the branch `name`.
+    fn build(&self, name: &str, spec: &BranchSpec) -> Result<Branch>;
 }
 
 /// A kind of layer that stacks can be built from.
@@ -20,7 +71,7 @@ pub struct LayerFactory {
     pub summary: &'static str,
     pub params: &'static [ParamSpec],
     pub ext_ops: &'static [ExtOpInfo],
-    pub build: fn(BuildArgs) -> Result<Arc<dyn Layer>>,
+    pub build: Build,
     /// Kinds of layer this one collapses with when one sits directly above it (layer
     /// collapsing, `seeds/002` §4.3): the pair is built as this layer alone, with the upper
     /// layer's kind as the parameter `collapse` and its parameters added, so that the two run
@@ -40,13 +91,29 @@ pub const NAME_PARAM: ParamSpec = ParamSpec {
 };
 
 /// A built stack: its levels from the top (nearest the user) down to the bottom layer, which owns
-/// the lower storage.
+/// the lower storage, or down to a fan-out layer, whose branches are stacks of their own.
 pub struct Stack {
     levels: Vec<Level>,
     /// How many levels, from the top, every operation passes through. Below them a routing
     /// layer (per-file chains) may send each file its own way.
     shared: usize,
+    /// The numbered views of fan-in ([`Stack::view`]). A number, once given, always means the
+    /// same level: branches added later get new numbers, removed ones leave a gap.
+    views: RwLock<Vec<(String, Option<Level>)>>,
 }
+
+/// A level of the tree by name: the level itself (`OP@NAME` starts there) and the view below it
+/// (`.plyfs/NAME/`), which a bottom or fan-out layer does not have.
+#[derive(Clone)]
+pub struct NamedLevel {
+    pub name: String,
+    pub level: Level,
+    pub below: Option<Level>,
+}
+
+/// Views are numbered in one byte by the FUSE front end, which keeps 0 for the top and 255 for
+/// itself.
+pub const MAX_VIEWS: usize = 254;
 
 impl Stack {
     /// Build `specs` (top first) over `bottom`, looking layer kinds up in `registry`.
@@ -70,14 +137,58 @@ impl Stack {
 
         let mut levels: Vec<Level> = below.into_iter().rev().collect();
         for ((spec, factory), name) in specs.iter().zip(&factories).zip(&names).rev() {
-            let params: Vec<_> = spec.params.iter().filter(|(k, _)| k != NAME_PARAM.name).cloned().collect();
+            if !spec.branches.is_empty() {
+                return Err(Error::config(format!("layer '{name}' has no branches: only a fan-out layer takes [...]")));
+            }
+            let Build::Linear(build) = factory.build else {
+                return Err(Error::config(format!(
+                    "layer '{name}' fans out, so it must be the last layer of its list (layers below it go in its branches)"
+                )));
+            };
             let lower = levels.last().expect("the bottom is always there").clone();
-            let layer = (factory.build)(BuildArgs { name: name.clone(), params: Params::new(name, params), lower })?;
+            let layer = build(BuildArgs { name: name.clone(), params: layer_params(name, spec), lower })?;
             levels.push(Level::new(layer));
         }
         levels.reverse();
+        Ok(Stack::of_levels(levels))
+    }
+
+    fn of_levels(levels: Vec<Level>) -> Stack {
         let shared = levels.len();
-        Ok(Stack { levels, shared })
+        let stack = Stack { levels, shared, views: RwLock::new(Vec::new()) };
+        stack.refresh_views();
+        stack
+    }
+
+    /// Build the fan-out layer `spec` (named `name`) over its branches, whose directories are
+    /// filled in. Branches are named as `spec` says, else `NAME.INDEX`.
+    pub fn build_fan_out(spec: &LayerSpec, name: &str, registry: &[LayerFactory], builder: Arc<dyn BranchBuilder>) -> Result<Level> {
+        let factory = find_factory(registry, spec)?;
+        check_params(factory, spec)?;
+        let Build::FanOut(build) = factory.build else {
+            return Err(Error::config(format!("layer '{name}' does not fan out")));
+        };
+        if spec.branches.is_empty() {
+            return Err(Error::config(format!("layer '{name}' has no branches")));
+        }
+        let mut branches: Vec<Branch> = Vec::with_capacity(spec.branches.len());
+        for (i, b) in spec.branches.iter().enumerate() {
+            let branch_name = b.name.clone().unwrap_or_else(|| format!("{name}.{i}"));
+            check_name(&format!("branch of '{name}'"), &branch_name)?;
+            if branches.iter().any(|o| o.name == branch_name) {
+                return Err(Error::config(format!("layer '{name}': two branches are named '{branch_name}'")));
+            }
+            let branch = builder.build(&branch_name, b)?;
+            check_branch_dirs(&branches, &branch)?;
+            branches.push(branch);
+        }
+        let layer = build(FanOutArgs { name: name.to_owned(), params: layer_params(name, spec), branches, builder })?;
+        Ok(Level::new(layer))
+    }
+
+    /// A stack whose only level is a fan-out layer.
+    pub fn of_fan_out(level: Level) -> Stack {
+        Stack::of_levels(vec![level])
     }
 
     /// The level users see.
@@ -107,17 +218,97 @@ impl Stack {
         &self.levels[..self.levels.len() - 1]
     }
 
+    /// Every level of the tree by name, top first, depth first: this stack's levels, then the
+    /// branches of a fan-out layer at its bottom (`BRANCH`, then `BRANCH.LAYER` for the levels
+    /// inside), as they are now.
+    pub fn named_levels(&self) -> Vec<NamedLevel> {
+        let mut out = Vec::new();
+        self.collect_named("", &mut out);
+        out
+    }
+
+    fn collect_named(&self, prefix: &str, out: &mut Vec<NamedLevel>) {
+        for (i, level) in self.levels.iter().enumerate() {
+            let below = self.levels.get(i + 1).cloned();
+            out.push(NamedLevel { name: format!("{prefix}{}", level.name()), level: level.clone(), below });
+        }
+        let last = self.levels.last().expect("a stack has a bottom");
+        for branch in last.layer().branches() {
+            let name = format!("{prefix}{}", branch.name);
+            out.push(NamedLevel { name: name.clone(), level: branch.top().clone(), below: Some(branch.top().clone()) });
+            branch.stack.collect_named(&format!("{name}."), out);
+        }
+    }
+
+    /// The level `OP@NAME` starts at.
+    pub fn level_named(&self, name: &str) -> Option<Level> {
+        self.named_levels().into_iter().find(|n| n.name == name).map(|n| n.level)
+    }
+
+    /// Renumber fan-in views after branches came or went: new names get new numbers, names
+    /// that are gone (or now name another level) leave their number unused.
+    pub fn refresh_views(&self) {
+        let current: Vec<(String, Level)> =
+            self.named_levels().into_iter().filter_map(|n| n.below.map(|b| (n.name, b))).collect();
+        let mut views = self.views.write();
+        for (name, level) in views.iter_mut() {
+            let alive = current.iter().any(|(n, l)| n == name && level.as_ref().is_some_and(|v| v.same(l)));
+            if !alive {
+                *level = None;
+            }
+        }
+        for (name, level) in current {
+            if views.iter().any(|(n, l)| *n == name && l.is_some()) {
+                continue;
+            }
+            if views.len() >= MAX_VIEWS {
+                tracing::warn!("level '{name}' gets no view under .plyfs: a mount has at most {MAX_VIEWS}");
+                continue;
+            }
+            views.push((name, Some(level)));
+        }
+    }
+
+    /// Fan-in view `n`: 0 is the top, others are numbered by [`Stack::views`].
+    pub fn view(&self, n: usize) -> Option<Level> {
+        match n {
+            0 => Some(self.levels[0].clone()),
+            n => self.views.read().get(n - 1).and_then(|(_, l)| l.clone()),
+        }
+    }
+
+    /// The live views with their numbers and names, in order.
+    pub fn views(&self) -> Vec<(usize, String)> {
+        let views = self.views.read();
+        views.iter().enumerate().filter(|(_, (_, l))| l.is_some()).map(|(i, (n, _))| (i + 1, n.clone())).collect()
+    }
+
+    /// The number of the view called `name`, looking again at the tree if it is not known.
+    pub fn view_named(&self, name: &str) -> Option<usize> {
+        let find = |s: &Stack| s.views().into_iter().find(|(_, n)| n == name).map(|(i, _)| i);
+        find(self).or_else(|| {
+            self.refresh_views();
+            find(self)
+        })
+    }
+
     /// The index of the user layer called `name`.
     pub fn position(&self, name: &str) -> Option<usize> {
         self.layers().iter().position(|l| l.name() == name)
     }
 
-    /// Every extended operation some level answers, with the level's name.
+    /// Every extended operation some level of the tree answers, with the level's name.
     pub fn extended_ops(&self) -> Vec<(String, ExtOpInfo)> {
-        self.levels
-            .iter()
-            .flat_map(|l| l.layer().extended_ops().iter().map(move |op| (l.name().to_owned(), *op)))
-            .collect()
+        let mut seen: Vec<Level> = Vec::new();
+        let mut out = Vec::new();
+        for n in self.named_levels() {
+            if seen.iter().any(|l| l.same(&n.level)) {
+                continue;
+            }
+            out.extend(n.level.layer().extended_ops().iter().map(|op| (n.name.clone(), *op)));
+            seen.push(n.level);
+        }
+        out
     }
 
     /// Fill in the layer names of an "unsupported operation" error from the bottom.
@@ -131,11 +322,97 @@ impl Stack {
         }
     }
 
-    /// Flush and stop every layer, top first.
+    /// Flush and stop every layer, top first, branches included.
     pub fn shutdown(&self) {
         for level in &self.levels {
             level.layer().shutdown();
         }
+    }
+}
+
+fn layer_params(name: &str, spec: &LayerSpec) -> Params {
+    Params::new(name, spec.params.iter().filter(|(k, _)| k != NAME_PARAM.name).cloned().collect())
+}
+
+/// Two branches may not share a directory or hold one another: the fan-out layer would see
+/// the same objects twice, or its own branches inside one.
+pub fn check_branch_dirs(existing: &[Branch], new: &Branch) -> Result<()> {
+    for other in existing {
+        if other.dir == new.dir {
+            return Err(Error::config(format!(
+                "branch '{}': {} is already branch '{}'",
+                new.name,
+                new.dir.display(),
+                other.name
+            )));
+        }
+        let (inner, outer) = if new.dir.starts_with(&other.dir) { (new, other) } else { (other, new) };
+        if inner.dir.starts_with(&outer.dir) {
+            return Err(Error::config(format!(
+                "branch '{}': {} lies inside branch '{}' ({})",
+                inner.name,
+                inner.dir.display(),
+                outer.name,
+                outer.dir.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn check_name(what: &str, given: &str) -> Result<()> {
+    let valid = !given.is_empty()
+        && given.chars().all(|c| c.is_ascii_alphanumeric() || "-_.#".contains(c))
+        && !given.starts_with('.');
+    if valid {
+        Ok(())
+    } else {
+        Err(Error::config(format!("{what}: bad name '{given}' (letters, digits, - _ . # only)")))
+    }
+}
+
+/// Whether layers of `kind` fan out.
+pub fn is_fan_out(registry: &[LayerFactory], kind: &str) -> bool {
+    registry.iter().any(|f| f.kind == kind && matches!(f.build, Build::FanOut(_)))
+}
+
+/// Give the first fan-out layer of `specs` its directories: the branches its spec lists take,
+/// in order, LOWER and the `--branch` directories that lack one; with no branch list, each of
+/// those directories is a branch of its own with no layers. `cli` pairs a directory with the
+/// mode the command line gave it (`None`: not said).
+pub fn assign_branch_dirs(
+    specs: &mut [LayerSpec],
+    registry: &[LayerFactory],
+    lower: PathBuf,
+    cli: Vec<(PathBuf, Option<BranchMode>)>,
+) -> Result<()> {
+    let Some(fan) = specs.iter_mut().find(|s| is_fan_out(registry, &s.kind)) else {
+        if !cli.is_empty() {
+            return Err(Error::config("--branch needs a fan-out layer (union or mirror) in the stack"));
+        }
+        return Ok(());
+    };
+    let mut given = std::iter::once((lower, None)).chain(cli);
+    if fan.branches.is_empty() {
+        fan.branches = given.map(|(dir, mode)| BranchSpec { name: None, dir: Some(dir), mode, layers: Vec::new() }).collect();
+        return Ok(());
+    }
+    let kind = fan.kind.clone();
+    for (i, branch) in fan.branches.iter_mut().enumerate().filter(|(_, b)| b.dir.is_none()) {
+        let Some((dir, mode)) = given.next() else {
+            return Err(Error::config(format!(
+                "layer '{kind}', branch {i}: no directory (give it as @DIR, or one more --branch)"
+            )));
+        };
+        branch.dir = Some(dir);
+        branch.mode = branch.mode.or(mode);
+    }
+    match given.next() {
+        Some((dir, _)) => Err(Error::config(format!(
+            "{}: no branch of '{kind}' is left to take it (branches that name their own directory with @DIR take none)",
+            dir.display()
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -223,15 +500,7 @@ fn instance_names(specs: &[LayerSpec]) -> Result<Vec<String>> {
     for spec in specs {
         let name = match spec.params.iter().find(|(k, _)| k == NAME_PARAM.name) {
             Some((_, given)) => {
-                let valid = !given.is_empty()
-                    && given.chars().all(|c| c.is_ascii_alphanumeric() || "-_.#".contains(c))
-                    && !given.starts_with('.');
-                if !valid {
-                    return Err(Error::config(format!(
-                        "layer '{}': bad name '{given}' (letters, digits, - _ . # only)",
-                        spec.kind
-                    )));
-                }
+                check_name(&format!("layer '{}'", spec.kind), given)?;
                 given.clone()
             }
             None => {

@@ -167,7 +167,7 @@ const REGISTRY: &[LayerFactory] = &[
         summary: "counts operations",
         params: &[ParamSpec { name: "fail", help: "fail to build", default: None }],
         ext_ops: &[],
-        build: build_counting,
+        build: plyfs_stack::Build::Linear(build_counting),
         absorbs: &[],
     },
     LayerFactory {
@@ -178,7 +178,7 @@ const REGISTRY: &[LayerFactory] = &[
             ParamSpec { name: "collapse", help: "the absorbed kind", default: None },
         ],
         ext_ops: &[],
-        build: build_absorbing,
+        build: plyfs_stack::Build::Linear(build_absorbing),
         absorbs: &["counting"],
     },
 ];
@@ -267,4 +267,85 @@ fn descriptors_name_the_operation_and_its_typed_arguments() {
     names.sort();
     names.dedup();
     assert_eq!(names.len(), OpKind::ALL.len());
+}
+
+#[test]
+fn tree_specs_parse_into_branches() {
+    use plyfs_stack::spec::{BranchMode, BranchSpec};
+    let specs = parse_stack_spec("trace:log=t, union[zstd:level=5,copy@/srv/a=ro | @/srv/b | mirror[lz4|] ]").unwrap();
+    assert_eq!(specs.len(), 2);
+    let u = &specs[1];
+    assert_eq!((u.kind.as_str(), u.branches.len()), ("union", 3));
+    assert_eq!(u.branches[0].layers, parse_stack_spec("zstd:level=5,copy").unwrap());
+    assert_eq!(u.branches[0].dir.as_deref(), Some(std::path::Path::new("/srv/a")));
+    assert_eq!(u.branches[0].mode, Some(BranchMode::ReadOnly));
+    assert_eq!(u.branches[1], BranchSpec { name: None, dir: Some("/srv/b".into()), mode: None, layers: vec![] });
+    let nested = &u.branches[2].layers[0];
+    assert_eq!((nested.kind.as_str(), nested.branches.len()), ("mirror", 2));
+    assert!(nested.branches[1].layers.is_empty());
+
+    let err = |spec: &str| parse_stack_spec(spec).unwrap_err().to_string();
+    assert_eq!(err("union[zstd"), "stack spec: '[' without ']' in 'union[zstd'");
+    assert_eq!(err("union]"), "stack spec: ']' without '[' in 'union]'");
+    assert_eq!(err("union[a]x"), "stack spec: nothing may follow the branches of 'union'");
+    assert_eq!(err("union[@/a=rx]"), "layer 'union', branch 0: bad branch mode 'rx' (ro or rw)");
+    assert_eq!(err("union[a@b@c]"), "layer 'union', branch 0: 'a@b@c' has more than one '@'");
+}
+
+#[test]
+fn toml_trees_match_the_spec_syntax() {
+    let text = r#"
+[[layer]]
+type = "trace"
+log = "t"
+
+[[layer]]
+type = "union"
+
+[[layer.branch]]
+dir = "/srv/a"
+mode = "ro"
+[[layer.branch.layer]]
+type = "zstd"
+level = 5
+[[layer.branch.layer]]
+type = "copy"
+
+[[layer.branch]]
+dir = "/srv/b"
+"#;
+    assert_eq!(parse_stack_config(text).unwrap(), parse_stack_spec("trace:log=t,union[zstd:level=5,copy@/srv/a=ro|@/srv/b]").unwrap());
+    let bad = text.replace("mode = \"ro\"", "mode = \"rx\"");
+    assert_eq!(parse_stack_config(&bad).unwrap_err().to_string(), "layer 'union', branch 0: bad mode 'rx' (ro or rw)");
+    let bad = text.replace("mode = \"ro\"", "color = \"ro\"");
+    assert!(parse_stack_config(&bad).unwrap_err().to_string().contains("unknown field `color`"));
+}
+
+#[test]
+fn branch_directories_come_from_lower_and_the_command_line() {
+    use plyfs_stack::spec::BranchMode;
+    static FANOUT_REGISTRY: &[LayerFactory] = &[LayerFactory {
+        kind: "fan",
+        summary: "",
+        params: &[],
+        ext_ops: &[],
+        build: Build::FanOut(|_| Err(Error::config("not built here"))),
+        absorbs: &[],
+    }];
+    let assign = |spec: &str, cli: Vec<(&str, Option<BranchMode>)>| {
+        let mut specs = parse_stack_spec(spec).unwrap();
+        let cli = cli.into_iter().map(|(d, m)| (std::path::PathBuf::from(d), m)).collect();
+        assign_branch_dirs(&mut specs, FANOUT_REGISTRY, "/lower".into(), cli).map(|()| specs).map_err(|e| e.to_string())
+    };
+    let specs = assign("fan", vec![("/b", Some(BranchMode::ReadOnly)), ("/c", None)]).unwrap();
+    let dirs: Vec<_> = specs[0].branches.iter().map(|b| (b.dir.clone().unwrap(), b.mode())).collect();
+    assert_eq!(dirs, vec![("/lower".into(), BranchMode::ReadWrite), ("/b".into(), BranchMode::ReadOnly), ("/c".into(), BranchMode::ReadWrite)]);
+    // Listed branches without a directory take them in order; a mode in the spec wins.
+    let specs = assign("fan[zstd|@/x|@=ro]", vec![("/b", Some(BranchMode::ReadWrite))]).unwrap();
+    let b = &specs[0].branches;
+    assert_eq!((b[0].dir.as_deref(), b[1].dir.as_deref(), b[2].dir.as_deref()), (Some("/lower".as_ref()), Some("/x".as_ref()), Some("/b".as_ref())));
+    assert_eq!(b[2].mode(), BranchMode::ReadOnly);
+    assert_eq!(assign("fan[a|b|c]", vec![("/b", None)]).unwrap_err(), "layer 'fan', branch 2: no directory (give it as @DIR, or one more --branch)");
+    assert!(assign("fan[@/x|@/y]", vec![]).unwrap_err().starts_with("/lower: no branch of 'fan' is left to take it"));
+    assert_eq!(assign("null", vec![("/b", None)]).unwrap_err(), "--branch needs a fan-out layer (union or mirror) in the stack");
 }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
 use plyfs_stack::spec::ParamSpec;
-use plyfs_stack::{BuildArgs, Caller, Error, ExtOpInfo, Layer, LayerFactory, Level, NodeId, Result, COLLAPSE_PARAM};
+use plyfs_stack::{Build, BuildArgs, Caller, Error, ExtOpInfo, Layer, LayerFactory, Level, NodeId, Result, COLLAPSE_PARAM};
 
 use codec::CryptCodec;
 use keys::{Volume, VolumeConfig, CONFIG_NAME};
@@ -114,6 +114,6 @@ pub const FACTORY: LayerFactory = LayerFactory {
     summary: "authenticated encryption (AES-256-GCM or XChaCha20-Poly1305), chunk by chunk",
     params: &[CHUNK_PARAM, FAST_TAILS_PARAM, COLLAPSE, LEVEL],
     ext_ops: &CRYPT_OPS,
-    build,
+    build: Build::Linear(build),
     absorbs: &["zstd", "gzip", "lz4"],
 };

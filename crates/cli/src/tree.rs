@@ -1,0 +1,112 @@
+//! Building a mount's stack, linear or a tree.
+//!
+//! A linear stack is the mount-wide layers over the per-file policy layer over the lower
+//! directory. With a fan-out layer (`union`, `mirror`), the layers above it are the trunk and
+//! each branch is built as a mount of its own would be: its directory, a crypt volume's names
+//! if it is one, its per-file policy, and the branch's layers as the default chain.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use plyfs_stack::spec::{BranchMode, BranchSpec, LayerSpec};
+use plyfs_stack::{Branch, BranchBuilder, DataPath, Error, LowerDir, Stack};
+
+/// What every branch of a mount shares.
+pub struct MountBranches {
+    /// Branches may not hold the mount point, nor lie inside it.
+    pub mountpoint: Option<PathBuf>,
+    /// The mount's rules file, applied in every branch.
+    pub rules: Option<PathBuf>,
+}
+
+/// A `--branch DIR[=ro|rw]` argument.
+pub fn parse_branch_arg(arg: &str) -> Result<(PathBuf, Option<BranchMode>), String> {
+    match arg.rsplit_once('=') {
+        Some((dir, mode)) => match BranchMode::parse(mode) {
+            Some(m) if !dir.is_empty() => Ok((PathBuf::from(dir), Some(m))),
+            _ => Err(format!("--branch {arg}: expected DIR, DIR=ro or DIR=rw")),
+        },
+        None if arg.is_empty() => Err("--branch: empty directory".into()),
+        None => Ok((PathBuf::from(arg), None)),
+    }
+}
+
+impl MountBranches {
+    fn branch_dir(&self, name: &str, dir: &Path) -> Result<PathBuf, String> {
+        let shown = dir.display();
+        let meta = std::fs::metadata(dir).map_err(|e| format!("branch '{name}': {shown}: {e}"))?;
+        if !meta.is_dir() {
+            return Err(format!("branch '{name}': {shown}: not a directory"));
+        }
+        let dir = dir.canonicalize().map_err(|e| format!("branch '{name}': {shown}: {e}"))?;
+        if let Some(mnt) = &self.mountpoint {
+            if dir.starts_with(mnt) {
+                return Err(format!("branch '{name}': {shown} lies inside the mount point {}", mnt.display()));
+            }
+            if mnt.starts_with(&dir) {
+                return Err(format!("branch '{name}': {shown} holds the mount point {}", mnt.display()));
+            }
+        }
+        Ok(dir)
+    }
+}
+
+impl BranchBuilder for MountBranches {
+    fn build(&self, name: &str, spec: &BranchSpec) -> plyfs_stack::Result<Branch> {
+        let dir = spec.dir.as_deref().ok_or_else(|| Error::config(format!("branch '{name}': no directory")))?;
+        let dir = self.branch_dir(name, dir).map_err(Error::Config)?;
+        let rules = match &self.rules {
+            Some(path) => Some(crate::daemon::load_rules(path, &dir).map_err(|e| Error::config(format!("branch '{name}': {e}")))?),
+            None => None,
+        };
+        let stack = linear_stack(&spec.layers, rules, &dir).map_err(|e| Error::config(format!("branch '{name}': {e}")))?;
+        Ok(Branch { name: name.to_owned(), dir, mode: spec.mode(), stack: Arc::new(stack) })
+    }
+}
+
+/// The stack of a lower directory with no fan-out: mount-wide layers, policy, default chain.
+fn linear_stack(specs: &[LayerSpec], rules: Option<plyfs_policy::Rules>, lower: &Path) -> plyfs_stack::Result<Stack> {
+    let bottom = LowerDir::level(lower)?;
+    let bottom = plyfs_layers::crypt::with_names(bottom)?;
+    plyfs_policy::build_stack(specs, rules, plyfs_layers::registry(), bottom).map(|(s, _)| s)
+}
+
+/// Build a mount's stack over `lower` (with `--branch` directories for a fan-out layer).
+pub fn build_stack(
+    specs: &[LayerSpec],
+    lower: &Path,
+    branches: &[String],
+    rules: Option<&Path>,
+    mountpoint: Option<&Path>,
+) -> Result<Stack, String> {
+    let registry = plyfs_layers::registry();
+    let cli = branches.iter().map(|b| parse_branch_arg(b)).collect::<Result<Vec<_>, _>>()?;
+    let mut specs = specs.to_vec();
+    plyfs_stack::assign_branch_dirs(&mut specs, registry, lower.to_owned(), cli).map_err(|e| e.to_string())?;
+    let Some(pos) = specs.iter().position(|s| plyfs_stack::is_fan_out(registry, &s.kind)) else {
+        let rules = rules.map(|r| crate::daemon::load_rules(r, lower)).transpose()?;
+        return linear_stack(&specs, rules, lower).map_err(|e| e.to_string());
+    };
+    let (trunk, fan) = (&specs[..pos], &specs[pos]);
+    if let Some(below) = specs.get(pos + 1) {
+        return Err(format!(
+            "layer '{}' sits below the fan-out layer '{}': layers below a fan-out layer go in its branches ({}[{}|...])",
+            below.kind, fan.kind, fan.kind, below.kind
+        ));
+    }
+    let builder = Arc::new(MountBranches { mountpoint: mountpoint.map(Path::to_owned), rules: rules.map(Path::to_owned) });
+    let fan_name = fan.params.iter().find(|(k, _)| k == "name").map_or(fan.kind.as_str(), |(_, v)| v.as_str());
+    let fan_level = Stack::build_fan_out(fan, fan_name, registry, builder).map_err(|e| e.to_string())?;
+    let stack = Stack::build_over(trunk, registry, vec![fan_level]).map_err(|e| e.to_string())?;
+    if let Some(l) = stack.layers().iter().find(|l| l.layer().data_path() == DataPath::Transforms) {
+        return Err(format!(
+            "layer '{}' transforms data, so it cannot sit above the fan-out layer '{}': put it in the branches ({}[{}|{}])",
+            l.name(),
+            fan_name,
+            fan.kind,
+            l.layer().kind(),
+            l.layer().kind()
+        ));
+    }
+    Ok(stack)
+}
