@@ -443,6 +443,20 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
     }
     extra+=(--passfile "$passfile")
   fi
+  # A fan-out layer gets its further branches here: a union writes over a read-only branch that
+  # already holds files; a mirror gets a second, empty branch.
+  case ",${entry%% *}" in
+    *,union*)
+      ro=$WORK/$i-ro
+      mkdir -p "$ro/dir/sub" && chmod 755 "$ro"
+      echo "lower file" >"$ro/file" && echo "deeper" >"$ro/dir/sub/file" && ln -sf file "$ro/link"
+      extra+=(--branch "$ro=ro")
+      ;;
+    *,mirror*)
+      mkdir -p "$WORK/$i-mirror" && chmod 755 "$WORK/$i-mirror"
+      extra+=(--branch "$WORK/$i-mirror")
+      ;;
+  esac
   out=$(timeout 60 "$PLYFS" mount "$lower" "$mnt" --stack "${entry%% *}" ${extra[@]+"${extra[@]}"} -o "$opts" --log "$RESULTS/$label.daemon.log" 2>&1) || {
     echo "$out" >&2
     {

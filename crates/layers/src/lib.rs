@@ -10,6 +10,7 @@ pub mod gzip;
 pub mod lz4;
 pub mod null;
 pub mod trace;
+pub mod union;
 pub mod uuencode;
 pub mod zstd;
 
@@ -17,7 +18,7 @@ use plyfs_stack::LayerFactory;
 
 /// Every layer this build knows.
 pub fn registry() -> &'static [LayerFactory] {
-    static REGISTRY: [LayerFactory; 8] = [
+    static REGISTRY: [LayerFactory; 9] = [
         null::FACTORY,
         trace::FACTORY,
         copy::FACTORY,
@@ -26,6 +27,7 @@ pub fn registry() -> &'static [LayerFactory] {
         zstd::FACTORY,
         lz4::FACTORY,
         crypt::FACTORY,
+        union::FACTORY,
     ];
     &REGISTRY
 }

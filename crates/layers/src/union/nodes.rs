@@ -1,0 +1,93 @@
+//! The union's objects and their inode numbers (`seeds/002` §4.5: inode numbers across
+//! branches).
+//!
+//! An object's number is made from where it *originated*: the branch's stable number in bits
+//! 48..55 and the branch's own node id (the lower inode number) below. A copy-up records the
+//! number of what it copied in the new object (`ORIGIN_XATTR`), so the number stays the same
+//! before and after copy-up and across remounts. Node ids that do not fit get a number of their
+//! own for the life of the mount, above `SYNTHETIC`.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+
+use plyfs_stack::{FileKind, NodeId};
+
+/// Bits of a branch's own node id kept in a union node id.
+const ID_BITS: u32 = 48;
+/// Branch numbers fit in 7 bits: at most this many branches over the life of a mount.
+pub const MAX_BRANCH_NUMBERS: u32 = 127;
+/// Numbers from here on are handed out for the life of the mount.
+const SYNTHETIC: u64 = 1 << 55;
+
+/// Where an object is on one branch: the branch's number and the node at its top level.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Place {
+    pub branch: u32,
+    pub node: NodeId,
+}
+
+/// The number an object found at `place` has, unless it records an origin.
+pub fn natural_id(place: Place) -> Option<u64> {
+    (place.node.0 < (1 << ID_BITS) && place.branch <= MAX_BRANCH_NUMBERS).then(|| (u64::from(place.branch) << ID_BITS) | place.node.0)
+}
+
+/// One object the kernel knows.
+pub struct UNode {
+    pub kind: FileKind,
+    /// Lookups the layer above holds.
+    pub lookups: u64,
+    /// Where the object is, top priority first. A file, link or special file has one place;
+    /// a directory has one per branch holding it, down to the first opaque one. The union
+    /// holds one lookup on each place.
+    pub places: Vec<Place>,
+    /// The directory and name it was last seen under (the root has none): the path a copy-up
+    /// recreates on the writable branch.
+    pub parent: Option<(u64, OsString)>,
+}
+
+pub struct NodeTable {
+    pub nodes: HashMap<u64, UNode>,
+    synthetic: HashMap<Place, u64>,
+    next_synthetic: u64,
+}
+
+impl NodeTable {
+    pub fn new() -> NodeTable {
+        NodeTable { nodes: HashMap::new(), synthetic: HashMap::new(), next_synthetic: SYNTHETIC }
+    }
+
+    /// The number of an object whose origin is `place`.
+    pub fn id_of(&mut self, place: Place) -> u64 {
+        if let Some(id) = natural_id(place) {
+            return id;
+        }
+        if let Some(id) = self.synthetic.get(&place) {
+            return *id;
+        }
+        let id = self.next_synthetic;
+        self.next_synthetic += 1;
+        self.synthetic.insert(place, id);
+        id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_unique_across_branches_and_stable() {
+        let a = Place { branch: 0, node: NodeId(12) };
+        let b = Place { branch: 1, node: NodeId(12) };
+        assert_ne!(natural_id(a), natural_id(b));
+        assert_eq!(natural_id(a), Some(12));
+        assert_eq!(natural_id(b), Some((1 << 48) | 12));
+        let mut t = NodeTable::new();
+        let big = Place { branch: 1, node: NodeId(1 << 50) };
+        let id = t.id_of(big);
+        assert!(id >= SYNTHETIC && id <= NodeId::MAX);
+        assert_eq!(t.id_of(big), id);
+        assert_ne!(t.id_of(Place { branch: 2, node: NodeId(1 << 50) }), id);
+        assert!(natural_id(Place { branch: MAX_BRANCH_NUMBERS, node: NodeId((1 << 48) - 1) }).unwrap() < SYNTHETIC);
+    }
+}
