@@ -94,6 +94,12 @@ fn symlinks(m: &Mount) {
     assert_eq!(fs::read_link(m.path("link")).unwrap(), Path::new("target"));
     assert!(fs::symlink_metadata(m.path("link")).unwrap().file_type().is_symlink());
     assert_eq!(fs::read(m.path("link")).unwrap(), b"pointed");
+    // O_NOFOLLOW refuses the link and opens the file (as cp and mv open their sources).
+    let nofollow = |p: &Path| unsafe { libc::open(cpath(p).as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW) };
+    assert_eq!((nofollow(&m.path("link")), errno()), (-1, libc::ELOOP));
+    let fd = nofollow(&m.path("target"));
+    assert!(fd >= 0, "O_NOFOLLOW open of a file: errno {}", errno());
+    unsafe { libc::close(fd) };
     std::os::unix::fs::symlink("/nowhere/at/all", m.path("dangling")).unwrap();
     assert_eq!(fs::read_link(m.lower_path("dangling")).unwrap(), Path::new("/nowhere/at/all"));
 }
@@ -301,3 +307,4 @@ posix_tests!(null_passthrough, "null", &[]);
 posix_tests!(null_cached, "null", &["passthrough=off"]);
 posix_tests!(trace_all_io, "trace:io=on,null", &[]);
 posix_tests!(eight_nulls, "null,null,null,null,null,null,null,null", &[]);
+posix_tests!(union_of_one, "union", &[]);

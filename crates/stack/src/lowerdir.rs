@@ -796,7 +796,9 @@ impl LowerDir {
             }
             Op::Open { node, flags } => {
                 let n = self.node(node)?;
-                let flags = (flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY | libc::O_DIRECT)) | libc::O_CLOEXEC;
+                // The kernel resolved the path (O_NOFOLLOW included) before it sent the open;
+                // reopening through the /proc link with O_NOFOLLOW would fail with ELOOP.
+                let flags = (flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY | libc::O_DIRECT | libc::O_NOFOLLOW)) | libc::O_CLOEXEC;
                 let fd = check(unsafe { libc::open(proc_path(n.fd.as_raw_fd()).as_ptr(), flags) })?;
                 Ok(Reply::Opened(self.register_file(unsafe { OwnedFd::from_raw_fd(fd) })))
             }
