@@ -511,12 +511,15 @@ impl Union {
     }
 
     fn rename(&self, cx: &Caller, parent: NodeId, name: &OsStr, new_parent: NodeId, new_name: &OsStr, flags: u32) -> Result<Reply> {
-        if flags & !libc::RENAME_NOREPLACE != 0 {
-            // RENAME_EXCHANGE and RENAME_WHITEOUT across branches are not offered.
+        if flags & !(libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE) != 0 {
+            // RENAME_WHITEOUT is for file systems below overlayfs, not above it.
             return Err(Error::Os(libc::EINVAL));
         }
         if is_temp(new_name) {
             return Err(Error::Os(libc::EPERM));
+        }
+        if flags & libc::RENAME_EXCHANGE != 0 {
+            return self.exchange(cx, parent, name, new_parent, new_name);
         }
         let from_dir = self.dir_places(parent)?;
         let to_dir = self.dir_places(new_parent)?;
@@ -542,6 +545,48 @@ impl Union {
             self.forget_places(&d.places);
         }
         result.map(|()| Reply::Empty)
+    }
+
+    /// `RENAME_EXCHANGE`: both objects on the upper branch (files are copied up), swapped there.
+    /// A directory with contents below, or one that would land on a lower directory of the same
+    /// name, cannot be swapped in one step: `EXDEV`.
+    fn exchange(&self, cx: &Caller, parent: NodeId, name: &OsStr, new_parent: NodeId, new_name: &OsStr) -> Result<Reply> {
+        let a = self.lookup(cx, parent, name)?;
+        let b = match self.lookup(cx, new_parent, new_name) {
+            Ok(b) => b,
+            Err(e) => {
+                self.forget(a.node, 1);
+                return Err(e);
+            }
+        };
+        let result = (|| {
+            let upper = self.upper()?;
+            let (from_dir, to_dir) = (self.dir_places(parent)?, self.dir_places(new_parent)?);
+            for (e, lands_in, lands_as) in [(&a, &to_dir, new_name), (&b, &from_dir, name)] {
+                if e.attr.kind != FileKind::Dir {
+                    continue;
+                }
+                let places = self.node(e.node)?.1;
+                if places.len() > 1 || places[0].branch != upper.number || self.exists_below(cx, lands_in, lands_as, upper.number)? {
+                    return Err(Error::Os(libc::EXDEV));
+                }
+            }
+            self.upper_place(a.node, false)?;
+            self.upper_place(b.node, false)?;
+            let (from, to) = (self.ensure_dir_on_upper(parent)?, self.ensure_dir_on_upper(new_parent)?);
+            let op = Op::Rename { parent: from.node, name, new_parent: to.node, new_name, flags: libc::RENAME_EXCHANGE };
+            upper.top().call(cx, &op)?;
+            let mut table = self.nodes.lock();
+            for (id, seen) in [(a.node, (new_parent.0, new_name)), (b.node, (parent.0, name))] {
+                if let Some(n) = table.nodes.get_mut(&id.0) {
+                    n.parent = Some((seen.0, seen.1.to_owned()));
+                }
+            }
+            Ok(Reply::Empty)
+        })();
+        self.forget(a.node, 1);
+        self.forget(b.node, 1);
+        result
     }
 
     #[allow(clippy::too_many_arguments)]
