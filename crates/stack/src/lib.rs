@@ -14,6 +14,7 @@
 //! [`Stack::top`].
 
 mod error;
+pub mod glob;
 mod layer;
 mod lowerdir;
 mod op;
