@@ -6,6 +6,7 @@
 
 pub mod copy;
 pub mod crypt;
+pub mod fault;
 pub mod gzip;
 pub mod lz4;
 pub mod null;
@@ -18,7 +19,7 @@ use plyfs_stack::LayerFactory;
 
 /// Every layer this build knows.
 pub fn registry() -> &'static [LayerFactory] {
-    static REGISTRY: [LayerFactory; 9] = [
+    static REGISTRY: [LayerFactory; 10] = [
         null::FACTORY,
         trace::FACTORY,
         copy::FACTORY,
@@ -28,6 +29,7 @@ pub fn registry() -> &'static [LayerFactory] {
         lz4::FACTORY,
         crypt::FACTORY,
         union::FACTORY,
+        fault::FACTORY,
     ];
     &REGISTRY
 }
