@@ -25,7 +25,9 @@ use std::time::Duration;
 use parking_lot::{Mutex, RwLock};
 use plyfs_stack::glob::{parse_size, Glob};
 use plyfs_stack::spec::ParamSpec;
-use plyfs_stack::{bypass, Build, BuildArgs, Caller, DataPath, Error, ExtOpInfo, Layer, LayerFactory, Level, NodeId, Op, Reply, Result};
+use plyfs_stack::{
+    bypass, Build, BuildArgs, Caller, DataPath, Error, ExtOpInfo, Layer, LayerFactory, Level, NodeId, Op, Reply, Result,
+};
 use serde_json::{json, Value};
 
 const EXT_OPS: &[ExtOpInfo] = &[
@@ -144,7 +146,16 @@ fn parse_amount(key: &str, text: &str) -> std::result::Result<Amount, String> {
 
 /// Parse one rule from its words (`key=value`, separated by spaces or commas).
 fn parse_rule(id: u64, text: &str) -> std::result::Result<Rule, String> {
-    let mut rule = Rule { id, text: String::new(), ops: Vec::new(), glob: None, probability: 1.0, action: Action::Error(0), remaining: None, fired: 0 };
+    let mut rule = Rule {
+        id,
+        text: String::new(),
+        ops: Vec::new(),
+        glob: None,
+        probability: 1.0,
+        action: Action::Error(0),
+        remaining: None,
+        fired: 0,
+    };
     let mut action = None;
     let words: Vec<&str> = text.split(|c: char| c.is_whitespace() || c == ',').filter(|w| !w.is_empty()).collect();
     if words.is_empty() {
@@ -164,7 +175,10 @@ fn parse_rule(id: u64, text: &str) -> std::result::Result<Rule, String> {
                     Some(pct) => pct.parse::<f64>().map(|v| v / 100.0),
                     None => value.parse::<f64>(),
                 };
-                rule.probability = p.ok().filter(|p| (0.0..=1.0).contains(p)).ok_or_else(|| format!("p={value}: a probability is 0 to 1 (or 0% to 100%)"))?;
+                rule.probability = p
+                    .ok()
+                    .filter(|p| (0.0..=1.0).contains(p))
+                    .ok_or_else(|| format!("p={value}: a probability is 0 to 1 (or 0% to 100%)"))?;
             }
             "count" => rule.remaining = Some(value.parse().map_err(|_| format!("count={value}: expected a number"))?),
             "error" => set_action(Action::Error(parse_errno(value)?))?,
@@ -232,8 +246,14 @@ impl Fault {
             if let Some(g) = &rule.glob {
                 let p = path.get_or_insert_with(|| {
                     let name = match op {
-                        Op::Lookup { name, .. } | Op::Create { name, .. } | Op::MkDir { name, .. } | Op::MkNod { name, .. }
-                        | Op::SymLink { name, .. } | Op::Unlink { name, .. } | Op::RmDir { name, .. } | Op::Rename { name, .. } => Some(*name),
+                        Op::Lookup { name, .. }
+                        | Op::Create { name, .. }
+                        | Op::MkDir { name, .. }
+                        | Op::MkNod { name, .. }
+                        | Op::SymLink { name, .. }
+                        | Op::Unlink { name, .. }
+                        | Op::RmDir { name, .. }
+                        | Op::Rename { name, .. } => Some(*name),
                         _ => None,
                     };
                     self.path_of(op.node(), name)
@@ -266,8 +286,11 @@ impl Fault {
 
     fn remember_names(&self, op: &Op<'_>, reply: &Reply) {
         let (parent, name) = match op {
-            Op::Lookup { parent, name } | Op::Create { parent, name, .. } | Op::MkDir { parent, name, .. }
-            | Op::MkNod { parent, name, .. } | Op::SymLink { parent, name, .. } => (*parent, *name),
+            Op::Lookup { parent, name }
+            | Op::Create { parent, name, .. }
+            | Op::MkDir { parent, name, .. }
+            | Op::MkNod { parent, name, .. }
+            | Op::SymLink { parent, name, .. } => (*parent, *name),
             Op::Link { new_parent, new_name, .. } => (*new_parent, *new_name),
             _ => return,
         };

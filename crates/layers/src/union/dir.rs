@@ -13,8 +13,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use plyfs_stack::{Caller, DirEntry, Error, FileHandle, FileKind, NodeId, Op, Opened, Reply, Result};
 
-use super::nodes::Place;
 use super::{daemon, is_temp, BranchState, Union};
+use crate::ids::Place;
 
 /// The entries of one open directory, as of the last read from offset 0.
 #[derive(Default)]
@@ -67,7 +67,7 @@ impl Union {
 
     /// A temporary name that no copy-up of this daemon is writing is left over from a crash.
     fn remove_leftover(&self, b: &BranchState, dir: NodeId, name: &std::ffi::OsStr) {
-        if !b.writable() || self.in_progress.lock().contains(name) {
+        if !b.writable() || !self.temps.is_leftover(name) {
             return;
         }
         match b.top().unlink(&daemon(), dir, name) {

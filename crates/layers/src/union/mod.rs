@@ -21,9 +21,8 @@
 
 mod copyup;
 mod dir;
-mod nodes;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -38,7 +37,8 @@ use plyfs_stack::{
 };
 use serde_json::{json, Value};
 
-use nodes::{NodeTable, Place, UNode, MAX_BRANCH_NUMBERS};
+use crate::ids::{NodeTable, Place, MAX_BRANCH_NUMBERS};
+use crate::transfer::TempNames;
 
 /// Records where a copied-up object came from: its union inode number.
 pub const ORIGIN_XATTR: &str = "user.plyfs.union.origin";
@@ -88,6 +88,20 @@ impl BranchState {
     }
 }
 
+/// One object the kernel knows.
+struct UNode {
+    kind: FileKind,
+    /// Lookups the layer above holds.
+    lookups: u64,
+    /// Where the object is, top priority first. A file, link or special file has one place; a
+    /// directory has one per branch holding it, down to the first opaque one. The union holds
+    /// one lookup on each place.
+    places: Vec<Place>,
+    /// The directory and name it was last seen under (the root has none): the path a copy-up
+    /// recreates on the upper branch.
+    parent: Option<(u64, OsString)>,
+}
+
 #[derive(Clone, Copy)]
 struct OpenFile {
     place: Place,
@@ -106,15 +120,14 @@ pub struct Union {
     branches: RwLock<Vec<Arc<BranchState>>>,
     builder: Arc<dyn BranchBuilder>,
     next_number: AtomicU32,
-    nodes: Mutex<NodeTable>,
+    nodes: Mutex<NodeTable<UNode>>,
     files: Mutex<HashMap<u64, OpenFile>>,
     dirs: Mutex<HashMap<u64, Arc<Mutex<dir::Listing>>>>,
     next_fh: AtomicU64,
     /// One copy-up at a time: two writers of one lower file must not copy it twice.
     copy_up: Mutex<()>,
-    temp_counter: AtomicU64,
-    /// Temporary names being written now (others found are left over from a crash).
-    in_progress: Mutex<HashSet<OsString>>,
+    /// Names of copies in progress; others found are left over from a crash.
+    temps: TempNames,
 }
 
 fn daemon() -> Caller {
@@ -150,8 +163,7 @@ impl Union {
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             copy_up: Mutex::new(()),
-            temp_counter: AtomicU64::new(0),
-            in_progress: Mutex::new(HashSet::new()),
+            temps: TempNames::new(TEMP_PREFIX),
         };
         union.reset_root();
         Ok(union)

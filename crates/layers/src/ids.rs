@@ -1,16 +1,13 @@
-//! The union's objects and their inode numbers (`seeds/002` §4.5: inode numbers across
-//! branches).
+//! Inode numbers across branches (`seeds/002` §4.5), for the fan-out layers.
 //!
-//! An object's number is made from where it *originated*: the branch's stable number in bits
-//! 48..55 and the branch's own node id (the lower inode number) below. A copy-up records the
-//! number of what it copied in the new object (`ORIGIN_XATTR`), so the number stays the same
-//! before and after copy-up and across remounts. Node ids that do not fit get a number of their
+//! An object's number is made from a place it has on a branch: the branch's stable number in
+//! bits 48..55 and the branch's own node id (the lower inode number) below, so numbers are unique
+//! across branches and the same after a remount. Node ids that do not fit get a number of their
 //! own for the life of the mount, above `SYNTHETIC`.
 
 use std::collections::HashMap;
-use std::ffi::OsString;
 
-use plyfs_stack::{FileKind, NodeId};
+use plyfs_stack::NodeId;
 
 /// Bits of a branch's own node id kept in a union node id.
 const ID_BITS: u32 = 48;
@@ -31,28 +28,15 @@ pub fn natural_id(place: Place) -> Option<u64> {
     (place.node.0 < (1 << ID_BITS) && place.branch <= MAX_BRANCH_NUMBERS).then(|| (u64::from(place.branch) << ID_BITS) | place.node.0)
 }
 
-/// One object the kernel knows.
-pub struct UNode {
-    pub kind: FileKind,
-    /// Lookups the layer above holds.
-    pub lookups: u64,
-    /// Where the object is, top priority first. A file, link or special file has one place;
-    /// a directory has one per branch holding it, down to the first opaque one. The union
-    /// holds one lookup on each place.
-    pub places: Vec<Place>,
-    /// The directory and name it was last seen under (the root has none): the path a copy-up
-    /// recreates on the writable branch.
-    pub parent: Option<(u64, OsString)>,
-}
-
-pub struct NodeTable {
-    pub nodes: HashMap<u64, UNode>,
+/// The objects a fan-out layer knows, by number, with the numbers given out so far.
+pub struct NodeTable<N> {
+    pub nodes: HashMap<u64, N>,
     synthetic: HashMap<Place, u64>,
     next_synthetic: u64,
 }
 
-impl NodeTable {
-    pub fn new() -> NodeTable {
+impl<N> NodeTable<N> {
+    pub fn new() -> NodeTable<N> {
         NodeTable { nodes: HashMap::new(), synthetic: HashMap::new(), next_synthetic: SYNTHETIC }
     }
 
@@ -82,7 +66,7 @@ mod tests {
         assert_ne!(natural_id(a), natural_id(b));
         assert_eq!(natural_id(a), Some(12));
         assert_eq!(natural_id(b), Some((1 << 48) | 12));
-        let mut t = NodeTable::new();
+        let mut t = NodeTable::<()>::new();
         let big = Place { branch: 1, node: NodeId(1 << 50) };
         let id = t.id_of(big);
         assert!(id >= SYNTHETIC && id <= NodeId::MAX);

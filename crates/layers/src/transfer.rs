@@ -1,0 +1,211 @@
+//! Copying objects from one level to another: the union's copy-up and the mirror's resync.
+//!
+//! A copy is made under a temporary name in its target directory, complete (data made durable,
+//! extended attributes, owner, mode, times) before it is renamed to its name, so a crash leaves
+//! either the old object or the new one and at most a temporary file, which is never shown and is
+//! removed when found. Data moves by `copy_file_range` between the two levels' files when neither
+//! transforms it (so by reflink where the file system can), else through the stacks.
+
+use std::collections::HashSet;
+use std::ffi::{OsStr, OsString};
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use plyfs_stack::{Attr, Caller, Entry, Error, FileKind, Level, NodeId, Op, Opened, Reply, Result, SetAttr, TimeSet, XattrReply};
+
+/// Data is copied through the stacks in pieces of this size.
+const COPY_CHUNK: u32 = 1 << 20;
+
+fn daemon() -> Caller {
+    Caller::daemon()
+}
+
+pub fn entry_of(reply: Reply) -> Result<Entry> {
+    match reply {
+        Reply::Entry(e) | Reply::Created(e, _) => Ok(e),
+        _ => Err(Error::Os(libc::EIO)),
+    }
+}
+
+fn mode_bits(kind: FileKind) -> u32 {
+    match kind {
+        FileKind::File => libc::S_IFREG,
+        FileKind::Dir => libc::S_IFDIR,
+        FileKind::Symlink => libc::S_IFLNK,
+        FileKind::Fifo => libc::S_IFIFO,
+        FileKind::Socket => libc::S_IFSOCK,
+        FileKind::CharDevice => libc::S_IFCHR,
+        FileKind::BlockDevice => libc::S_IFBLK,
+    }
+}
+
+/// Temporary names for copies in progress: `PREFIX.PID.N`. Names with the prefix that no copy of
+/// this process is writing are leftovers of a crash.
+pub struct TempNames {
+    prefix: &'static str,
+    counter: AtomicU64,
+    in_progress: Mutex<HashSet<OsString>>,
+}
+
+impl TempNames {
+    pub fn new(prefix: &'static str) -> TempNames {
+        TempNames { prefix, counter: AtomicU64::new(0), in_progress: Mutex::new(HashSet::new()) }
+    }
+
+    pub fn is_temp(&self, name: &OsStr) -> bool {
+        name.as_bytes().starts_with(self.prefix.as_bytes())
+    }
+
+    /// A temporary name no copy of this process is writing now.
+    pub fn is_leftover(&self, name: &OsStr) -> bool {
+        self.is_temp(name) && !self.in_progress.lock().contains(name)
+    }
+
+    /// Make an object under a fresh temporary name in `dir` of `to` with `make`, then rename it
+    /// to `name` (replacing what is there). On failure nothing is left behind.
+    pub fn place(&self, to: &Level, dir: NodeId, name: &OsStr, make: impl FnOnce(&OsStr) -> Result<Entry>) -> Result<Entry> {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let temp = OsString::from(format!("{}{}.{n}", self.prefix, std::process::id()));
+        self.in_progress.lock().insert(temp.clone());
+        let result = make(&temp).and_then(|e| {
+            let rename = Op::Rename { parent: dir, name: &temp, new_parent: dir, new_name: name, flags: 0 };
+            match to.call(&daemon(), &rename) {
+                Ok(_) => Ok(e),
+                Err(err) => {
+                    to.forget(&daemon(), e.node, 1);
+                    Err(err)
+                }
+            }
+        });
+        if result.is_err() {
+            let _ = to.call(&daemon(), &Op::Unlink { parent: dir, name: &temp });
+            let _ = to.call(&daemon(), &Op::RmDir { parent: dir, name: &temp });
+        }
+        self.in_progress.lock().remove(&temp);
+        result
+    }
+}
+
+/// A copy of `src` (attributes `attr`) of `from`, made as `name` in `dir` of `to`: a file with
+/// its data (unless `without_data`), a symlink, a special file, or an empty directory. Its
+/// metadata is [`copy_meta`]'s to set.
+pub fn copy_object(
+    from: &Level,
+    src: NodeId,
+    attr: &Attr,
+    to: &Level,
+    dir: NodeId,
+    name: &OsStr,
+    without_data: bool,
+) -> Result<Entry> {
+    let cx = daemon();
+    match attr.kind {
+        FileKind::File => {
+            let create = Op::Create { parent: dir, name, mode: 0o600, flags: libc::O_WRONLY | libc::O_EXCL };
+            let (e, dst) = match to.call(&cx, &create)? {
+                Reply::Created(e, o) => (e, o),
+                _ => return Err(Error::Os(libc::EIO)),
+            };
+            let copied = if without_data { Ok(()) } else { copy_data(from, src, to, e.node, &dst, attr.size) };
+            let synced = copied.and_then(|()| to.call(&cx, &Op::Fsync { node: e.node, fh: dst.fh, datasync: false }));
+            let _ = to.release(&cx, e.node, dst.fh);
+            match synced {
+                Ok(_) => Ok(e),
+                Err(err) => {
+                    to.forget(&cx, e.node, 1);
+                    Err(err)
+                }
+            }
+        }
+        FileKind::Dir => entry_of(to.call(&cx, &Op::MkDir { parent: dir, name, mode: 0o700 })?),
+        FileKind::Symlink => {
+            let target = match from.call(&cx, &Op::ReadLink { node: src })? {
+                Reply::Data(d) => PathBuf::from(OsString::from_vec(d)),
+                _ => return Err(Error::Os(libc::EIO)),
+            };
+            entry_of(to.call(&cx, &Op::SymLink { parent: dir, name, target: &target })?)
+        }
+        other => entry_of(to.call(&cx, &Op::MkNod { parent: dir, name, mode: mode_bits(other) | 0o600, rdev: attr.rdev })?),
+    }
+}
+
+/// The data of `src` into the open file `dst`.
+pub fn copy_data(from: &Level, src: NodeId, to: &Level, dst_node: NodeId, dst: &Opened, size: u64) -> Result<()> {
+    let cx = daemon();
+    let source = from.open(&cx, src, libc::O_RDONLY)?;
+    let result = match (&source.backing, &dst.backing) {
+        (Some(s), Some(d)) => copy_file_range(s.as_raw_fd(), d.as_raw_fd(), size),
+        _ => (|| {
+            let mut offset = 0u64;
+            loop {
+                let data = from.read(&cx, src, source.fh, offset, COPY_CHUNK)?;
+                if data.is_empty() {
+                    return Ok(());
+                }
+                let mut done = 0;
+                while done < data.len() {
+                    done += to.write(&cx, dst_node, dst.fh, offset + done as u64, &data[done..])? as usize;
+                }
+                offset += data.len() as u64;
+            }
+        })(),
+    };
+    let _ = from.release(&cx, src, source.fh);
+    result
+}
+
+/// Extended attributes (those `keep` accepts), owner, mode and times of `src` onto `dst`.
+pub fn copy_meta(from: &Level, src: NodeId, to: &Level, dst: NodeId, attr: &Attr, keep: impl Fn(&OsStr) -> bool) -> Result<()> {
+    let cx = daemon();
+    if attr.kind != FileKind::Symlink {
+        let names = match from.call(&cx, &Op::ListXattr { node: src, size: 65536 })? {
+            Reply::Xattr(XattrReply::Data(d)) => d,
+            _ => Vec::new(),
+        };
+        for name in names.split(|b| *b == 0).filter(|n| !n.is_empty()).map(OsStr::from_bytes) {
+            if !keep(name) {
+                continue;
+            }
+            let value = match from.call(&cx, &Op::GetXattr { node: src, name, size: 65536 }) {
+                Ok(Reply::Xattr(XattrReply::Data(v))) => v,
+                _ => continue,
+            };
+            to.call(&cx, &Op::SetXattr { node: dst, name, value: &value, flags: 0 })
+                .map_err(|e| Error::Corrupt(format!("a copy cannot keep the attribute {}: {e}", name.to_string_lossy())))?;
+        }
+    }
+    let owner = SetAttr { uid: Some(attr.uid), gid: Some(attr.gid), ..SetAttr::default() };
+    let owned = to.call(&cx, &Op::SetAttr { node: dst, fh: None, set: owner });
+    if attr.kind == FileKind::Symlink {
+        // Not every lower file system lets a symlink's owner change; the link still works.
+        return Ok(());
+    }
+    owned?;
+    let rest = SetAttr {
+        mode: Some(u32::from(attr.perm)),
+        atime: Some(TimeSet::At(attr.atime)),
+        mtime: Some(TimeSet::At(attr.mtime)),
+        ..SetAttr::default()
+    };
+    to.call(&cx, &Op::SetAttr { node: dst, fh: None, set: rest })?;
+    Ok(())
+}
+
+/// Copy `size` bytes in the kernel (a reflink where the file system can).
+fn copy_file_range(from: i32, to: i32, size: u64) -> Result<()> {
+    let (mut off_in, mut off_out): (i64, i64) = (0, 0);
+    while (off_in as u64) < size {
+        let want = (size - off_in as u64).min(1 << 30) as usize;
+        let n = unsafe { libc::copy_file_range(from, &mut off_in, to, &mut off_out, want, 0) };
+        if n < 0 {
+            return Err(Error::last_os());
+        }
+        if n == 0 {
+            break;
+        }
+    }
+    Ok(())
+}
