@@ -198,9 +198,28 @@ fn umount(path: &Path, lazy: bool) -> Result<(), String> {
 }
 
 fn op(path: &Path, name: &str, args: &[String]) -> Result<(), String> {
-    let value = control::call_op(path, name, args).map_err(|e| {
-        if name == "--list" { e } else { format!("op '{name}' on {}: {e}", path.display()) }
-    })?;
+    // Long operations (a resync, a scrub) report progress: draw it on a terminal.
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    let mut show = |p: &serde_json::Value| {
+        let (done, total) = (p["done"].as_u64().unwrap_or(0), p["total"].as_u64().unwrap_or(0));
+        let bar = bar.get_or_insert_with(|| {
+            let bar = indicatif::ProgressBar::new(total);
+            let template = match p["unit"].as_str() {
+                Some("bytes") => "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+                _ => "{msg} [{bar:30}] {pos}/{len} eta {eta}",
+            };
+            bar.set_style(indicatif::ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
+            bar
+        });
+        bar.set_message(p["label"].as_str().unwrap_or("").to_owned());
+        bar.set_length(total.max(done));
+        bar.set_position(done);
+    };
+    let result = control::call_op_with_progress(path, name, args, &mut show);
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let value = result.map_err(|e| if name == "--list" { e } else { format!("op '{name}' on {}: {e}", path.display()) })?;
     match value {
         serde_json::Value::String(s) => println!("{s}"),
         v => println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default()),

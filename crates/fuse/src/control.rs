@@ -115,7 +115,7 @@ fn peer(conn: &UnixStream) -> Option<Caller> {
     Some(Caller { uid: cred.uid(), gid: cred.gid(), pid: cred.pid() as u32 })
 }
 
-fn serve(stack: &Stack, conn: UnixStream) {
+fn serve(stack: &Arc<Stack>, conn: UnixStream) {
     let mut line = String::new();
     let mut reader = BufReader::new(&conn);
     let answer = match (reader.read_line(&mut line), peer(&conn)) {
@@ -124,16 +124,53 @@ fn serve(stack: &Stack, conn: UnixStream) {
             if cx.uid != me && cx.uid != 0 {
                 json!({ "error": "permission denied: only the mount's owner may run operations" })
             } else {
-                match handle(stack, &cx, &line) {
-                    Ok(v) => json!({ "ok": v }),
-                    Err(e) => json!({ "error": e }),
-                }
+                run_reporting_progress(stack, cx, line, &conn)
             }
         }
         _ => json!({ "error": "malformed request" }),
     };
     let mut out = &conn;
     let _ = writeln!(out, "{answer}");
+}
+
+/// Run one request on a thread of its own; while it runs, pass on the progress it reports, if
+/// the client asked for it (`"progress": true`), as `{"progress": {...}}` lines.
+fn run_reporting_progress(stack: &Arc<Stack>, cx: Caller, line: String, conn: &UnixStream) -> Value {
+    let wants_progress = serde_json::from_str::<Value>(&line).ok().is_some_and(|r| r["progress"] == true);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let worker_stack = stack.clone();
+    let worker = std::thread::Builder::new().name("control-work".into()).spawn(move || {
+        let answer = match handle(&worker_stack, &cx, &line) {
+            Ok(v) => json!({ "ok": v }),
+            Err(e) => json!({ "error": e }),
+        };
+        let _ = tx.send(answer);
+    });
+    let worker = match worker {
+        Ok(w) => w,
+        Err(e) => return json!({ "error": format!("cannot start the operation: {e}") }),
+    };
+    let id = worker.thread().id();
+    let mut last = None;
+    loop {
+        match rx.recv_timeout(std::time::Duration::from_millis(200)) {
+            Ok(answer) => return answer,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return json!({ "error": "the operation failed" }),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                let Some(p) = plyfs_stack::progress::of_thread(id).filter(|_| wants_progress) else { continue };
+                if last.as_ref() == Some(&p) {
+                    continue;
+                }
+                let mut out = conn;
+                let line = json!({ "progress": { "label": p.label, "unit": p.unit, "done": p.done, "total": p.total } });
+                if writeln!(out, "{line}").is_err() {
+                    // The client is gone; the work goes on to its end.
+                    continue;
+                }
+                last = Some(p);
+            }
+        }
+    }
 }
 
 fn handle(stack: &Stack, cx: &Caller, line: &str) -> Result<Value, String> {
@@ -217,6 +254,12 @@ fn resolve(level: &Level, cx: &Caller, components: &[&OsStr]) -> Result<(NodeId,
 
 /// Run extended operation `op` (`NAME` or `NAME@LAYER`) on `path` in a mounted stack.
 pub fn call_op(path: &Path, op: &str, args: &[String]) -> Result<Value, String> {
+    call_op_with_progress(path, op, args, &mut |_| {})
+}
+
+/// As [`call_op`], passing each progress report (`label`, `unit`, `done`, `total`) of long work
+/// to `progress` while it runs.
+pub fn call_op_with_progress(path: &Path, op: &str, args: &[String], progress: &mut dyn FnMut(&Value)) -> Result<Value, String> {
     let shown = path.display();
     let canonical = path.canonicalize().map_err(|e| format!("{shown}: {e}"))?;
     let mount = mountinfo::mount_containing(&canonical)
@@ -236,12 +279,19 @@ pub fn call_op(path: &Path, op: &str, args: &[String]) -> Result<Value, String> 
             mount.mountpoint.display()
         )
     })?;
-    let request = json!({ "path": rel.to_string_lossy(), "op": name, "args": args, "layer": layer });
+    let request = json!({ "path": rel.to_string_lossy(), "op": name, "args": args, "layer": layer, "progress": true });
     let mut out = &conn;
     writeln!(out, "{request}").map_err(|e| format!("control socket: {e}"))?;
-    let mut line = String::new();
-    BufReader::new(&conn).read_line(&mut line).map_err(|e| format!("control socket: {e}"))?;
-    let reply: Value = serde_json::from_str(&line).map_err(|_| "the daemon closed the connection without answering".to_owned())?;
+    let mut reader = BufReader::new(&conn);
+    let reply = loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).map_err(|e| format!("control socket: {e}"))?;
+        let reply: Value = serde_json::from_str(&line).map_err(|_| "the daemon closed the connection without answering".to_owned())?;
+        match reply.get("progress") {
+            Some(p) => progress(p),
+            None => break reply,
+        }
+    };
     match (reply.get("ok"), reply.get("error")) {
         (Some(v), _) => Ok(v.clone()),
         (_, Some(e)) => Err(e.as_str().unwrap_or("error").to_owned()),

@@ -18,6 +18,7 @@ pub mod glob;
 mod layer;
 mod lowerdir;
 mod op;
+pub mod progress;
 pub mod spec;
 mod stack;
 mod types;
