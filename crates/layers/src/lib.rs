@@ -9,6 +9,7 @@ pub mod crypt;
 pub mod fault;
 pub mod gzip;
 mod ids;
+pub mod mirror;
 pub mod lz4;
 pub mod null;
 pub mod trace;
@@ -21,7 +22,7 @@ use plyfs_stack::LayerFactory;
 
 /// Every layer this build knows.
 pub fn registry() -> &'static [LayerFactory] {
-    static REGISTRY: [LayerFactory; 10] = [
+    static REGISTRY: [LayerFactory; 11] = [
         null::FACTORY,
         trace::FACTORY,
         copy::FACTORY,
@@ -31,6 +32,7 @@ pub fn registry() -> &'static [LayerFactory] {
         lz4::FACTORY,
         crypt::FACTORY,
         union::FACTORY,
+        mirror::FACTORY,
         fault::FACTORY,
     ];
     &REGISTRY

@@ -1,0 +1,205 @@
+//! `mirror` through real mounts: two branches kept identical, a branch failed by `fault` in the
+//! middle of a workload, failover of reads, resync, scrub, and a daemon killed mid-write.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+
+/// A mirror of LOWER and a second directory, with `stack` (e.g. `mirror[|fault]`).
+fn mirror(stack: &str) -> (Mount, PathBuf) {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (a, b, mnt) = (root.join("a"), root.join("b"), root.join("mnt"));
+    for d in [&a, &b, &mnt] {
+        fs::create_dir(d).unwrap();
+    }
+    let branch = format!("--branch={}", b.display());
+    (Mount::start(dir, a, mnt, stack, &[&branch]), b)
+}
+
+fn op_json(path: &Path, args: &[&str]) -> serde_json::Value {
+    let out = run(plyfs().arg("op").arg(path).args(args));
+    assert!(out.status.success(), "plyfs op {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Every object under `root` (but the mirror's log) with what identifies its content.
+fn tree(root: &Path) -> BTreeMap<String, String> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, String>) {
+        for e in fs::read_dir(dir).unwrap() {
+            let e = e.unwrap();
+            let rel = e.path().strip_prefix(root).unwrap().to_string_lossy().into_owned();
+            if rel == ".plyfs-mirror.log" {
+                continue;
+            }
+            let meta = fs::symlink_metadata(e.path()).unwrap();
+            let what = if meta.is_dir() {
+                walk(root, &e.path(), out);
+                format!("dir {:o}", meta.mode())
+            } else if meta.file_type().is_symlink() {
+                format!("link {}", fs::read_link(e.path()).unwrap().display())
+            } else {
+                format!("file {:o} {}", meta.mode(), String::from_utf8_lossy(&fs::read(e.path()).unwrap()))
+            };
+            out.insert(rel, what);
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(root, root, &mut out);
+    out
+}
+
+fn workload(m: &Mount, round: usize) {
+    fs::create_dir_all(m.path(&format!("r{round}/sub"))).unwrap();
+    for i in 0..20 {
+        fs::write(m.path(&format!("r{round}/f{i}")), format!("round {round} file {i}\n").repeat(i + 1)).unwrap();
+    }
+    let mut log = fs::OpenOptions::new().create(true).append(true).open(m.path("log")).unwrap();
+    writeln!(log, "round {round}").unwrap();
+    fs::rename(m.path(&format!("r{round}/f0")), m.path(&format!("r{round}/sub/moved"))).unwrap();
+    fs::remove_file(m.path(&format!("r{round}/f1"))).unwrap();
+    std::os::unix::fs::symlink("f2", m.path(&format!("r{round}/link"))).unwrap();
+    fs::set_permissions(m.path(&format!("r{round}/f3")), std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+}
+
+#[test]
+fn every_change_reaches_both_branches() {
+    let (m, b) = mirror("mirror");
+    for round in 0..3 {
+        workload(&m, round);
+    }
+    assert_eq!(tree(&m.lower), tree(&b));
+    assert_eq!(tree(&m.lower), tree(&m.mnt));
+    assert_eq!(op_json(&m.mnt, &["mirror-status"])["degraded"], false);
+    assert_eq!(fs::read_to_string(m.path("log")).unwrap(), "round 0\nround 1\nround 2\n");
+    assert!(!tree(&m.mnt).contains_key(".plyfs-mirror.log") && !m.path(".plyfs-mirror.log").exists());
+}
+
+#[test]
+fn a_branch_failed_mid_workload_costs_the_application_nothing_and_resync_restores_it() {
+    let (m, b) = mirror("mirror[|fault]");
+    workload(&m, 0);
+    op_json(&m.mnt, &["fault-add@mirror.1.fault", "error=EIO"]);
+    // No error reaches the application while the branch fails under it.
+    for round in 1..4 {
+        workload(&m, round);
+    }
+    let status = op_json(&m.mnt, &["mirror-status"]);
+    assert_eq!(status["degraded"], true);
+    assert_eq!(status["branches"][1]["state"], "failed");
+    assert!(status["branches"][1]["stale_paths"].as_u64().unwrap() > 0);
+    assert!(m.daemon_log().contains("branch 'mirror.1'") && m.daemon_log().contains("failed"), "{}", m.daemon_log());
+    assert_ne!(tree(&m.lower), tree(&b));
+    // Still failing: resync refuses and changes nothing.
+    op_json(&m.mnt, &["fault-clear@mirror.1.fault"]);
+    let done = op_json(&m.mnt, &["resync"]);
+    assert_eq!(done["resynced"][0]["branch"], "mirror.1");
+    assert_eq!(tree(&m.lower), tree(&b));
+    assert_eq!(op_json(&m.mnt, &["mirror-status"])["degraded"], false);
+    // In sync again: changes reach it.
+    workload(&m, 9);
+    assert_eq!(tree(&m.lower), tree(&b));
+}
+
+#[test]
+fn reads_fail_over_when_the_reading_branch_fails() {
+    let (m, b) = mirror("mirror[fault|]");
+    fs::write(m.path("data"), "mirrored").unwrap();
+    op_json(&m.mnt, &["fault-add@mirror.0.fault", "op=read|lookup|getattr|open", "error=EIO"]);
+    // Drop the kernel's cached pages so the read reaches the mirror.
+    fs::write("/proc/sys/vm/drop_caches", "3").ok();
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(fs::read_to_string(m.path("data")).unwrap(), "mirrored");
+    let status = op_json(&m.mnt, &["mirror-status"]);
+    assert_eq!(status["reads_from"], "mirror.1");
+    assert_eq!(status["branches"][0]["state"], "failed");
+    fs::write(m.path("later"), "only on b for now").unwrap();
+    assert_eq!(fs::read_to_string(b.join("later")).unwrap(), "only on b for now");
+    op_json(&m.mnt, &["fault-clear@mirror.0.fault"]);
+    op_json(&m.mnt, &["resync", "mirror.0"]);
+    assert_eq!(tree(&m.lower), tree(&b));
+    assert_eq!(op_json(&m.mnt, &["mirror-status"])["reads_from"], "mirror.0");
+}
+
+#[test]
+fn a_failed_branch_stays_out_across_a_remount_until_resynced() {
+    let (m, b) = mirror("mirror[|fault]");
+    workload(&m, 0);
+    op_json(&m.mnt, &["fault-add@mirror.1.fault", "error=ENOTCONN"]);
+    workload(&m, 1);
+    let m = m.remount();
+    let status = op_json(&m.mnt, &["mirror-status"]);
+    assert_eq!(status["branches"][1]["state"], "failed", "{status}");
+    assert!(m.daemon_log().contains("serves nothing until `resync`"), "{}", m.daemon_log());
+    workload(&m, 2);
+    op_json(&m.mnt, &["resync"]);
+    assert_eq!(tree(&m.lower), tree(&b));
+}
+
+#[test]
+fn scrub_finds_and_repairs_what_differs() {
+    let (m, b) = mirror("mirror");
+    workload(&m, 0);
+    fs::write(b.join("r0/f5"), "rotten").unwrap();
+    fs::remove_file(b.join("r0/f6")).unwrap();
+    fs::write(b.join("r0/extra"), "not on a").unwrap();
+    let report = op_json(&m.mnt, &["scrub"]);
+    let repaired: Vec<&str> = report["repaired"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(repaired, ["r0/extra", "r0/f6", "r0/f5"]);
+    assert_eq!(tree(&m.lower), tree(&b));
+    assert_eq!(op_json(&m.mnt, &["scrub"])["repaired"].as_array().unwrap().len(), 0);
+}
+
+/// SIGKILL while a large file is being written: the next mount makes it the same on both
+/// branches before serving.
+#[test]
+fn a_daemon_killed_mid_write_is_resynced_at_the_next_mount() {
+    let (mut m, b) = mirror("mirror");
+    let path = m.path("big");
+    let writer = std::thread::spawn(move || {
+        let mut f = fs::File::create(path)?;
+        let block = vec![0x5au8; 1 << 20];
+        for _ in 0..4096 {
+            f.write_all(&block)?;
+        }
+        Ok::<(), std::io::Error>(())
+    });
+    while fs::metadata(m.lower_path("big")).map(|s| s.len()).unwrap_or(0) < 32 << 20 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    m.child().kill().unwrap();
+    let _ = m.child().wait();
+    assert!(writer.join().unwrap().is_err(), "the writer saw its file system go");
+    let m = m.remount();
+    assert!(m.daemon_log().contains("were in flight when the daemon stopped"), "{}", m.daemon_log());
+    let (sa, sb) = (fs::read(m.lower_path("big")).unwrap(), fs::read(b.join("big")).unwrap());
+    assert_eq!(sa.len(), sb.len());
+    assert!(sa == sb, "both branches hold the same bytes");
+    assert_eq!(op_json(&m.mnt, &["scrub"])["repaired"].as_array().unwrap().len(), 0);
+}
+
+#[test]
+fn bad_requests_are_refused_with_one_line() {
+    let (m, _b) = mirror("mirror");
+    for (args, expect) in [(vec!["resync", "nosuch"], "no branch named 'nosuch'"), (vec!["resync", "mirror.1"], "is in sync already")] {
+        let out = run(plyfs().arg("op").arg(&m.mnt).args(&args));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(expect) && err.lines().count() == 1, "{args:?}: {err}");
+    }
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let (a, b, mnt) = (dir.path().join("a"), dir.path().join("b"), dir.path().join("mnt"));
+    for d in [&a, &b, &mnt] {
+        fs::create_dir(d).unwrap();
+    }
+    let out = run(plyfs().arg("mount").arg(&a).arg(&mnt).args(["--stack", "mirror", "--branch"]).arg(format!("{}=ro", b.display())));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("is read-only, but every branch of a mirror takes every write"), "{err}");
+    assert!(mounted_fstype(&mnt).is_none());
+}

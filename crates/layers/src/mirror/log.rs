@@ -1,0 +1,393 @@
+//! The mirror's write-intent log (the role of md's write-intent bitmap, per path).
+//!
+//! Every in-sync branch keeps a copy, `.plyfs-mirror.log` at its root, written through the
+//! branch's stack. Lines are `SEQ KIND [BRANCH] [PATH]`:
+//!
+//! - `W path` before a change to `path` reaches the branches, `C path` once every branch has it:
+//!   a `W` without its `C` is a change that was in flight when the daemon stopped;
+//! - `F branch` when a branch fails; `S branch path` for each path changed while it is failed;
+//!   `R branch` when `resync` has brought it up to date.
+//!
+//! A line reaches the kernel before the change it announces, so a killed daemon loses none;
+//! the log is made durable before any file's `fsync` returns. At mount the copy with the highest
+//! sequence number (from the branch that stayed in sync longest) is read, and every copy is
+//! rewritten with what is still true; the same happens when a copy grows past [`COMPACT_AT`].
+
+use std::collections::{BTreeSet, HashMap};
+use std::ffi::OsStr;
+
+use parking_lot::Mutex;
+use plyfs_stack::{Caller, Error, FileHandle, Level, NodeId, Op, Result, SetAttr};
+
+/// The log's name at the root of every branch (hidden from the mount).
+pub const LOG_NAME: &str = ".plyfs-mirror.log";
+/// Rewrite a copy once it is this large and nothing is in flight.
+const COMPACT_AT: u64 = 1 << 20;
+
+fn daemon() -> Caller {
+    Caller::daemon()
+}
+
+/// A path in a log line: bytes outside a safe set are `%XX`.
+fn encode(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    for b in path.bytes() {
+        if b.is_ascii_alphanumeric() || b"._-/+,=@~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn decode(text: &str) -> Option<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = text.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// What a log says, replayed.
+#[derive(Debug, Default, PartialEq)]
+pub struct Replayed {
+    pub seq: u64,
+    pub failed: Vec<bool>,
+    pub stale: Vec<BTreeSet<String>>,
+    /// Changes that were in flight when the daemon stopped.
+    pub in_flight: BTreeSet<String>,
+}
+
+/// Replay the lines of one copy; a line cut short by a crash is ignored.
+pub fn replay(text: &str, names: &[String]) -> Replayed {
+    let n = names.len();
+    let mut r = Replayed { failed: vec![false; n], stale: vec![BTreeSet::new(); n], ..Replayed::default() };
+    let mut in_flight: HashMap<String, i64> = HashMap::new();
+    let branch = |name: &str| names.iter().position(|n| n == name);
+    for line in text.lines() {
+        let mut words = line.split(' ');
+        let (Some(seq), Some(kind)) = (words.next().and_then(|s| s.parse::<u64>().ok()), words.next()) else { continue };
+        let rest: Vec<&str> = words.collect();
+        match (kind, rest.as_slice()) {
+            ("W", [p]) => *in_flight.entry(decode(p).unwrap_or_default()).or_default() += 1,
+            ("C", [p]) => *in_flight.entry(decode(p).unwrap_or_default()).or_default() -= 1,
+            ("F", [b]) => match branch(b) {
+                Some(i) => r.failed[i] = true,
+                None => continue,
+            },
+            ("S", [b, p]) => match (branch(b), decode(p)) {
+                (Some(i), Some(p)) => {
+                    r.stale[i].insert(p);
+                }
+                _ => continue,
+            },
+            ("R", [b]) => match branch(b) {
+                Some(i) => {
+                    r.failed[i] = false;
+                    r.stale[i].clear();
+                }
+                None => continue,
+            },
+            _ => continue,
+        }
+        r.seq = r.seq.max(seq);
+    }
+    r.in_flight = in_flight.into_iter().filter(|(_, n)| *n > 0).map(|(p, _)| p).collect();
+    r
+}
+
+struct LogFile {
+    node: NodeId,
+    fh: FileHandle,
+    size: u64,
+    unsynced: bool,
+}
+
+struct LogState {
+    seq: u64,
+    files: Vec<Option<LogFile>>,
+    in_flight: HashMap<String, u32>,
+    stale: Vec<BTreeSet<String>>,
+    failed: Vec<bool>,
+}
+
+pub struct IntentLog {
+    names: Vec<String>,
+    tops: Vec<Level>,
+    state: Mutex<LogState>,
+}
+
+/// Branches a log write could not reach: they have failed.
+pub type Unreached = Vec<(usize, Error)>;
+
+impl IntentLog {
+    /// Read every branch's copy, and continue from the one that went furthest. Returns the log
+    /// and what it says.
+    pub fn open(names: Vec<String>, tops: Vec<Level>) -> Result<(IntentLog, Replayed)> {
+        let n = names.len();
+        let mut best: Option<Replayed> = None;
+        let mut files = Vec::with_capacity(n);
+        for top in &tops {
+            let text = match top.read_small_file(&daemon(), NodeId::ROOT, OsStr::new(LOG_NAME), 64 << 20) {
+                Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+                Err(Error::Os(libc::ENOENT)) => String::new(),
+                Err(e) => return Err(e),
+            };
+            let replayed = replay(&text, &names);
+            if best.as_ref().is_none_or(|b| replayed.seq > b.seq) {
+                best = Some(replayed);
+            }
+            files.push(None);
+        }
+        let replayed = best.unwrap_or_else(|| replay("", &names));
+        let state = LogState {
+            seq: replayed.seq,
+            files,
+            in_flight: HashMap::new(),
+            stale: replayed.stale.clone(),
+            failed: replayed.failed.clone(),
+        };
+        let log = IntentLog { names, tops, state: Mutex::new(state) };
+        // Start every in-sync copy afresh with what is still true.
+        let mut state = log.state.lock();
+        for b in 0..n {
+            if !state.failed[b] {
+                log.rewrite(&mut state, b)?;
+            }
+        }
+        drop(state);
+        Ok((log, replayed))
+    }
+
+    fn open_file(&self, b: usize) -> Result<LogFile> {
+        let top = &self.tops[b];
+        let name = OsStr::new(LOG_NAME);
+        let (node, fh) = match top.lookup(&daemon(), NodeId::ROOT, name) {
+            Ok(e) => match top.open(&daemon(), e.node, libc::O_RDWR) {
+                Ok(o) => (e.node, o.fh),
+                Err(err) => {
+                    top.forget(&daemon(), e.node, 1);
+                    return Err(err);
+                }
+            },
+            Err(Error::Os(libc::ENOENT)) => {
+                let (e, o) = top.create(&daemon(), NodeId::ROOT, name, 0o600, libc::O_RDWR)?;
+                (e.node, o.fh)
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(LogFile { node, fh, size: 0, unsynced: false })
+    }
+
+    /// Truncate branch `b`'s copy and write the current state into it.
+    fn rewrite(&self, state: &mut LogState, b: usize) -> Result<()> {
+        if state.files[b].is_none() {
+            state.files[b] = Some(self.open_file(b)?);
+        }
+        let file = state.files[b].as_mut().expect("opened above");
+        let top = &self.tops[b];
+        let set = SetAttr { size: Some(0), ..SetAttr::default() };
+        top.call(&daemon(), &Op::SetAttr { node: file.node, fh: Some(file.fh), set })?;
+        file.size = 0;
+        let mut text = String::new();
+        state.seq += 1;
+        let seq = state.seq;
+        for (i, failed) in state.failed.iter().enumerate() {
+            if *failed {
+                text.push_str(&format!("{seq} F {}\n", self.names[i]));
+                for p in &state.stale[i] {
+                    text.push_str(&format!("{seq} S {} {}\n", self.names[i], encode(p)));
+                }
+            }
+        }
+        for p in state.in_flight.keys() {
+            text.push_str(&format!("{seq} W {}\n", encode(p)));
+        }
+        let file = state.files[b].as_mut().expect("opened above");
+        Self::write_at(top, file, text.as_bytes())
+    }
+
+    fn write_at(top: &Level, file: &mut LogFile, bytes: &[u8]) -> Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let mut done = 0;
+        while done < bytes.len() {
+            done += top.write(&daemon(), file.node, file.fh, file.size + done as u64, &bytes[done..])? as usize;
+        }
+        file.size += bytes.len() as u64;
+        file.unsynced = true;
+        Ok(())
+    }
+
+    /// Append `body` (a line without its sequence number) to every in-sync copy.
+    fn append(&self, state: &mut LogState, body: &str) -> Unreached {
+        state.seq += 1;
+        let line = format!("{} {body}\n", state.seq);
+        let mut unreached = Vec::new();
+        for b in 0..self.tops.len() {
+            if state.failed[b] {
+                continue;
+            }
+            let result = match state.files[b].as_mut() {
+                Some(file) => Self::write_at(&self.tops[b], file, line.as_bytes()),
+                None => self.rewrite(state, b),
+            };
+            if let Err(e) = result {
+                unreached.push((b, e));
+            }
+        }
+        unreached
+    }
+
+    /// A change to `path` is about to reach the branches.
+    pub fn begin(&self, path: &str) -> Unreached {
+        let mut state = self.state.lock();
+        *state.in_flight.entry(path.to_owned()).or_default() += 1;
+        self.append(&mut state, &format!("W {}", encode(path)))
+    }
+
+    /// Every branch has the change to `path`.
+    pub fn end(&self, path: &str) -> Unreached {
+        let mut state = self.state.lock();
+        match state.in_flight.get_mut(path) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                state.in_flight.remove(path);
+            }
+            None => return Vec::new(),
+        }
+        let mut unreached = self.append(&mut state, &format!("C {}", encode(path)));
+        let large = state.files.iter().flatten().any(|f| f.size > COMPACT_AT);
+        if large && state.in_flight.is_empty() {
+            for b in 0..self.tops.len() {
+                if !state.failed[b] {
+                    if let Err(e) = self.rewrite(&mut state, b) {
+                        unreached.push((b, e));
+                    }
+                }
+            }
+        }
+        unreached
+    }
+
+    /// Branch `b` failed: from now on every change is noted stale for it.
+    pub fn failed(&self, b: usize) -> Unreached {
+        let mut state = self.state.lock();
+        if state.failed[b] {
+            return Vec::new();
+        }
+        state.failed[b] = true;
+        if let Some(f) = state.files[b].take() {
+            let _ = self.tops[b].release(&daemon(), f.node, f.fh);
+            self.tops[b].forget(&daemon(), f.node, 1);
+        }
+        self.append(&mut state, &format!("F {}", self.names[b]))
+    }
+
+    /// `paths` changed while branch `b` is failed.
+    pub fn stale(&self, b: usize, paths: &[String]) -> Unreached {
+        let mut state = self.state.lock();
+        let mut unreached = Vec::new();
+        for p in paths {
+            if state.stale[b].insert(p.clone()) {
+                let body = format!("S {} {}", self.names[b], encode(p));
+                unreached.extend(self.append(&mut state, &body));
+            }
+        }
+        unreached
+    }
+
+    /// The next path branch `b` needs, in order (parents before what they hold).
+    pub fn next_stale(&self, b: usize) -> Option<String> {
+        self.state.lock().stale[b].first().cloned()
+    }
+
+    pub fn stale_count(&self, b: usize) -> usize {
+        self.state.lock().stale[b].len()
+    }
+
+    pub fn clear_stale(&self, b: usize, path: &str) {
+        self.state.lock().stale[b].remove(path);
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.state.lock().in_flight.len()
+    }
+
+    /// Branch `b` is up to date again: its copy starts afresh and the others say so.
+    pub fn resynced(&self, b: usize) -> Unreached {
+        let mut state = self.state.lock();
+        state.failed[b] = false;
+        state.stale[b].clear();
+        let mut unreached = self.append(&mut state, &format!("R {}", self.names[b]));
+        if let Err(e) = self.rewrite(&mut state, b) {
+            unreached.push((b, e));
+        }
+        unreached
+    }
+
+    /// Make every copy durable (before a file's fsync returns).
+    pub fn sync(&self) -> Unreached {
+        let mut state = self.state.lock();
+        let mut unreached = Vec::new();
+        for b in 0..self.tops.len() {
+            let Some(file) = state.files[b].as_mut().filter(|f| f.unsynced) else { continue };
+            match self.tops[b].call(&daemon(), &Op::Fsync { node: file.node, fh: file.fh, datasync: true }) {
+                Ok(_) => file.unsynced = false,
+                Err(e) => unreached.push((b, e)),
+            }
+        }
+        unreached
+    }
+
+    /// Close every copy (at unmount).
+    pub fn close(&self) {
+        let mut state = self.state.lock();
+        for b in 0..self.tops.len() {
+            if let Some(f) = state.files[b].take() {
+                let _ = self.tops[b].call(&daemon(), &Op::Fsync { node: f.node, fh: f.fh, datasync: true });
+                let _ = self.tops[b].release(&daemon(), f.node, f.fh);
+                self.tops[b].forget(&daemon(), f.node, 1);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_round_trip_through_the_encoding() {
+        for p in ["", "a/b", "with space", "per%cent", "new\nline", "ünï"] {
+            assert_eq!(decode(&encode(p)).as_deref(), Some(p));
+            assert!(!encode(p).contains(' ') && !encode(p).contains('\n'));
+        }
+    }
+
+    #[test]
+    fn replay_finds_in_flight_changes_failures_and_stale_paths() {
+        let names = vec!["m.0".to_owned(), "m.1".to_owned()];
+        let text = "1 W a\n2 C a\n3 W b\n4 F m.1\n5 S m.1 c\n6 S m.1 d%20e\n7 W f\n8 W f\n9 C f\n10 W cut";
+        let r = replay(text, &names);
+        assert_eq!(r.seq, 10);
+        assert_eq!(r.failed, [false, true]);
+        assert_eq!(r.stale[1].iter().map(String::as_str).collect::<Vec<_>>(), ["c", "d e"]);
+        assert_eq!(r.in_flight.iter().map(String::as_str).collect::<Vec<_>>(), ["b", "cut", "f"]);
+        let r = replay(&format!("{text}\n11 R m.1\n12 x y\n13 W"), &names);
+        assert_eq!(r.failed, [false, false]);
+        assert!(r.stale[1].is_empty());
+        assert_eq!(r.seq, 11, "malformed lines are skipped");
+    }
+}

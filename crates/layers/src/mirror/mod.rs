@@ -1,0 +1,935 @@
+//! `mirror`: RAID-1 for file trees, the UCLA mirror of `seeds/000` §3.2.
+//!
+//! - **Writes and namespace changes go to every in-sync branch.** The branch that serves reads
+//!   (the first in-sync branch, in order) does each change first and its answer is the answer:
+//!   an ordinary error (`EEXIST`, `ENOTEMPTY`, ...) stops there. Then the others follow; data
+//!   writes of 256 KiB and more reach them in parallel.
+//! - **Reads come from one branch**, the first in-sync one. On `EIO`, `ENOTCONN` and the like, or
+//!   when its directory is gone, it fails and the next one serves, for the same request.
+//! - **A failed branch degrades the mount**, which goes on working and says so (a log line,
+//!   `mirror-status`). Every change made while it is failed is noted in the write-intent log
+//!   ([`log`]), so `resync` copies only that; `scrub` compares everything and repairs. A failed
+//!   branch serves nothing until it is resynced, even after a remount.
+//! - **A killed daemon** leaves `W` lines without their `C` in the log: at the next mount those
+//!   paths are made the same on every branch before anything is served.
+//! - **Files opened read-only** may use passthrough to the branch that serves reads.
+
+mod log;
+mod sync;
+
+use std::collections::HashMap;
+use std::ffi::{OsStr, OsString};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use plyfs_stack::spec::BranchMode;
+use plyfs_stack::{
+    Branch, Build, Caller, DataPath, DirEntry, Entry, Error, ExtOpInfo, FanOutArgs, FileHandle, FileKind, Layer, LayerFactory, Level,
+    NodeId, Op, Opened, Reply, Result,
+};
+use serde_json::{json, Value};
+
+use crate::ids::{NodeTable, Place};
+use crate::transfer::TempNames;
+use log::{IntentLog, Unreached, LOG_NAME};
+
+/// Names of copies a resync is writing; never shown, removed when found left over.
+pub const TEMP_PREFIX: &str = ".plyfs-mirror-copy.";
+/// Data writes at least this large reach the branches in parallel.
+const PARALLEL_FROM: usize = 256 << 10;
+
+const EXT_OPS: &[ExtOpInfo] = &[
+    ExtOpInfo { name: "mirror-status", args: "", help: "each branch: in sync or failed, and how many paths a resync would copy" },
+    ExtOpInfo {
+        name: "resync",
+        args: "[BRANCH]",
+        help: "bring failed branches (or one) up to date: copies what changed while they were failed",
+    },
+    ExtOpInfo {
+        name: "scrub",
+        args: "",
+        help: "compare every object on every in-sync branch with the reading branch, and repair differences",
+    },
+];
+
+/// Errors that say a branch, not the request, is at fault.
+const BRANCH_FAILURES: &[i32] = &[
+    libc::EIO,
+    libc::ENOTCONN,
+    libc::ENODEV,
+    libc::ENXIO,
+    libc::ETIMEDOUT,
+    libc::ESHUTDOWN,
+    libc::EHOSTDOWN,
+    libc::EHOSTUNREACH,
+    libc::ECONNABORTED,
+    libc::ECONNRESET,
+];
+
+fn daemon() -> Caller {
+    Caller::daemon()
+}
+
+struct MBranch {
+    branch: Branch,
+    failed: AtomicBool,
+}
+
+impl MBranch {
+    fn top(&self) -> &Level {
+        self.branch.top()
+    }
+}
+
+/// One object the kernel knows.
+struct MNode {
+    kind: FileKind,
+    lookups: u64,
+    /// Its node on each branch, where known (the mirror holds one lookup on each); found by
+    /// name from its parent when first needed.
+    places: Vec<Option<NodeId>>,
+    /// The directory and name it was last seen under (none for the root).
+    parent: Option<(u64, OsString)>,
+}
+
+/// An open file: its handle on each branch that has one.
+struct MFile {
+    node: NodeId,
+    flags: i32,
+    writes: bool,
+    handles: Mutex<Vec<Option<(NodeId, FileHandle)>>>,
+    /// Its path, for the write-intent log (set when it opens for writing).
+    path: String,
+    /// A change reached some branch (logged `W`; `C` at release).
+    in_flight: AtomicBool,
+}
+
+pub struct Mirror {
+    name: String,
+    branches: Vec<MBranch>,
+    nodes: Mutex<NodeTable<MNode>>,
+    files: Mutex<HashMap<u64, Arc<MFile>>>,
+    dirs: Mutex<HashMap<u64, (usize, NodeId, FileHandle)>>,
+    next_fh: AtomicU64,
+    /// Changes hold it shared; a resync takes it alone to let a branch back in.
+    membership: RwLock<()>,
+    log: IntentLog,
+    temps: TempNames,
+    /// One resync or scrub at a time.
+    repairing: Mutex<()>,
+}
+
+fn entry_of(reply: &Reply) -> Option<Entry> {
+    match reply {
+        Reply::Entry(e) | Reply::Created(e, _) => Some(*e),
+        _ => None,
+    }
+}
+
+impl Mirror {
+    fn new(args: FanOutArgs) -> Result<Mirror> {
+        if let Some(b) = args.branches.iter().find(|b| b.mode == BranchMode::ReadOnly) {
+            return Err(Error::config(format!(
+                "mirror '{}': branch '{}' is read-only, but every branch of a mirror takes every write",
+                args.name, b.name
+            )));
+        }
+        if args.branches.len() == 1 {
+            tracing::warn!("mirror '{}' has one branch: nothing is mirrored until another is added", args.name);
+        }
+        let names: Vec<String> = args.branches.iter().map(|b| b.name.clone()).collect();
+        let tops: Vec<Level> = args.branches.iter().map(|b| b.top().clone()).collect();
+        let (log, replayed) = IntentLog::open(names, tops)?;
+        let n = args.branches.len();
+        let branches: Vec<MBranch> = args
+            .branches
+            .into_iter()
+            .enumerate()
+            .map(|(i, branch)| MBranch { branch, failed: AtomicBool::new(replayed.failed[i]) })
+            .collect();
+        let mut nodes = NodeTable::new();
+        nodes.nodes.insert(
+            NodeId::ROOT.0,
+            MNode { kind: FileKind::Dir, lookups: u64::MAX / 2, places: vec![Some(NodeId::ROOT); n], parent: None },
+        );
+        let mirror = Mirror {
+            name: args.name,
+            branches,
+            nodes: Mutex::new(nodes),
+            files: Mutex::new(HashMap::new()),
+            dirs: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            membership: RwLock::new(()),
+            log,
+            temps: TempNames::new(TEMP_PREFIX),
+            repairing: Mutex::new(()),
+        };
+        for (i, b) in mirror.branches.iter().enumerate() {
+            if b.failed.load(Ordering::Relaxed) {
+                tracing::warn!(
+                    "mirror '{}': branch '{}' ({}) failed before and is not in sync ({} paths to copy); it serves nothing until `resync`",
+                    mirror.name,
+                    b.branch.name,
+                    b.branch.dir.display(),
+                    replayed.stale[i].len()
+                );
+            }
+        }
+        mirror.recover(&replayed.in_flight)?;
+        Ok(mirror)
+    }
+
+    /// Make the changes that were in flight when the daemon stopped the same on every branch.
+    fn recover(&self, in_flight: &std::collections::BTreeSet<String>) -> Result<()> {
+        if in_flight.is_empty() {
+            return Ok(());
+        }
+        let reader = self.reader()?;
+        tracing::warn!(
+            "mirror '{}': {} changes were in flight when the daemon stopped; making them the same on every branch from '{}'",
+            self.name,
+            in_flight.len(),
+            self.branches[reader].branch.name
+        );
+        for path in in_flight {
+            for b in self.in_sync().into_iter().filter(|b| *b != reader) {
+                if let Err(e) = self.sync_path(reader, b, path) {
+                    self.fail(b, &e);
+                }
+            }
+            self.note(self.log.end(path));
+        }
+        Ok(())
+    }
+
+    fn top(&self, b: usize) -> &Level {
+        self.branches[b].top()
+    }
+
+    fn is_failed(&self, b: usize) -> bool {
+        self.branches[b].failed.load(Ordering::Acquire)
+    }
+
+    fn in_sync(&self) -> Vec<usize> {
+        (0..self.branches.len()).filter(|b| !self.is_failed(*b)).collect()
+    }
+
+    /// The branch that serves reads: the first in sync.
+    fn reader(&self) -> Result<usize> {
+        (0..self.branches.len()).find(|b| !self.is_failed(*b)).ok_or(Error::Os(libc::EIO))
+    }
+
+    /// Take branch `b` out of the mirror.
+    fn fail(&self, b: usize, why: &Error) {
+        if self.branches[b].failed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let serving = self
+            .reader()
+            .map(|r| format!("reads now come from '{}'", self.branches[r].branch.name))
+            .unwrap_or_else(|_| "no branch is left".into());
+        tracing::error!(
+            "mirror '{}': branch '{}' ({}) failed: {why}; the mirror is degraded and {serving}; once the branch is back, `plyfs op MOUNT resync` brings it up to date",
+            self.name,
+            self.branches[b].branch.name,
+            self.branches[b].branch.dir.display()
+        );
+        self.note(self.log.failed(b));
+    }
+
+    /// Fail the branches a log write could not reach.
+    fn note(&self, unreached: Unreached) {
+        for (b, e) in unreached {
+            self.fail(b, &e);
+        }
+    }
+
+    /// Whether branch `b` still has its directory (a removed one answers ENOENT everywhere).
+    fn alive(&self, b: usize) -> bool {
+        self.top(b).getattr(&daemon(), NodeId::ROOT).is_ok_and(|a| a.nlink > 0)
+    }
+
+    /// Whether `e`, from the reading branch `b`, is the branch's fault.
+    fn branch_failure(&self, b: usize, e: &Error) -> bool {
+        match e.errno() {
+            errno if BRANCH_FAILURES.contains(&errno) => true,
+            libc::ENOENT | libc::ESTALE => self.in_sync().len() > 1 && !self.alive(b),
+            _ => false,
+        }
+    }
+
+    /// Run `f` on the reading branch, failing over to the next in-sync branch when the branch
+    /// is at fault.
+    fn on_reader<T>(&self, f: impl Fn(usize) -> Result<T>) -> Result<(usize, T)> {
+        loop {
+            let r = self.reader()?;
+            match f(r) {
+                Err(e) if self.branch_failure(r, &e) => self.fail(r, &e),
+                other => return other.map(|v| (r, v)),
+            }
+        }
+    }
+
+    /// Run a change on every in-sync branch: the reading one first (its answer is the answer;
+    /// an ordinary error stops there), then the others. A branch that cannot follow fails; for
+    /// failed branches the change's `paths` are noted stale.
+    fn change(
+        &self,
+        paths: &dyn Fn() -> Vec<String>,
+        f: impl Fn(usize) -> Result<Reply>,
+    ) -> Result<(usize, Reply, Vec<(usize, Reply)>)> {
+        let _members = self.membership.read();
+        let path_list = paths();
+        for p in &path_list {
+            self.note(self.log.begin(p));
+        }
+        let result = self.on_reader(&f);
+        let mut others = Vec::new();
+        if let Ok((r, _)) = &result {
+            for b in (0..self.branches.len()).filter(|b| b != r) {
+                if self.is_failed(b) {
+                    continue;
+                }
+                match f(b) {
+                    Ok(reply) => others.push((b, reply)),
+                    Err(e) => self.fail(b, &e),
+                }
+            }
+        }
+        for b in (0..self.branches.len()).filter(|b| self.is_failed(*b)) {
+            self.note(self.log.stale(b, &path_list));
+        }
+        for p in &path_list {
+            self.note(self.log.end(p));
+        }
+        result.map(|(r, reply)| (r, reply, others))
+    }
+
+    // --- Objects ---------------------------------------------------------------------------
+
+    /// The object's node on branch `b`, found by name from its parent if not known yet.
+    fn resolve(&self, id: NodeId, b: usize) -> Result<NodeId> {
+        let (parent, name) = {
+            let table = self.nodes.lock();
+            let n = table.nodes.get(&id.0).ok_or(Error::Os(libc::ESTALE))?;
+            if let Some(node) = n.places[b] {
+                return Ok(node);
+            }
+            n.parent.clone().ok_or(Error::Os(libc::ESTALE))?
+        };
+        let dir = self.resolve(NodeId(parent), b)?;
+        let e = self.top(b).lookup(&daemon(), dir, &name)?;
+        let mut table = self.nodes.lock();
+        match table.nodes.get_mut(&id.0) {
+            Some(n) if n.places[b].is_none() => {
+                n.places[b] = Some(e.node);
+                Ok(e.node)
+            }
+            Some(n) => {
+                let known = n.places[b].expect("checked");
+                drop(table);
+                self.top(b).forget(&daemon(), e.node, 1);
+                Ok(known)
+            }
+            None => {
+                drop(table);
+                self.top(b).forget(&daemon(), e.node, 1);
+                Err(Error::Os(libc::ESTALE))
+            }
+        }
+    }
+
+    /// Keep an object found (or made) as `name` in `parent`: `found` is where, on which branch;
+    /// each such place carries one lookup, which the mirror keeps or drops.
+    fn remember(&self, parent: NodeId, name: &OsStr, reader: usize, found: &[(usize, Entry)]) -> Entry {
+        let (_, top) = found.iter().find(|(b, _)| *b == reader).copied().unwrap_or(found[0]);
+        let mut table = self.nodes.lock();
+        let id = table.id_of(Place { branch: reader as u32, node: top.node });
+        let n = self.branches.len();
+        let node =
+            table.nodes.entry(id).or_insert_with(|| MNode { kind: top.attr.kind, lookups: 0, places: vec![None; n], parent: None });
+        node.lookups += 1;
+        node.kind = top.attr.kind;
+        node.parent = Some((parent.0, name.to_owned()));
+        let mut extra = Vec::new();
+        for (b, e) in found {
+            match node.places[*b] {
+                None => node.places[*b] = Some(e.node),
+                Some(known) if known == e.node => extra.push((*b, e.node)),
+                Some(old) => {
+                    node.places[*b] = Some(e.node);
+                    extra.push((*b, old));
+                }
+            }
+        }
+        drop(table);
+        for (b, node) in extra {
+            self.top(b).forget(&daemon(), node, 1);
+        }
+        Entry { node: NodeId(id), ..top }
+    }
+
+    fn forget(&self, id: NodeId, nlookup: u64) {
+        if id == NodeId::ROOT {
+            return;
+        }
+        let mut table = self.nodes.lock();
+        let Some(n) = table.nodes.get_mut(&id.0) else { return };
+        n.lookups = n.lookups.saturating_sub(nlookup);
+        if n.lookups > 0 {
+            return;
+        }
+        let places = table.nodes.remove(&id.0).map(|n| n.places).unwrap_or_default();
+        drop(table);
+        for (b, node) in places.into_iter().enumerate() {
+            if let Some(node) = node {
+                self.top(b).forget(&daemon(), node, 1);
+            }
+        }
+    }
+
+    /// The object's path from the root, for the log ("" is the root).
+    fn path_of(&self, id: NodeId) -> String {
+        let table = self.nodes.lock();
+        let mut parts: Vec<String> = Vec::new();
+        let mut at = id.0;
+        while let Some((parent, name)) = table.nodes.get(&at).and_then(|n| n.parent.as_ref()) {
+            parts.push(name.to_string_lossy().into_owned());
+            at = *parent;
+            if parts.len() > 4096 {
+                break;
+            }
+        }
+        parts.reverse();
+        parts.join("/")
+    }
+
+    fn child_path(&self, parent: NodeId, name: &OsStr) -> String {
+        let p = self.path_of(parent);
+        if p.is_empty() {
+            name.to_string_lossy().into_owned()
+        } else {
+            format!("{p}/{}", name.to_string_lossy())
+        }
+    }
+
+    fn hidden(&self, parent: NodeId, name: &OsStr) -> bool {
+        (parent == NodeId::ROOT && name == LOG_NAME) || self.temps.is_temp(name)
+    }
+
+    fn lookup(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Result<Entry> {
+        if self.hidden(parent, name) {
+            return Err(Error::Os(libc::ENOENT));
+        }
+        let (r, e) = self.on_reader(|r| self.top(r).lookup(cx, self.resolve(parent, r)?, name))?;
+        Ok(self.remember(parent, name, r, &[(r, e)]))
+    }
+
+    /// A change that makes `name` in `parent` (mkdir, create, ...), on every branch.
+    fn make(&self, parent: NodeId, name: &OsStr, f: impl Fn(usize, NodeId) -> Result<Reply>) -> Result<Reply> {
+        if self.hidden(parent, name) {
+            return Err(Error::Os(libc::EPERM));
+        }
+        let (r, reply, others) = self.change(&|| vec![self.child_path(parent, name)], |b| f(b, self.resolve(parent, b)?))?;
+        let mut found: Vec<(usize, Entry)> = entry_of(&reply).map(|e| (r, e)).into_iter().collect();
+        found.extend(others.iter().filter_map(|(b, rep)| entry_of(rep).map(|e| (*b, e))));
+        let entry = self.remember(parent, name, r, &found);
+        Ok(match reply {
+            Reply::Created(_, opened) => {
+                let mut handles = vec![None; self.branches.len()];
+                handles[r] = Some((found[0].1.node, opened.fh));
+                for (b, rep) in &others {
+                    if let (Some(e), Reply::Created(_, o)) = (entry_of(rep), rep) {
+                        handles[*b] = Some((e.node, o.fh));
+                    }
+                }
+                let flush_on_close =
+                    opened.flush_on_close || others.iter().any(|(_, rep)| matches!(rep, Reply::Created(_, o) if o.flush_on_close));
+                let path = self.child_path(parent, name);
+                let file = MFile {
+                    node: entry.node,
+                    flags: libc::O_RDWR,
+                    writes: true,
+                    handles: Mutex::new(handles),
+                    path,
+                    in_flight: AtomicBool::new(false),
+                };
+                let fh = self.register(file);
+                Reply::Created(entry, Opened { fh: FileHandle(fh), backing: None, direct_io: opened.direct_io, flush_on_close })
+            }
+            _ => Reply::Entry(entry),
+        })
+    }
+
+    fn register(&self, file: MFile) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.files.lock().insert(fh, Arc::new(file));
+        fh
+    }
+
+    fn file(&self, fh: FileHandle) -> Result<Arc<MFile>> {
+        self.files.lock().get(&fh.0).cloned().ok_or(Error::Os(libc::EBADF))
+    }
+
+    /// The file's handle on branch `b`, opened there now if it has none.
+    fn handle_on(&self, file: &MFile, b: usize) -> Result<(NodeId, FileHandle)> {
+        if let Some(h) = file.handles.lock()[b] {
+            return Ok(h);
+        }
+        let node = self.resolve(file.node, b)?;
+        let flags = file.flags & !(libc::O_TRUNC | libc::O_CREAT | libc::O_EXCL);
+        let opened = self.top(b).open(&daemon(), node, flags)?;
+        let mut handles = file.handles.lock();
+        match handles[b] {
+            Some(h) => {
+                drop(handles);
+                let _ = self.top(b).release(&daemon(), node, opened.fh);
+                Ok(h)
+            }
+            None => {
+                handles[b] = Some((node, opened.fh));
+                Ok((node, opened.fh))
+            }
+        }
+    }
+
+    fn open(&self, cx: &Caller, id: NodeId, flags: i32) -> Result<Reply> {
+        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
+        let n = self.branches.len();
+        if !writes {
+            // One branch serves it; its passthrough file, if any, may go to the kernel.
+            let (r, opened) = self.on_reader(|r| self.top(r).open(cx, self.resolve(id, r)?, flags))?;
+            let mut handles = vec![None; n];
+            handles[r] = Some((self.resolve(id, r)?, opened.fh));
+            let file = MFile {
+                node: id,
+                flags,
+                writes: false,
+                handles: Mutex::new(handles),
+                path: String::new(),
+                in_flight: AtomicBool::new(false),
+            };
+            return Ok(Reply::Opened(Opened { fh: FileHandle(self.register(file)), ..opened }));
+        }
+        let path = self.path_of(id);
+        let truncates = flags & libc::O_TRUNC != 0;
+        let paths = || if truncates { vec![path.clone()] } else { Vec::new() };
+        let (r, reply, others) = self.change(&paths, |b| self.top(b).call(cx, &Op::Open { node: self.resolve(id, b)?, flags }))?;
+        let mut handles = vec![None; n];
+        let mut first: Option<Opened> = None;
+        for (b, reply) in std::iter::once((r, reply)).chain(others) {
+            if let Reply::Opened(o) = reply {
+                handles[b] = Some((self.resolve(id, b)?, o.fh));
+                if first.is_none() {
+                    first = Some(o);
+                }
+            }
+        }
+        let opened = first.ok_or(Error::Os(libc::EIO))?;
+        let file = MFile { node: id, flags, writes: true, handles: Mutex::new(handles), path, in_flight: AtomicBool::new(false) };
+        // Writes must come here to reach every branch: no passthrough.
+        Ok(Reply::Opened(Opened { fh: FileHandle(self.register(file)), backing: None, ..opened }))
+    }
+
+    fn read(&self, cx: &Caller, fh: FileHandle, offset: u64, size: u32) -> Result<Reply> {
+        let file = self.file(fh)?;
+        let (_, data) = self.on_reader(|r| {
+            let (node, bfh) = self.handle_on(&file, r)?;
+            self.top(r).call(cx, &Op::Read { node, fh: bfh, offset, size })
+        })?;
+        Ok(data)
+    }
+
+    /// An operation on an open file that changes it: on every in-sync branch (opened there if
+    /// needed), in parallel when `parallel`.
+    fn file_change(
+        &self,
+        file: &MFile,
+        parallel: bool,
+        f: impl Fn(usize, NodeId, FileHandle) -> Result<Reply> + Sync,
+    ) -> Result<Reply> {
+        let _members = self.membership.read();
+        if !file.in_flight.swap(true, Ordering::AcqRel) {
+            self.note(self.log.begin(&file.path));
+        }
+        let targets = self.in_sync();
+        let run = |b: usize| self.handle_on(file, b).and_then(|(node, bfh)| f(b, node, bfh));
+        let results: Vec<(usize, Result<Reply>)> = if parallel && targets.len() > 1 {
+            std::thread::scope(|s| {
+                let spawned: Vec<_> = targets[1..].iter().map(|&b| (b, s.spawn(move || run(b)))).collect();
+                let mut results = vec![(targets[0], run(targets[0]))];
+                for (b, h) in spawned {
+                    results.push((b, h.join().unwrap_or(Err(Error::Os(libc::EIO)))));
+                }
+                results
+            })
+        } else {
+            targets.iter().map(|&b| (b, run(b))).collect()
+        };
+        // The first branch whose answer is not its own fault answers.
+        let answer = results.iter().position(|(b, r)| !matches!(r, Err(e) if self.branch_failure(*b, e)));
+        let Some(answer) = answer else {
+            let (b, first) = results.into_iter().next().ok_or(Error::Os(libc::EIO))?;
+            let err = first.err().unwrap_or(Error::Os(libc::EIO));
+            self.fail(b, &err);
+            return Err(err);
+        };
+        let summary = |r: &Result<Reply>| match r {
+            Ok(Reply::Written(n)) => Ok(Some(*n)),
+            Ok(_) => Ok(None),
+            Err(e) => Err(e.errno()),
+        };
+        let expected = summary(&results[answer].1);
+        for (i, (b, r)) in results.iter().enumerate() {
+            if i != answer && summary(r) != expected {
+                let why = match r {
+                    Err(e) => Error::Os(e.errno()),
+                    Ok(_) => Error::Corrupt("it did not do what the reading branch did".into()),
+                };
+                self.fail(*b, &why);
+            }
+        }
+        for b in (0..self.branches.len()).filter(|b| self.is_failed(*b)) {
+            self.note(self.log.stale(b, std::slice::from_ref(&file.path)));
+        }
+        results.into_iter().nth(answer).expect("found above").1
+    }
+
+    fn release(&self, cx: &Caller, fh: FileHandle) -> Result<Reply> {
+        let file = self.files.lock().remove(&fh.0).ok_or(Error::Os(libc::EBADF))?;
+        let handles = std::mem::take(&mut *file.handles.lock());
+        for (b, h) in handles.into_iter().enumerate() {
+            if let Some((node, bfh)) = h {
+                let _ = self.top(b).call(cx, &Op::Release { node, fh: bfh });
+            }
+        }
+        if file.in_flight.load(Ordering::Acquire) {
+            self.note(self.log.end(&file.path));
+        }
+        Ok(Reply::Empty)
+    }
+
+    fn read_dir(&self, cx: &Caller, id: NodeId, fh: FileHandle, offset: u64, max_entries: u32, plus: bool) -> Result<Vec<DirEntry>> {
+        let (r, node, bfh) = *self.dirs.lock().get(&fh.0).ok_or(Error::Os(libc::EBADF))?;
+        let entries = match self.top(r).call(cx, &Op::ReadDir { node, fh: bfh, offset, max_entries, plus })? {
+            Reply::Dir(d) => d,
+            _ => return Err(Error::Os(libc::EIO)),
+        };
+        let mut out = Vec::with_capacity(entries.len());
+        for mut e in entries {
+            if e.name != "." && e.name != ".." && self.hidden(id, &e.name) {
+                if let Some(entry) = e.entry {
+                    self.top(r).forget(&daemon(), entry.node, 1);
+                }
+                continue;
+            }
+            e.node = match (&e.entry, e.name.to_str()) {
+                (Some(entry), _) => {
+                    let kept = self.remember(id, &e.name, r, &[(r, *entry)]);
+                    e.entry = Some(kept);
+                    kept.node
+                }
+                (None, Some(".")) => id,
+                (None, Some("..")) => {
+                    NodeId(self.nodes.lock().nodes.get(&id.0).and_then(|n| n.parent.as_ref().map(|p| p.0)).unwrap_or(NodeId::ROOT.0))
+                }
+                (None, _) => NodeId(self.nodes.lock().id_of(Place { branch: r as u32, node: e.node })),
+            };
+            out.push(e);
+        }
+        Ok(out)
+    }
+
+    fn rename(&self, cx: &Caller, parent: NodeId, name: &OsStr, new_parent: NodeId, new_name: &OsStr, flags: u32) -> Result<Reply> {
+        if self.hidden(parent, name) || self.hidden(new_parent, new_name) {
+            return Err(Error::Os(libc::EPERM));
+        }
+        let moved = self.lookup(cx, parent, name)?;
+        let paths = || vec![self.child_path(parent, name), self.child_path(new_parent, new_name)];
+        let op = |b: usize| {
+            let (p, np) = (self.resolve(parent, b)?, self.resolve(new_parent, b)?);
+            self.top(b).call(cx, &Op::Rename { parent: p, name, new_parent: np, new_name, flags })
+        };
+        let result = self.change(&paths, op);
+        if result.is_ok() {
+            if let Some(n) = self.nodes.lock().nodes.get_mut(&moved.node.0) {
+                n.parent = Some((new_parent.0, new_name.to_owned()));
+            }
+        }
+        self.forget(moved.node, 1);
+        result.map(|_| Reply::Empty)
+    }
+
+    fn status(&self) -> Value {
+        let reader = self.reader().ok();
+        let branches: Vec<Value> = self
+            .branches
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                json!({
+                    "name": b.branch.name,
+                    "dir": b.branch.dir.display().to_string(),
+                    "state": if self.is_failed(i) { "failed" } else { "in-sync" },
+                    "stale_paths": self.log.stale_count(i),
+                    "serves_reads": reader == Some(i),
+                })
+            })
+            .collect();
+        json!({
+            "degraded": self.branches.iter().enumerate().any(|(i, _)| self.is_failed(i)),
+            "reads_from": reader.map(|r| self.branches[r].branch.name.clone()),
+            "changes_in_flight": self.log.in_flight(),
+            "branches": branches,
+        })
+    }
+}
+
+impl Layer for Mirror {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> &'static str {
+        "mirror"
+    }
+
+    fn data_path(&self) -> DataPath {
+        // Files opened for writing are kept from passthrough here; read-only ones may use the
+        // reading branch's file.
+        DataPath::Transparent
+    }
+
+    fn lower(&self) -> &[Level] {
+        &[]
+    }
+
+    fn branches(&self) -> Vec<Branch> {
+        self.branches.iter().map(|b| b.branch.clone()).collect()
+    }
+
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        EXT_OPS
+    }
+
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        match *op {
+            Op::Lookup { parent, name } => self.lookup(cx, parent, name).map(Reply::Entry),
+            Op::Forget { node, nlookup } => {
+                self.forget(node, nlookup);
+                Ok(Reply::Empty)
+            }
+            Op::GetAttr { node, fh } => {
+                let file = fh.and_then(|fh| self.file(fh).ok());
+                self.on_reader(|r| match &file {
+                    Some(f) => {
+                        let (bn, bfh) = self.handle_on(f, r)?;
+                        self.top(r).call(cx, &Op::GetAttr { node: bn, fh: Some(bfh) })
+                    }
+                    None => self.top(r).call(cx, &Op::GetAttr { node: self.resolve(node, r)?, fh: None }),
+                })
+                .map(|(_, reply)| reply)
+            }
+            Op::SetAttr { node, fh, set } => {
+                let file = fh.and_then(|fh| self.file(fh).ok());
+                let paths = || vec![self.path_of(node)];
+                let change = |b: usize| match &file {
+                    Some(f) => {
+                        let (bn, bfh) = self.handle_on(f, b)?;
+                        self.top(b).call(cx, &Op::SetAttr { node: bn, fh: Some(bfh), set })
+                    }
+                    None => self.top(b).call(cx, &Op::SetAttr { node: self.resolve(node, b)?, fh: None, set }),
+                };
+                self.change(&paths, change).map(|(_, reply, _)| reply)
+            }
+            Op::ReadLink { node } => {
+                self.on_reader(|r| self.top(r).call(cx, &Op::ReadLink { node: self.resolve(node, r)? })).map(|(_, x)| x)
+            }
+            Op::Access { node, mask } => {
+                self.on_reader(|r| self.top(r).call(cx, &Op::Access { node: self.resolve(node, r)?, mask })).map(|(_, x)| x)
+            }
+            Op::GetXattr { node, name, size } => {
+                self.on_reader(|r| self.top(r).call(cx, &Op::GetXattr { node: self.resolve(node, r)?, name, size })).map(|(_, x)| x)
+            }
+            Op::ListXattr { node, size } => {
+                self.on_reader(|r| self.top(r).call(cx, &Op::ListXattr { node: self.resolve(node, r)?, size })).map(|(_, x)| x)
+            }
+            Op::SetXattr { node, name, value, flags } => self
+                .change(&|| vec![self.path_of(node)], |b| {
+                    self.top(b).call(cx, &Op::SetXattr { node: self.resolve(node, b)?, name, value, flags })
+                })
+                .map(|(_, reply, _)| reply),
+            Op::RemoveXattr { node, name } => self
+                .change(&|| vec![self.path_of(node)], |b| {
+                    self.top(b).call(cx, &Op::RemoveXattr { node: self.resolve(node, b)?, name })
+                })
+                .map(|(_, reply, _)| reply),
+            Op::MkNod { parent, name, mode, rdev } => {
+                self.make(parent, name, |b, p| self.top(b).call(cx, &Op::MkNod { parent: p, name, mode, rdev }))
+            }
+            Op::MkDir { parent, name, mode } => {
+                self.make(parent, name, |b, p| self.top(b).call(cx, &Op::MkDir { parent: p, name, mode }))
+            }
+            Op::SymLink { parent, name, target } => {
+                self.make(parent, name, |b, p| self.top(b).call(cx, &Op::SymLink { parent: p, name, target }))
+            }
+            Op::Create { parent, name, mode, flags } => {
+                self.make(parent, name, |b, p| self.top(b).call(cx, &Op::Create { parent: p, name, mode, flags }))
+            }
+            Op::Link { node, new_parent, new_name } => {
+                if self.hidden(new_parent, new_name) {
+                    return Err(Error::Os(libc::EPERM));
+                }
+                let paths = || vec![self.child_path(new_parent, new_name)];
+                let (r, reply, others) = self.change(&paths, |b| {
+                    self.top(b)
+                        .call(cx, &Op::Link { node: self.resolve(node, b)?, new_parent: self.resolve(new_parent, b)?, new_name })
+                })?;
+                // The same object: the places the mirror holds stay; the new lookups go.
+                for (b, rep) in std::iter::once((r, &reply)).chain(others.iter().map(|(b, r)| (*b, r))) {
+                    if let Some(e) = entry_of(rep) {
+                        self.top(b).forget(&daemon(), e.node, 1);
+                    }
+                }
+                let mut table = self.nodes.lock();
+                let m = table.nodes.get_mut(&node.0).ok_or(Error::Os(libc::ESTALE))?;
+                m.lookups += 1;
+                let e = entry_of(&reply).ok_or(Error::Os(libc::EIO))?;
+                Ok(Reply::Entry(Entry { node, ..e }))
+            }
+            Op::Unlink { parent, name } | Op::RmDir { parent, name } => {
+                if self.hidden(parent, name) {
+                    return Err(Error::Os(libc::EPERM));
+                }
+                let dir = matches!(op, Op::RmDir { .. });
+                self.change(&|| vec![self.child_path(parent, name)], |b| {
+                    let p = self.resolve(parent, b)?;
+                    self.top(b).call(cx, &if dir { Op::RmDir { parent: p, name } } else { Op::Unlink { parent: p, name } })
+                })
+                .map(|(_, reply, _)| reply)
+            }
+            Op::Rename { parent, name, new_parent, new_name, flags } => self.rename(cx, parent, name, new_parent, new_name, flags),
+            Op::Open { node, flags } => self.open(cx, node, flags),
+            Op::Read { fh, offset, size, .. } => self.read(cx, fh, offset, size),
+            Op::Write { fh, offset, data, .. } => {
+                let file = self.file(fh)?;
+                self.file_change(&file, data.len() >= PARALLEL_FROM, |b, node, bfh| {
+                    self.top(b).call(cx, &Op::Write { node, fh: bfh, offset, data })
+                })
+            }
+            Op::Fallocate { fh, offset, length, mode, .. } => {
+                let file = self.file(fh)?;
+                self.file_change(&file, false, |b, node, bfh| {
+                    self.top(b).call(cx, &Op::Fallocate { node, fh: bfh, offset, length, mode })
+                })
+            }
+            Op::Flush { fh, .. } | Op::Fsync { fh, .. } => {
+                let file = self.file(fh)?;
+                if !file.writes {
+                    return self
+                        .on_reader(|r| {
+                            let (node, bfh) = self.handle_on(&file, r)?;
+                            self.top(r).call(
+                                cx,
+                                &match *op {
+                                    Op::Fsync { datasync, .. } => Op::Fsync { node, fh: bfh, datasync },
+                                    _ => Op::Flush { node, fh: bfh },
+                                },
+                            )
+                        })
+                        .map(|(_, x)| x);
+                }
+                if matches!(op, Op::Fsync { .. }) {
+                    // What the log says must be durable before the data it covers.
+                    self.note(self.log.sync());
+                }
+                let handles = file.handles.lock().clone();
+                let mut answer = None;
+                for b in self.in_sync() {
+                    let Some((node, bfh)) = handles[b] else { continue };
+                    let op = match *op {
+                        Op::Fsync { datasync, .. } => Op::Fsync { node, fh: bfh, datasync },
+                        _ => Op::Flush { node, fh: bfh },
+                    };
+                    match self.top(b).call(cx, &op) {
+                        Ok(r) => answer = answer.or(Some(Ok(r))),
+                        Err(e) if self.in_sync().len() > 1 => self.fail(b, &e),
+                        Err(e) => answer = Some(Err(e)),
+                    }
+                }
+                answer.unwrap_or(Err(Error::Os(libc::EIO)))
+            }
+            Op::Lseek { fh, offset, whence, .. } => {
+                let file = self.file(fh)?;
+                self.on_reader(|r| {
+                    let (node, bfh) = self.handle_on(&file, r)?;
+                    self.top(r).call(cx, &Op::Lseek { node, fh: bfh, offset, whence })
+                })
+                .map(|(_, x)| x)
+            }
+            Op::Release { fh, .. } => self.release(cx, fh),
+            Op::OpenDir { node } => {
+                let (r, (bnode, opened)) = self.on_reader(|r| {
+                    let bnode = self.resolve(node, r)?;
+                    match self.top(r).call(cx, &Op::OpenDir { node: bnode })? {
+                        Reply::Opened(o) => Ok((bnode, o)),
+                        _ => Err(Error::Os(libc::EIO)),
+                    }
+                })?;
+                let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+                self.dirs.lock().insert(fh, (r, bnode, opened.fh));
+                Ok(Reply::Opened(Opened { fh: FileHandle(fh), ..opened }))
+            }
+            Op::ReadDir { node, fh, offset, max_entries, plus } => {
+                self.read_dir(cx, node, fh, offset, max_entries, plus).map(Reply::Dir)
+            }
+            Op::ReleaseDir { fh, .. } => {
+                if let Some((r, node, bfh)) = self.dirs.lock().remove(&fh.0) {
+                    let _ = self.top(r).call(cx, &Op::ReleaseDir { node, fh: bfh });
+                }
+                Ok(Reply::Empty)
+            }
+            Op::FsyncDir { node, datasync, .. } => {
+                for b in self.in_sync() {
+                    let bnode = self.resolve(node, b)?;
+                    if let Ok(Reply::Opened(o)) = self.top(b).call(cx, &Op::OpenDir { node: bnode }) {
+                        let result = self.top(b).call(cx, &Op::FsyncDir { node: bnode, fh: o.fh, datasync });
+                        let _ = self.top(b).call(cx, &Op::ReleaseDir { node: bnode, fh: o.fh });
+                        if let Err(e) = result {
+                            self.fail(b, &e);
+                        }
+                    }
+                }
+                Ok(Reply::Empty)
+            }
+            Op::StatFs { .. } => self.on_reader(|r| self.top(r).call(cx, &Op::StatFs { node: NodeId::ROOT })).map(|(_, x)| x),
+            Op::Extended { name: "mirror-status", .. } => Ok(Reply::Extended(self.status())),
+            Op::Extended { name: "resync", args, .. } => self.resync(args).map(Reply::Extended),
+            Op::Extended { name: "scrub", .. } => self.scrub().map(Reply::Extended),
+            Op::Extended { node, name, args } => {
+                self.on_reader(|r| self.top(r).call(cx, &Op::Extended { node: self.resolve(node, r)?, name, args })).map(|(_, x)| x)
+            }
+        }
+    }
+
+    fn shutdown(&self) {
+        self.log.close();
+        for b in &self.branches {
+            b.branch.stack.shutdown();
+        }
+    }
+}
+
+fn build(args: FanOutArgs) -> Result<Arc<dyn Layer>> {
+    Ok(Arc::new(Mirror::new(args)?))
+}
+
+pub const FACTORY: LayerFactory = LayerFactory {
+    kind: "mirror",
+    summary: "fan-out: every change to every branch, reads from the first in sync with failover; write-intent log, resync, scrub",
+    params: &[],
+    ext_ops: EXT_OPS,
+    build: Build::FanOut(build),
+    absorbs: &[],
+};
