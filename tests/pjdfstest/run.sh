@@ -6,7 +6,8 @@
 #
 # STACK is a `--stack` spec, optionally followed by more mount arguments (default: `null`,
 # `trace`, `zstd`, `copy`, `null --rules mixed-rules.toml`,
-# `gzip:level=9:fast_tails=on` and `crypt`). For each one a fresh lower directory on
+# `gzip:level=9:fast_tails=on`, `crypt`, `union` (a read-write branch over a read-only branch
+# holding files), `mirror` (two branches) and `version`). For each one a fresh lower directory on
 # the real disk and an empty mount point are made, plyfs is mounted over them with
 # `-o allow_other` (pjdfstest switches to other users), pjdfstest runs inside the mount, and the
 # mount is taken down again - always, even on failure or interruption. For a stack with a
@@ -50,7 +51,7 @@ REPO=$(cd "$HERE/../.." && pwd)
 PJDFSTEST_VERSION=0.2.2
 # An entry may add mount arguments after the spec, e.g. `null --rules FILE`: the last one mixes
 # compressed files (half of the names, by rule) with untouched ones.
-DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt)
+DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt union mirror version)
 
 die() { echo "pjdfstest/run.sh: $*" >&2; exit 2; }
 say() { echo "== $*" >&2; }

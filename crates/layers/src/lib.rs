@@ -16,13 +16,14 @@ pub mod trace;
 mod transfer;
 pub mod union;
 pub mod uuencode;
+pub mod version;
 pub mod zstd;
 
 use plyfs_stack::LayerFactory;
 
 /// Every layer this build knows.
 pub fn registry() -> &'static [LayerFactory] {
-    static REGISTRY: [LayerFactory; 11] = [
+    static REGISTRY: [LayerFactory; 12] = [
         null::FACTORY,
         trace::FACTORY,
         copy::FACTORY,
@@ -33,6 +34,7 @@ pub fn registry() -> &'static [LayerFactory] {
         crypt::FACTORY,
         union::FACTORY,
         mirror::FACTORY,
+        version::FACTORY,
         fault::FACTORY,
     ];
     &REGISTRY

@@ -1,0 +1,141 @@
+//! `version` through real mounts: what each kind of overwrite keeps, reading versions by path,
+//! restore, undelete, pruning, compressed versions, and the fast path after a version is taken.
+
+mod common;
+
+use std::fs;
+use std::io::{Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use common::*;
+
+fn op(path: &Path, args: &[&str]) -> std::process::Output {
+    run(plyfs().arg("op").arg(path).args(args))
+}
+
+fn op_json(path: &Path, args: &[&str]) -> serde_json::Value {
+    let out = op(path, args);
+    assert!(out.status.success(), "plyfs op {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The contents of a file's versions, oldest first, read through the mount by their path.
+fn versions(m: &Mount, rel: &str) -> Vec<String> {
+    op_json(&m.path(rel), &["versions"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| fs::read_to_string(m.path(v["path"].as_str().unwrap())).unwrap())
+        .collect()
+}
+
+#[test]
+fn every_kind_of_overwrite_keeps_the_previous_content() {
+    let m = Mount::new("version");
+    fs::write(m.path("f"), "one").unwrap();
+    fs::write(m.path("f"), "two").unwrap(); // O_TRUNC
+    let f = fs::OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    f.set_len(1).unwrap(); // truncate, on an open made for writing: one version for both
+    drop(f);
+    let mut f = fs::OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+    f.seek(SeekFrom::Start(0)).unwrap();
+    f.write_all(b"W").unwrap(); // the first write of an open
+    drop(f);
+    assert_eq!(versions(&m, "f"), ["one", "two", "t"]);
+    fs::write(m.path("g"), "other").unwrap();
+    fs::rename(m.path("g"), m.path("f")).unwrap(); // rename over
+    assert_eq!(versions(&m, "f"), ["one", "two", "t", "W"]);
+    fs::remove_file(m.path("f")).unwrap(); // unlink
+    assert!(!m.path("f").exists());
+    assert_eq!(fs::read_to_string(m.path(".plyfs-versions/f/@5")).unwrap(), "other");
+    // Appends keep the old content as a prefix: no version. An open that changes nothing
+    // leaves none.
+    fs::write(m.path("log"), "a\n").unwrap();
+    fs::OpenOptions::new().append(true).open(m.path("log")).unwrap().write_all(b"b\n").unwrap();
+    drop(fs::OpenOptions::new().write(true).open(m.path("log")).unwrap());
+    assert!(versions(&m, "log").is_empty());
+    // Versions never show in listings, and survive a remount.
+    let names: Vec<String> = fs::read_dir(&m.mnt).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["log"]);
+    let m = m.remount();
+    assert_eq!(op_json(&m.mnt, &["deleted"])[0]["versions"], 5);
+}
+
+#[test]
+fn restore_and_undelete_bring_content_back_and_lose_nothing() {
+    let m = Mount::new("version");
+    fs::create_dir(m.path("d")).unwrap();
+    for v in ["v1", "v2", "v3"] {
+        fs::write(m.path("d/f"), v).unwrap();
+    }
+    op_json(&m.path("d/f"), &["version-restore", "1"]);
+    assert_eq!(fs::read_to_string(m.path("d/f")).unwrap(), "v1");
+    assert_eq!(versions(&m, "d/f"), ["v1", "v2", "v3"], "what the file held became a version");
+    fs::remove_file(m.path("d/f")).unwrap();
+    let deleted = op_json(&m.path("d"), &["deleted"]);
+    assert_eq!(deleted[0]["name"], "f");
+    op_json(&m.path("d"), &["undelete", "f"]);
+    assert_eq!(fs::read_to_string(m.path("d/f")).unwrap(), "v1");
+    // Bad requests: one line each, nothing changed.
+    for (path, args, expect) in [
+        ("d/f", vec!["version-restore", "99"], "no version 99 (it has versions 1 to 4)"),
+        ("d/f", vec!["version-restore", "x"], "'x' is not a version number"),
+        ("d", vec!["undelete", "f"], "d/f exists"),
+        ("d", vec!["undelete", "never"], "no versions to bring back"),
+    ] {
+        let out = op(&m.path(path), &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(expect) && err.lines().count() == 1, "{args:?}: {err}");
+    }
+    assert_eq!(fs::read_to_string(m.path("d/f")).unwrap(), "v1");
+    // The store is read-only through the mount.
+    let err = fs::write(m.path(".plyfs-versions/d/f/@1"), "x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS));
+    let err = fs::remove_file(m.path(".plyfs-versions/d/f/@1")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS));
+}
+
+#[test]
+fn pruning_by_count_and_space() {
+    let m = Mount::new("version:keep=2");
+    for i in 0..6 {
+        fs::write(m.path("f"), format!("content {i}")).unwrap();
+    }
+    assert_eq!(versions(&m, "f"), ["content 3", "content 4"]);
+    drop(m);
+    let m = Mount::new("version:keep=0:max_space=10k");
+    for i in 0..8 {
+        fs::write(m.path(&format!("f{}", i % 2)), vec![b'a' + i as u8; 3000]).unwrap();
+    }
+    let total: u64 = ["f0", "f1"].iter().flat_map(|f| op_json(&m.path(f), &["versions"]).as_array().unwrap().clone()).map(|v| v["size"].as_u64().unwrap()).sum();
+    assert!(total <= 10 << 10, "{total} bytes of versions");
+    assert!(total >= 6000, "the newest are kept: {total}");
+    assert_eq!(versions(&m, "f1").last().unwrap().as_bytes()[0], b'a' + 5);
+}
+
+#[test]
+fn versions_below_a_compressor_are_stored_compressed() {
+    let m = Mount::new("version,zstd");
+    let text = "versioned and compressed ".repeat(4000);
+    fs::write(m.path("doc"), &text).unwrap();
+    fs::write(m.path("doc"), "short").unwrap();
+    assert_eq!(versions(&m, "doc"), [text.clone()]);
+    let stored = fs::metadata(m.lower_path(".plyfs-versions/doc/@1")).unwrap().len();
+    assert!(stored < text.len() as u64 / 5, "version stored in {stored} bytes");
+}
+
+#[test]
+fn writes_after_the_version_is_taken_use_passthrough() {
+    if !is_root() {
+        return;
+    }
+    let m = Mount::new("trace,version");
+    fs::write(m.path("big"), vec![1u8; 1 << 20]).unwrap();
+    let f = fs::OpenOptions::new().write(true).open(m.path("big")).unwrap();
+    f.write_all_at(&vec![2u8; 1 << 20], 0).unwrap();
+    drop(f);
+    let stats = op_json(&m.mnt, &["stats"]);
+    assert_eq!(stats["ops"]["write"]["count"].as_u64().unwrap_or(0), 0, "{stats}");
+    assert_eq!(versions(&m, "big")[0].as_bytes(), vec![1u8; 1 << 20]);
+}

@@ -1,0 +1,744 @@
+//! `version`: every overwritten or removed file keeps its previous content as a version
+//! (Versionfs; the operation-transforming class of `seeds/002` §4.4).
+//!
+//! - **When.** Opening a file to write it (not to append), truncating it, removing it, and
+//!   renaming another file over it each keep what it held. Removing and renaming over move the
+//!   file into the store (no copy); the others copy it first, by `copy_file_range` when nothing
+//!   below transforms data, so by reflink on XFS and btrfs. A version taken at an open that then
+//!   changed nothing is dropped at release. Once the version is taken, writes may go by
+//!   passthrough.
+//! - **Where.** In the level below, under [`STORE`]: `STORE/PATH/@N` is version N of the file at
+//!   PATH. The store is never listed, but its path works: `cat MNT/.plyfs-versions/docs/a.txt/@3`
+//!   reads version 3 with ordinary tools. Nothing in it can be changed through the mount. Below
+//!   a compressor or a cipher (`version,zstd`), versions are stored compressed or encrypted too.
+//! - **Pruning.** `keep=N` versions per file and `max_age=` per file, `max_space=` for the whole
+//!   mount (oldest first), after every new version and on `version-prune`.
+//! - **Operations.** `versions` (on a file), `version-restore N` (the current content becomes a
+//!   version first, so a restore can be undone), `deleted` and `undelete NAME` (on a directory).
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::{OsStr, OsString};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use parking_lot::Mutex;
+use plyfs_stack::glob::parse_size;
+use plyfs_stack::spec::ParamSpec;
+use plyfs_stack::{
+    bypass, Attr, Build, BuildArgs, Caller, DataPath, Entry, Error, ExtOpInfo, FileHandle, FileKind, Layer, LayerFactory, Level,
+    NodeId, Op, Reply, Result, SetAttr,
+};
+use serde_json::{json, Value};
+
+use crate::transfer::{copy_data, copy_meta, copy_object, TempNames};
+
+/// The store's name at the root of the level below.
+pub const STORE: &str = ".plyfs-versions";
+/// Versions are `@1`, `@2`, ... in a file's store directory.
+const VERSION_MARK: &str = "@";
+
+const EXT_OPS: &[ExtOpInfo] = &[
+    ExtOpInfo { name: "versions", args: "", help: "the versions of a file: number, when saved, when last modified, size" },
+    ExtOpInfo { name: "version-restore", args: "N", help: "make version N the file's content (what it held becomes a version first)" },
+    ExtOpInfo { name: "deleted", args: "", help: "the files removed from a directory that have versions" },
+    ExtOpInfo { name: "undelete", args: "NAME", help: "bring back a removed file of a directory, from its latest version" },
+    ExtOpInfo { name: "version-prune", args: "", help: "apply keep=, max_age= and max_space= to every version now" },
+];
+
+const KEEP: ParamSpec = ParamSpec { name: "keep", help: "versions kept per file (0: no limit)", default: Some("20") };
+const MAX_AGE: ParamSpec = ParamSpec { name: "max_age", help: "versions older than this go (e.g. 30d, 12h)", default: None };
+const MAX_SPACE: ParamSpec =
+    ParamSpec { name: "max_space", help: "space all versions may take (e.g. 10G); the oldest go first", default: None };
+
+fn daemon() -> Caller {
+    Caller::daemon()
+}
+
+/// `30d`, `12h`, `90m`, `45s`.
+fn parse_age(text: &str) -> Option<Duration> {
+    let split = text.find(|c: char| c.is_ascii_alphabetic())?;
+    let n: f64 = text[..split].parse().ok()?;
+    let unit = match &text[split..] {
+        "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        "d" => 86400.0,
+        "w" => 7.0 * 86400.0,
+        _ => return None,
+    };
+    (n >= 0.0).then(|| Duration::from_secs_f64(n * unit))
+}
+
+fn version_number(name: &OsStr) -> Option<u32> {
+    name.to_str()?.strip_prefix(VERSION_MARK)?.parse().ok()
+}
+
+#[derive(Clone, Copy)]
+struct Limits {
+    keep: u32,
+    max_age: Option<Duration>,
+    max_space: Option<u64>,
+}
+
+/// One version, as found in the store.
+#[derive(Clone, Debug)]
+struct Saved {
+    number: u32,
+    attr: Attr,
+}
+
+/// A version taken when a file was opened for writing; dropped at release if nothing changed.
+struct Pending {
+    path: String,
+    number: u32,
+    size: u64,
+    mtime: SystemTime,
+}
+
+pub struct Version {
+    name: String,
+    lower: [Level; 1],
+    limits: Limits,
+    /// Where each node the kernel holds was last seen: parent, name, lookups.
+    names: Mutex<HashMap<NodeId, (NodeId, OsString, u64)>>,
+    /// Nodes inside the store, which nothing may change.
+    store_nodes: Mutex<HashSet<NodeId>>,
+    pending: Mutex<HashMap<(NodeId, FileHandle), Pending>>,
+    /// Versions are numbered and pruned one file at a time.
+    saving: Mutex<()>,
+    temps: TempNames,
+}
+
+impl Version {
+    fn below(&self) -> &Level {
+        &self.lower[0]
+    }
+
+    fn path_of(&self, node: NodeId) -> Option<String> {
+        let names = self.names.lock();
+        let mut parts = Vec::new();
+        let mut at = node;
+        while at != NodeId::ROOT {
+            let (parent, name, _) = names.get(&at)?;
+            parts.push(name.to_string_lossy().into_owned());
+            at = *parent;
+            if parts.len() > 4096 {
+                return None;
+            }
+        }
+        parts.reverse();
+        Some(parts.join("/"))
+    }
+
+    fn child_path(&self, parent: NodeId, name: &OsStr) -> Option<String> {
+        let p = self.path_of(parent)?;
+        Some(if p.is_empty() { name.to_string_lossy().into_owned() } else { format!("{p}/{}", name.to_string_lossy()) })
+    }
+
+    fn in_store(&self, node: NodeId) -> bool {
+        self.store_nodes.lock().contains(&node)
+    }
+
+    fn remember(&self, parent: NodeId, name: &OsStr, entry: &Entry) {
+        let mut names = self.names.lock();
+        let slot = names.entry(entry.node).or_insert((parent, OsString::new(), 0));
+        slot.0 = parent;
+        slot.1 = name.to_owned();
+        slot.2 += 1;
+        drop(names);
+        if (parent == NodeId::ROOT && name == STORE) || self.in_store(parent) {
+            self.store_nodes.lock().insert(entry.node);
+        }
+    }
+
+    fn forget(&self, node: NodeId, nlookup: u64) {
+        let mut names = self.names.lock();
+        if let Some(slot) = names.get_mut(&node) {
+            slot.2 = slot.2.saturating_sub(nlookup);
+            if slot.2 == 0 {
+                names.remove(&node);
+                self.store_nodes.lock().remove(&node);
+            }
+        }
+    }
+
+    // --- The store ----------------------------------------------------------------------------
+
+    /// Walk `path` in the store from its root; `create` makes missing directories. Returns the
+    /// directory's node (with one lookup held, which the caller forgets).
+    fn store_dir(&self, path: &str, create: bool) -> Result<Option<NodeId>> {
+        let cx = daemon();
+        let below = self.below();
+        let mut at = NodeId::ROOT;
+        let mut held: Option<NodeId> = None;
+        for part in std::iter::once(STORE).chain(path.split('/').filter(|p| !p.is_empty())) {
+            let name = OsStr::new(part);
+            let next = match below.lookup(&cx, at, name) {
+                Ok(e) if e.attr.kind == FileKind::Dir => e.node,
+                Ok(e) => {
+                    below.forget(&cx, e.node, 1);
+                    return Err(Error::Corrupt(format!("version '{}': {STORE}/{path} is not a directory", self.name)));
+                }
+                Err(Error::Os(libc::ENOENT)) if create => below.mkdir(&cx, at, name, 0o700)?.node,
+                Err(Error::Os(libc::ENOENT)) => {
+                    if let Some(h) = held {
+                        below.forget(&cx, h, 1);
+                    }
+                    return Ok(None);
+                }
+                Err(e) => return Err(e),
+            };
+            if let Some(h) = held.replace(next) {
+                below.forget(&cx, h, 1);
+            }
+            at = next;
+        }
+        Ok(held)
+    }
+
+    /// The versions of the file at `path`, oldest first.
+    fn list(&self, path: &str) -> Result<Vec<Saved>> {
+        let Some(dir) = self.store_dir(path, false)? else { return Ok(Vec::new()) };
+        let result = self.list_in(dir);
+        self.below().forget(&daemon(), dir, 1);
+        result
+    }
+
+    fn list_in(&self, dir: NodeId) -> Result<Vec<Saved>> {
+        let cx = daemon();
+        let mut out = Vec::new();
+        for e in self.below().list_dir(&cx, dir)? {
+            let Some(number) = version_number(&e.name) else { continue };
+            let entry = self.below().lookup(&cx, dir, &e.name)?;
+            self.below().forget(&cx, entry.node, 1);
+            out.push(Saved { number, attr: entry.attr });
+        }
+        out.sort_by_key(|s| s.number);
+        Ok(out)
+    }
+
+    /// Keep what `node` (the file `name` in `parent`) holds as its next version: moved there
+    /// when `moving`, else copied. Returns the version's number.
+    fn save(&self, parent: NodeId, name: &OsStr, node: NodeId, attr: &Attr, moving: bool) -> Result<u32> {
+        let path = self.child_path(parent, name).ok_or(Error::Os(libc::ESTALE))?;
+        let _one = self.saving.lock();
+        let dir = self.store_dir(&path, true)?.ok_or(Error::Os(libc::EIO))?;
+        let result = (|| {
+            let number = self.list_in(dir)?.last().map_or(1, |s| s.number + 1);
+            let vname = OsString::from(format!("{VERSION_MARK}{number}"));
+            let below = self.below();
+            if moving {
+                below.call(&daemon(), &Op::Rename { parent, name, new_parent: dir, new_name: &vname, flags: 0 })?;
+            } else {
+                let copy = self.temps.place(below, dir, &vname, |temp| {
+                    let e = copy_object(below, node, attr, below, dir, temp, false)?;
+                    copy_meta(below, node, below, e.node, attr, |_| true)?;
+                    Ok(e)
+                })?;
+                below.forget(&daemon(), copy.node, 1);
+            }
+            self.prune_dir(dir, &path)?;
+            Ok(number)
+        })();
+        self.below().forget(&daemon(), dir, 1);
+        if let Err(e) = &result {
+            tracing::error!("version '{}': {path}: the previous content could not be kept: {e}", self.name);
+        }
+        result
+    }
+
+    /// Drop version `number` of `path` (a version that turned out to hold nothing new).
+    fn drop_version(&self, path: &str, number: u32) {
+        let _one = self.saving.lock();
+        if let Ok(Some(dir)) = self.store_dir(path, false) {
+            let _ = self.below().unlink(&daemon(), dir, OsStr::new(&format!("{VERSION_MARK}{number}")));
+            self.below().forget(&daemon(), dir, 1);
+        }
+    }
+
+    /// Apply `keep` and `max_age` to one file's versions.
+    fn prune_dir(&self, dir: NodeId, path: &str) -> Result<u64> {
+        let versions = self.list_in(dir)?;
+        let now = SystemTime::now();
+        let excess = if self.limits.keep == 0 { 0 } else { versions.len().saturating_sub(self.limits.keep as usize) };
+        let mut freed = 0;
+        for (i, v) in versions.iter().enumerate() {
+            let too_old = self.limits.max_age.is_some_and(|age| now.duration_since(v.attr.ctime).unwrap_or_default() > age);
+            if i < excess || too_old {
+                self.below().unlink(&daemon(), dir, OsStr::new(&format!("{VERSION_MARK}{}", v.number)))?;
+                freed += v.attr.size;
+                tracing::debug!("version '{}': {path}: version {} pruned", self.name, v.number);
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Every version in the store: (saved, path, number, size).
+    fn all_versions(&self) -> Result<Vec<(SystemTime, String, u32, u64)>> {
+        fn walk(v: &Version, dir: NodeId, path: &str, out: &mut Vec<(SystemTime, String, u32, u64)>) -> Result<()> {
+            let cx = daemon();
+            for e in v.below().list_dir(&cx, dir)? {
+                if let Some(number) = version_number(&e.name) {
+                    let entry = v.below().lookup(&cx, dir, &e.name)?;
+                    v.below().forget(&cx, entry.node, 1);
+                    out.push((entry.attr.ctime, path.to_owned(), number, entry.attr.size));
+                } else if e.kind == FileKind::Dir {
+                    let sub = v.below().lookup(&cx, dir, &e.name)?;
+                    let child = if path.is_empty() {
+                        e.name.to_string_lossy().into_owned()
+                    } else {
+                        format!("{path}/{}", e.name.to_string_lossy())
+                    };
+                    let r = walk(v, sub.node, &child, out);
+                    v.below().forget(&cx, sub.node, 1);
+                    r?;
+                }
+            }
+            Ok(())
+        }
+        let mut out = Vec::new();
+        if let Some(root) = self.store_dir("", false)? {
+            let r = walk(self, root, "", &mut out);
+            self.below().forget(&daemon(), root, 1);
+            r?;
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Apply every limit to the whole store.
+    fn prune_all(&self) -> Result<Value> {
+        let _one = self.saving.lock();
+        let mut versions = self.all_versions()?;
+        let (mut removed, mut freed) = (0u64, 0u64);
+        let mut paths: Vec<String> = versions.iter().map(|v| v.1.clone()).collect();
+        paths.dedup();
+        paths.sort();
+        paths.dedup();
+        for p in &paths {
+            if let Some(dir) = self.store_dir(p, false)? {
+                let before = self.list_in(dir)?.len();
+                freed += self.prune_dir(dir, p)?;
+                removed += (before - self.list_in(dir)?.len()) as u64;
+                self.below().forget(&daemon(), dir, 1);
+            }
+        }
+        if let Some(max) = self.limits.max_space {
+            versions = self.all_versions()?;
+            let mut total: u64 = versions.iter().map(|v| v.3).sum();
+            for (_, path, number, size) in versions {
+                if total <= max {
+                    break;
+                }
+                if let Some(dir) = self.store_dir(&path, false)? {
+                    self.below().unlink(&daemon(), dir, OsStr::new(&format!("{VERSION_MARK}{number}")))?;
+                    self.below().forget(&daemon(), dir, 1);
+                    total -= size;
+                    freed += size;
+                    removed += 1;
+                }
+            }
+        }
+        Ok(json!({ "removed": removed, "bytes_freed": freed }))
+    }
+
+    fn over_space(&self) -> bool {
+        self.limits.max_space.is_some()
+    }
+
+    // --- Events ---------------------------------------------------------------------------------
+
+    /// Before `name` in `parent` goes (unlink, or a rename over it): move a regular file with no
+    /// other link into the store instead. Returns whether it was moved.
+    fn keep_removed(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Result<bool> {
+        let e = match self.below().lookup(cx, parent, name) {
+            Ok(e) => e,
+            Err(_) => return Ok(false),
+        };
+        self.below().forget(cx, e.node, 1);
+        // Another link keeps the data; an empty file has nothing to keep.
+        if e.attr.kind != FileKind::File || e.attr.nlink > 1 || e.attr.size == 0 {
+            return Ok(false);
+        }
+        if self.path_of(parent).is_none() {
+            return Ok(false);
+        }
+        self.save(parent, name, e.node, &e.attr, true)?;
+        if self.over_space() {
+            self.prune_all()?;
+        }
+        Ok(true)
+    }
+
+    fn open(&self, cx: &Caller, node: NodeId, flags: i32) -> Result<Reply> {
+        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
+        if writes && self.in_store(node) {
+            return Err(Error::Os(libc::EROFS));
+        }
+        let keep = writes && flags & libc::O_APPEND == 0;
+        let before = if keep { Some(self.below().getattr(cx, node)?) } else { None };
+        let seen = self.names.lock().get(&node).map(|(p, n, _)| (*p, n.clone()));
+        let saved = match (before, seen) {
+            (Some(attr), Some((parent, name))) if attr.kind == FileKind::File && attr.size > 0 => {
+                Some((self.save(parent, &name, node, &attr, false)?, attr, self.child_path(parent, &name).unwrap_or_default()))
+            }
+            _ => None,
+        };
+        let reply = self.below().call(cx, &Op::Open { node, flags });
+        if let (Ok(Reply::Opened(o)), Some((number, attr, path))) = (&reply, saved) {
+            // Dropped at release if the file is then what it was.
+            if flags & libc::O_TRUNC == 0 {
+                self.pending.lock().insert((node, o.fh), Pending { path, number, size: attr.size, mtime: attr.mtime });
+            }
+        }
+        if self.over_space() {
+            self.prune_all()?;
+        }
+        reply
+    }
+
+    fn release(&self, cx: &Caller, op: &Op<'_>, node: NodeId, fh: FileHandle) -> Result<Reply> {
+        let pending = self.pending.lock().remove(&(node, fh));
+        let reply = bypass(self, cx, op);
+        if let Some(p) = pending {
+            let unchanged = self.below().getattr(&daemon(), node).is_ok_and(|a| a.size == p.size && a.mtime == p.mtime);
+            if unchanged {
+                self.drop_version(&p.path, p.number);
+            }
+        }
+        reply
+    }
+
+    fn set_attr(&self, cx: &Caller, op: &Op<'_>, node: NodeId, fh: Option<FileHandle>, set: &SetAttr) -> Result<Reply> {
+        if self.in_store(node) {
+            return Err(Error::Os(libc::EROFS));
+        }
+        // A version taken when the file was opened for writing covers this truncate (the kernel
+        // truncates for O_TRUNC after the open, without naming the handle).
+        let _ = fh;
+        let opened_with_version = self.pending.lock().keys().any(|(n, _)| *n == node);
+        if let (Some(size), false) = (set.size, opened_with_version) {
+            let attr = self.below().getattr(cx, node)?;
+            let parent = self.names.lock().get(&node).map(|(p, n, _)| (*p, n.clone()));
+            if attr.kind == FileKind::File && attr.size > 0 && size != attr.size {
+                if let Some((parent, name)) = parent {
+                    self.save(parent, &name, node, &attr, false)?;
+                }
+            }
+        }
+        bypass(self, cx, op)
+    }
+
+    // --- Operations -------------------------------------------------------------------------------
+
+    fn file_path(&self, node: NodeId) -> Result<String> {
+        if self.in_store(node) {
+            return Err(Error::BadArgs("this is a version already; name the file it belongs to".into()));
+        }
+        self.path_of(node).ok_or(Error::Os(libc::ESTALE))
+    }
+
+    fn versions(&self, node: NodeId) -> Result<Value> {
+        let path = self.file_path(node)?;
+        let list: Vec<Value> = self
+            .list(&path)?
+            .into_iter()
+            .map(|s| {
+                let secs = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+                json!({ "number": s.number, "saved": secs(s.attr.ctime), "modified": secs(s.attr.mtime), "size": s.attr.size,
+                        "path": format!("{STORE}/{path}/{VERSION_MARK}{}", s.number) })
+            })
+            .collect();
+        Ok(Value::Array(list))
+    }
+
+    fn restore(&self, cx: &Caller, node: NodeId, args: &[String]) -> Result<Value> {
+        let [n] = args else { return Err(Error::BadArgs("usage: version-restore N".into())) };
+        let path = self.file_path(node)?;
+        let number: u32 = n.parse().map_err(|_| Error::BadArgs(format!("version-restore: '{n}' is not a version number")))?;
+        let versions = self.list(&path)?;
+        if !versions.iter().any(|v| v.number == number) {
+            let have = match (versions.first(), versions.last()) {
+                (Some(a), Some(b)) => format!("it has versions {} to {}", a.number, b.number),
+                _ => "it has none".into(),
+            };
+            return Err(Error::BadArgs(format!("{path}: no version {number} ({have})")));
+        }
+        let attr = self.below().getattr(cx, node)?;
+        if attr.kind != FileKind::File {
+            return Err(Error::BadArgs(format!("{path}: not a regular file")));
+        }
+        let (parent, name) = self.names.lock().get(&node).map(|(p, n, _)| (*p, n.clone())).ok_or(Error::Os(libc::ESTALE))?;
+        let kept = self.save(parent, &name, node, &attr, false)?;
+        let dir = self.store_dir(&path, false)?.ok_or(Error::Os(libc::EIO))?;
+        let result = (|| {
+            let below = self.below();
+            let v = below.lookup(&daemon(), dir, OsStr::new(&format!("{VERSION_MARK}{number}")))?;
+            let opened = below.open(&daemon(), node, libc::O_WRONLY | libc::O_TRUNC);
+            let copied = opened.and_then(|o| {
+                let r = copy_data(below, v.node, below, node, &o, v.attr.size);
+                let _ = below.release(&daemon(), node, o.fh);
+                r
+            });
+            below.forget(&daemon(), v.node, 1);
+            copied
+        })();
+        self.below().forget(&daemon(), dir, 1);
+        result?;
+        tracing::info!("version '{}': {path}: version {number} restored (what it held is version {kept})", self.name);
+        Ok(json!({ "restored": number, "previous_content_is_version": kept }))
+    }
+
+    fn deleted(&self, cx: &Caller, dir: NodeId) -> Result<Value> {
+        let path = self.file_path(dir)?;
+        let Some(store) = self.store_dir(&path, false)? else { return Ok(Value::Array(Vec::new())) };
+        let result = (|| {
+            let mut out = Vec::new();
+            for e in self.below().list_dir(&daemon(), store)? {
+                if e.kind != FileKind::Dir || version_number(&e.name).is_some() {
+                    continue;
+                }
+                match self.below().lookup(cx, dir, &e.name) {
+                    Ok(live) => {
+                        self.below().forget(cx, live.node, 1);
+                        continue;
+                    }
+                    Err(Error::Os(libc::ENOENT)) => {}
+                    Err(err) => return Err(err),
+                }
+                let sub = self.below().lookup(&daemon(), store, &e.name)?;
+                let versions = self.list_in(sub.node);
+                self.below().forget(&daemon(), sub.node, 1);
+                let versions = versions?;
+                if let Some(last) = versions.last() {
+                    out.push(json!({ "name": e.name.to_string_lossy(), "versions": versions.len(), "latest": last.number, "size": last.attr.size }));
+                }
+            }
+            Ok(Value::Array(out))
+        })();
+        self.below().forget(&daemon(), store, 1);
+        result
+    }
+
+    fn undelete(&self, cx: &Caller, dir: NodeId, args: &[String]) -> Result<Value> {
+        let [name] = args else { return Err(Error::BadArgs("usage: undelete NAME".into())) };
+        let dir_path = self.file_path(dir)?;
+        let name = OsStr::new(name.as_str());
+        let path = self.child_path(dir, name).ok_or(Error::Os(libc::ESTALE))?;
+        if let Ok(live) = self.below().lookup(cx, dir, name) {
+            self.below().forget(cx, live.node, 1);
+            return Err(Error::BadArgs(format!("{path} exists: remove or rename it first")));
+        }
+        let latest = self.list(&path)?.pop().ok_or_else(|| Error::BadArgs(format!("{path}: no versions to bring back")))?;
+        let store = self.store_dir(&path, false)?.ok_or(Error::Os(libc::EIO))?;
+        let result = (|| {
+            let below = self.below();
+            let v = below.lookup(&daemon(), store, OsStr::new(&format!("{VERSION_MARK}{}", latest.number)))?;
+            let made = self.temps.place(below, dir, name, |temp| {
+                let e = copy_object(below, v.node, &v.attr, below, dir, temp, false)?;
+                copy_meta(below, v.node, below, e.node, &v.attr, |_| true)?;
+                Ok(e)
+            });
+            below.forget(&daemon(), v.node, 1);
+            let made = made?;
+            below.forget(&daemon(), made.node, 1);
+            Ok(json!({ "undeleted": path, "from_version": latest.number }))
+        })();
+        self.below().forget(&daemon(), store, 1);
+        let _ = dir_path;
+        result
+    }
+}
+
+impl Layer for Version {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> &'static str {
+        "version"
+    }
+
+    fn data_path(&self) -> DataPath {
+        // Versions are taken at open, truncate and removal; the bytes pass untouched.
+        DataPath::Transparent
+    }
+
+    fn lower(&self) -> &[Level] {
+        &self.lower
+    }
+
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        EXT_OPS
+    }
+
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        let store_name = |parent: NodeId, name: &OsStr| parent == NodeId::ROOT && name == STORE;
+        match *op {
+            Op::Lookup { parent, name } => {
+                let reply = bypass(self, cx, op)?;
+                if let Reply::Entry(e) = &reply {
+                    self.remember(parent, name, e);
+                }
+                Ok(reply)
+            }
+            Op::Forget { node, nlookup } => {
+                self.forget(node, nlookup);
+                bypass(self, cx, op)
+            }
+            Op::Create { parent, name, .. }
+            | Op::MkDir { parent, name, .. }
+            | Op::MkNod { parent, name, .. }
+            | Op::SymLink { parent, name, .. } => {
+                if store_name(parent, name) || self.in_store(parent) {
+                    return Err(Error::Os(if self.in_store(parent) { libc::EROFS } else { libc::EPERM }));
+                }
+                let reply = bypass(self, cx, op)?;
+                if let Reply::Entry(e) | Reply::Created(e, _) = &reply {
+                    self.remember(parent, name, e);
+                }
+                Ok(reply)
+            }
+            Op::Link { node, new_parent, new_name } => {
+                if store_name(new_parent, new_name) || self.in_store(new_parent) || self.in_store(node) {
+                    return Err(Error::Os(libc::EROFS));
+                }
+                let reply = bypass(self, cx, op)?;
+                if let Reply::Entry(e) = &reply {
+                    self.remember(new_parent, new_name, e);
+                }
+                Ok(reply)
+            }
+            Op::Unlink { parent, name } => {
+                if store_name(parent, name) || self.in_store(parent) {
+                    return Err(Error::Os(libc::EROFS));
+                }
+                if self.keep_removed(cx, parent, name)? {
+                    return Ok(Reply::Empty);
+                }
+                bypass(self, cx, op)
+            }
+            Op::RmDir { parent, name } => {
+                if store_name(parent, name) || self.in_store(parent) {
+                    return Err(Error::Os(libc::EROFS));
+                }
+                bypass(self, cx, op)
+            }
+            Op::Rename { parent, name, new_parent, new_name, flags } => {
+                if store_name(parent, name) || store_name(new_parent, new_name) || self.in_store(parent) || self.in_store(new_parent) {
+                    return Err(Error::Os(libc::EROFS));
+                }
+                if flags & (libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE) == 0 {
+                    // What the target held is kept; the rename then lands on a free name.
+                    let src = self.below().lookup(cx, parent, name)?;
+                    self.below().forget(cx, src.node, 1);
+                    let same = self.below().lookup(cx, new_parent, new_name).map(|d| {
+                        self.below().forget(cx, d.node, 1);
+                        d.node == src.node
+                    });
+                    if src.attr.kind == FileKind::File && matches!(same, Ok(false)) {
+                        self.keep_removed(cx, new_parent, new_name)?;
+                    }
+                }
+                let reply = bypass(self, cx, op)?;
+                if let Ok(e) = self.below().lookup(&daemon(), new_parent, new_name) {
+                    self.below().forget(&daemon(), e.node, 1);
+                    if let Some(slot) = self.names.lock().get_mut(&e.node) {
+                        slot.0 = new_parent;
+                        slot.1 = new_name.to_owned();
+                    }
+                }
+                Ok(reply)
+            }
+            Op::Open { node, flags } => self.open(cx, node, flags),
+            Op::Release { node, fh } => self.release(cx, op, node, fh),
+            Op::SetAttr { node, fh, ref set } => self.set_attr(cx, op, node, fh, set),
+            Op::SetXattr { node, .. } | Op::RemoveXattr { node, .. } if self.in_store(node) => Err(Error::Os(libc::EROFS)),
+            Op::ReadDir { node: NodeId::ROOT, .. } => match bypass(self, cx, op)? {
+                Reply::Dir(mut entries) => {
+                    entries.retain(|e| {
+                        let hide = e.name == STORE;
+                        if let (true, Some(entry)) = (hide, &e.entry) {
+                            self.below().forget(&daemon(), entry.node, 1);
+                        }
+                        !hide
+                    });
+                    for e in &entries {
+                        if let Some(entry) = &e.entry {
+                            self.remember(NodeId::ROOT, &e.name, entry);
+                        }
+                    }
+                    Ok(Reply::Dir(entries))
+                }
+                other => Ok(other),
+            },
+            Op::ReadDir { node, plus: true, .. } => {
+                let reply = bypass(self, cx, op)?;
+                if let Reply::Dir(entries) = &reply {
+                    for e in entries {
+                        if let Some(entry) = &e.entry {
+                            self.remember(node, &e.name, entry);
+                        }
+                    }
+                }
+                Ok(reply)
+            }
+            Op::Extended { node, name: "versions", .. } => self.versions(node).map(Reply::Extended),
+            Op::Extended { node, name: "version-restore", args } => self.restore(cx, node, args).map(Reply::Extended),
+            Op::Extended { node, name: "deleted", .. } => self.deleted(cx, node).map(Reply::Extended),
+            Op::Extended { node, name: "undelete", args } => self.undelete(cx, node, args).map(Reply::Extended),
+            Op::Extended { name: "version-prune", .. } => self.prune_all().map(Reply::Extended),
+            _ => bypass(self, cx, op),
+        }
+    }
+}
+
+fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
+    let keep = args.params.int_in(KEEP.name, 20, 0..=1_000_000)? as u32;
+    let max_age = match args.params.get(MAX_AGE.name) {
+        None => None,
+        Some(v) => Some(parse_age(v).ok_or_else(|| args.params.bad(MAX_AGE.name, v, "expected an age such as 30d, 12h or 90m"))?),
+    };
+    let max_space = match args.params.get(MAX_SPACE.name) {
+        None => None,
+        Some(v) => Some(parse_size(v).ok_or_else(|| args.params.bad(MAX_SPACE.name, v, "expected a size such as 10G"))?),
+    };
+    let mut names = HashMap::new();
+    names.insert(NodeId::ROOT, (NodeId::ROOT, OsString::new(), u64::MAX / 2));
+    Ok(Arc::new(Version {
+        name: args.name,
+        lower: [args.lower],
+        limits: Limits { keep, max_age, max_space },
+        names: Mutex::new(names),
+        store_nodes: Mutex::new(HashSet::new()),
+        pending: Mutex::new(HashMap::new()),
+        saving: Mutex::new(()),
+        temps: TempNames::new(".plyfs-version-copy."),
+    }))
+}
+
+pub const FACTORY: LayerFactory = LayerFactory {
+    kind: "version",
+    summary:
+        "keeps what files held before they were overwritten, truncated or removed, as versions to list, read, restore and undelete",
+    params: &[KEEP, MAX_AGE, MAX_SPACE],
+    ext_ops: EXT_OPS,
+    build: Build::Linear(build),
+    absorbs: &[],
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages_and_version_names() {
+        assert_eq!(parse_age("30d"), Some(Duration::from_secs(30 * 86400)));
+        assert_eq!(parse_age("1.5h"), Some(Duration::from_secs(5400)));
+        assert_eq!(parse_age("soon"), None);
+        assert_eq!(parse_age("3y"), None);
+        assert_eq!(version_number(OsStr::new("@12")), Some(12));
+        assert_eq!(version_number(OsStr::new("12")), None);
+        assert_eq!(version_number(OsStr::new("@x")), None);
+    }
+}
