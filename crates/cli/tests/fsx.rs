@@ -87,15 +87,36 @@ fn mmap_op(f: &File, offset: u64, data: Option<&[u8]>, len: usize) -> Vec<u8> {
 }
 
 fn run_fsx(stack: &str, options: &[&str], default_ops: usize) {
-    run_fsx_on(&format!("[{stack}] {options:?}"), || Mount::with(stack, options), default_ops);
+    run_fsx_on(&format!("[{stack}] {options:?}"), || Mount::with(stack, options), default_ops, &[]);
 }
 
 /// fsx on a crypt volume (made with `init_args`) mounted with `stack`.
 fn run_fsx_crypt(stack: &str, init_args: &[&str], default_ops: usize) {
-    run_fsx_on(&format!("[{stack}] on a crypt volume {init_args:?}"), || Mount::crypt(stack, init_args, &[]), default_ops);
+    run_fsx_on(&format!("[{stack}] on a crypt volume {init_args:?}"), || Mount::crypt(stack, init_args, &[]), default_ops, &[]);
 }
 
-fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize) {
+/// fsx on `stack` with a second branch (`--branch DIR=MODE`); the file starts there, holding
+/// `initial`, when that is not empty.
+fn run_fsx_fan_out(stack: &str, mode: &str, initial: &[u8], default_ops: usize) {
+    let mount = || {
+        let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let (lower, second, mnt) = (root.join("lower"), root.join("second"), root.join("mnt"));
+        for d in [&lower, &second, &mnt] {
+            std::fs::create_dir(d).unwrap();
+        }
+        if !initial.is_empty() {
+            std::fs::write(second.join("fsx"), initial).unwrap();
+        }
+        let branch = format!("--branch={}={mode}", second.display());
+        Mount::start(dir, lower, mnt, stack, &[&branch])
+    };
+    run_fsx_on(&format!("[{stack}] over a {mode} branch"), mount, default_ops, initial);
+}
+
+/// fsx: random writes, appends, truncates, reads and mmaps of one file, each checked against
+/// the same done to a reference file, which starts holding `initial`.
+fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, initial: &[u8]) {
     let seed = seed();
     let count = ops(default_ops);
     eprintln!("fsx on {what}: seed {seed}, {count} operations (PLYFS_FSX_SEED={seed} reproduces)");
@@ -105,7 +126,8 @@ fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize) {
     let mut mount = mount();
     let mut ours = open_rw(&mount.path("fsx"));
     let reference = open_rw(&reference_path);
-    let mut size: u64 = 0;
+    reference.write_all_at(initial, 0).unwrap();
+    let mut size: u64 = initial.len() as u64;
     let mut history: Vec<String> = Vec::new();
 
     for i in 0..count {
@@ -290,4 +312,28 @@ fn fsx_zstd_crypt_4k() {
 #[test]
 fn fsx_zstd_crypt_64k() {
     run_fsx_crypt("zstd:chunk=64k,crypt", &[], 250);
+}
+
+// The fan-out and operation-transforming layers: a union whose file starts on its read-only
+// branch (the first change copies it up), a mirror, and versioning (over a compressor too).
+
+#[test]
+fn fsx_union_file_starting_on_the_read_only_branch() {
+    let initial: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    run_fsx_fan_out("union", "ro", &initial, 300);
+}
+
+#[test]
+fn fsx_mirror() {
+    run_fsx_fan_out("mirror", "rw", &[], 300);
+}
+
+#[test]
+fn fsx_version() {
+    run_fsx("version:keep=3", &[], 300);
+}
+
+#[test]
+fn fsx_version_over_zstd() {
+    run_fsx("version:keep=3,zstd", &[], 250);
 }
