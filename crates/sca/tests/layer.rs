@@ -37,7 +37,7 @@ fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
 }
 
 const REGISTRY: [LayerFactory; 1] =
-    [LayerFactory { kind: "sealed", summary: "test", params: &[CHUNK_PARAM, FAST_TAILS_PARAM], ext_ops: EXT_OPS, build, absorbs: &[] }];
+    [LayerFactory { kind: "sealed", summary: "test", params: &[CHUNK_PARAM, FAST_TAILS_PARAM], ext_ops: EXT_OPS, build: plyfs_stack::Build::Linear(build), absorbs: &[] }];
 
 fn stack(spec: &str, lower: &std::path::Path) -> Result<Stack> {
     let bottom = LowerDir::level(lower)?;
