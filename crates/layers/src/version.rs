@@ -409,13 +409,12 @@ impl Version {
         reply
     }
 
-    fn set_attr(&self, cx: &Caller, op: &Op<'_>, node: NodeId, fh: Option<FileHandle>, set: &SetAttr) -> Result<Reply> {
+    fn set_attr(&self, cx: &Caller, op: &Op<'_>, node: NodeId, set: &SetAttr) -> Result<Reply> {
         if self.in_store(node) {
             return Err(Error::Os(libc::EROFS));
         }
         // A version taken when the file was opened for writing covers this truncate (the kernel
         // truncates for O_TRUNC after the open, without naming the handle).
-        let _ = fh;
         let opened_with_version = self.pending.lock().keys().any(|(n, _)| *n == node);
         if let (Some(size), false) = (set.size, opened_with_version) {
             let attr = self.below().getattr(cx, node)?;
@@ -522,7 +521,7 @@ impl Version {
 
     fn undelete(&self, cx: &Caller, dir: NodeId, args: &[String]) -> Result<Value> {
         let [name] = args else { return Err(Error::BadArgs("usage: undelete NAME".into())) };
-        let dir_path = self.file_path(dir)?;
+        self.file_path(dir)?;
         let name = OsStr::new(name.as_str());
         let path = self.child_path(dir, name).ok_or(Error::Os(libc::ESTALE))?;
         if let Ok(live) = self.below().lookup(cx, dir, name) {
@@ -545,7 +544,6 @@ impl Version {
             Ok(json!({ "undeleted": path, "from_version": latest.number }))
         })();
         self.below().forget(&daemon(), store, 1);
-        let _ = dir_path;
         result
     }
 }
@@ -652,7 +650,7 @@ impl Layer for Version {
             }
             Op::Open { node, flags } => self.open(cx, node, flags),
             Op::Release { node, fh } => self.release(cx, op, node, fh),
-            Op::SetAttr { node, fh, ref set } => self.set_attr(cx, op, node, fh, set),
+            Op::SetAttr { node, ref set, .. } => self.set_attr(cx, op, node, set),
             Op::SetXattr { node, .. } | Op::RemoveXattr { node, .. } if self.in_store(node) => Err(Error::Os(libc::EROFS)),
             Op::ReadDir { node: NodeId::ROOT, .. } => match bypass(self, cx, op)? {
                 Reply::Dir(mut entries) => {

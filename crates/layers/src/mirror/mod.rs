@@ -120,6 +120,9 @@ pub struct Mirror {
     repairing: Mutex<()>,
 }
 
+/// What a change did: the reading branch and its reply, then each other branch that followed.
+type Changed = (usize, Reply, Vec<(usize, Reply)>);
+
 fn entry_of(reply: &Reply) -> Option<Entry> {
     match reply {
         Reply::Entry(e) | Reply::Created(e, _) => Some(*e),
@@ -278,7 +281,7 @@ impl Mirror {
         &self,
         paths: &dyn Fn() -> Vec<String>,
         f: impl Fn(usize) -> Result<Reply>,
-    ) -> Result<(usize, Reply, Vec<(usize, Reply)>)> {
+    ) -> Result<Changed> {
         let _members = self.membership.read();
         let path_list = paths();
         for p in &path_list {

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use plyfs_stack::{progress, Attr, Caller, Entry, Error, FileKind, Level, NodeId, Op, Reply, Result, XattrReply};
 use serde_json::{json, Value};
 
-use super::{Mirror, LOG_NAME};
+use super::Mirror;
 use crate::transfer::{copy_meta, copy_object};
 
 fn daemon() -> Caller {
@@ -57,7 +57,7 @@ fn listing(m: &Mirror, level: &Level, dir: NodeId) -> Result<Vec<(OsString, File
     Ok(level
         .list_dir(&daemon(), dir)?
         .into_iter()
-        .filter(|e| !(dir == NodeId::ROOT && e.name == LOG_NAME) && !m.temps.is_temp(&e.name))
+        .filter(|e| !m.hidden(dir, &e.name))
         .map(|e| (e.name, e.kind))
         .collect())
 }

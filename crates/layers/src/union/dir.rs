@@ -104,7 +104,7 @@ impl Union {
     }
 
     /// The union number of a merged entry as `stat` would show it.
-    fn entry_id(&self, cx: &Caller, dir: &[Place], m: &Merged) -> u64 {
+    fn entry_id(&self, m: &Merged) -> u64 {
         let b = self.branch(m.place.branch);
         let may_have_origin = b.as_ref().is_ok_and(|b| b.marked.load(Ordering::Relaxed)) && m.kind != FileKind::Symlink;
         if may_have_origin {
@@ -112,7 +112,6 @@ impl Union {
                 return origin;
             }
         }
-        let _ = (cx, dir);
         self.nodes.lock().id_of(m.place)
     }
 
@@ -135,7 +134,7 @@ impl Union {
             entries.push((".".into(), node.0, FileKind::Dir));
             entries.push(("..".into(), parent, FileKind::Dir));
             for m in &merged {
-                entries.push((m.name.clone(), self.entry_id(cx, &places, m), m.kind));
+                entries.push((m.name.clone(), self.entry_id(m), m.kind));
             }
             listing.entries = entries;
         }
