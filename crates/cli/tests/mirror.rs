@@ -203,3 +203,44 @@ fn bad_requests_are_refused_with_one_line() {
     assert!(!out.status.success() && err.contains("is read-only, but every branch of a mirror takes every write"), "{err}");
     assert!(mounted_fstype(&mnt).is_none());
 }
+
+/// The bottom layers of all branches share the daemon's open-files limit: a two-branch mirror
+/// under a limit of 1,000 descriptors holds 2,500 files the kernel remembers.
+#[test]
+fn branches_share_the_open_files_limit() {
+    if !is_root() {
+        return; // closing idle descriptors needs reopening by handle (CAP_DAC_READ_SEARCH)
+    }
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = run(plyfs().arg("umount").arg(&self.0));
+            if mounted_fstype(&self.0).is_some() {
+                let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+            }
+        }
+    }
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (a, b, mnt) = (root.join("a"), root.join("b"), root.join("mnt"));
+    for d in [&a, &b, &mnt] {
+        fs::create_dir(d).unwrap();
+    }
+    let script = format!(
+        "ulimit -Sn 1000 && ulimit -Hn 1000 && exec {} mount {} {} --stack mirror --branch {}",
+        env!("CARGO_BIN_EXE_plyfs"),
+        a.display(),
+        mnt.display(),
+        b.display()
+    );
+    let out = run(std::process::Command::new("sh").arg("-c").arg(&script));
+    let _guard = Unmount(mnt.clone());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for i in 0..2500 {
+        let d = mnt.join(format!("d{:02}", i / 100));
+        fs::create_dir_all(&d).unwrap();
+        fs::write(d.join(format!("f{i}")), "x").unwrap_or_else(|e| panic!("file {i}: {e}"));
+    }
+    assert_eq!(tree(&a), tree(&b));
+    assert_eq!(tree(&mnt).len(), 2525);
+}

@@ -129,7 +129,7 @@ pub struct LowerDir {
     /// The root's path as the kernel names it (absolute, no symlinks), for `lower-info`.
     root_real: PathBuf,
     root_key: (u64, u64),
-    nodes: Mutex<NodeTable>,
+    nodes: Arc<Mutex<NodeTable>>,
     files: Mutex<HashMap<u64, Arc<OwnedFd>>>,
     dirs: Mutex<HashMap<u64, Arc<Mutex<DirStream>>>>,
     next_fh: AtomicU64,
@@ -144,9 +144,28 @@ pub struct LowerDir {
     mount_fd: OwnedFd,
     /// Whether nodes get handles (the daemon may call `open_by_handle_at`).
     reopen_by_handle: bool,
-    /// Node descriptors open now, and how many may be before the least used are closed.
-    open_node_fds: AtomicU64,
-    node_fd_budget: u64,
+}
+
+/// The node descriptors of every bottom layer of this process share one budget: a tree has a
+/// bottom layer per branch, and together they must stay within the process's open-files limit.
+/// When the count passes the budget, idle descriptors are closed in whichever bottom layer
+/// holds them.
+struct FdBudget {
+    open: AtomicU64,
+    budget: std::sync::OnceLock<u64>,
+    tables: Mutex<Vec<std::sync::Weak<Mutex<NodeTable>>>>,
+}
+
+fn fd_budget() -> &'static FdBudget {
+    static BUDGET: std::sync::OnceLock<FdBudget> = std::sync::OnceLock::new();
+    BUDGET.get_or_init(|| FdBudget { open: AtomicU64::new(0), budget: std::sync::OnceLock::new(), tables: Mutex::new(Vec::new()) })
+}
+
+impl FdBudget {
+    /// Half the open-files limit as it is when first needed (the daemon raises it first).
+    fn budget(&self) -> u64 {
+        *self.budget.get_or_init(|| (open_files_limit().rlim_cur / 2).max(64))
+    }
 }
 
 /// File systems whose `close` can fail or publishes data to other clients.
@@ -277,11 +296,16 @@ impl LowerDir {
         let mut by_id = HashMap::new();
         // The root is never forgotten: give it a lookup count no forget can exhaust.
         by_id.insert(NodeId::ROOT.0, (Arc::new(root_node), u64::MAX / 2));
+        let nodes = Arc::new(Mutex::new(NodeTable { by_id, synthetic: HashMap::new(), next_synthetic: SYNTHETIC_IDS }));
+        let budget = fd_budget();
+        budget.tables.lock().push(Arc::downgrade(&nodes));
+        budget.open.fetch_add(1, Ordering::Relaxed);
+        budget.budget();
         Ok(LowerDir {
             root: root.to_owned(),
             root_real,
             root_key: (st.st_dev, st.st_ino),
-            nodes: Mutex::new(NodeTable { by_id, synthetic: HashMap::new(), next_synthetic: SYNTHETIC_IDS }),
+            nodes,
             files: Mutex::new(HashMap::new()),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
@@ -290,8 +314,6 @@ impl LowerDir {
             out_of_descriptors: AtomicBool::new(false),
             mount_fd,
             reopen_by_handle: has_capability(CAP_DAC_READ_SEARCH),
-            open_node_fds: AtomicU64::new(1),
-            node_fd_budget: (open_files_limit().rlim_cur / 2).max(64),
         })
     }
 
@@ -336,31 +358,12 @@ impl LowerDir {
         Ok(fd)
     }
 
-    /// Count one more open node descriptor, closing idle ones when over budget.
+    /// Count one more open node descriptor, closing idle ones when over budget. Called with no
+    /// node table locked.
     fn count_open_node_fd(&self) {
-        if self.open_node_fds.fetch_add(1, Ordering::Relaxed) + 1 > self.node_fd_budget {
-            self.close_idle_node_fds();
-        }
-    }
-
-    /// Close the descriptors of nodes not used since the last pass (second chance) until a
-    /// quarter of the budget is free. Only nodes that can be reopened by handle are closed.
-    fn close_idle_node_fds(&self) {
-        let target = self.node_fd_budget * 3 / 4;
-        let table = self.nodes.lock();
-        for (node, _) in table.by_id.values() {
-            if self.open_node_fds.load(Ordering::Relaxed) <= target {
-                break;
-            }
-            if node.handle.is_none() || node.pinned.load(Ordering::Relaxed) || node.used.swap(false, Ordering::Relaxed) {
-                continue;
-            }
-            if let Some(mut slot) = node.fd.try_lock() {
-                if slot.as_ref().is_some_and(|fd| Arc::strong_count(fd) == 1) {
-                    *slot = None;
-                    self.open_node_fds.fetch_sub(1, Ordering::Relaxed);
-                }
-            }
+        let budget = fd_budget();
+        if budget.open.fetch_add(1, Ordering::Relaxed) + 1 > budget.budget() {
+            close_idle_node_fds();
         }
     }
 
@@ -495,7 +498,7 @@ impl LowerDir {
         if gone {
             if let Some((node, _)) = table.by_id.remove(&id.0) {
                 if node.fd.lock().is_some() {
-                    self.open_node_fds.fetch_sub(1, Ordering::Relaxed);
+                    fd_budget().open.fetch_sub(1, Ordering::Relaxed);
                 }
             }
         }
@@ -678,6 +681,44 @@ impl LowerDir {
             "dev": n.key.0,
             "ino": n.key.1,
         }))
+    }
+}
+
+/// Close the descriptors of nodes not used since the last pass (second chance), in every
+/// bottom layer of the process, until a quarter of the budget is free. Only nodes that can be
+/// reopened by handle are closed. One table is locked at a time.
+fn close_idle_node_fds() {
+    let budget = fd_budget();
+    let target = budget.budget() * 3 / 4;
+    let tables: Vec<Arc<Mutex<NodeTable>>> = {
+        let mut tables = budget.tables.lock();
+        tables.retain(|t| t.strong_count() > 0);
+        tables.iter().filter_map(std::sync::Weak::upgrade).collect()
+    };
+    for table in tables {
+        let table = table.lock();
+        for (node, _) in table.by_id.values() {
+            if budget.open.load(Ordering::Relaxed) <= target {
+                return;
+            }
+            if node.handle.is_none() || node.pinned.load(Ordering::Relaxed) || node.used.swap(false, Ordering::Relaxed) {
+                continue;
+            }
+            if let Some(mut slot) = node.fd.try_lock() {
+                if slot.as_ref().is_some_and(|fd| Arc::strong_count(fd) == 1) {
+                    *slot = None;
+                    budget.open.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for LowerDir {
+    fn drop(&mut self) {
+        // Its descriptors close with it: they no longer count against the budget.
+        let open = self.nodes.lock().by_id.values().filter(|(n, _)| n.fd.lock().is_some()).count() as u64;
+        fd_budget().open.fetch_sub(open.min(fd_budget().open.load(Ordering::Relaxed)), Ordering::Relaxed);
     }
 }
 
