@@ -82,19 +82,42 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
     }
     let lower = lower_dir(&args.lower)?;
     let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
-    // Unlock a crypt volume here, so that a wrong password is reported before anything starts
-    // (and rules naming crypt can be checked).
-    let volume = match args.key_fd {
+    // Unlock the crypt volumes here (LOWER, and any branch that is one), so that a wrong
+    // password is reported before anything starts (and rules naming crypt can be checked).
+    let dirs = storage_dirs(&lower, &args.branches, &specs);
+    let volumes = match args.key_fd {
         Some(fd) => {
-            crate::secret::register_key_from_fd(&lower, fd)?;
-            None
+            crate::secret::register_keys_from_fd(&dirs, fd)?;
+            Vec::new()
         }
-        None => crate::secret::unlock_if_volume(&lower, &args.secret)?.map(plyfs_layers::crypt::keys::register),
+        None => crate::secret::unlock_volumes(&dirs, &args.secret)?,
     };
     if args.foreground {
         return serve(&args, specs, opts, lower, mountpoint);
     }
-    spawn_background(&args, &mountpoint, volume)
+    spawn_background(&args, &mountpoint, volumes)
+}
+
+/// Every directory a stack stores in: LOWER, the `--branch` directories and the directories
+/// branches name in the spec (`@DIR`), each once, in that order.
+fn storage_dirs(lower: &Path, branches: &[String], specs: &[plyfs_stack::spec::LayerSpec]) -> Vec<PathBuf> {
+    fn from_spec(specs: &[plyfs_stack::spec::LayerSpec], out: &mut Vec<PathBuf>) {
+        for branch in specs.iter().flat_map(|s| &s.branches) {
+            out.extend(branch.dir.clone());
+            from_spec(&branch.layers, out);
+        }
+    }
+    let mut dirs = vec![lower.to_owned()];
+    dirs.extend(branches.iter().filter_map(|b| crate::tree::parse_branch_arg(b).ok()).map(|(d, _)| d));
+    from_spec(specs, &mut dirs);
+    let mut out: Vec<PathBuf> = Vec::new();
+    for d in dirs {
+        let d = d.canonicalize().unwrap_or(d);
+        if !out.contains(&d) {
+            out.push(d);
+        }
+    }
+    out
 }
 
 /// Read and check a rules file: every rule's layers must exist and take the parameters given.
@@ -233,7 +256,7 @@ fn serve_inner(
     result.map_err(|e| format!("serving {}: {e}", mountpoint.display()))
 }
 
-fn spawn_background(args: &MountArgs, mountpoint: &Path, volume: Option<Arc<plyfs_layers::crypt::keys::Volume>>) -> Result<(), String> {
+fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_layers::crypt::keys::Volume>>) -> Result<(), String> {
     let uid = unsafe { libc::geteuid() };
     let log = match &args.log {
         Some(l) => std::path::absolute(l).map_err(|e| format!("--log {}: {e}", l.display()))?,
@@ -250,15 +273,18 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path, volume: Option<Arc<plyf
 
     let (read_end, write_end) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
     let write_fd = write_end.as_raw_fd();
-    // An unlocked volume's key goes to the child through a pipe, never its arguments. 32
-    // bytes fit in the pipe's buffer, so it is written before the child starts.
-    let key_pipe = match &volume {
-        Some(v) => {
-            let (key_read, key_write) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
-            File::from(key_write).write_all(v.key.bytes()).map_err(|e| format!("pipe: {e}"))?;
-            Some(key_read)
+    // Unlocked volumes' keys go to the child through a pipe, never its arguments, in the order
+    // of `storage_dirs`. 32 bytes each fit in the pipe's buffer, so they are written before
+    // the child starts.
+    let key_pipe = if volumes.is_empty() {
+        None
+    } else {
+        let (key_read, key_write) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+        let mut w = File::from(key_write);
+        for v in &volumes {
+            w.write_all(v.key.bytes()).map_err(|e| format!("pipe: {e}"))?;
         }
-        None => None,
+        Some(key_read)
     };
     let key_fd = key_pipe.as_ref().map(|k| k.as_raw_fd());
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the plyfs program: {e}"))?;
@@ -279,7 +305,7 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path, volume: Option<Arc<plyf
     let mut child = cmd.spawn().map_err(|e| format!("cannot start the daemon: {e}"))?;
     drop(write_end);
     drop(key_pipe);
-    drop(volume);
+    drop(volumes);
 
     let mut line = String::new();
     let _ = BufReader::new(File::from(read_end)).read_line(&mut line);

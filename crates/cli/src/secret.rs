@@ -141,19 +141,42 @@ pub fn unlock_and_register(lower: &Path, secret: &SecretArgs) -> Result<(), Stri
     Ok(())
 }
 
-/// Register a master key handed over by the parent process on a pipe.
-pub fn register_key_from_fd(lower: &Path, fd: i32) -> Result<(), String> {
+/// Unlock and register every crypt volume among `dirs` (a stack's LOWER first, then its other
+/// branches), asking for each one's password. A password given when none is a volume is an
+/// error, as for a single directory.
+pub fn unlock_volumes(dirs: &[std::path::PathBuf], secret: &SecretArgs) -> Result<Vec<std::sync::Arc<Volume>>, String> {
+    let volumes: Vec<&std::path::PathBuf> = dirs.iter().filter(|d| keys::config_path(d).exists()).collect();
+    if volumes.is_empty() {
+        return match (secret.given(), dirs.first()) {
+            (true, Some(lower)) => Err(format!("{}: not a crypt volume, so it takes no password or key file", lower.display())),
+            _ => Ok(Vec::new()),
+        };
+    }
+    volumes
+        .into_iter()
+        .map(|d| {
+            let s = secret.get(&format!("Password for {}", d.display()), false)?;
+            keys::unlock(d, &s).map(keys::register)
+        })
+        .collect()
+}
+
+/// Register the master keys the parent process handed over on a pipe: one for each crypt
+/// volume among `dirs`, in order.
+pub fn register_keys_from_fd(dirs: &[std::path::PathBuf], fd: i32) -> Result<(), String> {
     use std::os::fd::FromRawFd;
     let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
-    let mut key = Zeroizing::new([0u8; 32]);
-    f.read_exact(&mut key[..]).map_err(|e| format!("reading the volume key from the parent: {e}"))?;
-    let config = VolumeConfig::load(lower)?;
-    keys::register(Volume {
-        id: config.id()?,
-        cipher: config.cipher,
-        plaintext_names: config.plaintext_names,
-        key: keys::MasterKey::from_bytes(*key),
-    });
+    for dir in dirs.iter().filter(|d| keys::config_path(d).exists()) {
+        let mut key = Zeroizing::new([0u8; 32]);
+        f.read_exact(&mut key[..]).map_err(|e| format!("reading the key of {} from the parent: {e}", dir.display()))?;
+        let config = VolumeConfig::load(dir)?;
+        keys::register(Volume {
+            id: config.id()?,
+            cipher: config.cipher,
+            plaintext_names: config.plaintext_names,
+            key: keys::MasterKey::from_bytes(*key),
+        });
+    }
     Ok(())
 }
 

@@ -389,3 +389,31 @@ fn xattr_list(path: &Path) -> Vec<u8> {
     buf.truncate(rc as usize);
     buf
 }
+
+/// A branch may be a crypt volume of its own: its password unlocks it at mount, for a
+/// background daemon too.
+#[test]
+fn a_crypt_volume_can_be_a_branch() {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (upper, vault, mnt) = (root.join("upper"), root.join("vault"), root.join("mnt"));
+    for d in [&upper, &vault, &mnt] {
+        fs::create_dir(d).unwrap();
+    }
+    let passfile = crypt_init(&root, &vault, &[]);
+    let pass = format!("--passfile={}", passfile.display());
+    {
+        let m = Mount::start(tempfile::tempdir().unwrap(), vault.clone(), mnt.clone(), "crypt", &[&pass]);
+        fs::write(m.path("secret.txt"), "sealed below").unwrap();
+    }
+    // In the background: the parent unlocks the branch and hands its key to the daemon.
+    let out = run(plyfs().arg("mount").arg(&upper).arg(&mnt).args(["--stack", "union[|crypt]", "--branch"]).arg(format!("{}=ro", vault.display())).arg(&pass));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let read = fs::read_to_string(mnt.join("secret.txt"));
+    fs::write(mnt.join("new.txt"), "plain upper").unwrap();
+    let umount = run(plyfs().arg("umount").arg(&mnt));
+    assert!(umount.status.success(), "{}", String::from_utf8_lossy(&umount.stderr));
+    assert_eq!(read.unwrap(), "sealed below");
+    assert_eq!(fs::read_to_string(upper.join("new.txt")).unwrap(), "plain upper");
+    assert!(fs::read_dir(&vault).unwrap().all(|e| e.unwrap().file_name() != "secret.txt"), "names stay encrypted in the branch");
+}
