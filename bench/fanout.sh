@@ -90,7 +90,7 @@ mount_cfg() {
     MOUNTS+=("$mnt")
     case $cfg in
         overlayfs) mount -t overlay overlay -o "lowerdir=$lo,upperdir=$up,workdir=$wd" "$mnt" ;;
-        fuse-overlayfs) fuse-overlayfs -o "lowerdir=$lo,upperdir=$up,workdir=$wd" "$mnt" ;;
+        fuse-overlayfs) fuse-overlayfs -o "lowerdir=$lo,upperdir=$up,workdir=$wd" "$mnt" 2>/dev/null ;;
         mergerfs) mergerfs -o category.create=ff "$up=RW:$lo=RO" "$mnt" ;;
         unionfs-fuse) unionfs-fuse -o cow "$up=RW:$lo=RO" "$mnt" ;;
         plyfs-union) "$PLYFS" mount "$up" "$mnt" --stack union --branch "$lo=ro" >/dev/null 2>&1 ;;
@@ -111,8 +111,9 @@ verdict() { # VALUE OP TARGET
 fio_mibs() { # FILE RW BS [extra...]: prints MiB/s or IOPS
     local file=$1 rw=$2 bs=$3; shift 3
     local out
-    out=$(fio --name=b --filename="$file" --rw="$rw" --bs="$bs" --size="$SIZE" --ioengine=psync --output-format=json "$@" 2>/dev/null)
-    python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; k="read" if j["read"]["io_bytes"] else "write"; print(j[k]["iops"] if sys.argv[1]=="iops" else j[k]["bw_bytes"]/1048576)' "${IOPS:-bw}" <<<"$out"
+    # invalidate=0: a warm read must find the pages the previous read left.
+    out=$(fio --name=b --filename="$file" --rw="$rw" --bs="$bs" --size="$SIZE" --ioengine=psync --invalidate=0 --output-format=json "$@" 2>/dev/null)
+    python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; k="read" if j["read"]["io_bytes"] else "write"; print(round(j[k]["iops"] if sys.argv[1]=="iops" else j[k]["bw_bytes"]/1048576))' "${IOPS:-bw}" <<<"$out"
 }
 
 RESULTS=()   # markdown rows
