@@ -89,18 +89,22 @@ impl TempNames {
     }
 }
 
+/// How a file's data is copied.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Data {
+    /// Copied and made durable before the copy is used (it may replace the only other copy).
+    Durable,
+    /// Copied; the caller makes everything durable later in one go (`lower-sync`), and can
+    /// redo the copy if a crash loses it meanwhile.
+    Deferred,
+    /// Not copied at all (an `O_TRUNC` copy-up).
+    Skipped,
+}
+
 /// A copy of `src` (attributes `attr`) of `from`, made as `name` in `dir` of `to`: a file with
-/// its data (unless `without_data`), a symlink, a special file, or an empty directory. Its
-/// metadata is [`copy_meta`]'s to set.
-pub fn copy_object(
-    from: &Level,
-    src: NodeId,
-    attr: &Attr,
-    to: &Level,
-    dir: NodeId,
-    name: &OsStr,
-    without_data: bool,
-) -> Result<Entry> {
+/// its data as `data` says, a symlink, a special file, or an empty directory. Its metadata is
+/// [`copy_meta`]'s to set.
+pub fn copy_object(from: &Level, src: NodeId, attr: &Attr, to: &Level, dir: NodeId, name: &OsStr, data: Data) -> Result<Entry> {
     let cx = daemon();
     match attr.kind {
         FileKind::File => {
@@ -109,8 +113,11 @@ pub fn copy_object(
                 Reply::Created(e, o) => (e, o),
                 _ => return Err(Error::Os(libc::EIO)),
             };
-            let copied = if without_data { Ok(()) } else { copy_data(from, src, to, e.node, &dst, attr.size) };
-            let synced = copied.and_then(|()| to.call(&cx, &Op::Fsync { node: e.node, fh: dst.fh, datasync: false }));
+            let copied = if data == Data::Skipped { Ok(()) } else { copy_data(from, src, to, e.node, &dst, attr.size) };
+            let synced = copied.and_then(|()| match data {
+                Data::Deferred => Ok(Reply::Empty),
+                _ => to.call(&cx, &Op::Fsync { node: e.node, fh: dst.fh, datasync: false }),
+            });
             let _ = to.release(&cx, e.node, dst.fh);
             match synced {
                 Ok(_) => Ok(e),

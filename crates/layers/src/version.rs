@@ -30,7 +30,7 @@ use plyfs_stack::{
 };
 use serde_json::{json, Value};
 
-use crate::transfer::{copy_data, copy_meta, copy_object, TempNames};
+use crate::transfer::{copy_data, copy_meta, copy_object, Data, TempNames};
 
 /// The store's name at the root of the level below.
 pub const STORE: &str = ".plyfs-versions";
@@ -231,7 +231,7 @@ impl Version {
                 below.call(&daemon(), &Op::Rename { parent, name, new_parent: dir, new_name: &vname, flags: 0 })?;
             } else {
                 let copy = self.temps.place(below, dir, &vname, |temp| {
-                    let e = copy_object(below, node, attr, below, dir, temp, false)?;
+                    let e = copy_object(below, node, attr, below, dir, temp, Data::Durable)?;
                     copy_meta(below, node, below, e.node, attr, |_| true)?;
                     Ok(e)
                 })?;
@@ -534,7 +534,7 @@ impl Version {
             let below = self.below();
             let v = below.lookup(&daemon(), store, OsStr::new(&format!("{VERSION_MARK}{}", latest.number)))?;
             let made = self.temps.place(below, dir, name, |temp| {
-                let e = copy_object(below, v.node, &v.attr, below, dir, temp, false)?;
+                let e = copy_object(below, v.node, &v.attr, below, dir, temp, Data::Durable)?;
                 copy_meta(below, v.node, below, e.node, &v.attr, |_| true)?;
                 Ok(e)
             });

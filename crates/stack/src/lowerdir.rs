@@ -31,11 +31,14 @@ use crate::layer::{unsupported, ExtOpInfo, Layer, Level};
 use crate::op::{Op, Reply};
 use crate::types::*;
 
-const EXT_OPS: &[ExtOpInfo] = &[ExtOpInfo {
-    name: "lower-info",
-    args: "",
-    help: "where the object lives in the lower directory (path, device, inode)",
-}];
+const EXT_OPS: &[ExtOpInfo] = &[
+    ExtOpInfo { name: "lower-info", args: "", help: "where the object lives in the lower directory (path, device, inode)" },
+    ExtOpInfo {
+        name: "lower-sync",
+        args: "",
+        help: "make everything written to the lower file system durable (syncfs), as after many writes not synced one by one",
+    },
+];
 
 struct LowerNode {
     key: (u64, u64),
@@ -995,6 +998,13 @@ impl LowerDir {
                 Ok(Reply::Offset(pos as u64))
             }
             Op::Extended { node, name: "lower-info", .. } => self.lower_info(node).map(Reply::Extended),
+            Op::Extended { node, name: "lower-sync", .. } => {
+                let n = self.node(node)?;
+                let fd = check(unsafe { libc::open(proc_path(n.fd.as_raw_fd()).as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) })?;
+                let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                check(unsafe { libc::syncfs(fd.as_raw_fd()) })?;
+                Ok(Reply::Extended(serde_json::json!({ "synced": self.root.display().to_string() })))
+            }
             Op::Extended { .. } => Err(unsupported(op)),
         }
     }

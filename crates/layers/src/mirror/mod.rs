@@ -31,7 +31,7 @@ use plyfs_stack::{
 use serde_json::{json, Value};
 
 use crate::ids::{NodeTable, Place};
-use crate::transfer::TempNames;
+use crate::transfer::{Data, TempNames};
 use log::{IntentLog, Unreached, LOG_NAME};
 
 /// Names of copies a resync is writing; never shown, removed when found left over.
@@ -195,12 +195,14 @@ impl Mirror {
             in_flight.len(),
             self.branches[reader].branch.name
         );
-        for path in in_flight {
-            for b in self.in_sync().into_iter().filter(|b| *b != reader) {
-                if let Err(e) = self.sync_path(reader, b, path) {
-                    self.fail(b, &e);
-                }
+        for b in self.in_sync().into_iter().filter(|b| *b != reader) {
+            // Synced once at the end: the `W` lines stay until then, so a crash redoes it all.
+            let synced = in_flight.iter().try_for_each(|path| self.sync_path(reader, b, path, Data::Deferred).map(|_| ()));
+            if let Err(e) = synced.and_then(|()| self.sync_branch(b)) {
+                self.fail(b, &e);
             }
+        }
+        for path in in_flight {
             self.note(self.log.end(path));
         }
         Ok(())

@@ -11,7 +11,7 @@ use plyfs_stack::{progress, Attr, Caller, Entry, Error, FileKind, Level, NodeId,
 use serde_json::{json, Value};
 
 use super::Mirror;
-use crate::transfer::{copy_meta, copy_object};
+use crate::transfer::{copy_meta, copy_object, Data};
 
 fn daemon() -> Caller {
     Caller::daemon()
@@ -121,7 +121,7 @@ impl Mirror {
     /// Make `path` on branch `b` what it is on branch `a`. A directory's own metadata and its
     /// list of names are made the same; what it holds is copied only where `b` lacks it.
     /// Returns the bytes copied.
-    pub(super) fn sync_path(&self, a: usize, b: usize, path: &str) -> Result<u64> {
+    pub(super) fn sync_path(&self, a: usize, b: usize, path: &str, data: Data) -> Result<u64> {
         let (la, lb) = (self.top(a), self.top(b));
         let (mut ha, mut hb) = (Held::new(la), Held::new(lb));
         let parts = components(path);
@@ -131,20 +131,20 @@ impl Mirror {
             if !same_meta(&aa, &ab) {
                 copy_meta(la, NodeId::ROOT, lb, NodeId::ROOT, &aa, |_| true)?;
             }
-            return self.reconcile(la, NodeId::ROOT, lb, NodeId::ROOT);
+            return self.reconcile(la, NodeId::ROOT, lb, NodeId::ROOT, data);
         };
         let (mut da, mut db) = (NodeId::ROOT, NodeId::ROOT);
         let mut copied = 0;
         for (i, dir) in dirs.iter().enumerate() {
             let Some(ea) = ha.lookup(da, dir)?.filter(|e| e.attr.kind == FileKind::Dir) else {
                 // Gone on the reading branch too: the whole path goes on `b`.
-                return self.sync_path(a, b, &dirs[..=i].iter().map(|c| c.to_string_lossy()).collect::<Vec<_>>().join("/"));
+                return self.sync_path(a, b, &dirs[..=i].iter().map(|c| c.to_string_lossy()).collect::<Vec<_>>().join("/"), data);
             };
             let eb = match hb.lookup(db, dir)? {
                 Some(e) if e.attr.kind == FileKind::Dir => e,
                 _ => {
                     let prefix = dirs[..=i].iter().map(|c| c.to_string_lossy()).collect::<Vec<_>>().join("/");
-                    copied += self.sync_path(a, b, &prefix)?;
+                    copied += self.sync_path(a, b, &prefix, data)?;
                     hb.lookup(db, dir)?.ok_or(Error::Os(libc::EIO))?
                 }
             };
@@ -162,7 +162,7 @@ impl Mirror {
                 if !same_meta(&ea.attr, &eb.attr) || xattrs(la, ea.node) != xattrs(lb, eb.node) {
                     copy_meta(la, ea.node, lb, eb.node, &ea.attr, |_| true)?;
                 }
-                self.reconcile(la, ea.node, lb, eb.node)?
+                self.reconcile(la, ea.node, lb, eb.node, data)?
             }
             (Some(ea), Some(eb))
                 if ea.attr.kind == FileKind::File
@@ -180,14 +180,14 @@ impl Mirror {
                     // A copy cannot be renamed over a directory.
                     self.remove_tree(lb, db, name, eb.attr.kind)?;
                 }
-                self.copy_tree(la, ea, lb, db, name)?
+                self.copy_tree(la, ea, lb, db, name, data)?
             }
         };
         Ok(copied)
     }
 
     /// Make the names in `db` those of `da`: remove extra ones, copy missing ones.
-    fn reconcile(&self, la: &Level, da: NodeId, lb: &Level, db: NodeId) -> Result<u64> {
+    fn reconcile(&self, la: &Level, da: NodeId, lb: &Level, db: NodeId, data: Data) -> Result<u64> {
         let names_a: BTreeSet<OsString> = listing(self, la, da)?.into_iter().map(|(n, _)| n).collect();
         let mut copied = 0;
         for (name, kind) in listing(self, lb, db)? {
@@ -199,7 +199,7 @@ impl Mirror {
         let mut ha = Held::new(la);
         for name in names_a.difference(&names_b) {
             if let Some(ea) = ha.lookup(da, name)? {
-                copied += self.copy_tree(la, ea, lb, db, name)?;
+                copied += self.copy_tree(la, ea, lb, db, name, data)?;
             }
         }
         Ok(copied)
@@ -207,15 +207,15 @@ impl Mirror {
 
     /// Copy `ea` of `la` as `name` into `dir` of `lb`, a directory with all it holds, made whole
     /// under a temporary name first.
-    fn copy_tree(&self, la: &Level, ea: Entry, lb: &Level, dir: NodeId, name: &OsStr) -> Result<u64> {
+    fn copy_tree(&self, la: &Level, ea: Entry, lb: &Level, dir: NodeId, name: &OsStr, data: Data) -> Result<u64> {
         let mut copied = 0;
         let made = self.temps.place(lb, dir, name, |temp| {
-            let e = copy_object(la, ea.node, &ea.attr, lb, dir, temp, false)?;
+            let e = copy_object(la, ea.node, &ea.attr, lb, dir, temp, data)?;
             if ea.attr.kind == FileKind::Dir {
                 let mut ha = Held::new(la);
                 for (child, _) in listing(self, la, ea.node)? {
                     if let Some(ec) = ha.lookup(ea.node, &child)? {
-                        copied += self.copy_tree(la, ec, lb, e.node, &child)?;
+                        copied += self.copy_tree(la, ec, lb, e.node, &child, data)?;
                     }
                 }
             } else if ea.attr.kind == FileKind::File {
@@ -275,8 +275,11 @@ impl Mirror {
             let (mut paths, mut bytes) = (0u64, 0u64);
             let mut step = |m: &Mirror| -> Result<bool> {
                 let Some(path) = m.log.next_stale(b) else { return Ok(false) };
-                bytes +=
-                    m.sync_path(a, b, &path).map_err(|e| Error::BadArgs(format!("resync of '{name}' stopped at {path:?}: {e}")))?;
+                // Not synced file by file: the branch stays out until `sync_branch` below, and a
+                // resync cut short runs again.
+                bytes += m
+                    .sync_path(a, b, &path, Data::Deferred)
+                    .map_err(|e| Error::BadArgs(format!("resync of '{name}' stopped at {path:?}: {e}")))?;
                 m.log.clear_stale(b, &path);
                 paths += 1;
                 meter.add(1);
@@ -289,6 +292,7 @@ impl Mirror {
                 // copied now, then every change reaches it again.
                 let _alone = self.membership.write();
                 while step(self)? {}
+                self.sync_branch(b)?;
                 self.forget_places_on(b);
                 self.branches[b].failed.store(false, Ordering::Release);
                 self.note(self.log.resynced(b));
@@ -301,6 +305,11 @@ impl Mirror {
             report.push(json!({ "branch": name, "paths": paths, "bytes": bytes, "seconds": started.elapsed().as_secs_f64() }));
         }
         Ok(json!({ "resynced": report, "status": self.status() }))
+    }
+
+    /// Make what was copied to branch `b` durable, in one go.
+    pub(super) fn sync_branch(&self, b: usize) -> Result<()> {
+        self.top(b).extended(&daemon(), NodeId::ROOT, "lower-sync", &[]).map(|_| ())
     }
 
     /// Nodes and open handles on branch `b` may name objects a resync replaced: find them again
@@ -389,7 +398,7 @@ impl Mirror {
     /// for a moment, and the copy must not race it.
     fn repair(&self, a: usize, b: usize, path: String, repaired: &mut Vec<String>) -> Result<()> {
         let _alone = self.membership.write();
-        self.sync_path(a, b, &path)?;
+        self.sync_path(a, b, &path, Data::Durable)?;
         repaired.push(path);
         Ok(())
     }

@@ -9,7 +9,7 @@ use plyfs_stack::{Error, FileKind, NodeId, Result};
 
 use super::{daemon, is_hidden_xattr, BranchState, Union, ORIGIN_XATTR};
 use crate::ids::Place;
-use crate::transfer::{copy_meta, copy_object};
+use crate::transfer::{copy_meta, copy_object, Data};
 
 /// Copies at least this large are logged as they start and end.
 const LOG_COPIES_FROM: u64 = 256 << 20;
@@ -46,7 +46,7 @@ impl Union {
             tracing::info!("union '{}': copying up {} ({} MiB)", self.name, name.to_string_lossy(), attr.size >> 20);
         }
         let copy = self.temps.place(upper.top(), dir.node, &name, |temp| {
-            let e = copy_object(from.top(), src.node, &attr, upper.top(), dir.node, temp, truncating)?;
+            let e = copy_object(from.top(), src.node, &attr, upper.top(), dir.node, temp, if truncating { Data::Skipped } else { Data::Durable })?;
             self.copy_meta(&from, src.node, &upper, e.node, &attr, id)?;
             Ok(e)
         })?;
@@ -85,7 +85,7 @@ impl Union {
         let from = self.branch(src.branch)?;
         let attr = from.top().getattr(&daemon(), src.node)?;
         let copy = self.temps.place(upper.top(), dir.node, &name, |temp| {
-            let e = copy_object(from.top(), src.node, &attr, upper.top(), dir.node, temp, false)?;
+            let e = copy_object(from.top(), src.node, &attr, upper.top(), dir.node, temp, Data::Durable)?;
             self.copy_meta(&from, src.node, &upper, e.node, &attr, id)?;
             Ok(e)
         })?;
