@@ -140,11 +140,12 @@ impl Union {
         }
         let start = offset as usize;
         let mut out = Vec::new();
+        let places = if plus { self.dir_places(node)? } else { Vec::new() };
         for (i, (name, id, kind)) in listing.entries.iter().enumerate().skip(start).take(max as usize) {
             let dots = name == "." || name == "..";
             let entry = if plus && !dots {
-                match self.lookup(cx, node, name) {
-                    Ok(e) => Some(e),
+                match self.find(cx, &places, name).and_then(|f| f.ok_or(Error::Os(libc::ENOENT))) {
+                    Ok(found) => Some(self.remember(node, name, found)),
                     // Gone since the listing was taken: leave it out, as a fresh listing would.
                     Err(Error::Os(libc::ENOENT)) => continue,
                     Err(e) => return Err(e),

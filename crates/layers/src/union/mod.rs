@@ -196,7 +196,8 @@ impl Union {
     }
 
     fn top_place(&self, id: NodeId) -> Result<Place> {
-        self.node(id)?.1.first().copied().ok_or(Error::Os(libc::ESTALE))
+        let nodes = self.nodes.lock();
+        nodes.nodes.get(&id.0).and_then(|n| n.places.first().copied()).ok_or(Error::Os(libc::ESTALE))
     }
 
     fn dir_places(&self, id: NodeId) -> Result<Vec<Place>> {
@@ -476,6 +477,16 @@ impl Union {
 
     fn unlink(&self, cx: &Caller, parent: NodeId, name: &OsStr, dir: bool) -> Result<Reply> {
         let places = self.dir_places(parent)?;
+        if let ([only], false) = (places.as_slice(), is_temp(name)) {
+            // A directory on one writable branch with no whiteouts or opaque flags: nothing below
+            // can show through, so the branch removes the name itself (and refuses a non-empty
+            // directory itself).
+            let b = self.branch(only.branch)?;
+            if b.writable() && !b.marked.load(Ordering::Relaxed) {
+                let op = if dir { Op::RmDir { parent: only.node, name } } else { Op::Unlink { parent: only.node, name } };
+                return b.top().call(cx, &op);
+            }
+        }
         let found = self.find(cx, &places, name)?.ok_or_else(enoent)?;
         let result = self.remove_found(cx, parent, &places, name, &found, dir);
         self.forget_places(&found.places);
