@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install what is missing, build plyfs, and show four demo stacks at work over sample directories:
+# Install what is missing, build plyfs, and show five demo stacks at work over sample directories:
 # a trace layer over a null layer, a zstd compression layer, per-file layers chosen by attributes
-# and rules in one mount, and an encrypted volume (compress, then encrypt, names encrypted).
+# and rules in one mount, an encrypted volume (compress, then encrypt, names encrypted), and trees:
+# a union over a read-only base and a mirror resynced after a branch failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/deps.sh
@@ -88,4 +89,26 @@ step "echo wrong > $demo/wrong; $plyfs mount $vault $mnt --stack crypt --passfil
 step "$plyfs" mount "$vault" "$mnt" --stack crypt --passfile "$demo/password"
 step "cmp /usr/share/common-licenses/GPL-3 $mnt/private/GPL-3 && cat $mnt/private/plan.txt"
 step "$plyfs" umount "$mnt"
-printf '\nplyfs works: the four demos mounted, served and unmounted %s.\n' "$mnt"
+# Trees: a union writes over a read-only base (copy-up, whiteouts); a mirror keeps two copies.
+base=$demo/base upper=$demo/upper
+mkdir -p "$base/etc" "$upper"
+echo "from the read-only base" > "$base/etc/motd"
+echo "remove me" > "$base/old.txt"
+step "$plyfs" mount "$upper" "$mnt" --stack union --branch "$base=ro"
+step "echo 'changed in the union' >> $mnt/etc/motd"
+step rm "$mnt/old.txt"
+step ls -l "$mnt" "$mnt/etc"
+step "cat $base/etc/motd; ls -l $upper $upper/etc"
+step "$plyfs" op "$mnt" branch-list
+step "$plyfs" umount "$mnt"
+copy1=$demo/copy1 copy2=$demo/copy2
+mkdir -p "$copy1" "$copy2"
+step "$plyfs" mount "$copy1" "$mnt" --stack "'mirror[|fault]'" --branch "$copy2"
+step "$plyfs" op "$mnt" fault-add@mirror.1.fault error=EIO
+step "echo 'written while the second copy is failing' > $mnt/note.txt"
+step "$plyfs op $mnt mirror-status | grep -E 'state|stale'"
+step "$plyfs" op "$mnt" fault-clear@mirror.1.fault
+step "$plyfs op $mnt resync | grep -E 'paths|bytes' | head -n 2"
+step "diff -r --exclude=.plyfs-mirror.log $copy1 $copy2 && echo 'the two copies are identical'"
+step "$plyfs" umount "$mnt"
+printf '\nplyfs works: the five demos mounted, served and unmounted %s.\n' "$mnt"

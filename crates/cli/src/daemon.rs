@@ -200,7 +200,8 @@ fn serve_inner(
 
     let stack = crate::tree::build_stack(&specs, &lower, &args.branches, args.rules.as_deref(), Some(&mountpoint))?;
     let stack = Arc::new(stack);
-    let names: Vec<&str> = stack.layers().iter().map(|l| l.name()).collect();
+    // Every level by name, branches included (a tree's trunk may have no layer of its own).
+    let names: Vec<String> = stack.named_levels().into_iter().filter(|n| n.below.is_some() || n.level.layer().lower().is_empty() && !n.level.layer().branches().is_empty()).map(|n| n.name).collect();
 
     let request = MountRequest {
         mountpoint: mountpoint.clone(),

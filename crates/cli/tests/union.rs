@@ -417,3 +417,26 @@ fn a_crypt_volume_can_be_a_branch() {
     assert_eq!(fs::read_to_string(upper.join("new.txt")).unwrap(), "plain upper");
     assert!(fs::read_dir(&vault).unwrap().all(|e| e.unwrap().file_name() != "secret.txt"), "names stay encrypted in the branch");
 }
+
+/// The upper branch fails in the middle of a copy-up (a torn write, then an error): the
+/// application gets the error, the original stays visible and whole, and no partial copy is
+/// left; once the branch works again the same change succeeds.
+#[test]
+fn a_copy_up_failed_by_fault_leaves_the_original() {
+    let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 253) as u8).collect();
+    let (m, ro) = union_over("union[fault|]", |ro| fs::write(ro.join("data.bin"), &data).unwrap());
+    op_json(&m.mnt, &["fault-add@union.0.fault", "op=write", "torn=100000", "count=1"]);
+    let err = fs::OpenOptions::new().append(true).open(m.path("data.bin")).and_then(|mut f| f.write_all(b"more")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(m.daemon_log().contains("copy-up") || m.daemon_log().contains("union"), "{}", m.daemon_log());
+    assert_eq!(fs::read(m.path("data.bin")).unwrap(), data, "the original still shows, whole");
+    assert_eq!(names(&m.mnt), ["data.bin"]);
+    assert!(!m.lower_path("data.bin").exists(), "no partial copy in place");
+    assert!(fs::read_dir(&m.lower).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with(".plyfs-union.")));
+    // The fault fired once; now the copy-up goes through.
+    fs::OpenOptions::new().append(true).open(m.path("data.bin")).unwrap().write_all(b"more").unwrap();
+    let mut want = data.clone();
+    want.extend_from_slice(b"more");
+    assert_eq!(fs::read(m.path("data.bin")).unwrap(), want);
+    assert_eq!(fs::read(ro.join("data.bin")).unwrap(), data);
+}
