@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{is_root, mounted_fstype, plyfs, run, Mount};
+use common::{is_root, mounted_fstype, op_json, plyfs, run, Mount};
 
 fn stderr_of(out: &std::process::Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
@@ -17,12 +17,6 @@ fn stderr_of(out: &std::process::Output) -> String {
 
 fn op(path: &Path, args: &[&str]) -> std::process::Output {
     run(plyfs().arg("op").arg(path).args(args))
-}
-
-fn op_json(path: &Path, args: &[&str]) -> serde_json::Value {
-    let out = op(path, args);
-    assert!(out.status.success(), "plyfs op {args:?}: {}", stderr_of(&out));
-    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// A failed command: exit status 1, one line on stderr containing `expect`, nothing mounted.

@@ -14,12 +14,6 @@ fn op(path: &Path, args: &[&str]) -> std::process::Output {
     run(plyfs().arg("op").arg(path).args(args))
 }
 
-fn op_json(path: &Path, args: &[&str]) -> serde_json::Value {
-    let out = op(path, args);
-    assert!(out.status.success(), "plyfs op {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 #[test]
 fn errors_hit_only_what_the_rule_picks_until_cleared() {
     let m = Mount::new("fault,null");

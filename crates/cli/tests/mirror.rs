@@ -24,12 +24,6 @@ fn mirror(stack: &str) -> (Mount, PathBuf) {
     (Mount::start(dir, a, mnt, stack, &[&branch]), b)
 }
 
-fn op_json(path: &Path, args: &[&str]) -> serde_json::Value {
-    let out = run(plyfs().arg("op").arg(path).args(args));
-    assert!(out.status.success(), "plyfs op {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// Every object under `root` (but the mirror's log) with what identifies its content.
 fn tree(root: &Path) -> BTreeMap<String, String> {
     fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, String>) {

@@ -25,12 +25,6 @@ fn union_over(stack: &str, fill: impl FnOnce(&Path)) -> (Mount, PathBuf) {
     (Mount::start(dir, upper, mnt, stack, &[&branch]), ro)
 }
 
-fn op_json(path: &Path, args: &[&str]) -> serde_json::Value {
-    let out = run(plyfs().arg("op").arg(path).args(args));
-    assert!(out.status.success(), "plyfs op {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     v.sort();
@@ -287,11 +281,11 @@ fn bad_branches_are_refused_with_one_line_and_nothing_mounted() {
     refuse("union", &[format!("{}/inner", lower.display())], "lies inside branch 'union.0'");
     refuse("union", &[mnt.display().to_string()], "inside the mount point");
     refuse("union", &[format!("{o}=rx")], "expected DIR, DIR=ro or DIR=rw");
-    refuse("null", &[o.clone()], "--branch needs a fan-out layer");
-    refuse("union,null", &[o.clone()], "layers below a fan-out layer go in its branches");
-    refuse("zstd,union", &[o.clone()], "cannot sit above the fan-out layer 'union'");
-    refuse("union[null|null|null]", &[o.clone()], "branch 2: no directory");
-    refuse("union[nosuch|null]", &[o.clone()], "branch 'union.0': unknown layer 'nosuch'");
+    refuse("null", std::slice::from_ref(&o), "--branch needs a fan-out layer");
+    refuse("union,null", std::slice::from_ref(&o), "layers below a fan-out layer go in its branches");
+    refuse("zstd,union", std::slice::from_ref(&o), "cannot sit above the fan-out layer 'union'");
+    refuse("union[null|null|null]", std::slice::from_ref(&o), "branch 2: no directory");
+    refuse("union[nosuch|null]", std::slice::from_ref(&o), "branch 'union.0': unknown layer 'nosuch'");
     assert!(fs::read_dir(&lower).unwrap().count() == 1, "nothing written below");
 }
 

@@ -28,6 +28,11 @@ pub fn natural_id(place: Place) -> Option<u64> {
     (place.node.0 < (1 << ID_BITS) && place.branch <= MAX_BRANCH_NUMBERS).then(|| (u64::from(place.branch) << ID_BITS) | place.node.0)
 }
 
+/// An object that knows the directory and name it was last seen under (none for the root).
+pub trait Named {
+    fn seen_as(&self) -> Option<&(u64, std::ffi::OsString)>;
+}
+
 /// The objects a fan-out layer knows, by number, with the numbers given out so far.
 pub struct NodeTable<N> {
     pub nodes: HashMap<u64, N>,
@@ -38,6 +43,24 @@ pub struct NodeTable<N> {
 impl<N> NodeTable<N> {
     pub fn new() -> NodeTable<N> {
         NodeTable { nodes: HashMap::new(), synthetic: HashMap::new(), next_synthetic: SYNTHETIC }
+    }
+
+    /// The path of object `id` from the root ("" for the root), as far as its parents are known.
+    pub fn path_of(&self, id: u64) -> String
+    where
+        N: Named,
+    {
+        let mut parts = Vec::new();
+        let mut at = id;
+        while let Some((parent, name)) = self.nodes.get(&at).and_then(N::seen_as) {
+            parts.push(name.to_string_lossy().into_owned());
+            at = *parent;
+            if parts.len() > 4096 {
+                break;
+            }
+        }
+        parts.reverse();
+        parts.join("/")
     }
 
     /// The number of an object whose origin is `place`.
@@ -69,7 +92,7 @@ mod tests {
         let mut t = NodeTable::<()>::new();
         let big = Place { branch: 1, node: NodeId(1 << 50) };
         let id = t.id_of(big);
-        assert!(id >= SYNTHETIC && id <= NodeId::MAX);
+        assert!((SYNTHETIC..=NodeId::MAX).contains(&id));
         assert_eq!(t.id_of(big), id);
         assert_ne!(t.id_of(Place { branch: 2, node: NodeId(1 << 50) }), id);
         assert!(natural_id(Place { branch: MAX_BRANCH_NUMBERS, node: NodeId((1 << 48) - 1) }).unwrap() < SYNTHETIC);

@@ -246,3 +246,10 @@ pub fn errno() -> i32 {
 pub fn cpath(p: &Path) -> CString {
     CString::new(p.as_os_str().as_bytes()).unwrap()
 }
+
+/// Run `plyfs op PATH ARGS...`, which must succeed, and return its JSON answer.
+pub fn op_json(path: &Path, args: &[&str]) -> serde_json::Value {
+    let out = run(plyfs().arg("op").arg(path).args(args));
+    assert!(out.status.success(), "plyfs op {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}

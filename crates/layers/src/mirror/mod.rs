@@ -93,6 +93,12 @@ struct MNode {
     parent: Option<(u64, OsString)>,
 }
 
+impl crate::ids::Named for MNode {
+    fn seen_as(&self) -> Option<&(u64, OsString)> {
+        self.parent.as_ref()
+    }
+}
+
 /// An open file: its handle on each branch that has one.
 struct MFile {
     node: NodeId,
@@ -396,18 +402,7 @@ impl Mirror {
 
     /// The object's path from the root, for the log ("" is the root).
     fn path_of(&self, id: NodeId) -> String {
-        let table = self.nodes.lock();
-        let mut parts: Vec<String> = Vec::new();
-        let mut at = id.0;
-        while let Some((parent, name)) = table.nodes.get(&at).and_then(|n| n.parent.as_ref()) {
-            parts.push(name.to_string_lossy().into_owned());
-            at = *parent;
-            if parts.len() > 4096 {
-                break;
-            }
-        }
-        parts.reverse();
-        parts.join("/")
+        self.nodes.lock().path_of(id.0)
     }
 
     fn child_path(&self, parent: NodeId, name: &OsStr) -> String {

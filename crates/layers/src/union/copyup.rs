@@ -30,27 +30,11 @@ impl Union {
         let result = self.copy_up_locked(id, truncating);
         if let Err(e) = &result {
             if !matches!(e, Error::Os(libc::EROFS | libc::ESTALE)) {
-                let path = self.path_of(id);
+                let path = self.nodes.lock().path_of(id.0);
                 tracing::error!("union '{}': copy-up of {path} failed: {e}; it still shows from its lower branch, unchanged", self.name);
             }
         }
         result
-    }
-
-    /// The path of a node from the union's root, for messages.
-    fn path_of(&self, id: NodeId) -> String {
-        let table = self.nodes.lock();
-        let mut parts = Vec::new();
-        let mut at = id.0;
-        while let Some((parent, name)) = table.nodes.get(&at).and_then(|n| n.parent.as_ref()) {
-            parts.push(name.to_string_lossy().into_owned());
-            at = *parent;
-            if parts.len() > 4096 {
-                break;
-            }
-        }
-        parts.reverse();
-        parts.join("/")
     }
 
     fn copy_up_locked(&self, id: NodeId, truncating: bool) -> Result<Place> {

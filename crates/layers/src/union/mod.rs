@@ -102,6 +102,12 @@ struct UNode {
     parent: Option<(u64, OsString)>,
 }
 
+impl crate::ids::Named for UNode {
+    fn seen_as(&self) -> Option<&(u64, OsString)> {
+        self.parent.as_ref()
+    }
+}
+
 #[derive(Clone, Copy)]
 struct OpenFile {
     place: Place,
