@@ -100,7 +100,7 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
 
 /// Every directory a stack stores in: LOWER, the `--branch` directories and the directories
 /// branches name in the spec (`@DIR`), each once, in that order.
-fn storage_dirs(lower: &Path, branches: &[String], specs: &[plyfs_stack::spec::LayerSpec]) -> Vec<PathBuf> {
+pub fn storage_dirs(lower: &Path, branches: &[String], specs: &[plyfs_stack::spec::LayerSpec]) -> Vec<PathBuf> {
     fn from_spec(specs: &[plyfs_stack::spec::LayerSpec], out: &mut Vec<PathBuf>) {
         for branch in specs.iter().flat_map(|s| &s.branches) {
             out.extend(branch.dir.clone());

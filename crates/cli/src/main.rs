@@ -63,6 +63,9 @@ enum Command {
         /// Only this file or directory, relative to LOWER.
         #[arg(long)]
         path: Option<PathBuf>,
+        /// A further branch of the stack's fan-out layer, as for `mount`.
+        #[arg(long = "branch", value_name = "DIR[=ro|rw]")]
+        branches: Vec<String>,
         #[command(flatten)]
         secret: secret::SecretArgs,
     },
@@ -72,6 +75,9 @@ enum Command {
         lower: PathBuf,
         #[arg(long)]
         stack: String,
+        /// A further branch of the stack's fan-out layer, as for `mount`.
+        #[arg(long = "branch", value_name = "DIR[=ro|rw]")]
+        branches: Vec<String>,
         #[command(flatten)]
         secret: secret::SecretArgs,
     },
@@ -81,6 +87,9 @@ enum Command {
         path: PathBuf,
         #[arg(long)]
         stack: Option<String>,
+        /// A further branch of the stack's fan-out layer, as for `mount`.
+        #[arg(long = "branch", value_name = "DIR[=ro|rw]", requires = "stack")]
+        branches: Vec<String>,
         #[command(flatten)]
         secret: secret::SecretArgs,
     },
@@ -125,19 +134,19 @@ fn main() -> ExitCode {
             secret::unlock_and_register(&offline::encode_root(&src, &dest), &secret)?;
             offline::encode(&src, &dest, &stack)
         }),
-        Command::Decode { lower, dest, stack, path, secret } => offline_run(|| {
-            secret::unlock_and_register(&lower, &secret)?;
-            offline::decode(&lower, &dest, &stack, path.as_deref())
+        Command::Decode { lower, dest, stack, path, branches, secret } => offline_run(|| {
+            unlock_tree(&lower, &stack, &branches, &secret)?;
+            offline::decode(&lower, &dest, &stack, &branches, path.as_deref())
         }),
-        Command::Fsck { lower, stack, secret } => offline_run(|| {
-            secret::unlock_and_register(&lower, &secret)?;
-            offline::fsck(&lower, &stack)
+        Command::Fsck { lower, stack, branches, secret } => offline_run(|| {
+            unlock_tree(&lower, &stack, &branches, &secret)?;
+            offline::fsck(&lower, &stack, &branches)
         }),
-        Command::Du { path, stack, secret } => offline_run(|| {
-            if stack.is_some() {
-                secret::unlock_and_register(&path, &secret)?;
+        Command::Du { path, stack, branches, secret } => offline_run(|| {
+            if let Some(stack) = &stack {
+                unlock_tree(&path, stack, &branches, &secret)?;
             }
-            offline::du(&path, stack.as_deref())
+            offline::du(&path, stack.as_deref(), &branches)
         }),
         Command::Init(args) => secret::init(&args),
         Command::Passwd(args) => secret::passwd(&args),
@@ -151,6 +160,12 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Unlock every crypt volume a stack over `lower` (with `--branch` directories) stores in.
+fn unlock_tree(lower: &Path, spec: &str, branches: &[String], secret: &secret::SecretArgs) -> Result<(), String> {
+    let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| e.to_string())?;
+    secret::unlock_volumes(&daemon::storage_dirs(lower, branches, &specs), secret).map(|_| ())
 }
 
 fn offline_run(work: impl FnOnce() -> Result<(), String>) -> Result<(), String> {

@@ -21,11 +21,11 @@ use plyfs_stack::{Caller, Entry, FileKind, Level, NodeId, Op, SetAttr, Stack, Ti
 type Res<T> = Result<T, String>;
 
 /// Build the stack `spec` over `lower`, in process.
-pub fn open_stack(lower: &Path, spec: &str) -> Res<Stack> {
+pub fn open_stack(lower: &Path, spec: &str, branches: &[String]) -> Res<Stack> {
     let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| e.to_string())?;
     // The same stack as a mount: each file is read through the chain recorded with it, and a
     // tree's branches are built as the mount builds them.
-    crate::tree::build_stack(&specs, lower, &[], None, None)
+    crate::tree::build_stack(&specs, lower, branches, None, None)
 }
 
 fn cx() -> Caller {
@@ -159,7 +159,7 @@ pub fn encode(src: &Path, dest: &Path, spec: &str) -> Res<()> {
         let name = dest.file_name().ok_or_else(|| format!("{}: not a file name", dest.display()))?;
         (parent.to_path_buf(), Some(name.to_owned()))
     };
-    let stack = open_stack(&lower_root, spec)?;
+    let stack = open_stack(&lower_root, spec, &[])?;
     let top = stack.top().clone();
     let (total, _) = plain_usage(src);
     let bar = progress(total, "encoding");
@@ -253,11 +253,11 @@ fn copy_into(top: &Level, node: NodeId, fh: plyfs_stack::FileHandle, src: &Path,
 }
 
 /// Write the decoded contents of `lower` (all of it, or `--path` within it) into `dest`.
-pub fn decode(lower: &Path, dest: &Path, spec: &str, sub: Option<&Path>) -> Res<()> {
+pub fn decode(lower: &Path, dest: &Path, spec: &str, branches: &[String], sub: Option<&Path>) -> Res<()> {
     if fs::symlink_metadata(dest).is_ok() {
         return Err(format!("{}: already exists; decode into a new path", dest.display()));
     }
-    let stack = open_stack(lower, spec)?;
+    let stack = open_stack(lower, spec, branches)?;
     let top = stack.top().clone();
     let start = resolve(&top, sub.unwrap_or(Path::new("")))?;
     let mut total = 0;
@@ -384,8 +384,8 @@ fn decode_one(top: &Level, e: &Entry, out: &Path, bar: &ProgressBar) -> Res<()> 
 
 /// Verify every file of `lower` through the stack. Opening a file rebuilds a damaged index
 /// (logged); files whose data is damaged are listed and make the result an error.
-pub fn fsck(lower: &Path, spec: &str) -> Res<()> {
-    let stack = Arc::new(open_stack(lower, spec)?);
+pub fn fsck(lower: &Path, spec: &str, branches: &[String]) -> Res<()> {
+    let stack = Arc::new(open_stack(lower, spec, branches)?);
     let top = stack.top().clone();
     let mut files = Vec::new();
     walk(&top, NodeId::ROOT, Path::new(""), &mut |rel, e| {
@@ -443,7 +443,7 @@ pub fn fsck(lower: &Path, spec: &str) -> Res<()> {
 
 /// Decoded bytes against the space used, for each entry of `path` and in total. With a stack,
 /// `path` is a lower directory read in process; without, a directory inside a mount.
-pub fn du(path: &Path, spec: Option<&str>) -> Res<()> {
+pub fn du(path: &Path, spec: Option<&str>, branches: &[String]) -> Res<()> {
     let mut rows: Vec<(String, u64, u64)> = Vec::new();
     match spec {
         None => {
@@ -455,7 +455,7 @@ pub fn du(path: &Path, spec: Option<&str>) -> Res<()> {
             }
         }
         Some(spec) => {
-            let stack = open_stack(path, spec)?;
+            let stack = open_stack(path, spec, branches)?;
             let top = stack.top().clone();
             let bottom = stack.levels().last().expect("bottom").clone();
             for d in top.list_dir(&cx(), NodeId::ROOT).map_err(|e| e.to_string())? {

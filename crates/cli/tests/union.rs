@@ -434,3 +434,25 @@ fn a_copy_up_failed_by_fault_leaves_the_original() {
     assert_eq!(fs::read(m.path("data.bin")).unwrap(), want);
     assert_eq!(fs::read(ro.join("data.bin")).unwrap(), data);
 }
+
+/// The offline tools build the same tree as a mount: fsck, decode and du of a union whose upper
+/// branch compresses.
+#[test]
+fn offline_tools_go_through_trees() {
+    let text = "offline through the tree\n".repeat(2000);
+    let (mut m, ro) = union_over("union[zstd|]", |ro| fs::write(ro.join("base.txt"), "base\n").unwrap());
+    fs::write(m.path("new.txt"), &text).unwrap();
+    fs::OpenOptions::new().append(true).open(m.path("base.txt")).unwrap().write_all(b"more\n").unwrap();
+    m.unmount();
+    let branch = format!("{}=ro", ro.display());
+    let args = ["--stack", "union[zstd|]", "--branch", branch.as_str()];
+    let out = run(plyfs().arg("fsck").arg(&m.lower).args(args));
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stderr).contains("2 files checked, all sound"), "{}", String::from_utf8_lossy(&out.stderr));
+    let dest = m.dir.path().join("decoded");
+    let out = run(plyfs().arg("decode").arg(&m.lower).arg(&dest).args(args));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(fs::read_to_string(dest.join("new.txt")).unwrap(), text);
+    assert_eq!(fs::read_to_string(dest.join("base.txt")).unwrap(), "base\nmore\n");
+    let out = run(plyfs().arg("du").arg(&m.lower).args(args));
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("new.txt"), "{}", String::from_utf8_lossy(&out.stderr));
+}
