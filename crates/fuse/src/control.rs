@@ -208,19 +208,8 @@ fn handle(stack: &Stack, cx: &Caller, line: &str) -> Result<Value, String> {
     let level = &level;
 
     if op == "--list" {
-        // The operations of this level and of every level below it, branches included.
-        let named = stack.named_levels();
-        let start = named.iter().position(|n| n.level.same(level)).unwrap_or(0);
-        let mut seen: Vec<&plyfs_stack::Level> = Vec::new();
-        let mut ops = Vec::new();
-        for n in &named[start..] {
-            if seen.iter().any(|l| l.same(&n.level)) {
-                continue;
-            }
-            seen.push(&n.level);
-            ops.extend(n.level.layer().extended_ops().iter().map(|o| json!({ "layer": n.name, "op": o.name, "args": o.args, "help": o.help })));
-        }
-        return Ok(Value::Array(ops));
+        let ops = stack.extended_ops_from(level);
+        return Ok(Value::Array(ops.into_iter().map(|(layer, o)| json!({ "layer": layer, "op": o.name, "args": o.args, "help": o.help })).collect()));
     }
 
     let (node, held) = resolve(level, cx, &components).map_err(|e| format!("{path}: {e}"))?;

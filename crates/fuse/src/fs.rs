@@ -5,6 +5,7 @@
 //! both). The top view uses the stack's node ids as they are; the view below layer `i` puts
 //! `i + 1` in the top byte. `.plyfs` itself has the reserved top byte `0xff`.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsStr;
 use std::path::Path;
@@ -211,12 +212,16 @@ impl FuseFs {
     }
 
     /// The level and node a FUSE inode number stands for. A view whose level is gone (a
-    /// removed branch) answers ESTALE.
-    fn decode(&self, ino: INodeNo) -> Result<(Level, usize, NodeId), Errno> {
+    /// removed branch) answers ESTALE. The top view, which nearly every request names, is
+    /// borrowed; the others are looked up in the stack's views.
+    fn decode(&self, ino: INodeNo) -> Result<(Cow<'_, Level>, usize, NodeId), Errno> {
         let view = (ino.0 >> VIEW_SHIFT) as usize;
         let node = NodeId(ino.0 & NodeId::MAX);
+        if view == 0 {
+            return Ok((Cow::Borrowed(self.stack.top()), 0, node));
+        }
         match self.stack.view(view) {
-            Some(level) => Ok((level, view, node)),
+            Some(level) => Ok((Cow::Owned(level), view, node)),
             None => Err(Errno::ESTALE),
         }
     }

@@ -182,5 +182,4 @@ mod tests {
         assert_eq!(parse_size("1.5M"), Some(3 << 19));
         assert_eq!(parse_size("12 furlongs"), None);
     }
-
 }

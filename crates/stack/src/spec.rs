@@ -31,12 +31,6 @@ pub struct LayerSpec {
     pub branches: Vec<BranchSpec>,
 }
 
-impl LayerSpec {
-    pub fn new(kind: &str, params: Vec<(String, String)>) -> LayerSpec {
-        LayerSpec { kind: kind.to_owned(), params, branches: Vec::new() }
-    }
-}
-
 /// Whether a branch of a fan-out layer may be written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BranchMode {
@@ -75,10 +69,6 @@ pub struct BranchSpec {
 }
 
 impl BranchSpec {
-    pub fn of_dir(dir: PathBuf, mode: BranchMode) -> BranchSpec {
-        BranchSpec { name: None, dir: Some(dir), mode: Some(mode), layers: Vec::new() }
-    }
-
     pub fn mode(&self) -> BranchMode {
         self.mode.unwrap_or(BranchMode::ReadWrite)
     }

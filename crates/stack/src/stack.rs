@@ -186,10 +186,6 @@ impl Stack {
         Ok(Level::new(layer))
     }
 
-    /// A stack whose only level is a fan-out layer.
-    pub fn of_fan_out(level: Level) -> Stack {
-        Stack::of_levels(vec![level])
-    }
 
     /// The level users see.
     pub fn top(&self) -> &Level {
@@ -297,11 +293,14 @@ impl Stack {
         self.layers().iter().position(|l| l.name() == name)
     }
 
-    /// Every extended operation some level of the tree answers, with the level's name.
-    pub fn extended_ops(&self) -> Vec<(String, ExtOpInfo)> {
+    /// The extended operations of `from` and of every level below it in the tree (branches
+    /// included), each once, with the name of the level that answers it.
+    pub fn extended_ops_from(&self, from: &Level) -> Vec<(String, ExtOpInfo)> {
+        let named = self.named_levels();
+        let start = named.iter().position(|n| n.level.same(from)).unwrap_or(0);
         let mut seen: Vec<Level> = Vec::new();
         let mut out = Vec::new();
-        for n in self.named_levels() {
+        for n in named.into_iter().skip(start) {
             if seen.iter().any(|l| l.same(&n.level)) {
                 continue;
             }
