@@ -150,6 +150,58 @@ impl<'a> Op<'a> {
         }
     }
 
+    /// The same operation addressed to `node` of another level, as a layer that maps its nodes
+    /// onto those below it sends it down: name operations in directory `node`, the others on
+    /// object `node`. An optional handle (`getattr`, `setattr`) is dropped; `rename` and `link`
+    /// keep their second directory, which the caller maps itself.
+    pub fn at(&self, node: NodeId) -> Op<'a> {
+        self.readdressed(node, None)
+    }
+
+    /// The same operation on an open file, addressed to `node` and handle `fh` of another level.
+    pub fn on_open(&self, node: NodeId, fh: FileHandle) -> Op<'a> {
+        self.readdressed(node, Some(fh))
+    }
+
+    fn readdressed(&self, to: NodeId, handle: Option<FileHandle>) -> Op<'a> {
+        use Op::*;
+        let keep = |fh: FileHandle| handle.unwrap_or(fh);
+        match *self {
+            Lookup { name, .. } => Lookup { parent: to, name },
+            Forget { nlookup, .. } => Forget { node: to, nlookup },
+            GetAttr { .. } => GetAttr { node: to, fh: handle },
+            SetAttr { set, .. } => SetAttr { node: to, fh: handle, set },
+            ReadLink { .. } => ReadLink { node: to },
+            MkNod { name, mode, rdev, .. } => MkNod { parent: to, name, mode, rdev },
+            MkDir { name, mode, .. } => MkDir { parent: to, name, mode },
+            Unlink { name, .. } => Unlink { parent: to, name },
+            RmDir { name, .. } => RmDir { parent: to, name },
+            SymLink { name, target, .. } => SymLink { parent: to, name, target },
+            Rename { name, new_parent, new_name, flags, .. } => Rename { parent: to, name, new_parent, new_name, flags },
+            Link { new_parent, new_name, .. } => Link { node: to, new_parent, new_name },
+            Open { flags, .. } => Open { node: to, flags },
+            Create { name, mode, flags, .. } => Create { parent: to, name, mode, flags },
+            Read { fh, offset, size, .. } => Read { node: to, fh: keep(fh), offset, size },
+            Write { fh, offset, data, .. } => Write { node: to, fh: keep(fh), offset, data },
+            Flush { fh, .. } => Flush { node: to, fh: keep(fh) },
+            Fsync { fh, datasync, .. } => Fsync { node: to, fh: keep(fh), datasync },
+            Release { fh, .. } => Release { node: to, fh: keep(fh) },
+            OpenDir { .. } => OpenDir { node: to },
+            ReadDir { fh, offset, max_entries, plus, .. } => ReadDir { node: to, fh: keep(fh), offset, max_entries, plus },
+            ReleaseDir { fh, .. } => ReleaseDir { node: to, fh: keep(fh) },
+            FsyncDir { fh, datasync, .. } => FsyncDir { node: to, fh: keep(fh), datasync },
+            StatFs { .. } => StatFs { node: to },
+            Access { mask, .. } => Access { node: to, mask },
+            GetXattr { name, size, .. } => GetXattr { node: to, name, size },
+            SetXattr { name, value, flags, .. } => SetXattr { node: to, name, value, flags },
+            ListXattr { size, .. } => ListXattr { node: to, size },
+            RemoveXattr { name, .. } => RemoveXattr { node: to, name },
+            Fallocate { fh, offset, length, mode, .. } => Fallocate { node: to, fh: keep(fh), offset, length, mode },
+            Lseek { fh, offset, whence, .. } => Lseek { node: to, fh: keep(fh), offset, whence },
+            Extended { name, args, .. } => Extended { node: to, name, args },
+        }
+    }
+
     /// The operation's typed arguments, in order, with their names: its descriptor.
     pub fn args(&self) -> Vec<(&'static str, Arg<'_>)> {
         use Arg::*;

@@ -349,3 +349,29 @@ fn branch_directories_come_from_lower_and_the_command_line() {
     assert!(assign("fan[@/x|@/y]", vec![]).unwrap_err().starts_with("/lower: no branch of 'fan' is left to take it"));
     assert_eq!(assign("null", vec![("/b", None)]).unwrap_err(), "--branch needs a fan-out layer (union or mirror) in the stack");
 }
+
+#[test]
+fn operations_are_readdressed_to_another_level() {
+    let data = b"abc";
+    let write = Op::Write { node: NodeId(7), fh: FileHandle(3), offset: 4096, data };
+    match write.on_open(NodeId(70), FileHandle(30)) {
+        Op::Write { node, fh, offset, data: d } => assert_eq!((node, fh, offset, d), (NodeId(70), FileHandle(30), 4096, &data[..])),
+        other => panic!("{other:?}"),
+    }
+    // at() keeps a mandatory handle and drops an optional one.
+    assert!(matches!(write.at(NodeId(70)), Op::Write { node: NodeId(70), fh: FileHandle(3), .. }));
+    let getattr = Op::GetAttr { node: NodeId(7), fh: Some(FileHandle(3)) };
+    assert!(matches!(getattr.at(NodeId(70)), Op::GetAttr { node: NodeId(70), fh: None }));
+    assert!(matches!(getattr.on_open(NodeId(70), FileHandle(30)), Op::GetAttr { node: NodeId(70), fh: Some(FileHandle(30)) }));
+    // Name operations move to another directory; rename keeps its second one.
+    let name = OsStr::new("n");
+    let rename = Op::Rename { parent: NodeId(7), name, new_parent: NodeId(8), new_name: name, flags: 1 };
+    assert!(matches!(rename.at(NodeId(70)), Op::Rename { parent: NodeId(70), new_parent: NodeId(8), flags: 1, .. }));
+    // Every kind keeps its kind and its other arguments.
+    for op in [write, getattr, rename, Op::Lookup { parent: NodeId(7), name }, Op::StatFs { node: NodeId(7) }] {
+        let moved = op.at(NodeId(70));
+        assert_eq!(moved.kind(), op.kind());
+        assert_eq!(moved.node(), NodeId(70));
+        assert_eq!(moved.args()[1..].iter().filter(|(n, _)| *n != "fh").collect::<Vec<_>>(), op.args()[1..].iter().filter(|(n, _)| *n != "fh").collect::<Vec<_>>());
+    }
+}

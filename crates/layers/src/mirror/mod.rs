@@ -285,11 +285,7 @@ impl Mirror {
     /// Run a change on every in-sync branch: the reading one first (its answer is the answer;
     /// an ordinary error stops there), then the others. A branch that cannot follow fails; for
     /// failed branches the change's `paths` are noted stale.
-    fn change(
-        &self,
-        paths: &dyn Fn() -> Vec<String>,
-        f: impl Fn(usize) -> Result<Reply>,
-    ) -> Result<Changed> {
+    fn change(&self, paths: &dyn Fn() -> Vec<String>, f: impl Fn(usize) -> Result<Reply>) -> Result<Changed> {
         let _members = self.membership.read();
         let path_list = paths();
         for p in &path_list {
@@ -532,13 +528,18 @@ impl Mirror {
         Ok(Reply::Opened(Opened { fh: FileHandle(self.register(file)), backing: None, ..opened }))
     }
 
-    fn read(&self, cx: &Caller, fh: FileHandle, offset: u64, size: u32) -> Result<Reply> {
-        let file = self.file(fh)?;
-        let (_, data) = self.on_reader(|r| {
-            let (node, bfh) = self.handle_on(&file, r)?;
-            self.top(r).call(cx, &Op::Read { node, fh: bfh, offset, size })
-        })?;
-        Ok(data)
+    /// `op` on object `node`, from the reading branch (failing over).
+    fn read_at(&self, cx: &Caller, op: &Op<'_>, node: NodeId) -> Result<Reply> {
+        self.on_reader(|r| self.top(r).call(cx, &op.at(self.resolve(node, r)?))).map(|(_, reply)| reply)
+    }
+
+    /// `op` on an open file, from the reading branch (opened there if needed; failing over).
+    fn read_open(&self, cx: &Caller, op: &Op<'_>, file: &MFile) -> Result<Reply> {
+        self.on_reader(|r| {
+            let (node, bfh) = self.handle_on(file, r)?;
+            self.top(r).call(cx, &op.on_open(node, bfh))
+        })
+        .map(|(_, reply)| reply)
     }
 
     /// An operation on an open file that changes it: on every in-sync branch (opened there if
@@ -720,63 +721,31 @@ impl Layer for Mirror {
                 self.forget(node, nlookup);
                 Ok(Reply::Empty)
             }
-            Op::GetAttr { node, fh } => {
+            Op::GetAttr { node, fh } => match fh.and_then(|fh| self.file(fh).ok()) {
+                Some(file) => self.read_open(cx, op, &file),
+                None => self.read_at(cx, op, node),
+            },
+            Op::SetAttr { node, fh, .. } => {
                 let file = fh.and_then(|fh| self.file(fh).ok());
-                self.on_reader(|r| match &file {
-                    Some(f) => {
-                        let (bn, bfh) = self.handle_on(f, r)?;
-                        self.top(r).call(cx, &Op::GetAttr { node: bn, fh: Some(bfh) })
-                    }
-                    None => self.top(r).call(cx, &Op::GetAttr { node: self.resolve(node, r)?, fh: None }),
-                })
-                .map(|(_, reply)| reply)
-            }
-            Op::SetAttr { node, fh, set } => {
-                let file = fh.and_then(|fh| self.file(fh).ok());
-                let paths = || vec![self.path_of(node)];
                 let change = |b: usize| match &file {
                     Some(f) => {
                         let (bn, bfh) = self.handle_on(f, b)?;
-                        self.top(b).call(cx, &Op::SetAttr { node: bn, fh: Some(bfh), set })
+                        self.top(b).call(cx, &op.on_open(bn, bfh))
                     }
-                    None => self.top(b).call(cx, &Op::SetAttr { node: self.resolve(node, b)?, fh: None, set }),
+                    None => self.top(b).call(cx, &op.at(self.resolve(node, b)?)),
                 };
-                self.change(&paths, change).map(|(_, reply, _)| reply)
+                self.change(&|| vec![self.path_of(node)], change).map(|(_, reply, _)| reply)
             }
-            Op::ReadLink { node } => {
-                self.on_reader(|r| self.top(r).call(cx, &Op::ReadLink { node: self.resolve(node, r)? })).map(|(_, x)| x)
+            Op::ReadLink { node } | Op::Access { node, .. } | Op::GetXattr { node, .. } | Op::ListXattr { node, .. } => {
+                self.read_at(cx, op, node)
             }
-            Op::Access { node, mask } => {
-                self.on_reader(|r| self.top(r).call(cx, &Op::Access { node: self.resolve(node, r)?, mask })).map(|(_, x)| x)
-            }
-            Op::GetXattr { node, name, size } => {
-                self.on_reader(|r| self.top(r).call(cx, &Op::GetXattr { node: self.resolve(node, r)?, name, size })).map(|(_, x)| x)
-            }
-            Op::ListXattr { node, size } => {
-                self.on_reader(|r| self.top(r).call(cx, &Op::ListXattr { node: self.resolve(node, r)?, size })).map(|(_, x)| x)
-            }
-            Op::SetXattr { node, name, value, flags } => self
-                .change(&|| vec![self.path_of(node)], |b| {
-                    self.top(b).call(cx, &Op::SetXattr { node: self.resolve(node, b)?, name, value, flags })
-                })
+            Op::SetXattr { node, .. } | Op::RemoveXattr { node, .. } => self
+                .change(&|| vec![self.path_of(node)], |b| self.top(b).call(cx, &op.at(self.resolve(node, b)?)))
                 .map(|(_, reply, _)| reply),
-            Op::RemoveXattr { node, name } => self
-                .change(&|| vec![self.path_of(node)], |b| {
-                    self.top(b).call(cx, &Op::RemoveXattr { node: self.resolve(node, b)?, name })
-                })
-                .map(|(_, reply, _)| reply),
-            Op::MkNod { parent, name, mode, rdev } => {
-                self.make(parent, name, |b, p| self.top(b).call(cx, &Op::MkNod { parent: p, name, mode, rdev }))
-            }
-            Op::MkDir { parent, name, mode } => {
-                self.make(parent, name, |b, p| self.top(b).call(cx, &Op::MkDir { parent: p, name, mode }))
-            }
-            Op::SymLink { parent, name, target } => {
-                self.make(parent, name, |b, p| self.top(b).call(cx, &Op::SymLink { parent: p, name, target }))
-            }
-            Op::Create { parent, name, mode, flags } => {
-                self.make(parent, name, |b, p| self.top(b).call(cx, &Op::Create { parent: p, name, mode, flags }))
-            }
+            Op::MkNod { parent, name, .. }
+            | Op::MkDir { parent, name, .. }
+            | Op::SymLink { parent, name, .. }
+            | Op::Create { parent, name, .. } => self.make(parent, name, |b, p| self.top(b).call(cx, &op.at(p))),
             Op::Link { node, new_parent, new_name } => {
                 if self.hidden(new_parent, new_name) {
                     return Err(Error::Os(libc::EPERM));
@@ -802,43 +771,24 @@ impl Layer for Mirror {
                 if self.hidden(parent, name) {
                     return Err(Error::Os(libc::EPERM));
                 }
-                let dir = matches!(op, Op::RmDir { .. });
-                self.change(&|| vec![self.child_path(parent, name)], |b| {
-                    let p = self.resolve(parent, b)?;
-                    self.top(b).call(cx, &if dir { Op::RmDir { parent: p, name } } else { Op::Unlink { parent: p, name } })
-                })
-                .map(|(_, reply, _)| reply)
+                self.change(&|| vec![self.child_path(parent, name)], |b| self.top(b).call(cx, &op.at(self.resolve(parent, b)?)))
+                    .map(|(_, reply, _)| reply)
             }
             Op::Rename { parent, name, new_parent, new_name, flags } => self.rename(cx, parent, name, new_parent, new_name, flags),
             Op::Open { node, flags } => self.open(cx, node, flags),
-            Op::Read { fh, offset, size, .. } => self.read(cx, fh, offset, size),
-            Op::Write { fh, offset, data, .. } => {
+            Op::Read { fh, .. } | Op::Lseek { fh, .. } => self.read_open(cx, op, &*self.file(fh)?),
+            Op::Write { fh, data, .. } => {
                 let file = self.file(fh)?;
-                self.file_change(&file, data.len() >= PARALLEL_FROM, |b, node, bfh| {
-                    self.top(b).call(cx, &Op::Write { node, fh: bfh, offset, data })
-                })
+                self.file_change(&file, data.len() >= PARALLEL_FROM, |b, node, bfh| self.top(b).call(cx, &op.on_open(node, bfh)))
             }
-            Op::Fallocate { fh, offset, length, mode, .. } => {
+            Op::Fallocate { fh, .. } => {
                 let file = self.file(fh)?;
-                self.file_change(&file, false, |b, node, bfh| {
-                    self.top(b).call(cx, &Op::Fallocate { node, fh: bfh, offset, length, mode })
-                })
+                self.file_change(&file, false, |b, node, bfh| self.top(b).call(cx, &op.on_open(node, bfh)))
             }
             Op::Flush { fh, .. } | Op::Fsync { fh, .. } => {
                 let file = self.file(fh)?;
                 if !file.writes {
-                    return self
-                        .on_reader(|r| {
-                            let (node, bfh) = self.handle_on(&file, r)?;
-                            self.top(r).call(
-                                cx,
-                                &match *op {
-                                    Op::Fsync { datasync, .. } => Op::Fsync { node, fh: bfh, datasync },
-                                    _ => Op::Flush { node, fh: bfh },
-                                },
-                            )
-                        })
-                        .map(|(_, x)| x);
+                    return self.read_open(cx, op, &file);
                 }
                 if matches!(op, Op::Fsync { .. }) {
                     // What the log says must be durable before the data it covers.
@@ -848,25 +798,13 @@ impl Layer for Mirror {
                 let mut answer = None;
                 for b in self.in_sync() {
                     let Some((node, bfh)) = handles[b] else { continue };
-                    let op = match *op {
-                        Op::Fsync { datasync, .. } => Op::Fsync { node, fh: bfh, datasync },
-                        _ => Op::Flush { node, fh: bfh },
-                    };
-                    match self.top(b).call(cx, &op) {
+                    match self.top(b).call(cx, &op.on_open(node, bfh)) {
                         Ok(r) => answer = answer.or(Some(Ok(r))),
                         Err(e) if self.in_sync().len() > 1 => self.fail(b, &e),
                         Err(e) => answer = Some(Err(e)),
                     }
                 }
                 answer.unwrap_or(Err(Error::Os(libc::EIO)))
-            }
-            Op::Lseek { fh, offset, whence, .. } => {
-                let file = self.file(fh)?;
-                self.on_reader(|r| {
-                    let (node, bfh) = self.handle_on(&file, r)?;
-                    self.top(r).call(cx, &Op::Lseek { node, fh: bfh, offset, whence })
-                })
-                .map(|(_, x)| x)
             }
             Op::Release { fh, .. } => self.release(cx, fh),
             Op::OpenDir { node } => {
@@ -903,13 +841,11 @@ impl Layer for Mirror {
                 }
                 Ok(Reply::Empty)
             }
-            Op::StatFs { .. } => self.on_reader(|r| self.top(r).call(cx, &Op::StatFs { node: NodeId::ROOT })).map(|(_, x)| x),
+            Op::StatFs { .. } => self.read_at(cx, op, NodeId::ROOT),
             Op::Extended { name: "mirror-status", .. } => Ok(Reply::Extended(self.status())),
             Op::Extended { name: "resync", args, .. } => self.resync(args).map(Reply::Extended),
             Op::Extended { name: "scrub", .. } => self.scrub().map(Reply::Extended),
-            Op::Extended { node, name, args } => {
-                self.on_reader(|r| self.top(r).call(cx, &Op::Extended { node: self.resolve(node, r)?, name, args })).map(|(_, x)| x)
-            }
+            Op::Extended { node, .. } => self.read_at(cx, op, node),
         }
     }
 

@@ -54,12 +54,7 @@ fn components(path: &str) -> Vec<&OsStr> {
 
 /// The names of a directory, without what the mirror keeps for itself.
 fn listing(m: &Mirror, level: &Level, dir: NodeId) -> Result<Vec<(OsString, FileKind)>> {
-    Ok(level
-        .list_dir(&daemon(), dir)?
-        .into_iter()
-        .filter(|e| !m.hidden(dir, &e.name))
-        .map(|e| (e.name, e.kind))
-        .collect())
+    Ok(level.list_dir(&daemon(), dir)?.into_iter().filter(|e| !m.hidden(dir, &e.name)).map(|e| (e.name, e.kind)).collect())
 }
 
 /// Whether two files hold the same bytes.

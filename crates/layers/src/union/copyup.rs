@@ -31,7 +31,10 @@ impl Union {
         if let Err(e) = &result {
             if !matches!(e, Error::Os(libc::EROFS | libc::ESTALE)) {
                 let path = self.nodes.lock().path_of(id.0);
-                tracing::error!("union '{}': copy-up of {path} failed: {e}; it still shows from its lower branch, unchanged", self.name);
+                tracing::error!(
+                    "union '{}': copy-up of {path} failed: {e}; it still shows from its lower branch, unchanged",
+                    self.name
+                );
             }
         }
         result
@@ -57,7 +60,15 @@ impl Union {
             tracing::info!("union '{}': copying up {} ({} MiB)", self.name, name.to_string_lossy(), attr.size >> 20);
         }
         let copy = self.temps.place(upper.top(), dir.node, &name, |temp| {
-            let e = copy_object(from.top(), src.node, &attr, upper.top(), dir.node, temp, if truncating { Data::Skipped } else { Data::Durable })?;
+            let e = copy_object(
+                from.top(),
+                src.node,
+                &attr,
+                upper.top(),
+                dir.node,
+                temp,
+                if truncating { Data::Skipped } else { Data::Durable },
+            )?;
             self.copy_meta(&from, src.node, &upper, e.node, &attr, id)?;
             Ok(e)
         })?;

@@ -698,6 +698,12 @@ impl Union {
         Ok(Reply::Entry(Entry { node, ..e }))
     }
 
+    /// Send `op` to where object `node` shows from.
+    fn on_top(&self, cx: &Caller, op: &Op<'_>, node: NodeId) -> Result<Reply> {
+        let place = self.top_place(node)?;
+        self.branch(place.branch)?.top().call(cx, &op.at(place.node))
+    }
+
     fn list_xattr(&self, cx: &Caller, node: NodeId, size: u32) -> Result<Reply> {
         let place = self.top_place(node)?;
         let b = self.branch(place.branch)?;
@@ -727,14 +733,13 @@ impl Union {
             "branch-remove" => return self.branch_remove(args).map(Reply::Extended),
             _ => {}
         }
+        let op = Op::Extended { node, name, args };
         if node != NodeId::ROOT {
-            let place = self.top_place(node)?;
-            let op = Op::Extended { node: place.node, name, args };
-            return self.branch(place.branch)?.top().call(cx, &op);
+            return self.on_top(cx, &op, node);
         }
         let mut last = Error::UnsupportedOp { op: name.to_owned(), layers: vec![] };
         for b in self.snapshot() {
-            match b.top().call(cx, &Op::Extended { node: NodeId::ROOT, name, args }) {
+            match b.top().call(cx, &op) {
                 Err(e @ Error::UnsupportedOp { .. }) => last = e,
                 other => return other,
             }
@@ -887,65 +892,44 @@ impl Layer for Union {
                 self.forget(node, nlookup);
                 Ok(Reply::Empty)
             }
-            Op::GetAttr { fh: Some(fh), .. } => {
+            // Operations on open files go to the branch the file was opened on.
+            Op::GetAttr { fh: Some(fh), .. }
+            | Op::Read { fh, .. }
+            | Op::Write { fh, .. }
+            | Op::Flush { fh, .. }
+            | Op::Fsync { fh, .. }
+            | Op::Fallocate { fh, .. }
+            | Op::Lseek { fh, .. } => {
                 let (of, b) = self.open_file(fh)?;
-                b.top().call(cx, &Op::GetAttr { node: of.place.node, fh: Some(of.fh) })
+                b.top().call(cx, &op.on_open(of.place.node, of.fh))
             }
-            Op::GetAttr { node, fh: None } => {
-                let place = self.top_place(node)?;
-                self.branch(place.branch)?.top().call(cx, &Op::GetAttr { node: place.node, fh: None })
-            }
+            Op::GetAttr { node, fh: None } | Op::ReadLink { node } | Op::Access { node, .. } => self.on_top(cx, op, node),
+            Op::GetXattr { name, .. } if is_hidden_xattr(name) => Err(Error::Os(libc::ENODATA)),
+            Op::GetXattr { node, .. } => self.on_top(cx, op, node),
             Op::SetAttr { node, fh, set } => {
                 let open = fh.and_then(|fh| self.open_file(fh).ok()).filter(|(_, b)| b.writable());
                 let (place, fh) = match open {
                     Some((of, _)) => (of.place, Some(of.fh)),
                     None => (self.writable_place(node, set.size == Some(0))?, None),
                 };
-                self.branch(place.branch)?.top().call(cx, &Op::SetAttr { node: place.node, fh, set })
-            }
-            Op::ReadLink { node } | Op::Access { node, .. } | Op::GetXattr { node, .. } => {
-                if let Op::GetXattr { name, .. } = op {
-                    if is_hidden_xattr(name) {
-                        return Err(Error::Os(libc::ENODATA));
-                    }
-                }
-                let place = self.top_place(node)?;
-                let op = match *op {
-                    Op::ReadLink { .. } => Op::ReadLink { node: place.node },
-                    Op::Access { mask, .. } => Op::Access { node: place.node, mask },
-                    Op::GetXattr { name, size, .. } => Op::GetXattr { node: place.node, name, size },
-                    _ => unreachable!("matched above"),
+                let op = match fh {
+                    Some(fh) => op.on_open(place.node, fh),
+                    None => op.at(place.node),
                 };
                 self.branch(place.branch)?.top().call(cx, &op)
             }
             Op::ListXattr { node, size } => self.list_xattr(cx, node, size),
-            Op::SetXattr { node, name, value, flags } => {
-                if is_hidden_xattr(name) {
-                    return Err(Error::Os(libc::EPERM));
-                }
+            Op::SetXattr { name, .. } if is_hidden_xattr(name) => Err(Error::Os(libc::EPERM)),
+            Op::RemoveXattr { name, .. } if is_hidden_xattr(name) => Err(Error::Os(libc::ENODATA)),
+            Op::SetXattr { node, .. } | Op::RemoveXattr { node, .. } => {
                 let place = self.writable_place(node, false)?;
-                self.branch(place.branch)?.top().call(cx, &Op::SetXattr { node: place.node, name, value, flags })
+                self.branch(place.branch)?.top().call(cx, &op.at(place.node))
             }
-            Op::RemoveXattr { node, name } => {
-                if is_hidden_xattr(name) {
-                    return Err(Error::Os(libc::ENODATA));
-                }
-                let place = self.writable_place(node, false)?;
-                self.branch(place.branch)?.top().call(cx, &Op::RemoveXattr { node: place.node, name })
-            }
-            Op::MkNod { parent, name, mode, rdev } => {
-                self.make(parent, name, |l, dir| l.call(cx, &Op::MkNod { parent: dir, name, mode, rdev }))
-            }
-            Op::MkDir { parent, name, mode } => self.make(parent, name, |l, dir| l.call(cx, &Op::MkDir { parent: dir, name, mode })),
-            Op::SymLink { parent, name, target } => {
-                if target.as_os_str() == WHITEOUT_TARGET {
-                    return Err(Error::Os(libc::EINVAL));
-                }
-                self.make(parent, name, |l, dir| l.call(cx, &Op::SymLink { parent: dir, name, target }))
-            }
-            Op::Create { parent, name, mode, flags } => {
-                self.make(parent, name, |l, dir| l.call(cx, &Op::Create { parent: dir, name, mode, flags }))
-            }
+            Op::SymLink { target, .. } if target.as_os_str() == WHITEOUT_TARGET => Err(Error::Os(libc::EINVAL)),
+            Op::MkNod { parent, name, .. }
+            | Op::MkDir { parent, name, .. }
+            | Op::SymLink { parent, name, .. }
+            | Op::Create { parent, name, .. } => self.make(parent, name, |l, dir| l.call(cx, &op.at(dir))),
             Op::Unlink { parent, name } => self.unlink(cx, parent, name, false),
             Op::RmDir { parent, name } => self.unlink(cx, parent, name, true),
             Op::Rename { parent, name, new_parent, new_name, flags } => self.rename(cx, parent, name, new_parent, new_name, flags),
@@ -957,35 +941,11 @@ impl Layer for Union {
                 let opened = b.top().open(cx, place.node, flags)?;
                 Ok(Reply::Opened(self.register_open(place, opened, &b)))
             }
-            Op::Read { fh, offset, size, .. } => {
-                let (of, b) = self.open_file(fh)?;
-                b.top().call(cx, &Op::Read { node: of.place.node, fh: of.fh, offset, size })
-            }
-            Op::Write { fh, offset, data, .. } => {
-                let (of, b) = self.open_file(fh)?;
-                b.top().call(cx, &Op::Write { node: of.place.node, fh: of.fh, offset, data })
-            }
-            Op::Flush { fh, .. } => {
-                let (of, b) = self.open_file(fh)?;
-                b.top().call(cx, &Op::Flush { node: of.place.node, fh: of.fh })
-            }
-            Op::Fsync { fh, datasync, .. } => {
-                let (of, b) = self.open_file(fh)?;
-                b.top().call(cx, &Op::Fsync { node: of.place.node, fh: of.fh, datasync })
-            }
-            Op::Fallocate { fh, offset, length, mode, .. } => {
-                let (of, b) = self.open_file(fh)?;
-                b.top().call(cx, &Op::Fallocate { node: of.place.node, fh: of.fh, offset, length, mode })
-            }
-            Op::Lseek { fh, offset, whence, .. } => {
-                let (of, b) = self.open_file(fh)?;
-                b.top().call(cx, &Op::Lseek { node: of.place.node, fh: of.fh, offset, whence })
-            }
             Op::Release { fh, .. } => {
                 let of = self.files.lock().remove(&fh.0).ok_or(Error::Os(libc::EBADF))?;
                 let b = self.branch(of.place.branch)?;
                 b.opens.fetch_sub(1, Ordering::Relaxed);
-                b.top().call(cx, &Op::Release { node: of.place.node, fh: of.fh })
+                b.top().call(cx, &op.on_open(of.place.node, of.fh))
             }
             Op::OpenDir { node } => self.open_dir(node),
             Op::ReadDir { node, fh, offset, max_entries, plus } => {
