@@ -127,11 +127,16 @@ pub fn load_rules(path: &Path, lower: &Path) -> Result<plyfs_policy::Rules, Stri
 }
 
 fn lower_dir(path: &Path) -> Result<PathBuf, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("lower directory {}: {e}", path.display()))?;
+    existing_dir("lower directory", path)
+}
+
+/// `path` made canonical, if it is a directory; errors read "`what` PATH: cause".
+pub fn existing_dir(what: &str, path: &Path) -> Result<PathBuf, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
     if !meta.is_dir() {
-        return Err(format!("lower directory {}: not a directory", path.display()));
+        return Err(format!("{what} {}: not a directory", path.display()));
     }
-    path.canonicalize().map_err(|e| format!("lower directory {}: {e}", path.display()))
+    path.canonicalize().map_err(|e| format!("{what} {}: {e}", path.display()))
 }
 
 fn init_logging(verbose: u8) {

@@ -34,11 +34,7 @@ pub fn parse_branch_arg(arg: &str) -> Result<(PathBuf, Option<BranchMode>), Stri
 impl MountBranches {
     fn branch_dir(&self, name: &str, dir: &Path) -> Result<PathBuf, String> {
         let shown = dir.display();
-        let meta = std::fs::metadata(dir).map_err(|e| format!("branch '{name}': {shown}: {e}"))?;
-        if !meta.is_dir() {
-            return Err(format!("branch '{name}': {shown}: not a directory"));
-        }
-        let dir = dir.canonicalize().map_err(|e| format!("branch '{name}': {shown}: {e}"))?;
+        let dir = crate::daemon::existing_dir(&format!("branch '{name}':"), dir)?;
         if let Some(mnt) = &self.mountpoint {
             if dir.starts_with(mnt) {
                 return Err(format!("branch '{name}': {shown} lies inside the mount point {}", mnt.display()));
