@@ -16,8 +16,7 @@
 //!
 //! `seed=N` makes the random choices of probabilistic rules repeat from one run to the next.
 
-use std::collections::HashMap;
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +28,8 @@ use plyfs_stack::{
     bypass, Build, BuildArgs, Caller, DataPath, Error, ExtOpInfo, Layer, LayerFactory, Level, NodeId, Op, Reply, Result,
 };
 use serde_json::{json, Value};
+
+use crate::paths::PathTable;
 
 const EXT_OPS: &[ExtOpInfo] = &[
     ExtOpInfo {
@@ -199,26 +200,18 @@ pub struct Fault {
     rules: RwLock<Vec<Rule>>,
     next_id: AtomicU64,
     rng: Mutex<u64>,
-    /// Where each node the kernel holds was last seen, for path globs: parent, name, lookups.
-    names: Mutex<HashMap<NodeId, (NodeId, OsString, u64)>>,
+    /// Where each node the kernel holds was last seen, for path globs.
+    paths: PathTable,
 }
 
 impl Fault {
+    /// The path an operation addresses: its object, or the name in its directory.
     fn path_of(&self, node: NodeId, name: Option<&OsStr>) -> String {
-        let names = self.names.lock();
-        let mut parts: Vec<String> = name.map(|n| n.to_string_lossy().into_owned()).into_iter().collect();
-        let mut at = node;
-        while at != NodeId::ROOT && parts.len() < 4096 {
-            match names.get(&at) {
-                Some((parent, n, _)) => {
-                    parts.push(n.to_string_lossy().into_owned());
-                    at = *parent;
-                }
-                None => break,
-            }
+        match name {
+            Some(name) => self.paths.child_path(node, name),
+            None => self.paths.path_of(node),
         }
-        parts.reverse();
-        parts.join("/")
+        .unwrap_or_default()
     }
 
     fn chance(&self) -> f64 {
@@ -282,35 +275,6 @@ impl Fault {
         rule.fired += 1;
         tracing::debug!("fault '{}': rule {} ({}) fires on {name}", self.name, rule.id, rule.text);
         Some(rule.action.clone())
-    }
-
-    fn remember_names(&self, op: &Op<'_>, reply: &Reply) {
-        let (parent, name) = match op {
-            Op::Lookup { parent, name }
-            | Op::Create { parent, name, .. }
-            | Op::MkDir { parent, name, .. }
-            | Op::MkNod { parent, name, .. }
-            | Op::SymLink { parent, name, .. } => (*parent, *name),
-            Op::Link { new_parent, new_name, .. } => (*new_parent, *new_name),
-            _ => return,
-        };
-        if let Reply::Entry(e) | Reply::Created(e, _) = reply {
-            let mut names = self.names.lock();
-            let slot = names.entry(e.node).or_insert((parent, OsString::new(), 0));
-            slot.0 = parent;
-            slot.1 = name.to_owned();
-            slot.2 += 1;
-        }
-    }
-
-    fn forget(&self, node: NodeId, nlookup: u64) {
-        let mut names = self.names.lock();
-        if let Some(slot) = names.get_mut(&node) {
-            slot.2 = slot.2.saturating_sub(nlookup);
-            if slot.2 == 0 {
-                names.remove(&node);
-            }
-        }
     }
 
     fn add(&self, text: &str) -> std::result::Result<Value, String> {
@@ -379,7 +343,7 @@ impl Fault {
 
     fn forward(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         let reply = bypass(self, cx, op)?;
-        self.remember_names(op, &reply);
+        self.paths.learn(op, &reply);
         Ok(reply)
     }
 }
@@ -412,7 +376,7 @@ impl Layer for Fault {
             Op::Extended { name: "fault-list", .. } => Ok(Reply::Extended(self.list())),
             Op::Extended { name: "fault-clear", args, .. } => self.clear(args).map(Reply::Extended),
             Op::Forget { node, nlookup } => {
-                self.forget(node, nlookup);
+                self.paths.forget(node, nlookup);
                 bypass(self, cx, op)
             }
             // Releasing and forgetting are never refused: the kernel does not retry them.
@@ -439,7 +403,7 @@ fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
         rules: RwLock::new(Vec::new()),
         next_id: AtomicU64::new(1),
         rng: Mutex::new(seed | 1),
-        names: Mutex::new(HashMap::new()),
+        paths: PathTable::new(),
     };
     if let Some(path) = args.params.get(RULES.name) {
         let text = std::fs::read_to_string(path).map_err(|e| args.params.bad(RULES.name, path, &e.to_string()))?;

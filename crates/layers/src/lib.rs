@@ -12,6 +12,7 @@ mod ids;
 pub mod mirror;
 pub mod lz4;
 pub mod null;
+mod paths;
 pub mod trace;
 mod transfer;
 pub mod union;

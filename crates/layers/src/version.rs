@@ -30,6 +30,7 @@ use plyfs_stack::{
 };
 use serde_json::{json, Value};
 
+use crate::paths::PathTable;
 use crate::transfer::{copy_data, copy_meta, copy_object, Data, TempNames};
 
 /// The store's name at the root of the level below.
@@ -99,8 +100,8 @@ pub struct Version {
     name: String,
     lower: [Level; 1],
     limits: Limits,
-    /// Where each node the kernel holds was last seen: parent, name, lookups.
-    names: Mutex<HashMap<NodeId, (NodeId, OsString, u64)>>,
+    /// Where each node the kernel holds was last seen.
+    paths: PathTable,
     /// Nodes inside the store, which nothing may change.
     store_nodes: Mutex<HashSet<NodeId>>,
     pending: Mutex<HashMap<(NodeId, FileHandle), Pending>>,
@@ -114,51 +115,20 @@ impl Version {
         &self.lower[0]
     }
 
-    fn path_of(&self, node: NodeId) -> Option<String> {
-        let names = self.names.lock();
-        let mut parts = Vec::new();
-        let mut at = node;
-        while at != NodeId::ROOT {
-            let (parent, name, _) = names.get(&at)?;
-            parts.push(name.to_string_lossy().into_owned());
-            at = *parent;
-            if parts.len() > 4096 {
-                return None;
-            }
-        }
-        parts.reverse();
-        Some(parts.join("/"))
-    }
-
-    fn child_path(&self, parent: NodeId, name: &OsStr) -> Option<String> {
-        let p = self.path_of(parent)?;
-        Some(if p.is_empty() { name.to_string_lossy().into_owned() } else { format!("{p}/{}", name.to_string_lossy()) })
-    }
-
     fn in_store(&self, node: NodeId) -> bool {
         self.store_nodes.lock().contains(&node)
     }
 
     fn remember(&self, parent: NodeId, name: &OsStr, entry: &Entry) {
-        let mut names = self.names.lock();
-        let slot = names.entry(entry.node).or_insert((parent, OsString::new(), 0));
-        slot.0 = parent;
-        slot.1 = name.to_owned();
-        slot.2 += 1;
-        drop(names);
+        self.paths.seen(parent, name, entry.node);
         if (parent == NodeId::ROOT && name == STORE) || self.in_store(parent) {
             self.store_nodes.lock().insert(entry.node);
         }
     }
 
     fn forget(&self, node: NodeId, nlookup: u64) {
-        let mut names = self.names.lock();
-        if let Some(slot) = names.get_mut(&node) {
-            slot.2 = slot.2.saturating_sub(nlookup);
-            if slot.2 == 0 {
-                names.remove(&node);
-                self.store_nodes.lock().remove(&node);
-            }
+        if self.paths.forget(node, nlookup) {
+            self.store_nodes.lock().remove(&node);
         }
     }
 
@@ -220,7 +190,7 @@ impl Version {
     /// Keep what `node` (the file `name` in `parent`) holds as its next version: moved there
     /// when `moving`, else copied. Returns the version's number.
     fn save(&self, parent: NodeId, name: &OsStr, node: NodeId, attr: &Attr, moving: bool) -> Result<u32> {
-        let path = self.child_path(parent, name).ok_or(Error::Os(libc::ESTALE))?;
+        let path = self.paths.child_path(parent, name).ok_or(Error::Os(libc::ESTALE))?;
         let _one = self.saving.lock();
         let dir = self.store_dir(&path, true)?.ok_or(Error::Os(libc::EIO))?;
         let result = (|| {
@@ -360,7 +330,7 @@ impl Version {
         if e.attr.kind != FileKind::File || e.attr.nlink > 1 || e.attr.size == 0 {
             return Ok(false);
         }
-        if self.path_of(parent).is_none() {
+        if self.paths.path_of(parent).is_none() {
             return Ok(false);
         }
         self.save(parent, name, e.node, &e.attr, true)?;
@@ -377,10 +347,10 @@ impl Version {
         }
         let keep = writes && flags & libc::O_APPEND == 0;
         let before = if keep { Some(self.below().getattr(cx, node)?) } else { None };
-        let seen = self.names.lock().get(&node).map(|(p, n, _)| (*p, n.clone()));
+        let seen = self.paths.parent_of(node);
         let saved = match (before, seen) {
             (Some(attr), Some((parent, name))) if attr.kind == FileKind::File && attr.size > 0 => {
-                Some((self.save(parent, &name, node, &attr, false)?, attr, self.child_path(parent, &name).unwrap_or_default()))
+                Some((self.save(parent, &name, node, &attr, false)?, attr, self.paths.child_path(parent, &name).unwrap_or_default()))
             }
             _ => None,
         };
@@ -418,7 +388,7 @@ impl Version {
         let opened_with_version = self.pending.lock().keys().any(|(n, _)| *n == node);
         if let (Some(size), false) = (set.size, opened_with_version) {
             let attr = self.below().getattr(cx, node)?;
-            let parent = self.names.lock().get(&node).map(|(p, n, _)| (*p, n.clone()));
+            let parent = self.paths.parent_of(node);
             if attr.kind == FileKind::File && attr.size > 0 && size != attr.size {
                 if let Some((parent, name)) = parent {
                     self.save(parent, &name, node, &attr, false)?;
@@ -434,7 +404,7 @@ impl Version {
         if self.in_store(node) {
             return Err(Error::BadArgs("this is a version already; name the file it belongs to".into()));
         }
-        self.path_of(node).ok_or(Error::Os(libc::ESTALE))
+        self.paths.path_of(node).ok_or(Error::Os(libc::ESTALE))
     }
 
     fn versions(&self, node: NodeId) -> Result<Value> {
@@ -467,7 +437,7 @@ impl Version {
         if attr.kind != FileKind::File {
             return Err(Error::BadArgs(format!("{path}: not a regular file")));
         }
-        let (parent, name) = self.names.lock().get(&node).map(|(p, n, _)| (*p, n.clone())).ok_or(Error::Os(libc::ESTALE))?;
+        let (parent, name) = self.paths.parent_of(node).ok_or(Error::Os(libc::ESTALE))?;
         let kept = self.save(parent, &name, node, &attr, false)?;
         let dir = self.store_dir(&path, false)?.ok_or(Error::Os(libc::EIO))?;
         let result = (|| {
@@ -523,7 +493,7 @@ impl Version {
         let [name] = args else { return Err(Error::BadArgs("usage: undelete NAME".into())) };
         self.file_path(dir)?;
         let name = OsStr::new(name.as_str());
-        let path = self.child_path(dir, name).ok_or(Error::Os(libc::ESTALE))?;
+        let path = self.paths.child_path(dir, name).ok_or(Error::Os(libc::ESTALE))?;
         if let Ok(live) = self.below().lookup(cx, dir, name) {
             self.below().forget(cx, live.node, 1);
             return Err(Error::BadArgs(format!("{path} exists: remove or rename it first")));
@@ -641,10 +611,7 @@ impl Layer for Version {
                 let reply = bypass(self, cx, op)?;
                 if let Ok(e) = self.below().lookup(&daemon(), new_parent, new_name) {
                     self.below().forget(&daemon(), e.node, 1);
-                    if let Some(slot) = self.names.lock().get_mut(&e.node) {
-                        slot.0 = new_parent;
-                        slot.1 = new_name.to_owned();
-                    }
+                    self.paths.moved(e.node, new_parent, new_name);
                 }
                 Ok(reply)
             }
@@ -701,13 +668,11 @@ fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
         None => None,
         Some(v) => Some(parse_size(v).ok_or_else(|| args.params.bad(MAX_SPACE.name, v, "expected a size such as 10G"))?),
     };
-    let mut names = HashMap::new();
-    names.insert(NodeId::ROOT, (NodeId::ROOT, OsString::new(), u64::MAX / 2));
     Ok(Arc::new(Version {
         name: args.name,
         lower: [args.lower],
         limits: Limits { keep, max_age, max_space },
-        names: Mutex::new(names),
+        paths: PathTable::new(),
         store_nodes: Mutex::new(HashSet::new()),
         pending: Mutex::new(HashMap::new()),
         saving: Mutex::new(()),
