@@ -1,0 +1,37 @@
+//! # plyfs-transport
+//!
+//! Transport layers (`seeds/000` §5.4–5.5): operations that travel from one address space to
+//! another, and from one machine to another, through one self-describing protocol.
+//!
+//! - [`wire`] is the protocol: frames, messages, operation descriptors, limits.
+//! - [`server`] exports a level to clients; [`listen`] accepts them.
+//! - [`client`] is one connection; [`remote`] is the bottom layer that reaches a served stack,
+//!   reconnecting by itself.
+
+pub mod client;
+pub mod listen;
+pub mod remote;
+pub mod server;
+pub mod stream;
+pub mod wire;
+
+pub use remote::{Connector, Remote, Upcall};
+pub use stream::Addr;
+
+/// Connects over a plain socket (a Unix socket, or TCP without TLS in tests).
+pub struct PlainConnector(pub Addr);
+
+impl Connector for PlainConnector {
+    fn describe(&self) -> String {
+        self.0.to_string()
+    }
+
+    fn connect(
+        &self,
+        timeout: std::time::Duration,
+        on_change: client::OnChange,
+    ) -> Result<std::sync::Arc<client::Connection>, String> {
+        let stream = client::connect_plain(&self.0, timeout)?;
+        client::Connection::open(stream, None, timeout, on_change)
+    }
+}

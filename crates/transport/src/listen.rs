@@ -1,0 +1,82 @@
+//! Accepting clients: on a Unix socket, whose peers the kernel names, and on TCP.
+
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::server::{Authenticator, Identity, Server};
+
+/// Which local users may connect to a Unix socket, and who the server acts as for them.
+#[derive(Clone, Debug, Default)]
+pub struct UnixPolicy {
+    /// Users besides root and the server's own user that may connect.
+    pub allow_uids: Vec<u32>,
+}
+
+impl UnixPolicy {
+    /// Root's requests run as the ids they carry; anyone else's run as that user, whatever
+    /// they claim.
+    pub fn admit(&self, uid: u32, gid: u32) -> Result<Identity, String> {
+        let me = unsafe { libc::geteuid() };
+        if uid == 0 {
+            Ok(Identity::AsSent)
+        } else if uid == me || self.allow_uids.contains(&uid) {
+            Ok(if me == 0 { Identity::Fixed { uid, gid } } else { Identity::AsSent })
+        } else {
+            Err(format!("user {uid} may not use this server (allow it with --allow-uid {uid})"))
+        }
+    }
+}
+
+/// Bind a Unix socket at `path` (replacing a stale one), readable and writable by its owner only.
+pub fn bind_unix(path: &Path) -> Result<UnixListener, String> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            return Err(format!("{}: exists and is not a socket", path.display()));
+        }
+        if UnixStream::connect(path).is_ok() {
+            return Err(format!("{}: another server is listening there", path.display()));
+        }
+        std::fs::remove_file(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    let old = unsafe { libc::umask(0o177) };
+    let listener = UnixListener::bind(path);
+    unsafe { libc::umask(old) };
+    listener.map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Accept clients on `listener` until it fails, each on a thread of its own.
+pub fn serve_unix(server: Arc<Server>, listener: UnixListener, policy: UnixPolicy) -> Result<(), String> {
+    for stream in listener.incoming() {
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) if e.raw_os_error() == Some(libc::EMFILE) || e.raw_os_error() == Some(libc::ENFILE) => {
+                tracing::warn!("accept: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                continue;
+            }
+            Err(e) => return Err(format!("accept: {e}")),
+        };
+        let cred = match nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("a client whose credentials cannot be read ({e}): refused");
+                continue;
+            }
+        };
+        let peer = format!("pid {} (uid {})", cred.pid(), cred.uid());
+        let identity = match policy.admit(cred.uid(), cred.gid()) {
+            Ok(i) => i,
+            Err(reason) => {
+                tracing::warn!("client {peer} refused: {reason}");
+                continue;
+            }
+        };
+        let server = server.clone();
+        let _ = std::thread::Builder::new()
+            .name("serve-conn".into())
+            .spawn(move || server.serve(Box::new(stream), &peer, identity, None::<&dyn Authenticator>));
+    }
+    Ok(())
+}

@@ -1,0 +1,656 @@
+//! The `remote` bottom layer: a stack served by another process or machine, reached through
+//! the protocol.
+//!
+//! The layer keeps its own node ids and file handles, each mapped to the server's. Node ids are
+//! the server's wherever they are free, so inode numbers read the same on both sides. A node
+//! also remembers its parent and name. When the connection breaks, the layer reconnects by
+//! itself; the server's ids of the old connection are then void (the server may have restarted),
+//! and each node and open file is found again on first use: the node by walking its path from
+//! the root, checked to be the same object (the same server id), the file by opening that node
+//! again. So handles outlive a server restart without the server keeping any state, as NFS file
+//! handles do. A request in flight when the connection broke is sent again when doing it twice is
+//! harmless; otherwise it fails with `EIO`. Every wait is bounded by the layer's timeout.
+
+use std::collections::HashMap;
+use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+use plyfs_stack::{Caller, DirEntry, Error, ExtOpInfo, Layer, Level, NodeId, Op, Reply, Result};
+
+use crate::client::{CallError, Connection, OnChange};
+use crate::wire::{Change, WireCaller, WireOp, WireReply};
+
+/// Opens connections to the server: a socket, TLS and the key's proof as configured.
+pub trait Connector: Send + Sync {
+    /// Where it connects, for log lines.
+    fn describe(&self) -> String;
+    fn connect(&self, timeout: Duration, on_change: OnChange) -> std::result::Result<Arc<Connection>, String>;
+}
+
+/// Forwards the server's change notices to whoever caches above (the FUSE front end).
+pub trait Upcall: Send + Sync {
+    fn node(&self, node: NodeId);
+    fn entry(&self, parent: NodeId, name: &OsStr);
+}
+
+/// Ids the layer makes up when the server's id is taken by another node.
+const OWN_IDS: u64 = 1 << 55;
+
+struct RNode {
+    /// The server's id in connection `epoch`.
+    server: u64,
+    epoch: u64,
+    /// Lookups of `server` this layer holds on the server (in `epoch`).
+    server_lookups: u64,
+    /// Lookups the layer above holds on this node.
+    lookups: u64,
+    /// Where the node was last seen, to find it again.
+    parent: u64,
+    name: OsString,
+}
+
+struct RFile {
+    node: u64,
+    server_fh: u64,
+    epoch: u64,
+    flags: i32,
+    dir: bool,
+}
+
+#[derive(Default)]
+struct Table {
+    nodes: HashMap<u64, RNode>,
+    /// Server id (current epoch) to own id.
+    by_server: HashMap<u64, u64>,
+    next_own: u64,
+}
+
+struct Inner {
+    name: String,
+    connector: Box<dyn Connector>,
+    timeout: Duration,
+    conn: RwLock<Option<Arc<Connection>>>,
+    /// Held while connecting, so one thread connects and the others wait for it.
+    connecting: Mutex<()>,
+    /// Counts connections: ids and handles of an older one are void.
+    epoch: AtomicU64,
+    table: Mutex<Table>,
+    files: Mutex<HashMap<u64, RFile>>,
+    next_fh: AtomicU64,
+    ext_ops: OnceLock<&'static [ExtOpInfo]>,
+    upcall: RwLock<Option<Arc<dyn Upcall>>>,
+}
+
+pub struct Remote(Arc<Inner>);
+
+impl Remote {
+    /// Connect (the first connection must succeed) and make the layer.
+    pub fn connect(name: &str, connector: Box<dyn Connector>, timeout: Duration) -> Result<Remote> {
+        let mut table = Table { next_own: OWN_IDS, ..Default::default() };
+        table.nodes.insert(
+            NodeId::ROOT.0,
+            RNode { server: NodeId::ROOT.0, epoch: 0, server_lookups: 0, lookups: u64::MAX / 2, parent: 0, name: OsString::new() },
+        );
+        let inner = Arc::new(Inner {
+            name: name.to_owned(),
+            connector,
+            timeout,
+            conn: RwLock::new(None),
+            connecting: Mutex::new(()),
+            epoch: AtomicU64::new(0),
+            table: Mutex::new(table),
+            files: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            ext_ops: OnceLock::new(),
+            upcall: RwLock::new(None),
+        });
+        let conn = inner.reconnect(None, Instant::now() + timeout).map_err(Error::Config)?;
+        // The server's extended operations, leaked once: layers describe theirs statically.
+        let ext: Vec<ExtOpInfo> = conn
+            .welcome
+            .ext_ops
+            .iter()
+            .map(|o| ExtOpInfo {
+                name: leak(&o.name),
+                args: leak(&o.args),
+                help: leak(&format!("{} (on the server's '{}')", o.help, o.level)),
+            })
+            .collect();
+        let _ = inner.ext_ops.set(Box::leak(ext.into_boxed_slice()));
+        let layers: Vec<String> = conn.welcome.layers.iter().map(|l| l.name.clone()).collect();
+        tracing::info!(
+            "{}: connected to {} ({}; stack [{}])",
+            inner.name,
+            inner.connector.describe(),
+            conn.welcome.software,
+            layers.join(", ")
+        );
+        Ok(Remote(inner))
+    }
+
+    pub fn level(self) -> Level {
+        Level::new(Arc::new(self))
+    }
+
+    /// Send the server's change notices up to `upcall`.
+    pub fn set_upcall(&self, upcall: Arc<dyn Upcall>) {
+        *self.0.upcall.write() = Some(upcall);
+    }
+}
+
+fn leak(s: &str) -> &'static str {
+    Box::leak(s.to_owned().into_boxed_str())
+}
+
+fn idempotent(op: &WireOp, append: bool) -> bool {
+    match op {
+        WireOp::MkNod { .. }
+        | WireOp::MkDir { .. }
+        | WireOp::Unlink { .. }
+        | WireOp::RmDir { .. }
+        | WireOp::SymLink { .. }
+        | WireOp::Rename { .. }
+        | WireOp::Link { .. }
+        | WireOp::Create { .. }
+        | WireOp::RemoveXattr { .. }
+        | WireOp::Extended { .. } => false,
+        WireOp::SetXattr { flags, .. } => flags & libc::XATTR_CREATE == 0,
+        WireOp::Write { .. } => !append,
+        _ => true,
+    }
+}
+
+impl Inner {
+    fn eio(&self, what: &str) -> Error {
+        tracing::error!("{}: {what}", self.name);
+        Error::Os(libc::EIO)
+    }
+
+    /// The current connection, or a new one if it is gone.
+    fn connection(self: &Arc<Self>, deadline: Instant) -> std::result::Result<Arc<Connection>, String> {
+        if let Some(c) = self.conn.read().as_ref().filter(|c| !c.is_dead()) {
+            return Ok(c.clone());
+        }
+        let broken = self.conn.read().clone();
+        self.reconnect(broken, deadline)
+    }
+
+    /// Replace `broken` (or nothing) with a new connection, trying until `deadline`.
+    fn reconnect(
+        self: &Arc<Self>,
+        broken: Option<Arc<Connection>>,
+        deadline: Instant,
+    ) -> std::result::Result<Arc<Connection>, String> {
+        let _one = self.connecting.lock();
+        if let Some(c) = self.conn.read().as_ref() {
+            if !c.is_dead() && broken.as_ref().is_none_or(|b| !Arc::ptr_eq(b, c)) {
+                return Ok(c.clone());
+            }
+        }
+        let mut pause = Duration::from_millis(50);
+        let mut logged = false;
+        loop {
+            let weak = Arc::downgrade(self);
+            let on_change: OnChange = Arc::new(move |changes| {
+                if let Some(inner) = weak.upgrade() {
+                    inner.changed(changes);
+                }
+            });
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+            match self.connector.connect(left.min(self.timeout), on_change) {
+                Ok(conn) => {
+                    let epoch = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+                    {
+                        let mut t = self.table.lock();
+                        t.by_server.clear();
+                        // The root is the root on every connection.
+                        if let Some(root) = t.nodes.get_mut(&NodeId::ROOT.0) {
+                            root.epoch = epoch;
+                        }
+                        t.by_server.insert(NodeId::ROOT.0, NodeId::ROOT.0);
+                    }
+                    if broken.is_some() || logged {
+                        tracing::warn!("{}: reconnected to {}", self.name, self.connector.describe());
+                    }
+                    *self.conn.write() = Some(conn.clone());
+                    return Ok(conn);
+                }
+                Err(e) if Instant::now() + pause >= deadline => return Err(e),
+                Err(e) => {
+                    if !logged && broken.is_some() {
+                        tracing::warn!("{}: lost {} ({e}); reconnecting", self.name, self.connector.describe());
+                        logged = true;
+                    }
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
+    }
+
+    fn changed(&self, changes: Vec<Change>) {
+        let Some(up) = self.upcall.read().clone() else { return };
+        let t = self.table.lock();
+        let mine = |server: u64| t.by_server.get(&server).copied();
+        let mut out: Vec<(u64, Option<OsString>)> = Vec::new();
+        for c in changes {
+            match c {
+                Change::Node { node } => out.extend(mine(node).map(|n| (n, None))),
+                Change::Entry { parent, name } => out.extend(mine(parent).map(|p| (p, Some(OsStr::from_bytes(&name).to_owned())))),
+            }
+        }
+        drop(t);
+        for (node, name) in out {
+            match name {
+                Some(name) => up.entry(NodeId(node), &name),
+                None => up.node(NodeId(node)),
+            }
+        }
+    }
+
+    /// The server's id for node `id` on `conn` (epoch `epoch`), finding it again by its path if
+    /// it is from an older connection.
+    fn server_node(&self, conn: &Connection, epoch: u64, cx: WireCaller, id: u64, deadline: Instant) -> Result<u64> {
+        let (server, node_epoch, parent, name) = {
+            let t = self.table.lock();
+            let n = t.nodes.get(&id).ok_or(Error::Os(libc::ESTALE))?;
+            (n.server, n.epoch, n.parent, n.name.clone())
+        };
+        if node_epoch == epoch {
+            return Ok(server);
+        }
+        if id == NodeId::ROOT.0 || parent == 0 {
+            return Err(Error::Os(libc::ESTALE));
+        }
+        let server_parent = self.server_node(conn, epoch, cx, parent, deadline)?;
+        let op = WireOp::Lookup { parent: server_parent, name: serde_bytes::ByteBuf::from(name.as_bytes().to_vec()) };
+        let found = match conn.call(cx, op, &[], deadline) {
+            Ok((WireReply::Entry(e), _)) => e.node,
+            Ok((WireReply::Error(e), _)) => {
+                tracing::warn!("{}: {:?} is gone from the server after reconnecting: {}", self.name, name, e.msg);
+                return Err(Error::Os(libc::ESTALE));
+            }
+            Ok(_) => return Err(self.eio("a lookup got the wrong reply")),
+            Err(e) => return Err(self.call_failed(e)),
+        };
+        let mut t = self.table.lock();
+        let Some(n) = t.nodes.get_mut(&id) else {
+            // Forgotten meanwhile: give the lookup back.
+            let _ = conn.send_only(cx, WireOp::Forget { node: found, nlookup: 1 });
+            return Err(Error::Os(libc::ESTALE));
+        };
+        if found != server && server != 0 {
+            drop(t);
+            let _ = conn.send_only(cx, WireOp::Forget { node: found, nlookup: 1 });
+            tracing::warn!("{}: {:?} is another object on the server now", self.name, name);
+            return Err(Error::Os(libc::ESTALE));
+        }
+        if n.epoch == epoch {
+            // Another thread found it first.
+            let s = n.server;
+            drop(t);
+            let _ = conn.send_only(cx, WireOp::Forget { node: found, nlookup: 1 });
+            return Ok(s);
+        }
+        n.server = found;
+        n.epoch = epoch;
+        n.server_lookups = 1;
+        t.by_server.insert(found, id);
+        Ok(found)
+    }
+
+    /// The server's handle for handle `fh`, opening the file again after a reconnection.
+    fn server_fh(&self, conn: &Connection, epoch: u64, cx: WireCaller, fh: u64, deadline: Instant) -> Result<u64> {
+        let (node, server_fh, fh_epoch, flags, dir) = {
+            let files = self.files.lock();
+            let f = files.get(&fh).ok_or(Error::Os(libc::EBADF))?;
+            (f.node, f.server_fh, f.epoch, f.flags, f.dir)
+        };
+        if fh_epoch == epoch {
+            return Ok(server_fh);
+        }
+        let server_node = self.server_node(conn, epoch, cx, node, deadline)?;
+        let op = if dir {
+            WireOp::OpenDir { node: server_node }
+        } else {
+            WireOp::Open { node: server_node, flags: flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC) }
+        };
+        let opened = match conn.call(cx, op, &[], deadline) {
+            Ok((WireReply::Opened(o), _)) => o.fh,
+            Ok((WireReply::Error(e), _)) => {
+                tracing::warn!("{}: cannot open node {node} again after reconnecting: {}", self.name, e.msg);
+                return Err(Error::Os(libc::EIO));
+            }
+            Ok(_) => return Err(self.eio("an open got the wrong reply")),
+            Err(e) => return Err(self.call_failed(e)),
+        };
+        let mut files = self.files.lock();
+        match files.get_mut(&fh) {
+            Some(f) if f.epoch != epoch => {
+                f.server_fh = opened;
+                f.epoch = epoch;
+                Ok(opened)
+            }
+            other => {
+                let result = other.map(|f| f.server_fh).ok_or(Error::Os(libc::EBADF));
+                drop(files);
+                let release = if dir {
+                    WireOp::ReleaseDir { node: server_node, fh: opened }
+                } else {
+                    WireOp::Release { node: server_node, fh: opened }
+                };
+                let _ = conn.call(cx, release, &[], deadline);
+                result
+            }
+        }
+    }
+
+    fn call_failed(&self, e: CallError) -> Error {
+        match e {
+            CallError::TimedOut => self.eio(&format!("no reply from {} within {:?}", self.connector.describe(), self.timeout)),
+            CallError::Lost { reason, .. } => self.eio(&format!("lost {}: {reason}", self.connector.describe())),
+        }
+    }
+
+    /// The node id this layer gives the server's `server` (new or known), with one more
+    /// lookup held by the layer above; `parent`/`name` say where it was found.
+    fn adopt(&self, epoch: u64, server: u64, parent: u64, name: &OsStr) -> u64 {
+        let mut t = self.table.lock();
+        if let Some(&id) = t.by_server.get(&server) {
+            if let Some(n) = t.nodes.get_mut(&id) {
+                n.lookups += 1;
+                n.server_lookups += 1;
+                n.parent = parent;
+                n.name = name.to_owned();
+                return id;
+            }
+        }
+        let id = if server < OWN_IDS && !t.nodes.contains_key(&server) {
+            server
+        } else {
+            loop {
+                t.next_own += 1;
+                let candidate = t.next_own;
+                if !t.nodes.contains_key(&candidate) {
+                    break candidate;
+                }
+            }
+        };
+        t.nodes.insert(id, RNode { server, epoch, server_lookups: 1, lookups: 1, parent, name: name.to_owned() });
+        t.by_server.insert(server, id);
+        id
+    }
+
+    fn forget(&self, node: u64, n: u64) {
+        let give_back = {
+            let mut t = self.table.lock();
+            let Some(rn) = t.nodes.get_mut(&node) else { return };
+            rn.lookups = rn.lookups.saturating_sub(n);
+            if rn.lookups > 0 || node == NodeId::ROOT.0 {
+                return;
+            }
+            let rn = t.nodes.remove(&node).expect("just seen");
+            if t.by_server.get(&rn.server) == Some(&node) {
+                t.by_server.remove(&rn.server);
+            }
+            (rn.epoch == self.epoch.load(Ordering::Acquire) && rn.server_lookups > 0).then_some((rn.server, rn.server_lookups))
+        };
+        if let Some((server, nlookup)) = give_back {
+            if let Some(conn) = self.conn.read().as_ref().filter(|c| !c.is_dead()) {
+                let _ = conn.send_only(WireCaller { uid: 0, gid: 0, pid: 0 }, WireOp::Forget { node: server, nlookup });
+            }
+        }
+    }
+
+    /// Map the ids in `op` to the server's.
+    fn to_server(&self, conn: &Connection, epoch: u64, cx: WireCaller, op: &mut WireOp, deadline: Instant) -> Result<()> {
+        let node = |id: &mut u64| -> Result<()> {
+            *id = self.server_node(conn, epoch, cx, *id, deadline)?;
+            Ok(())
+        };
+        let fh = |h: &mut u64| -> Result<()> {
+            *h = self.server_fh(conn, epoch, cx, *h, deadline)?;
+            Ok(())
+        };
+        use WireOp::*;
+        match op {
+            Lookup { parent, .. }
+            | MkNod { parent, .. }
+            | MkDir { parent, .. }
+            | Unlink { parent, .. }
+            | RmDir { parent, .. }
+            | SymLink { parent, .. }
+            | Create { parent, .. } => node(parent),
+            Rename { parent, new_parent, .. } => {
+                node(parent)?;
+                node(new_parent)
+            }
+            Link { node: n, new_parent, .. } => {
+                node(n)?;
+                node(new_parent)
+            }
+            GetAttr { node: n, fh: h } | SetAttr { node: n, fh: h, .. } => {
+                // An optional handle only speeds things up: drop it if it cannot be had.
+                if let Some(x) = h {
+                    match self.server_fh(conn, epoch, cx, *x, deadline) {
+                        Ok(s) => *x = s,
+                        Err(_) => *h = None,
+                    }
+                }
+                node(n)
+            }
+            Read { node: n, fh: h, .. }
+            | Write { node: n, fh: h, .. }
+            | Flush { node: n, fh: h }
+            | Fsync { node: n, fh: h, .. }
+            | Release { node: n, fh: h }
+            | ReadDir { node: n, fh: h, .. }
+            | ReleaseDir { node: n, fh: h }
+            | FsyncDir { node: n, fh: h, .. }
+            | Fallocate { node: n, fh: h, .. }
+            | Lseek { node: n, fh: h, .. } => {
+                fh(h)?;
+                node(n)
+            }
+            Forget { .. } => Ok(()),
+            ReadLink { node: n }
+            | Open { node: n, .. }
+            | OpenDir { node: n }
+            | StatFs { node: n }
+            | Access { node: n, .. }
+            | GetXattr { node: n, .. }
+            | SetXattr { node: n, .. }
+            | ListXattr { node: n, .. }
+            | RemoveXattr { node: n, .. }
+            | Extended { node: n, .. } => node(n),
+        }
+    }
+
+    /// Map the server's ids in a reply to this layer's, and keep the table's names current.
+    fn from_server(&self, epoch: u64, op: &Op<'_>, reply: Reply) -> Reply {
+        match reply {
+            Reply::Entry(mut e) => {
+                let (parent, name) = match *op {
+                    Op::Lookup { parent, name } | Op::MkNod { parent, name, .. } | Op::MkDir { parent, name, .. } => (parent, name),
+                    Op::SymLink { parent, name, .. } => (parent, name),
+                    Op::Link { new_parent, new_name, .. } => (new_parent, new_name),
+                    _ => (NodeId(0), OsStr::new("")),
+                };
+                e.node = NodeId(self.adopt(epoch, e.node.0, parent.0, name));
+                Reply::Entry(e)
+            }
+            Reply::Created(mut e, mut o) => {
+                let (parent, name, flags) = match *op {
+                    Op::Create { parent, name, flags, .. } => (parent, name, flags),
+                    _ => (NodeId(0), OsStr::new(""), 0),
+                };
+                e.node = NodeId(self.adopt(epoch, e.node.0, parent.0, name));
+                o.fh = self.own_fh(e.node.0, o.fh.0, epoch, flags, false);
+                Reply::Created(e, o)
+            }
+            Reply::Opened(mut o) => {
+                let (node, flags, dir) = match *op {
+                    Op::Open { node, flags } => (node, flags, false),
+                    Op::OpenDir { node } => (node, 0, true),
+                    _ => (NodeId(0), 0, false),
+                };
+                o.fh = self.own_fh(node.0, o.fh.0, epoch, flags, dir);
+                Reply::Opened(o)
+            }
+            Reply::Dir(entries) => {
+                let parent = op.node().0;
+                Reply::Dir(entries.into_iter().map(|d| self.dir_entry(epoch, parent, d)).collect())
+            }
+            other => other,
+        }
+    }
+
+    fn dir_entry(&self, epoch: u64, parent: u64, mut d: DirEntry) -> DirEntry {
+        match d.entry.as_mut() {
+            Some(e) => {
+                e.node = NodeId(self.adopt(epoch, e.node.0, parent, &d.name));
+                d.node = e.node;
+            }
+            None => {
+                let t = self.table.lock();
+                if let Some(&id) = t.by_server.get(&d.node.0) {
+                    d.node = NodeId(id);
+                }
+            }
+        }
+        d
+    }
+
+    fn own_fh(&self, node: u64, server_fh: u64, epoch: u64, flags: i32, dir: bool) -> plyfs_stack::FileHandle {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.files.lock().insert(fh, RFile { node, server_fh, epoch, flags, dir });
+        plyfs_stack::FileHandle(fh)
+    }
+
+    /// Keep names current after a change of the namespace this layer made.
+    fn renamed(&self, op: &Op<'_>) {
+        let Op::Rename { parent, name, new_parent, new_name, flags } = *op else { return };
+        let mut t = self.table.lock();
+        let find = |t: &Table, p: u64, n: &OsStr| t.nodes.iter().find(|(_, r)| r.parent == p && r.name == n).map(|(id, _)| *id);
+        let moved = find(&t, parent.0, name);
+        let other = find(&t, new_parent.0, new_name);
+        if let Some(id) = moved {
+            let r = t.nodes.get_mut(&id).expect("found");
+            r.parent = new_parent.0;
+            r.name = new_name.to_owned();
+        }
+        if let Some(id) = other.filter(|o| Some(*o) != moved) {
+            let r = t.nodes.get_mut(&id).expect("found");
+            if flags & libc::RENAME_EXCHANGE != 0 {
+                r.parent = parent.0;
+                r.name = name.to_owned();
+            } else {
+                // Replaced: it has no name any more.
+                r.parent = 0;
+            }
+        }
+    }
+
+    fn unlinked(&self, parent: NodeId, name: &OsStr) {
+        let mut t = self.table.lock();
+        if let Some(r) = t.nodes.values_mut().find(|r| r.parent == parent.0 && r.name == name) {
+            r.parent = 0;
+        }
+    }
+
+    fn call(self: &Arc<Self>, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        if let Op::Forget { node, nlookup } = *op {
+            self.forget(node.0, nlookup);
+            return Ok(Reply::Empty);
+        }
+        let (wire_op, payload) = WireOp::from_op(op);
+        let append = match *op {
+            Op::Write { fh, .. } => self.files.lock().get(&fh.0).is_some_and(|f| f.flags & libc::O_APPEND != 0),
+            _ => false,
+        };
+        let cx = WireCaller::from(cx);
+        let deadline = Instant::now() + self.timeout;
+        let mut attempts = 0;
+        let result = loop {
+            attempts += 1;
+            let conn = match self.connection(deadline) {
+                Ok(c) => c,
+                Err(e) => return Err(self.eio(&format!("{}: {e}", self.connector.describe()))),
+            };
+            let epoch = self.epoch.load(Ordering::Acquire);
+            let mut server_op = wire_op.clone();
+            match self.to_server(&conn, epoch, cx, &mut server_op, deadline) {
+                Ok(()) => {}
+                Err(Error::Os(libc::EIO)) if conn.is_dead() && attempts < 20 => continue,
+                Err(e) => return Err(e),
+            }
+            match conn.call(cx, server_op, payload, deadline) {
+                Ok((reply, data)) => break reply.into_result(data, op.name()),
+                Err(CallError::Lost { sent, reason }) => {
+                    if (!sent || idempotent(&wire_op, append)) && Instant::now() < deadline && attempts < 20 {
+                        tracing::debug!("{}: {} lost ({reason}); sending it again", self.name, op.name());
+                        continue;
+                    }
+                    return Err(self.eio(&format!(
+                        "{} was in flight when the connection to {} broke ({reason}); it may or may not have happened",
+                        op.name(),
+                        self.connector.describe()
+                    )));
+                }
+                Err(e) => return Err(self.call_failed(e)),
+            }
+        };
+        let epoch = self.epoch.load(Ordering::Acquire);
+        match result {
+            Ok(reply) => {
+                match *op {
+                    Op::Rename { .. } => self.renamed(op),
+                    Op::Unlink { parent, name } | Op::RmDir { parent, name } => self.unlinked(parent, name),
+                    Op::Release { fh, .. } | Op::ReleaseDir { fh, .. } => {
+                        self.files.lock().remove(&fh.0);
+                    }
+                    _ => {}
+                }
+                Ok(self.from_server(epoch, op, reply))
+            }
+            Err(e) => {
+                if let Op::Release { fh, .. } | Op::ReleaseDir { fh, .. } = *op {
+                    self.files.lock().remove(&fh.0);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Layer for Remote {
+    fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    fn kind(&self) -> &'static str {
+        "remote"
+    }
+
+    fn lower(&self) -> &[Level] {
+        &[]
+    }
+
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        self.0.ext_ops.get().copied().unwrap_or(&[])
+    }
+
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        self.0.call(cx, op)
+    }
+
+    fn shutdown(&self) {
+        if let Some(c) = self.0.conn.write().take() {
+            c.close("the mount is shutting down");
+        }
+    }
+}

@@ -1,0 +1,481 @@
+//! The server side: a stack exported to clients (`plyfs serve`), or one layer hosted for a mount
+//! that reaches it through an `ext` layer.
+//!
+//! Each connection is served by a few workers that take turns reading: the one that read a
+//! request answers it, so a request costs no hand-over between threads, and several requests of
+//! one connection are answered at once (pipelining).
+//!
+//! A connection can only name what it was given: node ids it looked up (or the root) and file
+//! handles it opened. Anything else is `ESTALE` or `EBADF`, so a client cannot reach objects
+//! outside the exported tree by guessing ids, and never another client's open files. Names are
+//! single components (no `/`, `.` or `..`), and the stack's bottom layer never follows symlinks.
+//! What a connection holds is released when it ends.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use plyfs_stack::{Caller, Error, Level, NodeId, Op, Reply};
+
+use crate::stream::{Control, Duplex};
+use crate::wire::{self, Change, FrameError, JustId, Message, WireCaller, WireExtOp, WireLayer, WireOp, WireReply};
+
+/// The ids a server acts as for a connection's requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Identity {
+    /// The ids the client sends (a root client, or an authenticated client without squashing).
+    AsSent,
+    /// The ids the client sends, except root, which becomes `nobody` (NFS's root squash).
+    RootSquash,
+    /// Always these ids, whatever the client sends (a Unix-socket peer that is not root).
+    Fixed { uid: u32, gid: u32 },
+}
+
+/// The `nobody` user and group.
+pub const NOBODY: u32 = 65534;
+
+impl Identity {
+    fn caller(self, c: WireCaller) -> Caller {
+        match self {
+            Identity::AsSent => c.into(),
+            Identity::RootSquash if c.uid == 0 => Caller { uid: NOBODY, gid: NOBODY, pid: c.pid },
+            Identity::RootSquash => c.into(),
+            Identity::Fixed { uid, gid } => Caller { uid, gid, pid: c.pid },
+        }
+    }
+}
+
+/// Checks a client's proof of the shared key in its `hello`, and proves the server's own.
+pub trait Authenticator: Send + Sync {
+    /// `Ok(proof)` to send back in `welcome`, or the one-line reason to refuse the client.
+    fn check(&self, proof: Option<&[u8]>) -> Result<Option<Vec<u8>>, String>;
+}
+
+/// How a server is set up.
+pub struct ServerOptions {
+    /// Workers per connection: how many of its requests run at once.
+    pub workers: usize,
+    /// How long a client may take to say hello.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions { workers: 4, handshake_timeout: Duration::from_secs(10) }
+    }
+}
+
+/// An exported level and the connections to it.
+pub struct Server {
+    top: Level,
+    layers: Vec<WireLayer>,
+    ext_ops: Vec<WireExtOp>,
+    /// A new value at every start, so clients know their node ids and handles are gone.
+    instance: u64,
+    options: ServerOptions,
+    conns: Mutex<Vec<Weak<Conn>>>,
+    next_conn: AtomicU64,
+}
+
+/// What one connection holds, so it can be checked and released.
+struct Conn {
+    id: u64,
+    peer: String,
+    writer: Mutex<Box<dyn Write + Send>>,
+    control: Arc<dyn Control>,
+    identity: Identity,
+    /// Node ids this connection looked up, with the number of lookups it holds.
+    nodes: Mutex<HashMap<u64, u64>>,
+    /// Handles this connection opened: the node each is on, and whether it is a directory's.
+    files: Mutex<HashMap<u64, (u64, bool)>>,
+    closed: AtomicBool,
+}
+
+impl Server {
+    /// Serve `top`, whose stack has `layers` (top first) and answers `ext_ops`.
+    pub fn new(top: Level, layers: Vec<WireLayer>, ext_ops: Vec<WireExtOp>, options: ServerOptions) -> Arc<Server> {
+        let mut seed = [0u8; 8];
+        if getrandom(&mut seed).is_err() {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            seed = (t.as_nanos() as u64 ^ u64::from(std::process::id())).to_le_bytes();
+        }
+        Arc::new(Server {
+            top,
+            layers,
+            ext_ops,
+            instance: u64::from_le_bytes(seed) | 1,
+            options,
+            conns: Mutex::new(Vec::new()),
+            next_conn: AtomicU64::new(1),
+        })
+    }
+
+    /// Export a whole stack: its levels and extended operations, by name.
+    pub fn for_stack(stack: &plyfs_stack::Stack, options: ServerOptions) -> Arc<Server> {
+        let layers =
+            stack.named_levels().into_iter().map(|n| WireLayer { name: n.name, kind: n.level.layer().kind().to_owned() }).collect();
+        let ext_ops = stack
+            .extended_ops_from(stack.top())
+            .into_iter()
+            .map(|(level, op)| WireExtOp { name: op.name.into(), args: op.args.into(), help: op.help.into(), level })
+            .collect();
+        Server::new(stack.top().clone(), layers, ext_ops, options)
+    }
+
+    pub fn instance(&self) -> u64 {
+        self.instance
+    }
+
+    /// How many clients are connected now.
+    pub fn connections(&self) -> usize {
+        self.conns.lock().iter().filter(|c| c.strong_count() > 0).count()
+    }
+
+    /// Serve one connection until it ends; `peer` names it in log lines.
+    pub fn serve(self: &Arc<Self>, stream: Box<dyn Duplex>, peer: &str, identity: Identity, auth: Option<&dyn Authenticator>) {
+        let halves = match stream.split() {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!("client {peer}: {e}");
+                return;
+            }
+        };
+        let mut reader = halves.reader;
+        let mut writer = halves.writer;
+        halves.control.set_read_timeout(Some(self.options.handshake_timeout));
+        if let Err(e) = self.handshake(&mut reader, &mut writer, auth) {
+            tracing::warn!("client {peer} refused: {e}");
+            halves.control.close();
+            return;
+        }
+        halves.control.set_read_timeout(None);
+        let conn = Arc::new(Conn {
+            id: self.next_conn.fetch_add(1, Ordering::Relaxed),
+            peer: peer.to_owned(),
+            writer: Mutex::new(writer),
+            control: halves.control,
+            identity,
+            nodes: Mutex::new(HashMap::new()),
+            files: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+        });
+        {
+            let mut conns = self.conns.lock();
+            conns.retain(|c| c.strong_count() > 0);
+            conns.push(Arc::downgrade(&conn));
+        }
+        tracing::debug!("client {peer} connected (connection {})", conn.id);
+        let reader = Mutex::new(reader);
+        std::thread::scope(|s| {
+            for i in 1..self.options.workers.max(1) {
+                let (conn, reader) = (&conn, &reader);
+                let _ = std::thread::Builder::new()
+                    .name(format!("serve-{}-{i}", conn.id))
+                    .spawn_scoped(s, move || self.work(conn, reader));
+            }
+            self.work(&conn, &reader);
+        });
+        self.release_all(&conn);
+        tracing::debug!("client {peer} disconnected");
+    }
+
+    fn handshake(&self, reader: &mut dyn Read, writer: &mut dyn Write, auth: Option<&dyn Authenticator>) -> Result<(), String> {
+        writer.write_all(&wire::PREAMBLE).map_err(|e| e.to_string())?;
+        wire::read_preamble(reader).map_err(|e| e.to_string())?;
+        let frame = wire::read_frame(reader).map_err(|e| e.to_string())?;
+        let refuse = |writer: &mut dyn Write, reason: String| {
+            let _ = wire::write_frame(writer, &wire::encode(&Message::Refused { reason: reason.clone() }), &[]);
+            Err(reason)
+        };
+        let (versions, proof) = match wire::decode(&frame.header) {
+            Ok(Message::Hello { versions, auth, .. }) => (versions, auth),
+            Ok(_) => return refuse(writer, "the first message must be hello".into()),
+            Err(e) => return refuse(writer, format!("a malformed hello: {e}")),
+        };
+        let Some(version) = wire::VERSIONS.iter().rev().find(|v| versions.contains(v)).copied() else {
+            return refuse(writer, format!("no common protocol version (client: {versions:?}, server: {:?})", wire::VERSIONS));
+        };
+        let my_proof = match auth.map(|a| a.check(proof.as_ref().map(|p| &p[..]))) {
+            None => None,
+            Some(Ok(p)) => p,
+            Some(Err(reason)) => return refuse(writer, reason),
+        };
+        let welcome = Message::Welcome {
+            version,
+            software: format!("plyfs {}", env!("CARGO_PKG_VERSION")),
+            instance: self.instance,
+            layers: self.layers.clone(),
+            ext_ops: self.ext_ops.clone(),
+            auth: my_proof.map(serde_bytes::ByteBuf::from),
+        };
+        wire::write_frame(writer, &wire::encode(&welcome), &[]).map_err(|e| e.to_string())
+    }
+
+    /// One worker: read a request, answer it, repeat until the connection ends.
+    fn work(&self, conn: &Arc<Conn>, reader: &Mutex<Box<dyn Read + Send>>) {
+        while !conn.closed.load(Ordering::Relaxed) {
+            let frame = {
+                let mut r = reader.lock();
+                if conn.closed.load(Ordering::Relaxed) {
+                    return;
+                }
+                wire::read_frame(&mut *r)
+            };
+            let frame = match frame {
+                Ok(f) => f,
+                Err(FrameError::Closed) => return self.close(conn, None),
+                Err(e) => return self.close(conn, Some(e.to_string())),
+            };
+            if let Err(reason) = self.answer(conn, frame) {
+                return self.close(conn, Some(reason));
+            }
+        }
+    }
+
+    fn close(&self, conn: &Conn, reason: Option<String>) {
+        if !conn.closed.swap(true, Ordering::Relaxed) {
+            if let Some(reason) = reason {
+                tracing::warn!("client {}: {reason}; closing the connection", conn.peer);
+            }
+            conn.control.close();
+        }
+    }
+
+    /// Answer one frame. An error ends the connection (the peer does not speak the protocol).
+    fn answer(&self, conn: &Conn, frame: wire::Frame) -> Result<(), String> {
+        let (id, caller, op) = match wire::decode(&frame.header) {
+            Ok(Message::Req { id, caller, op }) => (id, caller, op),
+            Ok(other) => return Err(format!("unexpected message {:?}", message_type(&other))),
+            Err(e) => {
+                // A request this server cannot read, but whose id it can: answer it.
+                let Ok(JustId { t, id, op }) = rmp_serde::from_slice::<JustId>(&frame.header) else {
+                    return Err(format!("a malformed message: {e}"));
+                };
+                if t != "req" {
+                    return Err(format!("a malformed message: {e}"));
+                }
+                let err = match op {
+                    Some(op) if !is_known(&op) => Error::BadArgs(format!("unknown operation '{op}'")),
+                    _ => Error::BadArgs(format!("malformed request: {e}")),
+                };
+                let errno = if matches!(&err, Error::BadArgs(m) if m.starts_with("unknown")) { libc::ENOSYS } else { libc::EPROTO };
+                let reply = WireReply::Error(wire::WireError { errno, msg: err.to_string(), class: None });
+                return self.send(conn, id, reply, Vec::new());
+            }
+        };
+        let cx = conn.identity.caller(caller);
+        let result = op.to_op(&frame.payload).and_then(|op| self.dispatch(conn, &cx, &op));
+        let changes = match &result {
+            Ok(_) => changes_of(&op),
+            Err(_) => Vec::new(),
+        };
+        if id != 0 {
+            let (reply, payload) = WireReply::from_result(result);
+            self.send(conn, id, reply, payload)?;
+        }
+        if !changes.is_empty() {
+            self.broadcast(conn.id, &changes);
+        }
+        Ok(())
+    }
+
+    fn send(&self, conn: &Conn, id: u64, reply: WireReply, payload: Vec<u8>) -> Result<(), String> {
+        let header = wire::encode(&Message::Rep { id, reply });
+        let mut w = conn.writer.lock();
+        wire::write_frame(&mut *w, &header, &payload).map_err(|e| format!("sending a reply: {e}"))
+    }
+
+    /// Tell every other client that holds one of the objects concerned.
+    fn broadcast(&self, from: u64, changes: &[Change]) {
+        let conns: Vec<Arc<Conn>> = self.conns.lock().iter().filter_map(Weak::upgrade).filter(|c| c.id != from).collect();
+        for conn in conns {
+            let relevant: Vec<Change> = {
+                let nodes = conn.nodes.lock();
+                changes
+                    .iter()
+                    .filter(|c| match c {
+                        Change::Node { node } => nodes.contains_key(node),
+                        Change::Entry { parent, .. } => *parent == NodeId::ROOT.0 || nodes.contains_key(parent),
+                    })
+                    .cloned()
+                    .collect()
+            };
+            if relevant.is_empty() || conn.closed.load(Ordering::Relaxed) {
+                continue;
+            }
+            let header = wire::encode(&Message::Changed { changes: relevant });
+            let mut w = conn.writer.lock();
+            if wire::write_frame(&mut *w, &header, &[]).is_err() {
+                drop(w);
+                self.close(&conn, None);
+            }
+        }
+    }
+
+    /// Check that the connection may name what `op` names, run it, and record what it now holds.
+    fn dispatch(&self, conn: &Conn, cx: &Caller, op: &Op<'_>) -> Result<Reply, Error> {
+        if let Op::Forget { node, nlookup } = *op {
+            let held = {
+                let mut nodes = conn.nodes.lock();
+                match nodes.get_mut(&node.0) {
+                    Some(held) => {
+                        let n = nlookup.min(*held);
+                        *held -= n;
+                        if *held == 0 {
+                            nodes.remove(&node.0);
+                        }
+                        n
+                    }
+                    None => 0,
+                }
+            };
+            if held > 0 {
+                self.top.forget(cx, node, held);
+            }
+            return Ok(Reply::Empty);
+        }
+        self.check_nodes(conn, op)?;
+        self.check_handle(conn, op)?;
+        let reply = self.top.call(cx, op)?;
+        match (&reply, op) {
+            (Reply::Entry(e), _) => self.hold(conn, e.node, 1),
+            (Reply::Created(e, o), _) => {
+                self.hold(conn, e.node, 1);
+                conn.files.lock().insert(o.fh.0, (e.node.0, false));
+            }
+            (Reply::Opened(o), Op::Open { node, .. }) => {
+                conn.files.lock().insert(o.fh.0, (node.0, false));
+            }
+            (Reply::Opened(o), Op::OpenDir { node }) => {
+                conn.files.lock().insert(o.fh.0, (node.0, true));
+            }
+            (Reply::Dir(entries), Op::ReadDir { plus: true, .. }) => {
+                for e in entries.iter().filter_map(|d| d.entry.as_ref()) {
+                    self.hold(conn, e.node, 1);
+                }
+            }
+            (_, Op::Release { fh, .. } | Op::ReleaseDir { fh, .. }) => {
+                conn.files.lock().remove(&fh.0);
+            }
+            _ => {}
+        }
+        Ok(reply)
+    }
+
+    fn hold(&self, conn: &Conn, node: NodeId, n: u64) {
+        *conn.nodes.lock().entry(node.0).or_insert(0) += n;
+    }
+
+    fn check_nodes(&self, conn: &Conn, op: &Op<'_>) -> Result<(), Error> {
+        let mut named = vec![op.node()];
+        match *op {
+            Op::Rename { new_parent, .. } | Op::Link { new_parent, .. } => named.push(new_parent),
+            _ => {}
+        }
+        let nodes = conn.nodes.lock();
+        for n in named {
+            if n != NodeId::ROOT && !nodes.contains_key(&n.0) {
+                return Err(Error::Os(libc::ESTALE));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_handle(&self, conn: &Conn, op: &Op<'_>) -> Result<(), Error> {
+        use Op::*;
+        let (node, fh, dir) = match *op {
+            GetAttr { node, fh: Some(fh) } | SetAttr { node, fh: Some(fh), .. } => (node, fh, None),
+            Read { node, fh, .. }
+            | Write { node, fh, .. }
+            | Flush { node, fh }
+            | Fsync { node, fh, .. }
+            | Release { node, fh }
+            | Fallocate { node, fh, .. }
+            | Lseek { node, fh, .. } => (node, fh, Some(false)),
+            ReadDir { node, fh, .. } | ReleaseDir { node, fh } | FsyncDir { node, fh, .. } => (node, fh, Some(true)),
+            _ => return Ok(()),
+        };
+        match conn.files.lock().get(&fh.0) {
+            Some(&(n, is_dir)) if n == node.0 && dir.is_none_or(|d| d == is_dir) => Ok(()),
+            _ => Err(Error::Os(libc::EBADF)),
+        }
+    }
+
+    /// Release what a connection that ended still held: its open files, then its lookups.
+    fn release_all(&self, conn: &Conn) {
+        let cx = Caller::daemon();
+        let files: Vec<(u64, (u64, bool))> = conn.files.lock().drain().collect();
+        for (fh, (node, dir)) in files {
+            let (node, fh) = (NodeId(node), plyfs_stack::FileHandle(fh));
+            let op = if dir { Op::ReleaseDir { node, fh } } else { Op::Release { node, fh } };
+            let _ = self.top.call(&cx, &op);
+        }
+        let nodes: Vec<(u64, u64)> = conn.nodes.lock().drain().collect();
+        for (node, n) in nodes {
+            self.top.forget(&cx, NodeId(node), n);
+        }
+    }
+}
+
+/// What clients' caches must forget after `op` succeeded.
+fn changes_of(op: &WireOp) -> Vec<Change> {
+    let entry = |parent: u64, name: &[u8]| Change::Entry { parent, name: serde_bytes::ByteBuf::from(name.to_vec()) };
+    match op {
+        WireOp::SetAttr { node, .. }
+        | WireOp::Write { node, .. }
+        | WireOp::Fallocate { node, .. }
+        | WireOp::SetXattr { node, .. }
+        | WireOp::RemoveXattr { node, .. } => vec![Change::Node { node: *node }],
+        WireOp::MkNod { parent, name, .. }
+        | WireOp::MkDir { parent, name, .. }
+        | WireOp::SymLink { parent, name, .. }
+        | WireOp::Create { parent, name, .. }
+        | WireOp::Unlink { parent, name }
+        | WireOp::RmDir { parent, name } => vec![entry(*parent, name), Change::Node { node: *parent }],
+        WireOp::Link { node, new_parent, new_name } => {
+            vec![entry(*new_parent, new_name), Change::Node { node: *new_parent }, Change::Node { node: *node }]
+        }
+        WireOp::Rename { parent, name, new_parent, new_name, .. } => {
+            let mut v = vec![entry(*parent, name), entry(*new_parent, new_name), Change::Node { node: *parent }];
+            if new_parent != parent {
+                v.push(Change::Node { node: *new_parent });
+            }
+            v
+        }
+        _ => Vec::new(),
+    }
+}
+
+fn is_known(op: &str) -> bool {
+    plyfs_stack::OpKind::ALL.iter().any(|k| k.name() == op)
+}
+
+fn message_type(m: &Message) -> &'static str {
+    match m {
+        Message::Hello { .. } => "hello",
+        Message::Welcome { .. } => "welcome",
+        Message::Refused { .. } => "refused",
+        Message::Req { .. } => "req",
+        Message::Rep { .. } => "rep",
+        Message::Changed { .. } => "changed",
+    }
+}
+
+fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
+    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n as usize == buf.len() {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// A name as a log shows it.
+pub fn shown(name: &[u8]) -> String {
+    OsStr::from_bytes(name).to_string_lossy().into_owned()
+}

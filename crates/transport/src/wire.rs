@@ -1,0 +1,1045 @@
+//! The wire protocol (`docs/protocol.md` is its specification).
+//!
+//! A connection opens with an 8-byte preamble from each side, then carries frames. A frame is a
+//! 4-byte header length and a 4-byte payload length (both big-endian), the header, a MessagePack
+//! map, and the payload, raw bytes (file data, an attribute value). Bulk data never passes
+//! through the serialiser: it is read straight into the buffer the layer receives, and written
+//! from the buffer a layer returned.
+//!
+//! A request names its operation and its arguments by name (the operation's descriptor,
+//! `seeds/000` §5.4), so a peer that does not know an operation still reads the message and
+//! answers "unknown operation" rather than losing the connection. Extended operations travel as a
+//! name with string arguments and come back as JSON: any layer's extended operation crosses
+//! without the transport knowing it.
+
+use std::ffi::OsStr;
+use std::io::{self, IoSlice, Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use plyfs_stack::{
+    Attr, Caller, DirEntry, Entry, Error, FileHandle, FileKind, NodeId, Op, Opened, Reply, SetAttr, StatFs, TimeSet, XattrReply,
+};
+use serde::{Deserialize, Serialize};
+
+/// Sent first by both sides. The last byte is the frame format's version, which has no reason to
+/// change; protocol versions are negotiated in the handshake.
+pub const PREAMBLE: [u8; 8] = *b"plyfs\r\n\x01";
+
+/// Protocol versions this build speaks, newest last.
+pub const VERSIONS: &[u32] = &[1];
+
+/// Limits every peer enforces on what it receives. A frame over them closes the connection; an
+/// argument over them gets an error reply.
+pub mod limits {
+    /// The largest header: a `readdirplus` reply of [`MAX_DIR_ENTRIES`] long names fits.
+    pub const MAX_HEADER: usize = 4 << 20;
+    /// The largest payload: a read or write of [`MAX_IO`] bytes.
+    pub const MAX_PAYLOAD: usize = MAX_IO;
+    /// The most bytes one `read` or `write` moves.
+    pub const MAX_IO: usize = 8 << 20;
+    /// The longest name of a directory entry or an extended attribute (`NAME_MAX`, `XATTR_NAME_MAX`).
+    pub const MAX_NAME: usize = 255;
+    /// The longest symlink target (`PATH_MAX`).
+    pub const MAX_PATH: usize = 4096;
+    /// The largest extended attribute value (`XATTR_SIZE_MAX`).
+    pub const MAX_XATTR: usize = 64 << 10;
+    /// The most entries one `readdir` returns.
+    pub const MAX_DIR_ENTRIES: u32 = 4096;
+    /// The most arguments of an extended operation, and the longest of them.
+    pub const MAX_EXT_ARGS: usize = 64;
+    pub const MAX_EXT_ARG: usize = 4096;
+}
+
+/// A time as seconds and nanoseconds since the epoch (seconds may be negative).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireTime(pub i64, pub u32);
+
+impl WireTime {
+    pub fn from_system(t: SystemTime) -> WireTime {
+        match t.duration_since(UNIX_EPOCH) {
+            Ok(d) => WireTime(d.as_secs() as i64, d.subsec_nanos()),
+            Err(e) => {
+                let d = e.duration();
+                let (s, ns) = (d.as_secs() as i64, d.subsec_nanos());
+                if ns == 0 {
+                    WireTime(-s, 0)
+                } else {
+                    WireTime(-s - 1, 1_000_000_000 - ns)
+                }
+            }
+        }
+    }
+
+    pub fn to_system(self) -> SystemTime {
+        let ns = Duration::from_nanos(u64::from(self.1.min(999_999_999)));
+        if self.0 >= 0 {
+            UNIX_EPOCH + Duration::from_secs(self.0 as u64) + ns
+        } else {
+            UNIX_EPOCH - Duration::from_secs(self.0.unsigned_abs()) + ns
+        }
+    }
+}
+
+/// A time to set: `"now"` or a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WireTimeSet {
+    Now,
+    At(WireTime),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireCaller {
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: u32,
+}
+
+impl From<&Caller> for WireCaller {
+    fn from(c: &Caller) -> WireCaller {
+        WireCaller { uid: c.uid, gid: c.gid, pid: c.pid }
+    }
+}
+
+impl From<WireCaller> for Caller {
+    fn from(c: WireCaller) -> Caller {
+        Caller { uid: c.uid, gid: c.gid, pid: c.pid }
+    }
+}
+
+type Bytes = serde_bytes::ByteBuf;
+
+fn bytes(b: &[u8]) -> Bytes {
+    Bytes::from(b.to_vec())
+}
+
+/// An operation by name with named arguments: the header of a request. `write` and `setxattr`
+/// carry their data as the frame's payload.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", content = "args", rename_all = "lowercase")]
+pub enum WireOp {
+    Lookup {
+        parent: u64,
+        name: Bytes,
+    },
+    Forget {
+        node: u64,
+        nlookup: u64,
+    },
+    GetAttr {
+        node: u64,
+        fh: Option<u64>,
+    },
+    SetAttr {
+        node: u64,
+        fh: Option<u64>,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<WireTimeSet>,
+        mtime: Option<WireTimeSet>,
+    },
+    ReadLink {
+        node: u64,
+    },
+    MkNod {
+        parent: u64,
+        name: Bytes,
+        mode: u32,
+        rdev: u32,
+    },
+    MkDir {
+        parent: u64,
+        name: Bytes,
+        mode: u32,
+    },
+    Unlink {
+        parent: u64,
+        name: Bytes,
+    },
+    RmDir {
+        parent: u64,
+        name: Bytes,
+    },
+    SymLink {
+        parent: u64,
+        name: Bytes,
+        target: Bytes,
+    },
+    Rename {
+        parent: u64,
+        name: Bytes,
+        new_parent: u64,
+        new_name: Bytes,
+        flags: u32,
+    },
+    Link {
+        node: u64,
+        new_parent: u64,
+        new_name: Bytes,
+    },
+    Open {
+        node: u64,
+        flags: i32,
+    },
+    Create {
+        parent: u64,
+        name: Bytes,
+        mode: u32,
+        flags: i32,
+    },
+    Read {
+        node: u64,
+        fh: u64,
+        offset: u64,
+        size: u32,
+    },
+    Write {
+        node: u64,
+        fh: u64,
+        offset: u64,
+    },
+    Flush {
+        node: u64,
+        fh: u64,
+    },
+    Fsync {
+        node: u64,
+        fh: u64,
+        datasync: bool,
+    },
+    Release {
+        node: u64,
+        fh: u64,
+    },
+    OpenDir {
+        node: u64,
+    },
+    ReadDir {
+        node: u64,
+        fh: u64,
+        offset: u64,
+        max_entries: u32,
+        plus: bool,
+    },
+    ReleaseDir {
+        node: u64,
+        fh: u64,
+    },
+    FsyncDir {
+        node: u64,
+        fh: u64,
+        datasync: bool,
+    },
+    StatFs {
+        node: u64,
+    },
+    Access {
+        node: u64,
+        mask: i32,
+    },
+    GetXattr {
+        node: u64,
+        name: Bytes,
+        size: u32,
+    },
+    SetXattr {
+        node: u64,
+        name: Bytes,
+        flags: i32,
+    },
+    ListXattr {
+        node: u64,
+        size: u32,
+    },
+    RemoveXattr {
+        node: u64,
+        name: Bytes,
+    },
+    Fallocate {
+        node: u64,
+        fh: u64,
+        offset: u64,
+        length: u64,
+        mode: i32,
+    },
+    Lseek {
+        node: u64,
+        fh: u64,
+        offset: i64,
+        whence: i32,
+    },
+    Extended {
+        node: u64,
+        name: String,
+        args: Vec<String>,
+    },
+}
+
+impl WireOp {
+    /// The wire form of `op` and its payload.
+    pub fn from_op<'a>(op: &Op<'a>) -> (WireOp, &'a [u8]) {
+        use Op::*;
+        let time = |t: Option<TimeSet>| {
+            t.map(|t| match t {
+                TimeSet::Now => WireTimeSet::Now,
+                TimeSet::At(t) => WireTimeSet::At(WireTime::from_system(t)),
+            })
+        };
+        let n = |name: &OsStr| bytes(name.as_bytes());
+        let wire = match *op {
+            Lookup { parent, name } => WireOp::Lookup { parent: parent.0, name: n(name) },
+            Forget { node, nlookup } => WireOp::Forget { node: node.0, nlookup },
+            GetAttr { node, fh } => WireOp::GetAttr { node: node.0, fh: fh.map(|f| f.0) },
+            SetAttr { node, fh, set } => WireOp::SetAttr {
+                node: node.0,
+                fh: fh.map(|f| f.0),
+                mode: set.mode,
+                uid: set.uid,
+                gid: set.gid,
+                size: set.size,
+                atime: time(set.atime),
+                mtime: time(set.mtime),
+            },
+            ReadLink { node } => WireOp::ReadLink { node: node.0 },
+            MkNod { parent, name, mode, rdev } => WireOp::MkNod { parent: parent.0, name: n(name), mode, rdev },
+            MkDir { parent, name, mode } => WireOp::MkDir { parent: parent.0, name: n(name), mode },
+            Unlink { parent, name } => WireOp::Unlink { parent: parent.0, name: n(name) },
+            RmDir { parent, name } => WireOp::RmDir { parent: parent.0, name: n(name) },
+            SymLink { parent, name, target } => {
+                WireOp::SymLink { parent: parent.0, name: n(name), target: bytes(target.as_os_str().as_bytes()) }
+            }
+            Rename { parent, name, new_parent, new_name, flags } => {
+                WireOp::Rename { parent: parent.0, name: n(name), new_parent: new_parent.0, new_name: n(new_name), flags }
+            }
+            Link { node, new_parent, new_name } => WireOp::Link { node: node.0, new_parent: new_parent.0, new_name: n(new_name) },
+            Open { node, flags } => WireOp::Open { node: node.0, flags },
+            Create { parent, name, mode, flags } => WireOp::Create { parent: parent.0, name: n(name), mode, flags },
+            Read { node, fh, offset, size } => WireOp::Read { node: node.0, fh: fh.0, offset, size },
+            Write { node, fh, offset, data } => return (WireOp::Write { node: node.0, fh: fh.0, offset }, data),
+            Flush { node, fh } => WireOp::Flush { node: node.0, fh: fh.0 },
+            Fsync { node, fh, datasync } => WireOp::Fsync { node: node.0, fh: fh.0, datasync },
+            Release { node, fh } => WireOp::Release { node: node.0, fh: fh.0 },
+            OpenDir { node } => WireOp::OpenDir { node: node.0 },
+            ReadDir { node, fh, offset, max_entries, plus } => WireOp::ReadDir { node: node.0, fh: fh.0, offset, max_entries, plus },
+            ReleaseDir { node, fh } => WireOp::ReleaseDir { node: node.0, fh: fh.0 },
+            FsyncDir { node, fh, datasync } => WireOp::FsyncDir { node: node.0, fh: fh.0, datasync },
+            StatFs { node } => WireOp::StatFs { node: node.0 },
+            Access { node, mask } => WireOp::Access { node: node.0, mask },
+            GetXattr { node, name, size } => WireOp::GetXattr { node: node.0, name: n(name), size },
+            SetXattr { node, name, value, flags } => return (WireOp::SetXattr { node: node.0, name: n(name), flags }, value),
+            ListXattr { node, size } => WireOp::ListXattr { node: node.0, size },
+            RemoveXattr { node, name } => WireOp::RemoveXattr { node: node.0, name: n(name) },
+            Fallocate { node, fh, offset, length, mode } => WireOp::Fallocate { node: node.0, fh: fh.0, offset, length, mode },
+            Lseek { node, fh, offset, whence } => WireOp::Lseek { node: node.0, fh: fh.0, offset, whence },
+            Extended { node, name, args } => WireOp::Extended { node: node.0, name: name.to_owned(), args: args.to_vec() },
+        };
+        (wire, &[])
+    }
+
+    /// The operation this describes, borrowing its names and `payload`. Arguments over the
+    /// protocol's limits are refused here, before any layer sees them.
+    pub fn to_op<'a>(&'a self, payload: &'a [u8]) -> Result<Op<'a>, Error> {
+        use limits::*;
+        let name = |b: &'a Bytes| -> Result<&'a OsStr, Error> {
+            if b.is_empty() || b.len() > MAX_NAME || b.contains(&0) {
+                return Err(Error::BadArgs(format!("bad name of {} bytes", b.len())));
+            }
+            Ok(OsStr::from_bytes(b))
+        };
+        let entry_name = |b: &'a Bytes| -> Result<&'a OsStr, Error> {
+            let n = name(b)?;
+            // One component inside its directory: never a way up or out of the exported tree.
+            if b.contains(&b'/') || &b[..] == b"." || &b[..] == b".." {
+                return Err(Error::Os(libc::EPERM));
+            }
+            Ok(n)
+        };
+        let time = |t: Option<WireTimeSet>| {
+            t.map(|t| match t {
+                WireTimeSet::Now => TimeSet::Now,
+                WireTimeSet::At(t) => TimeSet::At(t.to_system()),
+            })
+        };
+        let node = NodeId;
+        let fh = FileHandle;
+        let no_payload = |op: &str| {
+            if payload.is_empty() {
+                Ok(())
+            } else {
+                Err(Error::BadArgs(format!("{op} takes no payload")))
+            }
+        };
+        if !matches!(self, WireOp::Write { .. } | WireOp::SetXattr { .. }) {
+            no_payload("this operation")?;
+        }
+        Ok(match self {
+            WireOp::Lookup { parent, name } => Op::Lookup { parent: node(*parent), name: entry_name(name)? },
+            WireOp::Forget { node: n, nlookup } => Op::Forget { node: node(*n), nlookup: *nlookup },
+            WireOp::GetAttr { node: n, fh: h } => Op::GetAttr { node: node(*n), fh: h.map(fh) },
+            WireOp::SetAttr { node: n, fh: h, mode, uid, gid, size, atime, mtime } => Op::SetAttr {
+                node: node(*n),
+                fh: h.map(fh),
+                set: SetAttr { mode: *mode, uid: *uid, gid: *gid, size: *size, atime: time(*atime), mtime: time(*mtime) },
+            },
+            WireOp::ReadLink { node: n } => Op::ReadLink { node: node(*n) },
+            WireOp::MkNod { parent, name, mode, rdev } => {
+                Op::MkNod { parent: node(*parent), name: entry_name(name)?, mode: *mode, rdev: *rdev }
+            }
+            WireOp::MkDir { parent, name, mode } => Op::MkDir { parent: node(*parent), name: entry_name(name)?, mode: *mode },
+            WireOp::Unlink { parent, name } => Op::Unlink { parent: node(*parent), name: entry_name(name)? },
+            WireOp::RmDir { parent, name } => Op::RmDir { parent: node(*parent), name: entry_name(name)? },
+            WireOp::SymLink { parent, name, target } => {
+                if target.is_empty() || target.len() >= MAX_PATH || target.contains(&0) {
+                    return Err(Error::BadArgs(format!("bad symlink target of {} bytes", target.len())));
+                }
+                Op::SymLink { parent: node(*parent), name: entry_name(name)?, target: Path::new(OsStr::from_bytes(target)) }
+            }
+            WireOp::Rename { parent, name, new_parent, new_name, flags } => Op::Rename {
+                parent: node(*parent),
+                name: entry_name(name)?,
+                new_parent: node(*new_parent),
+                new_name: entry_name(new_name)?,
+                flags: *flags,
+            },
+            WireOp::Link { node: n, new_parent, new_name } => {
+                Op::Link { node: node(*n), new_parent: node(*new_parent), new_name: entry_name(new_name)? }
+            }
+            WireOp::Open { node: n, flags } => Op::Open { node: node(*n), flags: *flags },
+            WireOp::Create { parent, name, mode, flags } => {
+                Op::Create { parent: node(*parent), name: entry_name(name)?, mode: *mode, flags: *flags }
+            }
+            WireOp::Read { node: n, fh: h, offset, size } => {
+                if *size as usize > MAX_IO {
+                    return Err(Error::BadArgs(format!("a read of {size} bytes (at most {MAX_IO})")));
+                }
+                Op::Read { node: node(*n), fh: fh(*h), offset: *offset, size: *size }
+            }
+            WireOp::Write { node: n, fh: h, offset } => Op::Write { node: node(*n), fh: fh(*h), offset: *offset, data: payload },
+            WireOp::Flush { node: n, fh: h } => Op::Flush { node: node(*n), fh: fh(*h) },
+            WireOp::Fsync { node: n, fh: h, datasync } => Op::Fsync { node: node(*n), fh: fh(*h), datasync: *datasync },
+            WireOp::Release { node: n, fh: h } => Op::Release { node: node(*n), fh: fh(*h) },
+            WireOp::OpenDir { node: n } => Op::OpenDir { node: node(*n) },
+            WireOp::ReadDir { node: n, fh: h, offset, max_entries, plus } => Op::ReadDir {
+                node: node(*n),
+                fh: fh(*h),
+                offset: *offset,
+                max_entries: (*max_entries).min(MAX_DIR_ENTRIES),
+                plus: *plus,
+            },
+            WireOp::ReleaseDir { node: n, fh: h } => Op::ReleaseDir { node: node(*n), fh: fh(*h) },
+            WireOp::FsyncDir { node: n, fh: h, datasync } => Op::FsyncDir { node: node(*n), fh: fh(*h), datasync: *datasync },
+            WireOp::StatFs { node: n } => Op::StatFs { node: node(*n) },
+            WireOp::Access { node: n, mask } => Op::Access { node: node(*n), mask: *mask },
+            WireOp::GetXattr { node: n, name: x, size } => {
+                Op::GetXattr { node: node(*n), name: name(x)?, size: (*size).min(MAX_XATTR as u32) }
+            }
+            WireOp::SetXattr { node: n, name: x, flags } => {
+                if payload.len() > MAX_XATTR {
+                    return Err(Error::Os(libc::E2BIG));
+                }
+                Op::SetXattr { node: node(*n), name: name(x)?, value: payload, flags: *flags }
+            }
+            WireOp::ListXattr { node: n, size } => Op::ListXattr { node: node(*n), size: (*size).min(MAX_XATTR as u32) },
+            WireOp::RemoveXattr { node: n, name: x } => Op::RemoveXattr { node: node(*n), name: name(x)? },
+            WireOp::Fallocate { node: n, fh: h, offset, length, mode } => {
+                Op::Fallocate { node: node(*n), fh: fh(*h), offset: *offset, length: *length, mode: *mode }
+            }
+            WireOp::Lseek { node: n, fh: h, offset, whence } => {
+                Op::Lseek { node: node(*n), fh: fh(*h), offset: *offset, whence: *whence }
+            }
+            WireOp::Extended { node: n, name, args } => {
+                if args.len() > MAX_EXT_ARGS || args.iter().any(|a| a.len() > MAX_EXT_ARG) || name.len() > MAX_NAME {
+                    return Err(Error::BadArgs(format!("extended operation '{name}': too many or too long arguments")));
+                }
+                Op::Extended { node: node(*n), name, args }
+            }
+        })
+    }
+}
+
+/// A file type, by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WireKind {
+    File,
+    Dir,
+    Symlink,
+    Fifo,
+    Socket,
+    Char,
+    Block,
+}
+
+impl From<FileKind> for WireKind {
+    fn from(k: FileKind) -> WireKind {
+        match k {
+            FileKind::File => WireKind::File,
+            FileKind::Dir => WireKind::Dir,
+            FileKind::Symlink => WireKind::Symlink,
+            FileKind::Fifo => WireKind::Fifo,
+            FileKind::Socket => WireKind::Socket,
+            FileKind::CharDevice => WireKind::Char,
+            FileKind::BlockDevice => WireKind::Block,
+        }
+    }
+}
+
+impl From<WireKind> for FileKind {
+    fn from(k: WireKind) -> FileKind {
+        match k {
+            WireKind::File => FileKind::File,
+            WireKind::Dir => FileKind::Dir,
+            WireKind::Symlink => FileKind::Symlink,
+            WireKind::Fifo => FileKind::Fifo,
+            WireKind::Socket => FileKind::Socket,
+            WireKind::Char => FileKind::CharDevice,
+            WireKind::Block => FileKind::BlockDevice,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireAttr {
+    pub size: u64,
+    pub blocks: u64,
+    pub atime: WireTime,
+    pub mtime: WireTime,
+    pub ctime: WireTime,
+    pub kind: WireKind,
+    pub perm: u16,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub rdev: u32,
+    pub blksize: u32,
+}
+
+impl From<&Attr> for WireAttr {
+    fn from(a: &Attr) -> WireAttr {
+        WireAttr {
+            size: a.size,
+            blocks: a.blocks,
+            atime: WireTime::from_system(a.atime),
+            mtime: WireTime::from_system(a.mtime),
+            ctime: WireTime::from_system(a.ctime),
+            kind: a.kind.into(),
+            perm: a.perm,
+            nlink: a.nlink,
+            uid: a.uid,
+            gid: a.gid,
+            rdev: a.rdev,
+            blksize: a.blksize,
+        }
+    }
+}
+
+impl From<&WireAttr> for Attr {
+    fn from(a: &WireAttr) -> Attr {
+        Attr {
+            size: a.size,
+            blocks: a.blocks,
+            atime: a.atime.to_system(),
+            mtime: a.mtime.to_system(),
+            ctime: a.ctime.to_system(),
+            kind: a.kind.into(),
+            perm: a.perm & 0o7777,
+            nlink: a.nlink,
+            uid: a.uid,
+            gid: a.gid,
+            rdev: a.rdev,
+            blksize: a.blksize,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireEntry {
+    pub node: u64,
+    pub attr: WireAttr,
+    pub generation: u64,
+}
+
+impl From<&Entry> for WireEntry {
+    fn from(e: &Entry) -> WireEntry {
+        WireEntry { node: e.node.0, attr: (&e.attr).into(), generation: e.generation }
+    }
+}
+
+impl From<&WireEntry> for Entry {
+    fn from(e: &WireEntry) -> Entry {
+        Entry { node: NodeId(e.node), attr: (&e.attr).into(), generation: e.generation }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireOpened {
+    pub fh: u64,
+    pub direct_io: bool,
+    pub flush_on_close: bool,
+}
+
+impl From<&Opened> for WireOpened {
+    fn from(o: &Opened) -> WireOpened {
+        WireOpened { fh: o.fh.0, direct_io: o.direct_io, flush_on_close: o.flush_on_close }
+    }
+}
+
+impl From<&WireOpened> for Opened {
+    fn from(o: &WireOpened) -> Opened {
+        Opened { fh: FileHandle(o.fh), backing: None, direct_io: o.direct_io, flush_on_close: o.flush_on_close }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireDirEntry {
+    pub name: Bytes,
+    pub node: u64,
+    pub kind: WireKind,
+    pub next: u64,
+    pub entry: Option<WireEntry>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireStatFs {
+    pub blocks: u64,
+    pub bfree: u64,
+    pub bavail: u64,
+    pub files: u64,
+    pub ffree: u64,
+    pub bsize: u32,
+    pub namelen: u32,
+    pub frsize: u32,
+}
+
+/// An error: the errno every peer understands, and the one line that explains it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireError {
+    pub errno: i32,
+    pub msg: String,
+    /// `"unsupported"` for an extended operation no layer answers, `"corrupt"` for damaged
+    /// data, `"config"` or `"args"`; absent for a plain system error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<String>,
+}
+
+impl From<&Error> for WireError {
+    fn from(e: &Error) -> WireError {
+        let class = match e {
+            Error::Os(_) => None,
+            Error::UnsupportedOp { .. } => Some("unsupported"),
+            Error::Config(_) => Some("config"),
+            Error::Corrupt(_) => Some("corrupt"),
+            Error::BadArgs(_) => Some("args"),
+        };
+        WireError { errno: e.errno(), msg: e.to_string(), class: class.map(str::to_owned) }
+    }
+}
+
+impl WireError {
+    /// Back to a stack error. An unsupported extended operation keeps its class, so the
+    /// client's stack can name its own layers in the message.
+    pub fn to_error(&self, op: &str) -> Error {
+        match self.class.as_deref() {
+            Some("unsupported") => Error::UnsupportedOp { op: op.to_owned(), layers: vec!["the remote stack".into()] },
+            Some("corrupt") => Error::Corrupt(self.msg.clone()),
+            Some("args") => Error::BadArgs(self.msg.clone()),
+            Some("config") => Error::Config(self.msg.clone()),
+            _ if self.errno > 0 && self.errno < 4096 => Error::Os(self.errno),
+            _ => Error::Os(libc::EIO),
+        }
+    }
+}
+
+/// A reply's header. `data` and `xattr` replies carry their bytes as the frame's payload.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "r", content = "v", rename_all = "lowercase")]
+pub enum WireReply {
+    Empty,
+    Entry(WireEntry),
+    Attr(WireAttr),
+    Data,
+    Written(u32),
+    Opened(WireOpened),
+    Created(WireEntry, WireOpened),
+    Dir(Vec<WireDirEntry>),
+    StatFs(WireStatFs),
+    Xattr,
+    XattrSize(u32),
+    Offset(u64),
+    Extended(serde_json::Value),
+    Error(WireError),
+}
+
+impl WireReply {
+    /// The wire form of a reply, and its payload.
+    pub fn from_result(result: Result<Reply, Error>) -> (WireReply, Vec<u8>) {
+        let reply = match result {
+            Ok(r) => r,
+            Err(e) => return (WireReply::Error((&e).into()), Vec::new()),
+        };
+        let wire = match reply {
+            Reply::Empty => WireReply::Empty,
+            Reply::Entry(e) => WireReply::Entry((&e).into()),
+            Reply::Attr(a) => WireReply::Attr((&a).into()),
+            Reply::Data(d) => return (WireReply::Data, d),
+            Reply::Written(n) => WireReply::Written(n),
+            Reply::Opened(o) => WireReply::Opened((&o).into()),
+            Reply::Created(e, o) => WireReply::Created((&e).into(), (&o).into()),
+            Reply::Dir(entries) => WireReply::Dir(
+                entries
+                    .iter()
+                    .map(|d| WireDirEntry {
+                        name: bytes(d.name.as_bytes()),
+                        node: d.node.0,
+                        kind: d.kind.into(),
+                        next: d.next_offset,
+                        entry: d.entry.as_ref().map(Into::into),
+                    })
+                    .collect(),
+            ),
+            Reply::StatFs(s) => WireReply::StatFs(WireStatFs {
+                blocks: s.blocks,
+                bfree: s.bfree,
+                bavail: s.bavail,
+                files: s.files,
+                ffree: s.ffree,
+                bsize: s.bsize,
+                namelen: s.namelen,
+                frsize: s.frsize,
+            }),
+            Reply::Xattr(XattrReply::Data(d)) => return (WireReply::Xattr, d),
+            Reply::Xattr(XattrReply::Size(n)) => WireReply::XattrSize(n),
+            Reply::Offset(o) => WireReply::Offset(o),
+            Reply::Extended(v) => WireReply::Extended(v),
+        };
+        (wire, Vec::new())
+    }
+
+    /// The stack's reply, taking `payload`. `op` names the operation, for error messages.
+    pub fn into_result(self, payload: Vec<u8>, op: &str) -> Result<Reply, Error> {
+        Ok(match self {
+            WireReply::Empty => Reply::Empty,
+            WireReply::Entry(e) => Reply::Entry((&e).into()),
+            WireReply::Attr(a) => Reply::Attr((&a).into()),
+            WireReply::Data => Reply::Data(payload),
+            WireReply::Written(n) => Reply::Written(n),
+            WireReply::Opened(o) => Reply::Opened((&o).into()),
+            WireReply::Created(e, o) => Reply::Created((&e).into(), (&o).into()),
+            WireReply::Dir(entries) => Reply::Dir(
+                entries
+                    .into_iter()
+                    .map(|d| DirEntry {
+                        name: OsStr::from_bytes(&d.name).to_owned(),
+                        node: NodeId(d.node),
+                        kind: d.kind.into(),
+                        next_offset: d.next,
+                        entry: d.entry.as_ref().map(Into::into),
+                    })
+                    .collect(),
+            ),
+            WireReply::StatFs(s) => Reply::StatFs(StatFs {
+                blocks: s.blocks,
+                bfree: s.bfree,
+                bavail: s.bavail,
+                files: s.files,
+                ffree: s.ffree,
+                bsize: s.bsize,
+                namelen: s.namelen,
+                frsize: s.frsize,
+            }),
+            WireReply::Xattr => Reply::Xattr(XattrReply::Data(payload)),
+            WireReply::XattrSize(n) => Reply::Xattr(XattrReply::Size(n)),
+            WireReply::Offset(o) => Reply::Offset(o),
+            WireReply::Extended(v) => Reply::Extended(v),
+            WireReply::Error(e) => return Err(e.to_error(op)),
+        })
+    }
+}
+
+/// A layer of the peer's stack, as the handshake lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireLayer {
+    pub name: String,
+    pub kind: String,
+}
+
+/// An extended operation the peer's stack answers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireExtOp {
+    pub name: String,
+    pub args: String,
+    pub help: String,
+    /// The level that answers it.
+    pub level: String,
+}
+
+/// A change on the server that a client's caches must forget.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Change {
+    /// The object's attributes or data changed.
+    Node { node: u64 },
+    /// The name in the directory now means something else, or nothing.
+    Entry { parent: u64, name: Bytes },
+}
+
+/// Every message's header.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "t", rename_all = "lowercase")]
+pub enum Message {
+    /// The client's opening: the versions it speaks and who it is.
+    Hello {
+        versions: Vec<u32>,
+        software: String,
+        /// Proof of the pre-shared key, bound to this TLS session (TCP only).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        auth: Option<Bytes>,
+    },
+    /// The server's answer: the version chosen, its stack and its identity. `instance` changes
+    /// whenever the server restarts, which tells a client to find its nodes again.
+    Welcome {
+        version: u32,
+        software: String,
+        instance: u64,
+        layers: Vec<WireLayer>,
+        ext_ops: Vec<WireExtOp>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        auth: Option<Bytes>,
+    },
+    /// The server will not talk to this client; the connection closes after it.
+    Refused { reason: String },
+    /// A request. `id` 0 asks for no reply (`forget`).
+    Req {
+        id: u64,
+        caller: WireCaller,
+        #[serde(flatten)]
+        op: WireOp,
+    },
+    Rep {
+        id: u64,
+        #[serde(flatten)]
+        reply: WireReply,
+    },
+    /// Changes the server saw, for the client's caches.
+    Changed { changes: Vec<Change> },
+}
+
+/// Just the id of a request, read from a header whose operation could not be decoded, so the
+/// error can be answered rather than the connection closed.
+#[derive(Deserialize)]
+pub struct JustId {
+    pub t: String,
+    pub id: u64,
+    #[serde(default)]
+    pub op: Option<String>,
+}
+
+/// A frame as received: the header bytes and the payload.
+pub struct Frame {
+    pub header: Vec<u8>,
+    pub payload: Vec<u8>,
+}
+
+/// Encode a header.
+pub fn encode(msg: &Message) -> Vec<u8> {
+    rmp_serde::to_vec_named(msg).expect("every message serialises")
+}
+
+/// Decode a header.
+pub fn decode(header: &[u8]) -> Result<Message, String> {
+    rmp_serde::from_slice(header).map_err(|e| e.to_string())
+}
+
+/// Why a frame could not be read.
+#[derive(Debug)]
+pub enum FrameError {
+    /// The peer closed the connection between frames.
+    Closed,
+    Io(io::Error),
+    /// Sizes over the limits: the peer is broken or hostile, and the connection must close.
+    TooLarge {
+        header: usize,
+        payload: usize,
+    },
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::Closed => f.write_str("connection closed"),
+            FrameError::Io(e) => write!(f, "{e}"),
+            FrameError::TooLarge { header, payload } => write!(
+                f,
+                "a frame of {header} header and {payload} payload bytes, over the limits ({} and {})",
+                limits::MAX_HEADER,
+                limits::MAX_PAYLOAD
+            ),
+        }
+    }
+}
+
+/// Read one frame. Memory is only reserved for sizes within the limits.
+pub fn read_frame<R: Read + ?Sized>(r: &mut R) -> Result<Frame, FrameError> {
+    let mut lens = [0u8; 8];
+    let mut got = 0;
+    while got < lens.len() {
+        match r.read(&mut lens[got..]) {
+            Ok(0) if got == 0 => return Err(FrameError::Closed),
+            Ok(0) => return Err(FrameError::Io(io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(FrameError::Io(e)),
+        }
+    }
+    let header = u32::from_be_bytes(lens[..4].try_into().expect("4 bytes")) as usize;
+    let payload = u32::from_be_bytes(lens[4..].try_into().expect("4 bytes")) as usize;
+    if header == 0 || header > limits::MAX_HEADER || payload > limits::MAX_PAYLOAD {
+        return Err(FrameError::TooLarge { header, payload });
+    }
+    let mut h = vec![0u8; header];
+    r.read_exact(&mut h).map_err(FrameError::Io)?;
+    let mut p = vec![0u8; payload];
+    r.read_exact(&mut p).map_err(FrameError::Io)?;
+    Ok(Frame { header: h, payload: p })
+}
+
+/// Write one frame with a single vectored write where the transport allows: the payload is
+/// not copied into the header's buffer.
+pub fn write_frame<W: Write + ?Sized>(w: &mut W, header: &[u8], payload: &[u8]) -> io::Result<()> {
+    let mut lens = [0u8; 8];
+    lens[..4].copy_from_slice(&(header.len() as u32).to_be_bytes());
+    lens[4..].copy_from_slice(&(payload.len() as u32).to_be_bytes());
+    let parts = [&lens[..], header, payload];
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let mut done = 0;
+    while done < total {
+        // Skip what is already written, part by part.
+        let mut skip = done;
+        let mut slices = Vec::with_capacity(3);
+        for p in parts {
+            if skip >= p.len() {
+                skip -= p.len();
+                continue;
+            }
+            slices.push(IoSlice::new(&p[skip..]));
+            skip = 0;
+        }
+        match w.write_vectored(&slices) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    w.flush()
+}
+
+/// Read the peer's preamble and check it.
+pub fn read_preamble<R: Read + ?Sized>(r: &mut R) -> io::Result<()> {
+    let mut got = [0u8; 8];
+    r.read_exact(&mut got)?;
+    if got != PREAMBLE {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "the peer does not speak the plyfs protocol"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(msg: &Message) -> Message {
+        decode(&encode(msg)).expect("decodes")
+    }
+
+    #[test]
+    fn requests_and_replies_round_trip() {
+        let req = Message::Req {
+            id: 7,
+            caller: WireCaller { uid: 1, gid: 2, pid: 3 },
+            op: WireOp::Rename { parent: 1, name: bytes(b"a"), new_parent: 9, new_name: bytes(b"\xffb"), flags: 1 },
+        };
+        assert_eq!(round_trip(&req), req);
+        let ext = Message::Req {
+            id: 8,
+            caller: WireCaller { uid: 0, gid: 0, pid: 0 },
+            op: WireOp::Extended { node: 1, name: "stats".into(), args: vec!["x".into()] },
+        };
+        assert_eq!(round_trip(&ext), ext);
+        let attr = WireAttr {
+            size: 1,
+            blocks: 2,
+            atime: WireTime(-5, 3),
+            mtime: WireTime(7, 0),
+            ctime: WireTime(8, 999_999_999),
+            kind: WireKind::Symlink,
+            perm: 0o4755,
+            nlink: 2,
+            uid: 3,
+            gid: 4,
+            rdev: 5,
+            blksize: 4096,
+        };
+        let rep = Message::Rep {
+            id: 7,
+            reply: WireReply::Created(
+                WireEntry { node: 5, attr, generation: 1 },
+                WireOpened { fh: 3, direct_io: true, flush_on_close: false },
+            ),
+        };
+        assert_eq!(round_trip(&rep), rep);
+        let ext_rep = Message::Rep { id: 8, reply: WireReply::Extended(serde_json::json!({"a": [1, "b", null]})) };
+        assert_eq!(round_trip(&ext_rep), ext_rep);
+    }
+
+    #[test]
+    fn headers_are_named_maps() {
+        // Another language reads the operation and its arguments by name.
+        let req = Message::Req { id: 1, caller: WireCaller { uid: 0, gid: 0, pid: 0 }, op: WireOp::GetAttr { node: 1, fh: None } };
+        let value: rmpv::Value = rmp_serde::from_slice(&encode(&req)).unwrap();
+        let map = value.as_map().expect("a map");
+        let get = |k: &str| map.iter().find(|(key, _)| key.as_str() == Some(k)).map(|(_, v)| v.clone());
+        assert_eq!(get("t").unwrap().as_str(), Some("req"));
+        assert_eq!(get("op").unwrap().as_str(), Some("getattr"));
+        assert!(get("args").unwrap().is_map());
+    }
+
+    #[test]
+    fn times_round_trip_before_and_after_the_epoch() {
+        for t in [WireTime(0, 0), WireTime(1, 5), WireTime(-1, 0), WireTime(-2, 500)] {
+            assert_eq!(WireTime::from_system(t.to_system()), t);
+        }
+    }
+
+    #[test]
+    fn an_unknown_operation_still_gives_its_id() {
+        let mut raw = std::collections::BTreeMap::new();
+        raw.insert("t", rmpv::Value::from("req"));
+        raw.insert("id", rmpv::Value::from(42));
+        raw.insert("op", rmpv::Value::from("teleport"));
+        let bytes = rmp_serde::to_vec_named(&raw).unwrap();
+        assert!(decode(&bytes).is_err());
+        let just: JustId = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!((just.id, just.op.as_deref()), (42, Some("teleport")));
+    }
+
+    #[test]
+    fn oversized_frames_are_refused_before_allocating() {
+        let mut frame = Vec::new();
+        frame.extend_from_slice(&u32::MAX.to_be_bytes());
+        frame.extend_from_slice(&0u32.to_be_bytes());
+        assert!(matches!(read_frame(&mut &frame[..]), Err(FrameError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn bad_names_are_refused() {
+        for name in [&b""[..], b"a/b", b"a\0b", b"..", b".", &[b'x'; 256]] {
+            let op = WireOp::Lookup { parent: 1, name: bytes(name) };
+            assert!(op.to_op(&[]).is_err(), "{name:?}");
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! A server and a `remote` layer in one process, over a real Unix socket.
+
+use std::ffi::OsStr;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use plyfs_stack::{Caller, Error, Level, LowerDir, NodeId, Op, Reply};
+use plyfs_transport::listen::{bind_unix, serve_unix, UnixPolicy};
+use plyfs_transport::server::{Server, ServerOptions};
+use plyfs_transport::wire::{self, Message, WireCaller, WireOp, WireReply};
+use plyfs_transport::{Addr, PlainConnector, Remote};
+
+struct Served {
+    _dir: tempfile::TempDir,
+    lower: PathBuf,
+    socket: PathBuf,
+}
+
+fn serve() -> Served {
+    let dir = tempfile::tempdir().unwrap();
+    let lower = dir.path().join("lower");
+    std::fs::create_dir(&lower).unwrap();
+    let socket = dir.path().join("s.sock");
+    let stack = plyfs_stack::Stack::build(&[], &[], Arc::new(LowerDir::open(&lower).unwrap())).unwrap();
+    let server = Server::for_stack(&stack, ServerOptions::default());
+    let listener = bind_unix(&socket).unwrap();
+    std::thread::spawn(move || serve_unix(server, listener, UnixPolicy::default()));
+    Served { _dir: dir, lower, socket }
+}
+
+fn remote(socket: &Path) -> Level {
+    Remote::connect("remote", Box::new(PlainConnector(Addr::Unix(socket.to_owned()))), Duration::from_secs(5)).unwrap().level()
+}
+
+fn cx() -> Caller {
+    Caller::daemon()
+}
+
+#[test]
+fn files_and_directories_round_trip() {
+    let s = serve();
+    let r = remote(&s.socket);
+    let (e, o) = r.create(&cx(), NodeId::ROOT, OsStr::new("f"), 0o644, libc::O_RDWR).unwrap();
+    assert_eq!(r.write(&cx(), e.node, o.fh, 0, b"hello world").unwrap(), 11);
+    assert_eq!(r.read(&cx(), e.node, o.fh, 6, 100).unwrap(), b"world");
+    r.release(&cx(), e.node, o.fh).unwrap();
+    assert_eq!(std::fs::read(s.lower.join("f")).unwrap(), b"hello world");
+    // Inode numbers read the same on both sides.
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(e.node.0, std::fs::metadata(s.lower.join("f")).unwrap().ino());
+    let d = r.mkdir(&cx(), NodeId::ROOT, OsStr::new("d"), 0o755).unwrap();
+    let op = Op::Rename { parent: NodeId::ROOT, name: OsStr::new("f"), new_parent: d.node, new_name: OsStr::new("g"), flags: 0 };
+    r.call(&cx(), &op).unwrap();
+    let names: Vec<_> = r.list_dir(&cx(), d.node).unwrap().into_iter().map(|e| e.name).collect();
+    assert_eq!(names, vec![OsStr::new("g").to_owned()]);
+    assert!(matches!(r.lookup(&cx(), NodeId::ROOT, OsStr::new("f")), Err(Error::Os(libc::ENOENT))));
+    // Extended operations cross without the transport knowing them.
+    let info = r.extended(&cx(), d.node, "lower-info", &[]).unwrap();
+    assert!(info.to_string().contains("\"d\""), "{info}");
+    assert!(matches!(r.extended(&cx(), d.node, "no-such-op", &[]), Err(Error::UnsupportedOp { .. })));
+}
+
+/// A raw client: preamble and hello done.
+fn raw(socket: &Path) -> UnixStream {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&wire::PREAMBLE).unwrap();
+    let hello = Message::Hello { versions: vec![1], software: "test".into(), auth: None };
+    wire::write_frame(&mut s, &wire::encode(&hello), &[]).unwrap();
+    wire::read_preamble(&mut s).unwrap();
+    let f = wire::read_frame(&mut s).unwrap();
+    assert!(matches!(wire::decode(&f.header), Ok(Message::Welcome { .. })));
+    s
+}
+
+fn request(s: &mut UnixStream, op: WireOp) -> WireReply {
+    let req = Message::Req { id: 9, caller: WireCaller { uid: 0, gid: 0, pid: 1 }, op };
+    wire::write_frame(s, &wire::encode(&req), &[]).unwrap();
+    let f = wire::read_frame(s).unwrap();
+    match wire::decode(&f.header).unwrap() {
+        Message::Rep { id: 9, reply } => reply,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn errno(r: WireReply) -> i32 {
+    match r {
+        WireReply::Error(e) => e.errno,
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_client_cannot_reach_outside_the_export() {
+    let s = serve();
+    std::fs::write(s.lower.join("inside"), b"x").unwrap();
+    std::os::unix::fs::symlink("/etc", s.lower.join("out")).unwrap();
+    let mut c = raw(&s.socket);
+    let name = |n: &str| serde_bytes::ByteBuf::from(n.as_bytes().to_vec());
+    assert_eq!(errno(request(&mut c, WireOp::Lookup { parent: 1, name: name("..") })), libc::EPERM);
+    assert_eq!(errno(request(&mut c, WireOp::Lookup { parent: 1, name: name("../x") })), libc::EPERM);
+    // A node id this connection never looked up (a real inode number outside the tree).
+    use std::os::unix::fs::MetadataExt;
+    let etc = std::fs::metadata("/etc").unwrap().ino();
+    assert_eq!(errno(request(&mut c, WireOp::GetAttr { node: etc, fh: None })), libc::ESTALE);
+    // Nor through a symlink: the lookup gives the link, never what it points to.
+    let out = match request(&mut c, WireOp::Lookup { parent: 1, name: name("out") }) {
+        WireReply::Entry(e) => e,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(out.attr.kind, wire::WireKind::Symlink);
+    assert_eq!(errno(request(&mut c, WireOp::Lookup { parent: out.node, name: name("passwd") })), libc::ENOTDIR);
+    // Another connection's handle.
+    let inside = match request(&mut c, WireOp::Lookup { parent: 1, name: name("inside") }) {
+        WireReply::Entry(e) => e.node,
+        other => panic!("{other:?}"),
+    };
+    let fh = match request(&mut c, WireOp::Open { node: inside, flags: libc::O_RDONLY }) {
+        WireReply::Opened(o) => o.fh,
+        other => panic!("{other:?}"),
+    };
+    let mut other = raw(&s.socket);
+    let _ = request(&mut other, WireOp::Lookup { parent: 1, name: name("inside") });
+    assert_eq!(errno(request(&mut other, WireOp::Read { node: inside, fh, offset: 0, size: 1 })), libc::EBADF);
+}
+
+#[test]
+fn garbage_gets_an_error_or_a_closed_connection_and_the_server_lives_on() {
+    let s = serve();
+    // Not the protocol at all.
+    let mut c = UnixStream::connect(&s.socket).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    c.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let mut buf = Vec::new();
+    let _ = c.read_to_end(&mut buf);
+    // An unknown operation is answered, and the connection goes on.
+    let mut c = raw(&s.socket);
+    let mut map = std::collections::BTreeMap::new();
+    map.insert("t", rmpv::Value::from("req"));
+    map.insert("id", rmpv::Value::from(5));
+    map.insert("op", rmpv::Value::from("teleport"));
+    wire::write_frame(&mut c, &rmp_serde::to_vec_named(&map).unwrap(), &[]).unwrap();
+    let f = wire::read_frame(&mut c).unwrap();
+    match wire::decode(&f.header).unwrap() {
+        Message::Rep { id: 5, reply: WireReply::Error(e) } => assert_eq!(e.errno, libc::ENOSYS, "{}", e.msg),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(request(&mut c, WireOp::GetAttr { node: 1, fh: None }), WireReply::Attr(_)));
+    // A payload where none belongs, and arguments of the wrong type.
+    let req = Message::Req { id: 9, caller: WireCaller { uid: 0, gid: 0, pid: 1 }, op: WireOp::GetAttr { node: 1, fh: None } };
+    wire::write_frame(&mut c, &wire::encode(&req), b"junk").unwrap();
+    let f = wire::read_frame(&mut c).unwrap();
+    assert!(matches!(wire::decode(&f.header).unwrap(), Message::Rep { reply: WireReply::Error(_), .. }));
+    // A frame claiming 4 GiB closes the connection without allocating it.
+    c.write_all(&[0xff; 8]).unwrap();
+    let mut buf = Vec::new();
+    assert!(c.read_to_end(&mut buf).is_ok());
+    // A truncated frame, then silence: the server gives up on it at close.
+    let mut c = raw(&s.socket);
+    c.write_all(&[0, 0, 0, 50, 0, 0, 0, 0, 1, 2, 3]).unwrap();
+    drop(c);
+    // Random bytes after a good hello.
+    let mut c = raw(&s.socket);
+    let mut seed = 7u64;
+    let junk: Vec<u8> = (0..4096)
+        .map(|_| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) as u8
+        })
+        .collect();
+    let _ = c.write_all(&junk);
+    let mut buf = Vec::new();
+    let _ = c.read_to_end(&mut buf);
+    // Still serving.
+    let r = remote(&s.socket);
+    assert!(r.getattr(&cx(), NodeId::ROOT).is_ok());
+}
+
+#[test]
+fn a_wrong_version_is_refused_with_a_reason() {
+    let s = serve();
+    let mut c = UnixStream::connect(&s.socket).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    c.write_all(&wire::PREAMBLE).unwrap();
+    let hello = Message::Hello { versions: vec![99], software: "test".into(), auth: None };
+    wire::write_frame(&mut c, &wire::encode(&hello), &[]).unwrap();
+    wire::read_preamble(&mut c).unwrap();
+    let f = wire::read_frame(&mut c).unwrap();
+    match wire::decode(&f.header).unwrap() {
+        Message::Refused { reason } => assert!(reason.contains("version"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn many_requests_in_flight_on_one_connection() {
+    let s = serve();
+    let r = remote(&s.socket);
+    for i in 0..8 {
+        std::fs::write(s.lower.join(format!("f{i}")), vec![i as u8; 100_000]).unwrap();
+    }
+    std::thread::scope(|sc| {
+        for i in 0..8u8 {
+            let r = r.clone();
+            sc.spawn(move || {
+                for _ in 0..50 {
+                    let e = r.lookup(&cx(), NodeId::ROOT, OsStr::new(&format!("f{i}"))).unwrap();
+                    let o = r.open(&cx(), e.node, libc::O_RDONLY).unwrap();
+                    let data = r.read(&cx(), e.node, o.fh, 0, 200_000).unwrap();
+                    assert_eq!(data, vec![i; 100_000]);
+                    r.release(&cx(), e.node, o.fh).unwrap();
+                    r.forget(&cx(), e.node, 1);
+                }
+            });
+        }
+    });
+    let _ = Reply::Empty;
+}
