@@ -98,6 +98,7 @@ PLYFS=plyfs
 WORK=""
 MOUNTS=()        # plyfs mount points, in mount order
 DAEMONS=()       # their daemon pids
+SERVERS=()       # `plyfs serve` pids of remote stacks
 LOOP_MNT=""      # the loop-mounted ext4 image of the native EROFS pass
 CHILD=""         # the running pjdfstest (its `timeout` wrapper)
 
@@ -117,6 +118,14 @@ unmount_plyfs() { # MOUNTPOINT DAEMON_PID
   fi
 }
 
+stop_server() { # PID (a `plyfs serve` this script started)
+  local pid=$1
+  [ -n "$pid" ] || return 0
+  kill "$pid" 2>/dev/null || return 0
+  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+  kill -KILL "$pid" 2>/dev/null || true
+}
+
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
@@ -126,6 +135,7 @@ cleanup() {
   fi
   local i
   for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do unmount_plyfs "${MOUNTS[$i]}" "${DAEMONS[$i]}"; done
+  for pid in ${SERVERS[@]+"${SERVERS[@]}"}; do stop_server "$pid"; done
   if [ -n "$LOOP_MNT" ] && mountpoint -q "$LOOP_MNT" 2>/dev/null; then
     umount "$LOOP_MNT" 2>/dev/null || umount -l "$LOOP_MNT" 2>/dev/null || true
   fi
@@ -458,7 +468,24 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
       extra+=(--branch "$WORK/$i-mirror")
       ;;
   esac
-  out=$(timeout 60 "$PLYFS" mount "$lower" "$mnt" --stack "${entry%% *}" ${extra[@]+"${extra[@]}"} -o "$opts" --log "$RESULTS/$label.daemon.log" 2>&1) || {
+  # A stack ending in `remote` mounts a stack that `plyfs serve` exports over a Unix socket: the
+  # layers before `remote` run in the mount, `null` in the server.
+  mount_lower=$lower
+  mount_stack=${entry%% *}
+  server=""
+  if [[ ",$mount_stack" == *,remote ]]; then
+    sock=$WORK/$i.sock
+    "$PLYFS" serve "$lower" --listen "unix:$sock" --stack null 2>"$RESULTS/$label.server.log" &
+    server=$!
+    SERVERS+=("$server")
+    for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
+    [ -S "$sock" ] || die "plyfs serve did not make $sock (see $RESULTS/$label.server.log)"
+    mount_lower=unix:$sock
+    mount_stack=${mount_stack%remote}
+    mount_stack=${mount_stack%,}
+    mount_stack=${mount_stack:-null}
+  fi
+  out=$(timeout 60 "$PLYFS" mount "$mount_lower" "$mnt" --stack "$mount_stack" ${extra[@]+"${extra[@]}"} -o "$opts" --log "$RESULTS/$label.daemon.log" 2>&1) || {
     echo "$out" >&2
     {
       echo
@@ -478,6 +505,13 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
   fi
   unmount_plyfs "$mnt" "${pid:-}"
   DAEMONS[${#DAEMONS[@]} - 1]=""   # gone; never signal that pid again
+  if [ -n "$server" ]; then
+    stop_server "$server"
+    SERVERS=("${SERVERS[@]/$server}")
+    if grep -qi 'panick' "$RESULTS/$label.server.log" 2>/dev/null; then
+      TARGET_ERROR=${TARGET_ERROR:-"plyfs serve panicked (see $RESULTS/$label.server.log)"}
+    fi
+  fi
   if mountpoint -q "$mnt"; then TARGET_ERROR=${TARGET_ERROR:-"$mnt still mounted after plyfs umount"}; fi
   if grep -qi 'panick' "$RESULTS/$label.daemon.log" 2>/dev/null; then
     TARGET_ERROR=${TARGET_ERROR:-"the plyfs daemon panicked (see $RESULTS/$label.daemon.log)"}

@@ -68,7 +68,7 @@ pub struct MountArgs {
 
 pub fn mount(args: MountArgs) -> Result<(), String> {
     // Check what can be checked before going to the background, so mistakes are reported here.
-    let specs = match (&args.stack, &args.config) {
+    let mut specs = match (&args.stack, &args.config) {
         (_, Some(config)) => load_stack_config(config).map_err(|e| e.to_string())?,
         (Some(spec), None) => parse_stack_spec(spec).map_err(|e| e.to_string())?,
         (None, None) => parse_stack_spec("null").map_err(|e| e.to_string())?,
@@ -80,11 +80,15 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
             eprintln!("plyfs: warning: {w}");
         }
     }
-    let lower = lower_dir(&args.lower)?;
+    let lower = crate::tree::Lower::parse(&args.lower, &mut specs)?;
     let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
     // Unlock the crypt volumes here (LOWER, and any branch that is one), so that a wrong
     // password is reported before anything starts (and rules naming crypt can be checked).
-    let dirs = storage_dirs(&lower, &args.branches, &specs);
+    // A remote stack's volumes are the server's to unlock.
+    let dirs = match lower.dir() {
+        Some(dir) => storage_dirs(dir, &args.branches, &specs),
+        None => Vec::new(),
+    };
     let volumes = match args.key_fd {
         Some(fd) => {
             crate::secret::register_keys_from_fd(&dirs, fd)?;
@@ -126,10 +130,6 @@ pub fn load_rules(path: &Path, lower: &Path) -> Result<plyfs_policy::Rules, Stri
     plyfs_policy::Rules::load(path, plyfs_policy::rule_checker(plyfs_layers::registry(), &bottom)).map_err(|e| e.to_string())
 }
 
-fn lower_dir(path: &Path) -> Result<PathBuf, String> {
-    existing_dir("lower directory", path)
-}
-
 /// `path` made canonical, if it is a directory; errors read "`what` PATH: cause".
 pub fn existing_dir(what: &str, path: &Path) -> Result<PathBuf, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
@@ -139,7 +139,7 @@ pub fn existing_dir(what: &str, path: &Path) -> Result<PathBuf, String> {
     path.canonicalize().map_err(|e| format!("{what} {}: {e}", path.display()))
 }
 
-fn init_logging(verbose: u8) {
+pub(crate) fn init_logging(verbose: u8) {
     let default = match verbose {
         0 => "info",
         1 => "debug",
@@ -153,7 +153,7 @@ fn init_logging(verbose: u8) {
 
 /// Block the termination signals in this thread before any other thread starts, so they all
 /// inherit the mask and only the signal thread receives them.
-fn block_signals() -> nix::sys::signal::SigSet {
+pub(crate) fn block_signals() -> nix::sys::signal::SigSet {
     use nix::sys::signal::{SigSet, Signal};
     let mut set = SigSet::empty();
     for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
@@ -177,7 +177,7 @@ fn serve(
     args: &MountArgs,
     specs: Vec<plyfs_stack::spec::LayerSpec>,
     opts: options::MountOptions,
-    lower: PathBuf,
+    lower: crate::tree::Lower,
     mountpoint: PathBuf,
 ) -> Result<(), String> {
     let mut ready = Ready(args.ready_fd.map(|fd| unsafe { File::from_raw_fd(fd) }));
@@ -192,7 +192,7 @@ fn serve_inner(
     args: &MountArgs,
     specs: Vec<plyfs_stack::spec::LayerSpec>,
     opts: options::MountOptions,
-    lower: PathBuf,
+    lower: crate::tree::Lower,
     mountpoint: PathBuf,
     ready: &mut Ready,
 ) -> Result<(), String> {
@@ -210,7 +210,7 @@ fn serve_inner(
 
     let request = MountRequest {
         mountpoint: mountpoint.clone(),
-        fsname: lower.display().to_string(),
+        fsname: lower.to_string(),
         front: FrontOptions { entry_ttl: opts.entry_ttl, attr_ttl: opts.attr_ttl, passthrough: opts.passthrough },
         threads: opts.threads,
         allow_other: opts.allow_other,
@@ -229,7 +229,7 @@ fn serve_inner(
     };
     tracing::info!(
         "mounted {} on {} with stack [{}]; file I/O: {io_mode}",
-        lower.display(),
+        lower,
         mountpoint.display(),
         names.join(", ")
     );

@@ -5,6 +5,7 @@ mod offline;
 mod options;
 mod policy;
 mod secret;
+mod serve;
 mod tree;
 
 use std::path::{Path, PathBuf};
@@ -24,6 +25,9 @@ struct Cli {
 enum Command {
     /// Mount a stack of layers over LOWER at MOUNTPOINT.
     Mount(daemon::MountArgs),
+    /// Export a stack over LOWER to other processes and machines: `plyfs mount ADDR MNT` (or a
+    /// `remote` layer) reaches it.
+    Serve(serve::ServeArgs),
     /// Unmount a plyfs mount; also cleans up after a daemon that was killed.
     Umount {
         mountpoint: PathBuf,
@@ -124,6 +128,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Mount(args) => daemon::mount(args),
+        Command::Serve(args) => serve::serve(args),
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
         Command::Op { path, name, args } => op(&path, &name, &args),
         Command::Layers => {

@@ -25,7 +25,7 @@ pub fn open_stack(lower: &Path, spec: &str, branches: &[String]) -> Res<Stack> {
     let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| e.to_string())?;
     // The same stack as a mount: each file is read through the chain recorded with it, and a
     // tree's branches are built as the mount builds them.
-    crate::tree::build_stack(&specs, lower, branches, None, None)
+    crate::tree::build_stack(&specs, &crate::tree::Lower::Dir(lower.to_owned()), branches, None, None)
 }
 
 fn cx() -> Caller {

@@ -7,9 +7,104 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use plyfs_stack::spec::{BranchMode, BranchSpec, LayerSpec};
-use plyfs_stack::{Branch, BranchBuilder, DataPath, Error, LowerDir, Stack};
+use plyfs_stack::{Branch, BranchBuilder, DataPath, Error, Level, LowerDir, Stack};
+use plyfs_transport::Addr;
+
+/// What a stack stands on: a lower directory, or a stack served elsewhere (`remote`).
+#[derive(Clone, Debug)]
+pub enum Lower {
+    Dir(PathBuf),
+    Remote { addr: Addr, name: String, timeout: Duration },
+}
+
+/// How long a `remote` layer waits for its server (reconnecting included) before `EIO`.
+const REMOTE_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Lower {
+    /// LOWER as given on the command line, with the stack's `remote` layer if it ends in one
+    /// (which is taken out of `specs`: it is the bottom, not a layer above it).
+    pub fn parse(arg: &Path, specs: &mut Vec<LayerSpec>) -> Result<Lower, String> {
+        if let Some(i) = specs.iter().position(|s| s.kind == "remote") {
+            if i + 1 != specs.len() {
+                return Err("layer 'remote' is a bottom layer: it must come last in the stack".into());
+            }
+        }
+        let given = arg.to_str().and_then(Addr::parse).transpose()?;
+        let remote = match specs.last() {
+            Some(s) if s.kind == "remote" => specs.pop(),
+            _ => None,
+        };
+        let Some(spec) = remote else {
+            return match given {
+                Some(addr) => Ok(Lower::Remote { addr, name: "remote".into(), timeout: REMOTE_TIMEOUT }),
+                None => crate::daemon::existing_dir("lower directory", arg).map(Lower::Dir),
+            };
+        };
+        let mut addr = None;
+        let mut name = "remote".to_owned();
+        let mut timeout = REMOTE_TIMEOUT;
+        for (k, v) in &spec.params {
+            match k.as_str() {
+                "addr" => {
+                    addr =
+                        Some(Addr::parse(v).unwrap_or_else(|| Err(format!("remote: addr={v}: expected unix:PATH or tcp:HOST:PORT")))?)
+                }
+                "name" => name = v.clone(),
+                "timeout" => {
+                    let secs: f64 =
+                        v.parse().ok().filter(|s: &f64| *s > 0.0).ok_or_else(|| format!("remote: timeout={v}: expected seconds"))?;
+                    timeout = Duration::from_secs_f64(secs);
+                }
+                _ => return Err(format!("layer 'remote': unknown parameter '{k}' (known: addr, timeout, name)")),
+            }
+        }
+        let addr = match (addr, given) {
+            (Some(a), None) if arg == Path::new("-") => a,
+            (Some(a), Some(g)) if a == g => a,
+            (None, Some(g)) => g,
+            (Some(a), _) => {
+                return Err(format!("the stack ends in remote:addr={a}, so LOWER must be '-' or that address, not {}", arg.display()))
+            }
+            (None, None) => {
+                return Err(format!(
+                    "layer 'remote' needs an address: LOWER unix:PATH or tcp:HOST:PORT, or remote:addr=..., not {}",
+                    arg.display()
+                ))
+            }
+        };
+        Ok(Lower::Remote { addr, name, timeout })
+    }
+
+    /// The bottom level: the directory's, or a connection to the server.
+    pub fn bottom(&self) -> Result<Level, String> {
+        match self {
+            Lower::Dir(dir) => LowerDir::level(dir).map_err(|e| e.to_string()),
+            Lower::Remote { addr, name, timeout } => {
+                let connector = crate::serve::connector(addr)?;
+                plyfs_transport::Remote::connect(name, connector, *timeout).map(|r| r.level()).map_err(|e| format!("{addr}: {e}"))
+            }
+        }
+    }
+
+    pub fn dir(&self) -> Option<&Path> {
+        match self {
+            Lower::Dir(d) => Some(d),
+            Lower::Remote { .. } => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Lower {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Lower::Dir(d) => write!(f, "{}", d.display()),
+            Lower::Remote { addr, .. } => write!(f, "{addr}"),
+        }
+    }
+}
 
 /// What every branch of a mount shares.
 pub struct MountBranches {
@@ -70,11 +165,31 @@ fn linear_stack(specs: &[LayerSpec], rules: Option<plyfs_policy::Rules>, lower: 
 /// Build a mount's stack over `lower` (with `--branch` directories for a fan-out layer).
 pub fn build_stack(
     specs: &[LayerSpec],
-    lower: &Path,
+    lower: &Lower,
     branches: &[String],
     rules: Option<&Path>,
     mountpoint: Option<&Path>,
 ) -> Result<Stack, String> {
+    let lower = match lower {
+        Lower::Dir(dir) => dir,
+        Lower::Remote { .. } => {
+            if specs.iter().any(|s| plyfs_stack::is_fan_out(plyfs_layers::registry(), &s.kind)) || !branches.is_empty() {
+                return Err(format!("{lower}: a fan-out layer over a remote stack is not supported; serve the tree instead (plyfs serve --stack 'union[...]')"));
+            }
+            let bottom = lower.bottom()?;
+            let rules = match rules {
+                Some(path) => Some(
+                    plyfs_policy::Rules::load(path, plyfs_policy::rule_checker(plyfs_layers::registry(), &bottom))
+                        .map_err(|e| e.to_string())?,
+                ),
+                None => None,
+            };
+            let bottom = plyfs_layers::crypt::with_names(bottom).map_err(|e| e.to_string())?;
+            return plyfs_policy::build_stack(specs, rules, plyfs_layers::registry(), bottom)
+                .map(|(s, _)| s)
+                .map_err(|e| e.to_string());
+        }
+    };
     let registry = plyfs_layers::registry();
     let cli = branches.iter().map(|b| parse_branch_arg(b)).collect::<Result<Vec<_>, _>>()?;
     let mut specs = specs.to_vec();

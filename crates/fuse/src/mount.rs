@@ -130,11 +130,13 @@ impl Mounted {
             // as libfuse does.
             None => fusermount(&mountpoint, &config)?,
         };
+        let top = stack.top().layer().clone();
         let (fs, status) = FuseFs::new(stack, req.front.clone());
         let session = Session::from_fd(fs, fd, config.acl, config.clone()).map_err(|e| {
             let _ = unmount(&mountpoint, true);
             MountError(format!("mount {}: FUSE handshake failed: {e}", mountpoint.display()))
         })?;
+        top.set_invalidator(Arc::new(KernelCache(session.notifier())));
         let dev = mountinfo::mount_at(&mountpoint).filter(|m| m.is_plyfs()).map(|m| m.dev);
         Ok(Mounted { session, status, mountpoint, dev })
     }
@@ -169,6 +171,21 @@ impl Mounted {
             }
             other => other,
         }
+    }
+}
+
+/// The kernel's caches of a mount, invalidated for changes made behind its back. Node ids of the
+/// top level are the mount's inode numbers.
+struct KernelCache(fuser::Notifier);
+
+impl plyfs_stack::Invalidator for KernelCache {
+    fn node(&self, node: plyfs_stack::NodeId) {
+        // ENOENT: the kernel does not know the inode (any more); nothing to drop.
+        let _ = self.0.inval_inode(fuser::INodeNo(node.0), 0, 0);
+    }
+
+    fn entry(&self, parent: plyfs_stack::NodeId, name: &std::ffi::OsStr) {
+        let _ = self.0.inval_entry(fuser::INodeNo(parent.0), name);
     }
 }
 

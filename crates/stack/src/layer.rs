@@ -76,6 +76,26 @@ pub trait Layer: Send + Sync + 'static {
 
     /// Called once, from the top down, when the stack is taken down: flush what is buffered.
     fn shutdown(&self) {}
+
+    /// Hand the front end's cache invalidation down to the layers that learn of changes made
+    /// outside the stack (a `remote` layer, told by its server). A layer that passes node ids
+    /// and names through unchanged (the default) hands it on; one that remaps them must
+    /// translate, or keep it from the layers below (their ids mean nothing above it).
+    fn set_invalidator(&self, inv: Arc<dyn Invalidator>) {
+        if let [below] = self.lower() {
+            below.layer().set_invalidator(inv);
+        }
+    }
+}
+
+/// Drops what the front end caches (the kernel's attributes, names and pages) for objects that
+/// changed behind the stack's back. Called from a thread that serves no request, never while a
+/// request of the same mount waits on the caller.
+pub trait Invalidator: Send + Sync {
+    /// The object's attributes and data changed.
+    fn node(&self, node: NodeId);
+    /// The name in directory `parent` now means something else, or nothing.
+    fn entry(&self, parent: NodeId, name: &OsStr);
 }
 
 /// Forward `op` unchanged to the single layer below. A bottom layer has nothing to forward to:

@@ -24,7 +24,7 @@ mod stack;
 mod types;
 
 pub use error::{Error, Result};
-pub use layer::{bypass, unsupported, DataPath, ExtOpInfo, Layer, Level};
+pub use layer::{bypass, unsupported, DataPath, ExtOpInfo, Invalidator, Layer, Level};
 pub use lowerdir::{has_capability, raise_fd_limit, LowerDir};
 pub use op::{Arg, Op, OpKind, Reply};
 pub use stack::{

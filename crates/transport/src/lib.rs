@@ -15,7 +15,7 @@ pub mod server;
 pub mod stream;
 pub mod wire;
 
-pub use remote::{Connector, Remote, Upcall};
+pub use remote::{Connector, Remote};
 pub use stream::Addr;
 
 /// Connects over a plain socket (a Unix socket, or TCP without TLS in tests).

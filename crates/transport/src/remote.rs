@@ -19,7 +19,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
-use plyfs_stack::{Caller, DirEntry, Error, ExtOpInfo, Layer, Level, NodeId, Op, Reply, Result};
+use plyfs_stack::{Caller, DirEntry, Error, ExtOpInfo, Invalidator, Layer, Level, NodeId, Op, Reply, Result};
 
 use crate::client::{CallError, Connection, OnChange};
 use crate::wire::{Change, WireCaller, WireOp, WireReply};
@@ -29,12 +29,6 @@ pub trait Connector: Send + Sync {
     /// Where it connects, for log lines.
     fn describe(&self) -> String;
     fn connect(&self, timeout: Duration, on_change: OnChange) -> std::result::Result<Arc<Connection>, String>;
-}
-
-/// Forwards the server's change notices to whoever caches above (the FUSE front end).
-pub trait Upcall: Send + Sync {
-    fn node(&self, node: NodeId);
-    fn entry(&self, parent: NodeId, name: &OsStr);
 }
 
 /// Ids the layer makes up when the server's id is taken by another node.
@@ -82,7 +76,11 @@ struct Inner {
     files: Mutex<HashMap<u64, RFile>>,
     next_fh: AtomicU64,
     ext_ops: OnceLock<&'static [ExtOpInfo]>,
-    upcall: RwLock<Option<Arc<dyn Upcall>>>,
+    invalidator: RwLock<Option<Arc<dyn Invalidator>>>,
+    /// Changes to invalidate, for the thread that does it: the kernel may make that thread wait
+    /// for a directory that a request in flight holds, and that request's reply must not wait
+    /// behind it.
+    notices: Mutex<std::sync::mpsc::Sender<Vec<(u64, Option<OsString>)>>>,
 }
 
 pub struct Remote(Arc<Inner>);
@@ -95,6 +93,7 @@ impl Remote {
             NodeId::ROOT.0,
             RNode { server: NodeId::ROOT.0, epoch: 0, server_lookups: 0, lookups: u64::MAX / 2, parent: 0, name: OsString::new() },
         );
+        let (notices, notices_rx) = std::sync::mpsc::channel();
         let inner = Arc::new(Inner {
             name: name.to_owned(),
             connector,
@@ -106,8 +105,25 @@ impl Remote {
             files: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             ext_ops: OnceLock::new(),
-            upcall: RwLock::new(None),
+            invalidator: RwLock::new(None),
+            notices: Mutex::new(notices),
         });
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new()
+            .name("remote-notices".into())
+            .spawn(move || {
+                for batch in notices_rx {
+                    let Some(inner) = weak.upgrade() else { return };
+                    let Some(inv) = inner.invalidator.read().clone() else { continue };
+                    for (node, name) in batch {
+                        match name {
+                            Some(name) => inv.entry(NodeId(node), &name),
+                            None => inv.node(NodeId(node)),
+                        }
+                    }
+                }
+            })
+            .map_err(|e| Error::config(e.to_string()))?;
         let conn = inner.reconnect(None, Instant::now() + timeout).map_err(Error::Config)?;
         // The server's extended operations, leaked once: layers describe theirs statically.
         let ext: Vec<ExtOpInfo> = conn
@@ -134,11 +150,6 @@ impl Remote {
 
     pub fn level(self) -> Level {
         Level::new(Arc::new(self))
-    }
-
-    /// Send the server's change notices up to `upcall`.
-    pub fn set_upcall(&self, upcall: Arc<dyn Upcall>) {
-        *self.0.upcall.write() = Some(upcall);
     }
 }
 
@@ -233,7 +244,6 @@ impl Inner {
     }
 
     fn changed(&self, changes: Vec<Change>) {
-        let Some(up) = self.upcall.read().clone() else { return };
         let t = self.table.lock();
         let mine = |server: u64| t.by_server.get(&server).copied();
         let mut out: Vec<(u64, Option<OsString>)> = Vec::new();
@@ -244,11 +254,8 @@ impl Inner {
             }
         }
         drop(t);
-        for (node, name) in out {
-            match name {
-                Some(name) => up.entry(NodeId(node), &name),
-                None => up.node(NodeId(node)),
-            }
+        if !out.is_empty() {
+            let _ = self.notices.lock().send(out);
         }
     }
 
@@ -646,6 +653,10 @@ impl Layer for Remote {
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         self.0.call(cx, op)
+    }
+
+    fn set_invalidator(&self, inv: Arc<dyn Invalidator>) {
+        *self.0.invalidator.write() = Some(inv);
     }
 
     fn shutdown(&self) {

@@ -339,6 +339,11 @@ impl Server {
             }
             return Ok(Reply::Empty);
         }
+        if let Op::Lookup { parent: NodeId::ROOT, name } = *op {
+            if name == ".." {
+                return Err(Error::Os(libc::EPERM));
+            }
+        }
         self.check_nodes(conn, op)?;
         self.check_handle(conn, op)?;
         let reply = self.top.call(cx, op)?;

@@ -345,7 +345,10 @@ impl WireOp {
     pub fn to_op<'a>(&'a self, payload: &'a [u8]) -> Result<Op<'a>, Error> {
         use limits::*;
         let name = |b: &'a Bytes| -> Result<&'a OsStr, Error> {
-            if b.is_empty() || b.len() > MAX_NAME || b.contains(&0) {
+            if b.len() > MAX_NAME {
+                return Err(Error::Os(libc::ENAMETOOLONG));
+            }
+            if b.is_empty() || b.contains(&0) {
                 return Err(Error::BadArgs(format!("bad name of {} bytes", b.len())));
             }
             Ok(OsStr::from_bytes(b))
@@ -377,6 +380,9 @@ impl WireOp {
             no_payload("this operation")?;
         }
         Ok(match self {
+            // `..` is looked up (the per-file policy climbs directories that way); the server
+            // refuses it at the root of the export.
+            WireOp::Lookup { parent, name: n } if &n[..] == b".." => Op::Lookup { parent: node(*parent), name: OsStr::new("..") },
             WireOp::Lookup { parent, name } => Op::Lookup { parent: node(*parent), name: entry_name(name)? },
             WireOp::Forget { node: n, nlookup } => Op::Forget { node: node(*n), nlookup: *nlookup },
             WireOp::GetAttr { node: n, fh: h } => Op::GetAttr { node: node(*n), fh: h.map(fh) },
@@ -393,7 +399,10 @@ impl WireOp {
             WireOp::Unlink { parent, name } => Op::Unlink { parent: node(*parent), name: entry_name(name)? },
             WireOp::RmDir { parent, name } => Op::RmDir { parent: node(*parent), name: entry_name(name)? },
             WireOp::SymLink { parent, name, target } => {
-                if target.is_empty() || target.len() >= MAX_PATH || target.contains(&0) {
+                if target.len() >= MAX_PATH {
+                    return Err(Error::Os(libc::ENAMETOOLONG));
+                }
+                if target.is_empty() || target.contains(&0) {
                     return Err(Error::BadArgs(format!("bad symlink target of {} bytes", target.len())));
                 }
                 Op::SymLink { parent: node(*parent), name: entry_name(name)?, target: Path::new(OsStr::from_bytes(target)) }
@@ -1038,6 +1047,11 @@ mod tests {
     #[test]
     fn bad_names_are_refused() {
         for name in [&b""[..], b"a/b", b"a\0b", b"..", b".", &[b'x'; 256]] {
+            let op = WireOp::MkDir { parent: 1, name: bytes(name), mode: 0o755 };
+            assert!(op.to_op(&[]).is_err(), "{name:?}");
+            if name == b".." {
+                continue;
+            }
             let op = WireOp::Lookup { parent: 1, name: bytes(name) };
             assert!(op.to_op(&[]).is_err(), "{name:?}");
         }

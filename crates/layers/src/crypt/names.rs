@@ -411,9 +411,26 @@ fn is_config(name: &[u8]) -> bool {
     name.starts_with(CONFIG_NAME.as_bytes())
 }
 
+/// Changes below name encrypted entries: the directory is what can be invalidated above.
+struct SealedNames(Arc<dyn plyfs_stack::Invalidator>);
+
+impl plyfs_stack::Invalidator for SealedNames {
+    fn node(&self, node: NodeId) {
+        self.0.node(node);
+    }
+
+    fn entry(&self, parent: NodeId, _sealed: &OsStr) {
+        self.0.node(parent);
+    }
+}
+
 impl Layer for CryptNames {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn set_invalidator(&self, inv: Arc<dyn plyfs_stack::Invalidator>) {
+        self.lower[0].layer().set_invalidator(Arc::new(SealedNames(inv)));
     }
 
     fn kind(&self) -> &'static str {

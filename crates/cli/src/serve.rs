@@ -1,0 +1,102 @@
+//! `plyfs serve`: export a stack over a Unix socket or TLS, for `plyfs mount ADDR` and `remote`
+//! layers elsewhere.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
+use plyfs_transport::listen::{bind_unix, serve_unix, UnixPolicy};
+use plyfs_transport::server::{Server, ServerOptions};
+use plyfs_transport::{Addr, Connector, PlainConnector};
+
+#[derive(Args, Clone)]
+pub struct ServeArgs {
+    /// The directory whose contents the stack presents.
+    lower: PathBuf,
+    /// Where to listen: unix:PATH, or tcp:HOST:PORT (TLS).
+    #[arg(long, value_name = "ADDR")]
+    listen: String,
+    /// Layers from the top down, as for `mount`.
+    #[arg(long, conflicts_with = "config")]
+    stack: Option<String>,
+    /// A TOML file describing the stack ([[layer]] tables).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// A further branch for the stack's fan-out layer, as for `mount`.
+    #[arg(long = "branch", value_name = "DIR[=ro|rw]")]
+    branches: Vec<String>,
+    /// A rules file choosing per-file layers, as for `mount`.
+    #[arg(long)]
+    rules: Option<PathBuf>,
+    /// A local user besides root and the server's own user that may connect to the Unix
+    /// socket (repeatable). Their requests run as that user.
+    #[arg(long = "allow-uid", value_name = "UID")]
+    allow_uids: Vec<u32>,
+    /// Requests of each client that run at once.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Log more (debug); repeat for every request (trace).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(flatten)]
+    secret: crate::secret::SecretArgs,
+}
+
+pub fn serve(args: ServeArgs) -> Result<(), String> {
+    let signals = crate::daemon::block_signals();
+    crate::daemon::init_logging(args.verbose);
+    let specs = match (&args.stack, &args.config) {
+        (_, Some(config)) => load_stack_config(config).map_err(|e| e.to_string())?,
+        (Some(spec), None) => parse_stack_spec(spec).map_err(|e| e.to_string())?,
+        (None, None) => parse_stack_spec("null").map_err(|e| e.to_string())?,
+    };
+    let addr =
+        Addr::parse(&args.listen).unwrap_or_else(|| Err(format!("--listen {}: expected unix:PATH or tcp:HOST:PORT", args.listen)))?;
+    let lower = crate::daemon::existing_dir("lower directory", &args.lower)?;
+    let dirs = crate::daemon::storage_dirs(&lower, &args.branches, &specs);
+    let _volumes = crate::secret::unlock_volumes(&dirs, &args.secret)?;
+    // Modes arrive already masked by the client's kernel.
+    unsafe { libc::umask(0) };
+    plyfs_stack::raise_fd_limit();
+    let lower = crate::tree::Lower::Dir(lower);
+    let stack = Arc::new(crate::tree::build_stack(&specs, &lower, &args.branches, args.rules.as_deref(), None)?);
+    let server = Server::for_stack(&stack, ServerOptions { workers: args.workers.max(1), ..Default::default() });
+    let names: Vec<String> = stack.named_levels().into_iter().map(|n| n.name).collect();
+
+    let cleanup_path = match &addr {
+        Addr::Unix(p) => Some(p.clone()),
+        Addr::Tcp(_) => None,
+    };
+    let stop_stack = stack.clone();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if let Ok(sig) = signals.wait() {
+                tracing::info!("{sig}: stopping");
+            }
+            stop_stack.shutdown();
+            if let Some(p) = cleanup_path {
+                let _ = std::fs::remove_file(p);
+            }
+            std::process::exit(0);
+        })
+        .map_err(|e| e.to_string())?;
+
+    match &addr {
+        Addr::Unix(path) => {
+            let listener = bind_unix(path)?;
+            tracing::info!("serving {lower} with stack [{}] on {addr}", names.join(", "));
+            serve_unix(server, listener, UnixPolicy { allow_uids: args.allow_uids.clone() })
+        }
+        Addr::Tcp(_) => Err(format!("--listen {addr}: TLS is not built yet")),
+    }
+}
+
+/// How to reach a server at `addr`.
+pub fn connector(addr: &Addr) -> Result<Box<dyn Connector>, String> {
+    match addr {
+        Addr::Unix(_) => Ok(Box::new(PlainConnector(addr.clone()))),
+        Addr::Tcp(_) => Err(format!("{addr}: TLS is not built yet")),
+    }
+}
