@@ -7,7 +7,8 @@
 # STACK is a `--stack` spec, optionally followed by more mount arguments (default: `null`,
 # `trace`, `zstd`, `copy`, `null --rules mixed-rules.toml`,
 # `gzip:level=9:fast_tails=on`, `crypt`, `union` (a read-write branch over a read-only branch
-# holding files), `mirror` (two branches) and `version`). For each one a fresh lower directory on
+# holding files), `mirror` (two branches), `version`, and `remote` (a `plyfs serve` over a Unix
+# socket; `remote --tls` over TLS on loopback; `zstd,remote` compressing in the mount)). For each one a fresh lower directory on
 # the real disk and an empty mount point are made, plyfs is mounted over them with
 # `-o allow_other` (pjdfstest switches to other users), pjdfstest runs inside the mount, and the
 # mount is taken down again - always, even on failure or interruption. For a stack with a
@@ -51,7 +52,8 @@ REPO=$(cd "$HERE/../.." && pwd)
 PJDFSTEST_VERSION=0.2.2
 # An entry may add mount arguments after the spec, e.g. `null --rules FILE`: the last one mixes
 # compressed files (half of the names, by rule) with untouched ones.
-DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt union mirror version)
+DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt union mirror version
+  remote "remote --tls" zstd,remote)
 
 die() { echo "pjdfstest/run.sh: $*" >&2; exit 2; }
 say() { echo "== $*" >&2; }
@@ -473,14 +475,31 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
   mount_lower=$lower
   mount_stack=${entry%% *}
   server=""
+  # With `--tls` among its arguments, over TCP on loopback with TLS and a pre-shared key.
+  tls=0
+  rest=()
+  for a in ${extra[@]+"${extra[@]}"}; do if [ "$a" = --tls ]; then tls=1; else rest+=("$a"); fi; done
+  extra=(${rest[@]+"${rest[@]}"})
   if [[ ",$mount_stack" == *,remote ]]; then
-    sock=$WORK/$i.sock
-    "$PLYFS" serve "$lower" --listen "unix:$sock" --stack null 2>"$RESULTS/$label.server.log" &
-    server=$!
-    SERVERS+=("$server")
-    for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
-    [ -S "$sock" ] || die "plyfs serve did not make $sock (see $RESULTS/$label.server.log)"
-    mount_lower=unix:$sock
+    if [ "$tls" = 1 ]; then
+      head -c 32 /dev/urandom >"$WORK/$i.psk"
+      chmod 600 "$WORK/$i.psk"
+      port=$((20000 + ($$ + i * 97) % 20000))
+      "$PLYFS" serve "$lower" --listen "tcp:127.0.0.1:$port" --psk "$WORK/$i.psk" --no-root-squash --stack null 2>"$RESULTS/$label.server.log" &
+      server=$!
+      SERVERS+=("$server")
+      for _ in $(seq 100); do grep -q serving "$RESULTS/$label.server.log" 2>/dev/null && break; sleep 0.05; done
+      mount_lower=tcp:127.0.0.1:$port
+      extra+=(--psk "$WORK/$i.psk")
+    else
+      sock=$WORK/$i.sock
+      "$PLYFS" serve "$lower" --listen "unix:$sock" --stack null 2>"$RESULTS/$label.server.log" &
+      server=$!
+      SERVERS+=("$server")
+      for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
+      [ -S "$sock" ] || die "plyfs serve did not make $sock (see $RESULTS/$label.server.log)"
+      mount_lower=unix:$sock
+    fi
     mount_stack=${mount_stack%remote}
     mount_stack=${mount_stack%,}
     mount_stack=${mount_stack:-null}

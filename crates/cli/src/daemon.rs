@@ -61,6 +61,9 @@ pub struct MountArgs {
     /// Internal: the pipe the parent hands an unlocked volume's master key over on.
     #[arg(long, hide = true)]
     key_fd: Option<i32>,
+    /// The pre-shared key file of a `tcp:` server (at least 32 bytes, the same as the server's).
+    #[arg(long, value_name = "FILE")]
+    psk: Option<PathBuf>,
     /// The password or key file of a crypt volume.
     #[command(flatten)]
     secret: crate::secret::SecretArgs,
@@ -80,7 +83,7 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
             eprintln!("plyfs: warning: {w}");
         }
     }
-    let lower = crate::tree::Lower::parse(&args.lower, &mut specs)?;
+    let lower = crate::tree::Lower::parse(&args.lower, &mut specs, args.psk.as_deref())?;
     let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
     // Unlock the crypt volumes here (LOWER, and any branch that is one), so that a wrong
     // password is reported before anything starts (and rules naming crypt can be checked).
@@ -206,7 +209,12 @@ fn serve_inner(
     let stack = crate::tree::build_stack(&specs, &lower, &args.branches, args.rules.as_deref(), Some(&mountpoint))?;
     let stack = Arc::new(stack);
     // Every level by name, branches included (a tree's trunk may have no layer of its own).
-    let names: Vec<String> = stack.named_levels().into_iter().filter(|n| n.below.is_some() || n.level.layer().lower().is_empty() && !n.level.layer().branches().is_empty()).map(|n| n.name).collect();
+    let names: Vec<String> = stack
+        .named_levels()
+        .into_iter()
+        .filter(|n| n.below.is_some() || n.level.layer().lower().is_empty() && !n.level.layer().branches().is_empty())
+        .map(|n| n.name)
+        .collect();
 
     let request = MountRequest {
         mountpoint: mountpoint.clone(),
@@ -227,12 +235,7 @@ fn serve_inner(
             None
         }
     };
-    tracing::info!(
-        "mounted {} on {} with stack [{}]; file I/O: {io_mode}",
-        lower,
-        mountpoint.display(),
-        names.join(", ")
-    );
+    tracing::info!("mounted {} on {} with stack [{}]; file I/O: {io_mode}", lower, mountpoint.display(), names.join(", "));
     ready.send(&format!("OK {io_mode}"));
 
     let signal_mountpoint = mountpoint.clone();
@@ -271,11 +274,8 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_
             control::log_path(uid, mountpoint)
         }
     };
-    let log_file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log)
-        .map_err(|e| format!("log {}: {e}", log.display()))?;
+    let log_file =
+        std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(|e| format!("log {}: {e}", log.display()))?;
 
     let (read_end, write_end) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
     let write_fd = write_end.as_raw_fd();
@@ -339,6 +339,10 @@ fn child_args(args: &MountArgs, ready_fd: i32, key_fd: Option<i32>) -> Vec<OsStr
     if let Some(c) = &args.config {
         v.push("--config".into());
         v.push(c.clone().into());
+    }
+    if let Some(p) = &args.psk {
+        v.push("--psk".into());
+        v.push(p.clone().into());
     }
     for b in &args.branches {
         // Relative directories stay valid: the child starts in the same directory.

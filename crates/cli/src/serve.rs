@@ -7,7 +7,8 @@ use std::sync::Arc;
 use clap::Args;
 use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
 use plyfs_transport::listen::{bind_unix, serve_unix, UnixPolicy};
-use plyfs_transport::server::{Server, ServerOptions};
+use plyfs_transport::server::{Identity, Server, ServerOptions};
+use plyfs_transport::tls::{Psk, TlsConnector, TlsServer};
 use plyfs_transport::{Addr, Connector, PlainConnector};
 
 #[derive(Args, Clone)]
@@ -33,6 +34,14 @@ pub struct ServeArgs {
     /// socket (repeatable). Their requests run as that user.
     #[arg(long = "allow-uid", value_name = "UID")]
     allow_uids: Vec<u32>,
+    /// The pre-shared key file clients must prove they hold (TCP; at least 32 bytes, e.g.
+    /// `head -c 32 /dev/urandom > FILE`).
+    #[arg(long, value_name = "FILE")]
+    psk: Option<PathBuf>,
+    /// Act as root for TCP clients' root requests (by default they act as nobody, as NFS's
+    /// root squash).
+    #[arg(long)]
+    no_root_squash: bool,
     /// Requests of each client that run at once.
     #[arg(long, default_value_t = 4)]
     workers: usize,
@@ -54,6 +63,12 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
     let addr =
         Addr::parse(&args.listen).unwrap_or_else(|| Err(format!("--listen {}: expected unix:PATH or tcp:HOST:PORT", args.listen)))?;
     let lower = crate::daemon::existing_dir("lower directory", &args.lower)?;
+    let tls = match (&addr, &args.psk) {
+        (Addr::Tcp(_), Some(psk)) => Some(Arc::new(TlsServer::new(Psk::load(psk)?)?)),
+        (Addr::Tcp(_), None) => return Err(format!("--listen {addr}: TCP needs --psk FILE (clients must prove they hold the key)")),
+        (Addr::Unix(_), Some(_)) => return Err("--psk is for tcp: addresses; a Unix socket checks its peers' user ids".into()),
+        (Addr::Unix(_), None) => None,
+    };
     let dirs = crate::daemon::storage_dirs(&lower, &args.branches, &specs);
     let _volumes = crate::secret::unlock_volumes(&dirs, &args.secret)?;
     // Modes arrive already masked by the client's kernel.
@@ -89,14 +104,20 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             tracing::info!("serving {lower} with stack [{}] on {addr}", names.join(", "));
             serve_unix(server, listener, UnixPolicy { allow_uids: args.allow_uids.clone() })
         }
-        Addr::Tcp(_) => Err(format!("--listen {addr}: TLS is not built yet")),
+        Addr::Tcp(hostport) => {
+            let listener = std::net::TcpListener::bind(hostport).map_err(|e| format!("--listen {addr}: {e}"))?;
+            let identity = if args.no_root_squash { Identity::AsSent } else { Identity::RootSquash };
+            tracing::info!("serving {lower} with stack [{}] on {addr} (TLS, pre-shared key)", names.join(", "));
+            tls.expect("made above for TCP").serve(server, listener, identity)
+        }
     }
 }
 
-/// How to reach a server at `addr`.
-pub fn connector(addr: &Addr) -> Result<Box<dyn Connector>, String> {
-    match addr {
-        Addr::Unix(_) => Ok(Box::new(PlainConnector(addr.clone()))),
-        Addr::Tcp(_) => Err(format!("{addr}: TLS is not built yet")),
+/// How to reach a server at `addr`: a Unix socket, or TLS proving the key in `psk`.
+pub fn connector(addr: &Addr, psk: Option<&std::path::Path>) -> Result<Box<dyn Connector>, String> {
+    match (addr, psk) {
+        (Addr::Unix(_), _) => Ok(Box::new(PlainConnector(addr.clone()))),
+        (Addr::Tcp(_), Some(psk)) => Ok(Box::new(TlsConnector::new(addr.clone(), Psk::load(psk)?)?)),
+        (Addr::Tcp(_), None) => Err(format!("{addr}: a TCP server needs its key: --psk FILE (or remote:psk=FILE)")),
     }
 }

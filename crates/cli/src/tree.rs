@@ -17,7 +17,7 @@ use plyfs_transport::Addr;
 #[derive(Clone, Debug)]
 pub enum Lower {
     Dir(PathBuf),
-    Remote { addr: Addr, name: String, timeout: Duration },
+    Remote { addr: Addr, name: String, timeout: Duration, psk: Option<PathBuf> },
 }
 
 /// How long a `remote` layer waits for its server (reconnecting included) before `EIO`.
@@ -26,7 +26,8 @@ const REMOTE_TIMEOUT: Duration = Duration::from_secs(60);
 impl Lower {
     /// LOWER as given on the command line, with the stack's `remote` layer if it ends in one
     /// (which is taken out of `specs`: it is the bottom, not a layer above it).
-    pub fn parse(arg: &Path, specs: &mut Vec<LayerSpec>) -> Result<Lower, String> {
+    /// `psk` is the key file given with `--psk`, for a TCP server.
+    pub fn parse(arg: &Path, specs: &mut Vec<LayerSpec>, psk: Option<&Path>) -> Result<Lower, String> {
         if let Some(i) = specs.iter().position(|s| s.kind == "remote") {
             if i + 1 != specs.len() {
                 return Err("layer 'remote' is a bottom layer: it must come last in the stack".into());
@@ -39,15 +40,17 @@ impl Lower {
         };
         let Some(spec) = remote else {
             return match given {
-                Some(addr) => Ok(Lower::Remote { addr, name: "remote".into(), timeout: REMOTE_TIMEOUT }),
+                Some(addr) => Ok(Lower::Remote { addr, name: "remote".into(), timeout: REMOTE_TIMEOUT, psk: psk.map(Path::to_owned) }),
                 None => crate::daemon::existing_dir("lower directory", arg).map(Lower::Dir),
             };
         };
         let mut addr = None;
         let mut name = "remote".to_owned();
         let mut timeout = REMOTE_TIMEOUT;
+        let mut psk = psk.map(Path::to_owned);
         for (k, v) in &spec.params {
             match k.as_str() {
+                "psk" => psk = Some(PathBuf::from(v)),
                 "addr" => {
                     addr =
                         Some(Addr::parse(v).unwrap_or_else(|| Err(format!("remote: addr={v}: expected unix:PATH or tcp:HOST:PORT")))?)
@@ -58,7 +61,7 @@ impl Lower {
                         v.parse().ok().filter(|s: &f64| *s > 0.0).ok_or_else(|| format!("remote: timeout={v}: expected seconds"))?;
                     timeout = Duration::from_secs_f64(secs);
                 }
-                _ => return Err(format!("layer 'remote': unknown parameter '{k}' (known: addr, timeout, name)")),
+                _ => return Err(format!("layer 'remote': unknown parameter '{k}' (known: addr, psk, timeout, name)")),
             }
         }
         let addr = match (addr, given) {
@@ -75,15 +78,15 @@ impl Lower {
                 ))
             }
         };
-        Ok(Lower::Remote { addr, name, timeout })
+        Ok(Lower::Remote { addr, name, timeout, psk })
     }
 
     /// The bottom level: the directory's, or a connection to the server.
     pub fn bottom(&self) -> Result<Level, String> {
         match self {
             Lower::Dir(dir) => LowerDir::level(dir).map_err(|e| e.to_string()),
-            Lower::Remote { addr, name, timeout } => {
-                let connector = crate::serve::connector(addr)?;
+            Lower::Remote { addr, name, timeout, psk } => {
+                let connector = crate::serve::connector(addr, psk.as_deref())?;
                 plyfs_transport::Remote::connect(name, connector, *timeout).map(|r| r.level()).map_err(|e| format!("{addr}: {e}"))
             }
         }

@@ -24,6 +24,32 @@ pub struct Welcome {
     pub auth: Option<Vec<u8>>,
 }
 
+/// Why a connection could not be made.
+#[derive(Debug)]
+pub struct ConnectError {
+    pub msg: String,
+    /// The server answered and said no (wrong key, version): trying again will not help.
+    pub refused: bool,
+}
+
+impl ConnectError {
+    pub fn refused(msg: String) -> ConnectError {
+        ConnectError { msg, refused: true }
+    }
+}
+
+impl From<String> for ConnectError {
+    fn from(msg: String) -> ConnectError {
+        ConnectError { msg, refused: false }
+    }
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.msg)
+    }
+}
+
 /// Why a call got no reply.
 #[derive(Debug)]
 pub enum CallError {
@@ -60,7 +86,7 @@ impl Connection {
         proof: Option<Vec<u8>>,
         timeout: Duration,
         on_change: OnChange,
-    ) -> Result<Arc<Connection>, String> {
+    ) -> Result<Arc<Connection>, ConnectError> {
         let halves = stream.split().map_err(|e| e.to_string())?;
         let (mut reader, mut writer, control) = (halves.reader, halves.writer, halves.control);
         control.set_read_timeout(Some(timeout));
@@ -69,7 +95,7 @@ impl Connection {
             software: format!("plyfs {}", env!("CARGO_PKG_VERSION")),
             auth: proof.map(serde_bytes::ByteBuf::from),
         };
-        let welcome = (|| -> Result<Welcome, String> {
+        let welcome = (|| -> Result<Welcome, ConnectError> {
             writer.write_all(&wire::PREAMBLE).map_err(|e| e.to_string())?;
             wire::write_frame(&mut writer, &wire::encode(&hello), &[]).map_err(|e| e.to_string())?;
             wire::read_preamble(&mut reader).map_err(|e| match e.kind() {
@@ -81,12 +107,12 @@ impl Connection {
                 wire::FrameError::Closed => "the server closed the connection".to_owned(),
                 e => e.to_string(),
             })?;
-            match wire::decode(&frame.header)? {
+            match wire::decode(&frame.header).map_err(|e| format!("a malformed welcome: {e}"))? {
                 Message::Welcome { version, software, instance, layers, ext_ops, auth } => {
                     Ok(Welcome { version, software, instance, layers, ext_ops, auth: auth.map(|b| b.into_vec()) })
                 }
-                Message::Refused { reason } => Err(format!("refused: {reason}")),
-                _ => Err("the server did not answer hello with welcome".into()),
+                Message::Refused { reason } => Err(ConnectError::refused(format!("refused: {reason}"))),
+                _ => Err(ConnectError::refused("the server did not answer hello with welcome".into())),
             }
         })();
         let welcome = match welcome {
@@ -110,7 +136,7 @@ impl Connection {
         std::thread::Builder::new()
             .name("remote-replies".into())
             .spawn(move || read_replies(weak, reader, on_change))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ConnectError::from(e.to_string()))?;
         Ok(conn)
     }
 
@@ -244,19 +270,22 @@ pub fn connect_plain(addr: &crate::stream::Addr, timeout: Duration) -> Result<Bo
         crate::stream::Addr::Unix(path) => {
             std::os::unix::net::UnixStream::connect(path).map(|s| Box::new(s) as Box<dyn Duplex>).map_err(|e| format!("{addr}: {e}"))
         }
-        crate::stream::Addr::Tcp(hp) => {
-            use std::net::ToSocketAddrs;
-            let addrs: Vec<_> = hp.to_socket_addrs().map_err(|e| format!("{addr}: {e}"))?.collect();
-            let mut last = format!("{addr}: no address");
-            for a in addrs {
-                match std::net::TcpStream::connect_timeout(&a, timeout) {
-                    Ok(s) => return Ok(Box::new(s)),
-                    Err(e) => last = format!("{addr}: {e}"),
-                }
-            }
-            Err(last)
+        crate::stream::Addr::Tcp(hp) => connect_tcp(hp, timeout).map(|s| Box::new(s) as Box<dyn Duplex>),
+    }
+}
+
+/// Connect to `HOST:PORT`, trying each of its addresses.
+pub fn connect_tcp(hostport: &str, timeout: Duration) -> Result<std::net::TcpStream, String> {
+    use std::net::ToSocketAddrs;
+    let addrs: Vec<_> = hostport.to_socket_addrs().map_err(|e| format!("tcp:{hostport}: {e}"))?.collect();
+    let mut last = format!("tcp:{hostport}: no address");
+    for a in addrs {
+        match std::net::TcpStream::connect_timeout(&a, timeout) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = format!("tcp:{hostport}: {e}"),
         }
     }
+    Err(last)
 }
 
 #[allow(dead_code)]

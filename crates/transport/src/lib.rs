@@ -13,6 +13,7 @@ pub mod listen;
 pub mod remote;
 pub mod server;
 pub mod stream;
+pub mod tls;
 pub mod wire;
 
 pub use remote::{Connector, Remote};
@@ -30,7 +31,7 @@ impl Connector for PlainConnector {
         &self,
         timeout: std::time::Duration,
         on_change: client::OnChange,
-    ) -> Result<std::sync::Arc<client::Connection>, String> {
+    ) -> Result<std::sync::Arc<client::Connection>, client::ConnectError> {
         let stream = client::connect_plain(&self.0, timeout)?;
         client::Connection::open(stream, None, timeout, on_change)
     }

@@ -21,14 +21,14 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, RwLock};
 use plyfs_stack::{Caller, DirEntry, Error, ExtOpInfo, Invalidator, Layer, Level, NodeId, Op, Reply, Result};
 
-use crate::client::{CallError, Connection, OnChange};
+use crate::client::{CallError, ConnectError, Connection, OnChange};
 use crate::wire::{Change, WireCaller, WireOp, WireReply};
 
 /// Opens connections to the server: a socket, TLS and the key's proof as configured.
 pub trait Connector: Send + Sync {
     /// Where it connects, for log lines.
     fn describe(&self) -> String;
-    fn connect(&self, timeout: Duration, on_change: OnChange) -> std::result::Result<Arc<Connection>, String>;
+    fn connect(&self, timeout: Duration, on_change: OnChange) -> std::result::Result<Arc<Connection>, ConnectError>;
 }
 
 /// Ids the layer makes up when the server's id is taken by another node.
@@ -230,7 +230,7 @@ impl Inner {
                     *self.conn.write() = Some(conn.clone());
                     return Ok(conn);
                 }
-                Err(e) if Instant::now() + pause >= deadline => return Err(e),
+                Err(e) if e.refused || Instant::now() + pause >= deadline => return Err(e.msg),
                 Err(e) => {
                     if !logged && broken.is_some() {
                         tracing::warn!("{}: lost {} ({e}); reconnecting", self.name, self.connector.describe());
