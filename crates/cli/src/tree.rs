@@ -179,18 +179,13 @@ pub fn build_stack(
             if specs.iter().any(|s| plyfs_stack::is_fan_out(plyfs_layers::registry(), &s.kind)) || !branches.is_empty() {
                 return Err(format!("{lower}: a fan-out layer over a remote stack is not supported; serve the tree instead (plyfs serve --stack 'union[...]')"));
             }
+            // Per-file chains and crypt volumes are the server's: its own policy layer keeps
+            // the attributes they are recorded in, and refuses them to clients.
+            if rules.is_some() {
+                return Err(format!("--rules: per-file rules of a remote stack run on the server (plyfs serve {lower} --rules FILE)"));
+            }
             let bottom = lower.bottom()?;
-            let rules = match rules {
-                Some(path) => Some(
-                    plyfs_policy::Rules::load(path, plyfs_policy::rule_checker(plyfs_layers::registry(), &bottom))
-                        .map_err(|e| e.to_string())?,
-                ),
-                None => None,
-            };
-            let bottom = plyfs_layers::crypt::with_names(bottom).map_err(|e| e.to_string())?;
-            return plyfs_policy::build_stack(specs, rules, plyfs_layers::registry(), bottom)
-                .map(|(s, _)| s)
-                .map_err(|e| e.to_string());
+            return Stack::build_over(specs, plyfs_layers::registry(), vec![bottom]).map_err(|e| e.to_string());
         }
     };
     let registry = plyfs_layers::registry();

@@ -124,7 +124,8 @@ impl Remote {
                 }
             })
             .map_err(|e| Error::config(e.to_string()))?;
-        let conn = inner.reconnect(None, Instant::now() + timeout).map_err(Error::Config)?;
+        // One try: a server that is not there at mount time is a mistake to report, not wait out.
+        let conn = inner.reconnect(None, Instant::now()).map_err(Error::Config)?;
         // The server's extended operations, leaked once: layers describe theirs statically.
         let ext: Vec<ExtOpInfo> = conn
             .welcome
@@ -262,6 +263,14 @@ impl Inner {
     /// The server's id for node `id` on `conn` (epoch `epoch`), finding it again by its path if
     /// it is from an older connection.
     fn server_node(&self, conn: &Connection, epoch: u64, cx: WireCaller, id: u64, deadline: Instant) -> Result<u64> {
+        self.server_node_at(conn, epoch, cx, id, deadline, 0)
+    }
+
+    fn server_node_at(&self, conn: &Connection, epoch: u64, cx: WireCaller, id: u64, deadline: Instant, depth: usize) -> Result<u64> {
+        // Deeper than any path can be: the recorded names form a loop.
+        if depth > 2048 {
+            return Err(self.eio(&format!("node {id}: its recorded path does not reach the root")));
+        }
         let (server, node_epoch, parent, name) = {
             let t = self.table.lock();
             let n = t.nodes.get(&id).ok_or(Error::Os(libc::ESTALE))?;
@@ -273,7 +282,7 @@ impl Inner {
         if id == NodeId::ROOT.0 || parent == 0 {
             return Err(Error::Os(libc::ESTALE));
         }
-        let server_parent = self.server_node(conn, epoch, cx, parent, deadline)?;
+        let server_parent = self.server_node_at(conn, epoch, cx, parent, deadline, depth + 1)?;
         let op = WireOp::Lookup { parent: server_parent, name: serde_bytes::ByteBuf::from(name.as_bytes().to_vec()) };
         let found = match conn.call(cx, op, &[], deadline) {
             Ok((WireReply::Entry(e), _)) => e.node,
@@ -366,16 +375,21 @@ impl Inner {
     /// The node id this layer gives the server's `server` (new or known), with one more
     /// lookup held by the layer above; `parent`/`name` say where it was found.
     fn adopt(&self, epoch: u64, server: u64, parent: u64, name: &OsStr) -> u64 {
+        // `.` and `..` are not where an object lives: they would make its path a loop.
+        let named = name != "." && name != "..";
         let mut t = self.table.lock();
         if let Some(&id) = t.by_server.get(&server) {
             if let Some(n) = t.nodes.get_mut(&id) {
                 n.lookups += 1;
                 n.server_lookups += 1;
-                n.parent = parent;
-                n.name = name.to_owned();
+                if named {
+                    n.parent = parent;
+                    n.name = name.to_owned();
+                }
                 return id;
             }
         }
+        let (parent, name) = if named { (parent, name) } else { (0, OsStr::new("")) };
         let id = if server < OWN_IDS && !t.nodes.contains_key(&server) {
             server
         } else {

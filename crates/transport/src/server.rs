@@ -346,6 +346,12 @@ impl Server {
         }
         self.check_nodes(conn, op)?;
         self.check_handle(conn, op)?;
+        if conn.identity != Identity::AsSent {
+            if let Op::Access { node, mask } = *op {
+                return self.permit(cx, node, mask as u32).map(|()| Reply::Empty);
+            }
+            self.check_access(cx, op)?;
+        }
         let reply = self.top.call(cx, op)?;
         match (&reply, op) {
             (Reply::Entry(e), _) => self.hold(conn, e.node, 1),
@@ -370,6 +376,79 @@ impl Server {
             _ => {}
         }
         Ok(reply)
+    }
+
+    /// Permission checks for a client whose requests run as other ids than it sent (root
+    /// squashed, a Unix peer held to its own ids). The client's kernel checked against the ids
+    /// it knows, and the bottom layer trusts such checks, so the server makes them again with
+    /// the ids it acts as, as an NFS server does. (Supplementary groups are not known: the
+    /// primary group counts. The sticky bit is not checked.)
+    fn check_access(&self, cx: &Caller, op: &Op<'_>) -> Result<(), Error> {
+        const R: u32 = 4;
+        const W: u32 = 2;
+        const X: u32 = 1;
+        match *op {
+            Op::Lookup { parent, .. } => self.permit(cx, parent, X),
+            Op::OpenDir { node } => self.permit(cx, node, R),
+            Op::Open { node, flags } => {
+                let want = match flags & libc::O_ACCMODE {
+                    libc::O_RDONLY => R,
+                    libc::O_WRONLY => W,
+                    _ => R | W,
+                } | if flags & libc::O_TRUNC != 0 { W } else { 0 };
+                self.permit(cx, node, want)
+            }
+            Op::Create { parent, .. }
+            | Op::MkDir { parent, .. }
+            | Op::MkNod { parent, .. }
+            | Op::SymLink { parent, .. }
+            | Op::Unlink { parent, .. }
+            | Op::RmDir { parent, .. } => self.permit(cx, parent, W | X),
+            Op::Link { new_parent, .. } => self.permit(cx, new_parent, W | X),
+            Op::Rename { parent, new_parent, .. } => {
+                self.permit(cx, parent, W | X)?;
+                self.permit(cx, new_parent, W | X)
+            }
+            Op::SetAttr { node, set, .. } => {
+                let attr = self.top.getattr(cx, node)?;
+                let owner = cx.uid == 0 || attr.uid == cx.uid;
+                if set.uid.is_some_and(|u| u != attr.uid) && cx.uid != 0 {
+                    return Err(Error::Os(libc::EPERM));
+                }
+                if (set.mode.is_some() || set.gid.is_some() || matches!(set.atime, Some(plyfs_stack::TimeSet::At(_)))) && !owner {
+                    return Err(Error::Os(libc::EPERM));
+                }
+                if set.size.is_some() || (set.atime.is_some() || set.mtime.is_some()) && !owner {
+                    return self.permit(cx, node, W);
+                }
+                Ok(())
+            }
+            Op::SetXattr { node, .. } | Op::RemoveXattr { node, .. } => self.permit(cx, node, W),
+            Op::Extended { .. } => {
+                Err(Error::BadArgs("extended operations need a client the server trusts (a root peer, or --no-root-squash)".into()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn permit(&self, cx: &Caller, node: NodeId, want: u32) -> Result<(), Error> {
+        if cx.uid == 0 {
+            return Ok(());
+        }
+        let a = self.top.getattr(cx, node)?;
+        let perm = u32::from(a.perm);
+        let bits = if a.uid == cx.uid {
+            perm >> 6
+        } else if a.gid == cx.gid {
+            perm >> 3
+        } else {
+            perm
+        } & 7;
+        if bits & want == want {
+            Ok(())
+        } else {
+            Err(Error::Os(libc::EACCES))
+        }
     }
 
     fn hold(&self, conn: &Conn, node: NodeId, n: u64) {

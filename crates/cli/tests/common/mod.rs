@@ -233,7 +233,12 @@ pub fn crypt_passfile(dir: &Path) -> PathBuf {
 /// returned. `--kdf-memory 1024` keeps Argon2id fast; `init_args` are passed as they are.
 pub fn crypt_init(dir: &Path, lower: &Path, init_args: &[&str]) -> PathBuf {
     let passfile = crypt_passfile(dir);
-    let out = run(plyfs().arg("init").arg(lower).args(["--layer", "crypt", "--kdf-memory", "1024", "--passfile"]).arg(&passfile).args(init_args));
+    let out = run(plyfs()
+        .arg("init")
+        .arg(lower)
+        .args(["--layer", "crypt", "--kdf-memory", "1024", "--passfile"])
+        .arg(&passfile)
+        .args(init_args));
     assert!(out.status.success(), "plyfs init {}: {}", lower.display(), String::from_utf8_lossy(&out.stderr));
     passfile
 }
@@ -252,4 +257,91 @@ pub fn op_json(path: &Path, args: &[&str]) -> serde_json::Value {
     let out = run(plyfs().arg("op").arg(path).args(args));
     assert!(out.status.success(), "plyfs op {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// A `plyfs serve` owned by a test: stopped (killed if need be) when dropped.
+pub struct Server {
+    pub lower: PathBuf,
+    pub listen: String,
+    pub log: PathBuf,
+    args: Vec<String>,
+    child: Option<Child>,
+}
+
+impl Server {
+    /// Serve `lower` on `listen` (`unix:PATH` or `tcp:HOST:PORT`) with more `args`
+    /// (`--stack`, `--psk`, ...); returns once it listens.
+    pub fn start(lower: &Path, listen: &str, args: &[&str], log: &Path) -> Server {
+        let mut s = Server {
+            lower: lower.to_owned(),
+            listen: listen.to_owned(),
+            log: log.to_owned(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+            child: None,
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let before = self.log_text().matches("serving ").count();
+        let child = plyfs()
+            .arg("serve")
+            .arg(&self.lower)
+            .arg("--listen")
+            .arg(&self.listen)
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.log_text().matches("serving ").count() == before {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("plyfs serve exited ({status}): {}", self.log_text());
+            }
+            assert!(Instant::now() < deadline, "plyfs serve not listening after 20 s: {}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Kill the server with SIGKILL, as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Start it again after [`Server::kill`].
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "restart a server that runs");
+        self.spawn();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A TCP port on loopback that nothing listens on now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }

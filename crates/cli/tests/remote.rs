@@ -1,0 +1,227 @@
+//! Stacks served by `plyfs serve` and mounted elsewhere: over a Unix socket and over TLS,
+//! through real mounts and real server processes.
+
+mod common;
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    lower: PathBuf,
+}
+
+fn setup() -> Setup {
+    let dir = tempfile::Builder::new().prefix("plyfs-remote-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let lower = root.join("lower");
+    std::fs::create_dir(&lower).unwrap();
+    Setup { _dir: dir, root, lower }
+}
+
+fn mount(s: &Setup, name: &str, lower: &str, stack: &str, options: &[&str]) -> Mount {
+    let mnt = s.root.join(name);
+    std::fs::create_dir_all(&mnt).unwrap();
+    let dir = tempfile::Builder::new().prefix("plyfs-remote-mnt-").tempdir_in("/tmp").unwrap();
+    Mount::start(dir, PathBuf::from(lower), mnt, stack, options)
+}
+
+fn unix(s: &Setup) -> (Server, String) {
+    let sock = s.root.join("s.sock");
+    let addr = format!("unix:{}", sock.display());
+    (Server::start(&s.lower, &addr, &[], &s.root.join("server.log")), addr)
+}
+
+#[test]
+fn a_stack_served_on_a_unix_socket_reads_and_writes() {
+    let s = setup();
+    let (_server, addr) = unix(&s);
+    let m = mount(&s, "mnt", &addr, "null", &[]);
+    std::fs::create_dir_all(m.path("a/b")).unwrap();
+    std::fs::write(m.path("a/b/f"), b"through the socket").unwrap();
+    assert_eq!(std::fs::read(s.lower.join("a/b/f")).unwrap(), b"through the socket");
+    std::fs::rename(m.path("a/b/f"), m.path("g")).unwrap();
+    assert!(s.lower.join("g").exists());
+    // Inode numbers are the server's.
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(m.path("g")).unwrap().ino(), std::fs::metadata(s.lower.join("g")).unwrap().ino());
+    // The server's extended operations answer through the mount.
+    let info = op_json(&m.path("g"), &["lower-info"]);
+    assert!(info.to_string().contains("lower"), "{info}");
+    let list = run(plyfs().arg("op").arg(m.path("g")).arg("--list"));
+    assert!(String::from_utf8_lossy(&list.stdout).contains("lower-sync"), "{}", String::from_utf8_lossy(&list.stdout));
+}
+
+#[test]
+fn zstd_over_remote_compresses_in_the_mount() {
+    let s = setup();
+    let (_server, addr) = unix(&s);
+    let text = "a line that repeats and compresses well\n".repeat(20_000);
+    {
+        let m = mount(&s, "mnt", &addr, "zstd,remote", &[]);
+        std::fs::write(m.path("f"), &text).unwrap();
+        assert_eq!(std::fs::read_to_string(m.path("f")).unwrap(), text);
+    }
+    let stored = std::fs::metadata(s.lower.join("f")).unwrap().len();
+    assert!(stored < text.len() as u64 / 10, "stored {stored} bytes for {}", text.len());
+    // The same stack over the lower directory itself reads it.
+    let out = run(plyfs().arg("decode").arg(&s.lower).arg(s.root.join("plain")).args(["--stack", "zstd"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read_to_string(s.root.join("plain/f")).unwrap(), text);
+}
+
+#[test]
+fn the_server_killed_and_restarted_loses_no_fsynced_byte_and_the_client_goes_on() {
+    let s = setup();
+    let (mut server, addr) = unix(&s);
+    let m = mount(&s, "mnt", &addr, "zstd,remote", &[]);
+    std::fs::create_dir_all(m.path("d/e")).unwrap();
+    let mut f = std::fs::OpenOptions::new().create(true).write(true).truncate(true).open(m.path("d/e/log")).unwrap();
+    let mut reader = std::fs::File::open(m.path("d/e/log")).unwrap();
+    let mut synced = 0;
+    let mut write = |i: usize| {
+        f.write_all(format!("line {i:06}\n").as_bytes()).unwrap();
+        f.sync_all().unwrap();
+        synced = i + 1;
+    };
+    (0..100).for_each(&mut write);
+    server.kill();
+    std::thread::scope(|sc| {
+        // Back in a moment: the writes meanwhile wait for it (within the timeout).
+        sc.spawn(|| {
+            std::thread::sleep(Duration::from_millis(700));
+            server.restart();
+        });
+        (100..300).for_each(&mut write);
+    });
+    drop(write);
+    drop(f);
+    // The descriptor opened before the crash still reads, without a remount.
+    let mut all = String::new();
+    reader.seek(SeekFrom::Start(0)).unwrap();
+    reader.read_to_string(&mut all).unwrap();
+    let expected: String = (0..synced).map(|i| format!("line {i:06}\n")).collect();
+    assert_eq!(all, expected);
+    assert!(m.daemon_log().contains("reconnected"), "{}", m.daemon_log());
+    // And what is on the server's disk is all of it.
+    drop(reader);
+    drop(m);
+    let m = mount(&s, "mnt2", &addr, "zstd,remote", &[]);
+    assert_eq!(std::fs::read_to_string(m.path("d/e/log")).unwrap(), expected);
+}
+
+#[test]
+fn requests_while_a_server_stays_down_fail_with_eio_after_the_timeout_and_the_mount_survives() {
+    let s = setup();
+    let (mut server, addr) = unix(&s);
+    let m = mount(&s, "mnt", &addr, "remote:timeout=2", &[]);
+    std::fs::write(m.path("f"), b"x").unwrap();
+    let file = std::fs::File::open(m.path("f")).unwrap();
+    server.kill();
+    let start = Instant::now();
+    let mut buf = [0u8; 1];
+    let err = file.read_at(&mut buf, 0).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+    assert!(m.daemon_log().contains("remote:"), "{}", m.daemon_log());
+    server.restart();
+    assert_eq!(file.read_at(&mut buf, 0).unwrap(), 1);
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), b"x");
+}
+
+#[test]
+fn tls_with_the_right_key_works_and_a_wrong_key_is_refused_with_one_log_line() {
+    let s = setup();
+    let (key, bad) = (s.root.join("psk"), s.root.join("bad"));
+    std::fs::write(&key, [7u8; 32]).unwrap();
+    std::fs::write(&bad, [8u8; 32]).unwrap();
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let key_arg = format!("--psk={}", key.display());
+    let server = Server::start(&s.lower, &addr, &[&key_arg, "--no-root-squash"], &s.root.join("server.log"));
+    let mnt = s.root.join("refused");
+    std::fs::create_dir(&mnt).unwrap();
+    let out = run(plyfs().arg("mount").arg(&addr).arg(&mnt).arg("--psk").arg(&bad));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("wrong key") && err.lines().count() == 1, "{err}");
+    assert_eq!(server.log_text().matches("refused").count(), 1, "{}", server.log_text());
+    let out = run(plyfs().arg("mount").arg(&addr).arg(&mnt));
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--psk"));
+    assert!(mounted_fstype(&mnt).is_none());
+    let m = mount(&s, "mnt", &addr, "null", &[&key_arg]);
+    let data: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(m.path("big"), &data).unwrap();
+    assert_eq!(std::fs::read(m.path("big")).unwrap(), data);
+    assert_eq!(std::fs::read(s.lower.join("big")).unwrap(), data);
+}
+
+#[test]
+fn root_is_squashed_over_tcp_unless_asked() {
+    let s = setup();
+    let key = s.root.join("psk");
+    std::fs::write(&key, [7u8; 32]).unwrap();
+    let key_arg = format!("--psk={}", key.display());
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let _server = Server::start(&s.lower, &addr, &[&key_arg], &s.root.join("server.log"));
+    let m = mount(&s, "mnt", &addr, "null", &[&key_arg]);
+    // The lower root belongs to root and is not writable by others: nobody may not create.
+    let err = std::fs::write(m.path("f"), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EACCES), "{err}");
+    std::fs::set_permissions(&s.lower, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    std::thread::sleep(Duration::from_millis(1100));
+    std::fs::write(m.path("f"), b"x").unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(s.lower.join("f")).unwrap().uid(), 65534);
+}
+
+#[test]
+fn changes_made_through_another_client_reach_the_kernel_caches() {
+    let s = setup();
+    let (_server, addr) = unix(&s);
+    // Long timeouts: without the server's notices, b would see its cached copy for a minute.
+    let opts = ["attr_timeout=60", "entry_timeout=60"];
+    let a = mount(&s, "a", &addr, "null", &opts);
+    let b = mount(&s, "b", &addr, "null", &opts);
+    std::fs::write(a.path("f"), b"first").unwrap();
+    assert_eq!(std::fs::read(b.path("f")).unwrap(), b"first");
+    std::fs::write(a.path("f"), b"second, longer").unwrap();
+    wait_for(|| std::fs::read(b.path("f")).ok().as_deref() == Some(&b"second, longer"[..]), "b sees a's new data");
+    std::fs::remove_file(a.path("f")).unwrap();
+    wait_for(|| !b.path("f").exists(), "b sees the removal");
+    std::fs::write(a.path("g"), b"new").unwrap();
+    wait_for(|| b.path("g").exists(), "b sees the new name");
+}
+
+fn wait_for(mut cond: impl FnMut() -> bool, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !cond() {
+        assert!(Instant::now() < deadline, "{what}: not within 3 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn bad_remote_arguments_get_one_clear_line() {
+    let s = setup();
+    let mnt = s.root.join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (&["unix:/nonexistent/x.sock"], "/nonexistent/x.sock"),
+        (&["tcp:nohost"], "tcp:HOST:PORT"),
+        (&["-", "--stack", "remote:bogus=1"], "unknown parameter 'bogus'"),
+        (&["-", "--stack", "remote,null"], "must come last"),
+        (&["unix:/x.sock", "--stack", "remote:timeout=-1"], "timeout"),
+    ];
+    for (args, expect) in cases {
+        let out = run(plyfs().arg("mount").arg(args[0]).arg(&mnt).args(&args[1..]).arg("--foreground"));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(expect), "{args:?}: {err}");
+        assert!(mounted_fstype(&mnt).is_none());
+    }
+    let _ = Path::new("");
+}
