@@ -51,9 +51,10 @@ impl Rng {
 const MAX_LEN: u64 = 1 << 20;
 
 fn seed() -> u64 {
-    std::env::var("PLYFS_FSX_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
-    })
+    std::env::var("PLYFS_FSX_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1)
 }
 
 fn ops(default: usize) -> usize {
@@ -336,4 +337,28 @@ fn fsx_version() {
 #[test]
 fn fsx_version_over_zstd() {
     run_fsx("version:keep=3,zstd", &[], 250);
+}
+
+/// fsx on `stack` ending in `remote`, served by a `plyfs serve` over a Unix socket that
+/// outlives the test's remounts.
+fn run_fsx_remote(stack: &str, default_ops: usize) {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let lower = root.join("lower");
+    std::fs::create_dir(&lower).unwrap();
+    let addr = format!("unix:{}", root.join("s.sock").display());
+    let server = common::Server::start(&lower, &addr, &[], &root.join("server.log"));
+    let mount = || {
+        let mdir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+        let mnt = mdir.path().canonicalize().unwrap().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        Mount::start(mdir, std::path::PathBuf::from(&addr), mnt, stack, &[])
+    };
+    run_fsx_on(&format!("[{stack}] served on {addr}"), mount, default_ops, &[]);
+    assert!(!server.log_text().contains("panick"), "{}", server.log_text());
+}
+
+#[test]
+fn fsx_zstd_over_remote() {
+    run_fsx_remote("zstd,remote", 400);
 }
