@@ -8,7 +8,8 @@
 # `trace`, `zstd`, `copy`, `null --rules mixed-rules.toml`,
 # `gzip:level=9:fast_tails=on`, `crypt`, `union` (a read-write branch over a read-only branch
 # holding files), `mirror` (two branches), `version`, and `remote` (a `plyfs serve` over a Unix
-# socket; `remote --tls` over TLS on loopback; `zstd,remote` compressing in the mount)). For each one a fresh lower directory on
+# socket; `remote --tls` over TLS on loopback; `zstd,remote` compressing in the mount), and
+# `zstd,ext:socket=@trace,null` (`ext:socket=@LAYER` runs LAYER in a `plyfs host` process)). For each one a fresh lower directory on
 # the real disk and an empty mount point are made, plyfs is mounted over them with
 # `-o allow_other` (pjdfstest switches to other users), pjdfstest runs inside the mount, and the
 # mount is taken down again - always, even on failure or interruption. For a stack with a
@@ -53,7 +54,7 @@ PJDFSTEST_VERSION=0.2.2
 # An entry may add mount arguments after the spec, e.g. `null --rules FILE`: the last one mixes
 # compressed files (half of the names, by rule) with untouched ones.
 DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt union mirror version
-  remote "remote --tls" zstd,remote)
+  remote "remote --tls" zstd,remote "zstd,ext:socket=@trace,null")
 
 die() { echo "pjdfstest/run.sh: $*" >&2; exit 2; }
 say() { echo "== $*" >&2; }
@@ -475,6 +476,16 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
   mount_lower=$lower
   mount_stack=${entry%% *}
   server=""
+  # `ext:socket=@LAYER` hosts LAYER in a `plyfs host` process of its own and reaches it there.
+  if [[ "$mount_stack" =~ ext:socket=@([a-z0-9]+) ]]; then
+    hosted=${BASH_REMATCH[1]}
+    hsock=$WORK/$i.host.sock
+    "$PLYFS" host "$hosted" --socket "$hsock" 2>"$RESULTS/$label.host.log" &
+    SERVERS+=("$!")
+    for _ in $(seq 100); do [ -S "$hsock" ] && break; sleep 0.05; done
+    [ -S "$hsock" ] || die "plyfs host did not make $hsock (see $RESULTS/$label.host.log)"
+    mount_stack=${mount_stack/@$hosted/$hsock}
+  fi
   # With `--tls` among its arguments, over TCP on loopback with TLS and a pre-shared key.
   tls=0
   rest=()

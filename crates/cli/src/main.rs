@@ -28,6 +28,8 @@ enum Command {
     /// Export a stack over LOWER to other processes and machines: `plyfs mount ADDR MNT` (or a
     /// `remote` layer) reaches it.
     Serve(serve::ServeArgs),
+    /// Run layers in this process for mounts that reach them with `ext:socket=PATH`.
+    Host(serve::HostArgs),
     /// Unmount a plyfs mount; also cleans up after a daemon that was killed.
     Umount {
         mountpoint: PathBuf,
@@ -129,6 +131,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Mount(args) => daemon::mount(args),
         Command::Serve(args) => serve::serve(args),
+        Command::Host(args) => serve::host(args),
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
         Command::Op { path, name, args } => op(&path, &name, &args),
         Command::Layers => {

@@ -121,3 +121,59 @@ pub fn connector(addr: &Addr, psk: Option<&std::path::Path>) -> Result<Box<dyn C
         (Addr::Tcp(_), None) => Err(format!("{addr}: a TCP server needs its key: --psk FILE (or remote:psk=FILE)")),
     }
 }
+
+#[derive(Args, Clone)]
+pub struct HostArgs {
+    /// The layers to host, top first (e.g. `trace` or `zstd:level=9`), as one layer of the
+    /// mount's stack.
+    layers: String,
+    /// The Unix socket to listen on; mounts reach it with `ext:socket=PATH`.
+    #[arg(long)]
+    socket: PathBuf,
+    /// Log more (debug); repeat for every request (trace).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+}
+
+/// `plyfs host`: run layers in this process for mounts that reach them with `ext:socket=`.
+/// Each mount that connects gets layers of its own over its own lower levels.
+pub fn host(args: HostArgs) -> Result<(), String> {
+    let signals = crate::daemon::block_signals();
+    crate::daemon::init_logging(args.verbose);
+    let specs = parse_stack_spec(&args.layers).map_err(|e| e.to_string())?;
+    let registry = plyfs_layers::registry();
+    if let Some(s) = specs.iter().find(|s| plyfs_stack::is_fan_out(registry, &s.kind)) {
+        return Err(format!("layer '{}' fans out: only linear layers can be hosted", s.kind));
+    }
+    // Check the layers build before listening, so mistakes are reported now.
+    let probe = plyfs_transport::host::Below::new();
+    plyfs_stack::Stack::build_over(&specs, registry, vec![plyfs_stack::Level::new(probe)]).map_err(|e| e.to_string())?;
+    let listener = bind_unix(&args.socket)?;
+    let path = args.socket.clone();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            let _ = signals.wait();
+            let _ = std::fs::remove_file(path);
+            std::process::exit(0);
+        })
+        .map_err(|e| e.to_string())?;
+    tracing::info!("hosting [{}] on {}", args.layers, args.socket.display());
+    for stream in listener.incoming() {
+        let stream = stream.map_err(|e| format!("accept: {e}"))?;
+        let specs = specs.clone();
+        std::thread::spawn(move || {
+            let below = plyfs_transport::host::Below::new();
+            let stack = match plyfs_stack::Stack::build_over(&specs, registry, vec![plyfs_stack::Level::new(below.clone())]) {
+                Ok(s) => s,
+                Err(e) => return tracing::error!("building the layers: {e}"),
+            };
+            let top = stack.top().layer().clone();
+            if let Err(e) = plyfs_transport::host::serve_layer(Box::new(stream), top, &below) {
+                tracing::warn!("a mount: {e}");
+            }
+            stack.shutdown();
+        });
+    }
+    Ok(())
+}

@@ -6,6 +6,7 @@
 
 pub mod copy;
 pub mod crypt;
+pub mod ext;
 pub mod fault;
 pub mod gzip;
 mod ids;
@@ -24,7 +25,7 @@ use plyfs_stack::LayerFactory;
 
 /// Every layer this build knows.
 pub fn registry() -> &'static [LayerFactory] {
-    static REGISTRY: [LayerFactory; 12] = [
+    static REGISTRY: [LayerFactory; 14] = [
         null::FACTORY,
         trace::FACTORY,
         copy::FACTORY,
@@ -37,6 +38,8 @@ pub fn registry() -> &'static [LayerFactory] {
         mirror::FACTORY,
         version::FACTORY,
         fault::FACTORY,
+        ext::EXT_FACTORY,
+        ext::PY_FACTORY,
     ];
     &REGISTRY
 }

@@ -86,14 +86,16 @@ impl Chain {
         Chain { policy: Policy::none(), text: NONE.to_owned(), top: lower.clone(), stack: None }
     }
 
-    /// Build `policy` over `lower`. Every layer must transform data: monitoring and other
-    /// mount-wide layers belong in the mount's stack, above the per-file chains.
+    /// Build `policy` over `lower`. Its top layer must transform data: monitoring and other
+    /// mount-wide layers belong in the mount's stack, above the per-file chains. Below that, a
+    /// chain may hold layers that pass data through (`zstd,ext:socket=...,null`): they see what
+    /// the layer above them writes.
     pub fn build(policy: &Policy, registry: &[LayerFactory], lower: &Level) -> Result<Chain> {
         if policy.is_none() {
             return Ok(Chain::none(lower));
         }
         let stack = Stack::build(policy.specs(), registry, lower.layer().clone())?;
-        if let Some(l) = stack.layers().iter().find(|l| l.layer().data_path() != DataPath::Transforms) {
+        if let Some(l) = stack.layers().first().filter(|l| l.layer().data_path() != DataPath::Transforms) {
             return Err(Error::config(format!(
                 "layer '{}' cannot be chosen per file: it does not transform data (put it in the mount's --stack)",
                 l.layer().kind()

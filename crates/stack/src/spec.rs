@@ -294,11 +294,16 @@ fn layers_of_tables(tables: Vec<LayerTable>) -> Result<Vec<LayerSpec>> {
 /// A parameter a layer accepts.
 #[derive(Clone, Copy, Debug)]
 pub struct ParamSpec {
+    /// The parameter's name; [`ANY_PARAM`] lets a layer take parameters of any name.
     pub name: &'static str,
     pub help: &'static str,
     /// The default, for `plyfs layers`; `None` means the parameter is optional with no default.
     pub default: Option<&'static str>,
 }
+
+/// The name of a [`ParamSpec`] that stands for parameters of any other name, which the layer
+/// passes on (a Python layer's own parameters).
+pub const ANY_PARAM: &str = "*";
 
 /// The validated parameters handed to a layer's constructor.
 #[derive(Clone, Debug)]
@@ -314,6 +319,11 @@ impl Params {
 
     pub fn get(&self, key: &str) -> Option<&str> {
         self.values.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+
+    /// Every parameter given, in order (for a layer that passes unknown ones on).
+    pub fn all(&self) -> &[(String, String)] {
+        &self.values
     }
 
     /// A boolean parameter: on/off, true/false, yes/no, 1/0.

@@ -479,7 +479,8 @@ fn find_factory<'r>(registry: &'r [LayerFactory], spec: &LayerSpec) -> Result<&'
 
 fn check_params(factory: &LayerFactory, spec: &LayerSpec) -> Result<()> {
     for (key, _) in &spec.params {
-        if key != NAME_PARAM.name && !factory.params.iter().any(|p| p.name == key) {
+        let known = factory.params.iter().any(|p| p.name == key || p.name == crate::spec::ANY_PARAM);
+        if key != NAME_PARAM.name && !known {
             let mut known: Vec<_> = factory.params.iter().map(|p| p.name).collect();
             known.push(NAME_PARAM.name);
             return Err(Error::config(format!(

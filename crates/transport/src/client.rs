@@ -22,6 +22,7 @@ pub struct Welcome {
     pub layers: Vec<WireLayer>,
     pub ext_ops: Vec<WireExtOp>,
     pub auth: Option<Vec<u8>>,
+    pub hosted: Option<crate::wire::Hosted>,
 }
 
 /// Why a connection could not be made.
@@ -67,6 +68,14 @@ struct Slot {
 /// Receives the server's change notices.
 pub type OnChange = Arc<dyn Fn(Vec<Change>) + Send + Sync>;
 
+/// Answers requests from the other end, for connections where both ends call (a mount and the
+/// process hosting one of its layers: the layer calls the levels below it back).
+pub type Incoming = Arc<dyn Fn(WireCaller, WireOp, Vec<u8>) -> (WireReply, Vec<u8>) + Send + Sync>;
+
+/// Threads that answer the other end's requests: a request may wait on a call of its own over
+/// the same connection, whose reply the reader thread must stay free to deliver.
+const INCOMING_WORKERS: usize = 8;
+
 pub struct Connection {
     writer: Mutex<Box<dyn Write + Send>>,
     control: Arc<dyn Control>,
@@ -76,16 +85,28 @@ pub struct Connection {
     dead: Mutex<Option<String>>,
     is_dead: AtomicBool,
     pub welcome: Welcome,
+    incoming: Mutex<Option<std::sync::mpsc::Sender<Frame>>>,
 }
 
 impl Connection {
     /// Say hello over `stream` and start reading replies. `proof` answers the server's
-    /// authentication; `check` verifies the server's proof in its welcome.
+    /// authentication.
     pub fn open(
         stream: Box<dyn Duplex>,
         proof: Option<Vec<u8>>,
         timeout: Duration,
         on_change: OnChange,
+    ) -> Result<Arc<Connection>, ConnectError> {
+        Connection::open_with(stream, proof, timeout, on_change, None)
+    }
+
+    /// [`Connection::open`], answering the other end's requests with `incoming`.
+    pub fn open_with(
+        stream: Box<dyn Duplex>,
+        proof: Option<Vec<u8>>,
+        timeout: Duration,
+        on_change: OnChange,
+        incoming: Option<Incoming>,
     ) -> Result<Arc<Connection>, ConnectError> {
         let halves = stream.split().map_err(|e| e.to_string())?;
         let (mut reader, mut writer, control) = (halves.reader, halves.writer, halves.control);
@@ -108,8 +129,8 @@ impl Connection {
                 e => e.to_string(),
             })?;
             match wire::decode(&frame.header).map_err(|e| format!("a malformed welcome: {e}"))? {
-                Message::Welcome { version, software, instance, layers, ext_ops, auth } => {
-                    Ok(Welcome { version, software, instance, layers, ext_ops, auth: auth.map(|b| b.into_vec()) })
+                Message::Welcome { version, software, instance, layers, ext_ops, auth, hosted } => {
+                    Ok(Welcome { version, software, instance, layers, ext_ops, auth: auth.map(|b| b.into_vec()), hosted })
                 }
                 Message::Refused { reason } => Err(ConnectError::refused(format!("refused: {reason}"))),
                 _ => Err(ConnectError::refused("the server did not answer hello with welcome".into())),
@@ -123,6 +144,50 @@ impl Connection {
             }
         };
         control.set_read_timeout(None);
+        Connection::start(reader, writer, control, welcome, on_change, incoming).map_err(ConnectError::from)
+    }
+
+    /// The other side of [`Connection::open_with`], for a process that hosts a layer: wait for
+    /// hello, answer with `welcome`, then serve `incoming` and make calls of its own.
+    pub fn accept(
+        stream: Box<dyn Duplex>,
+        welcome: Welcome,
+        timeout: Duration,
+        incoming: Incoming,
+    ) -> Result<Arc<Connection>, String> {
+        let halves = stream.split().map_err(|e| e.to_string())?;
+        let (mut reader, mut writer, control) = (halves.reader, halves.writer, halves.control);
+        control.set_read_timeout(Some(timeout));
+        writer.write_all(&wire::PREAMBLE).map_err(|e| e.to_string())?;
+        wire::read_preamble(&mut reader).map_err(|e| e.to_string())?;
+        let frame = wire::read_frame(&mut reader).map_err(|e| e.to_string())?;
+        match wire::decode(&frame.header)? {
+            Message::Hello { versions, .. } if versions.contains(&welcome.version) => {}
+            Message::Hello { versions, .. } => return Err(format!("no common protocol version (the mount speaks {versions:?})")),
+            _ => return Err("the first message was not hello".into()),
+        }
+        let msg = Message::Welcome {
+            version: welcome.version,
+            software: welcome.software.clone(),
+            instance: welcome.instance,
+            layers: welcome.layers.clone(),
+            ext_ops: welcome.ext_ops.clone(),
+            auth: None,
+            hosted: welcome.hosted.clone(),
+        };
+        wire::write_frame(&mut writer, &wire::encode(&msg), &[]).map_err(|e| e.to_string())?;
+        control.set_read_timeout(None);
+        Connection::start(reader, writer, control, welcome, Arc::new(|_| {}), Some(incoming))
+    }
+
+    fn start(
+        reader: Box<dyn Read + Send>,
+        writer: Box<dyn Write + Send>,
+        control: Arc<dyn Control>,
+        welcome: Welcome,
+        on_change: OnChange,
+        incoming: Option<Incoming>,
+    ) -> Result<Arc<Connection>, String> {
         let conn = Arc::new(Connection {
             writer: Mutex::new(writer),
             control,
@@ -131,13 +196,49 @@ impl Connection {
             dead: Mutex::new(None),
             is_dead: AtomicBool::new(false),
             welcome,
+            incoming: Mutex::new(None),
         });
+        if let Some(handler) = incoming {
+            let (tx, rx) = std::sync::mpsc::channel::<Frame>();
+            let rx = Arc::new(Mutex::new(rx));
+            for i in 0..INCOMING_WORKERS {
+                let (rx, handler, weak) = (rx.clone(), handler.clone(), Arc::downgrade(&conn));
+                std::thread::Builder::new()
+                    .name(format!("peer-calls-{i}"))
+                    .spawn(move || loop {
+                        let frame = match rx.lock().recv() {
+                            Ok(f) => f,
+                            Err(_) => return,
+                        };
+                        let Ok(Message::Req { id, caller, op }) = wire::decode(&frame.header) else { continue };
+                        let (reply, payload) = handler(caller, op, frame.payload);
+                        let Some(conn) = weak.upgrade() else { return };
+                        if id != 0 {
+                            let header = wire::encode(&Message::Rep { id, reply });
+                            let mut w = conn.writer.lock();
+                            if wire::write_frame(&mut *w, &header, &payload).is_err() {
+                                drop(w);
+                                conn.close("cannot send a reply");
+                            }
+                        }
+                    })
+                    .map_err(|e| e.to_string())?;
+            }
+            *conn.incoming.lock() = Some(tx);
+        }
         let weak = Arc::downgrade(&conn);
         std::thread::Builder::new()
-            .name("remote-replies".into())
+            .name("peer-replies".into())
             .spawn(move || read_replies(weak, reader, on_change))
-            .map_err(|e| ConnectError::from(e.to_string()))?;
+            .map_err(|e| e.to_string())?;
         Ok(conn)
+    }
+
+    /// Wait until the connection ends (a hosting process serves until its mount goes).
+    pub fn wait_closed(&self) {
+        while !self.is_dead() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     pub fn is_dead(&self) -> bool {
@@ -158,6 +259,8 @@ impl Connection {
             }
         }
         self.is_dead.store(true, Ordering::Relaxed);
+        // Stop the workers: they end when the queue does.
+        self.incoming.lock().take();
         let slots: Vec<Arc<Slot>> = self.pending.lock().drain().map(|(_, s)| s).collect();
         for slot in slots {
             let mut r = slot.reply.lock();
@@ -237,6 +340,13 @@ fn read_replies(conn: std::sync::Weak<Connection>, mut reader: Box<dyn Read + Se
                 if let Some(slot) = slot {
                     *slot.reply.lock() = Some(Ok(frame));
                     slot.ready.notify_one();
+                }
+            }
+            Some(("req", _)) => {
+                let sent = c.incoming.lock().as_ref().map(|tx| tx.send(frame).is_ok());
+                if sent != Some(true) {
+                    c.close("a request from a peer that takes none");
+                    return;
                 }
             }
             Some(("changed", _)) => {

@@ -9,6 +9,7 @@
 //!   reconnecting by itself.
 
 pub mod client;
+pub mod host;
 pub mod listen;
 pub mod remote;
 pub mod server;

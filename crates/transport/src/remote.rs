@@ -488,6 +488,7 @@ impl Inner {
             | ListXattr { node: n, .. }
             | RemoveXattr { node: n, .. }
             | Extended { node: n, .. } => node(n),
+            Encode { .. } | Decode { .. } => Err(Error::Os(libc::EINVAL)),
         }
     }
 

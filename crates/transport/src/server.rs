@@ -212,6 +212,7 @@ impl Server {
             layers: self.layers.clone(),
             ext_ops: self.ext_ops.clone(),
             auth: my_proof.map(serde_bytes::ByteBuf::from),
+            hosted: None,
         };
         wire::write_frame(writer, &wire::encode(&welcome), &[]).map_err(|e| e.to_string())
     }

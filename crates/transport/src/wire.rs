@@ -277,9 +277,37 @@ pub enum WireOp {
         name: String,
         args: Vec<String>,
     },
+    /// A hosted codec's encoding of the chunk in the payload (not a stack operation: the mount
+    /// asks a codec process, `py:script=`).
+    Encode {
+        chunk: u64,
+    },
+    /// A hosted codec's decoding of the payload, which must decode to `decoded_len` bytes.
+    Decode {
+        chunk: u64,
+        decoded_len: u64,
+    },
 }
 
 impl WireOp {
+    /// Whether this is an operation of the stack (and not of a hosted codec).
+    pub fn is_stack_op(&self) -> bool {
+        !matches!(self, WireOp::Encode { .. } | WireOp::Decode { .. })
+    }
+
+    /// The operation's name on the wire.
+    pub fn name(&self) -> &str {
+        match self {
+            WireOp::Extended { name, .. } => name,
+            WireOp::Encode { .. } => "encode",
+            WireOp::Decode { .. } => "decode",
+            other => match other.to_op(&[]) {
+                Ok(op) => op.kind().name(),
+                Err(_) => "?",
+            },
+        }
+    }
+
     /// The wire form of `op` and its payload.
     pub fn from_op<'a>(op: &Op<'a>) -> (WireOp, &'a [u8]) {
         use Op::*;
@@ -376,7 +404,7 @@ impl WireOp {
                 Err(Error::BadArgs(format!("{op} takes no payload")))
             }
         };
-        if !matches!(self, WireOp::Write { .. } | WireOp::SetXattr { .. }) {
+        if !matches!(self, WireOp::Write { .. } | WireOp::SetXattr { .. } | WireOp::Encode { .. } | WireOp::Decode { .. }) {
             no_payload("this operation")?;
         }
         Ok(match self {
@@ -459,6 +487,9 @@ impl WireOp {
             }
             WireOp::Lseek { node: n, fh: h, offset, whence } => {
                 Op::Lseek { node: node(*n), fh: fh(*h), offset: *offset, whence: *whence }
+            }
+            WireOp::Encode { .. } | WireOp::Decode { .. } => {
+                return Err(Error::BadArgs(format!("'{}' is for a hosted codec, not a stack", self.name())))
             }
             WireOp::Extended { node: n, name, args } => {
                 if args.len() > MAX_EXT_ARGS || args.iter().any(|a| a.len() > MAX_EXT_ARG) || name.len() > MAX_NAME {
@@ -786,6 +817,26 @@ pub struct WireExtOp {
     pub level: String,
 }
 
+/// What a process that hosts one layer (`ext:`, `py:`) offers, in its welcome.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hosted {
+    /// `"layer"`: a layer that answers the operations in `ops` and bypasses the rest; or
+    /// `"codec"`: a size-changing codec that answers `encode` and `decode`.
+    pub kind: String,
+    /// The operations a hosted layer answers; the mount sends it no others.
+    #[serde(default)]
+    pub ops: Vec<String>,
+    /// For a layer: `"transparent"`, `"observes"` or `"transforms"` (what it does to file data).
+    #[serde(default)]
+    pub data: Option<String>,
+    /// For a codec: the four bytes stored in every file it writes.
+    #[serde(default)]
+    pub tag: Option<Bytes>,
+    /// For a codec: equal chunks always encode alike (it may stand for a run of zeros).
+    #[serde(default)]
+    pub deterministic: Option<bool>,
+}
+
 /// A change on the server that a client's caches must forget.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -818,6 +869,9 @@ pub enum Message {
         ext_ops: Vec<WireExtOp>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         auth: Option<Bytes>,
+        /// A process hosting one layer or codec says what it offers.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        hosted: Option<Hosted>,
     },
     /// The server will not talk to this client; the connection closes after it.
     Refused { reason: String },

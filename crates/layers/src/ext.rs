@@ -1,0 +1,379 @@
+//! `ext` and `py`: a layer of the stack that runs in another process (`seeds/000` §5.5).
+//!
+//! `ext:socket=PATH` reaches a process that listens on PATH and hosts one layer (`plyfs host`,
+//! or a Python script run with `--socket`). `py:script=FILE` starts `python3 FILE` itself, with a
+//! socket pair. Either way the process says in its welcome what it is:
+//!
+//! - a layer, with the operations it answers: those go to it, every other operation bypasses
+//!   it here, in the mount, at no cost. Its own calls to the level below come back over the
+//!   same connection and run on this layer's lower level.
+//! - a codec (`encode`/`decode` of one chunk): the mount builds a fast-indexing layer around it,
+//!   so the index, fast tails, recovery and holes are the framework's, and only chunks travel.
+//!
+//! If the process dies, its operations fail with `EIO` and one log line; the mount lives on, and
+//! the next operation connects again (or starts the script again, at most once a second).
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, FAST_TAILS_PARAM};
+use plyfs_stack::spec::{ParamSpec, ANY_PARAM};
+use plyfs_stack::{Build, BuildArgs, Caller, DataPath, Error, ExtOpInfo, Layer, LayerFactory, Level, Op, Reply, Result};
+use plyfs_transport::client::{CallError, Connection, Incoming};
+use plyfs_transport::wire::{Hosted, WireOp, WireReply};
+
+const SOCKET: ParamSpec = ParamSpec { name: "socket", help: "the Unix socket the layer's process listens on", default: None };
+const SCRIPT: ParamSpec = ParamSpec { name: "script", help: "the Python file that defines the layer or codec", default: None };
+const PYTHON: ParamSpec = ParamSpec { name: "python", help: "the Python interpreter", default: Some("python3") };
+const TIMEOUT: ParamSpec = ParamSpec { name: "timeout", help: "seconds to wait for the process before EIO", default: Some("60") };
+const SCRIPT_PARAMS: ParamSpec =
+    ParamSpec { name: ANY_PARAM, help: "any other parameter goes to the script (plyfs.params)", default: None };
+
+pub const EXT_FACTORY: LayerFactory = LayerFactory {
+    kind: "ext",
+    summary: "a layer hosted by another process on a Unix socket (plyfs host, or a Python layer run with --socket)",
+    params: &[SOCKET, TIMEOUT],
+    ext_ops: &[],
+    build: Build::Linear(build_ext),
+    absorbs: &[],
+};
+
+pub const PY_FACTORY: LayerFactory = LayerFactory {
+    kind: "py",
+    summary: "a layer or codec written in Python (the plyfs package), run in a process the mount starts",
+    params: &[SCRIPT, PYTHON, TIMEOUT, CHUNK_PARAM, FAST_TAILS_PARAM, SCRIPT_PARAMS],
+    ext_ops: &[],
+    build: Build::Linear(build_py),
+    absorbs: &[],
+};
+
+/// How the process is reached.
+enum Endpoint {
+    Socket(PathBuf),
+    Script { python: String, script: PathBuf, params: Vec<(String, String)> },
+}
+
+/// One process hosting a layer or codec, and the connection to it.
+struct Peer {
+    /// The layer's name, for log lines.
+    name: String,
+    endpoint: Endpoint,
+    /// Where the process's own calls go: the level below the layer (none for a codec).
+    below: Option<Level>,
+    timeout: Duration,
+    conn: RwLock<Option<Arc<Connection>>>,
+    child: Mutex<Option<Child>>,
+    last_start: Mutex<Option<Instant>>,
+}
+
+impl Peer {
+    fn describe(&self) -> String {
+        match &self.endpoint {
+            Endpoint::Socket(p) => format!("layer '{}' (process on {})", self.name, p.display()),
+            Endpoint::Script { script, .. } => format!("layer '{}' ({})", self.name, script.display()),
+        }
+    }
+
+    /// The live connection, or a new one: at most one start per second.
+    fn connection(&self) -> Result<Arc<Connection>> {
+        if let Some(c) = self.conn.read().as_ref().filter(|c| !c.is_dead()) {
+            return Ok(c.clone());
+        }
+        let mut last = self.last_start.lock();
+        if let Some(c) = self.conn.read().as_ref().filter(|c| !c.is_dead()) {
+            return Ok(c.clone());
+        }
+        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return Err(Error::Os(libc::EIO));
+        }
+        *last = Some(Instant::now());
+        let restarting = self.conn.read().is_some();
+        match self.start() {
+            Ok(c) => {
+                if restarting {
+                    tracing::warn!("{}: connected again", self.describe());
+                }
+                *self.conn.write() = Some(c.clone());
+                Ok(c)
+            }
+            Err(e) => {
+                tracing::error!("{}: {e}", self.describe());
+                Err(Error::Os(libc::EIO))
+            }
+        }
+    }
+
+    fn start(&self) -> std::result::Result<Arc<Connection>, String> {
+        let incoming: Option<Incoming> = self.below.clone().map(|below| -> Incoming {
+            Arc::new(move |caller, op, payload| {
+                let result = op.to_op(&payload).and_then(|op| below.call(&caller.into(), &op));
+                WireReply::from_result(result)
+            })
+        });
+        let stream: UnixStream = match &self.endpoint {
+            Endpoint::Socket(path) => UnixStream::connect(path).map_err(|e| format!("{}: {e}", path.display()))?,
+            Endpoint::Script { python, script, params } => {
+                let (ours, theirs) = UnixStream::pair().map_err(|e| e.to_string())?;
+                let child = spawn_script(python, script, params, theirs.into())?;
+                if let Some(mut old) = self.child.lock().replace(child) {
+                    let _ = old.kill();
+                    let _ = old.wait();
+                }
+                ours
+            }
+        };
+        Connection::open_with(Box::new(stream), None, self.timeout, Arc::new(|_| {}), incoming).map_err(|e| e.to_string())
+    }
+
+    /// Send one request; a lost process is one log line and `EIO`.
+    fn call(&self, cx: &Caller, op: WireOp, payload: &[u8]) -> Result<(WireReply, Vec<u8>)> {
+        let conn = self.connection()?;
+        let name = op.name().to_owned();
+        match conn.call(cx.into(), op, payload, Instant::now() + self.timeout) {
+            Ok(r) => Ok(r),
+            Err(CallError::TimedOut) => {
+                tracing::error!("{}: no answer to {name} within {:?}", self.describe(), self.timeout);
+                Err(Error::Os(libc::EIO))
+            }
+            Err(CallError::Lost { reason, .. }) => {
+                let status = self.child.lock().as_mut().and_then(|c| c.try_wait().ok().flatten());
+                let how = status.map_or(reason, |s| format!("the process ended ({s})"));
+                tracing::error!("{}: {name} failed: {how}", self.describe());
+                Err(Error::Os(libc::EIO))
+            }
+        }
+    }
+
+    fn stop(&self) {
+        if let Some(c) = self.conn.write().take() {
+            c.close("the mount is shutting down");
+        }
+        if let Some(mut child) = self.child.lock().take() {
+            // The script ends when its connection does; give it a moment, then insist.
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Start `python script` with the socket as descriptor 3 and the parameters in the environment.
+fn spawn_script(
+    python: &str,
+    script: &std::path::Path,
+    params: &[(String, String)],
+    sock: OwnedFd,
+) -> std::result::Result<Child, String> {
+    let params = serde_json::Value::Object(params.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect());
+    let raw = sock.as_raw_fd();
+    let mut cmd = Command::new(python);
+    cmd.arg(script).env("PLYFS_FD", "3").env("PLYFS_PARAMS", params.to_string()).stdin(Stdio::null()).stdout(Stdio::null());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(raw, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let flags = libc::fcntl(3, libc::F_GETFD);
+            libc::fcntl(3, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(|e| format!("cannot run {python} {}: {e}", script.display()))?;
+    drop(sock);
+    Ok(child)
+}
+
+fn timeout(args: &BuildArgs) -> Result<Duration> {
+    Ok(Duration::from_secs(args.params.int_in(TIMEOUT.name, 60, 1..=86_400)? as u64))
+}
+
+fn peer(args: &BuildArgs, endpoint: Endpoint, below: Option<Level>) -> Result<(Arc<Peer>, Hosted, Vec<ExtOpInfo>)> {
+    let peer = Arc::new(Peer {
+        name: args.name.clone(),
+        endpoint,
+        below,
+        timeout: timeout(args)?,
+        conn: RwLock::new(None),
+        child: Mutex::new(None),
+        last_start: Mutex::new(None),
+    });
+    let conn = peer.connection().map_err(|_| Error::config(format!("{}: cannot start it (see the log above)", peer.describe())))?;
+    let hosted =
+        conn.welcome.hosted.clone().ok_or_else(|| {
+            Error::config(format!("{}: the process does not host a layer (it answered as a server)", peer.describe()))
+        })?;
+    let leak = |s: &str| -> &'static str { Box::leak(s.to_owned().into_boxed_str()) };
+    let ext =
+        conn.welcome.ext_ops.iter().map(|o| ExtOpInfo { name: leak(&o.name), args: leak(&o.args), help: leak(&o.help) }).collect();
+    Ok((peer, hosted, ext))
+}
+
+fn build_ext(args: BuildArgs) -> Result<Arc<dyn Layer>> {
+    let socket = args.params.get(SOCKET.name).ok_or_else(|| Error::config(format!("layer '{}': socket=PATH is needed", args.name)))?;
+    let endpoint = Endpoint::Socket(PathBuf::from(socket));
+    let (peer, hosted, ext) = peer(&args, endpoint, Some(args.lower.clone()))?;
+    if hosted.kind != "layer" {
+        return Err(Error::config(format!("{}: hosts a {}, not a layer (use py:script= for codecs)", peer.describe(), hosted.kind)));
+    }
+    Ok(Arc::new(Ext::new(args, peer, hosted, ext)))
+}
+
+fn build_py(args: BuildArgs) -> Result<Arc<dyn Layer>> {
+    let script = args.params.get(SCRIPT.name).ok_or_else(|| Error::config(format!("layer '{}': script=FILE is needed", args.name)))?;
+    let script = std::path::absolute(script).map_err(|e| Error::config(format!("script {script}: {e}")))?;
+    if !script.is_file() {
+        return Err(Error::config(format!("layer '{}': script {}: no such file", args.name, script.display())));
+    }
+    let python = args.params.get(PYTHON.name).unwrap_or("python3").to_owned();
+    let own = [SCRIPT.name, PYTHON.name, TIMEOUT.name, CHUNK_PARAM.name, FAST_TAILS_PARAM.name];
+    let params = args.params.all().iter().filter(|(k, _)| !own.contains(&k.as_str())).cloned().collect();
+    let endpoint = Endpoint::Script { python, script, params };
+    // A codec never calls below; a layer does. Which one it is, the script says once started.
+    let (peer, hosted, ext) = peer(&args, endpoint, Some(args.lower.clone()))?;
+    match hosted.kind.as_str() {
+        "layer" => Ok(Arc::new(Ext::new(args, peer, hosted, ext))),
+        "codec" => {
+            let tag = hosted
+                .tag
+                .as_deref()
+                .filter(|t| t.len() == 4)
+                .ok_or_else(|| Error::config(format!("{}: a codec needs a tag of exactly 4 bytes", peer.describe())))?;
+            let codec = Arc::new(RemoteCodec {
+                peer,
+                tag: tag[..].try_into().expect("4 bytes"),
+                deterministic: hosted.deterministic.unwrap_or(true),
+            });
+            build_sca_layer(args, "py", codec)
+        }
+        other => Err(Error::config(format!("{}: hosts a '{other}', which this build does not know", peer.describe()))),
+    }
+}
+
+/// The mount's side of a hosted layer.
+pub struct Ext {
+    name: String,
+    lower: [Level; 1],
+    peer: Arc<Peer>,
+    /// The operations the process answers; the others bypass it here.
+    ops: Vec<String>,
+    ext_ops: Vec<ExtOpInfo>,
+    data: DataPath,
+}
+
+impl Ext {
+    fn new(args: BuildArgs, peer: Arc<Peer>, hosted: Hosted, ext_ops: Vec<ExtOpInfo>) -> Ext {
+        let data = match hosted.data.as_deref() {
+            Some("transparent") => DataPath::Transparent,
+            Some("observes") => DataPath::Observes,
+            _ => DataPath::Transforms,
+        };
+        Ext { name: args.name, lower: [args.lower], peer, ops: hosted.ops, ext_ops, data }
+    }
+
+    fn answers(&self, op: &Op<'_>) -> bool {
+        match op {
+            Op::Extended { name, .. } => self.ext_ops.iter().any(|o| o.name == *name),
+            other => self.ops.iter().any(|o| o == other.kind().name()),
+        }
+    }
+}
+
+impl Layer for Ext {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> &'static str {
+        "ext"
+    }
+
+    fn data_path(&self) -> DataPath {
+        self.data
+    }
+
+    fn lower(&self) -> &[Level] {
+        &self.lower
+    }
+
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        &self.ext_ops
+    }
+
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        if !self.answers(op) {
+            return self.lower[0].call(cx, op);
+        }
+        let (wire, payload) = WireOp::from_op(op);
+        let (reply, data) = self.peer.call(cx, wire, payload)?;
+        reply.into_result(data, op.name())
+    }
+
+    fn shutdown(&self) {
+        self.peer.stop();
+    }
+}
+
+/// A codec whose `encode` and `decode` run in the hosting process.
+struct RemoteCodec {
+    peer: Arc<Peer>,
+    tag: [u8; 4],
+    deterministic: bool,
+}
+
+impl RemoteCodec {
+    fn run(&self, op: WireOp, input: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        let what = op.name().to_owned();
+        match self.peer.call(&Caller::daemon(), op, input) {
+            Ok((WireReply::Data, data)) => {
+                out.extend_from_slice(&data);
+                Ok(())
+            }
+            Ok((WireReply::Error(e), _)) => Err(format!("{what}: {}", e.msg)),
+            Ok(_) => Err(format!("{what}: the codec answered with something else than data")),
+            Err(e) => Err(format!("{what}: {}: {e}", self.peer.describe())),
+        }
+    }
+}
+
+impl Codec for RemoteCodec {
+    fn tag(&self) -> [u8; 4] {
+        self.tag
+    }
+
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        self.run(WireOp::Encode { chunk: 0 }, chunk, out)
+    }
+
+    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        let before = out.len();
+        self.run(WireOp::Decode { chunk: 0, decoded_len: decoded_len as u64 }, encoded, out)?;
+        if out.len() - before != decoded_len {
+            return Err(format!("decode gave {} bytes instead of {decoded_len}", out.len() - before));
+        }
+        Ok(())
+    }
+
+    fn deterministic(&self) -> bool {
+        self.deterministic
+    }
+
+    fn store_raw_if_larger(&self) -> bool {
+        true
+    }
+}
