@@ -362,3 +362,28 @@ fn run_fsx_remote(stack: &str, default_ops: usize) {
 fn fsx_zstd_over_remote() {
     run_fsx_remote("zstd,remote", 400);
 }
+
+/// An example of `examples/python`, by its file name, as a `py:script=` layer.
+fn python_example(name: &str) -> String {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/python").join(name);
+    format!("py:script={}", path.canonicalize().unwrap().display())
+}
+
+#[test]
+fn fsx_python_rot13_codec() {
+    run_fsx(&python_example("rot13.py"), &[], 300);
+}
+
+#[test]
+fn fsx_python_zlib_codec() {
+    run_fsx(&format!("{}:level=1", python_example("zlib_codec.py")), &[], 300);
+}
+
+#[test]
+fn fsx_python_audit_layer_over_zstd() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("audit.jsonl");
+    run_fsx(&format!("{}:log={},zstd", python_example("audit.py"), log.display()), &[], 200);
+    let lines = std::fs::read_to_string(&log).unwrap();
+    assert!(lines.lines().any(|l| l.contains("\"path\": \"fsx\"")), "{lines}");
+}

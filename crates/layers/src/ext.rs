@@ -258,6 +258,7 @@ fn build_py(args: BuildArgs) -> Result<Arc<dyn Layer>> {
                 peer,
                 tag: tag[..].try_into().expect("4 bytes"),
                 deterministic: hosted.deterministic.unwrap_or(true),
+                compresses: hosted.compresses.unwrap_or(false),
             });
             build_sca_layer(args, "py", codec)
         }
@@ -334,6 +335,7 @@ struct RemoteCodec {
     peer: Arc<Peer>,
     tag: [u8; 4],
     deterministic: bool,
+    compresses: bool,
 }
 
 impl RemoteCodec {
@@ -374,6 +376,6 @@ impl Codec for RemoteCodec {
     }
 
     fn store_raw_if_larger(&self) -> bool {
-        true
+        self.compresses
     }
 }

@@ -94,7 +94,7 @@ pub fn serve_layer(stream: Box<dyn Duplex>, layer: Arc<dyn Layer>, below: &Arc<B
         .iter()
         .map(|o| crate::wire::WireExtOp { name: o.name.into(), args: o.args.into(), help: o.help.into(), level: layer.name().into() })
         .collect();
-    let hosted = Hosted { kind: "layer".into(), ops, data: Some(data), tag: None, deterministic: None };
+    let hosted = Hosted { kind: "layer".into(), ops, data: Some(data), tag: None, deterministic: None, compresses: None };
     let welcome = welcome(layer.name(), layer.kind(), hosted, ext_ops);
     let level = Level::new(layer);
     let incoming: Incoming = Arc::new(move |caller, op, payload| {

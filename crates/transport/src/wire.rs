@@ -835,6 +835,9 @@ pub struct Hosted {
     /// For a codec: equal chunks always encode alike (it may stand for a run of zeros).
     #[serde(default)]
     pub deterministic: Option<bool>,
+    /// For a codec: it compresses, so a chunk it cannot shrink is stored as it is.
+    #[serde(default)]
+    pub compresses: Option<bool>,
 }
 
 /// A change on the server that a client's caches must forget.
