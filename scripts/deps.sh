@@ -14,6 +14,9 @@ command -v setfattr >/dev/null || need_pkgs+=(attr)
 command -v setfacl >/dev/null || need_pkgs+=(acl)
 command -v cc >/dev/null || need_pkgs+=(build-essential)
 command -v curl >/dev/null || need_pkgs+=(curl ca-certificates)
+# The Python package builds in a virtual environment.
+command -v python3 >/dev/null || need_pkgs+=(python3)
+python3 -c 'import venv, ensurepip' 2>/dev/null || need_pkgs+=(python3-venv)
 for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p"); done
 if [ "${#need_pkgs[@]}" -gt 0 ]; then
   echo "plyfs: installing ${need_pkgs[*]}" >&2

@@ -18,8 +18,18 @@ cleanup_mounts() {
 trap 'status=$?; cleanup_mounts; exit $status' EXIT
 trap 'exit 130' INT TERM
 
+# The Python package, in a virtual environment of its own: layers written in Python (py:script=)
+# run with its interpreter.
+echo "== python package (pip install ./python)" >&2
+[ -x target/pyenv/bin/python ] || python3 -m venv target/pyenv
+timeout 900 target/pyenv/bin/pip install -q --upgrade ./python pytest >&2
+export PLYFS_PYTHON=$PWD/target/pyenv/bin/python
+
 echo "== cargo test" >&2
 timeout 1800 cargo test --workspace --release 2>&1
+
+echo "== pytest python/tests" >&2
+PLYFS_BIN=$PWD/target/release/plyfs timeout 600 target/pyenv/bin/python -m pytest -q python/tests 2>&1
 
 if [ -x tests/pjdfstest/run.sh ]; then
   echo "== pjdfstest" >&2

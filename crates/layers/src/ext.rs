@@ -30,7 +30,8 @@ use plyfs_transport::wire::{Hosted, WireOp, WireReply};
 
 const SOCKET: ParamSpec = ParamSpec { name: "socket", help: "the Unix socket the layer's process listens on", default: None };
 const SCRIPT: ParamSpec = ParamSpec { name: "script", help: "the Python file that defines the layer or codec", default: None };
-const PYTHON: ParamSpec = ParamSpec { name: "python", help: "the Python interpreter", default: Some("python3") };
+const PYTHON: ParamSpec =
+    ParamSpec { name: "python", help: "the Python interpreter (default: $PLYFS_PYTHON, else python3)", default: None };
 const TIMEOUT: ParamSpec = ParamSpec { name: "timeout", help: "seconds to wait for the process before EIO", default: Some("60") };
 const SCRIPT_PARAMS: ParamSpec =
     ParamSpec { name: ANY_PARAM, help: "any other parameter goes to the script (plyfs.params)", default: None };
@@ -240,7 +241,11 @@ fn build_py(args: BuildArgs) -> Result<Arc<dyn Layer>> {
     if !script.is_file() {
         return Err(Error::config(format!("layer '{}': script {}: no such file", args.name, script.display())));
     }
-    let python = args.params.get(PYTHON.name).unwrap_or("python3").to_owned();
+    // The interpreter with the plyfs package: as given, else $PLYFS_PYTHON, else python3.
+    let python = match args.params.get(PYTHON.name) {
+        Some(p) => p.to_owned(),
+        None => std::env::var("PLYFS_PYTHON").unwrap_or_else(|_| "python3".into()),
+    };
     let own = [SCRIPT.name, PYTHON.name, TIMEOUT.name, CHUNK_PARAM.name, FAST_TAILS_PARAM.name];
     let params = args.params.all().iter().filter(|(k, _)| !own.contains(&k.as_str())).cloned().collect();
     let endpoint = Endpoint::Script { python, script, params };
