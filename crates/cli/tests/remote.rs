@@ -63,7 +63,8 @@ fn zstd_over_remote_compresses_in_the_mount() {
     let (_server, addr) = unix(&s);
     let text = "a line that repeats and compresses well\n".repeat(20_000);
     {
-        let m = mount(&s, "mnt", &addr, "zstd,remote", &[]);
+        // The address in the stack itself, with LOWER `-`.
+        let m = mount(&s, "mnt", "-", &format!("zstd,remote:addr={addr}"), &[]);
         std::fs::write(m.path("f"), &text).unwrap();
         assert_eq!(std::fs::read_to_string(m.path("f")).unwrap(), text);
     }

@@ -128,9 +128,16 @@ fn parse_layer_spec(text: &str) -> Result<LayerSpec> {
     if !kind.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
         return Err(Error::config(format!("stack spec: bad layer name '{kind}'")));
     }
-    let mut params = Vec::new();
+    let mut params: Vec<(String, String)> = Vec::new();
     for part in parts {
         let Some((key, value)) = part.split_once('=') else {
+            // A value may hold colons (`addr=unix:/run/s.sock`, `addr=tcp:host:7070`): a part
+            // without `=` continues the value before it.
+            if let Some((_, last)) = params.last_mut() {
+                last.push(':');
+                last.push_str(part.trim());
+                continue;
+            }
             return Err(Error::config(format!(
                 "layer '{kind}': parameter '{part}' is not key=value"
             )));
@@ -353,4 +360,11 @@ impl Params {
     pub fn bad(&self, key: &str, value: &str, why: &str) -> Error {
         Error::config(format!("layer '{}': bad value '{value}' for '{key}': {why}", self.layer))
     }
-}
+}#[test]
+    fn values_may_hold_colons() {
+        let specs = parse_stack_spec("zstd,remote:addr=tcp:host:7070:timeout=5").unwrap();
+        assert_eq!(specs[1].params, vec![("addr".into(), "tcp:host:7070".into()), ("timeout".into(), "5".into())]);
+        assert!(parse_stack_spec("remote:unix").is_err());
+    }
+
+    
