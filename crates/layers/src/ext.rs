@@ -249,6 +249,13 @@ fn build_py(args: BuildArgs) -> Result<Arc<dyn Layer>> {
     let own = [SCRIPT.name, PYTHON.name, TIMEOUT.name, CHUNK_PARAM.name, FAST_TAILS_PARAM.name];
     let params = args.params.all().iter().filter(|(k, _)| !own.contains(&k.as_str())).cloned().collect();
     let endpoint = Endpoint::Script { python, script, params };
+    // Every chunk crosses to Python and back: a codec gets 64 KiB chunks unless told otherwise.
+    let mut args = args;
+    if args.params.get(CHUNK_PARAM.name).is_none() {
+        let mut values = args.params.all().to_vec();
+        values.push((CHUNK_PARAM.name.to_owned(), "64k".to_owned()));
+        args.params = plyfs_stack::spec::Params::new(&args.name, values);
+    }
     // A codec never calls below; a layer does. Which one it is, the script says once started.
     let (peer, hosted, ext) = peer(&args, endpoint, Some(args.lower.clone()))?;
     match hosted.kind.as_str() {

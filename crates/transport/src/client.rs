@@ -1,16 +1,22 @@
-//! The client side of one connection: requests go out from any thread, each with its own id;
-//! a reader thread hands every reply to the thread that waits for it, and passes the server's
-//! change notices on.
+//! One connection, seen from the side that calls: requests go out from any thread, each with its
+//! own id, and many may be in flight.
+//!
+//! Replies are read by the callers themselves, one at a time (leader and followers): the caller
+//! that holds the read half reads frames until its own reply comes, handing the others' replies
+//! to them, then passes the read half on. It polls the socket briefly before it sleeps. On a
+//! machine where waking a thread costs tens of microseconds, a reply then costs no wake-up at
+//! all. When no call waits, a background thread reads what the other side sends on its own:
+//! change notices, and requests from a peer that calls back.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::stream::{Control, Duplex};
+use crate::stream::{spin_time, wait_readable, Control, Duplex, FrameRead};
 use crate::wire::{self, Change, Frame, Message, WireCaller, WireExtOp, WireLayer, WireOp, WireReply};
 
 /// What the server said about itself in the handshake.
@@ -86,6 +92,15 @@ pub struct Connection {
     is_dead: AtomicBool,
     pub welcome: Welcome,
     incoming: Mutex<Option<std::sync::mpsc::Sender<Frame>>>,
+    /// The read half; whoever holds it reads for everyone.
+    reader: Mutex<Box<dyn FrameRead>>,
+    /// Answers the other end's requests in the thread that read them, when that is the
+    /// background reader (a process hosting a layer: the layer's own calls below lead the
+    /// connection while it runs).
+    inline: Option<Incoming>,
+    /// The socket, for the background thread to poll without the read half.
+    fd: std::os::fd::RawFd,
+    on_change: OnChange,
 }
 
 impl Connection {
@@ -144,7 +159,7 @@ impl Connection {
             }
         };
         control.set_read_timeout(None);
-        Connection::start(reader, writer, control, welcome, on_change, incoming).map_err(ConnectError::from)
+        Connection::start(reader, writer, control, welcome, on_change, incoming, false).map_err(ConnectError::from)
     }
 
     /// The other side of [`Connection::open_with`], for a process that hosts a layer: wait for
@@ -177,17 +192,19 @@ impl Connection {
         };
         wire::write_frame(&mut writer, &wire::encode(&msg), &[]).map_err(|e| e.to_string())?;
         control.set_read_timeout(None);
-        Connection::start(reader, writer, control, welcome, Arc::new(|_| {}), Some(incoming))
+        Connection::start(reader, writer, control, welcome, Arc::new(|_| {}), Some(incoming), true)
     }
 
     fn start(
-        reader: Box<dyn Read + Send>,
+        reader: Box<dyn FrameRead>,
         writer: Box<dyn Write + Send>,
         control: Arc<dyn Control>,
         welcome: Welcome,
         on_change: OnChange,
         incoming: Option<Incoming>,
+        inline_incoming: bool,
     ) -> Result<Arc<Connection>, String> {
+        let fd = reader.fd();
         let conn = Arc::new(Connection {
             writer: Mutex::new(writer),
             control,
@@ -197,6 +214,10 @@ impl Connection {
             is_dead: AtomicBool::new(false),
             welcome,
             incoming: Mutex::new(None),
+            reader: Mutex::new(reader),
+            inline: if inline_incoming { incoming.clone() } else { None },
+            fd,
+            on_change,
         });
         if let Some(handler) = incoming {
             let (tx, rx) = std::sync::mpsc::channel::<Frame>();
@@ -227,10 +248,7 @@ impl Connection {
             *conn.incoming.lock() = Some(tx);
         }
         let weak = Arc::downgrade(&conn);
-        std::thread::Builder::new()
-            .name("peer-replies".into())
-            .spawn(move || read_replies(weak, reader, on_change))
-            .map_err(|e| e.to_string())?;
+        std::thread::Builder::new().name("peer-idle-reader".into()).spawn(move || read_when_idle(weak)).map_err(|e| e.to_string())?;
         Ok(conn)
     }
 
@@ -298,20 +316,112 @@ impl Connection {
             // A frame is only acted on once whole, and it was not all written.
             return Err(CallError::Lost { sent: false, reason: e.to_string() });
         }
-        let mut reply = slot.reply.lock();
-        while reply.is_none() {
-            if slot.ready.wait_until(&mut reply, deadline).timed_out() && reply.is_none() {
-                drop(reply);
+        let frame = loop {
+            if let Some(r) = slot.reply.lock().take() {
+                break r;
+            }
+            if Instant::now() >= deadline {
                 self.pending.lock().remove(&id);
+                // The reply may have come just now.
+                if let Some(r) = slot.reply.lock().take() {
+                    break r;
+                }
                 return Err(CallError::TimedOut);
             }
-        }
-        match reply.take().expect("checked above") {
+            match self.reader.try_lock() {
+                Some(mut reader) => {
+                    self.lead(&mut reader, &slot, deadline);
+                    drop(reader);
+                    self.pass_the_lead();
+                }
+                None => {
+                    // Someone else reads; it hands the reply over, or the lead when it is done.
+                    let mut r = slot.reply.lock();
+                    if r.is_none() {
+                        let wait = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(20));
+                        slot.ready.wait_for(&mut r, wait);
+                    }
+                }
+            }
+        };
+        match frame {
             Ok(frame) => match wire::decode(&frame.header) {
                 Ok(Message::Rep { reply, .. }) => Ok((reply, frame.payload)),
                 _ => Err(CallError::Lost { sent: true, reason: "a malformed reply".into() }),
             },
             Err(reason) => Err(CallError::Lost { sent: true, reason }),
+        }
+    }
+
+    /// Read frames for everyone until `mine` has its reply, the deadline passes or the
+    /// connection fails.
+    fn lead(&self, reader: &mut Box<dyn FrameRead>, mine: &Slot, deadline: Instant) {
+        while mine.reply.lock().is_none() && !self.is_dead() {
+            match wait_readable(&**reader, spin_time(), Some(deadline)) {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(e) => return self.close(&e.to_string()),
+            }
+            match wire::read_frame(&mut **reader) {
+                Ok(frame) => {
+                    if let Err(reason) = self.dispatch(frame) {
+                        return self.close(&reason);
+                    }
+                }
+                Err(wire::FrameError::Closed) => return self.close("the other side closed the connection"),
+                Err(e) => return self.close(&e.to_string()),
+            }
+        }
+    }
+
+    /// A waiting caller takes over reading, if any waits.
+    fn pass_the_lead(&self) {
+        let pending = self.pending.lock();
+        if let Some(slot) = pending.values().next() {
+            slot.ready.notify_one();
+        }
+    }
+
+    /// Answer a request from the other end in this thread.
+    fn answer_inline(&self, frame: Frame) {
+        let Some(handler) = &self.inline else { return };
+        let Ok(Message::Req { id, caller, op }) = wire::decode(&frame.header) else {
+            return self.close("a malformed request");
+        };
+        let (reply, payload) = handler(caller, op, frame.payload);
+        if id != 0 {
+            let header = wire::encode(&Message::Rep { id, reply });
+            let mut w = self.writer.lock();
+            if wire::write_frame(&mut *w, &header, &payload).is_err() {
+                drop(w);
+                self.close("cannot send a reply");
+            }
+        }
+    }
+
+    /// Hand one frame to whom it is for.
+    fn dispatch(&self, frame: Frame) -> Result<(), String> {
+        // Only the message type and id are needed here; the caller decodes the rest.
+        match peek(&frame.header) {
+            Some(("rep", id)) => {
+                let slot = self.pending.lock().remove(&id);
+                if let Some(slot) = slot {
+                    *slot.reply.lock() = Some(Ok(frame));
+                    slot.ready.notify_one();
+                }
+                Ok(())
+            }
+            Some(("req", _)) => match self.incoming.lock().as_ref().map(|tx| tx.send(frame).is_ok()) {
+                Some(true) => Ok(()),
+                _ => Err("a request from a peer that takes none".into()),
+            },
+            Some(("changed", _)) => {
+                if let Ok(Message::Changed { changes }) = wire::decode(&frame.header) {
+                    (self.on_change)(changes);
+                }
+                Ok(())
+            }
+            _ => Err("a malformed message".into()),
         }
     }
 }
@@ -322,43 +432,67 @@ impl Drop for Connection {
     }
 }
 
-/// The reader thread: replies to their callers, notices to `on_change`, until the connection
-/// ends or is dropped.
-fn read_replies(conn: std::sync::Weak<Connection>, mut reader: Box<dyn Read + Send>, on_change: OnChange) {
+/// Read what comes while no call waits (change notices, a peer's requests), until the
+/// connection ends or is dropped. While calls wait, their callers read.
+fn read_when_idle(conn: std::sync::Weak<Connection>) {
     loop {
-        let frame = wire::read_frame(&mut reader);
         let Some(c) = conn.upgrade() else { return };
-        let frame = match frame {
-            Ok(f) => f,
-            Err(wire::FrameError::Closed) => return c.fail("the server closed the connection".into()),
-            Err(e) => return c.fail(e.to_string()),
-        };
-        // Only the message type and id are needed here; the caller decodes the rest.
-        match peek(&frame.header) {
-            Some(("rep", id)) => {
-                let slot = c.pending.lock().remove(&id);
-                if let Some(slot) = slot {
-                    *slot.reply.lock() = Some(Ok(frame));
-                    slot.ready.notify_one();
-                }
+        if c.is_dead() {
+            return;
+        }
+        let fd = c.fd;
+        drop(c);
+        // Wait for the socket without holding anything (and without keeping the connection):
+        // a little polling first, as the leaders do, then sleeping.
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let spin_until = Instant::now() + spin_time();
+        let mut readable = false;
+        while !readable && Instant::now() < spin_until {
+            readable = unsafe { libc::poll(&mut pfd, 1, 0) } > 0;
+            std::hint::spin_loop();
+        }
+        if !readable {
+            readable = unsafe { libc::poll(&mut pfd, 1, 50) } > 0;
+        }
+        let Some(c) = conn.upgrade() else { return };
+        if !c.pending.lock().is_empty() {
+            if readable {
+                // A caller reads; do not spin on the same bytes.
+                std::thread::sleep(Duration::from_millis(1));
             }
-            Some(("req", _)) => {
-                let sent = c.incoming.lock().as_ref().map(|tx| tx.send(frame).is_ok());
-                if sent != Some(true) {
-                    c.close("a request from a peer that takes none");
+            continue;
+        }
+        let Some(mut reader) = c.reader.try_lock() else { continue };
+        // Decrypted bytes may wait in the reader even when the socket has none.
+        if !readable && !reader.buffered() {
+            continue;
+        }
+        match wire::read_frame(&mut **reader) {
+            Ok(frame) if c.inline.is_some() && matches!(peek(&frame.header), Some(("req", _))) => {
+                drop(reader);
+                c.answer_inline(frame);
+                continue;
+            }
+            Ok(frame) => {
+                if let Err(reason) = c.dispatch(frame) {
+                    drop(reader);
+                    c.close(&reason);
                     return;
                 }
             }
-            Some(("changed", _)) => {
-                if let Ok(Message::Changed { changes }) = wire::decode(&frame.header) {
-                    on_change(changes);
-                }
+            Err(wire::FrameError::Closed) => {
+                drop(reader);
+                c.fail("the other side closed the connection".into());
+                return;
             }
-            _ => {
-                c.close("a malformed message from the server");
+            Err(e) => {
+                drop(reader);
+                c.fail(e.to_string());
                 return;
             }
         }
+        drop(reader);
+        c.pass_the_lead();
     }
 }
 

@@ -22,8 +22,16 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use plyfs_stack::{Caller, Error, Level, NodeId, Op, Reply};
 
-use crate::stream::{Control, Duplex};
+use crate::stream::{spin_time, wait_readable, Control, Duplex, FrameRead};
 use crate::wire::{self, Change, FrameError, JustId, Message, WireCaller, WireExtOp, WireLayer, WireOp, WireReply};
+
+/// A request read from a connection.
+struct Request {
+    id: u64,
+    caller: WireCaller,
+    op: WireOp,
+    payload: Vec<u8>,
+}
 
 /// The ids a server acts as for a connection's requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -170,15 +178,19 @@ impl Server {
             conns.push(Arc::downgrade(&conn));
         }
         tracing::debug!("client {peer} connected (connection {})", conn.id);
-        let reader = Mutex::new(reader);
+        let (tx, rx) = std::sync::mpsc::channel::<Request>();
+        let rx = Mutex::new(rx);
         std::thread::scope(|s| {
-            for i in 1..self.options.workers.max(1) {
-                let (conn, reader) = (&conn, &reader);
-                let _ = std::thread::Builder::new()
-                    .name(format!("serve-{}-{i}", conn.id))
-                    .spawn_scoped(s, move || self.work(conn, reader));
+            for i in 1..self.options.workers.max(2) {
+                let (conn, rx) = (&conn, &rx);
+                let _ = std::thread::Builder::new().name(format!("serve-{}-{i}", conn.id)).spawn_scoped(s, move || loop {
+                    let Ok(req) = rx.lock().recv() else { return };
+                    if let Err(reason) = self.run(conn, req) {
+                        return self.close(conn, Some(reason));
+                    }
+                });
             }
-            self.work(&conn, &reader);
+            self.read_requests(&conn, reader, tx);
         });
         self.release_all(&conn);
         tracing::debug!("client {peer} disconnected");
@@ -217,22 +229,44 @@ impl Server {
         wire::write_frame(writer, &wire::encode(&welcome), &[]).map_err(|e| e.to_string())
     }
 
-    /// One worker: read a request, answer it, repeat until the connection ends.
-    fn work(&self, conn: &Arc<Conn>, reader: &Mutex<Box<dyn Read + Send>>) {
+    /// The connection's reader: it polls a little before sleeping (the next request of a busy
+    /// client comes sooner than a sleeping thread would wake), answers requests that only touch
+    /// metadata itself, without handing them to another thread, and passes those that may take
+    /// long (data, syncs, extended operations) to the workers, so they run side by side.
+    fn read_requests(&self, conn: &Arc<Conn>, mut reader: Box<dyn FrameRead>, workers: std::sync::mpsc::Sender<Request>) {
         while !conn.closed.load(Ordering::Relaxed) {
-            let frame = {
-                let mut r = reader.lock();
-                if conn.closed.load(Ordering::Relaxed) {
-                    return;
-                }
-                wire::read_frame(&mut *r)
+            let frame = match wait_readable(&*reader, spin_time(), None) {
+                Ok(_) => wire::read_frame(&mut reader),
+                Err(e) => Err(FrameError::Io(e)),
             };
             let frame = match frame {
                 Ok(f) => f,
                 Err(FrameError::Closed) => return self.close(conn, None),
                 Err(e) => return self.close(conn, Some(e.to_string())),
             };
-            if let Err(reason) = self.answer(conn, frame) {
+            let req = match self.decode(conn, frame) {
+                Ok(Some(r)) => r,
+                Ok(None) => continue,
+                Err(reason) => return self.close(conn, Some(reason)),
+            };
+            let slow = matches!(
+                req.op,
+                WireOp::Read { .. }
+                    | WireOp::Write { .. }
+                    | WireOp::Fsync { .. }
+                    | WireOp::FsyncDir { .. }
+                    | WireOp::Flush { .. }
+                    | WireOp::Release { .. }
+                    | WireOp::Fallocate { .. }
+                    | WireOp::Extended { .. }
+                    | WireOp::SetAttr { size: Some(_), .. }
+            );
+            let done = if slow {
+                workers.send(req).map_err(|_| "the workers are gone".to_owned())
+            } else {
+                self.run(conn, req)
+            };
+            if let Err(reason) = done {
                 return self.close(conn, Some(reason));
             }
         }
@@ -247,30 +281,34 @@ impl Server {
         }
     }
 
-    /// Answer one frame. An error ends the connection (the peer does not speak the protocol).
-    fn answer(&self, conn: &Conn, frame: wire::Frame) -> Result<(), String> {
-        let (id, caller, op) = match wire::decode(&frame.header) {
-            Ok(Message::Req { id, caller, op }) => (id, caller, op),
-            Ok(other) => return Err(format!("unexpected message {:?}", message_type(&other))),
+    /// A request from a frame. A request that cannot be read but has an id is answered with an
+    /// error here (`None`); anything else unreadable ends the connection.
+    fn decode(&self, conn: &Conn, frame: wire::Frame) -> Result<Option<Request>, String> {
+        match wire::decode(&frame.header) {
+            Ok(Message::Req { id, caller, op }) => Ok(Some(Request { id, caller, op, payload: frame.payload })),
+            Ok(other) => Err(format!("unexpected message {:?}", message_type(&other))),
             Err(e) => {
-                // A request this server cannot read, but whose id it can: answer it.
                 let Ok(JustId { t, id, op }) = rmp_serde::from_slice::<JustId>(&frame.header) else {
                     return Err(format!("a malformed message: {e}"));
                 };
                 if t != "req" {
                     return Err(format!("a malformed message: {e}"));
                 }
-                let err = match op {
-                    Some(op) if !is_known(&op) => Error::BadArgs(format!("unknown operation '{op}'")),
-                    _ => Error::BadArgs(format!("malformed request: {e}")),
+                let (errno, msg) = match op {
+                    Some(op) if !is_known(&op) => (libc::ENOSYS, format!("unknown operation '{op}'")),
+                    _ => (libc::EPROTO, format!("malformed request: {e}")),
                 };
-                let errno = if matches!(&err, Error::BadArgs(m) if m.starts_with("unknown")) { libc::ENOSYS } else { libc::EPROTO };
-                let reply = WireReply::Error(wire::WireError { errno, msg: err.to_string(), class: None });
-                return self.send(conn, id, reply, Vec::new());
+                self.send(conn, id, WireReply::Error(wire::WireError { errno, msg, class: None }), Vec::new())?;
+                Ok(None)
             }
-        };
+        }
+    }
+
+    /// Run one request and answer it. An error ends the connection.
+    fn run(&self, conn: &Conn, req: Request) -> Result<(), String> {
+        let Request { id, caller, op, payload } = req;
         let cx = conn.identity.caller(caller);
-        let result = op.to_op(&frame.payload).and_then(|op| self.dispatch(conn, &cx, &op));
+        let result = op.to_op(&payload).and_then(|op| self.dispatch(conn, &cx, &op));
         let changes = match &result {
             Ok(_) => changes_of(&op),
             Err(_) => Vec::new(),

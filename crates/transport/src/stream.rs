@@ -51,9 +51,84 @@ impl std::fmt::Display for Addr {
 /// A connection split into the halves that different threads use at once: one reads frames
 /// while others write theirs.
 pub struct Halves {
-    pub reader: Box<dyn Read + Send>,
+    pub reader: Box<dyn FrameRead>,
     pub writer: Box<dyn Write + Send>,
     pub control: Arc<dyn Control>,
+}
+
+/// The read half: bytes, and whether more can be had without waiting.
+pub trait FrameRead: Read + Send {
+    /// Bytes already received and not yet read (in a buffer, or decrypted).
+    fn buffered(&self) -> bool;
+    /// The socket, to poll.
+    fn fd(&self) -> std::os::fd::RawFd;
+}
+
+impl<S: Read + Send + std::os::fd::AsRawFd> FrameRead for io::BufReader<S> {
+    fn buffered(&self) -> bool {
+        !self.buffer().is_empty()
+    }
+    fn fd(&self) -> std::os::fd::RawFd {
+        self.get_ref().as_raw_fd()
+    }
+}
+
+/// How long a reader polls for the next frame before it sleeps. A thread's wake-up can cost tens
+/// of microseconds, more than a whole request; a reply usually comes sooner than that.
+pub fn spin_time() -> Duration {
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let us = std::env::var("PLYFS_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+        Duration::from_micros(us)
+    })
+}
+
+/// Wait until `r` has bytes to read: poll for `spin`, then sleep in `poll(2)` until `deadline`
+/// (`None`: for ever). Returns whether there is something to read.
+pub fn wait_readable(r: &dyn FrameRead, spin: Duration, deadline: Option<std::time::Instant>) -> io::Result<bool> {
+    if r.buffered() {
+        return Ok(true);
+    }
+    let mut pfd = libc::pollfd { fd: r.fd(), events: libc::POLLIN, revents: 0 };
+    let start = std::time::Instant::now();
+    loop {
+        let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+        if n != 0 {
+            return if n > 0 { Ok(true) } else { Err(io::Error::last_os_error()) };
+        }
+        if start.elapsed() >= spin {
+            break;
+        }
+        std::hint::spin_loop();
+    }
+    loop {
+        let timeout = match deadline {
+            None => -1,
+            Some(d) => {
+                let left = d.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    return Ok(false);
+                }
+                left.as_millis().clamp(1, i32::MAX as u128) as i32
+            }
+        };
+        let n = unsafe { libc::poll(&mut pfd, 1, timeout) };
+        match n {
+            n if n > 0 => return Ok(true),
+            0 if deadline.is_some() => {
+                if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                    return Ok(false);
+                }
+            }
+            0 => {}
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
 }
 
 /// What either side may do to a connection whatever its halves are doing.
@@ -70,7 +145,7 @@ pub trait Duplex: Send + 'static {
 }
 
 /// A socket whose halves are clones of one descriptor.
-trait Socket: Read + Write + Send + Sync + Sized + 'static {
+trait Socket: Read + Write + Send + Sync + Sized + std::os::fd::AsRawFd + 'static {
     fn try_clone(&self) -> io::Result<Self>;
     fn shutdown(&self, how: Shutdown) -> io::Result<()>;
     fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()>;

@@ -11,7 +11,7 @@
 //! decrypt, never while waiting on the socket, so a reader blocked on the network does not stop
 //! writers, and two peers sending large frames at once do not wait on each other.
 
-use std::io::{self, Read, Write};
+use std::io::{self, BufRead, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::Path;
 use std::sync::Arc;
@@ -295,6 +295,22 @@ impl Read for TlsReader {
             }
             (self.start, self.end) = (0, n);
         }
+    }
+}
+
+impl crate::stream::FrameRead for TlsReader {
+    fn buffered(&self) -> bool {
+        if self.start < self.end {
+            return true;
+        }
+        let mut conn = self.conn.lock();
+        // Plaintext already decrypted: peek without taking it.
+        matches!(conn.reader().fill_buf(), Ok(b) if !b.is_empty())
+    }
+
+    fn fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.sock.as_raw_fd()
     }
 }
 

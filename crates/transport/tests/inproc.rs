@@ -219,3 +219,24 @@ fn many_requests_in_flight_on_one_connection() {
     });
     let _ = Reply::Empty;
 }
+
+/// Not a test: the cost of one round trip without FUSE (`cargo test --release -p plyfs-transport
+/// --test inproc round_trip_cost -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn round_trip_cost() {
+    let s = serve();
+    let r = remote(&s.socket);
+    let local = Level::new(Arc::new(LowerDir::open(&s.lower).unwrap()));
+    for (what, level) in [("local", &local), ("remote", &r)] {
+        let n = 20_000;
+        for _ in 0..1000 {
+            level.getattr(&cx(), NodeId::ROOT).unwrap();
+        }
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            level.getattr(&cx(), NodeId::ROOT).unwrap();
+        }
+        eprintln!("{what}: {:.2} us per getattr", t.elapsed().as_secs_f64() * 1e6 / n as f64);
+    }
+}
