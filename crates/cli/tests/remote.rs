@@ -196,6 +196,16 @@ fn changes_made_through_another_client_reach_the_kernel_caches() {
     wait_for(|| !b.path("f").exists(), "b sees the removal");
     std::fs::write(a.path("g"), b"new").unwrap();
     wait_for(|| b.path("g").exists(), "b sees the new name");
+    // b remembers that g has no attribute; a sets one, and b sees it.
+    let get = |p: &std::path::Path| {
+        let mut buf = [0u8; 16];
+        let n = unsafe { libc::getxattr(cpath(p).as_ptr(), c"user.k".as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        (n >= 0).then(|| buf[..n as usize].to_vec())
+    };
+    assert_eq!(get(&b.path("g")), None);
+    let rc = unsafe { libc::setxattr(cpath(&a.path("g")).as_ptr(), c"user.k".as_ptr(), b"v".as_ptr().cast(), 1, 0) };
+    assert_eq!(rc, 0);
+    wait_for(|| get(&b.path("g")).as_deref() == Some(&b"v"[..]), "b sees the new attribute");
 }
 
 fn wait_for(mut cond: impl FnMut() -> bool, what: &str) {

@@ -63,7 +63,14 @@ struct Table {
     next_own: u64,
 }
 
+/// How long the absence of an extended attribute is remembered (as long as the kernel keeps
+/// attributes by default); the server's change notices forget it at once.
+const ABSENT_XATTR_TTL: Duration = Duration::from_secs(1);
+
 struct Inner {
+    /// Extended attributes known to be absent (`ENODATA`), and nodes known to have none (an
+    /// empty `listxattr`, name empty): `ls -l` asks for them for every file.
+    absent_xattrs: Mutex<HashMap<(u64, Vec<u8>), Instant>>,
     name: String,
     connector: Box<dyn Connector>,
     timeout: Duration,
@@ -95,6 +102,7 @@ impl Remote {
         );
         let (notices, notices_rx) = std::sync::mpsc::channel();
         let inner = Arc::new(Inner {
+            absent_xattrs: Mutex::new(HashMap::new()),
             name: name.to_owned(),
             connector,
             timeout,
@@ -216,6 +224,7 @@ impl Inner {
             match self.connector.connect(left.min(self.timeout), on_change) {
                 Ok(conn) => {
                     let epoch = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+                    self.absent_xattrs.lock().clear();
                     {
                         let mut t = self.table.lock();
                         t.by_server.clear();
@@ -245,6 +254,10 @@ impl Inner {
     }
 
     fn changed(&self, changes: Vec<Change>) {
+        self.forget_xattrs(changes.iter().filter_map(|c| match c {
+            Change::Node { node } => Some(*node),
+            Change::Entry { .. } => None,
+        }));
         let t = self.table.lock();
         let mine = |server: u64| t.by_server.get(&server).copied();
         let mut out: Vec<(u64, Option<OsString>)> = Vec::new();
@@ -258,6 +271,31 @@ impl Inner {
         if !out.is_empty() {
             let _ = self.notices.lock().send(out);
         }
+    }
+
+    /// Forget what is known of the extended attributes of these nodes (server ids).
+    fn forget_xattrs(&self, server_nodes: impl Iterator<Item = u64>) {
+        let nodes: Vec<u64> = {
+            let t = self.table.lock();
+            server_nodes.filter_map(|s| t.by_server.get(&s).copied()).collect()
+        };
+        if nodes.is_empty() {
+            return;
+        }
+        self.absent_xattrs.lock().retain(|(n, _), _| !nodes.contains(n));
+    }
+
+    /// Whether `name` (empty: any) is known to be absent on `node`.
+    fn known_absent(&self, node: u64, name: &[u8]) -> bool {
+        let mut absent = self.absent_xattrs.lock();
+        let fresh = |k: &(u64, Vec<u8>)| absent.get(k).is_some_and(|t| t.elapsed() < ABSENT_XATTR_TTL);
+        if fresh(&(node, Vec::new())) || fresh(&(node, name.to_vec())) {
+            return true;
+        }
+        if absent.len() > 100_000 {
+            absent.retain(|_, t| t.elapsed() < ABSENT_XATTR_TTL);
+        }
+        false
     }
 
     /// The server's id for node `id` on `conn` (epoch `epoch`), finding it again by its path if
@@ -585,10 +623,36 @@ impl Inner {
     }
 
     fn call(self: &Arc<Self>, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
-        if let Op::Forget { node, nlookup } = *op {
-            self.forget(node.0, nlookup);
-            return Ok(Reply::Empty);
+        match *op {
+            Op::Forget { node, nlookup } => {
+                self.forget(node.0, nlookup);
+                return Ok(Reply::Empty);
+            }
+            Op::GetXattr { node, name, .. } if self.known_absent(node.0, name.as_bytes()) => return Err(Error::Os(libc::ENODATA)),
+            Op::ListXattr { node, .. } if self.known_absent(node.0, b"") => {
+                return Ok(Reply::Xattr(plyfs_stack::XattrReply::Size(0)));
+            }
+            Op::SetXattr { node, .. } | Op::RemoveXattr { node, .. } => {
+                self.absent_xattrs.lock().retain(|(n, _), _| *n != node.0);
+            }
+            _ => {}
         }
+        let result = self.call_remote(cx, op);
+        match (op, &result) {
+            (Op::GetXattr { node, name, .. }, Err(Error::Os(libc::ENODATA))) => {
+                self.absent_xattrs.lock().insert((node.0, name.as_bytes().to_vec()), Instant::now());
+            }
+            (Op::ListXattr { node, .. }, Ok(Reply::Xattr(x)))
+                if matches!(x, plyfs_stack::XattrReply::Size(0)) || matches!(x, plyfs_stack::XattrReply::Data(d) if d.is_empty()) =>
+            {
+                self.absent_xattrs.lock().insert((node.0, Vec::new()), Instant::now());
+            }
+            _ => {}
+        }
+        result
+    }
+
+    fn call_remote(self: &Arc<Self>, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         let (wire_op, payload) = WireOp::from_op(op);
         let append = match *op {
             Op::Write { fh, .. } => self.files.lock().get(&fh.0).is_some_and(|f| f.flags & libc::O_APPEND != 0),
@@ -597,6 +661,8 @@ impl Inner {
         let cx = WireCaller::from(cx);
         let deadline = Instant::now() + self.timeout;
         let mut attempts = 0;
+        // Server ids of entries the server says have no extended attributes.
+        let bare: Vec<u64>;
         let result = loop {
             attempts += 1;
             let conn = match self.connection(deadline) {
@@ -611,7 +677,10 @@ impl Inner {
                 Err(e) => return Err(e),
             }
             match conn.call(cx, server_op, payload, deadline) {
-                Ok((reply, data)) => break reply.into_result(data, op.name()),
+                Ok((mut reply, data)) => {
+                    bare = reply.entries_mut().into_iter().filter(|e| e.xattrs == Some(false)).map(|e| e.node).collect();
+                    break reply.into_result(data, op.name());
+                }
                 Err(CallError::Lost { sent, reason }) => {
                     if (!sent || idempotent(&wire_op, append)) && Instant::now() < deadline && attempts < 20 {
                         tracing::debug!("{}: {} lost ({reason}); sending it again", self.name, op.name());
@@ -637,7 +706,19 @@ impl Inner {
                     }
                     _ => {}
                 }
-                Ok(self.from_server(epoch, op, reply))
+                let reply = self.from_server(epoch, op, reply);
+                if !bare.is_empty() {
+                    let mine: Vec<u64> = {
+                        let t = self.table.lock();
+                        bare.iter().filter_map(|s| t.by_server.get(s).copied()).collect()
+                    };
+                    let now = Instant::now();
+                    let mut absent = self.absent_xattrs.lock();
+                    for n in mine {
+                        absent.insert((n, Vec::new()), now);
+                    }
+                }
+                Ok(reply)
             }
             Err(e) => {
                 if let Op::Release { fh, .. } | Op::ReleaseDir { fh, .. } = *op {

@@ -261,11 +261,7 @@ impl Server {
                     | WireOp::Extended { .. }
                     | WireOp::SetAttr { size: Some(_), .. }
             );
-            let done = if slow {
-                workers.send(req).map_err(|_| "the workers are gone".to_owned())
-            } else {
-                self.run(conn, req)
-            };
+            let done = if slow { workers.send(req).map_err(|_| "the workers are gone".to_owned()) } else { self.run(conn, req) };
             if let Err(reason) = done {
                 return self.close(conn, Some(reason));
             }
@@ -314,13 +310,25 @@ impl Server {
             Err(_) => Vec::new(),
         };
         if id != 0 {
-            let (reply, payload) = WireReply::from_result(result);
+            let (mut reply, payload) = WireReply::from_result(result);
+            self.hint_xattrs(&cx, &mut reply);
             self.send(conn, id, reply, payload)?;
         }
         if !changes.is_empty() {
             self.broadcast(conn.id, &changes);
         }
         Ok(())
+    }
+
+    /// Mark the entries of a reply that have no extended attributes: asking here is a local
+    /// call, asking from the client a crossing per attribute.
+    fn hint_xattrs(&self, cx: &Caller, reply: &mut WireReply) {
+        for e in reply.entries_mut() {
+            let op = Op::ListXattr { node: NodeId(e.node), size: 0 };
+            if let Ok(Reply::Xattr(plyfs_stack::XattrReply::Size(n))) = self.top.call(cx, &op) {
+                e.xattrs = Some(n > 0);
+            }
+        }
     }
 
     fn send(&self, conn: &Conn, id: u64, reply: WireReply, payload: Vec<u8>) -> Result<(), String> {

@@ -601,11 +601,15 @@ pub struct WireEntry {
     pub node: u64,
     pub attr: WireAttr,
     pub generation: u64,
+    /// A server's hint: `false` when the object has no extended attributes at all, which
+    /// spares the client asking for each one (`ls -l` asks for two per file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xattrs: Option<bool>,
 }
 
 impl From<&Entry> for WireEntry {
     fn from(e: &Entry) -> WireEntry {
-        WireEntry { node: e.node.0, attr: (&e.attr).into(), generation: e.generation }
+        WireEntry { node: e.node.0, attr: (&e.attr).into(), generation: e.generation, xattrs: None }
     }
 }
 
@@ -715,6 +719,15 @@ pub enum WireReply {
 }
 
 impl WireReply {
+    /// The entries of this reply (to add hints to, or read them).
+    pub fn entries_mut(&mut self) -> Vec<&mut WireEntry> {
+        match self {
+            WireReply::Entry(e) | WireReply::Created(e, _) => vec![e],
+            WireReply::Dir(d) => d.iter_mut().filter_map(|x| x.entry.as_mut()).collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// The wire form of a reply, and its payload.
     pub fn from_result(result: Result<Reply, Error>) -> (WireReply, Vec<u8>) {
         let reply = match result {
