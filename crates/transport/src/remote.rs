@@ -31,6 +31,9 @@ pub trait Connector: Send + Sync {
     fn connect(&self, timeout: Duration, on_change: OnChange) -> std::result::Result<Arc<Connection>, ConnectError>;
 }
 
+/// Nodes (with a name: an entry of the directory) whose cached state must go.
+type Notices = Vec<(u64, Option<OsString>)>;
+
 /// Ids the layer makes up when the server's id is taken by another node.
 const OWN_IDS: u64 = 1 << 55;
 
@@ -87,7 +90,7 @@ struct Inner {
     /// Changes to invalidate, for the thread that does it: the kernel may make that thread wait
     /// for a directory that a request in flight holds, and that request's reply must not wait
     /// behind it.
-    notices: Mutex<std::sync::mpsc::Sender<Vec<(u64, Option<OsString>)>>>,
+    notices: Mutex<std::sync::mpsc::Sender<Notices>>,
 }
 
 pub struct Remote(Arc<Inner>);
@@ -531,7 +534,7 @@ impl Inner {
     }
 
     /// Map the server's ids in a reply to this layer's, and keep the table's names current.
-    fn from_server(&self, epoch: u64, op: &Op<'_>, reply: Reply) -> Reply {
+    fn adopt_reply(&self, epoch: u64, op: &Op<'_>, reply: Reply) -> Reply {
         match reply {
             Reply::Entry(mut e) => {
                 let (parent, name) = match *op {
@@ -706,7 +709,7 @@ impl Inner {
                     }
                     _ => {}
                 }
-                let reply = self.from_server(epoch, op, reply);
+                let reply = self.adopt_reply(epoch, op, reply);
                 if !bare.is_empty() {
                     let mine: Vec<u64> = {
                         let t = self.table.lock();

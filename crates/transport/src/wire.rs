@@ -1066,7 +1066,7 @@ mod tests {
         let rep = Message::Rep {
             id: 7,
             reply: WireReply::Created(
-                WireEntry { node: 5, attr, generation: 1 },
+                WireEntry { node: 5, attr, generation: 1, xattrs: Some(false) },
                 WireOpened { fh: 3, direct_io: true, flush_on_close: false },
             ),
         };
