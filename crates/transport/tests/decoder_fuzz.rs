@@ -7,7 +7,7 @@ use proptest::prelude::*;
 fn samples() -> Vec<Vec<u8>> {
     let caller = WireCaller { uid: 1, gid: 2, pid: 3 };
     let b = |s: &[u8]| serde_bytes::ByteBuf::from(s.to_vec());
-    let msgs = vec![
+    let msgs = [
         Message::Hello { versions: vec![1], software: "x".into(), auth: Some(b(&[1; 32])) },
         Message::Req { id: 1, caller, op: WireOp::Lookup { parent: 1, name: b(b"name") } },
         Message::Req { id: 2, caller, op: WireOp::Write { node: 5, fh: 3, offset: 1 << 40 } },
