@@ -269,6 +269,34 @@ fn answer(py: Python<'_>, req: &Request, result: PyResult<Bound<'_, PyAny>>) -> 
     }
 }
 
+/// `encode` or `decode` of one chunk by the codec object.
+fn run_codec(py: Python<'_>, codec: &Bound<'_, PyAny>, op: &WireOp, payload: &[u8]) -> (WireReply, Vec<u8>) {
+    let err = |errno: i32, msg: String| (WireReply::Error(WireError { errno, msg, class: None }), Vec::new());
+    let (method, expect) = match op {
+        WireOp::Encode { .. } => ("encode", None),
+        WireOp::Decode { decoded_len, .. } => ("decode", Some(*decoded_len as usize)),
+        other => return err(libc::ENOSYS, format!("a codec does not answer {}", other.name())),
+    };
+    let result = codec.call_method1(method, (PyBytes::new(py, payload),));
+    let out = match result {
+        Ok(v) => match v.cast::<PyBytes>() {
+            Ok(b) => b.as_bytes().to_vec(),
+            Err(_) => match v.extract::<Vec<u8>>() {
+                Ok(b) => b,
+                Err(_) => return err(libc::EIO, format!("the codec's {method} returned a {}, not bytes", v.get_type())),
+            },
+        },
+        Err(e) => {
+            e.print(py);
+            return err(libc::EIO, format!("the codec's {method} failed: {e}"));
+        }
+    };
+    if let Some(n) = expect.filter(|n| *n != out.len()) {
+        return err(libc::EIO, format!("decode gave {} bytes, not {n}", out.len()));
+    }
+    (WireReply::Data, out)
+}
+
 fn hosted_info(info: &Bound<'_, PyDict>) -> PyResult<(String, Hosted, Vec<WireExtOp>)> {
     let get = |k: &str| info.get_item(k).ok().flatten();
     let name: String = get("name").map(|v| v.extract()).transpose()?.unwrap_or_else(|| "py".into());
@@ -290,15 +318,20 @@ fn serve_stream(stream: UnixStream, info: &(String, Hosted, Vec<WireExtOp>), han
     let welcome = host::welcome(&name, &kind, hosted, ext_ops);
     let below = Below::new();
     let below_for_requests = below.clone();
+    let codec = kind == "codec";
     let incoming: Incoming = Arc::new(move |caller, op, payload| {
         Python::attach(|py| {
-            let req = Request { op, caller, payload, below: below_for_requests.clone() };
-            let obj = match Py::new(py, Request { op: req.op.clone(), caller, payload: req.payload.clone(), below: req.below.clone() })
-            {
+            // A codec's chunks go straight to its encode or decode: no request object.
+            if codec {
+                return run_codec(py, handler.bind(py), &op, &payload);
+            }
+            let fail = |e: PyErr| (WireReply::Error(WireError { errno: libc::EIO, msg: e.to_string(), class: None }), Vec::new());
+            let obj = match Py::new(py, Request { op, caller, payload, below: below_for_requests.clone() }) {
                 Ok(o) => o,
-                Err(e) => return (WireReply::Error(WireError { errno: libc::EIO, msg: e.to_string(), class: None }), Vec::new()),
+                Err(e) => return fail(e),
             };
-            let result = handler.bind(py).call1((obj,));
+            let result = handler.bind(py).call1((obj.clone_ref(py),));
+            let req = obj.borrow(py);
             answer(py, &req, result)
         })
     });
