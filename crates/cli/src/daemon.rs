@@ -219,7 +219,12 @@ fn serve_inner(
     let request = MountRequest {
         mountpoint: mountpoint.clone(),
         fsname: lower.to_string(),
-        front: FrontOptions { entry_ttl: opts.entry_ttl, attr_ttl: opts.attr_ttl, passthrough: opts.passthrough },
+        // No lower file of a remote stack is here to hand to the kernel.
+        front: FrontOptions {
+            entry_ttl: opts.entry_ttl,
+            attr_ttl: opts.attr_ttl,
+            passthrough: opts.passthrough && lower.dir().is_some(),
+        },
         threads: opts.threads,
         allow_other: opts.allow_other,
         allow_root: opts.allow_root,

@@ -236,3 +236,55 @@ fn bad_remote_arguments_get_one_clear_line() {
     }
     let _ = Path::new("");
 }
+
+/// A raw protocol client connecting from this thread with effective user `uid` (the kernel
+/// reports the connecting thread's credentials); returns the server's first answer.
+fn hello_as(sock: &std::path::Path, uid: u32) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    // Only this thread changes its effective user (the raw system call, not glibc's, which
+    // would change every thread's).
+    let set = |u: u32| unsafe { libc::syscall(libc::SYS_setresuid, -1i64, i64::from(u), -1i64) };
+    assert_eq!(set(uid), 0);
+    let conn = std::os::unix::net::UnixStream::connect(sock);
+    assert_eq!(set(0), 0);
+    let mut c = conn?;
+    c.set_read_timeout(Some(Duration::from_secs(5)))?;
+    c.write_all(b"plyfs\r\n\x01")?;
+    // A hello frame: {"t": "hello", "versions": [1], "software": "test"} in MessagePack.
+    let mut hello = vec![0x83, 0xa1, b't', 0xa5];
+    hello.extend_from_slice(b"hello");
+    hello.extend_from_slice(&[0xa8]);
+    hello.extend_from_slice(b"versions");
+    hello.extend_from_slice(&[0x91, 0x01, 0xa8]);
+    hello.extend_from_slice(b"software");
+    hello.extend_from_slice(&[0xa4]);
+    hello.extend_from_slice(b"test");
+    let mut frame = (hello.len() as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(&0u32.to_be_bytes());
+    frame.extend_from_slice(&hello);
+    c.write_all(&frame)?;
+    let mut all = Vec::new();
+    let _ = c.take(4096).read_to_end(&mut all);
+    Ok(String::from_utf8_lossy(&all).into_owned())
+}
+
+#[test]
+fn a_unix_socket_admits_only_root_the_server_user_and_allowed_users() {
+    let s = setup();
+    // The socket itself is for its owner only; let the test's other user reach it, so that the
+    // server's own check is what refuses it.
+    let sock = s.root.join("s.sock");
+    let addr = format!("unix:{}", sock.display());
+    std::fs::set_permissions(&s.root, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let server = Server::start(&s.lower, &addr, &[], &s.root.join("server.log"));
+    std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let answer = hello_as(&sock, 65534).unwrap_or_default();
+    assert!(!answer.contains("welcome"), "{answer:?}");
+    wait_for(|| server.log_text().contains("user 65534 may not use this server"), "the refusal in the server's log");
+    drop(server);
+    let allowed = Server::start(&s.lower, &addr, &["--allow-uid=65534"], &s.root.join("server2.log"));
+    std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let answer = hello_as(&sock, 65534).unwrap();
+    assert!(answer.contains("welcome"), "{answer:?}");
+    drop(allowed);
+}
