@@ -224,6 +224,10 @@ fn serve_inner(
             entry_ttl: opts.entry_ttl,
             attr_ttl: opts.attr_ttl,
             passthrough: opts.passthrough && lower.dir().is_some(),
+            no_passthrough_because: lower
+                .dir()
+                .is_none()
+                .then(|| "a remote stack has no lower files to hand to the kernel".to_owned()),
         },
         threads: opts.threads,
         allow_other: opts.allow_other,

@@ -37,11 +37,13 @@ pub struct FrontOptions {
     pub attr_ttl: Duration,
     /// Use FUSE passthrough where the stack allows it.
     pub passthrough: bool,
+    /// Why passthrough is off when the mount knows better than `-o passthrough=off`.
+    pub no_passthrough_because: Option<String>,
 }
 
 impl Default for FrontOptions {
     fn default() -> Self {
-        FrontOptions { entry_ttl: Duration::from_secs(1), attr_ttl: Duration::from_secs(1), passthrough: true }
+        FrontOptions { entry_ttl: Duration::from_secs(1), attr_ttl: Duration::from_secs(1), passthrough: true, no_passthrough_because: None }
     }
 }
 
@@ -391,7 +393,7 @@ impl FuseFs {
         // for their own files (see `Level::call`).
         let blocking = self.stack.shared_levels().iter().find(|l| l.layer().data_path() != DataPath::Transparent);
         let reason = if !self.options.passthrough {
-            "passthrough turned off with -o passthrough=off".to_owned()
+            self.options.no_passthrough_because.clone().unwrap_or_else(|| "passthrough turned off with -o passthrough=off".to_owned())
         } else if let Some(level) = blocking {
             format!("layer '{}' {} file data", level.name(), level.layer().data_path())
         } else if !kernel_has_passthrough {
