@@ -43,7 +43,12 @@ pub struct FrontOptions {
 
 impl Default for FrontOptions {
     fn default() -> Self {
-        FrontOptions { entry_ttl: Duration::from_secs(1), attr_ttl: Duration::from_secs(1), passthrough: true, no_passthrough_because: None }
+        FrontOptions {
+            entry_ttl: Duration::from_secs(1),
+            attr_ttl: Duration::from_secs(1),
+            passthrough: true,
+            no_passthrough_because: None,
+        }
     }
 }
 
