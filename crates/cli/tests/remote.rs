@@ -288,3 +288,63 @@ fn a_unix_socket_admits_only_root_the_server_user_and_allowed_users() {
     assert!(answer.contains("welcome"), "{answer:?}");
     drop(allowed);
 }
+
+/// The server's resident memory, in MiB.
+fn rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    kb / 1024
+}
+
+#[test]
+fn a_client_that_floods_the_server_with_writes_is_slowed_down_not_buffered() {
+    use plyfs_transport::wire::{self, Message, WireCaller, WireOp, WireReply};
+    use std::io::Write;
+    let s = setup();
+    let (server, addr) = unix(&s);
+    std::fs::write(s.lower.join("f"), b"").unwrap();
+    let mut c = std::os::unix::net::UnixStream::connect(addr.strip_prefix("unix:").unwrap()).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    c.write_all(&wire::PREAMBLE).unwrap();
+    let hello = Message::Hello { versions: vec![1], software: "flood".into(), auth: None };
+    wire::write_frame(&mut c, &wire::encode(&hello), &[]).unwrap();
+    wire::read_preamble(&mut c).unwrap();
+    wire::read_frame(&mut c).unwrap();
+    let caller = WireCaller { uid: 0, gid: 0, pid: 1 };
+    let mut ask = |id: u64, op: WireOp| {
+        wire::write_frame(&mut c, &wire::encode(&Message::Req { id, caller, op }), &[]).unwrap();
+        match wire::decode(&wire::read_frame(&mut c).unwrap().header).unwrap() {
+            Message::Rep { reply, .. } => reply,
+            other => panic!("{other:?}"),
+        }
+    };
+    let node = match ask(1, WireOp::Lookup { parent: 1, name: serde_bytes::ByteBuf::from(b"f".to_vec()) }) {
+        WireReply::Entry(e) => e.node,
+        other => panic!("{other:?}"),
+    };
+    let fh = match ask(2, WireOp::Open { node, flags: libc::O_WRONLY }) {
+        WireReply::Opened(o) => o.fh,
+        other => panic!("{other:?}"),
+    };
+    // 8 MiB writes, as fast as they go, never reading a reply.
+    let mut flood = c.try_clone().unwrap();
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counter = sent.clone();
+    std::thread::spawn(move || {
+        let data = vec![7u8; 8 << 20];
+        for id in 10..1000u64 {
+            let op = WireOp::Write { node, fh, offset: 0 };
+            if wire::write_frame(&mut flood, &wire::encode(&Message::Req { id, caller, op }), &data).is_err() {
+                return;
+            }
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let pid = server.pid();
+    let rss = rss_mib(pid);
+    let n = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(n < 990, "the server took every write ({n}) without being slowed down");
+    assert!(rss < 400, "the server holds {rss} MiB after {n} writes of 8 MiB");
+    drop(c);
+}

@@ -178,7 +178,10 @@ impl Server {
             conns.push(Arc::downgrade(&conn));
         }
         tracing::debug!("client {peer} connected (connection {})", conn.id);
-        let (tx, rx) = std::sync::mpsc::channel::<Request>();
+        // At most this many data requests wait for a worker; then the reader waits too, and so
+        // does a client that sends faster than its requests are answered: memory stays bounded
+        // whatever a client sends.
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Request>(16);
         let rx = Mutex::new(rx);
         std::thread::scope(|s| {
             for i in 1..self.options.workers.max(2) {
@@ -233,7 +236,7 @@ impl Server {
     /// client comes sooner than a sleeping thread would wake), answers requests that only touch
     /// metadata itself, without handing them to another thread, and passes those that may take
     /// long (data, syncs, extended operations) to the workers, so they run side by side.
-    fn read_requests(&self, conn: &Arc<Conn>, mut reader: Box<dyn FrameRead>, workers: std::sync::mpsc::Sender<Request>) {
+    fn read_requests(&self, conn: &Arc<Conn>, mut reader: Box<dyn FrameRead>, workers: std::sync::mpsc::SyncSender<Request>) {
         while !conn.closed.load(Ordering::Relaxed) {
             let frame = match wait_readable(&*reader, spin_time(), None) {
                 Ok(_) => wire::read_frame(&mut reader),

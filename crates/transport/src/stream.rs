@@ -78,7 +78,10 @@ impl<S: Read + Send + std::os::fd::AsRawFd> FrameRead for io::BufReader<S> {
 pub fn spin_time() -> Duration {
     static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *SPIN.get_or_init(|| {
-        let us = std::env::var("PLYFS_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+        // On one CPU, polling only keeps the other side from running.
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let default = if cpus > 1 { 50 } else { 0 };
+        let us = std::env::var("PLYFS_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(default);
         Duration::from_micros(us)
     })
 }

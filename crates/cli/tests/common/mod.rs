@@ -312,6 +312,10 @@ impl Server {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, |c| c.id())
+    }
+
     /// Kill the server with SIGKILL, as a crash would.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
