@@ -348,3 +348,56 @@ fn a_client_that_floods_the_server_with_writes_is_slowed_down_not_buffered() {
     assert!(rss < 400, "the server holds {rss} MiB after {n} writes of 8 MiB");
     drop(c);
 }
+
+/// A `plyfs host` process owned by the test, killed when dropped.
+struct Host(std::process::Child);
+
+impl Host {
+    fn start(layers: &str, sock: &std::path::Path, log: &std::path::Path) -> Host {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
+        let child = plyfs()
+            .args(["host", layers, "--socket"])
+            .arg(sock)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let host = Host(child);
+        wait_for(|| sock.exists(), "the host's socket");
+        host
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_layer_in_another_process_that_dies_gives_eio_and_the_mount_lives_on() {
+    let s = setup();
+    let sock = s.root.join("host.sock");
+    let host = Host::start("trace", &sock, &s.root.join("host.log"));
+    let m = mount(&s, "mnt", s.lower.to_str().unwrap(), &format!("zstd,ext:socket={},null", sock.display()), &[]);
+    std::fs::write(m.path("f"), b"through another process").unwrap();
+    // The hosted layer answers its own extended operations through the mount.
+    let stats = op_json(&m.path("f"), &["stats@ext"]);
+    assert_eq!(stats["layer"], "trace", "{stats}");
+    drop(host);
+    let _ = std::fs::remove_file(&sock);
+    std::thread::sleep(Duration::from_millis(100));
+    // Opening the file goes down through the dead layer.
+    let err = std::fs::read(m.path("f")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(m.daemon_log().contains("layer 'ext'"), "{}", m.daemon_log());
+    assert_eq!(mounted_fstype(&m.mnt).as_deref(), Some("fuse.plyfs"));
+    // Back: the next operation (a second later) connects again.
+    let _host = Host::start("trace", &sock, &s.root.join("host.log"));
+    std::thread::sleep(Duration::from_millis(1100));
+    std::fs::write(m.path("h"), b"again").unwrap();
+    assert_eq!(std::fs::read(m.path("h")).unwrap(), b"again");
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), b"through another process");
+}

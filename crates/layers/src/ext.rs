@@ -71,6 +71,8 @@ struct Peer {
     conn: RwLock<Option<Arc<Connection>>>,
     child: Mutex<Option<Child>>,
     last_start: Mutex<Option<Instant>>,
+    /// The loss of the process was logged.
+    lost: std::sync::atomic::AtomicBool,
 }
 
 impl Peer {
@@ -87,8 +89,16 @@ impl Peer {
             return Ok(c.clone());
         }
         let mut last = self.last_start.lock();
-        if let Some(c) = self.conn.read().as_ref().filter(|c| !c.is_dead()) {
-            return Ok(c.clone());
+        if let Some(c) = self.conn.read().as_ref() {
+            if !c.is_dead() {
+                return Ok(c.clone());
+            }
+            // Once per loss: the process is gone.
+            if !self.lost.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                let status = self.child.lock().as_mut().and_then(|c| c.try_wait().ok().flatten());
+                let how = status.map_or_else(|| c.dead_reason().unwrap_or_default(), |s| format!("the process ended ({s})"));
+                tracing::error!("{}: {how}; its operations fail with EIO until it is back", self.describe());
+            }
         }
         if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
             return Err(Error::Os(libc::EIO));
@@ -100,6 +110,7 @@ impl Peer {
                 if restarting {
                     tracing::warn!("{}: connected again", self.describe());
                 }
+                self.lost.store(false, std::sync::atomic::Ordering::Relaxed);
                 *self.conn.write() = Some(c.clone());
                 Ok(c)
             }
@@ -145,7 +156,9 @@ impl Peer {
             Err(CallError::Lost { reason, .. }) => {
                 let status = self.child.lock().as_mut().and_then(|c| c.try_wait().ok().flatten());
                 let how = status.map_or(reason, |s| format!("the process ended ({s})"));
-                tracing::error!("{}: {name} failed: {how}", self.describe());
+                if !self.lost.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::error!("{}: {name} failed: {how}; its operations fail with EIO until it is back", self.describe());
+                }
                 Err(Error::Os(libc::EIO))
             }
         }
@@ -213,6 +226,7 @@ fn peer(args: &BuildArgs, endpoint: Endpoint, below: Option<Level>) -> Result<(A
         conn: RwLock::new(None),
         child: Mutex::new(None),
         last_start: Mutex::new(None),
+        lost: std::sync::atomic::AtomicBool::new(false),
     });
     let conn = peer.connection().map_err(|_| Error::config(format!("{}: cannot start it (see the log above)", peer.describe())))?;
     let hosted =

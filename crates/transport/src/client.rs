@@ -259,6 +259,11 @@ impl Connection {
         }
     }
 
+    /// Why the connection ended, if it has.
+    pub fn dead_reason(&self) -> Option<String> {
+        self.dead.lock().clone()
+    }
+
     pub fn is_dead(&self) -> bool {
         self.is_dead.load(Ordering::Relaxed)
     }
