@@ -74,3 +74,21 @@ use_plyfs() {
         PLYFS_REV="$PLYFS_REV + uncommitted changes under crates/"
     fi
 }
+
+# write_doc_section MARKER TITLE REPORT: put REPORT between the MARKER begin/end comments of
+# docs/benchmarks.md, or append it under a new TITLE heading if they are not there yet.
+write_doc_section() {
+    python3 - "$REPO/docs/benchmarks.md" "$1" "$2" "$3" <<'PY'
+import sys
+doc, marker, title, report = sys.argv[1], sys.argv[2], sys.argv[3], open(sys.argv[4]).read()
+text = open(doc).read()
+begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+section = f"{begin}\n{report}{end}"
+if begin in text:
+    text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
+else:
+    text += f"\n## {title}\n\n{section}\n"
+open(doc, "w").write(text)
+PY
+    log "docs/benchmarks.md updated"
+}

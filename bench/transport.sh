@@ -332,18 +332,5 @@ REPORT=$OUT/report.md
 } >"$REPORT"
 cat "$REPORT"
 if ((WRITE_DOC)) && [[ -z $ONLY ]]; then
-    DOC=$REPO/docs/benchmarks.md
-    python3 - "$DOC" "$REPORT" <<'PY'
-import sys
-doc, report = sys.argv[1], open(sys.argv[2]).read()
-text = open(doc).read()
-begin, end = "<!-- transport:begin -->", "<!-- transport:end -->"
-section = f"{begin}\n{report}{end}"
-if begin in text:
-    text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
-else:
-    text += f"\n## Transport: remote stacks and Python layers (`bench/transport.sh`)\n\n{section}\n"
-open(doc, "w").write(text)
-PY
-    log "docs/benchmarks.md updated"
+    write_doc_section transport 'Transport: remote stacks and Python layers (`bench/transport.sh`)' "$REPORT"
 fi

@@ -25,24 +25,13 @@ use crate::options;
 
 #[derive(Args, Clone)]
 pub struct MountArgs {
-    /// The directory whose contents the stack presents.
+    /// The directory whose contents the stack presents, or a stack served elsewhere: unix:PATH,
+    /// tcp:HOST:PORT (or - when the stack ends in remote:addr=...).
     lower: PathBuf,
     /// Where to mount.
     mountpoint: PathBuf,
-    /// Layers from the top down, e.g. `trace:log=t.jsonl,null`.
-    #[arg(long, conflicts_with = "config")]
-    stack: Option<String>,
-    /// A TOML file describing the stack ([[layer]] tables).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// A further branch for the stack's first fan-out layer (union, mirror), which takes LOWER
-    /// as its first branch and these after it, in order: DIR, DIR=rw (the default) or DIR=ro.
-    #[arg(long = "branch", value_name = "DIR[=ro|rw]")]
-    branches: Vec<String>,
-    /// A TOML file of rules choosing the data layers of files by path, extension and size
-    /// ([[rule]] tables); file and directory attributes (user.plyfs.layers) take precedence.
-    #[arg(long)]
-    rules: Option<PathBuf>,
+    #[command(flatten)]
+    tree: StackArgs,
     /// Stay in the foreground and log to standard error.
     #[arg(short, long)]
     foreground: bool,
@@ -69,13 +58,39 @@ pub struct MountArgs {
     secret: crate::secret::SecretArgs,
 }
 
+/// The stack a command builds over LOWER, as `mount` and `serve` take it.
+#[derive(Args, Clone)]
+pub struct StackArgs {
+    /// Layers from the top down, e.g. `trace:log=t.jsonl,null`.
+    #[arg(long, conflicts_with = "config")]
+    pub stack: Option<String>,
+    /// A TOML file describing the stack ([[layer]] tables).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// A further branch for the stack's first fan-out layer (union, mirror), which takes LOWER
+    /// as its first branch and these after it, in order: DIR, DIR=rw (the default) or DIR=ro.
+    #[arg(long = "branch", value_name = "DIR[=ro|rw]")]
+    pub branches: Vec<String>,
+    /// A TOML file of rules choosing the data layers of files by path, extension and size
+    /// ([[rule]] tables); file and directory attributes (user.plyfs.layers) take precedence.
+    #[arg(long)]
+    pub rules: Option<PathBuf>,
+}
+
+impl StackArgs {
+    /// The layer specifications: `--config`, `--stack`, or `null`.
+    pub fn specs(&self) -> Result<Vec<plyfs_stack::spec::LayerSpec>, String> {
+        match (&self.stack, &self.config) {
+            (_, Some(config)) => load_stack_config(config).map_err(|e| e.to_string()),
+            (Some(spec), None) => parse_stack_spec(spec).map_err(|e| e.to_string()),
+            (None, None) => parse_stack_spec("null").map_err(|e| e.to_string()),
+        }
+    }
+}
+
 pub fn mount(args: MountArgs) -> Result<(), String> {
     // Check what can be checked before going to the background, so mistakes are reported here.
-    let mut specs = match (&args.stack, &args.config) {
-        (_, Some(config)) => load_stack_config(config).map_err(|e| e.to_string())?,
-        (Some(spec), None) => parse_stack_spec(spec).map_err(|e| e.to_string())?,
-        (None, None) => parse_stack_spec("null").map_err(|e| e.to_string())?,
-    };
+    let mut specs = args.tree.specs()?;
     let opts = options::parse(&args.options)?;
     // (A foreground mount logs them as it builds the stack.)
     if !args.foreground {
@@ -89,7 +104,7 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
     // password is reported before anything starts (and rules naming crypt can be checked).
     // A remote stack's volumes are the server's to unlock.
     let dirs = match lower.dir() {
-        Some(dir) => storage_dirs(dir, &args.branches, &specs),
+        Some(dir) => storage_dirs(dir, &args.tree.branches, &specs),
         None => Vec::new(),
     };
     let volumes = match args.key_fd {
@@ -206,7 +221,7 @@ fn serve_inner(
     let fd_limit = plyfs_stack::raise_fd_limit();
     tracing::debug!("open-files limit: {fd_limit}");
 
-    let stack = crate::tree::build_stack(&specs, &lower, &args.branches, args.rules.as_deref(), Some(&mountpoint))?;
+    let stack = crate::tree::build_stack(&specs, &lower, &args.tree.branches, args.tree.rules.as_deref(), Some(&mountpoint))?;
     let stack = Arc::new(stack);
     // Every level by name, branches included (a tree's trunk may have no layer of its own).
     let names: Vec<String> = stack
@@ -341,11 +356,11 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_
 /// `ready_fd`. Relative paths stay valid because the child starts in the same directory.
 fn child_args(args: &MountArgs, ready_fd: i32, key_fd: Option<i32>) -> Vec<OsString> {
     let mut v: Vec<OsString> = vec!["mount".into(), args.lower.clone().into(), args.mountpoint.clone().into()];
-    if let Some(s) = &args.stack {
+    if let Some(s) = &args.tree.stack {
         v.push("--stack".into());
         v.push(s.into());
     }
-    if let Some(c) = &args.config {
+    if let Some(c) = &args.tree.config {
         v.push("--config".into());
         v.push(c.clone().into());
     }
@@ -353,12 +368,12 @@ fn child_args(args: &MountArgs, ready_fd: i32, key_fd: Option<i32>) -> Vec<OsStr
         v.push("--psk".into());
         v.push(p.clone().into());
     }
-    for b in &args.branches {
+    for b in &args.tree.branches {
         // Relative directories stay valid: the child starts in the same directory.
         v.push("--branch".into());
         v.push(b.into());
     }
-    if let Some(r) = &args.rules {
+    if let Some(r) = &args.tree.rules {
         v.push("--rules".into());
         v.push(r.canonicalize().unwrap_or_else(|_| r.clone()).into());
     }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
-use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
+use plyfs_stack::spec::parse_stack_spec;
 use plyfs_transport::listen::{bind_unix, serve_unix, UnixPolicy};
 use plyfs_transport::server::{Identity, Server, ServerOptions};
 use plyfs_transport::tls::{Psk, TlsConnector, TlsServer};
@@ -18,18 +18,8 @@ pub struct ServeArgs {
     /// Where to listen: unix:PATH, or tcp:HOST:PORT (TLS).
     #[arg(long, value_name = "ADDR")]
     listen: String,
-    /// Layers from the top down, as for `mount`.
-    #[arg(long, conflicts_with = "config")]
-    stack: Option<String>,
-    /// A TOML file describing the stack ([[layer]] tables).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// A further branch for the stack's fan-out layer, as for `mount`.
-    #[arg(long = "branch", value_name = "DIR[=ro|rw]")]
-    branches: Vec<String>,
-    /// A rules file choosing per-file layers, as for `mount`.
-    #[arg(long)]
-    rules: Option<PathBuf>,
+    #[command(flatten)]
+    tree: crate::daemon::StackArgs,
     /// A local user besides root and the server's own user that may connect to the Unix
     /// socket (repeatable). Their requests run as that user.
     #[arg(long = "allow-uid", value_name = "UID")]
@@ -55,11 +45,7 @@ pub struct ServeArgs {
 pub fn serve(args: ServeArgs) -> Result<(), String> {
     let signals = crate::daemon::block_signals();
     crate::daemon::init_logging(args.verbose);
-    let specs = match (&args.stack, &args.config) {
-        (_, Some(config)) => load_stack_config(config).map_err(|e| e.to_string())?,
-        (Some(spec), None) => parse_stack_spec(spec).map_err(|e| e.to_string())?,
-        (None, None) => parse_stack_spec("null").map_err(|e| e.to_string())?,
-    };
+    let specs = args.tree.specs()?;
     let addr =
         Addr::parse(&args.listen).unwrap_or_else(|| Err(format!("--listen {}: expected unix:PATH or tcp:HOST:PORT", args.listen)))?;
     let lower = crate::daemon::existing_dir("lower directory", &args.lower)?;
@@ -69,13 +55,13 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         (Addr::Unix(_), Some(_)) => return Err("--psk is for tcp: addresses; a Unix socket checks its peers' user ids".into()),
         (Addr::Unix(_), None) => None,
     };
-    let dirs = crate::daemon::storage_dirs(&lower, &args.branches, &specs);
+    let dirs = crate::daemon::storage_dirs(&lower, &args.tree.branches, &specs);
     let _volumes = crate::secret::unlock_volumes(&dirs, &args.secret)?;
     // Modes arrive already masked by the client's kernel.
     unsafe { libc::umask(0) };
     plyfs_stack::raise_fd_limit();
     let lower = crate::tree::Lower::Dir(lower);
-    let stack = Arc::new(crate::tree::build_stack(&specs, &lower, &args.branches, args.rules.as_deref(), None)?);
+    let stack = Arc::new(crate::tree::build_stack(&specs, &lower, &args.tree.branches, args.tree.rules.as_deref(), None)?);
     let server = Server::for_stack(&stack, ServerOptions { workers: args.workers.max(1), ..Default::default() });
     let names: Vec<String> = stack.named_levels().into_iter().map(|n| n.name).collect();
 

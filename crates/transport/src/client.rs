@@ -234,14 +234,7 @@ impl Connection {
                         let Ok(Message::Req { id, caller, op }) = wire::decode(&frame.header) else { continue };
                         let (reply, payload) = handler(caller, op, frame.payload);
                         let Some(conn) = weak.upgrade() else { return };
-                        if id != 0 {
-                            let header = wire::encode(&Message::Rep { id, reply });
-                            let mut w = conn.writer.lock();
-                            if wire::write_frame(&mut *w, &header, &payload).is_err() {
-                                drop(w);
-                                conn.close("cannot send a reply");
-                            }
-                        }
+                        conn.reply(id, reply, &payload);
                     })
                     .map_err(|e| e.to_string())?;
             }
@@ -394,13 +387,20 @@ impl Connection {
             return self.close("a malformed request");
         };
         let (reply, payload) = handler(caller, op, frame.payload);
-        if id != 0 {
-            let header = wire::encode(&Message::Rep { id, reply });
-            let mut w = self.writer.lock();
-            if wire::write_frame(&mut *w, &header, &payload).is_err() {
-                drop(w);
-                self.close("cannot send a reply");
-            }
+        self.reply(id, reply, &payload);
+    }
+
+    /// Answer request `id` of the other end (none for id 0); a reply that cannot be sent ends
+    /// the connection.
+    fn reply(&self, id: u64, reply: WireReply, payload: &[u8]) {
+        if id == 0 {
+            return;
+        }
+        let header = wire::encode(&Message::Rep { id, reply });
+        let mut w = self.writer.lock();
+        if wire::write_frame(&mut *w, &header, payload).is_err() {
+            drop(w);
+            self.close("cannot send a reply");
         }
     }
 

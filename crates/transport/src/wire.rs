@@ -659,6 +659,24 @@ pub struct WireStatFs {
     pub frsize: u32,
 }
 
+/// `From` both ways between a stack type and its wire twin, which have the same fields.
+macro_rules! convert_both_ways {
+    ($a:ident, $b:ident { $($f:ident),* }) => {
+        impl From<$a> for $b {
+            fn from(s: $a) -> $b {
+                $b { $($f: s.$f),* }
+            }
+        }
+        impl From<$b> for $a {
+            fn from(s: $b) -> $a {
+                $a { $($f: s.$f),* }
+            }
+        }
+    };
+}
+
+convert_both_ways!(StatFs, WireStatFs { blocks, bfree, bavail, files, ffree, bsize, namelen, frsize });
+
 /// An error: the errno every peer understands, and the one line that explains it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WireError {
@@ -754,16 +772,7 @@ impl WireReply {
                     })
                     .collect(),
             ),
-            Reply::StatFs(s) => WireReply::StatFs(WireStatFs {
-                blocks: s.blocks,
-                bfree: s.bfree,
-                bavail: s.bavail,
-                files: s.files,
-                ffree: s.ffree,
-                bsize: s.bsize,
-                namelen: s.namelen,
-                frsize: s.frsize,
-            }),
+            Reply::StatFs(s) => WireReply::StatFs(WireStatFs::from(s)),
             Reply::Xattr(XattrReply::Data(d)) => return (WireReply::Xattr, d),
             Reply::Xattr(XattrReply::Size(n)) => WireReply::XattrSize(n),
             Reply::Offset(o) => WireReply::Offset(o),
@@ -794,16 +803,7 @@ impl WireReply {
                     })
                     .collect(),
             ),
-            WireReply::StatFs(s) => Reply::StatFs(StatFs {
-                blocks: s.blocks,
-                bfree: s.bfree,
-                bavail: s.bavail,
-                files: s.files,
-                ffree: s.ffree,
-                bsize: s.bsize,
-                namelen: s.namelen,
-                frsize: s.frsize,
-            }),
+            WireReply::StatFs(s) => Reply::StatFs(s.into()),
             WireReply::Xattr => Reply::Xattr(XattrReply::Data(payload)),
             WireReply::XattrSize(n) => Reply::Xattr(XattrReply::Size(n)),
             WireReply::Offset(o) => Reply::Offset(o),
