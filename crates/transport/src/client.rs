@@ -460,14 +460,18 @@ fn read_when_idle(conn: std::sync::Weak<Connection>) {
             readable = unsafe { libc::poll(&mut pfd, 1, 50) } > 0;
         }
         let Some(c) = conn.upgrade() else { return };
-        if !c.pending.lock().is_empty() {
+        let waiting = !c.pending.lock().is_empty();
+        if waiting && !readable {
+            continue;
+        }
+        let Some(mut reader) = c.reader.try_lock() else {
             if readable {
                 // A caller reads; do not spin on the same bytes.
                 std::thread::sleep(Duration::from_millis(1));
             }
             continue;
-        }
-        let Some(mut reader) = c.reader.try_lock() else { continue };
+        };
+        // Calls wait but none reads (the lead was just passed on): read for them.
         // Decrypted bytes may wait in the reader even when the socket has none.
         if !readable && !reader.buffered() {
             continue;
