@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::io::{Read, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -181,14 +181,16 @@ impl Server {
         // At most this many data requests wait for a worker; then the reader waits too, and so
         // does a client that sends faster than its requests are answered: memory stays bounded
         // whatever a client sends.
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Request>(16);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(Request, Arc<AtomicUsize>)>(16);
         let rx = Mutex::new(rx);
         std::thread::scope(|s| {
             for i in 1..self.options.workers.max(2) {
                 let (conn, rx) = (&conn, &rx);
                 let _ = std::thread::Builder::new().name(format!("serve-{}-{i}", conn.id)).spawn_scoped(s, move || loop {
-                    let Ok(req) = rx.lock().recv() else { return };
-                    if let Err(reason) = self.run(conn, req) {
+                    let Ok((req, busy)) = rx.lock().recv() else { return };
+                    let done = self.run(conn, req);
+                    busy.fetch_sub(1, Ordering::AcqRel);
+                    if let Err(reason) = done {
                         return self.close(conn, Some(reason));
                     }
                 });
@@ -236,7 +238,13 @@ impl Server {
     /// client comes sooner than a sleeping thread would wake), answers requests that only touch
     /// metadata itself, without handing them to another thread, and passes those that may take
     /// long (data, syncs, extended operations) to the workers, so they run side by side.
-    fn read_requests(&self, conn: &Arc<Conn>, mut reader: Box<dyn FrameRead>, workers: std::sync::mpsc::SyncSender<Request>) {
+    fn read_requests(
+        &self,
+        conn: &Arc<Conn>,
+        mut reader: Box<dyn FrameRead>,
+        workers: std::sync::mpsc::SyncSender<(Request, Arc<AtomicUsize>)>,
+    ) {
+        let busy = Arc::new(AtomicUsize::new(0));
         while !conn.closed.load(Ordering::Relaxed) {
             let frame = match wait_readable(&*reader, spin_time(), None) {
                 Ok(_) => wire::read_frame(&mut reader),
@@ -264,7 +272,16 @@ impl Server {
                     | WireOp::Extended { .. }
                     | WireOp::SetAttr { size: Some(_), .. }
             );
-            let done = if slow { workers.send(req).map_err(|_| "the workers are gone".to_owned()) } else { self.run(conn, req) };
+            // A data request waits for a worker only when something else is going on: another
+            // request in the workers' hands, or the next one already here. A single writer's
+            // requests then cost no hand-over either.
+            let alone = busy.load(Ordering::Acquire) == 0 && !reader.buffered() && !readable_now(reader.fd());
+            let done = if slow && !alone {
+                busy.fetch_add(1, Ordering::AcqRel);
+                workers.send((req, busy.clone())).map_err(|_| "the workers are gone".to_owned())
+            } else {
+                self.run(conn, req)
+            };
             if let Err(reason) = done {
                 return self.close(conn, Some(reason));
             }
@@ -554,6 +571,12 @@ impl Server {
             self.top.forget(&cx, NodeId(node), n);
         }
     }
+}
+
+/// Whether `fd` has bytes to read now.
+fn readable_now(fd: std::os::fd::RawFd) -> bool {
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
 }
 
 /// What clients' caches must forget after `op` succeeded.
