@@ -275,8 +275,8 @@ impl Server {
             // A data request waits for a worker only when something else is going on: another
             // request in the workers' hands, or the next one already here. A single writer's
             // requests then cost no hand-over either.
-            let alone = busy.load(Ordering::Acquire) == 0 && !reader.buffered() && !readable_now(reader.fd());
-            let done = if slow && !alone {
+            let alone = || busy.load(Ordering::Acquire) == 0 && !reader.buffered() && !readable_now(reader.fd());
+            let done = if slow && !alone() {
                 busy.fetch_add(1, Ordering::AcqRel);
                 workers.send((req, busy.clone())).map_err(|_| "the workers are gone".to_owned())
             } else {
