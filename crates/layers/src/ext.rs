@@ -233,9 +233,7 @@ fn peer(args: &BuildArgs, endpoint: Endpoint, below: Option<Level>) -> Result<(A
         conn.welcome.hosted.clone().ok_or_else(|| {
             Error::config(format!("{}: the process does not host a layer (it answered as a server)", peer.describe()))
         })?;
-    let leak = |s: &str| -> &'static str { Box::leak(s.to_owned().into_boxed_str()) };
-    let ext =
-        conn.welcome.ext_ops.iter().map(|o| ExtOpInfo { name: leak(&o.name), args: leak(&o.args), help: leak(&o.help) }).collect();
+    let ext = conn.welcome.ext_ops.iter().map(|o| o.to_static(&o.help)).collect();
     Ok((peer, hosted, ext))
 }
 

@@ -89,11 +89,7 @@ pub fn serve(stream: Box<dyn Duplex>, welcome: Welcome, below: &Arc<Below>, inco
 pub fn serve_layer(stream: Box<dyn Duplex>, layer: Arc<dyn Layer>, below: &Arc<Below>) -> std::result::Result<(), String> {
     let data = layer.data_path().to_string();
     let ops: Vec<String> = plyfs_stack::OpKind::ALL.iter().map(|k| k.name().to_owned()).collect();
-    let ext_ops = layer
-        .extended_ops()
-        .iter()
-        .map(|o| crate::wire::WireExtOp { name: o.name.into(), args: o.args.into(), help: o.help.into(), level: layer.name().into() })
-        .collect();
+    let ext_ops = layer.extended_ops().iter().map(|o| crate::wire::WireExtOp::of(o, layer.name())).collect();
     let hosted = Hosted { kind: "layer".into(), ops, data: Some(data), tag: None, deterministic: None, compresses: None };
     let welcome = welcome(layer.name(), layer.kind(), hosted, ext_ops);
     let level = Level::new(layer);

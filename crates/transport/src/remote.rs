@@ -138,16 +138,8 @@ impl Remote {
         // One try: a server that is not there at mount time is a mistake to report, not wait out.
         let conn = inner.reconnect(None, Instant::now()).map_err(Error::Config)?;
         // The server's extended operations, leaked once: layers describe theirs statically.
-        let ext: Vec<ExtOpInfo> = conn
-            .welcome
-            .ext_ops
-            .iter()
-            .map(|o| ExtOpInfo {
-                name: leak(&o.name),
-                args: leak(&o.args),
-                help: leak(&format!("{} (on the server's '{}')", o.help, o.level)),
-            })
-            .collect();
+        let ext: Vec<ExtOpInfo> =
+            conn.welcome.ext_ops.iter().map(|o| o.to_static(&format!("{} (on the server's '{}')", o.help, o.level))).collect();
         let _ = inner.ext_ops.set(Box::leak(ext.into_boxed_slice()));
         let layers: Vec<String> = conn.welcome.layers.iter().map(|l| l.name.clone()).collect();
         tracing::info!(
@@ -163,10 +155,6 @@ impl Remote {
     pub fn level(self) -> Level {
         Level::new(Arc::new(self))
     }
-}
-
-fn leak(s: &str) -> &'static str {
-    Box::leak(s.to_owned().into_boxed_str())
 }
 
 fn idempotent(op: &WireOp, append: bool) -> bool {

@@ -12,9 +12,7 @@
 //! What a connection holds is released when it ends.
 
 use std::collections::HashMap;
-use std::ffi::OsStr;
 use std::io::{Read, Write};
-use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -127,11 +125,7 @@ impl Server {
     pub fn for_stack(stack: &plyfs_stack::Stack, options: ServerOptions) -> Arc<Server> {
         let layers =
             stack.named_levels().into_iter().map(|n| WireLayer { name: n.name, kind: n.level.layer().kind().to_owned() }).collect();
-        let ext_ops = stack
-            .extended_ops_from(stack.top())
-            .into_iter()
-            .map(|(level, op)| WireExtOp { name: op.name.into(), args: op.args.into(), help: op.help.into(), level })
-            .collect();
+        let ext_ops = stack.extended_ops_from(stack.top()).into_iter().map(|(level, op)| WireExtOp::of(&op, &level)).collect();
         Server::new(stack.top().clone(), layers, ext_ops, options)
     }
 
@@ -630,9 +624,4 @@ fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
     } else {
         Err(std::io::Error::last_os_error())
     }
-}
-
-/// A name as a log shows it.
-pub fn shown(name: &[u8]) -> String {
-    OsStr::from_bytes(name).to_string_lossy().into_owned()
 }

@@ -830,6 +830,21 @@ pub struct WireExtOp {
     pub level: String,
 }
 
+impl WireExtOp {
+    /// A layer's extended operation, answered at `level`.
+    pub fn of(op: &plyfs_stack::ExtOpInfo, level: &str) -> WireExtOp {
+        WireExtOp { name: op.name.into(), args: op.args.into(), help: op.help.into(), level: level.into() }
+    }
+
+    /// The description a layer gives of it, with `help` for its help line. Layers describe their
+    /// operations statically, so the strings are leaked: once per connection made at mount
+    /// time, never per request.
+    pub fn to_static(&self, help: &str) -> plyfs_stack::ExtOpInfo {
+        let leak = |s: &str| -> &'static str { Box::leak(s.to_owned().into_boxed_str()) };
+        plyfs_stack::ExtOpInfo { name: leak(&self.name), args: leak(&self.args), help: leak(help) }
+    }
+}
+
 /// What a process that hosts one layer (`ext:`, `py:`) offers, in its welcome.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hosted {
