@@ -231,6 +231,7 @@ fn serve_inner(
         .map(|n| n.name)
         .collect();
 
+    const REMOTE_READAHEAD_KB: u32 = 512;
     let request = MountRequest {
         mountpoint: mountpoint.clone(),
         fsname: lower.to_string(),
@@ -245,6 +246,8 @@ fn serve_inner(
                 .then(|| "a remote stack has no lower files to hand to the kernel".to_owned()),
         },
         threads: opts.threads,
+        // Across a transport, a longer read-ahead keeps several reads in flight.
+        readahead_kb: opts.readahead_kb.or(lower.dir().is_none().then_some(REMOTE_READAHEAD_KB)),
         allow_other: opts.allow_other,
         allow_root: opts.allow_root,
         read_only: opts.read_only,

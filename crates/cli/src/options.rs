@@ -10,6 +10,8 @@ pub struct MountOptions {
     pub entry_ttl: Duration,
     pub attr_ttl: Duration,
     pub threads: usize,
+    /// The kernel's read-ahead for the mount, in KiB (the kernel's own by default).
+    pub readahead_kb: Option<u32>,
     pub allow_other: bool,
     pub allow_root: bool,
     pub read_only: bool,
@@ -23,6 +25,7 @@ impl Default for MountOptions {
             entry_ttl: Duration::from_secs(1),
             attr_ttl: Duration::from_secs(1),
             threads: 4,
+            readahead_kb: None,
             allow_other: false,
             allow_root: false,
             read_only: false,
@@ -31,7 +34,7 @@ impl Default for MountOptions {
     }
 }
 
-pub const HELP: &str = "comma-separated: passthrough=on|off, entry_timeout=SECS, attr_timeout=SECS, threads=N, \
+pub const HELP: &str = "comma-separated: passthrough=on|off, entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
 allow_other, allow_root, ro, and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
 
 fn seconds(key: &str, v: &str) -> Result<Duration, String> {
@@ -58,6 +61,14 @@ pub fn parse(args: &[String]) -> Result<MountOptions, String> {
             ("attr_timeout", Some(v)) => o.attr_ttl = seconds(key, v)?,
             ("threads", Some(v)) => {
                 o.threads = v.parse().ok().filter(|n| (1..=64).contains(n)).ok_or(format!("-o threads={v}: expected 1 to 64"))?
+            }
+            ("readahead", Some(v)) => {
+                o.readahead_kb = Some(
+                    v.parse()
+                        .ok()
+                        .filter(|n| (4..=65536).contains(n))
+                        .ok_or(format!("-o readahead={v}: expected 4 to 65536 (KiB)"))?,
+                )
             }
             ("allow_other", None) => o.allow_other = true,
             ("allow_root", None) => o.allow_root = true,

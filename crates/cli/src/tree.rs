@@ -17,7 +17,7 @@ use plyfs_transport::Addr;
 #[derive(Clone, Debug)]
 pub enum Lower {
     Dir(PathBuf),
-    Remote { addr: Addr, name: String, timeout: Duration, psk: Option<PathBuf> },
+    Remote { addr: Addr, name: String, timeout: Duration, psk: Option<PathBuf>, sync: bool },
 }
 
 /// How long a `remote` layer waits for its server (reconnecting included) before `EIO`.
@@ -40,7 +40,13 @@ impl Lower {
         };
         let Some(spec) = remote else {
             return match given {
-                Some(addr) => Ok(Lower::Remote { addr, name: "remote".into(), timeout: REMOTE_TIMEOUT, psk: psk.map(Path::to_owned) }),
+                Some(addr) => Ok(Lower::Remote {
+                    addr,
+                    name: "remote".into(),
+                    timeout: REMOTE_TIMEOUT,
+                    psk: psk.map(Path::to_owned),
+                    sync: false,
+                }),
                 None => crate::daemon::existing_dir("lower directory", arg).map(Lower::Dir),
             };
         };
@@ -48,6 +54,7 @@ impl Lower {
         let mut name = "remote".to_owned();
         let mut timeout = REMOTE_TIMEOUT;
         let mut psk = psk.map(Path::to_owned);
+        let mut sync = false;
         for (k, v) in &spec.params {
             match k.as_str() {
                 "psk" => psk = Some(PathBuf::from(v)),
@@ -56,12 +63,19 @@ impl Lower {
                         Some(Addr::parse(v).unwrap_or_else(|| Err(format!("remote: addr={v}: expected unix:PATH or tcp:HOST:PORT")))?)
                 }
                 "name" => name = v.clone(),
+                "sync" => {
+                    sync = match v.as_str() {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(format!("remote: sync={v}: expected on or off")),
+                    }
+                }
                 "timeout" => {
                     let secs: f64 =
                         v.parse().ok().filter(|s: &f64| *s > 0.0).ok_or_else(|| format!("remote: timeout={v}: expected seconds"))?;
                     timeout = Duration::from_secs_f64(secs);
                 }
-                _ => return Err(format!("layer 'remote': unknown parameter '{k}' (known: addr, psk, timeout, name)")),
+                _ => return Err(format!("layer 'remote': unknown parameter '{k}' (known: addr, psk, timeout, sync, name)")),
             }
         }
         let addr = match (addr, given) {
@@ -78,16 +92,17 @@ impl Lower {
                 ))
             }
         };
-        Ok(Lower::Remote { addr, name, timeout, psk })
+        Ok(Lower::Remote { addr, name, timeout, psk, sync })
     }
 
     /// The bottom level: the directory's, or a connection to the server.
     pub fn bottom(&self) -> Result<Level, String> {
         match self {
             Lower::Dir(dir) => LowerDir::level(dir).map_err(|e| e.to_string()),
-            Lower::Remote { addr, name, timeout, psk } => {
+            Lower::Remote { addr, name, timeout, psk, sync } => {
                 let connector = crate::serve::connector(addr, psk.as_deref())?;
-                plyfs_transport::Remote::connect(name, connector, *timeout).map(|r| r.level()).map_err(|e| format!("{addr}: {e}"))
+                let remote = plyfs_transport::Remote::connect(name, connector, *timeout).map_err(|e| format!("{addr}: {e}"))?;
+                Ok(remote.sync_writes(*sync).level())
             }
         }
     }

@@ -363,6 +363,13 @@ fn fsx_zstd_over_remote() {
     run_fsx_remote("zstd,remote", 400);
 }
 
+/// The kernel's own writes, sent ahead by the remote layer: overlapping writes, reads and
+/// truncations must still come in order.
+#[test]
+fn fsx_remote_with_writes_sent_ahead() {
+    run_fsx_remote("remote", 400);
+}
+
 /// An example of `examples/python`, by its file name, as a `py:script=` layer.
 fn python_example(name: &str) -> String {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/python").join(name);

@@ -4,7 +4,7 @@
 mod common;
 
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -400,4 +400,69 @@ fn a_layer_in_another_process_that_dies_gives_eio_and_the_mount_lives_on() {
     std::fs::write(m.path("h"), b"again").unwrap();
     assert_eq!(std::fs::read(m.path("h")).unwrap(), b"again");
     assert_eq!(std::fs::read(m.path("f")).unwrap(), b"through another process");
+}
+
+#[test]
+fn a_write_sent_ahead_that_fails_is_reported_by_fsync_and_close_and_sync_writes_fail_at_once() {
+    let s = setup();
+    let rules = s.root.join("rules");
+    std::fs::write(&rules, "op=write path=*.db error=ENOSPC\n").unwrap();
+    let sock = s.root.join("s.sock");
+    let addr = format!("unix:{}", sock.display());
+    let stack = format!("fault:rules={},null", rules.display());
+    let _server = Server::start(&s.lower, &addr, &["--stack", &stack], &s.root.join("server.log"));
+    let errno = |e: std::io::Error| e.raw_os_error();
+    {
+        let m = mount(&s, "mnt", &addr, "remote", &[]);
+        // Other files are not concerned.
+        std::fs::write(m.path("ok.txt"), b"fine").unwrap();
+        assert_eq!(std::fs::read(m.path("ok.txt")).unwrap(), b"fine");
+        // The write itself is answered before the server has run it; fsync reports it.
+        let mut f = std::fs::File::create(m.path("a.db")).unwrap();
+        f.write_all(&[7u8; 100_000]).unwrap();
+        assert_eq!(f.sync_all().map_err(errno), Err(Some(libc::ENOSPC)));
+        // And close does, when nothing asked before.
+        let mut f = std::fs::OpenOptions::new().write(true).open(m.path("a.db")).unwrap();
+        f.write_all(b"more").unwrap();
+        let fd = std::os::fd::IntoRawFd::into_raw_fd(f);
+        assert_eq!(unsafe { libc::close(fd) }, -1);
+        assert_eq!(std::io::Error::last_os_error().raw_os_error(), Some(libc::ENOSPC));
+        // A synchronous writer is told at once.
+        let mut f = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_SYNC).open(m.path("a.db")).unwrap();
+        assert_eq!(f.write(b"sync").map_err(errno), Err(Some(libc::ENOSPC)));
+        assert!(m.daemon_log().contains("/a.db: a write of"), "{}", m.daemon_log());
+    }
+    // With remote:sync=on every write waits for the server.
+    let m = mount(&s, "mnt2", &addr, "remote:sync=on", &[]);
+    let mut f = std::fs::File::create(m.path("b.db")).unwrap();
+    assert_eq!(f.write(b"x").map_err(errno), Err(Some(libc::ENOSPC)));
+}
+
+#[test]
+fn the_server_killed_under_writes_sent_ahead_loses_nothing_and_fsync_finds_it_all() {
+    let s = setup();
+    let (mut server, addr) = unix(&s);
+    let m = mount(&s, "mnt", &addr, "remote", &[]);
+    let block = |i: usize| -> Vec<u8> { (0..1 << 20).map(|j| (i * 31 + j / 4096) as u8).collect() };
+    let mut f = std::fs::File::create(m.path("big")).unwrap();
+    for i in 0..16 {
+        f.write_all(&block(i)).unwrap();
+    }
+    // Killed with writes in flight, back a little later.
+    server.kill();
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            std::thread::sleep(Duration::from_millis(500));
+            server.restart();
+        });
+        for i in 16..48 {
+            f.write_all(&block(i)).unwrap();
+        }
+    });
+    f.sync_all().unwrap();
+    drop(f);
+    let expected: Vec<u8> = (0..48).flat_map(block).collect();
+    let stored = std::fs::read(s.lower.join("big")).unwrap();
+    assert!(stored == expected, "the lower file differs ({} bytes, {} expected)", stored.len(), expected.len());
+    assert!(m.daemon_log().contains("reconnected"), "{}", m.daemon_log());
 }

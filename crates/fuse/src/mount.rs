@@ -25,6 +25,8 @@ pub struct MountRequest {
     pub fsname: String,
     pub front: FrontOptions,
     pub threads: usize,
+    /// The kernel's read-ahead for this mount, in KiB; `None` leaves the kernel's.
+    pub readahead_kb: Option<u32>,
     pub allow_other: bool,
     pub allow_root: bool,
     pub read_only: bool,
@@ -138,6 +140,9 @@ impl Mounted {
         })?;
         top.set_invalidator(Arc::new(KernelCache(session.notifier())));
         let dev = mountinfo::mount_at(&mountpoint).filter(|m| m.is_plyfs()).map(|m| m.dev);
+        if let (Some(kb), Some(dev)) = (req.readahead_kb, &dev) {
+            set_readahead(dev, kb);
+        }
         Ok(Mounted { session, status, mountpoint, dev })
     }
 
@@ -171,6 +176,16 @@ impl Mounted {
             }
             other => other,
         }
+    }
+}
+
+/// Set the read-ahead of the mount's backing device (`/sys/class/bdi/MAJ:MIN`). FUSE caps what
+/// a daemon may ask for at the kernel's default (128 KiB), so it is set here, as root may.
+fn set_readahead(dev: &str, kb: u32) {
+    let path = format!("/sys/class/bdi/{dev}/read_ahead_kb");
+    match std::fs::write(&path, kb.to_string()) {
+        Ok(()) => tracing::debug!("read-ahead {kb} KiB ({path})"),
+        Err(e) => tracing::warn!("cannot set the read-ahead to {kb} KiB ({path}: {e}); the kernel's default stays"),
     }
 }
 

@@ -69,6 +69,63 @@ pub enum CallError {
 struct Slot {
     reply: Mutex<Option<Result<Frame, String>>>,
     ready: Condvar,
+    /// A thread waits for this reply (and may take over reading for everyone).
+    waiting: AtomicBool,
+}
+
+/// A request sent on a connection, whose reply is still to be collected.
+pub struct Ticket {
+    id: u64,
+    slot: Arc<Slot>,
+}
+
+impl Ticket {
+    /// Whether the reply (or the connection's end) has come.
+    pub fn is_done(&self) -> bool {
+        self.slot.reply.lock().is_some()
+    }
+
+    /// Wait for the reply on `conn` (the connection that sent it), at most until `deadline`.
+    pub fn wait(self, conn: &Connection, deadline: Instant) -> Result<(WireReply, Vec<u8>), CallError> {
+        let slot = self.slot;
+        let frame = loop {
+            if let Some(r) = slot.reply.lock().take() {
+                break r;
+            }
+            if Instant::now() >= deadline {
+                conn.pending.lock().remove(&self.id);
+                // The reply may have come just now.
+                if let Some(r) = slot.reply.lock().take() {
+                    break r;
+                }
+                return Err(CallError::TimedOut);
+            }
+            match conn.reader.try_lock() {
+                Some(mut reader) => {
+                    conn.lead(&mut reader, &slot, deadline);
+                    drop(reader);
+                    conn.pass_the_lead();
+                }
+                None => {
+                    // Someone else reads; it hands the reply over, or the lead when it is done.
+                    let mut r = slot.reply.lock();
+                    if r.is_none() {
+                        slot.waiting.store(true, Ordering::Relaxed);
+                        let wait = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(20));
+                        slot.ready.wait_for(&mut r, wait);
+                        slot.waiting.store(false, Ordering::Relaxed);
+                    }
+                }
+            }
+        };
+        match frame {
+            Ok(frame) => match wire::decode(&frame.header) {
+                Ok(Message::Rep { reply, .. }) => Ok((reply, frame.payload)),
+                _ => Err(CallError::Lost { sent: true, reason: "a malformed reply".into() }),
+            },
+            Err(reason) => Err(CallError::Lost { sent: true, reason }),
+        }
+    }
 }
 
 /// Receives the server's change notices.
@@ -296,8 +353,14 @@ impl Connection {
 
     /// Send a request and wait for its reply, at most until `deadline`.
     pub fn call(&self, caller: WireCaller, op: WireOp, payload: &[u8], deadline: Instant) -> Result<(WireReply, Vec<u8>), CallError> {
+        self.send(caller, op, payload)?.wait(self, deadline)
+    }
+
+    /// Send a request whose reply is collected later with [`Ticket::wait`] (the reply is
+    /// kept until then, whoever reads it).
+    pub fn send(&self, caller: WireCaller, op: WireOp, payload: &[u8]) -> Result<Ticket, CallError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let slot = Arc::new(Slot { reply: Mutex::new(None), ready: Condvar::new() });
+        let slot = Arc::new(Slot { reply: Mutex::new(None), ready: Condvar::new(), waiting: AtomicBool::new(false) });
         self.pending.lock().insert(id, slot.clone());
         if let Some(reason) = self.dead.lock().clone() {
             self.pending.lock().remove(&id);
@@ -314,41 +377,7 @@ impl Connection {
             // A frame is only acted on once whole, and it was not all written.
             return Err(CallError::Lost { sent: false, reason: e.to_string() });
         }
-        let frame = loop {
-            if let Some(r) = slot.reply.lock().take() {
-                break r;
-            }
-            if Instant::now() >= deadline {
-                self.pending.lock().remove(&id);
-                // The reply may have come just now.
-                if let Some(r) = slot.reply.lock().take() {
-                    break r;
-                }
-                return Err(CallError::TimedOut);
-            }
-            match self.reader.try_lock() {
-                Some(mut reader) => {
-                    self.lead(&mut reader, &slot, deadline);
-                    drop(reader);
-                    self.pass_the_lead();
-                }
-                None => {
-                    // Someone else reads; it hands the reply over, or the lead when it is done.
-                    let mut r = slot.reply.lock();
-                    if r.is_none() {
-                        let wait = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(20));
-                        slot.ready.wait_for(&mut r, wait);
-                    }
-                }
-            }
-        };
-        match frame {
-            Ok(frame) => match wire::decode(&frame.header) {
-                Ok(Message::Rep { reply, .. }) => Ok((reply, frame.payload)),
-                _ => Err(CallError::Lost { sent: true, reason: "a malformed reply".into() }),
-            },
-            Err(reason) => Err(CallError::Lost { sent: true, reason }),
-        }
+        Ok(Ticket { id, slot })
     }
 
     /// Read frames for everyone until `mine` has its reply, the deadline passes or the
@@ -375,7 +404,8 @@ impl Connection {
     /// A waiting caller takes over reading, if any waits.
     fn pass_the_lead(&self) {
         let pending = self.pending.lock();
-        if let Some(slot) = pending.values().next() {
+        // Replies collected later (writes sent ahead) have no one waiting on them.
+        if let Some(slot) = pending.values().find(|s| s.waiting.load(Ordering::Relaxed)) {
             slot.ready.notify_one();
         }
     }

@@ -11,17 +11,17 @@
 //! handles do. A request in flight when the connection broke is sent again when doing it twice is
 //! harmless; otherwise it fails with `EIO`. Every wait is bounded by the layer's timeout.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 use plyfs_stack::{Caller, DirEntry, Error, ExtOpInfo, Invalidator, Layer, Level, NodeId, Op, Reply, Result};
 
-use crate::client::{CallError, ConnectError, Connection, OnChange};
+use crate::client::{CallError, ConnectError, Connection, OnChange, Ticket};
 use crate::wire::{Change, WireCaller, WireOp, WireReply};
 
 /// Opens connections to the server: a socket, TLS and the key's proof as configured.
@@ -56,6 +56,8 @@ struct RFile {
     epoch: u64,
     flags: i32,
     dir: bool,
+    /// The server asked to hear of every close (`flush`).
+    server_flush: bool,
 }
 
 #[derive(Default)]
@@ -65,6 +67,22 @@ struct Table {
     by_server: HashMap<u64, u64>,
     next_own: u64,
 }
+
+/// A write sent ahead: the writer got its reply at once, and the server's is collected later
+/// (as NFS's unstable writes). The data stays until then, to send again if the connection
+/// breaks first.
+struct Behind {
+    fh: u64,
+    offset: u64,
+    data: Vec<u8>,
+    cx: Caller,
+    conn: Arc<Connection>,
+    ticket: Ticket,
+}
+
+/// Writes in flight per file, at most: enough to keep the connection and the server busy.
+const BEHIND_WRITES: usize = 16;
+const BEHIND_BYTES: usize = 16 << 20;
 
 /// How long the absence of an extended attribute is remembered (as long as the kernel keeps
 /// attributes by default); the server's change notices forget it at once.
@@ -87,6 +105,14 @@ struct Inner {
     next_fh: AtomicU64,
     ext_ops: OnceLock<&'static [ExtOpInfo]>,
     invalidator: RwLock<Option<Arc<dyn Invalidator>>>,
+    /// Writes sent ahead, per node, oldest first; `behind_count` counts them (a quick look).
+    behind: Mutex<HashMap<u64, VecDeque<Behind>>>,
+    behind_count: AtomicUsize,
+    /// The first failure of a write sent ahead, per handle: reported by the next write, fsync
+    /// or close (flush) through it.
+    deferred: Mutex<HashMap<u64, Error>>,
+    settling: Mutex<()>,
+    sync_writes: std::sync::atomic::AtomicBool,
     /// Changes to invalidate, for the thread that does it: the kernel may make that thread wait
     /// for a directory that a request in flight holds, and that request's reply must not wait
     /// behind it.
@@ -117,6 +143,11 @@ impl Remote {
             next_fh: AtomicU64::new(1),
             ext_ops: OnceLock::new(),
             invalidator: RwLock::new(None),
+            behind: Mutex::new(HashMap::new()),
+            behind_count: AtomicUsize::new(0),
+            deferred: Mutex::new(HashMap::new()),
+            settling: Mutex::new(()),
+            sync_writes: std::sync::atomic::AtomicBool::new(false),
             notices: Mutex::new(notices),
         });
         let weak = Arc::downgrade(&inner);
@@ -150,6 +181,13 @@ impl Remote {
             layers.join(", ")
         );
         Ok(Remote(inner))
+    }
+
+    /// Make every write wait for the server's reply (as NFS's `sync`), instead of sending
+    /// writes ahead.
+    pub fn sync_writes(self, on: bool) -> Remote {
+        self.0.sync_writes.store(on, Ordering::Relaxed);
+        self
     }
 
     pub fn level(self) -> Level {
@@ -540,7 +578,8 @@ impl Inner {
                     _ => (NodeId(0), OsStr::new(""), 0),
                 };
                 e.node = NodeId(self.adopt(epoch, e.node.0, parent.0, name));
-                o.fh = self.own_fh(e.node.0, o.fh.0, epoch, flags, false);
+                o.fh = self.own_fh(e.node.0, o.fh.0, epoch, flags, false, o.flush_on_close);
+                o.flush_on_close |= Self::writable(flags);
                 Reply::Created(e, o)
             }
             Reply::Opened(mut o) => {
@@ -549,7 +588,9 @@ impl Inner {
                     Op::OpenDir { node } => (node, 0, true),
                     _ => (NodeId(0), 0, false),
                 };
-                o.fh = self.own_fh(node.0, o.fh.0, epoch, flags, dir);
+                o.fh = self.own_fh(node.0, o.fh.0, epoch, flags, dir, o.flush_on_close);
+                // Writes are sent ahead: a close must hear how they went.
+                o.flush_on_close |= !dir && Self::writable(flags);
                 Reply::Opened(o)
             }
             Reply::Dir(entries) => {
@@ -576,9 +617,13 @@ impl Inner {
         d
     }
 
-    fn own_fh(&self, node: u64, server_fh: u64, epoch: u64, flags: i32, dir: bool) -> plyfs_stack::FileHandle {
+    fn writable(flags: i32) -> bool {
+        flags & libc::O_ACCMODE != libc::O_RDONLY
+    }
+
+    fn own_fh(&self, node: u64, server_fh: u64, epoch: u64, flags: i32, dir: bool, server_flush: bool) -> plyfs_stack::FileHandle {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.files.lock().insert(fh, RFile { node, server_fh, epoch, flags, dir });
+        self.files.lock().insert(fh, RFile { node, server_fh, epoch, flags, dir, server_flush });
         plyfs_stack::FileHandle(fh)
     }
 
@@ -614,6 +659,43 @@ impl Inner {
     }
 
     fn call(self: &Arc<Self>, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        if let Op::Write { node, fh, offset, data } = *op {
+            if let Some(e) = self.deferred.lock().remove(&fh.0) {
+                return Err(e);
+            }
+            if self.may_send_ahead(fh.0) {
+                return self.send_ahead(cx, op, node.0, fh.0, offset, data);
+            }
+        }
+        if self.behind_count.load(Ordering::Acquire) > 0 {
+            // Nothing may overtake a write in flight, nor see the file without it: the
+            // server runs data requests side by side.
+            match *op {
+                Op::Forget { .. } => {}
+                Op::Lookup { .. } | Op::ReadDir { .. } => self.settle_all(),
+                _ => self.settle(op.node().0, usize::MAX),
+            }
+        }
+        match *op {
+            Op::Flush { fh, .. } => {
+                if let Some(e) = self.deferred.lock().remove(&fh.0) {
+                    return Err(e);
+                }
+                // Asked for the writes' sake only: nothing to tell the server.
+                if !self.files.lock().get(&fh.0).is_some_and(|f| f.server_flush) {
+                    return Ok(Reply::Empty);
+                }
+            }
+            Op::Fsync { fh, .. } => {
+                if let Some(e) = self.deferred.lock().remove(&fh.0) {
+                    return Err(e);
+                }
+            }
+            Op::Release { fh, .. } => {
+                self.deferred.lock().remove(&fh.0);
+            }
+            _ => {}
+        }
         match *op {
             Op::Forget { node, nlookup } => {
                 self.forget(node.0, nlookup);
@@ -641,6 +723,133 @@ impl Inner {
             _ => {}
         }
         result
+    }
+
+    /// Whether writes through handle `fh` may be sent ahead: not appends (their place is the
+    /// end of the file when they run), nor synchronous or direct ones (the writer wants them
+    /// done).
+    fn may_send_ahead(&self, fh: u64) -> bool {
+        if self.sync_writes.load(Ordering::Relaxed) {
+            return false;
+        }
+        let files = self.files.lock();
+        files.get(&fh).is_some_and(|f| !f.dir && f.flags & (libc::O_APPEND | libc::O_DSYNC | libc::O_SYNC | libc::O_DIRECT) == 0)
+    }
+
+    /// Send a write and answer it at once; its reply is collected by the next operation on
+    /// the file (a failure is reported by the next write, fsync or close through `fh`).
+    fn send_ahead(self: &Arc<Self>, cx: &Caller, op: &Op<'_>, node: u64, fh: u64, offset: u64, data: &[u8]) -> Result<Reply> {
+        let end = offset + data.len() as u64;
+        loop {
+            let settle = {
+                let behind = self.behind.lock();
+                match behind.get(&node) {
+                    None => None,
+                    Some(q) if q.iter().any(|b| b.offset < end && offset < b.offset + b.data.len() as u64) => Some(usize::MAX),
+                    Some(q)
+                        if q.len() >= BEHIND_WRITES || q.iter().map(|b| b.data.len()).sum::<usize>() + data.len() > BEHIND_BYTES =>
+                    {
+                        Some(1)
+                    }
+                    Some(_) => None,
+                }
+            };
+            match settle {
+                Some(n) => self.settle(node, n),
+                None => break,
+            }
+        }
+        let deadline = Instant::now() + self.timeout;
+        let Ok(conn) = self.connection(deadline) else { return self.call_remote(cx, op) };
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let wcx = WireCaller::from(cx);
+        let (mut server_op, payload) = WireOp::from_op(op);
+        if self.to_server(&conn, epoch, wcx, &mut server_op, deadline).is_err() {
+            return self.call_remote(cx, op);
+        }
+        let Ok(ticket) = conn.send(wcx, server_op, payload) else { return self.call_remote(cx, op) };
+        let b = Behind { fh, offset, data: data.to_vec(), cx: *cx, conn, ticket };
+        self.behind.lock().entry(node).or_default().push_back(b);
+        self.behind_count.fetch_add(1, Ordering::AcqRel);
+        Ok(Reply::Written(data.len() as u32))
+    }
+
+    /// Collect the replies of up to `most` of the oldest writes sent ahead on `node`.
+    fn settle(self: &Arc<Self>, node: u64, most: usize) {
+        // One thread settles at a time, so that none returns while another still waits for a
+        // write it took off the queue.
+        let _one = self.settling.lock();
+        for _ in 0..most {
+            let b = {
+                let mut behind = self.behind.lock();
+                let Some(q) = behind.get_mut(&node) else { return };
+                let b = q.pop_front();
+                if q.is_empty() {
+                    behind.remove(&node);
+                }
+                match b {
+                    Some(b) => b,
+                    None => return,
+                }
+            };
+            self.behind_count.fetch_sub(1, Ordering::AcqRel);
+            self.finish(node, b);
+        }
+    }
+
+    fn settle_all(self: &Arc<Self>) {
+        let nodes: Vec<u64> = self.behind.lock().keys().copied().collect();
+        for node in nodes {
+            self.settle(node, usize::MAX);
+        }
+    }
+
+    fn finish(self: &Arc<Self>, node: u64, b: Behind) {
+        let len = b.data.len();
+        let deadline = Instant::now() + self.timeout;
+        let result = match b.ticket.wait(&b.conn, deadline) {
+            Ok((reply, payload)) => reply.into_result(payload, "write"),
+            // Lost with the connection: send it again on the next (a write is idempotent).
+            Err(CallError::Lost { .. }) => {
+                let op = Op::Write { node: NodeId(node), fh: plyfs_stack::FileHandle(b.fh), offset: b.offset, data: &b.data };
+                self.call_remote(&b.cx, &op)
+            }
+            Err(e) => Err(self.call_failed(e)),
+        };
+        let err = match result {
+            Ok(Reply::Written(n)) if n as usize == len => return,
+            Ok(Reply::Written(n)) => {
+                tracing::error!("{}: {}: the server wrote {n} of {len} bytes at {}", self.name, self.path_of(node), b.offset);
+                Error::Os(libc::ENOSPC)
+            }
+            Ok(_) => Error::Os(libc::EIO),
+            Err(e) => e,
+        };
+        tracing::error!(
+            "{}: {}: a write of {len} bytes at {} failed after the writer was answered ({err}); the next write, fsync or close through its handle reports it",
+            self.name,
+            self.path_of(node),
+            b.offset
+        );
+        self.deferred.lock().entry(b.fh).or_insert(err);
+    }
+
+    /// Where `node` was last seen, for log lines.
+    fn path_of(&self, node: u64) -> String {
+        let t = self.table.lock();
+        let mut parts = Vec::new();
+        let mut id = node;
+        while id != NodeId::ROOT.0 && parts.len() < 4096 {
+            match t.nodes.get(&id) {
+                Some(n) if n.parent != 0 => {
+                    parts.push(n.name.to_string_lossy().into_owned());
+                    id = n.parent;
+                }
+                _ => return format!("node {node}"),
+            }
+        }
+        parts.reverse();
+        format!("/{}", parts.join("/"))
     }
 
     fn call_remote(self: &Arc<Self>, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
@@ -747,6 +956,7 @@ impl Layer for Remote {
     }
 
     fn shutdown(&self) {
+        self.0.settle_all();
         if let Some(c) = self.0.conn.write().take() {
             c.close("the mount is shutting down");
         }
