@@ -417,25 +417,27 @@ fn a_write_sent_ahead_that_fails_is_reported_by_fsync_and_close_and_sync_writes_
         // Other files are not concerned.
         std::fs::write(m.path("ok.txt"), b"fine").unwrap();
         assert_eq!(std::fs::read(m.path("ok.txt")).unwrap(), b"fine");
-        // The write itself is answered before the server has run it; fsync reports it.
+        // A large write is answered before the server has run it; fsync reports it.
         let mut f = std::fs::File::create(m.path("a.db")).unwrap();
-        f.write_all(&[7u8; 100_000]).unwrap();
+        f.write_all(&vec![7u8; 1 << 20]).unwrap();
         assert_eq!(f.sync_all().map_err(errno), Err(Some(libc::ENOSPC)));
         // And close does, when nothing asked before.
         let mut f = std::fs::OpenOptions::new().write(true).open(m.path("a.db")).unwrap();
-        f.write_all(b"more").unwrap();
+        f.write_all(&vec![8u8; 1 << 20]).unwrap();
         let fd = std::os::fd::IntoRawFd::into_raw_fd(f);
         assert_eq!(unsafe { libc::close(fd) }, -1);
         assert_eq!(std::io::Error::last_os_error().raw_os_error(), Some(libc::ENOSPC));
-        // A synchronous writer is told at once.
+        // A small write, and a synchronous writer's, are answered by the server.
+        let mut f = std::fs::OpenOptions::new().write(true).open(m.path("a.db")).unwrap();
+        assert_eq!(f.write(b"small").map_err(errno), Err(Some(libc::ENOSPC)));
         let mut f = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_SYNC).open(m.path("a.db")).unwrap();
-        assert_eq!(f.write(b"sync").map_err(errno), Err(Some(libc::ENOSPC)));
+        assert_eq!(f.write(&[9u8; 100_000]).map_err(errno), Err(Some(libc::ENOSPC)));
         assert!(m.daemon_log().contains("/a.db: a write of"), "{}", m.daemon_log());
     }
     // With remote:sync=on every write waits for the server.
     let m = mount(&s, "mnt2", &addr, "remote:sync=on", &[]);
     let mut f = std::fs::File::create(m.path("b.db")).unwrap();
-    assert_eq!(f.write(b"x").map_err(errno), Err(Some(libc::ENOSPC)));
+    assert_eq!(f.write(&[1u8; 100_000]).map_err(errno), Err(Some(libc::ENOSPC)));
 }
 
 #[test]

@@ -83,6 +83,8 @@ struct Behind {
 /// Writes in flight per file, at most: enough to keep the connection and the server busy.
 const BEHIND_WRITES: usize = 16;
 const BEHIND_BYTES: usize = 16 << 20;
+/// Writes smaller than this wait for the server.
+const SEND_AHEAD_MIN: usize = 64 << 10;
 
 /// How long the absence of an extended attribute is remembered (as long as the kernel keeps
 /// attributes by default); the server's change notices forget it at once.
@@ -663,7 +665,9 @@ impl Inner {
             if let Some(e) = self.deferred.lock().remove(&fh.0) {
                 return Err(e);
             }
-            if self.may_send_ahead(fh.0) {
+            // Small writes are mostly followed by something that must wait for them (tar
+            // sets the times next): sending them ahead only adds a hand-over.
+            if data.len() >= SEND_AHEAD_MIN && self.may_send_ahead(fh.0) {
                 return self.send_ahead(cx, op, node.0, fh.0, offset, data);
             }
         }
@@ -691,8 +695,10 @@ impl Inner {
                     return Err(e);
                 }
             }
-            Op::Release { fh, .. } => {
+            Op::Release { fh, .. } | Op::ReleaseDir { fh, .. } => {
                 self.deferred.lock().remove(&fh.0);
+                self.release(cx, fh.0);
+                return Ok(Reply::Empty);
             }
             _ => {}
         }
@@ -723,6 +729,25 @@ impl Inner {
             _ => {}
         }
         result
+    }
+
+    /// Give the server's handle back without waiting for its reply: nobody would hear of a
+    /// failure (the kernel does not wait for a release either), and the next request on the
+    /// connection comes after it.
+    fn release(&self, cx: &Caller, fh: u64) {
+        let Some(f) = self.files.lock().remove(&fh) else { return };
+        let epoch = self.epoch.load(Ordering::Acquire);
+        if f.epoch != epoch {
+            // The server's handle went with its connection.
+            return;
+        }
+        let server_node = {
+            let t = self.table.lock();
+            t.nodes.get(&f.node).filter(|n| n.epoch == epoch).map(|n| n.server)
+        };
+        let (Some(node), Some(conn)) = (server_node, self.conn.read().clone()) else { return };
+        let op = if f.dir { WireOp::ReleaseDir { node, fh: f.server_fh } } else { WireOp::Release { node, fh: f.server_fh } };
+        let _ = conn.send_only(WireCaller::from(cx), op);
     }
 
     /// Whether writes through handle `fh` may be sent ahead: not appends (their place is the
