@@ -8,7 +8,8 @@
 # `trace`, `zstd`, `copy`, `null --rules mixed-rules.toml`,
 # `gzip:level=9:fast_tails=on`, `crypt`, `union` (a read-write branch over a read-only branch
 # holding files), `mirror` (two branches), `version`, and `remote` (a `plyfs serve` over a Unix
-# socket; `remote --tls` over TLS on loopback; `zstd,remote` compressing in the mount), and
+# socket; `remote --tls` over TLS on loopback; `zstd,remote` compressing in the mount;
+# `crypt,remote` decrypting in the mount a volume served as stored), and
 # `zstd,ext:socket=@trace,null` (`ext:socket=@LAYER` runs LAYER in a `plyfs host` process)). For each one a fresh lower directory on
 # the real disk and an empty mount point are made, plyfs is mounted over them with
 # `-o allow_other` (pjdfstest switches to other users), pjdfstest runs inside the mount, and the
@@ -54,7 +55,7 @@ PJDFSTEST_VERSION=0.2.2
 # An entry may add mount arguments after the spec, e.g. `null --rules FILE`: the last one mixes
 # compressed files (half of the names, by rule) with untouched ones.
 DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt union mirror version
-  remote "remote --tls" zstd,remote "zstd,ext:socket=@trace,null")
+  remote "remote --tls" zstd,remote crypt,remote "zstd,ext:socket=@trace,null")
 
 die() { echo "pjdfstest/run.sh: $*" >&2; exit 2; }
 say() { echo "== $*" >&2; }
@@ -492,11 +493,14 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
   for a in ${extra[@]+"${extra[@]}"}; do if [ "$a" = --tls ]; then tls=1; else rest+=("$a"); fi; done
   extra=(${rest[@]+"${rest[@]}"})
   if [[ ",$mount_stack" == *,remote ]]; then
+    # A crypt layer in the mount decrypts a volume the server serves as stored, without its key.
+    serve_args=(--stack null)
+    if [[ ",$mount_stack," == *,crypt[,:]* ]]; then serve_args+=(--as-stored); fi
     if [ "$tls" = 1 ]; then
       head -c 32 /dev/urandom >"$WORK/$i.psk"
       chmod 600 "$WORK/$i.psk"
       port=$((20000 + ($$ + i * 97) % 20000))
-      "$PLYFS" serve "$lower" --listen "tcp:127.0.0.1:$port" --psk "$WORK/$i.psk" --no-root-squash --stack null 2>"$RESULTS/$label.server.log" &
+      "$PLYFS" serve "$lower" --listen "tcp:127.0.0.1:$port" --psk "$WORK/$i.psk" --no-root-squash "${serve_args[@]}" 2>"$RESULTS/$label.server.log" &
       server=$!
       SERVERS+=("$server")
       for _ in $(seq 100); do grep -q serving "$RESULTS/$label.server.log" 2>/dev/null && break; sleep 0.05; done
@@ -504,7 +508,7 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
       extra+=(--psk "$WORK/$i.psk")
     else
       sock=$WORK/$i.sock
-      "$PLYFS" serve "$lower" --listen "unix:$sock" --stack null 2>"$RESULTS/$label.server.log" &
+      "$PLYFS" serve "$lower" --listen "unix:$sock" "${serve_args[@]}" 2>"$RESULTS/$label.server.log" &
       server=$!
       SERVERS+=("$server")
       for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done

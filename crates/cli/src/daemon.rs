@@ -107,12 +107,20 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
         Some(dir) => storage_dirs(dir, &args.tree.branches, &specs),
         None => Vec::new(),
     };
+    // A crypt volume served as stored is unlocked here, with its configuration read through
+    // the server.
+    let remote_volume: Vec<_> = lower.remote_volume(&specs)?.into_iter().collect();
     let volumes = match args.key_fd {
-        Some(fd) => {
+        Some(fd) if remote_volume.is_empty() => {
             crate::secret::register_keys_from_fd(&dirs, fd)?;
             Vec::new()
         }
-        None => crate::secret::unlock_volumes(&dirs, &args.secret)?,
+        Some(fd) => {
+            crate::secret::register_configs_from_fd(&remote_volume, fd)?;
+            Vec::new()
+        }
+        None if remote_volume.is_empty() => crate::secret::unlock_volumes(&dirs, &args.secret)?,
+        None => crate::secret::unlock_configs(&remote_volume, &args.secret)?,
     };
     if args.foreground {
         return serve(&args, specs, opts, lower, mountpoint);

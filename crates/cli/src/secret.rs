@@ -145,18 +145,35 @@ pub fn unlock_and_register(lower: &Path, secret: &SecretArgs) -> Result<(), Stri
 /// branches), asking for each one's password. A password given when none is a volume is an
 /// error, as for a single directory.
 pub fn unlock_volumes(dirs: &[std::path::PathBuf], secret: &SecretArgs) -> Result<Vec<std::sync::Arc<Volume>>, String> {
-    let volumes: Vec<&std::path::PathBuf> = dirs.iter().filter(|d| keys::config_path(d).exists()).collect();
-    if volumes.is_empty() {
+    let configs = dir_configs(dirs)?;
+    if configs.is_empty() {
         return match (secret.given(), dirs.first()) {
             (true, Some(lower)) => Err(format!("{}: not a crypt volume, so it takes no password or key file", lower.display())),
             _ => Ok(Vec::new()),
         };
     }
-    volumes
-        .into_iter()
-        .map(|d| {
-            let s = secret.get(&format!("Password for {}", d.display()), false)?;
-            keys::unlock(d, &s).map(keys::register)
+    unlock_configs(&configs, secret)
+}
+
+/// A crypt volume to unlock: its name (for the prompt), where its configuration was read (for
+/// errors), and the configuration.
+pub type FoundVolume = (String, String, VolumeConfig);
+
+/// The crypt volumes among `dirs`.
+fn dir_configs(dirs: &[std::path::PathBuf]) -> Result<Vec<FoundVolume>, String> {
+    dirs.iter()
+        .filter(|d| keys::config_path(d).exists())
+        .map(|d| Ok((d.display().to_string(), keys::config_path(d).display().to_string(), VolumeConfig::load(d)?)))
+        .collect()
+}
+
+/// Unlock the volumes of `configs`.
+pub fn unlock_configs(configs: &[FoundVolume], secret: &SecretArgs) -> Result<Vec<std::sync::Arc<Volume>>, String> {
+    configs
+        .iter()
+        .map(|(name, file, config)| {
+            let s = secret.get(&format!("Password for {name}"), false)?;
+            keys::unlock_config(config, file, &s).map(keys::register)
         })
         .collect()
 }
@@ -164,12 +181,16 @@ pub fn unlock_volumes(dirs: &[std::path::PathBuf], secret: &SecretArgs) -> Resul
 /// Register the master keys the parent process handed over on a pipe: one for each crypt
 /// volume among `dirs`, in order.
 pub fn register_keys_from_fd(dirs: &[std::path::PathBuf], fd: i32) -> Result<(), String> {
+    register_configs_from_fd(&dir_configs(dirs)?, fd)
+}
+
+/// Register the master keys of the volumes of `configs`, handed over on a pipe in that order.
+pub fn register_configs_from_fd(configs: &[FoundVolume], fd: i32) -> Result<(), String> {
     use std::os::fd::FromRawFd;
     let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
-    for dir in dirs.iter().filter(|d| keys::config_path(d).exists()) {
+    for (name, _, config) in configs {
         let mut key = Zeroizing::new([0u8; 32]);
-        f.read_exact(&mut key[..]).map_err(|e| format!("reading the key of {} from the parent: {e}", dir.display()))?;
-        let config = VolumeConfig::load(dir)?;
+        f.read_exact(&mut key[..]).map_err(|e| format!("reading the key of {name} from the parent: {e}"))?;
         keys::register(Volume {
             id: config.id()?,
             cipher: config.cipher,

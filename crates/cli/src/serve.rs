@@ -32,6 +32,10 @@ pub struct ServeArgs {
     /// root squash).
     #[arg(long)]
     no_root_squash: bool,
+    /// Serve LOWER as it is stored: a crypt volume's names and contents leave the server
+    /// encrypted, and the server needs no key. Clients decrypt with `--stack crypt,remote`.
+    #[arg(long)]
+    as_stored: bool,
     /// Requests of each client that run at once.
     #[arg(long, default_value_t = 4)]
     workers: usize,
@@ -56,12 +60,33 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         (Addr::Unix(_), None) => None,
     };
     let dirs = crate::daemon::storage_dirs(&lower, &args.tree.branches, &specs);
-    let _volumes = crate::secret::unlock_volumes(&dirs, &args.secret)?;
+    let _volumes = if args.as_stored {
+        if args.secret.given() {
+            return Err("--as-stored serves a crypt volume encrypted: the server takes no password or key file".into());
+        }
+        Vec::new()
+    } else {
+        crate::secret::unlock_volumes(&dirs, &args.secret)?
+    };
     // Modes arrive already masked by the client's kernel.
     unsafe { libc::umask(0) };
     plyfs_stack::raise_fd_limit();
+    let stack = if args.as_stored {
+        if !args.tree.branches.is_empty() {
+            return Err("--as-stored serves one directory: no --branch".into());
+        }
+        crate::tree::build_stored_stack(&specs, &lower, args.tree.rules.as_deref())?
+    } else {
+        crate::tree::build_stack(
+            &specs,
+            &crate::tree::Lower::Dir(lower.clone()),
+            &args.tree.branches,
+            args.tree.rules.as_deref(),
+            None,
+        )?
+    };
+    let stack = Arc::new(stack);
     let lower = crate::tree::Lower::Dir(lower);
-    let stack = Arc::new(crate::tree::build_stack(&specs, &lower, &args.tree.branches, args.tree.rules.as_deref(), None)?);
     let server = Server::for_stack(&stack, ServerOptions { workers: args.workers.max(1), ..Default::default() });
     let names: Vec<String> = stack.named_levels().into_iter().map(|n| n.name).collect();
 

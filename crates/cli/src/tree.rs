@@ -107,6 +107,20 @@ impl Lower {
         }
     }
 
+    /// The configuration of the crypt volume a remote stack is stored in, read through the
+    /// server, when the server serves it as stored and `specs` decrypt it here
+    /// (`--stack crypt,remote`). `None` for anything else.
+    pub fn remote_volume(&self, specs: &[LayerSpec]) -> Result<Option<crate::secret::FoundVolume>, String> {
+        if !matches!(self, Lower::Remote { .. }) || !decrypts(specs) {
+            return Ok(None);
+        }
+        let bottom = self.bottom()?;
+        let config = plyfs_layers::crypt::config_below(&bottom).map_err(|e| format!("{self}: {e}"));
+        bottom.layer().shutdown();
+        let name = format!("the crypt volume served at {self}");
+        Ok(config?.map(|c| (name.clone(), name, c)))
+    }
+
     pub fn dir(&self) -> Option<&Path> {
         match self {
             Lower::Dir(d) => Some(d),
@@ -168,16 +182,38 @@ impl BranchBuilder for MountBranches {
             Some(path) => Some(crate::daemon::load_rules(path, &dir).map_err(|e| Error::config(format!("branch '{name}': {e}")))?),
             None => None,
         };
-        let stack = linear_stack(&spec.layers, rules, &dir).map_err(|e| Error::config(format!("branch '{name}': {e}")))?;
+        let stack = linear_stack(&spec.layers, rules, &dir, true).map_err(|e| Error::config(format!("branch '{name}': {e}")))?;
         Ok(Branch { name: name.to_owned(), dir, mode: spec.mode(), stack: Arc::new(stack) })
     }
 }
 
 /// The stack of a lower directory with no fan-out: mount-wide layers, policy, default chain.
-fn linear_stack(specs: &[LayerSpec], rules: Option<plyfs_policy::Rules>, lower: &Path) -> plyfs_stack::Result<Stack> {
+fn linear_stack(specs: &[LayerSpec], rules: Option<plyfs_policy::Rules>, lower: &Path, names: bool) -> plyfs_stack::Result<Stack> {
     let bottom = LowerDir::level(lower)?;
-    let bottom = plyfs_layers::crypt::with_names(bottom)?;
+    let bottom = if names { plyfs_layers::crypt::with_names(bottom)? } else { bottom };
     plyfs_policy::build_stack(specs, rules, plyfs_layers::registry(), bottom).map(|(s, _)| s)
+}
+
+/// Whether the stack has a crypt layer of its own.
+fn decrypts(specs: &[LayerSpec]) -> bool {
+    specs.iter().any(|s| s.kind == "crypt")
+}
+
+/// `plyfs serve --as-stored`: a linear stack over the directory as it is stored, without the
+/// names layer a crypt volume gets otherwise, so that names and contents leave the server
+/// encrypted (the server holds no key; its clients decrypt with `--stack crypt,remote`).
+pub fn build_stored_stack(specs: &[LayerSpec], lower: &Path, rules: Option<&Path>) -> Result<Stack, String> {
+    if decrypts(specs) {
+        return Err(
+            "--as-stored serves a crypt volume encrypted, for clients to decrypt: a crypt layer in --stack would need its key here"
+                .into(),
+        );
+    }
+    if let Some(s) = specs.iter().find(|s| plyfs_stack::is_fan_out(plyfs_layers::registry(), &s.kind)) {
+        return Err(format!("--as-stored: layer '{}' fans out; --as-stored serves one directory", s.kind));
+    }
+    let rules = rules.map(|r| crate::daemon::load_rules(r, lower)).transpose()?;
+    linear_stack(specs, rules, lower, false).map_err(|e| e.to_string())
 }
 
 /// Build a mount's stack over `lower` (with `--branch` directories for a fan-out layer).
@@ -199,7 +235,11 @@ pub fn build_stack(
             if rules.is_some() {
                 return Err(format!("--rules: per-file rules of a remote stack run on the server (plyfs serve {lower} --rules FILE)"));
             }
-            let bottom = lower.bottom()?;
+            let mut bottom = lower.bottom()?;
+            if decrypts(specs) {
+                // A crypt volume served as it is stored: its names are decrypted here too.
+                bottom = plyfs_layers::crypt::with_names(bottom).map_err(|e| format!("{lower}: {e}"))?;
+            }
             return Stack::build_over(specs, plyfs_layers::registry(), vec![bottom]).map_err(|e| e.to_string());
         }
     };
@@ -209,7 +249,7 @@ pub fn build_stack(
     plyfs_stack::assign_branch_dirs(&mut specs, registry, lower.to_owned(), cli).map_err(|e| e.to_string())?;
     let Some(pos) = specs.iter().position(|s| plyfs_stack::is_fan_out(registry, &s.kind)) else {
         let rules = rules.map(|r| crate::daemon::load_rules(r, lower)).transpose()?;
-        return linear_stack(&specs, rules, lower).map_err(|e| e.to_string());
+        return linear_stack(&specs, rules, lower, true).map_err(|e| e.to_string());
     };
     let (trunk, fan) = (&specs[..pos], &specs[pos]);
     if let Some(below) = specs.get(pos + 1) {

@@ -341,18 +341,23 @@ fn fsx_version_over_zstd() {
 
 /// fsx on `stack` ending in `remote`, served by a `plyfs serve` over a Unix socket that
 /// outlives the test's remounts.
+/// A stack with `crypt` decrypts a crypt volume that the server serves as stored.
 fn run_fsx_remote(stack: &str, default_ops: usize) {
     let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
     let root = dir.path().canonicalize().unwrap();
     let lower = root.join("lower");
     std::fs::create_dir(&lower).unwrap();
     let addr = format!("unix:{}", root.join("s.sock").display());
-    let server = common::Server::start(&lower, &addr, &[], &root.join("server.log"));
+    let crypt = stack.split(',').any(|l| l == "crypt");
+    let passfile = crypt.then(|| format!("--passfile={}", common::crypt_init(&root, &lower, &[]).display()));
+    let serve_args: &[&str] = if crypt { &["--as-stored"] } else { &[] };
+    let server = common::Server::start(&lower, &addr, serve_args, &root.join("server.log"));
     let mount = || {
         let mdir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
         let mnt = mdir.path().canonicalize().unwrap().join("mnt");
         std::fs::create_dir(&mnt).unwrap();
-        Mount::start(mdir, std::path::PathBuf::from(&addr), mnt, stack, &[])
+        let options: Vec<&str> = passfile.iter().map(String::as_str).collect();
+        Mount::start(mdir, std::path::PathBuf::from(&addr), mnt, stack, &options)
     };
     run_fsx_on(&format!("[{stack}] served on {addr}"), mount, default_ops, &[]);
     assert!(!server.log_text().contains("panick"), "{}", server.log_text());
@@ -368,6 +373,12 @@ fn fsx_zstd_over_remote() {
 #[test]
 fn fsx_remote_with_writes_sent_ahead() {
     run_fsx_remote("remote", 400);
+}
+
+/// End-to-end encryption: the server holds the volume without its key.
+#[test]
+fn fsx_crypt_over_remote_served_as_stored() {
+    run_fsx_remote("zstd,crypt,remote", 300);
 }
 
 /// An example of `examples/python`, by its file name, as a `py:script=` layer.

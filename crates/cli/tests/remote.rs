@@ -468,3 +468,66 @@ fn the_server_killed_under_writes_sent_ahead_loses_nothing_and_fsync_finds_it_al
     assert!(stored == expected, "the lower file differs ({} bytes, {} expected)", stored.len(), expected.len());
     assert!(m.daemon_log().contains("reconnected"), "{}", m.daemon_log());
 }
+
+#[test]
+fn a_crypt_volume_served_as_stored_is_decrypted_only_by_the_client() {
+    let s = setup();
+    let passfile = crypt_init(&s.root, &s.lower, &[]);
+    let sock = s.root.join("s.sock");
+    let addr = format!("unix:{}", sock.display());
+    // The server takes no key: with one, or with crypt in its stack, --as-stored is refused.
+    let refused = run(plyfs().arg("serve").arg(&s.lower).args(["--listen", &addr, "--as-stored", "--stack", "crypt"]));
+    assert!(!refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("--as-stored"));
+    let refused = run(plyfs()
+        .arg("serve")
+        .arg(&s.lower)
+        .args(["--listen", &addr, "--as-stored"])
+        .arg(format!("--passfile={}", passfile.display())));
+    assert!(!refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("no password"));
+    let _server = Server::start(&s.lower, &addr, &["--as-stored"], &s.root.join("server.log"));
+    {
+        let m = mount(&s, "mnt", &addr, "zstd,crypt", &[&format!("--passfile={}", passfile.display())]);
+        std::fs::create_dir(m.path("private")).unwrap();
+        std::fs::write(m.path("private/letter"), "a secret letter ".repeat(1000)).unwrap();
+        assert_eq!(std::fs::read_to_string(m.path("private/letter")).unwrap(), "a secret letter ".repeat(1000));
+        let names: Vec<String> =
+            std::fs::read_dir(m.path("")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        assert_eq!(names, ["private"]);
+    }
+    // What the server stores and sends is ciphertext: no name, no byte of the letter.
+    let mut found = Vec::new();
+    for e in walk(&s.lower) {
+        let name = e.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(!name.contains("private") && !name.contains("letter"), "{name}");
+        if e.is_file() {
+            found.push(std::fs::read(&e).unwrap());
+        }
+    }
+    assert!(found.iter().all(|b| !b.windows(6).any(|w| w == b"secret")));
+    // A wrong password is refused with one line naming the server.
+    let wrong = s.root.join("wrong");
+    std::fs::write(&wrong, "not the password\n").unwrap();
+    let out = run(plyfs()
+        .arg("mount")
+        .arg(&addr)
+        .arg(s.root.join("mnt"))
+        .args(["--stack", "crypt"])
+        .arg(format!("--passfile={}", wrong.display())));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("wrong password") && err.contains(&addr) && err.trim().lines().count() == 1,
+        "{err}"
+    );
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        }
+        out.push(p);
+    }
+    out
+}

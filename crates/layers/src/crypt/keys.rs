@@ -368,8 +368,12 @@ pub fn init(lower: &Path, settings: &VolumeSettings, secret: &Secret) -> Result<
 /// Unlock the volume at `lower` with `secret`.
 pub fn unlock(lower: &Path, secret: &Secret) -> Result<Volume, String> {
     let config = VolumeConfig::load(lower)?;
-    let shown = config_path(lower).display().to_string();
-    let key = config.unwrap_key(secret, &shown)?;
+    unlock_config(&config, &config_path(lower).display().to_string(), secret)
+}
+
+/// Unlock the volume of `config` (read from `shown`) with `secret`.
+pub fn unlock_config(config: &VolumeConfig, shown: &str, secret: &Secret) -> Result<Volume, String> {
+    let key = config.unwrap_key(secret, shown)?;
     Ok(Volume { id: config.id()?, cipher: config.cipher, plaintext_names: config.plaintext_names, key })
 }
 
