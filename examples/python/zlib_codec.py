@@ -18,7 +18,8 @@ class Zlib(plyfs.Codec):
         return zlib.compress(chunk, self.level)
 
     def decode(self, data):
-        return zlib.decompress(data)
+        # A chunk decodes to 64 KiB (a Python codec's default chunk): room for it at once.
+        return zlib.decompress(data, bufsize=1 << 16)
 
 
 plyfs.run(Zlib(int(plyfs.params.get("level", "6"))))
