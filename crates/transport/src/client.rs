@@ -475,6 +475,13 @@ fn read_when_idle(conn: std::sync::Weak<Connection>) {
         if c.is_dead() {
             return;
         }
+        if c.reader.is_locked() {
+            // A caller reads for everyone: stay out of its way (spinning beside it costs it a
+            // CPU on a small machine).
+            drop(c);
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
         let fd = c.fd;
         drop(c);
         // Wait for the socket without holding anything (and without keeping the connection):
