@@ -172,16 +172,20 @@ impl Server {
             conns.push(Arc::downgrade(&conn));
         }
         tracing::debug!("client {peer} connected (connection {})", conn.id);
-        // At most this many data requests wait for a worker; then the reader waits too, and so
-        // does a client that sends faster than its requests are answered: memory stays bounded
-        // whatever a client sends.
-        let (tx, rx) = std::sync::mpsc::sync_channel::<(Request, Arc<AtomicUsize>)>(16);
-        let rx = Mutex::new(rx);
+        // Each worker has a queue, and the requests on one file always go to the same worker, in
+        // order: writes sent ahead to one file then never wait for each other's locks (ext4
+        // serialises them, and its waiters spin). At most `PER_WORKER` requests wait in a
+        // queue; then the reader waits too, and so does a client that sends faster than its
+        // requests are answered: memory stays bounded whatever a client sends.
+        const PER_WORKER: usize = 6;
+        let mut queues = Vec::new();
         std::thread::scope(|s| {
             for i in 1..self.options.workers.max(2) {
-                let (conn, rx) = (&conn, &rx);
+                let (tx, rx) = std::sync::mpsc::sync_channel::<(Request, Arc<AtomicUsize>)>(PER_WORKER);
+                queues.push(tx);
+                let conn = &conn;
                 let _ = std::thread::Builder::new().name(format!("serve-{}-{i}", conn.id)).spawn_scoped(s, move || loop {
-                    let Ok((req, busy)) = rx.lock().recv() else { return };
+                    let Ok((req, busy)) = rx.recv() else { return };
                     let done = self.run(conn, req);
                     busy.fetch_sub(1, Ordering::AcqRel);
                     if let Err(reason) = done {
@@ -189,7 +193,7 @@ impl Server {
                     }
                 });
             }
-            self.read_requests(&conn, reader, tx);
+            self.read_requests(&conn, reader, std::mem::take(&mut queues));
         });
         self.release_all(&conn);
         tracing::debug!("client {peer} disconnected");
@@ -236,7 +240,7 @@ impl Server {
         &self,
         conn: &Arc<Conn>,
         mut reader: Box<dyn FrameRead>,
-        workers: std::sync::mpsc::SyncSender<(Request, Arc<AtomicUsize>)>,
+        workers: Vec<std::sync::mpsc::SyncSender<(Request, Arc<AtomicUsize>)>>,
     ) {
         let busy = Arc::new(AtomicUsize::new(0));
         while !conn.closed.load(Ordering::Relaxed) {
@@ -272,7 +276,8 @@ impl Server {
             let alone = || busy.load(Ordering::Acquire) == 0 && !reader.buffered() && !readable_now(reader.fd());
             let done = if slow && !alone() {
                 busy.fetch_add(1, Ordering::AcqRel);
-                workers.send((req, busy.clone())).map_err(|_| "the workers are gone".to_owned())
+                let worker = &workers[(op_node(&req.op) % workers.len() as u64) as usize];
+                worker.send((req, busy.clone())).map_err(|_| "the workers are gone".to_owned())
             } else {
                 self.run(conn, req)
             };
@@ -571,6 +576,22 @@ impl Server {
 fn readable_now(fd: std::os::fd::RawFd) -> bool {
     let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
     unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
+}
+
+/// The node a request that goes to a worker concerns (0 for none).
+fn op_node(op: &WireOp) -> u64 {
+    match op {
+        WireOp::Read { node, .. }
+        | WireOp::Write { node, .. }
+        | WireOp::Fsync { node, .. }
+        | WireOp::FsyncDir { node, .. }
+        | WireOp::Flush { node, .. }
+        | WireOp::Release { node, .. }
+        | WireOp::Fallocate { node, .. }
+        | WireOp::Extended { node, .. }
+        | WireOp::SetAttr { node, .. } => *node,
+        _ => 0,
+    }
 }
 
 /// What clients' caches must forget after `op` succeeded.
