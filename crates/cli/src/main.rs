@@ -1,6 +1,7 @@
 //! `plyfs`: mount, unmount and inspect stacks of file-system layers.
 
 mod daemon;
+mod exodisk;
 mod offline;
 mod options;
 mod policy;
@@ -30,6 +31,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Run layers in this process for mounts that reach them with `ext:socket=PATH`.
     Host(serve::HostArgs),
+    /// Exodisk volumes: a raw volume protected by a small service and managed by libraries.
+    Exodisk(exodisk::ExodiskArgs),
     /// Unmount a plyfs mount; also cleans up after a daemon that was killed.
     Umount {
         mountpoint: PathBuf,
@@ -132,6 +135,7 @@ fn main() -> ExitCode {
         Command::Mount(args) => daemon::mount(args),
         Command::Serve(args) => serve::serve(args),
         Command::Host(args) => serve::host(args),
+        Command::Exodisk(args) => exodisk::run(args),
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
         Command::Op { path, name, args } => op(&path, &name, &args),
         Command::Layers => {

@@ -1,0 +1,160 @@
+//! The free map: one bit per sector, set when allocated (thesis §2.2.4).
+//!
+//! It is conservative: a sector is marked allocated when it is allocated, and marked free only
+//! once the metadata write that gives it up is on disk. So after a crash the map may claim
+//! sectors nobody owns, never the reverse; the start-up scan gives those back. On disk it is a
+//! row of sealed blocks, so an edit made offline is detected (and the scan rebuilds the map).
+
+use std::io;
+
+use crate::disk::{Aligned, Disk, SECTOR};
+use crate::layout::{Superblock, BITS_PER_BLOCK, MAP_BLOCK};
+use crate::seal::{self, body_len, VolumeKey};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FreeMap {
+    words: Vec<u64>,
+    sectors: u64,
+}
+
+impl FreeMap {
+    /// All free.
+    pub fn new(sectors: u64) -> FreeMap {
+        FreeMap { words: vec![0; sectors.div_ceil(64) as usize], sectors }
+    }
+
+    pub fn sectors(&self) -> u64 {
+        self.sectors
+    }
+
+    pub fn is_allocated(&self, s: u64) -> bool {
+        s >= self.sectors || self.words[(s / 64) as usize] & (1 << (s % 64)) != 0
+    }
+
+    /// Whether every sector of `start..start + len` is free (and on the volume).
+    pub fn is_free(&self, start: u64, len: u64) -> bool {
+        start.checked_add(len).is_some_and(|end| end <= self.sectors) && (start..start + len).all(|s| !self.is_allocated(s))
+    }
+
+    /// Mark `start..start + len` allocated or free.
+    pub fn set(&mut self, start: u64, len: u64, allocated: bool) {
+        for s in start..(start + len).min(self.sectors) {
+            let (w, b) = ((s / 64) as usize, s % 64);
+            if allocated {
+                self.words[w] |= 1 << b;
+            } else {
+                self.words[w] &= !(1 << b);
+            }
+        }
+    }
+
+    pub fn allocated(&self) -> u64 {
+        self.words.iter().map(|w| w.count_ones() as u64).sum()
+    }
+
+    /// The first run of `len` free sectors at or after `near` (wrapping round), if any.
+    pub fn find_free(&self, len: u64, near: u64) -> Option<u64> {
+        if len == 0 || len > self.sectors {
+            return None;
+        }
+        let scan = |from: u64, to: u64| -> Option<u64> {
+            let mut run = 0;
+            let mut s = from;
+            while s < to {
+                // Whole allocated words are skipped at once.
+                if s.is_multiple_of(64) && self.words[(s / 64) as usize] == u64::MAX {
+                    run = 0;
+                    s += 64;
+                    continue;
+                }
+                if self.is_allocated(s) {
+                    run = 0;
+                } else {
+                    run += 1;
+                    if run == len {
+                        return Some(s + 1 - len);
+                    }
+                }
+                s += 1;
+            }
+            None
+        };
+        let near = near.min(self.sectors);
+        scan(near, self.sectors).or_else(|| scan(0, (near + len).min(self.sectors)))
+    }
+
+    /// The bits of block `b`, as stored.
+    fn block_bytes(&self, b: u64) -> Vec<u8> {
+        let mut out = vec![0u8; body_len(MAP_BLOCK)];
+        let first = b * BITS_PER_BLOCK;
+        for i in 0..BITS_PER_BLOCK.min(self.sectors.saturating_sub(first)) {
+            if self.is_allocated(first + i) {
+                out[(i / 8) as usize] |= 1 << (i % 8);
+            }
+        }
+        out
+    }
+
+    /// Write the blocks that hold sectors `from..to` (all of them for `0..u64::MAX`).
+    pub fn store_range(&self, disk: &Disk, key: &VolumeKey, sb: &Superblock, from: u64, to: u64) -> io::Result<()> {
+        let first = from / BITS_PER_BLOCK;
+        let last = (to.min(self.sectors).max(from + 1) - 1) / BITS_PER_BLOCK;
+        for b in first..=last.min(sb.map_blocks - 1) {
+            let at = sb.map_start + b * MAP_BLOCK as u64;
+            disk.write(at, &Aligned::from_bytes(&key.seal(seal::FREE_MAP, at, MAP_BLOCK, &self.block_bytes(b))))?;
+        }
+        Ok(())
+    }
+
+    pub fn store(&self, disk: &Disk, key: &VolumeKey, sb: &Superblock) -> io::Result<()> {
+        self.store_range(disk, key, sb, 0, u64::MAX)
+    }
+
+    /// Read the map. Blocks that do not open (edited offline, torn) count as all allocated,
+    /// which is safe; their numbers come back for the report.
+    pub fn load(disk: &Disk, key: &VolumeKey, sb: &Superblock) -> io::Result<(FreeMap, Vec<u64>)> {
+        let mut map = FreeMap::new(sb.sectors);
+        let mut bad = Vec::new();
+        let mut buf = Aligned::zeroed(MAP_BLOCK as usize * SECTOR);
+        for b in 0..sb.map_blocks {
+            let at = sb.map_start + b * MAP_BLOCK as u64;
+            disk.read(at, &mut buf)?;
+            let first = b * BITS_PER_BLOCK;
+            let n = BITS_PER_BLOCK.min(sb.sectors - first);
+            match key.open(seal::FREE_MAP, at, &buf) {
+                Ok(bits) => {
+                    for i in 0..n {
+                        if bits[(i / 8) as usize] & (1 << (i % 8)) != 0 {
+                            map.set(first + i, 1, true);
+                        }
+                    }
+                }
+                Err(_) => {
+                    bad.push(b);
+                    map.set(first, n, true);
+                }
+            }
+        }
+        Ok((map, bad))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_are_found_and_set() {
+        let mut m = FreeMap::new(1000);
+        m.set(0, 100, true);
+        assert_eq!(m.find_free(10, 0), Some(100));
+        m.set(105, 1, true);
+        assert_eq!(m.find_free(10, 0), Some(106));
+        assert_eq!(m.find_free(5, 0), Some(100));
+        assert_eq!(m.find_free(10, 995), Some(106));
+        assert!(m.is_free(106, 10) && !m.is_free(104, 2) && !m.is_free(995, 10));
+        assert_eq!(m.allocated(), 101);
+        m.set(0, 1000, true);
+        assert_eq!(m.find_free(1, 0), None);
+    }
+}

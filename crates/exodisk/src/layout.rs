@@ -1,0 +1,261 @@
+//! Where things are on a volume, its key, and formatting.
+//!
+//! ```text
+//! sector 0                      superblock (sealed)
+//! sectors 8 .. 8 + 8·B          the free map: B blocks of 8 sectors, each sealed, one bit per sector
+//! data_start ..                 extents and exonodes; the first is the service's root exonode
+//! ```
+//!
+//! The volume key lives apart from the volume (`VOLUME.key` by default, mode 0400): whoever
+//! holds a copy of the image alone can neither read the capabilities in it nor forge a record.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use zeroize::Zeroizing;
+
+use crate::disk::{Aligned, Disk, SECTOR};
+use crate::object::{Caps, Exonode};
+use crate::seal::{self, body_len, VolumeKey};
+
+/// Sectors per free-map block, and the bits each holds.
+pub const MAP_BLOCK: u32 = 8;
+pub const BITS_PER_BLOCK: u64 = (body_len(MAP_BLOCK) * 8) as u64;
+/// The smallest volume worth formatting: 1 MiB.
+pub const MIN_SECTORS: u64 = 2048;
+/// The service's root exonode (the named roots of §4.3's exonode server).
+pub const ROOTS_SECTORS: u32 = 16;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Superblock {
+    pub sectors: u64,
+    pub map_start: u64,
+    pub map_blocks: u64,
+    pub data_start: u64,
+    /// The root exonode, at `data_start`, and its capabilities (only the service knows them).
+    pub roots: Caps,
+    /// Seconds since the epoch at format.
+    pub created: u64,
+}
+
+const VERSION: u8 = 1;
+
+impl Superblock {
+    pub fn for_size(sectors: u64) -> Superblock {
+        let map_blocks = sectors.div_ceil(BITS_PER_BLOCK);
+        let map_start = 8;
+        let data_start = (map_start + map_blocks * MAP_BLOCK as u64).next_multiple_of(8);
+        Superblock { sectors, map_start, map_blocks, data_start, roots: Caps::default(), created: 0 }
+    }
+
+    pub fn seal(&self, key: &VolumeKey) -> Vec<u8> {
+        let mut b = vec![VERSION];
+        for v in [self.sectors, self.map_start, self.map_blocks, self.data_start, self.created] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&self.roots.read.to_le_bytes());
+        b.extend_from_slice(&self.roots.write.to_le_bytes());
+        key.seal(seal::SUPERBLOCK, 0, 1, &b)
+    }
+
+    pub fn open(key: &VolumeKey, sector: &[u8]) -> Result<Superblock, String> {
+        let b = key.open(seal::SUPERBLOCK, 0, sector).map_err(|e| format!("superblock: {e}"))?;
+        if b[0] != VERSION {
+            return Err(format!("superblock: version {} is not supported (this plyfs knows {VERSION})", b[0]));
+        }
+        let u = |i: usize| u64::from_le_bytes(b[1 + 8 * i..9 + 8 * i].try_into().expect("8"));
+        let c = |i: usize| u128::from_le_bytes(b[41 + 16 * i..57 + 16 * i].try_into().expect("16"));
+        let sb = Superblock {
+            sectors: u(0),
+            map_start: u(1),
+            map_blocks: u(2),
+            data_start: u(3),
+            created: u(4),
+            roots: Caps { read: c(0), write: c(1) },
+        };
+        let expect = Superblock::for_size(sb.sectors);
+        if (sb.map_start, sb.map_blocks, sb.data_start) != (expect.map_start, expect.map_blocks, expect.data_start) {
+            return Err("superblock: authentic but inconsistent layout".into());
+        }
+        Ok(sb)
+    }
+
+    /// The root exonode's sector.
+    pub fn roots_at(&self) -> u64 {
+        self.data_start
+    }
+}
+
+/// The key file's default place: beside the volume.
+pub fn default_key_path(volume: &Path) -> PathBuf {
+    let mut p = volume.as_os_str().to_owned();
+    p.push(".key");
+    PathBuf::from(p)
+}
+
+/// Read a key file.
+pub fn load_key(path: &Path) -> Result<VolumeKey, String> {
+    let text = Zeroizing::new(std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?);
+    let mut key = None;
+    let mut id = None;
+    for line in text.lines() {
+        if let Some(v) = line.strip_prefix("key=") {
+            key = unhex::<32>(v);
+        } else if let Some(v) = line.strip_prefix("volume=") {
+            id = unhex::<16>(v);
+        }
+    }
+    match (text.lines().next(), key, id) {
+        (Some(KEY_HEADER), Some(k), Some(id)) => Ok(VolumeKey::new(&k, *id)),
+        _ => Err(format!("{}: not an exodisk key file", path.display())),
+    }
+}
+
+const KEY_HEADER: &str = "plyfs exodisk volume key v1";
+
+fn unhex<const N: usize>(s: &str) -> Option<Zeroizing<[u8; N]>> {
+    let s = s.trim();
+    if s.len() != 2 * N {
+        return None;
+    }
+    let mut out = Zeroizing::new([0u8; N]);
+    for i in 0..N {
+        out[i] = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// What `format` made.
+pub struct Formatted {
+    pub superblock: Superblock,
+    pub key_path: PathBuf,
+}
+
+/// Format `path` (an image file, made if missing, or a block device) as a volume of `size`
+/// bytes (the whole of it when `None`), with a new key written to `key_path`. Refuses a volume
+/// that already is one, one that is too small, and one in use, without changing anything.
+pub fn format(path: &Path, size: Option<u64>, key_path: &Path) -> Result<Formatted, String> {
+    let shown = path.display();
+    if is_volume(path) {
+        return Err(format!("{shown}: already an exodisk volume; nothing changed"));
+    }
+    if key_path.exists() {
+        return Err(format!("{}: a key file is already there (another volume's?); remove it or choose --key", key_path.display()));
+    }
+    let existed = path.exists();
+    if !existed {
+        let size = size.ok_or_else(|| format!("{shown}: no such file; give --size to make an image"))?;
+        check_size(path, size)?;
+        let f = std::fs::OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| format!("{shown}: {e}"))?;
+        f.set_len(size).map_err(|e| format!("{shown}: {e}"))?;
+    }
+    let result = format_existing(path, size, key_path, existed);
+    if result.is_err() && !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    result
+}
+
+/// Whether `path` starts with a superblock (read through the page cache: a quick look).
+fn is_volume(path: &Path) -> bool {
+    use std::io::Read;
+    let mut first = [0u8; 16];
+    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut first)).is_ok()
+        && seal::record_sectors(&first, seal::SUPERBLOCK).is_some()
+}
+
+fn check_size(path: &Path, size: u64) -> Result<(), String> {
+    if size / SECTOR as u64 >= MIN_SECTORS {
+        return Ok(());
+    }
+    Err(format!("{}: {size} bytes is too small for a volume (at least {} KiB)", path.display(), MIN_SECTORS * SECTOR as u64 / 1024))
+}
+
+fn format_existing(path: &Path, size: Option<u64>, key_path: &Path, existed: bool) -> Result<Formatted, String> {
+    let shown = path.display();
+    let disk = Disk::open(path, true).map_err(|e| format!("{shown}: {e}"))?;
+    let mut first = Aligned::zeroed(SECTOR);
+    disk.read(0, &mut first).map_err(|e| format!("{shown}: {e}"))?;
+    if existed && seal::record_sectors(&first, seal::SUPERBLOCK).is_some() {
+        return Err(format!("{shown}: already an exodisk volume; nothing changed"));
+    }
+    let available = disk.sectors * SECTOR as u64;
+    let bytes = match size {
+        Some(s) if s > available && disk.is_device => {
+            return Err(format!("{shown}: --size {s} is larger than the device ({available} bytes)"))
+        }
+        Some(s) if s > available => {
+            drop(disk);
+            std::fs::OpenOptions::new().write(true).open(path).and_then(|f| f.set_len(s)).map_err(|e| format!("{shown}: {e}"))?;
+            return format_existing(path, size, key_path, existed);
+        }
+        Some(s) => s,
+        None => available,
+    };
+    check_size(path, bytes)?;
+    let sectors = bytes / SECTOR as u64;
+    let raw_key: Zeroizing<[u8; 32]> = Zeroizing::new(seal::random());
+    let key = VolumeKey::new(&raw_key, seal::random());
+    let mut sb = Superblock::for_size(sectors);
+    sb.roots = Caps { read: u128::from_le_bytes(seal::random()), write: u128::from_le_bytes(seal::random()) };
+    sb.created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    if sb.data_start + ROOTS_SECTORS as u64 >= sectors {
+        return Err(format!("{shown}: too small for a volume"));
+    }
+    // The free map: the superblock, the map and the root exonode are allocated.
+    let mut map = crate::freemap::FreeMap::new(sectors);
+    map.set(0, sb.data_start + ROOTS_SECTORS as u64, true);
+    let roots = Exonode { sectors: ROOTS_SECTORS, caps: sb.roots, parent: 0, entries: Vec::new() };
+    let io = |e: io::Error| format!("{shown}: {e}");
+    // The key first: a volume whose key was lost is lost.
+    write_key(key_path, &raw_key, &key.volume_id)?;
+    let write = || -> io::Result<()> {
+        disk.write(sb.roots_at(), &Aligned::from_bytes(&roots.seal(&key, sb.roots_at())))?;
+        map.store(&disk, &key, &sb)?;
+        disk.write(0, &Aligned::from_bytes(&sb.seal(&key)))?;
+        disk.sync()
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(key_path);
+        return Err(io(e));
+    }
+    Ok(Formatted { superblock: sb, key_path: key_path.to_owned() })
+}
+
+fn write_key(path: &Path, key: &[u8; 32], id: &[u8; 16]) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let text = Zeroizing::new(format!(
+        "{KEY_HEADER}\n# Seals the volume's metadata. Without it the volume cannot be served: keep a copy.\nvolume={}\nkey={}\n",
+        hex(id),
+        hex(key)
+    ));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o400)
+        .open(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    f.write_all(text.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Open a volume: its disk (held exclusively), key and superblock.
+pub fn open(path: &Path, key_path: &Path) -> Result<(Disk, VolumeKey, Superblock), String> {
+    let shown = path.display();
+    let disk = Disk::open(path, true).map_err(|e| format!("{shown}: {e}"))?;
+    let mut first = Aligned::zeroed(SECTOR);
+    disk.read(0, &mut first).map_err(|e| format!("{shown}: {e}"))?;
+    if seal::record_sectors(&first, seal::SUPERBLOCK).is_none() {
+        return Err(format!("{shown}: not an exodisk volume (no superblock)"));
+    }
+    let key = load_key(key_path)?;
+    let sb = Superblock::open(&key, &first).map_err(|e| format!("{shown}: {e} (is {} its key?)", key_path.display()))?;
+    if sb.sectors > disk.sectors {
+        return Err(format!("{shown}: the superblock says {} sectors, the volume has {}", sb.sectors, disk.sectors));
+    }
+    Ok((disk, key, sb))
+}

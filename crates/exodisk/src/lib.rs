@@ -1,0 +1,17 @@
+//! Exodisk (Grimm, MIT 1996, in `seeds/001`): a raw volume whose protection (who may touch which
+//! sectors) is kept by a small trusted service, and whose management (layout, allocation,
+//! caching, persistence) is left to untrusted libraries.
+//!
+//! - [`seal`]: protection metadata sealed under the volume key and bound to its sector.
+//! - [`object`]: self-protected extents and exonodes.
+//! - [`freemap`]: the conservative free map.
+//! - [`layout`]: the superblock, the key file, formatting.
+//! - [`scan`]: the start-up scan and `fsck`.
+//! - [`disk`]: the volume, with direct I/O.
+
+pub mod disk;
+pub mod freemap;
+pub mod layout;
+pub mod object;
+pub mod scan;
+pub mod seal;

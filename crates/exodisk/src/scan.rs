@@ -1,0 +1,188 @@
+//! The start-up scan (and `plyfs exodisk fsck`): find every extent and exonode on the volume,
+//! check the invariants, and reconcile the free map with what is really owned.
+//!
+//! Invariants (thesis §2.2.4): every allocated sector is owned exactly once, by the superblock
+//! and free map, by a self-protected extent, or by an exonode (its own sectors and its extent
+//! entries); free sectors appear nowhere; metadata names only sectors of the volume; a descendant
+//! exonode is named by exactly its parent.
+//!
+//! Objects are found by their sealed records: a sector that starts with a record's magic and
+//! opens under the volume key at that very sector. Deallocation overwrites a record before its
+//! sectors are freed, so no stale record survives in free or reused space. A magic that does not
+//! open is application data when it lies inside an object's data, and tampering otherwise.
+
+use std::collections::BTreeMap;
+use std::io;
+
+use crate::disk::{Aligned, Disk, SECTOR};
+use crate::freemap::FreeMap;
+use crate::layout::Superblock;
+use crate::object::{Entry, Exonode, ExtentHeader};
+use crate::seal::{self, VolumeKey};
+
+/// Every object on the volume.
+#[derive(Default)]
+pub struct Found {
+    pub extents: BTreeMap<u64, ExtentHeader>,
+    pub exonodes: BTreeMap<u64, Exonode>,
+}
+
+#[derive(Default, Debug)]
+pub struct Report {
+    pub extents: usize,
+    pub exonodes: usize,
+    /// Sectors owned (the superblock and free map included).
+    pub owned: u64,
+    /// Sectors the map had allocated that nothing owns (left by a crash): given back.
+    pub reclaimed: u64,
+    /// Invariants that do not hold, and records that fail authentication.
+    pub problems: Vec<String>,
+}
+
+impl Report {
+    pub fn clean(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// Sectors read at a time.
+const CHUNK: u64 = 2048;
+
+/// Scan the volume. Returns what is on it, the report, and the free map as it should be.
+pub fn scan(disk: &Disk, key: &VolumeKey, sb: &Superblock) -> io::Result<(Found, Report, FreeMap)> {
+    let mut report = Report::default();
+    let (map, bad_blocks) = FreeMap::load(disk, key, sb)?;
+    for b in bad_blocks {
+        report.problems.push(format!("free-map block {b} fails authentication (edited offline?): not trusted, rebuilt from the scan"));
+    }
+    let mut found = Found::default();
+    // Sectors with a record's magic that did not open.
+    let mut suspects: Vec<(u64, &'static str)> = Vec::new();
+    let mut buf = Aligned::zeroed(CHUNK as usize * SECTOR);
+    let mut at = sb.data_start;
+    while at < sb.sectors {
+        let n = CHUNK.min(sb.sectors - at);
+        let chunk = &mut buf[..n as usize * SECTOR];
+        let mut sub = Aligned::zeroed(chunk.len());
+        disk.read(at, &mut sub)?;
+        chunk.copy_from_slice(&sub);
+        for i in 0..n {
+            let s = at + i;
+            let sector = &buf[i as usize * SECTOR..(i as usize + 1) * SECTOR];
+            if seal::record_sectors(sector, seal::EXTENT).is_some() {
+                match ExtentHeader::open(key, s, sector) {
+                    Ok(h) => {
+                        found.extents.insert(s, h);
+                    }
+                    Err(_) => suspects.push((s, "an extent header")),
+                }
+            } else if let Some(len) = seal::record_sectors(sector, seal::EXONODE) {
+                let whole = read_record(disk, &buf, at, n, s, len)?;
+                match whole.as_ref().map(|w| Exonode::open(key, s, w)) {
+                    Some(Ok(x)) => {
+                        found.exonodes.insert(s, x);
+                    }
+                    _ => suspects.push((s, "an exonode")),
+                }
+            }
+        }
+        at += n;
+    }
+    report.extents = found.extents.len();
+    report.exonodes = found.exonodes.len();
+
+    // Who owns what.
+    let mut ranges: Vec<(u64, u64, String)> = vec![(0, sb.data_start, "the superblock and free map".into())];
+    for (&s, h) in &found.extents {
+        ranges.push((s, s.saturating_add(h.sectors), format!("the extent at {s}")));
+    }
+    for (&s, x) in &found.exonodes {
+        ranges.push((s, s + x.sectors as u64, format!("the exonode at {s}")));
+        for (i, e) in x.entries.iter().enumerate() {
+            match *e {
+                Entry::Extent { start, sectors } => {
+                    ranges.push((start, start.saturating_add(sectors), format!("entry {i} of the exonode at {s}")))
+                }
+                Entry::Descendant { at: d } => match found.exonodes.get(&d) {
+                    Some(child) if child.parent == s => {}
+                    Some(child) => report
+                        .problems
+                        .push(format!("entry {i} of the exonode at {s} names the exonode at {d}, whose parent is {}", child.parent)),
+                    None => {
+                        report.problems.push(format!("entry {i} of the exonode at {s} names a descendant at {d} that is not there"))
+                    }
+                },
+                _ => {}
+            }
+        }
+        if x.parent != 0 {
+            let named = found
+                .exonodes
+                .get(&x.parent)
+                .map_or(0, |p| p.entries.iter().filter(|e| matches!(e, Entry::Descendant { at } if *at == s)).count());
+            if named != 1 {
+                report.problems.push(format!("the exonode at {s} has parent {} but is named there {named} times", x.parent));
+            }
+        }
+    }
+    if found.exonodes.get(&sb.roots_at()).is_none_or(|r| r.caps != sb.roots) {
+        report.problems.push(format!("the service's root exonode at {} is missing or not the superblock's", sb.roots_at()));
+    }
+    ranges.sort();
+    let mut owned = FreeMap::new(sb.sectors);
+    let mut reach = 0u64;
+    let mut reach_owner = String::new();
+    for (start, end, owner) in &ranges {
+        if *end > sb.sectors || start > end {
+            report.problems.push(format!("{owner} names sectors {start}..{end}, beyond the volume's {}", sb.sectors));
+            continue;
+        }
+        if *start < reach {
+            report.problems.push(format!("sectors {start}..{} are owned twice: by {reach_owner} and by {owner}", reach.min(*end)));
+        }
+        if *end > reach {
+            reach = *end;
+            reach_owner = owner.clone();
+        }
+        owned.set(*start, end - start, true);
+    }
+    // A record's magic that does not open is tampering unless it sits in some object's data
+    // (where an application may write anything).
+    for (s, what) in suspects {
+        let in_data =
+            ranges.iter().any(|(a, b, _)| s > *a && s < *b) || ranges.iter().any(|(a, b, o)| s >= *a && s < *b && o.contains("entry"));
+        if !in_data {
+            report.problems.push(format!("sector {s} holds {what} that fails authentication (edited offline?): not trusted"));
+        }
+    }
+    // Reconcile the map with what is owned.
+    let mut in_use_but_free = 0u64;
+    for s in 0..sb.sectors {
+        match (owned.is_allocated(s), map.is_allocated(s)) {
+            (true, false) => in_use_but_free += 1,
+            (false, true) => report.reclaimed += 1,
+            _ => {}
+        }
+    }
+    if in_use_but_free > 0 {
+        report.problems.push(format!("{in_use_but_free} sectors in use are marked free in the free map"));
+    }
+    report.owned = owned.allocated();
+    Ok((found, report, owned))
+}
+
+/// All sectors of the record of `len` sectors at `s`: from the chunk in `buf` (holding `n`
+/// sectors from `at`) when it is all there, read on its own otherwise. `None` past the volume.
+fn read_record(disk: &Disk, buf: &[u8], at: u64, n: u64, s: u64, len: u32) -> io::Result<Option<Vec<u8>>> {
+    let end = s + len as u64;
+    if end > disk.sectors {
+        return Ok(None);
+    }
+    if end <= at + n {
+        let from = ((s - at) as usize) * SECTOR;
+        return Ok(Some(buf[from..from + len as usize * SECTOR].to_vec()));
+    }
+    let mut whole = Aligned::zeroed(len as usize * SECTOR);
+    disk.read(s, &mut whole)?;
+    Ok(Some(whole.to_vec()))
+}

@@ -1,0 +1,144 @@
+//! Formatting, the start-up scan and offline tampering, on real image files with direct I/O.
+
+use std::path::{Path, PathBuf};
+
+use plyfs_exodisk::disk::{Aligned, Disk, SECTOR};
+use plyfs_exodisk::layout::{self, default_key_path};
+use plyfs_exodisk::object::{Caps, Entry, Exonode, ExtentHeader};
+use plyfs_exodisk::scan::scan;
+
+fn image(dir: &Path) -> (PathBuf, PathBuf) {
+    let img = dir.join("vol.img");
+    let key = default_key_path(&img);
+    layout::format(&img, Some(16 << 20), &key).unwrap();
+    (img, key)
+}
+
+fn write_at(img: &Path, at: u64, bytes: &[u8]) {
+    let disk = Disk::open(img, false).unwrap();
+    disk.write(at, &Aligned::from_bytes(bytes)).unwrap();
+}
+
+fn flip(img: &Path, byte: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(img).unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, byte).unwrap();
+    b[0] ^= 0x20;
+    f.write_all_at(&b, byte).unwrap();
+}
+
+#[test]
+fn a_new_volume_scans_clean_and_bad_input_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, key) = image(dir.path());
+    let (disk, k, sb) = layout::open(&img, &key).unwrap();
+    let (found, report, map) = scan(&disk, &k, &sb).unwrap();
+    assert!(report.clean(), "{report:?}");
+    assert_eq!((found.extents.len(), found.exonodes.len(), report.reclaimed), (0, 1, 0));
+    assert_eq!(map.allocated(), sb.data_start + layout::ROOTS_SECTORS as u64);
+    // In use: a second opener is refused at once.
+    let err = layout::open(&img, &key).err().unwrap();
+    assert!(err.contains("in use"), "{err}");
+    drop(disk);
+
+    let before = std::fs::read(&img).unwrap();
+    let err = layout::format(&img, None, &dir.path().join("other.key")).err().unwrap();
+    assert!(err.contains("already an exodisk volume"), "{err}");
+    assert!(std::fs::read(&img).unwrap() == before && !dir.path().join("other.key").exists());
+    // Another volume's key is never overwritten.
+    let fresh = dir.path().join("fresh.img");
+    let err = layout::format(&fresh, Some(4 << 20), &key).err().unwrap();
+    assert!(err.contains("key file is already there") && !fresh.exists(), "{err}");
+
+    let small = dir.path().join("small.img");
+    let err = layout::format(&small, Some(100 << 10), &dir.path().join("small.key")).err().unwrap();
+    assert!(err.contains("too small"), "{err}");
+    assert!(!small.exists() && !dir.path().join("small.key").exists());
+
+    let plain = dir.path().join("plain.img");
+    std::fs::write(&plain, vec![0u8; 4 << 20]).unwrap();
+    let err = layout::open(&plain, &key).err().unwrap();
+    assert!(err.contains("not an exodisk volume"), "{err}");
+    // A key of another volume.
+    let (img2, _) = {
+        let d2 = dir.path().join("two");
+        std::fs::create_dir(&d2).unwrap();
+        image(&d2)
+    };
+    let err = layout::open(&img2, &key).err().unwrap();
+    assert!(err.contains("authentication failed"), "{err}");
+}
+
+#[test]
+fn objects_are_found_leftovers_reclaimed_and_edits_detected() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, key) = image(dir.path());
+    let caps = Caps { read: 11, write: 22 };
+    let (ext_at, xn_at, leftover) = {
+        let (disk, k, sb) = layout::open(&img, &key).unwrap();
+        let base = sb.data_start + 64;
+        // An extent of 21 sectors, an exonode owning an extent, and allocated sectors nobody owns.
+        disk.write(base, &Aligned::from_bytes(&ExtentHeader { sectors: 21, caps }.seal(&k, base))).unwrap();
+        let x = Exonode { sectors: 1, caps, parent: 0, entries: vec![Entry::Extent { start: base + 100, sectors: 8 }] };
+        disk.write(base + 50, &Aligned::from_bytes(&x.seal(&k, base + 50))).unwrap();
+        let (_, _, mut map) = scan(&disk, &k, &sb).unwrap();
+        map.set(base, 21, true);
+        map.set(base + 50, 1, true);
+        map.set(base + 100, 8, true);
+        map.set(base + 500, 7, true);
+        map.store(&disk, &k, &sb).unwrap();
+        // Application data that happens to start like a header is not mistaken for one.
+        let mut junk = vec![0u8; SECTOR];
+        junk[..8].copy_from_slice(b"PLYEXOEX");
+        disk.write(base + 3, &Aligned::from_bytes(&junk)).unwrap();
+        (base, base + 50, base + 500)
+    };
+    let (disk, k, sb) = layout::open(&img, &key).unwrap();
+    let (found, report, map) = scan(&disk, &k, &sb).unwrap();
+    assert!(report.clean(), "{report:?}");
+    assert_eq!((found.extents.len(), found.exonodes.len()), (1, 2));
+    assert_eq!(report.reclaimed, 7);
+    assert!(!map.is_allocated(leftover) && map.is_allocated(xn_at) && map.is_allocated(ext_at + 100));
+    drop(disk);
+
+    // An edited header, an edited exonode, an edited free map: each is detected, never trusted.
+    for (byte, expect) in [
+        (ext_at * SECTOR as u64 + 40, "extent header that fails authentication"),
+        (xn_at * SECTOR as u64 + 60, "exonode that fails authentication"),
+        (sb.map_start * SECTOR as u64 + 100, "free-map block 0 fails authentication"),
+    ] {
+        flip(&img, byte);
+        let (disk, k, sb) = layout::open(&img, &key).unwrap();
+        let (_, report, _) = scan(&disk, &k, &sb).unwrap();
+        assert!(report.problems.iter().any(|p| p.contains(expect)), "{expect}: {report:?}");
+        drop(disk);
+        flip(&img, byte);
+    }
+    // A record moved elsewhere does not open there.
+    let mut header = vec![0u8; SECTOR];
+    {
+        use std::os::unix::fs::FileExt;
+        std::fs::File::open(&img).unwrap().read_exact_at(&mut header, ext_at * SECTOR as u64).unwrap();
+    }
+    write_at(&img, leftover + 40, &header);
+    let (disk, k, sb) = layout::open(&img, &key).unwrap();
+    let (found, report, _) = scan(&disk, &k, &sb).unwrap();
+    assert_eq!(found.extents.len(), 1);
+    assert!(report.problems.iter().any(|p| p.contains(&format!("sector {}", leftover + 40))), "{report:?}");
+}
+
+#[test]
+fn sectors_owned_twice_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, key) = image(dir.path());
+    let (disk, k, sb) = layout::open(&img, &key).unwrap();
+    let base = sb.data_start + 64;
+    let caps = Caps { read: 1, write: 2 };
+    disk.write(base, &Aligned::from_bytes(&ExtentHeader { sectors: 10, caps }.seal(&k, base))).unwrap();
+    let x = Exonode { sectors: 1, caps, parent: 0, entries: vec![Entry::Extent { start: base + 5, sectors: 10 }] };
+    disk.write(base + 40, &Aligned::from_bytes(&x.seal(&k, base + 40))).unwrap();
+    let (_, report, _) = scan(&disk, &k, &sb).unwrap();
+    assert!(report.problems.iter().any(|p| p.contains("owned twice")), "{report:?}");
+    assert!(report.problems.iter().any(|p| p.contains("marked free")), "{report:?}");
+}
