@@ -9,6 +9,7 @@
 //! - [`scan`]: the start-up scan and `fsck`.
 //! - [`disk`]: the volume, with direct I/O.
 
+pub mod core;
 pub mod disk;
 pub mod freemap;
 pub mod layout;

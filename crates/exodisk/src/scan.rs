@@ -35,6 +35,8 @@ pub struct Report {
     pub owned: u64,
     /// Sectors the map had allocated that nothing owns (left by a crash): given back.
     pub reclaimed: u64,
+    /// Exonodes their parent does not name (an interrupted creation or removal): given back.
+    pub orphans: usize,
     /// Invariants that do not hold, and records that fail authentication.
     pub problems: Vec<String>,
 }
@@ -91,6 +93,38 @@ pub fn scan(disk: &Disk, key: &VolumeKey, sb: &Superblock) -> io::Result<(Found,
     report.extents = found.extents.len();
     report.exonodes = found.exonodes.len();
 
+    // Orphans: exonodes whose parent does not name them (or is itself an orphan, or gone). An
+    // interrupted creation or removal of a descendant leaves one; they and what they own are
+    // given back.
+    let mut orphans = std::collections::BTreeSet::new();
+    loop {
+        let before = orphans.len();
+        for (&s, x) in &found.exonodes {
+            if x.parent == 0 || orphans.contains(&s) {
+                continue;
+            }
+            let named = match found.exonodes.get(&x.parent) {
+                Some(p) if !orphans.contains(&x.parent) => {
+                    p.entries.iter().filter(|e| matches!(e, Entry::Descendant { at } if *at == s)).count()
+                }
+                _ => 0,
+            };
+            if named == 0 {
+                orphans.insert(s);
+            } else if named > 1 {
+                report.problems.push(format!("the exonode at {s} is named {named} times by its parent {}", x.parent));
+            }
+        }
+        if orphans.len() == before {
+            break;
+        }
+    }
+    report.orphans = orphans.len();
+    for s in &orphans {
+        found.exonodes.remove(s);
+    }
+    report.exonodes = found.exonodes.len();
+
     // Who owns what.
     let mut ranges: Vec<(u64, u64, String)> = vec![(0, sb.data_start, "the superblock and free map".into())];
     for (&s, h) in &found.extents {
@@ -113,15 +147,6 @@ pub fn scan(disk: &Disk, key: &VolumeKey, sb: &Superblock) -> io::Result<(Found,
                     }
                 },
                 _ => {}
-            }
-        }
-        if x.parent != 0 {
-            let named = found
-                .exonodes
-                .get(&x.parent)
-                .map_or(0, |p| p.entries.iter().filter(|e| matches!(e, Entry::Descendant { at } if *at == s)).count());
-            if named != 1 {
-                report.problems.push(format!("the exonode at {s} has parent {} but is named there {named} times", x.parent));
             }
         }
     }

@@ -1,0 +1,163 @@
+//! The protection model through the service's core, on a real volume: capabilities, coverage,
+//! descendants, proxies, persistence models and a restart.
+
+use std::path::Path;
+
+use plyfs_exodisk::core::{Access, Core, Persistence, Target};
+use plyfs_exodisk::disk::{Aligned, SECTOR};
+use plyfs_exodisk::layout::{self, default_key_path};
+use plyfs_exodisk::object::Caps;
+use plyfs_exodisk::scan::scan;
+
+fn start(img: &Path) -> (Core, plyfs_exodisk::scan::Report) {
+    let (disk, key, sb) = layout::open(img, &default_key_path(img)).unwrap();
+    let (_, report, map) = scan(&disk, &key, &sb).unwrap();
+    (Core::new(disk, key, sb, map), report)
+}
+
+fn volume(dir: &Path) -> std::path::PathBuf {
+    let img = dir.join("v.img");
+    layout::format(&img, Some(32 << 20), &default_key_path(&img)).unwrap();
+    img
+}
+
+const A: Caps = Caps { read: 0xA1, write: 0xA2 };
+const B: Caps = Caps { read: 0xB1, write: 0xB2 };
+
+fn errno<T: std::fmt::Debug>(r: plyfs_exodisk::core::Result<T>) -> i32 {
+    r.unwrap_err().errno
+}
+
+#[test]
+fn capabilities_and_coverage_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = volume(dir.path());
+    let (mut core, _) = start(&img);
+    let base = core.sb.data_start + 100;
+    core.extent_allocate(base, 11, A, Persistence::Metadata).unwrap();
+    let ext = Target::Extent(base);
+    let data = Aligned::from_bytes(&[7u8; 2 * SECTOR]);
+    core.write(&ext, A.write, base + 1, &data).unwrap();
+    let mut back = Aligned::zeroed(2 * SECTOR);
+    core.read(&ext, A.read, base + 1, &mut back).unwrap();
+    assert_eq!(&back[..], &data[..]);
+    // The wrong capability, the read capability for a write, the header, past the end.
+    assert_eq!(errno(core.read(&ext, B.read, base + 1, &mut back)), libc::EACCES);
+    assert_eq!(errno(core.write(&ext, A.read, base + 1, &data)), libc::EACCES);
+    assert_eq!(errno(core.write(&ext, A.write, base, &data)), libc::EACCES);
+    assert_eq!(errno(core.write(&ext, A.write, base + 10, &data)), libc::EACCES);
+    // Allocated sectors cannot be allocated again, nor the system's.
+    assert_eq!(errno(core.extent_allocate(base + 5, 4, B, Persistence::Metadata)), libc::EEXIST);
+    assert_eq!(errno(core.extent_allocate(0, 4, B, Persistence::Metadata)), libc::EINVAL);
+    assert_eq!(errno(core.extent_deallocate(base, A.read)), libc::EACCES);
+    // Shrinking frees the tail, and the data beyond is out of reach.
+    core.extent_resize(base, A.write, -8).unwrap();
+    assert_eq!(errno(core.read(&ext, A.read, base + 3, &mut back)), libc::EACCES);
+    assert!(core.free_map().is_free(base + 3, 8));
+    core.extent_deallocate(base, A.write).unwrap();
+    assert!(core.free_map().is_free(base, 11));
+    assert_eq!(errno(core.read(&ext, A.read, base + 1, &mut back)), libc::ENOENT);
+}
+
+#[test]
+fn descendants_are_reached_through_ancestors_not_the_reverse() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = volume(dir.path());
+    let (mut core, _) = start(&img);
+    let base = core.sb.data_start + 100;
+    let root = Target::Exonode { at: base, path: vec![] };
+    core.exonode_allocate(base, 1, A, Persistence::Metadata).unwrap();
+    let child_entry = core.add_exonode(&root, A.write, None, base + 1, 1, B).unwrap();
+    let via_root = Target::Exonode { at: base, path: vec![child_entry] };
+    let child = Target::Exonode { at: base + 1, path: vec![] };
+    let e = core.add_extent(&via_root, A.write, None, base + 10, 4).unwrap();
+    // The child's own capability reaches it; the ancestor's reaches it too.
+    let data = Aligned::from_bytes(&[1u8; SECTOR]);
+    core.write(&child, B.write, base + 10, &data).unwrap();
+    core.write(&via_root, A.write, base + 11, &data).unwrap();
+    // Not the reverse: the child's capability does not open the ancestor.
+    assert_eq!(errno(core.add_data(&root, B.write, None, b"x")), libc::EACCES);
+    assert_eq!(errno(core.map(&root, B.read)), libc::EACCES);
+    // Capabilities are discovered through the ancestor: all of them with its write capability.
+    assert_eq!(core.cap_discover(&root, A.write, child_entry).unwrap(), B);
+    assert_eq!(core.cap_discover(&root, A.read, child_entry).unwrap(), Caps { read: B.read, write: 0 });
+    assert_eq!(errno(core.cap_discover(&child, B.write, 0)), libc::ENOENT);
+    // Entries: split, combine, data.
+    let tail = core.split(&via_root, A.write, e, 1, None).unwrap();
+    core.combine(&via_root, A.write, e, tail).unwrap();
+    let d = core.add_data(&child, B.write, None, b"size=4096").unwrap();
+    assert_eq!(core.read_data(&via_root, A.read, d).unwrap(), b"size=4096");
+    assert_eq!(core.map(&child, B.read).unwrap().entries.len(), 2, "the data took the slot the combine emptied");
+    // A parent with descendants is not deallocated; the child is, with its extents.
+    assert_eq!(errno(core.exonode_deallocate(&root, A.write)), libc::ENOTEMPTY);
+    core.exonode_deallocate(&via_root, A.write).unwrap();
+    assert!(core.free_map().is_free(base + 1, 1) && core.free_map().is_free(base + 10, 4));
+    core.exonode_deallocate(&root, A.write).unwrap();
+}
+
+#[test]
+fn a_proxy_never_widens_access_and_shrinks_with_its_original() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = volume(dir.path());
+    let (mut core, _) = start(&img);
+    let base = core.sb.data_start + 100;
+    core.extent_allocate(base, 11, A, Persistence::Metadata).unwrap();
+    let ext = Target::Extent(base);
+    let p = Caps { read: 0xC1, write: 0xC2 };
+    // Made with the read capability: reads only, whatever capabilities it is given.
+    let ro = Target::Proxy(core.make_proxy(&ext, A.read, Some((base + 3, base + 7)), p).unwrap());
+    let mut buf = Aligned::zeroed(SECTOR);
+    core.read(&ro, p.read, base + 3, &mut buf).unwrap();
+    assert_eq!(errno(core.write(&ro, p.write, base + 3, &buf)), libc::EACCES);
+    // Only its range.
+    assert_eq!(errno(core.read(&ro, p.read, base + 2, &mut buf)), libc::EACCES);
+    assert_eq!(errno(core.read(&ro, p.read, base + 7, &mut buf)), libc::EACCES);
+    assert_eq!(errno(core.read(&ro, A.read, base + 3, &mut buf)), libc::EACCES);
+    // A writable proxy writes inside its range, and shrinks with the extent.
+    let rw = Target::Proxy(core.make_proxy(&ext, A.write, None, p).unwrap());
+    core.write(&rw, p.write, base + 9, &buf).unwrap();
+    core.extent_resize(base, A.write, -5).unwrap();
+    assert_eq!(errno(core.write(&rw, p.write, base + 9, &buf)), libc::EACCES);
+    // A proxy of a proxy is no wider than it.
+    let inner = Target::Proxy(core.make_proxy(&ro, p.read, None, Caps { read: 0xD1, write: 0xD2 }).unwrap());
+    assert_eq!(errno(core.write(&inner, 0xD2, base + 3, &buf)), libc::EACCES);
+    core.read(&inner, 0xD1, base + 3, &mut buf).unwrap();
+    assert_eq!(errno(core.read(&inner, 0xD1, base + 8, &mut buf)), libc::EACCES);
+    assert_eq!(errno(core.make_proxy(&ro, p.read, Some((base + 1, base + 9)), Caps { read: 0xE1, write: 0 })), libc::EACCES);
+    assert_eq!(core.make_proxy(&ext, B.read, None, p).unwrap_err().errno, libc::EACCES);
+    let _ = Access::Read;
+}
+
+#[test]
+fn persistence_models_survive_a_restart_as_they_promise() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = volume(dir.path());
+    let base;
+    {
+        let (mut core, _) = start(&img);
+        base = core.sb.data_start + 100;
+        core.extent_allocate(base, 5, A, Persistence::Memory).unwrap();
+        core.extent_allocate(base + 10, 5, A, Persistence::Metadata).unwrap();
+        core.extent_allocate(base + 20, 5, A, Persistence::Data).unwrap();
+        core.exonode_allocate(base + 30, 1, A, Persistence::Memory).unwrap();
+        let x = Target::Exonode { at: base + 30, path: vec![] };
+        core.add_extent(&x, A.write, None, base + 40, 8).unwrap();
+        core.write(&Target::Extent(base + 20), A.write, base + 21, &Aligned::from_bytes(b"durable")).unwrap();
+        // The process ends without a word (as if killed): nothing more is written.
+    }
+    let (mut core, report) = start(&img);
+    assert!(report.clean(), "{report:?}");
+    // Memory objects are gone and their sectors free; the others are there.
+    assert_eq!(errno(core.load(base)), libc::ENOENT);
+    assert!(core.free_map().is_free(base, 5) && core.free_map().is_free(base + 30, 1) && core.free_map().is_free(base + 40, 8));
+    core.load(base + 10).unwrap();
+    let mut buf = Aligned::zeroed(SECTOR);
+    core.read(&Target::Extent(base + 20), A.read, base + 21, &mut buf).unwrap();
+    assert_eq!(&buf[..7], b"durable");
+    // A memory object written explicitly becomes durable.
+    core.extent_allocate(base, 5, B, Persistence::Memory).unwrap();
+    core.write_record(&Target::Extent(base), B.write).unwrap();
+    drop(core);
+    let (mut core, _) = start(&img);
+    core.load(base).unwrap();
+}
