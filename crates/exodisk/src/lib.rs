@@ -11,6 +11,7 @@
 
 pub mod core;
 pub mod disk;
+pub mod engine;
 pub mod freemap;
 pub mod layout;
 pub mod object;
