@@ -9,11 +9,15 @@
 //! - [`scan`]: the start-up scan and `fsck`.
 //! - [`disk`]: the volume, with direct I/O.
 
+pub mod client;
 pub mod core;
 pub mod disk;
 pub mod engine;
 pub mod freemap;
 pub mod layout;
 pub mod object;
+pub mod proto;
 pub mod scan;
 pub mod seal;
+pub mod service;
+pub mod shm;

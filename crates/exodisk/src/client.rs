@@ -1,0 +1,372 @@
+//! The client library: a typed API over the service's socket, with the data in shared memory.
+//!
+//! Requests may be many at once: [`Client::submit`] queues data requests and returns; their
+//! completions are collected with [`Client::wait_io`] or looked at with [`Client::poll_io`] (the
+//! thesis's polling of a result integer). [`Client::read`] and [`Client::write`] do it all for
+//! one range.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex};
+use serde_bytes::ByteBuf;
+
+use crate::core::{ExoError, Persistence, Result, Target};
+use crate::freemap::FreeMap;
+use crate::object::{Cap, Caps};
+use crate::proto::{self, wcap, IoReq, Message, Reply, Request, WExonode, WTarget};
+use crate::shm::Shm;
+
+/// Bytes per transfer slot of the shared memory.
+const SLOT: usize = 1 << 20;
+
+/// Where a reply goes: the caller waiting for it.
+type Waiter = Sender<std::result::Result<Reply, (i32, String)>>;
+/// The service's queue as a client sees it: sector, sectors, whether the request is its own.
+pub type QueueView = Vec<(u64, u32, bool)>;
+
+struct Shared {
+    pending: Mutex<HashMap<u64, Waiter>>,
+    done: Mutex<HashMap<u64, i32>>,
+    arrived: Condvar,
+    dead: AtomicBool,
+}
+
+pub struct Client {
+    writer: Mutex<UnixStream>,
+    shared: Arc<Shared>,
+    next_id: AtomicU64,
+    shm: Arc<Shm>,
+    free_slots: Mutex<Vec<usize>>,
+    slot_free: Condvar,
+    pub sectors: u64,
+    pub data_start: u64,
+    pub id: u64,
+}
+
+fn lost() -> ExoError {
+    ExoError { errno: libc::ECONNRESET, msg: "the exodisk service went away".into() }
+}
+
+impl Client {
+    /// Connect to the service at `socket`, with `shm` bytes of shared memory for data.
+    pub fn connect(socket: &Path, shm: usize) -> std::result::Result<Client, String> {
+        let shown = socket.display();
+        let stream = UnixStream::connect(socket).map_err(|e| format!("{shown}: {e}"))?;
+        let shm = Shm::create(shm.max(SLOT)).map_err(|e| format!("shared memory: {e}"))?;
+        crate::shm::send_fd(&stream, shm.fd()).map_err(|e| format!("{shown}: {e}"))?;
+        let mut w = stream.try_clone().map_err(|e| e.to_string())?;
+        proto::write_message(&mut w, &Message::Req { id: 0, req: Request::Hello { version: proto::VERSION, shm: shm.len() as u64 } })
+            .map_err(|e| format!("{shown}: {e}"))?;
+        let mut r = std::io::BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
+        let (sectors, data_start, id) = match proto::read_message(&mut r).map_err(|e| format!("{shown}: {e}"))? {
+            Message::Rep { result: Ok(Reply::Welcome { sectors, data_start, client, .. }), .. } => (sectors, data_start, client),
+            Message::Rep { result: Err((_, msg)), .. } => return Err(format!("{shown}: refused: {msg}")),
+            _ => return Err(format!("{shown}: not an exodisk service")),
+        };
+        let shared = Arc::new(Shared {
+            pending: Mutex::new(HashMap::new()),
+            done: Mutex::new(HashMap::new()),
+            arrived: Condvar::new(),
+            dead: AtomicBool::new(false),
+        });
+        let s = shared.clone();
+        std::thread::Builder::new()
+            .name("exodisk-client".into())
+            .spawn(move || {
+                while let Ok(m) = proto::read_message(&mut r) {
+                    match m {
+                        Message::Rep { id, result } => {
+                            if let Some(tx) = s.pending.lock().remove(&id) {
+                                let _ = tx.send(result);
+                            }
+                        }
+                        Message::Done { id, result } => {
+                            s.done.lock().insert(id, result);
+                            s.arrived.notify_all();
+                        }
+                        Message::Req { .. } => break,
+                    }
+                }
+                s.dead.store(true, Ordering::Release);
+                s.pending.lock().clear();
+                let _g = s.done.lock();
+                s.arrived.notify_all();
+            })
+            .map_err(|e| e.to_string())?;
+        let slots = shm.len() / SLOT;
+        Ok(Client {
+            writer: Mutex::new(w),
+            shared,
+            next_id: AtomicU64::new(1),
+            shm: Arc::new(shm),
+            free_slots: Mutex::new((0..slots).collect()),
+            slot_free: Condvar::new(),
+            sectors,
+            data_start,
+            id,
+        })
+    }
+
+    /// Send `req` and wait for its reply.
+    pub fn call(&self, req: Request) -> Result<Reply> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = channel();
+        self.shared.pending.lock().insert(id, tx);
+        if self.shared.dead.load(Ordering::Acquire) {
+            return Err(lost());
+        }
+        {
+            let mut w = self.writer.lock();
+            let mut frame = Vec::new();
+            proto::write_message(&mut frame, &Message::Req { id, req }).map_err(|_| lost())?;
+            w.write_all(&frame).map_err(|_| lost())?;
+        }
+        match rx.recv() {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err((errno, msg))) => Err(ExoError { errno, msg }),
+            Err(_) => Err(lost()),
+        }
+    }
+
+    fn ok(&self, req: Request) -> Result<()> {
+        self.call(req).map(|_| ())
+    }
+
+    fn entry(&self, req: Request) -> Result<u32> {
+        match self.call(req)? {
+            Reply::Entry(e) => Ok(e),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// The caller's root exonode named `name` (made on first use), and its capabilities.
+    pub fn root(&self, name: &str) -> Result<(u64, Caps)> {
+        match self.call(Request::Root { name: name.into(), uid: None })? {
+            Reply::Root { at, caps } => Ok((at, caps.into())),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// A snapshot of the free map, for choosing where to allocate.
+    pub fn free_map(&self) -> Result<FreeMap> {
+        match self.call(Request::FreeMap)? {
+            Reply::FreeMap { sectors, bits } => {
+                let mut map = FreeMap::new(sectors);
+                for s in 0..sectors {
+                    if bits[(s / 8) as usize] & (1 << (s % 8)) != 0 {
+                        map.set(s, 1, true);
+                    }
+                }
+                Ok(map)
+            }
+            r => Err(unexpected(r)),
+        }
+    }
+
+    pub fn extent_allocate(&self, at: u64, sectors: u64, caps: Caps, p: Persistence) -> Result<()> {
+        self.ok(Request::ExtentAllocate { at, sectors, caps: caps.into(), persistence: p.into() })
+    }
+
+    pub fn extent_deallocate(&self, at: u64, wcap_: Cap) -> Result<()> {
+        self.ok(Request::ExtentDeallocate { at, wcap: wcap(wcap_) })
+    }
+
+    pub fn extent_resize(&self, at: u64, wcap_: Cap, by: i64) -> Result<u64> {
+        match self.call(Request::ExtentResize { at, wcap: wcap(wcap_), by })? {
+            Reply::Sectors(n) => Ok(n),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    pub fn exonode_allocate(&self, at: u64, sectors: u32, caps: Caps, p: Persistence) -> Result<()> {
+        self.ok(Request::ExonodeAllocate { at, sectors, caps: caps.into(), persistence: p.into() })
+    }
+
+    pub fn exonode_deallocate(&self, t: &Target, wcap_: Cap) -> Result<()> {
+        self.ok(Request::ExonodeDeallocate { target: t.into(), wcap: wcap(wcap_) })
+    }
+
+    pub fn add_extent(&self, t: &Target, wcap_: Cap, idx: Option<u32>, start: u64, sectors: u64) -> Result<u32> {
+        self.entry(Request::AddExtent { target: t.into(), wcap: wcap(wcap_), idx, start, sectors })
+    }
+
+    pub fn add_exonode(&self, t: &Target, wcap_: Cap, idx: Option<u32>, child: u64, sectors: u32, caps: Caps) -> Result<u32> {
+        self.entry(Request::AddExonode { target: t.into(), wcap: wcap(wcap_), idx, child, sectors, caps: caps.into() })
+    }
+
+    pub fn add_data(&self, t: &Target, wcap_: Cap, idx: Option<u32>, data: &[u8]) -> Result<u32> {
+        self.entry(Request::AddData { target: t.into(), wcap: wcap(wcap_), idx, data: ByteBuf::from(data.to_vec()) })
+    }
+
+    pub fn read_data(&self, t: &Target, rcap: Cap, idx: u32) -> Result<Vec<u8>> {
+        match self.call(Request::ReadData { target: t.into(), rcap: wcap(rcap), idx })? {
+            Reply::Data(d) => Ok(d.into_vec()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    pub fn remove_entry(&self, t: &Target, wcap_: Cap, idx: u32) -> Result<()> {
+        self.ok(Request::RemoveEntry { target: t.into(), wcap: wcap(wcap_), idx })
+    }
+
+    pub fn combine(&self, t: &Target, wcap_: Cap, a: u32, b: u32) -> Result<()> {
+        self.ok(Request::Combine { target: t.into(), wcap: wcap(wcap_), a, b })
+    }
+
+    pub fn split(&self, t: &Target, wcap_: Cap, idx: u32, at_sector: u64, new_idx: Option<u32>) -> Result<u32> {
+        self.entry(Request::Split { target: t.into(), wcap: wcap(wcap_), idx, at_sector, new_idx })
+    }
+
+    pub fn cap_discover(&self, t: &Target, c: Cap, idx: u32) -> Result<Caps> {
+        match self.call(Request::CapDiscover { target: t.into(), cap: wcap(c), idx })? {
+            Reply::Caps(c) => Ok(c.into()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    pub fn write_record(&self, t: &Target, wcap_: Cap) -> Result<()> {
+        self.ok(Request::WriteRecord { target: t.into(), wcap: wcap(wcap_) })
+    }
+
+    pub fn map(&self, t: &Target, rcap: Cap) -> Result<WExonode> {
+        match self.call(Request::Map { target: t.into(), rcap: wcap(rcap) })? {
+            Reply::Exonode(x) => Ok(x),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    pub fn proxy(&self, t: &Target, c: Cap, range: Option<(u64, u64)>, caps: Caps) -> Result<u64> {
+        match self.call(Request::Proxy { target: t.into(), cap: wcap(c), range, caps: caps.into() })? {
+            Reply::Id(id) => Ok(id),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// The service's pending count and its queue (sector, sectors, whether it is this
+    /// client's).
+    pub fn poll(&self) -> Result<(u64, QueueView)> {
+        match self.call(Request::Poll)? {
+            Reply::Poll { pending, queue } => Ok((pending, queue)),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    // ---- data ----------------------------------------------------------------------------
+
+    /// The shared memory, for callers that place their own data ([`Client::submit`]).
+    pub fn shm(&self) -> &Shm {
+        &self.shm
+    }
+
+    /// A fresh id for a data request.
+    pub fn io_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Queue data requests (disk-directed I/O: all of them at once); they complete later.
+    pub fn submit(&self, reqs: Vec<IoReq>) -> Result<u32> {
+        match self.call(Request::Io { reqs })? {
+            Reply::Queued(n) => Ok(n),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// The result of data request `id` if it has completed (bytes, or a negative errno).
+    pub fn poll_io(&self, id: u64) -> Option<i32> {
+        self.shared.done.lock().remove(&id)
+    }
+
+    /// Wait for data request `id`.
+    pub fn wait_io(&self, id: u64) -> i32 {
+        let mut done = self.shared.done.lock();
+        loop {
+            if let Some(r) = done.remove(&id) {
+                return r;
+            }
+            if self.shared.dead.load(Ordering::Acquire) {
+                return -libc::ECONNRESET;
+            }
+            self.shared.arrived.wait(&mut done);
+        }
+    }
+
+    fn slot(&self) -> usize {
+        let mut free = self.free_slots.lock();
+        loop {
+            if let Some(s) = free.pop() {
+                return s;
+            }
+            self.slot_free.wait(&mut free);
+        }
+    }
+
+    fn give_back(&self, s: usize) {
+        self.free_slots.lock().push(s);
+        self.slot_free.notify_one();
+    }
+
+    fn transfer(&self, t: &Target, c: Cap, sector: u64, len: usize, write: Option<&[u8]>, out: Option<&mut [u8]>) -> Result<()> {
+        if !len.is_multiple_of(crate::disk::SECTOR) {
+            return Err(ExoError { errno: libc::EINVAL, msg: "a whole number of sectors".into() });
+        }
+        let slot = self.slot();
+        let offset = (slot * SLOT) as u64;
+        let mut result = Ok(());
+        let mut out = out;
+        let mut done = 0usize;
+        while done < len && result.is_ok() {
+            let n = (len - done).min(SLOT);
+            if let Some(data) = write {
+                self.shm.put(offset, &data[done..done + n]).map_err(|_| lost())?;
+            }
+            let id = self.io_id();
+            let req = IoReq {
+                id,
+                target: WTarget::from(t),
+                cap: wcap(c),
+                write: write.is_some(),
+                sector: sector + (done / crate::disk::SECTOR) as u64,
+                count: (n / crate::disk::SECTOR) as u32,
+                offset,
+            };
+            result = self.submit(vec![req]).and_then(|_| match self.wait_io(id) {
+                r if r >= 0 => Ok(()),
+                r => Err(ExoError { errno: -r, msg: format!("sectors {sector}..: {}", std::io::Error::from_raw_os_error(-r)) }),
+            });
+            if result.is_ok() {
+                if let Some(o) = out.as_deref_mut() {
+                    self.shm.get(offset, &mut o[done..done + n]).map_err(|_| lost())?;
+                }
+            }
+            done += n;
+        }
+        self.give_back(slot);
+        result
+    }
+
+    /// Read `out.len()` bytes (whole sectors) from `sector` of `t`.
+    pub fn read(&self, t: &Target, rcap: Cap, sector: u64, out: &mut [u8]) -> Result<()> {
+        let len = out.len();
+        self.transfer(t, rcap, sector, len, None, Some(out))
+    }
+
+    /// Write `data` (whole sectors) at `sector` of `t`.
+    pub fn write(&self, t: &Target, wcap_: Cap, sector: u64, data: &[u8]) -> Result<()> {
+        self.transfer(t, wcap_, sector, data.len(), Some(data), None)
+    }
+
+    /// Ask the service to stop (root or its own user).
+    pub fn shutdown(&self) -> Result<()> {
+        self.ok(Request::Shutdown)
+    }
+}
+
+fn unexpected(r: Reply) -> ExoError {
+    ExoError { errno: libc::EPROTO, msg: format!("unexpected reply {r:?}") }
+}

@@ -1,0 +1,335 @@
+//! What clients and the service say over the Unix socket: frames of a 32-bit length and a
+//! MessagePack message. Bulk data never crosses the socket: it is in the client's shared memory
+//! (a memfd handed over at `Hello`), at offsets the requests name.
+
+use std::io::{self, Read, Write};
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+
+use crate::core::{Persistence, Target};
+use crate::object::{Caps, Entry, Exonode};
+
+pub const VERSION: u32 = 1;
+/// The largest frame.
+pub const MAX_FRAME: usize = 16 << 20;
+
+/// A capability on the wire: two 64-bit halves (low, high).
+pub type WCap = [u64; 2];
+
+pub fn wcap(c: u128) -> WCap {
+    [c as u64, (c >> 64) as u64]
+}
+
+pub fn cap(w: WCap) -> u128 {
+    w[0] as u128 | (w[1] as u128) << 64
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WCaps {
+    pub read: WCap,
+    pub write: WCap,
+}
+
+impl From<Caps> for WCaps {
+    fn from(c: Caps) -> WCaps {
+        WCaps { read: wcap(c.read), write: wcap(c.write) }
+    }
+}
+
+impl From<WCaps> for Caps {
+    fn from(c: WCaps) -> Caps {
+        Caps { read: cap(c.read), write: cap(c.write) }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub enum WTarget {
+    Extent(u64),
+    Exonode { at: u64, path: Vec<u32> },
+    Proxy(u64),
+}
+
+impl From<&WTarget> for Target {
+    fn from(t: &WTarget) -> Target {
+        match t {
+            WTarget::Extent(a) => Target::Extent(*a),
+            WTarget::Exonode { at, path } => Target::Exonode { at: *at, path: path.clone() },
+            WTarget::Proxy(id) => Target::Proxy(*id),
+        }
+    }
+}
+
+impl From<&Target> for WTarget {
+    fn from(t: &Target) -> WTarget {
+        match t {
+            Target::Extent(a) => WTarget::Extent(*a),
+            Target::Exonode { at, path } => WTarget::Exonode { at: *at, path: path.clone() },
+            Target::Proxy(id) => WTarget::Proxy(*id),
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WPersistence {
+    Memory,
+    Metadata,
+    Data,
+}
+
+impl From<WPersistence> for Persistence {
+    fn from(p: WPersistence) -> Persistence {
+        match p {
+            WPersistence::Memory => Persistence::Memory,
+            WPersistence::Metadata => Persistence::Metadata,
+            WPersistence::Data => Persistence::Data,
+        }
+    }
+}
+
+impl From<Persistence> for WPersistence {
+    fn from(p: Persistence) -> WPersistence {
+        match p {
+            Persistence::Memory => WPersistence::Memory,
+            Persistence::Metadata => WPersistence::Metadata,
+            Persistence::Data => WPersistence::Data,
+        }
+    }
+}
+
+/// One data request: `count` sectors from `sector`, to or from the shared memory at `offset`.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct IoReq {
+    pub id: u64,
+    pub target: WTarget,
+    pub cap: WCap,
+    pub write: bool,
+    pub sector: u64,
+    pub count: u32,
+    pub offset: u64,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub enum Request {
+    /// The first message; the shared memory's descriptor rides along with it.
+    Hello {
+        version: u32,
+        shm: u64,
+    },
+    /// The caller's named root exonode (made on first use): the exonode server of §4.3.
+    Root {
+        name: String,
+        uid: Option<u32>,
+    },
+    FreeMap,
+    ExtentAllocate {
+        at: u64,
+        sectors: u64,
+        caps: WCaps,
+        persistence: WPersistence,
+    },
+    ExtentDeallocate {
+        at: u64,
+        wcap: WCap,
+    },
+    ExtentResize {
+        at: u64,
+        wcap: WCap,
+        by: i64,
+    },
+    ExonodeAllocate {
+        at: u64,
+        sectors: u32,
+        caps: WCaps,
+        persistence: WPersistence,
+    },
+    ExonodeDeallocate {
+        target: WTarget,
+        wcap: WCap,
+    },
+    AddExtent {
+        target: WTarget,
+        wcap: WCap,
+        idx: Option<u32>,
+        start: u64,
+        sectors: u64,
+    },
+    AddExonode {
+        target: WTarget,
+        wcap: WCap,
+        idx: Option<u32>,
+        child: u64,
+        sectors: u32,
+        caps: WCaps,
+    },
+    AddData {
+        target: WTarget,
+        wcap: WCap,
+        idx: Option<u32>,
+        data: ByteBuf,
+    },
+    ReadData {
+        target: WTarget,
+        rcap: WCap,
+        idx: u32,
+    },
+    RemoveEntry {
+        target: WTarget,
+        wcap: WCap,
+        idx: u32,
+    },
+    Combine {
+        target: WTarget,
+        wcap: WCap,
+        a: u32,
+        b: u32,
+    },
+    Split {
+        target: WTarget,
+        wcap: WCap,
+        idx: u32,
+        at_sector: u64,
+        new_idx: Option<u32>,
+    },
+    CapDiscover {
+        target: WTarget,
+        cap: WCap,
+        idx: u32,
+    },
+    Load {
+        at: u64,
+    },
+    WriteRecord {
+        target: WTarget,
+        wcap: WCap,
+    },
+    Map {
+        target: WTarget,
+        rcap: WCap,
+    },
+    Proxy {
+        target: WTarget,
+        cap: WCap,
+        range: Option<(u64, u64)>,
+        caps: WCaps,
+    },
+    RemoveProxy {
+        id: u64,
+        cap: WCap,
+    },
+    MarkReplacement {
+        at: u64,
+    },
+    InCache {
+        at: u64,
+    },
+    /// Data requests, answered at once with how many were queued; each completes with a
+    /// `Done` message (and in its slot of the shared memory).
+    Io {
+        reqs: Vec<IoReq>,
+    },
+    Poll,
+    Shutdown,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub enum WEntry {
+    Empty,
+    Extent { start: u64, sectors: u64 },
+    Descendant { at: u64 },
+    Data(ByteBuf),
+}
+
+impl From<&Entry> for WEntry {
+    fn from(e: &Entry) -> WEntry {
+        match e {
+            Entry::Empty => WEntry::Empty,
+            Entry::Extent { start, sectors } => WEntry::Extent { start: *start, sectors: *sectors },
+            Entry::Descendant { at } => WEntry::Descendant { at: *at },
+            Entry::Data(d) => WEntry::Data(ByteBuf::from(d.clone())),
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct WExonode {
+    pub sectors: u32,
+    pub parent: u64,
+    pub entries: Vec<WEntry>,
+}
+
+impl From<&Exonode> for WExonode {
+    fn from(x: &Exonode) -> WExonode {
+        WExonode { sectors: x.sectors, parent: x.parent, entries: x.entries.iter().map(Into::into).collect() }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub enum Reply {
+    Ok,
+    Welcome {
+        version: u32,
+        sectors: u64,
+        data_start: u64,
+        client: u64,
+    },
+    Root {
+        at: u64,
+        caps: WCaps,
+    },
+    FreeMap {
+        sectors: u64,
+        bits: ByteBuf,
+    },
+    Entry(u32),
+    Sectors(u64),
+    Caps(WCaps),
+    Data(ByteBuf),
+    Exonode(WExonode),
+    Id(u64),
+    Bool(bool),
+    Queued(u32),
+    /// Requests pending in the service, and its queue in order: sector, sectors, whether it is
+    /// the caller's.
+    Poll {
+        pending: u64,
+        queue: Vec<(u64, u32, bool)>,
+    },
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub enum Message {
+    Req {
+        id: u64,
+        req: Request,
+    },
+    Rep {
+        id: u64,
+        result: Result<Reply, (i32, String)>,
+    },
+    /// A data request completed: bytes done, or a negative errno.
+    Done {
+        id: u64,
+        result: i32,
+    },
+}
+
+pub fn write_message(w: &mut impl Write, m: &Message) -> io::Result<()> {
+    let body = rmp_serde::to_vec(m).map_err(io::Error::other)?;
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&body);
+    w.write_all(&frame)
+}
+
+pub fn read_message(r: &mut impl Read) -> io::Result<Message> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a frame of {len} bytes")));
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body)?;
+    rmp_serde::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}

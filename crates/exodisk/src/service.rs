@@ -1,0 +1,369 @@
+//! The trusted service: the only process that opens the volume. It runs the start-up scan, then
+//! serves clients on a Unix socket: metadata operations through the protection core, data
+//! through the disk queue straight into each client's shared memory.
+//!
+//! Anyone may connect (mode 0666): protection is by capability, not by user. The one thing that
+//! depends on who the client is, read from the socket (`SO_PEERCRED`), is the named roots: each
+//! user gets the root exonodes named for it, and only root may ask for another user's.
+
+use std::io::{BufReader, BufWriter, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use serde_bytes::ByteBuf;
+
+use crate::core::{Access, Core, ExoError, Persistence, Target};
+use crate::engine::{Buffer, Engine, Job};
+use crate::layout;
+use crate::object::{Caps, Entry};
+use crate::proto::{self, cap, Message, Reply, Request};
+use crate::seal;
+use crate::shm::Shm;
+
+/// What the start-up found and did, for the log.
+pub struct Started {
+    pub report: crate::scan::Report,
+}
+
+pub struct Service {
+    core: Mutex<Core>,
+    engine: Engine,
+    next_client: AtomicU64,
+    stopping: AtomicBool,
+    socket: PathBuf,
+    /// The service's own user, which may stop it like root.
+    uid: u32,
+    /// Each client's socket and thread, to close and wait for at shutdown.
+    clients: Mutex<Vec<(UnixStream, std::thread::JoinHandle<()>)>>,
+}
+
+/// Open and check the volume, reconcile its free map, and get ready to serve. A volume whose
+/// invariants do not hold is not served: `plyfs exodisk fsck` says why.
+pub fn start(volume: &Path, key: &Path, socket: &Path) -> Result<(Arc<Service>, Started), String> {
+    let (disk, key, sb) = layout::open(volume, key)?;
+    let (_, report, map) = crate::scan::scan(&disk, &key, &sb).map_err(|e| format!("{}: {e}", volume.display()))?;
+    if !report.clean() {
+        return Err(format!(
+            "{}: {} (and {} more); not serving it: see `plyfs exodisk fsck {}`",
+            volume.display(),
+            report.problems[0],
+            report.problems.len() - 1,
+            volume.display()
+        ));
+    }
+    map.store(&disk, &key, &sb).and_then(|()| disk.sync()).map_err(|e| format!("{}: {e}", volume.display()))?;
+    let engine = Engine::start(disk.fd()).map_err(|e| format!("io_uring: {e}"))?;
+    let core = Core::new(disk, key, sb, map);
+    let service = Arc::new(Service {
+        core: Mutex::new(core),
+        engine,
+        next_client: AtomicU64::new(1),
+        stopping: AtomicBool::new(false),
+        socket: socket.to_owned(),
+        uid: unsafe { libc::geteuid() },
+        clients: Mutex::new(Vec::new()),
+    });
+    Ok((service, Started { report }))
+}
+
+impl Service {
+    /// Listen on the socket and serve until `SHUTDOWN` (or `stop`).
+    pub fn serve(self: &Arc<Self>) -> Result<(), String> {
+        let shown = self.socket.display();
+        if self.socket.exists() {
+            if UnixStream::connect(&self.socket).is_ok() {
+                return Err(format!("{shown}: another service listens there"));
+            }
+            std::fs::remove_file(&self.socket).map_err(|e| format!("{shown}: {e}"))?;
+        }
+        let listener = UnixListener::bind(&self.socket).map_err(|e| format!("{shown}: {e}"))?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&self.socket, std::fs::Permissions::from_mode(0o666)).map_err(|e| format!("{shown}: {e}"))?;
+        for stream in listener.incoming() {
+            if self.stopping.load(Ordering::Acquire) {
+                break;
+            }
+            let Ok(stream) = stream else { continue };
+            let Ok(handle) = stream.try_clone() else { continue };
+            let me = self.clone();
+            let thread = std::thread::Builder::new().name("exodisk-client".into()).spawn(move || {
+                if let Err(e) = me.client(stream) {
+                    tracing::debug!("exodisk: a client: {e}");
+                }
+            });
+            if let Ok(t) = thread {
+                let mut clients = self.clients.lock();
+                clients.retain(|(_, t)| !t.is_finished());
+                clients.push((handle, t));
+            }
+        }
+        self.finish();
+        Ok(())
+    }
+
+    /// Stop serving: finish the queue, write what is dirty.
+    pub fn stop(&self) {
+        if !self.stopping.swap(true, Ordering::AcqRel) {
+            // Wake the accept loop.
+            let _ = UnixStream::connect(&self.socket);
+        }
+    }
+
+    fn finish(&self) {
+        // Close every client's connection and wait for its thread: then nothing but the caller
+        // holds the service, and the volume is closed when it lets go.
+        let clients = std::mem::take(&mut *self.clients.lock());
+        for (stream, thread) in clients {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            let _ = thread.join();
+        }
+        self.engine.stop();
+        if let Err(e) = self.core.lock().flush() {
+            tracing::error!("exodisk: writing at shutdown: {e}");
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+
+    fn client(self: Arc<Self>, stream: UnixStream) -> std::io::Result<()> {
+        let uid = peer_uid(&stream)?;
+        let fd = crate::shm::recv_fd(&stream)?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let (id, shm_len) = match proto::read_message(&mut reader)? {
+            Message::Req { id, req: Request::Hello { version, shm } } if version == proto::VERSION => (id, shm),
+            _ => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "expected hello")),
+        };
+        let shm = Arc::new(Shm::map(fd, shm_len as usize)?);
+        let client = self.next_client.fetch_add(1, Ordering::Relaxed);
+        // Replies and completions go out through one writer thread, so that a client slow to
+        // read never holds up the disk queue.
+        let (tx, rx) = std::sync::mpsc::channel::<Message>();
+        let mut out = BufWriter::new(stream.try_clone()?);
+        let writer = std::thread::Builder::new().name("exodisk-out".into()).spawn(move || {
+            while let Ok(m) = rx.recv() {
+                if proto::write_message(&mut out, &m).is_err() {
+                    return;
+                }
+                // Send what has piled up together.
+                while let Ok(m) = rx.try_recv() {
+                    if proto::write_message(&mut out, &m).is_err() {
+                        return;
+                    }
+                }
+                if out.flush().is_err() {
+                    return;
+                }
+            }
+        })?;
+        let (sectors, data_start) = {
+            let core = self.core.lock();
+            (core.sb.sectors, core.sb.data_start)
+        };
+        let _ = tx.send(Message::Rep { id, result: Ok(Reply::Welcome { version: proto::VERSION, sectors, data_start, client }) });
+        loop {
+            let (id, req) = match proto::read_message(&mut reader) {
+                Ok(Message::Req { id, req }) => (id, req),
+                Ok(_) => break,
+                Err(_) => break,
+            };
+            if let Request::Shutdown = req {
+                if uid == 0 || uid == self.uid {
+                    // Answer first (the writer sends it), then stop.
+                    let _ = tx.send(Message::Rep { id, result: Ok(Reply::Ok) });
+                    drop(tx);
+                    let _ = writer.join();
+                    self.stop();
+                    return Ok(());
+                }
+                let _ = tx.send(Message::Rep { id, result: Err((libc::EPERM, "only root or the service's user may stop it".into())) });
+                continue;
+            }
+            let result = self.handle(req, uid, client, &shm, &tx).map_err(|e| (e.errno, e.msg));
+            if tx.send(Message::Rep { id, result }).is_err() {
+                break;
+            }
+        }
+        drop(tx);
+        let _ = writer.join();
+        Ok(())
+    }
+
+    fn handle(&self, req: Request, uid: u32, client: u64, shm: &Arc<Shm>, tx: &Sender<Message>) -> crate::core::Result<Reply> {
+        let t = |w: &proto::WTarget| Target::from(w);
+        let mut core = self.core.lock();
+        Ok(match req {
+            Request::Hello { .. } | Request::Shutdown => return err(libc::EPROTO, "unexpected here"),
+            Request::Root { name, uid: other } => {
+                let uid = match other {
+                    Some(o) if o != uid && uid != 0 => return err(libc::EPERM, "only root may open another user's root"),
+                    Some(o) => o,
+                    None => uid,
+                };
+                let (at, caps) = named_root(&mut core, uid, &name)?;
+                Reply::Root { at, caps: caps.into() }
+            }
+            Request::FreeMap => {
+                let map = core.free_map();
+                let mut bits = vec![0u8; map.sectors().div_ceil(8) as usize];
+                for s in 0..map.sectors() {
+                    if map.is_allocated(s) {
+                        bits[(s / 8) as usize] |= 1 << (s % 8);
+                    }
+                }
+                Reply::FreeMap { sectors: map.sectors(), bits: ByteBuf::from(bits) }
+            }
+            Request::ExtentAllocate { at, sectors, caps, persistence } => {
+                core.extent_allocate(at, sectors, caps.into(), persistence.into())?;
+                Reply::Ok
+            }
+            Request::ExtentDeallocate { at, wcap } => {
+                core.extent_deallocate(at, cap(wcap))?;
+                Reply::Ok
+            }
+            Request::ExtentResize { at, wcap, by } => Reply::Sectors(core.extent_resize(at, cap(wcap), by)?),
+            Request::ExonodeAllocate { at, sectors, caps, persistence } => {
+                core.exonode_allocate(at, sectors, caps.into(), persistence.into())?;
+                Reply::Ok
+            }
+            Request::ExonodeDeallocate { target, wcap } => {
+                core.exonode_deallocate(&t(&target), cap(wcap))?;
+                Reply::Ok
+            }
+            Request::AddExtent { target, wcap, idx, start, sectors } => {
+                Reply::Entry(core.add_extent(&t(&target), cap(wcap), idx, start, sectors)?)
+            }
+            Request::AddExonode { target, wcap, idx, child, sectors, caps } => {
+                Reply::Entry(core.add_exonode(&t(&target), cap(wcap), idx, child, sectors, caps.into())?)
+            }
+            Request::AddData { target, wcap, idx, data } => Reply::Entry(core.add_data(&t(&target), cap(wcap), idx, &data)?),
+            Request::ReadData { target, rcap, idx } => Reply::Data(ByteBuf::from(core.read_data(&t(&target), cap(rcap), idx)?)),
+            Request::RemoveEntry { target, wcap, idx } => {
+                core.remove_entry(&t(&target), cap(wcap), idx)?;
+                Reply::Ok
+            }
+            Request::Combine { target, wcap, a, b } => {
+                core.combine(&t(&target), cap(wcap), a, b)?;
+                Reply::Ok
+            }
+            Request::Split { target, wcap, idx, at_sector, new_idx } => {
+                Reply::Entry(core.split(&t(&target), cap(wcap), idx, at_sector, new_idx)?)
+            }
+            Request::CapDiscover { target, cap: c, idx } => Reply::Caps(core.cap_discover(&t(&target), cap(c), idx)?.into()),
+            Request::Load { at } => {
+                core.load(at)?;
+                Reply::Ok
+            }
+            Request::WriteRecord { target, wcap } => {
+                core.write_record(&t(&target), cap(wcap))?;
+                Reply::Ok
+            }
+            Request::Map { target, rcap } => Reply::Exonode((&core.map(&t(&target), cap(rcap))?).into()),
+            Request::Proxy { target, cap: c, range, caps } => Reply::Id(core.make_proxy(&t(&target), cap(c), range, caps.into())?),
+            Request::RemoveProxy { id, cap: c } => {
+                core.remove_proxy(id, cap(c))?;
+                Reply::Ok
+            }
+            Request::MarkReplacement { at } => Reply::Bool(core.mark_replacement(at)),
+            Request::InCache { at } => Reply::Bool(core.in_cache(at)),
+            Request::Poll => Reply::Poll {
+                pending: self.engine.pending(),
+                queue: self.engine.queue().into_iter().map(|(s, n, c)| (s, n, c == client)).collect(),
+            },
+            Request::Io { reqs } => {
+                let mut queued = 0;
+                for r in reqs {
+                    let want = if r.write { Access::Write } else { Access::Read };
+                    let len = r.count as usize * crate::disk::SECTOR;
+                    let checked = core.check_io(&t(&r.target), cap(r.cap), want, r.sector, r.count as u64).and_then(|model| {
+                        let ptr =
+                            shm.at(r.offset, len).ok_or(ExoError { errno: libc::EFAULT, msg: "outside the shared memory".into() })?;
+                        if r.offset % crate::disk::SECTOR as u64 != 0 {
+                            return err(libc::EINVAL, "a buffer not aligned to a sector");
+                        }
+                        Ok((model, ptr))
+                    });
+                    match checked {
+                        Ok((model, ptr)) => {
+                            let (tx, id) = (tx.clone(), r.id);
+                            self.engine.submit(Job {
+                                write: r.write,
+                                sector: r.sector,
+                                buf: Buffer { ptr, len, _keep: shm.clone() },
+                                dsync: r.write && model == Persistence::Data,
+                                client,
+                                done: Box::new(move |result| {
+                                    let _ = tx.send(Message::Done { id, result });
+                                }),
+                            });
+                            queued += 1;
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Message::Done { id: r.id, result: -e.errno });
+                        }
+                    }
+                }
+                Reply::Queued(queued)
+            }
+        })
+    }
+}
+
+fn err<T>(errno: i32, msg: &str) -> crate::core::Result<T> {
+    Err(ExoError { errno, msg: msg.into() })
+}
+
+/// The root exonode named `name` for user `uid`: a descendant of the service's root exonode,
+/// found by the data entry before it (`uid/name`), made on first use.
+fn named_root(core: &mut Core, uid: u32, name: &str) -> crate::core::Result<(u64, Caps)> {
+    if name.is_empty() || name.len() > 64 || name.contains('/') {
+        return err(libc::EINVAL, "a root's name is 1 to 64 bytes, without '/'");
+    }
+    let roots_at = core.sb.roots_at();
+    let caps = core.sb.roots;
+    let top = Target::Exonode { at: roots_at, path: vec![] };
+    let label = format!("{uid}/{name}").into_bytes();
+    let x = core.map(&top, caps.read)?;
+    for (i, e) in x.entries.iter().enumerate() {
+        if *e == Entry::Data(label.clone()) {
+            if let Some(Entry::Descendant { .. }) = x.entries.get(i + 1) {
+                let caps = core.cap_discover(&top, caps.write, i as u32 + 1)?;
+                let at = match x.entries[i + 1] {
+                    Entry::Descendant { at } => at,
+                    _ => unreachable!(),
+                };
+                return Ok((at, caps));
+            }
+        }
+    }
+    // A new root: 4 sectors, somewhere free after the service's own.
+    let sectors = 4u32;
+    let at = core
+        .free_map()
+        .find_free(sectors as u64, roots_at + layout::ROOTS_SECTORS as u64)
+        .ok_or(ExoError { errno: libc::ENOSPC, msg: "the volume is full".into() })?;
+    let new = Caps { read: u128::from_le_bytes(seal::random()), write: u128::from_le_bytes(seal::random()) };
+    let n = x.entries.len() as u32;
+    core.add_data(&top, caps.write, Some(n), &label)?;
+    if let Err(e) = core.add_exonode(&top, caps.write, Some(n + 1), at, sectors, new) {
+        let _ = core.remove_entry(&top, caps.write, n);
+        return Err(e);
+    }
+    Ok((at, new))
+}
+
+fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+    use std::os::fd::AsRawFd;
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills a ucred.
+    let rc = unsafe {
+        libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
