@@ -28,6 +28,57 @@ enum Action {
         #[command(flatten)]
         key: KeyArg,
     },
+    /// Serve a volume on a Unix socket: the only process that opens it. In the foreground
+    /// unless --daemon.
+    Serve {
+        volume: PathBuf,
+        #[arg(long, value_name = "PATH")]
+        socket: PathBuf,
+        #[command(flatten)]
+        key: KeyArg,
+        /// Detach once it serves; its log goes to --log (VOLUME.log by default).
+        #[arg(long)]
+        daemon: bool,
+        #[arg(long, value_name = "FILE")]
+        log: Option<PathBuf>,
+    },
+    /// The volume behind a service: size, space, and the disk queue.
+    Stat { socket: PathBuf },
+    /// Allocate an extent (or, with --exonode, an exonode) and print its capabilities.
+    Alloc {
+        socket: PathBuf,
+        /// Sectors (512 bytes; an extent's first holds its header).
+        #[arg(long)]
+        sectors: u64,
+        /// Where (a free sector); the first free run large enough by default.
+        #[arg(long)]
+        at: Option<u64>,
+        #[arg(long)]
+        exonode: bool,
+        /// memory, metadata or data.
+        #[arg(long, default_value = "metadata")]
+        persistence: String,
+    },
+    /// Deallocate the extent (or --exonode) at AT, given its write capability.
+    Free {
+        socket: PathBuf,
+        at: u64,
+        #[arg(long, value_name = "HEX")]
+        wcap: String,
+        #[arg(long)]
+        exonode: bool,
+    },
+    /// List the entries of an exonode: your named root (--root NAME), or the one at --at with
+    /// --rcap.
+    Ls {
+        socket: PathBuf,
+        #[arg(long)]
+        root: Option<String>,
+        #[arg(long)]
+        at: Option<u64>,
+        #[arg(long, value_name = "HEX")]
+        rcap: Option<String>,
+    },
 }
 
 #[derive(Args)]
@@ -66,7 +117,193 @@ pub fn run(args: ExodiskArgs) -> Result<(), String> {
             Ok(())
         }
         Action::Fsck { volume, key } => fsck(&volume, &key.path(&volume)),
+        Action::Serve { volume, socket, key, daemon, log } => {
+            if daemon {
+                detach(&volume, &socket, &key.path(&volume), log)
+            } else {
+                serve(&volume, &socket, &key.path(&volume))
+            }
+        }
+        Action::Stat { socket } => stat(&socket),
+        Action::Alloc { socket, sectors, at, exonode, persistence } => alloc(&socket, sectors, at, exonode, &persistence),
+        Action::Free { socket, at, wcap, exonode } => {
+            let c = connect(&socket)?;
+            let w = hex_cap(&wcap)?;
+            let r = if exonode { c.exonode_deallocate(&Target::Exonode { at, path: vec![] }, w) } else { c.extent_deallocate(at, w) };
+            r.map_err(|e| format!("{}: {e}", socket.display()))?;
+            println!("freed the {} at {at}", if exonode { "exonode" } else { "extent" });
+            Ok(())
+        }
+        Action::Ls { socket, root, at, rcap } => ls(&socket, root, at, rcap),
     }
+}
+
+use plyfs_exodisk::client::Client;
+use plyfs_exodisk::core::{Persistence, Target};
+use plyfs_exodisk::object::Caps;
+use plyfs_exodisk::proto::WEntry;
+
+fn connect(socket: &Path) -> Result<Client, String> {
+    Client::connect(socket, 1 << 20)
+}
+
+fn hex_cap(s: &str) -> Result<u128, String> {
+    u128::from_str_radix(s.trim_start_matches("0x"), 16).map_err(|_| format!("'{s}': expected a capability in hex"))
+}
+
+fn random_cap() -> u128 {
+    let mut b = [0u8; 16];
+    getrandom_fill(&mut b);
+    u128::from_le_bytes(b)
+}
+
+fn getrandom_fill(b: &mut [u8]) {
+    use std::io::Read;
+    let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(b));
+}
+
+fn serve(volume: &Path, socket: &Path, key: &Path) -> Result<(), String> {
+    let signals = crate::daemon::block_signals();
+    crate::daemon::init_logging(0);
+    let (service, started) = plyfs_exodisk::service::start(volume, key, socket)?;
+    let r = &started.report;
+    tracing::info!(
+        "{}: {} extents, {} exonodes; start-up scan gave back {} sectors and {} orphaned exonodes",
+        volume.display(),
+        r.extents,
+        r.exonodes,
+        r.reclaimed,
+        r.orphans
+    );
+    let stopper = service.clone();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if let Ok(sig) = signals.wait() {
+                tracing::info!("{sig}: stopping");
+            }
+            stopper.stop();
+        })
+        .map_err(|e| e.to_string())?;
+    tracing::info!("serving {} on {}", volume.display(), socket.display());
+    service.serve()?;
+    tracing::info!("stopped; {} is consistent", volume.display());
+    Ok(())
+}
+
+/// Start the service in the background and return once it listens (or say why it did not).
+fn detach(volume: &Path, socket: &Path, key: &Path, log: Option<PathBuf>) -> Result<(), String> {
+    let log = log.unwrap_or_else(|| {
+        let mut p = volume.as_os_str().to_owned();
+        p.push(".log");
+        PathBuf::from(p)
+    });
+    let out = std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut child = {
+        use std::os::unix::process::CommandExt;
+        std::process::Command::new(exe)
+            .args(["exodisk", "serve"])
+            .arg(volume)
+            .arg("--socket")
+            .arg(socket)
+            .arg("--key")
+            .arg(key)
+            .stdin(std::process::Stdio::null())
+            .stdout(out.try_clone().map_err(|e| e.to_string())?)
+            .stderr(out)
+            .process_group(0)
+            .spawn()
+            .map_err(|e| e.to_string())?
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let last = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").to_owned();
+            return Err(format!("the service exited ({status}): {last}"));
+        }
+        if UnixStream::connect(socket).is_ok() {
+            println!("serving {} on {} (pid {}); log: {}", volume.display(), socket.display(), child.id(), log.display());
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(format!("the service did not listen on {} within 120 s (see {})", socket.display(), log.display()));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+use std::os::unix::net::UnixStream;
+
+fn stat(socket: &Path) -> Result<(), String> {
+    let c = connect(socket)?;
+    let e = |e: plyfs_exodisk::core::ExoError| format!("{}: {e}", socket.display());
+    let map = c.free_map().map_err(e)?;
+    let (pending, queue) = c.poll().map_err(e)?;
+    let used = map.allocated();
+    println!("sectors:   {} ({} MiB), objects from sector {}", c.sectors, c.sectors * 512 >> 20, c.data_start);
+    println!("allocated: {used} sectors ({:.1}%)", used as f64 * 100.0 / c.sectors as f64);
+    println!("free:      {} sectors", c.sectors - used);
+    println!("queue:     {pending} pending, {} waiting", queue.len());
+    Ok(())
+}
+
+fn alloc(socket: &Path, sectors: u64, at: Option<u64>, exonode: bool, persistence: &str) -> Result<(), String> {
+    let p = match persistence {
+        "memory" => Persistence::Memory,
+        "metadata" => Persistence::Metadata,
+        "data" => Persistence::Data,
+        _ => return Err(format!("--persistence {persistence}: expected memory, metadata or data")),
+    };
+    let c = connect(socket)?;
+    let e = |e: plyfs_exodisk::core::ExoError| format!("{}: {e}", socket.display());
+    let at = match at {
+        Some(a) => a,
+        None => c
+            .free_map()
+            .map_err(e)?
+            .find_free(sectors, c.data_start)
+            .ok_or_else(|| format!("{}: no {sectors} free sectors in a row", socket.display()))?,
+    };
+    let caps = Caps { read: random_cap(), write: random_cap() };
+    if exonode {
+        c.exonode_allocate(at, sectors as u32, caps, p).map_err(e)?;
+    } else {
+        c.extent_allocate(at, sectors, caps, p).map_err(e)?;
+    }
+    println!(
+        "{} at {at}: {sectors} sectors; rcap {:032x} wcap {:032x}",
+        if exonode { "exonode" } else { "extent" },
+        caps.read,
+        caps.write
+    );
+    Ok(())
+}
+
+fn ls(socket: &Path, root: Option<String>, at: Option<u64>, rcap: Option<String>) -> Result<(), String> {
+    let c = connect(socket)?;
+    let e = |e: plyfs_exodisk::core::ExoError| format!("{}: {e}", socket.display());
+    let (at, r) = match (root, at, rcap) {
+        (Some(name), None, None) => {
+            let (at, caps) = c.root(&name).map_err(e)?;
+            println!("root '{name}': exonode at {at}; rcap {:032x} wcap {:032x}", caps.read, caps.write);
+            (at, caps.read)
+        }
+        (None, Some(at), Some(r)) => (at, hex_cap(&r)?),
+        _ => return Err("give --root NAME, or --at SECTOR with --rcap HEX".into()),
+    };
+    let x = c.map(&Target::Exonode { at, path: vec![] }, r).map_err(e)?;
+    println!("exonode at {at}: {} sectors, parent {}, {} entries", x.sectors, x.parent, x.entries.len());
+    for (i, entry) in x.entries.iter().enumerate() {
+        match entry {
+            WEntry::Empty => println!("  {i:4}  (empty)"),
+            WEntry::Extent { start, sectors } => println!("  {i:4}  extent {start}..{} ({sectors} sectors)", start + sectors),
+            WEntry::Descendant { at } => println!("  {i:4}  descendant exonode at {at}"),
+            WEntry::Data(d) => println!("  {i:4}  data, {} bytes", d.len()),
+        }
+    }
+    Ok(())
 }
 
 fn fsck(volume: &Path, key_path: &Path) -> Result<(), String> {
