@@ -93,13 +93,20 @@ impl Disk {
             Some(libc::EBUSY) => io::Error::other("in use by another process"),
             _ => e,
         })?;
-        if exclusive && unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = io::Error::last_os_error();
-            return Err(if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                io::Error::other("in use by another exodisk service (or fsck)")
-            } else {
-                e
-            });
+        if exclusive {
+            // A service that just died may hold the volume a moment longer (the kernel tears
+            // its io_uring down in the background): wait a little before calling it in use.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            while unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                    return Err(e);
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err(io::Error::other("in use by another exodisk service (or fsck)"));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
         }
         let bytes = if is_device { device_size(&file)? } else { meta.len() };
         Ok(Disk { file, sectors: bytes / SECTOR as u64, is_device })
