@@ -1,0 +1,224 @@
+//! exofs's on-disk layout, inside exonodes.
+//!
+//! An inode is an exonode; its number is the exonode's sector. Its entries are:
+//! - 0: the attributes ([`Inode`]), as application data;
+//! - 1: immediate data: a small file's bytes, a symlink's target, or a small directory's records;
+//! - 2 onwards: extents holding the rest, in file order.
+//!
+//! A directory's contents are records `name length (u8) | name | inode (u64 LE) | kind (u8)`.
+
+use std::collections::BTreeMap;
+use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use plyfs_stack::FileKind;
+
+/// The attributes entry.
+pub const ATTRS: u32 = 0;
+/// The immediate-data entry.
+pub const IMMEDIATE: u32 = 1;
+/// The first extent entry.
+pub const FIRST_EXTENT: u32 = 2;
+
+const VERSION: u8 = 1;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Inode {
+    pub kind: FileKind,
+    pub perm: u16,
+    pub uid: u32,
+    pub gid: u32,
+    pub nlink: u32,
+    pub rdev: u32,
+    pub size: u64,
+    pub atime: SystemTime,
+    pub mtime: SystemTime,
+    pub ctime: SystemTime,
+    pub generation: u64,
+}
+
+fn kind_code(k: FileKind) -> u8 {
+    match k {
+        FileKind::File => 1,
+        FileKind::Dir => 2,
+        FileKind::Symlink => 3,
+        FileKind::Fifo => 4,
+        FileKind::Socket => 5,
+        FileKind::CharDevice => 6,
+        FileKind::BlockDevice => 7,
+    }
+}
+
+fn kind_of(c: u8) -> Option<FileKind> {
+    Some(match c {
+        1 => FileKind::File,
+        2 => FileKind::Dir,
+        3 => FileKind::Symlink,
+        4 => FileKind::Fifo,
+        5 => FileKind::Socket,
+        6 => FileKind::CharDevice,
+        7 => FileKind::BlockDevice,
+        _ => return None,
+    })
+}
+
+fn put_time(b: &mut Vec<u8>, t: SystemTime) {
+    let (secs, nanos) = match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => (d.as_secs() as i64, d.subsec_nanos()),
+        Err(e) => {
+            let d = e.duration();
+            if d.subsec_nanos() == 0 {
+                (-(d.as_secs() as i64), 0)
+            } else {
+                (-(d.as_secs() as i64) - 1, 1_000_000_000 - d.subsec_nanos())
+            }
+        }
+    };
+    b.extend_from_slice(&secs.to_le_bytes());
+    b.extend_from_slice(&nanos.to_le_bytes());
+}
+
+fn time(secs: i64, nanos: u32) -> SystemTime {
+    if secs >= 0 {
+        UNIX_EPOCH + Duration::new(secs as u64, nanos)
+    } else {
+        UNIX_EPOCH - Duration::from_secs(secs.unsigned_abs()) + Duration::from_nanos(nanos as u64)
+    }
+}
+
+/// Why stored bytes were refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Corrupt(pub &'static str);
+
+impl std::fmt::Display for Corrupt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "corrupt exofs metadata ({})", self.0)
+    }
+}
+
+impl Inode {
+    pub const ENCODED_LEN: usize = 1 + 1 + 2 + 4 * 4 + 8 + 3 * 12 + 8;
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::ENCODED_LEN);
+        b.push(VERSION);
+        b.push(kind_code(self.kind));
+        b.extend_from_slice(&self.perm.to_le_bytes());
+        for v in [self.uid, self.gid, self.nlink, self.rdev] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&self.size.to_le_bytes());
+        for t in [self.atime, self.mtime, self.ctime] {
+            put_time(&mut b, t);
+        }
+        b.extend_from_slice(&self.generation.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Inode, Corrupt> {
+        if b.len() != Self::ENCODED_LEN || b[0] != VERSION {
+            return Err(Corrupt("inode attributes: length or version"));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4"));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8"));
+        let time_at = |i: usize| time(u64_at(i) as i64, u32_at(i + 8));
+        let nanos_ok = [28usize, 40, 52].iter().all(|&i| u32_at(i + 8) < 1_000_000_000);
+        if !nanos_ok {
+            return Err(Corrupt("inode attributes: a time"));
+        }
+        Ok(Inode {
+            kind: kind_of(b[1]).ok_or(Corrupt("inode attributes: file kind"))?,
+            perm: u16::from_le_bytes([b[2], b[3]]),
+            uid: u32_at(4),
+            gid: u32_at(8),
+            nlink: u32_at(12),
+            rdev: u32_at(16),
+            size: u64_at(20),
+            atime: time_at(28),
+            mtime: time_at(40),
+            ctime: time_at(52),
+            generation: u64_at(64),
+        })
+    }
+}
+
+/// A directory's entries: name to inode number and kind.
+pub type Dir = BTreeMap<OsString, (u64, FileKind)>;
+
+pub fn encode_dir(d: &Dir) -> Vec<u8> {
+    let mut b = Vec::new();
+    for (name, (ino, kind)) in d {
+        let n = name.as_bytes();
+        debug_assert!(!n.is_empty() && n.len() <= 255);
+        b.push(n.len() as u8);
+        b.extend_from_slice(n);
+        b.extend_from_slice(&ino.to_le_bytes());
+        b.push(kind_code(*kind));
+    }
+    b
+}
+
+pub fn decode_dir(mut b: &[u8]) -> Result<Dir, Corrupt> {
+    let mut d = Dir::new();
+    while !b.is_empty() {
+        let n = b[0] as usize;
+        if n == 0 || b.len() < 1 + n + 9 {
+            return Err(Corrupt("directory record"));
+        }
+        let name = &b[1..1 + n];
+        if name.contains(&b'/') || name.contains(&0) || name == b"." || name == b".." {
+            return Err(Corrupt("directory entry name"));
+        }
+        let ino = u64::from_le_bytes(b[1 + n..9 + n].try_into().expect("8"));
+        let kind = kind_of(b[9 + n]).ok_or(Corrupt("directory entry kind"))?;
+        if d.insert(OsStr::from_bytes(name).to_owned(), (ino, kind)).is_some() {
+            return Err(Corrupt("a name twice in a directory"));
+        }
+        b = &b[10 + n..];
+    }
+    Ok(d)
+}
+
+/// `name` as a directory may hold it.
+pub fn valid_name(name: &OsStr) -> bool {
+    let n = name.as_bytes();
+    !n.is_empty() && n.len() <= 255 && !n.contains(&b'/') && !n.contains(&0) && n != b"." && n != b".."
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn kinds() -> impl Strategy<Value = FileKind> {
+        (1u8..=7).prop_map(|c| kind_of(c).unwrap())
+    }
+
+    fn times() -> impl Strategy<Value = SystemTime> {
+        (-4_000_000_000i64..4_000_000_000, 0u32..1_000_000_000).prop_map(|(s, n)| time(s, n))
+    }
+
+    proptest! {
+        #[test]
+        fn inodes_round_trip(kind in kinds(), perm in 0u16..0o7777, uid: u32, gid: u32, nlink: u32, rdev: u32, size: u64,
+                             atime in times(), mtime in times(), ctime in times(), generation: u64) {
+            let i = Inode { kind, perm, uid, gid, nlink, rdev, size, atime, mtime, ctime, generation };
+            let b = i.encode();
+            prop_assert_eq!(b.len(), Inode::ENCODED_LEN);
+            prop_assert_eq!(Inode::decode(&b).unwrap(), i);
+        }
+
+        #[test]
+        fn directories_round_trip(entries in proptest::collection::btree_map("[a-zA-Z0-9._-]{1,40}", (any::<u64>(), kinds()), 0..50)) {
+            let d: Dir = entries.into_iter().filter(|(n, _)| n != "." && n != "..").map(|(n, v)| (OsString::from(n), v)).collect();
+            prop_assert_eq!(decode_dir(&encode_dir(&d)).unwrap(), d);
+        }
+
+        #[test]
+        fn garbage_is_refused_or_read_never_a_panic(b in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = Inode::decode(&b);
+            let _ = decode_dir(&b);
+        }
+    }
+}

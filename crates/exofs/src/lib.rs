@@ -1,0 +1,6 @@
+//! exofs: a file system of plyfs's own on an exodisk volume (thesis §4.1), built on the client
+//! library alone, and the plyfs bottom layer over it. See `docs/exodisk.md`.
+//!
+//! - [`format`]: how an inode and a directory are laid out in exonode entries.
+
+pub mod format;
