@@ -640,8 +640,9 @@ impl Core {
         Ok(if writer { caps } else { Caps { read: caps.read, write: 0 } })
     }
 
-    /// EXTENT_WRITE / EXONODE_WRITE: write the record now, whatever its model (a `memory`
-    /// object becomes `metadata`).
+    /// EXTENT_WRITE / EXONODE_WRITE: write the record now, whatever its model. A `memory`
+    /// object stays one: its later changes wait for the next write (a library that writes its
+    /// metadata back now and then, as a file system with a commit interval does).
     pub fn write_record(&mut self, target: &Target, wcap: Cap) -> Result<()> {
         let at = match target {
             Target::Extent(at) => {
@@ -650,11 +651,6 @@ impl Core {
             }
             _ => self.exonode_at(target, wcap, Access::Write)?,
         };
-        if let Some(c) = self.cache.get_mut(&at) {
-            if c.persistence == Persistence::Memory {
-                c.persistence = Persistence::Metadata;
-            }
-        }
         self.persist(at, true)
     }
 
