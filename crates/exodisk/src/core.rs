@@ -31,6 +31,25 @@ pub enum Persistence {
     Data,
 }
 
+impl Persistence {
+    /// Its code in a record.
+    pub fn code(self) -> u8 {
+        match self {
+            Persistence::Memory => 0,
+            Persistence::Metadata => 1,
+            Persistence::Data => 2,
+        }
+    }
+
+    pub fn from_code(c: u8) -> Persistence {
+        match c {
+            0 => Persistence::Memory,
+            2 => Persistence::Data,
+            _ => Persistence::Metadata,
+        }
+    }
+}
+
 /// An error for the client: an errno and one line saying why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExoError {
@@ -172,7 +191,11 @@ impl Core {
         } else {
             return err(libc::ENOENT, format!("sector {at}: no extent or exonode there"));
         };
-        self.cache.insert(at, Cached { obj, persistence: Persistence::Metadata, on_disk: true, dirty: false, used: self.clock });
+        let persistence = Persistence::from_code(match &obj {
+            Obj::Extent(h) => h.model,
+            Obj::Exonode(x) => x.model,
+        });
+        self.cache.insert(at, Cached { obj, persistence, on_disk: true, dirty: false, used: self.clock });
         Ok(())
     }
 
@@ -367,7 +390,7 @@ impl Core {
         self.check_free(at, sectors)?;
         self.mark(at, sectors, true);
         self.clock += 1;
-        let obj = Obj::Extent(ExtentHeader { sectors, caps });
+        let obj = Obj::Extent(ExtentHeader { sectors, caps, model: persistence.code() });
         self.cache.insert(at, Cached { obj, persistence, on_disk: false, dirty: true, used: self.clock });
         self.persist(at, false)
     }
@@ -442,7 +465,7 @@ impl Core {
         self.check_free(at, sectors as u64)?;
         self.mark(at, sectors as u64, true);
         self.clock += 1;
-        let obj = Obj::Exonode(Exonode { sectors, caps, parent, entries: Vec::new() });
+        let obj = Obj::Exonode(Exonode { sectors, caps, model: persistence.code(), parent, entries: Vec::new() });
         self.cache.insert(at, Cached { obj, persistence, on_disk: false, dirty: true, used: self.clock });
         self.persist(at, false)
     }

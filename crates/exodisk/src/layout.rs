@@ -209,7 +209,13 @@ fn format_existing(path: &Path, size: Option<u64>, key_path: &Path, existed: boo
     // The free map: the superblock, the map and the root exonode are allocated.
     let mut map = crate::freemap::FreeMap::new(sectors);
     map.set(0, sb.data_start + ROOTS_SECTORS as u64, true);
-    let roots = Exonode { sectors: ROOTS_SECTORS, caps: sb.roots, parent: 0, entries: Vec::new() };
+    let roots = Exonode {
+        sectors: ROOTS_SECTORS,
+        caps: sb.roots,
+        model: crate::core::Persistence::Data.code(),
+        parent: 0,
+        entries: Vec::new(),
+    };
     let io = |e: io::Error| format!("{shown}: {e}");
     // The key first: a volume whose key was lost is lost.
     write_key(key_path, &raw_key, &key.volume_id)?;

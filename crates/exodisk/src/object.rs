@@ -34,6 +34,8 @@ pub struct ExtentHeader {
     /// All of it, header sector included.
     pub sectors: u64,
     pub caps: Caps,
+    /// Its persistence model (the service's code for it), so that it outlives a restart.
+    pub model: u8,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,6 +66,8 @@ pub struct Exonode {
     /// The sectors it takes.
     pub sectors: u32,
     pub caps: Caps,
+    /// Its persistence model (the service's code for it).
+    pub model: u8,
     /// The exonode whose descendant it is (0 for none).
     pub parent: u64,
     pub entries: Vec<Entry>,
@@ -98,6 +102,7 @@ impl ExtentHeader {
     pub fn seal(&self, key: &VolumeKey, at: u64) -> Vec<u8> {
         let mut b = Vec::with_capacity(48);
         b.push(VERSION);
+        b.push(self.model);
         b.extend_from_slice(&self.sectors.to_le_bytes());
         b.extend_from_slice(&self.caps.read.to_le_bytes());
         b.extend_from_slice(&self.caps.write.to_le_bytes());
@@ -110,12 +115,13 @@ impl ExtentHeader {
         if r.u8()? != VERSION {
             return Err(Bad::Garbled("unknown version"));
         }
+        let model = r.u8()?;
         let sectors = r.u64()?;
         let caps = Caps { read: r.u128()?, write: r.u128()? };
         if sectors < 1 {
             return Err(Bad::Garbled("an extent of no sectors"));
         }
-        Ok(ExtentHeader { sectors, caps })
+        Ok(ExtentHeader { sectors, caps, model })
     }
 }
 
@@ -125,7 +131,7 @@ impl Exonode {
         body_len(sectors) - Self::FIXED
     }
 
-    const FIXED: usize = 1 + 4 + 16 + 16 + 8 + 4;
+    const FIXED: usize = 1 + 1 + 4 + 16 + 16 + 8 + 4;
 
     /// The bytes its entries take now.
     pub fn used(&self) -> usize {
@@ -140,6 +146,7 @@ impl Exonode {
         assert!(self.fits(), "exonode entries overflow its sectors");
         let mut b = Vec::with_capacity(Self::FIXED + self.used());
         b.push(VERSION);
+        b.push(self.model);
         b.extend_from_slice(&self.sectors.to_le_bytes());
         b.extend_from_slice(&self.caps.read.to_le_bytes());
         b.extend_from_slice(&self.caps.write.to_le_bytes());
@@ -173,6 +180,7 @@ impl Exonode {
         if r.u8()? != VERSION {
             return Err(Bad::Garbled("unknown version"));
         }
+        let model = r.u8()?;
         let sectors = r.u32()?;
         if sectors == 0 || sectors > MAX_EXONODE_SECTORS || seal::record_sectors(sealed, seal::EXONODE) != Some(sectors) {
             return Err(Bad::Garbled("exonode length"));
@@ -196,7 +204,7 @@ impl Exonode {
                 _ => return Err(Bad::Garbled("entry kind")),
             });
         }
-        Ok(Exonode { sectors, caps, parent, entries })
+        Ok(Exonode { sectors, caps, model, parent, entries })
     }
 }
 
@@ -237,12 +245,13 @@ mod tests {
     #[test]
     fn headers_and_exonodes_round_trip_and_refuse_another_place() {
         let k = key();
-        let h = ExtentHeader { sectors: 21, caps: Caps { read: 1, write: u128::MAX } };
+        let h = ExtentHeader { sectors: 21, caps: Caps { read: 1, write: u128::MAX }, model: 2 };
         let s = h.seal(&k, 64);
         assert_eq!(ExtentHeader::open(&k, 64, &s).unwrap(), h);
         assert!(ExtentHeader::open(&k, 65, &s).is_err());
         let x = Exonode {
             sectors: 2,
+            model: 1,
             caps: Caps { read: 5, write: 6 },
             parent: 7,
             entries: vec![
@@ -267,7 +276,7 @@ mod tests {
             any::<u64>().prop_map(|at| Entry::Descendant { at }),
             proptest::collection::vec(any::<u8>(), 0..200).prop_map(Entry::Data),
         ], 0..20), sectors in 1u32..8) {
-            let x = Exonode { sectors, caps: Caps { read: 1, write: 2 }, parent: 0, entries };
+            let x = Exonode { sectors, caps: Caps { read: 1, write: 2 }, model: 0, parent: 0, entries };
             prop_assume!(x.fits());
             let k = key();
             prop_assert_eq!(Exonode::open(&k, 10, &x.seal(&k, 10)).unwrap(), x);

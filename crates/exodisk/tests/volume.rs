@@ -79,8 +79,8 @@ fn objects_are_found_leftovers_reclaimed_and_edits_detected() {
         let (disk, k, sb) = layout::open(&img, &key).unwrap();
         let base = sb.data_start + 64;
         // An extent of 21 sectors, an exonode owning an extent, and allocated sectors nobody owns.
-        disk.write(base, &Aligned::from_bytes(&ExtentHeader { sectors: 21, caps }.seal(&k, base))).unwrap();
-        let x = Exonode { sectors: 1, caps, parent: 0, entries: vec![Entry::Extent { start: base + 100, sectors: 8 }] };
+        disk.write(base, &Aligned::from_bytes(&ExtentHeader { sectors: 21, caps, model: 1 }.seal(&k, base))).unwrap();
+        let x = Exonode { sectors: 1, caps, model: 1, parent: 0, entries: vec![Entry::Extent { start: base + 100, sectors: 8 }] };
         disk.write(base + 50, &Aligned::from_bytes(&x.seal(&k, base + 50))).unwrap();
         let (_, _, mut map) = scan(&disk, &k, &sb).unwrap();
         map.set(base, 21, true);
@@ -135,8 +135,8 @@ fn sectors_owned_twice_are_reported() {
     let (disk, k, sb) = layout::open(&img, &key).unwrap();
     let base = sb.data_start + 64;
     let caps = Caps { read: 1, write: 2 };
-    disk.write(base, &Aligned::from_bytes(&ExtentHeader { sectors: 10, caps }.seal(&k, base))).unwrap();
-    let x = Exonode { sectors: 1, caps, parent: 0, entries: vec![Entry::Extent { start: base + 5, sectors: 10 }] };
+    disk.write(base, &Aligned::from_bytes(&ExtentHeader { sectors: 10, caps, model: 1 }.seal(&k, base))).unwrap();
+    let x = Exonode { sectors: 1, caps, model: 1, parent: 0, entries: vec![Entry::Extent { start: base + 5, sectors: 10 }] };
     disk.write(base + 40, &Aligned::from_bytes(&x.seal(&k, base + 40))).unwrap();
     let (_, report, _) = scan(&disk, &k, &sb).unwrap();
     assert!(report.problems.iter().any(|p| p.contains("owned twice")), "{report:?}");
