@@ -2,5 +2,7 @@
 //! library alone, and the plyfs bottom layer over it. See `docs/exodisk.md`.
 //!
 //! - [`format`]: how an inode and a directory are laid out in exonode entries.
+//! - [`fs`]: the file system over the exodisk client.
 
 pub mod format;
+pub mod fs;

@@ -1,0 +1,566 @@
+//! The file system itself, over the exodisk client: inodes, directories and file data. The
+//! plyfs `Layer` on top of it maps operations to these calls.
+//!
+//! Everything is reached with the capabilities of the user's named root `exofs` (R): R's entry 0
+//! is the superblock, its entries 1.. are inode tables, and each inode hangs below a table.
+//! Inodes are `memory`-model exonodes written back by [`Fs::sync`]; file data is written at once.
+
+use std::collections::HashMap;
+use std::ffi::{OsStr, OsString};
+use std::time::SystemTime;
+
+use parking_lot::Mutex;
+use plyfs_exodisk::client::Client;
+use plyfs_exodisk::core::{ExoError, Persistence, Target};
+use plyfs_exodisk::object::Caps;
+use plyfs_exodisk::proto::WEntry;
+use plyfs_stack::{Error, FileKind, Result};
+
+use crate::format::{decode_dir, encode_dir, valid_name, Dir, Inode, ATTRS, FIRST_EXTENT, IMMEDIATE};
+
+/// Sectors of an inode exonode, and of an inode table.
+pub const INODE_SECTORS: u32 = 2;
+pub const TABLE_SECTORS: u32 = 32;
+/// Bytes kept inside the inode.
+pub const IMMEDIATE_MAX: usize = 480;
+/// The first extent of a file, in sectors (64 KiB); later ones double, up to `MAX_EXTENT`.
+const FIRST_EXTENT_SECTORS: u64 = 128;
+const MAX_EXTENT_SECTORS: u64 = 65536;
+const SECTOR: u64 = 512;
+const MAGIC: &[u8; 8] = b"EXOFS\0\0\x01";
+
+fn exo(e: ExoError) -> Error {
+    if e.errno == libc::EIO {
+        tracing::error!("exofs: {}", e.msg);
+    }
+    Error::Os(e.errno)
+}
+
+#[derive(Clone, Debug)]
+struct Node {
+    /// Entry numbers from R: the table, then the inode.
+    path: [u32; 2],
+    attrs: Inode,
+    immediate: Vec<u8>,
+    /// Extents in file order: (entry, first sector, sectors).
+    extents: Vec<(u32, u64, u64)>,
+    dirty: bool,
+}
+
+struct State {
+    nodes: HashMap<u64, Node>,
+    /// Inode number to its path, for those not loaded yet.
+    paths: HashMap<u64, [u32; 2]>,
+    /// Tables: (entry in R, sector, inodes in it).
+    tables: Vec<(u32, u64, u32)>,
+    root: u64,
+    /// Where the next allocation starts looking (free-map snapshot kept by the client).
+    map: plyfs_exodisk::freemap::FreeMap,
+}
+
+pub struct Fs {
+    client: Client,
+    r: u64,
+    caps: Caps,
+    state: Mutex<State>,
+}
+
+impl Fs {
+    /// The file system in the caller's root `name` on the service behind `client`, made if new.
+    pub fn open(client: Client, name: &str) -> std::result::Result<Fs, String> {
+        let (r, caps) = client.root(name).map_err(|e| e.msg)?;
+        let map = client.free_map().map_err(|e| e.msg)?;
+        let fs = Fs {
+            client,
+            r,
+            caps,
+            state: Mutex::new(State { nodes: HashMap::new(), paths: HashMap::new(), tables: Vec::new(), root: 0, map }),
+        };
+        let x = fs.client.map(&fs.rt(&[]), caps.read).map_err(|e| e.msg)?;
+        if x.entries.is_empty() {
+            fs.mkfs().map_err(|e| format!("making the file system: {e:?}"))?;
+        } else {
+            fs.load_tables(&x.entries)?;
+        }
+        Ok(fs)
+    }
+
+    fn rt(&self, path: &[u32]) -> Target {
+        Target::Exonode { at: self.r, path: path.to_vec() }
+    }
+
+    fn mkfs(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        let mut sb = MAGIC.to_vec();
+        sb.extend_from_slice(&0u64.to_le_bytes());
+        self.client.add_data(&self.rt(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
+        let now = SystemTime::now();
+        let root = Inode {
+            kind: FileKind::Dir,
+            perm: 0o755,
+            uid: unsafe { libc::geteuid() },
+            gid: unsafe { libc::getegid() },
+            nlink: 2,
+            rdev: 0,
+            size: 0,
+            atime: now,
+            mtime: now,
+            ctime: now,
+            generation: 1,
+        };
+        let ino = self.new_inode(&mut st, root, self.r)?;
+        st.root = ino;
+        let mut sb = MAGIC.to_vec();
+        sb.extend_from_slice(&ino.to_le_bytes());
+        self.client.add_data(&self.rt(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
+        drop(st);
+        self.sync()
+    }
+
+    fn load_tables(&self, entries: &[WEntry]) -> std::result::Result<(), String> {
+        let mut st = self.state.lock();
+        match entries.first() {
+            Some(WEntry::Data(d)) if d.len() == 16 && &d[..8] == MAGIC => {
+                st.root = u64::from_le_bytes(d[8..16].try_into().expect("8"))
+            }
+            _ => return Err("the root exonode does not hold an exofs file system".into()),
+        }
+        for (k, e) in entries.iter().enumerate().skip(1) {
+            if let WEntry::Descendant { at } = e {
+                let t = self.client.map(&self.rt(&[k as u32]), self.caps.read).map_err(|e| e.msg)?;
+                let mut count = 0;
+                for (j, ie) in t.entries.iter().enumerate() {
+                    if let WEntry::Descendant { at: ino } = ie {
+                        st.paths.insert(*ino, [k as u32, j as u32]);
+                        count += 1;
+                    }
+                }
+                st.tables.push((k as u32, *at, count));
+            }
+        }
+        Ok(())
+    }
+
+    /// Sectors for `n` near `near`, taken from the local map (the service refuses a run another
+    /// client took meanwhile; the map is then refreshed).
+    fn find(&self, st: &mut State, n: u64, near: u64) -> Result<u64> {
+        for attempt in 0..2 {
+            if let Some(at) = st.map.find_free(n, near) {
+                st.map.set(at, n, true);
+                return Ok(at);
+            }
+            if attempt == 0 {
+                st.map = self.client.free_map().map_err(exo)?;
+            }
+        }
+        Err(Error::Os(libc::ENOSPC))
+    }
+
+    fn new_inode(&self, st: &mut State, attrs: Inode, near: u64) -> Result<u64> {
+        // A table with room, or a new one.
+        let cap = (plyfs_exodisk::object::Exonode::capacity(TABLE_SECTORS) / 9) as u32;
+        let table = match st.tables.iter().position(|(_, _, n)| *n < cap) {
+            Some(i) => i,
+            None => {
+                let at = self.find(st, TABLE_SECTORS as u64, self.r)?;
+                let caps = random_caps();
+                let k = self.client.add_exonode(&self.rt(&[]), self.caps.write, None, at, TABLE_SECTORS, caps).map_err(exo)?;
+                st.tables.push((k, at, 0));
+                st.tables.len() - 1
+            }
+        };
+        let k = st.tables[table].0;
+        let at = self.find(st, INODE_SECTORS as u64, near)?;
+        let j = self.client.add_exonode(&self.rt(&[k]), self.caps.write, None, at, INODE_SECTORS, random_caps()).map_err(exo)?;
+        st.tables[table].2 += 1;
+        let path = [k, j];
+        let t = self.rt(&path);
+        self.client.add_data(&t, self.caps.write, Some(ATTRS), &attrs.encode()).map_err(exo)?;
+        self.client.add_data(&t, self.caps.write, Some(IMMEDIATE), &[]).map_err(exo)?;
+        st.nodes.insert(at, Node { path, attrs, immediate: Vec::new(), extents: Vec::new(), dirty: false });
+        Ok(at)
+    }
+
+    /// The root directory's inode number.
+    pub fn root(&self) -> u64 {
+        self.state.lock().root
+    }
+
+    fn node<'a>(&self, st: &'a mut State, ino: u64) -> Result<&'a mut Node> {
+        if !st.nodes.contains_key(&ino) {
+            let path = *st.paths.get(&ino).ok_or(Error::Os(libc::ESTALE))?;
+            let x = self.client.map(&self.rt(&path), self.caps.read).map_err(exo)?;
+            let corrupt = |what: &str| Error::Corrupt(format!("exofs inode {ino}: {what}"));
+            let attrs = match x.entries.get(ATTRS as usize) {
+                Some(WEntry::Data(d)) => Inode::decode(d).map_err(|e| corrupt(&e.to_string()))?,
+                _ => return Err(corrupt("no attributes")),
+            };
+            let immediate = match x.entries.get(IMMEDIATE as usize) {
+                Some(WEntry::Data(d)) => d.to_vec(),
+                _ => return Err(corrupt("no immediate data")),
+            };
+            let extents = x
+                .entries
+                .iter()
+                .enumerate()
+                .skip(FIRST_EXTENT as usize)
+                .filter_map(|(i, e)| match e {
+                    WEntry::Extent { start, sectors } => Some((i as u32, *start, *sectors)),
+                    _ => None,
+                })
+                .collect();
+            st.nodes.insert(ino, Node { path, attrs, immediate, extents, dirty: false });
+        }
+        Ok(st.nodes.get_mut(&ino).expect("loaded"))
+    }
+
+    pub fn getattr(&self, ino: u64) -> Result<Inode> {
+        let mut st = self.state.lock();
+        Ok(self.node(&mut st, ino)?.attrs.clone())
+    }
+
+    /// The directory `ino`'s entries.
+    pub fn read_dir(&self, ino: u64) -> Result<Dir> {
+        let mut st = self.state.lock();
+        self.dir_of(&mut st, ino)
+    }
+
+    fn dir_of(&self, st: &mut State, ino: u64) -> Result<Dir> {
+        let n = self.node(st, ino)?;
+        if n.attrs.kind != FileKind::Dir {
+            return Err(Error::Os(libc::ENOTDIR));
+        }
+        let size = n.attrs.size as usize;
+        let bytes = self.read_at(st, ino, 0, size)?;
+        decode_dir(&bytes).map_err(|e| Error::Corrupt(format!("exofs directory {ino}: {e}")))
+    }
+
+    fn store_dir(&self, st: &mut State, ino: u64, d: &Dir) -> Result<()> {
+        let bytes = encode_dir(d);
+        self.set_content(st, ino, &bytes)?;
+        let n = self.node(st, ino)?;
+        n.attrs.mtime = SystemTime::now();
+        n.attrs.ctime = n.attrs.mtime;
+        n.dirty = true;
+        Ok(())
+    }
+
+    pub fn lookup(&self, parent: u64, name: &OsStr) -> Result<(u64, Inode)> {
+        let mut st = self.state.lock();
+        let d = self.dir_of(&mut st, parent)?;
+        let (ino, _) = *d.get(name).ok_or(Error::Os(libc::ENOENT))?;
+        let attrs = self.node(&mut st, ino)?.attrs.clone();
+        Ok((ino, attrs))
+    }
+
+    /// Make `name` in `parent` (a file, directory, symlink or special file).
+    pub fn make(&self, parent: u64, name: &OsStr, attrs: Inode, content: &[u8]) -> Result<u64> {
+        if !valid_name(name) {
+            return Err(Error::Os(if name.len() > 255 { libc::ENAMETOOLONG } else { libc::EINVAL }));
+        }
+        let mut st = self.state.lock();
+        let mut d = self.dir_of(&mut st, parent)?;
+        if d.contains_key(name) {
+            return Err(Error::Os(libc::EEXIST));
+        }
+        let kind = attrs.kind;
+        let is_dir = kind == FileKind::Dir;
+        let ino = self.new_inode(&mut st, attrs, parent)?;
+        if !content.is_empty() {
+            self.set_content(&mut st, ino, content)?;
+        }
+        d.insert(name.to_owned(), (ino, kind));
+        self.store_dir(&mut st, parent, &d)?;
+        if is_dir {
+            self.node(&mut st, parent)?.attrs.nlink += 1;
+        }
+        Ok(ino)
+    }
+
+    /// Remove `name` from `parent`; the inode goes when its last link does.
+    pub fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> Result<()> {
+        let mut st = self.state.lock();
+        let mut d = self.dir_of(&mut st, parent)?;
+        let (ino, kind) = *d.get(name).ok_or(Error::Os(libc::ENOENT))?;
+        match (dir, kind == FileKind::Dir) {
+            (true, false) => return Err(Error::Os(libc::ENOTDIR)),
+            (false, true) => return Err(Error::Os(libc::EISDIR)),
+            (true, true) if !self.dir_of(&mut st, ino)?.is_empty() => return Err(Error::Os(libc::ENOTEMPTY)),
+            _ => {}
+        }
+        d.remove(name);
+        self.store_dir(&mut st, parent, &d)?;
+        if dir {
+            self.node(&mut st, parent)?.attrs.nlink -= 1;
+        }
+        let n = self.node(&mut st, ino)?;
+        n.attrs.nlink = n.attrs.nlink.saturating_sub(if dir { 2 } else { 1 });
+        n.attrs.ctime = SystemTime::now();
+        n.dirty = true;
+        if n.attrs.nlink == 0 {
+            self.free_inode(&mut st, ino)?;
+        }
+        Ok(())
+    }
+
+    fn free_inode(&self, st: &mut State, ino: u64) -> Result<()> {
+        let n = st.nodes.remove(&ino).ok_or(Error::Os(libc::ESTALE))?;
+        self.client.exonode_deallocate(&self.rt(&n.path), self.caps.write).map_err(exo)?;
+        if let Some(t) = st.tables.iter_mut().find(|t| t.0 == n.path[0]) {
+            t.2 -= 1;
+        }
+        st.paths.remove(&ino);
+        st.map.set(ino, INODE_SECTORS as u64, false);
+        for (_, start, sectors) in n.extents {
+            st.map.set(start, sectors, false);
+        }
+        Ok(())
+    }
+
+    // ---- contents --------------------------------------------------------------------------
+
+    /// Bytes `off..off + len` of `ino` (clipped at its size).
+    pub fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
+        let mut st = self.state.lock();
+        self.read_at(&mut st, ino, off, len)
+    }
+
+    fn read_at(&self, st: &mut State, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
+        let n = self.node(st, ino)?.clone();
+        let end = (off + len as u64).min(n.attrs.size);
+        if off >= end {
+            return Ok(Vec::new());
+        }
+        if n.extents.is_empty() {
+            let imm = &n.immediate;
+            let mut out = imm.get(off as usize..(end as usize).min(imm.len())).unwrap_or(&[]).to_vec();
+            out.resize((end - off) as usize, 0);
+            return Ok(out);
+        }
+        let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
+        let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
+        self.sectors_io(&n, s0, &mut buf, None)?;
+        let skip = (off - s0 * SECTOR) as usize;
+        Ok(buf[skip..skip + (end - off) as usize].to_vec())
+    }
+
+    /// Read (`write` None) into `buf` or write `write` at file sector `first`, extent by extent.
+    fn sectors_io(&self, n: &Node, first: u64, buf: &mut [u8], write: Option<&[u8]>) -> Result<()> {
+        let t = self.rt(&n.path);
+        let total = (buf.len() as u64).max(write.map_or(0, |w| w.len() as u64)) / SECTOR;
+        let mut logical = 0u64;
+        let mut done = 0u64;
+        for &(_, start, sectors) in &n.extents {
+            let (lo, hi) = (logical, logical + sectors);
+            logical = hi;
+            let want_lo = first + done;
+            if done >= total || want_lo >= hi {
+                continue;
+            }
+            if want_lo < lo {
+                break;
+            }
+            let count = (hi - want_lo).min(total - done);
+            let disk = start + (want_lo - lo);
+            let range = (done * SECTOR) as usize..((done + count) * SECTOR) as usize;
+            match write {
+                Some(w) => self.client.write(&t, self.caps.write, disk, &w[range]).map_err(exo)?,
+                None => self.client.read(&t, self.caps.read, disk, &mut buf[range]).map_err(exo)?,
+            }
+            done += count;
+        }
+        if done < total {
+            return Err(Error::Corrupt(format!("exofs: extents end before sector {}", first + done)));
+        }
+        Ok(())
+    }
+
+    /// Replace the whole content of `ino` with `bytes`.
+    fn set_content(&self, st: &mut State, ino: u64, bytes: &[u8]) -> Result<()> {
+        self.truncate_at(st, ino, 0)?;
+        self.write_at(st, ino, 0, bytes)
+    }
+
+    /// Write `data` at `off`.
+    pub fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<()> {
+        let mut st = self.state.lock();
+        self.write_at(&mut st, ino, off, data)
+    }
+
+    fn write_at(&self, st: &mut State, ino: u64, off: u64, data: &[u8]) -> Result<()> {
+        let end = off + data.len() as u64;
+        let n = self.node(st, ino)?;
+        let size = n.attrs.size.max(end);
+        if n.extents.is_empty() && size as usize <= IMMEDIATE_MAX {
+            let imm = &mut n.immediate;
+            if imm.len() < end as usize {
+                imm.resize(end as usize, 0);
+            }
+            imm[off as usize..end as usize].copy_from_slice(data);
+            n.attrs.size = size;
+            n.dirty = true;
+            let path = n.path;
+            let imm = n.immediate.clone();
+            return self.client.add_data(&self.rt(&path), self.caps.write, Some(IMMEDIATE), &imm).map(|_| ()).map_err(exo);
+        }
+        if n.extents.is_empty() {
+            // Out of the inode: the immediate bytes move to the first extent.
+            let imm = std::mem::take(&mut n.immediate);
+            let path = n.path;
+            self.client.add_data(&self.rt(&path), self.caps.write, Some(IMMEDIATE), &[]).map_err(exo)?;
+            self.grow(st, ino, end.div_ceil(SECTOR))?;
+            if !imm.is_empty() {
+                let node = self.node(st, ino)?.clone();
+                let mut buf = imm.clone();
+                buf.resize(imm.len().div_ceil(SECTOR as usize) * SECTOR as usize, 0);
+                self.sectors_io(&node, 0, &mut [], Some(&buf))?;
+            }
+        } else {
+            self.grow(st, ino, end.div_ceil(SECTOR))?;
+        }
+        let node = self.node(st, ino)?.clone();
+        let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
+        let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
+        // The partial sectors at either end keep what is around the write.
+        let old = node.attrs.size;
+        if !off.is_multiple_of(SECTOR) && s0 * SECTOR < old {
+            self.sectors_io(&node, s0, &mut buf[..SECTOR as usize], None)?;
+        }
+        if !end.is_multiple_of(SECTOR) && (s1 - 1) * SECTOR < old && (s1 - 1 > s0 || off.is_multiple_of(SECTOR)) {
+            let last = buf.len() - SECTOR as usize;
+            self.sectors_io(&node, s1 - 1, &mut buf[last..], None)?;
+        }
+        let skip = (off - s0 * SECTOR) as usize;
+        buf[skip..skip + data.len()].copy_from_slice(data);
+        self.sectors_io(&node, s0, &mut [], Some(&buf))?;
+        let n = self.node(st, ino)?;
+        n.attrs.size = size;
+        n.dirty = true;
+        Ok(())
+    }
+
+    /// Make the extents of `ino` cover `sectors` sectors (new ones zeroed).
+    fn grow(&self, st: &mut State, ino: u64, sectors: u64) -> Result<()> {
+        loop {
+            let n = self.node(st, ino)?;
+            let have: u64 = n.extents.iter().map(|e| e.2).sum();
+            if have >= sectors {
+                return Ok(());
+            }
+            let mut want = have.max(FIRST_EXTENT_SECTORS).min(MAX_EXTENT_SECTORS);
+            let path = n.path;
+            let at = loop {
+                match self.find(st, want, ino) {
+                    Ok(at) => break at,
+                    Err(_) if want > 8 => want /= 2,
+                    Err(e) => return Err(e),
+                }
+            };
+            let entry = self.client.add_extent(&self.rt(&path), self.caps.write, None, at, want).map_err(|e| {
+                st.map.set(at, want, false);
+                exo(e)
+            })?;
+            // Fresh sectors may hold anything: a file reads zeros where it was not written.
+            let zeros = vec![0u8; (want * SECTOR) as usize];
+            self.client.write(&self.rt(&path), self.caps.write, at, &zeros).map_err(exo)?;
+            self.node(st, ino)?.extents.push((entry, at, want));
+        }
+    }
+
+    /// Set the size of `ino`.
+    pub fn truncate(&self, ino: u64, size: u64) -> Result<()> {
+        let mut st = self.state.lock();
+        self.truncate_at(&mut st, ino, size)
+    }
+
+    fn truncate_at(&self, st: &mut State, ino: u64, size: u64) -> Result<()> {
+        let n = self.node(st, ino)?.clone();
+        if size > n.attrs.size {
+            // Zeros: written as such (sparse files are for later).
+            let old = n.attrs.size;
+            let zeros = vec![0u8; (size - old) as usize];
+            return self.write_at(st, ino, old, &zeros);
+        }
+        if n.extents.is_empty() {
+            let node = self.node(st, ino)?;
+            node.immediate.truncate(size as usize);
+            node.attrs.size = size;
+            node.dirty = true;
+            let imm = node.immediate.clone();
+            return self.client.add_data(&self.rt(&n.path), self.caps.write, Some(IMMEDIATE), &imm).map(|_| ()).map_err(exo);
+        }
+        // Drop the extents wholly past the end, and zero the rest of the last sector kept.
+        let keep = size.div_ceil(SECTOR);
+        let mut logical = 0;
+        let mut kept = Vec::new();
+        for &(entry, start, sectors) in &n.extents {
+            if logical >= keep {
+                self.client.remove_entry(&self.rt(&n.path), self.caps.write, entry).map_err(exo)?;
+                st.map.set(start, sectors, false);
+            } else {
+                kept.push((entry, start, sectors));
+            }
+            logical += sectors;
+        }
+        let node = self.node(st, ino)?;
+        node.extents = kept;
+        node.attrs.size = size;
+        node.dirty = true;
+        let node = node.clone();
+        if !size.is_multiple_of(SECTOR) {
+            let s = size / SECTOR;
+            let mut buf = vec![0u8; SECTOR as usize];
+            self.sectors_io(&node, s, &mut buf, None)?;
+            buf[(size % SECTOR) as usize..].fill(0);
+            self.sectors_io(&node, s, &mut [], Some(&buf))?;
+        }
+        Ok(())
+    }
+
+    /// Change attributes (the caller checked who may).
+    pub fn set_attrs(&self, ino: u64, change: impl FnOnce(&mut Inode)) -> Result<Inode> {
+        let mut st = self.state.lock();
+        let n = self.node(&mut st, ino)?;
+        change(&mut n.attrs);
+        n.dirty = true;
+        Ok(n.attrs.clone())
+    }
+
+    /// Write back every changed inode (`EXONODE_WRITE`).
+    pub fn sync(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        let dirty: Vec<u64> = st.nodes.iter().filter(|(_, n)| n.dirty).map(|(i, _)| *i).collect();
+        for ino in dirty {
+            let n = st.nodes.get_mut(&ino).expect("listed");
+            let t = self.rt(&n.path);
+            self.client.add_data(&t, self.caps.write, Some(ATTRS), &n.attrs.encode()).map_err(exo)?;
+            self.client.write_record(&t, self.caps.write).map_err(exo)?;
+            n.dirty = false;
+        }
+        // The tables and R too: they name the inodes.
+        let tables: Vec<u32> = st.tables.iter().map(|t| t.0).collect();
+        for k in tables {
+            self.client.write_record(&self.rt(&[k]), self.caps.write).map_err(exo)?;
+        }
+        Ok(())
+    }
+
+    /// The directory's entries, for tests and tools: names and inode numbers.
+    pub fn names(&self, ino: u64) -> Result<Vec<(OsString, u64)>> {
+        Ok(self.read_dir(ino)?.into_iter().map(|(n, (i, _))| (n, i)).collect())
+    }
+
+    pub fn persistence() -> Persistence {
+        Persistence::Memory
+    }
+}
+
+fn random_caps() -> Caps {
+    let mut b = [0u8; 32];
+    use std::io::Read;
+    let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
+    Caps {
+        read: u128::from_le_bytes(b[..16].try_into().expect("16")) | 1,
+        write: u128::from_le_bytes(b[16..].try_into().expect("16")) | 1,
+    }
+}
