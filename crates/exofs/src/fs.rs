@@ -447,7 +447,7 @@ impl Fs {
             if have >= sectors {
                 return Ok(());
             }
-            let mut want = have.max(FIRST_EXTENT_SECTORS).min(MAX_EXTENT_SECTORS);
+            let mut want = have.clamp(FIRST_EXTENT_SECTORS, MAX_EXTENT_SECTORS);
             let path = n.path;
             let at = loop {
                 match self.find(st, want, ino) {
