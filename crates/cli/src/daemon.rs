@@ -248,10 +248,11 @@ fn serve_inner(
             entry_ttl: opts.entry_ttl,
             attr_ttl: opts.attr_ttl,
             passthrough: opts.passthrough && lower.dir().is_some(),
-            no_passthrough_because: lower
-                .dir()
-                .is_none()
-                .then(|| "a remote stack has no lower files to hand to the kernel".to_owned()),
+            no_passthrough_because: match &lower {
+                crate::tree::Lower::Dir(_) => None,
+                crate::tree::Lower::Remote { .. } => Some("a remote stack has no lower files to hand to the kernel".to_owned()),
+                crate::tree::Lower::Exodisk(_) => Some("exofs has no lower files to hand to the kernel".to_owned()),
+            },
         },
         threads: opts.threads,
         // Across a transport, a longer read-ahead keeps several reads in flight.

@@ -13,10 +13,12 @@ use plyfs_stack::spec::{BranchMode, BranchSpec, LayerSpec};
 use plyfs_stack::{Branch, BranchBuilder, DataPath, Error, Level, LowerDir, Stack};
 use plyfs_transport::Addr;
 
-/// What a stack stands on: a lower directory, or a stack served elsewhere (`remote`).
+/// What a stack stands on: a lower directory, a stack served elsewhere (`remote`), or exofs on
+/// an exodisk service (`exodisk:SOCKET`).
 #[derive(Clone, Debug)]
 pub enum Lower {
     Dir(PathBuf),
+    Exodisk(PathBuf),
     Remote { addr: Addr, name: String, timeout: Duration, psk: Option<PathBuf>, sync: bool },
 }
 
@@ -32,6 +34,12 @@ impl Lower {
             if i + 1 != specs.len() {
                 return Err("layer 'remote' is a bottom layer: it must come last in the stack".into());
             }
+        }
+        if let Some(socket) = arg.to_str().and_then(|a| a.strip_prefix("exodisk:")) {
+            if specs.iter().any(|s| s.kind == "remote") {
+                return Err("exodisk:SOCKET is the bottom: no 'remote' layer over it".into());
+            }
+            return Ok(Lower::Exodisk(PathBuf::from(socket)));
         }
         let given = arg.to_str().and_then(Addr::parse).transpose()?;
         let remote = match specs.last() {
@@ -99,6 +107,11 @@ impl Lower {
     pub fn bottom(&self) -> Result<Level, String> {
         match self {
             Lower::Dir(dir) => LowerDir::level(dir).map_err(|e| e.to_string()),
+            Lower::Exodisk(socket) => {
+                let client = plyfs_exodisk::client::Client::connect(socket, 8 << 20)?;
+                let fs = plyfs_exofs::fs::Fs::open(client, "exofs").map_err(|e| format!("exodisk:{}: {e}", socket.display()))?;
+                Ok(plyfs_exofs::layer::Exofs::new("exofs", fs).level())
+            }
             Lower::Remote { addr, name, timeout, psk, sync } => {
                 let connector = crate::serve::connector(addr, psk.as_deref())?;
                 let remote = plyfs_transport::Remote::connect(name, connector, *timeout).map_err(|e| format!("{addr}: {e}"))?;
@@ -124,7 +137,7 @@ impl Lower {
     pub fn dir(&self) -> Option<&Path> {
         match self {
             Lower::Dir(d) => Some(d),
-            Lower::Remote { .. } => None,
+            Lower::Remote { .. } | Lower::Exodisk(_) => None,
         }
     }
 }
@@ -134,6 +147,7 @@ impl std::fmt::Display for Lower {
         match self {
             Lower::Dir(d) => write!(f, "{}", d.display()),
             Lower::Remote { addr, .. } => write!(f, "{addr}"),
+            Lower::Exodisk(socket) => write!(f, "exodisk:{}", socket.display()),
         }
     }
 }
@@ -226,6 +240,16 @@ pub fn build_stack(
 ) -> Result<Stack, String> {
     let lower = match lower {
         Lower::Dir(dir) => dir,
+        Lower::Exodisk(_) => {
+            if specs.iter().any(|s| plyfs_stack::is_fan_out(plyfs_layers::registry(), &s.kind))
+                || !branches.is_empty()
+                || rules.is_some()
+            {
+                return Err(format!("{lower}: fan-out layers and --rules need lower directories"));
+            }
+            let bottom = lower.bottom()?;
+            return Stack::build_over(specs, plyfs_layers::registry(), vec![bottom]).map_err(|e| e.to_string());
+        }
         Lower::Remote { .. } => {
             if specs.iter().any(|s| plyfs_stack::is_fan_out(plyfs_layers::registry(), &s.kind)) || !branches.is_empty() {
                 return Err(format!("{lower}: a fan-out layer over a remote stack is not supported; serve the tree instead (plyfs serve --stack 'union[...]')"));

@@ -56,6 +56,8 @@ struct State {
     root: u64,
     /// Where the next allocation starts looking (free-map snapshot kept by the client).
     map: plyfs_exodisk::freemap::FreeMap,
+    /// Open descriptors per inode: an inode whose last link goes while open lives until closed.
+    open: HashMap<u64, u32>,
 }
 
 pub struct Fs {
@@ -74,7 +76,14 @@ impl Fs {
             client,
             r,
             caps,
-            state: Mutex::new(State { nodes: HashMap::new(), paths: HashMap::new(), tables: Vec::new(), root: 0, map }),
+            state: Mutex::new(State {
+                nodes: HashMap::new(),
+                paths: HashMap::new(),
+                tables: Vec::new(),
+                root: 0,
+                map,
+                open: HashMap::new(),
+            }),
         };
         let x = fs.client.map(&fs.rt(&[]), caps.read).map_err(|e| e.msg)?;
         if x.entries.is_empty() {
@@ -297,10 +306,150 @@ impl Fs {
         n.attrs.nlink = n.attrs.nlink.saturating_sub(if dir { 2 } else { 1 });
         n.attrs.ctime = SystemTime::now();
         n.dirty = true;
-        if n.attrs.nlink == 0 {
+        if n.attrs.nlink == 0 && !st.open.contains_key(&ino) {
             self.free_inode(&mut st, ino)?;
         }
         Ok(())
+    }
+
+    /// A descriptor of `ino` opened.
+    pub fn opened(&self, ino: u64) {
+        *self.state.lock().open.entry(ino).or_default() += 1;
+    }
+
+    /// A descriptor of `ino` closed: an inode without links goes with its last one.
+    pub fn closed(&self, ino: u64) -> Result<()> {
+        let mut st = self.state.lock();
+        let last = match st.open.get_mut(&ino) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                st.open.remove(&ino);
+                true
+            }
+            None => false,
+        };
+        if last && st.nodes.get(&ino).is_some_and(|n| n.attrs.nlink == 0) {
+            self.free_inode(&mut st, ino)?;
+        }
+        Ok(())
+    }
+
+    /// A second name for `ino`.
+    pub fn link(&self, ino: u64, parent: u64, name: &OsStr) -> Result<Inode> {
+        if !valid_name(name) {
+            return Err(Error::Os(libc::ENAMETOOLONG));
+        }
+        let mut st = self.state.lock();
+        let kind = self.node(&mut st, ino)?.attrs.kind;
+        if kind == FileKind::Dir {
+            return Err(Error::Os(libc::EPERM));
+        }
+        let mut d = self.dir_of(&mut st, parent)?;
+        if d.contains_key(name) {
+            return Err(Error::Os(libc::EEXIST));
+        }
+        d.insert(name.to_owned(), (ino, kind));
+        self.store_dir(&mut st, parent, &d)?;
+        let n = self.node(&mut st, ino)?;
+        n.attrs.nlink += 1;
+        n.attrs.ctime = SystemTime::now();
+        n.dirty = true;
+        Ok(n.attrs.clone())
+    }
+
+    /// `rename(2)`, with `RENAME_NOREPLACE` and `RENAME_EXCHANGE`.
+    pub fn rename(&self, parent: u64, name: &OsStr, new_parent: u64, new_name: &OsStr, flags: u32) -> Result<()> {
+        if !valid_name(new_name) {
+            return Err(Error::Os(libc::ENAMETOOLONG));
+        }
+        let mut st = self.state.lock();
+        let mut from = self.dir_of(&mut st, parent)?;
+        let (ino, kind) = *from.get(name).ok_or(Error::Os(libc::ENOENT))?;
+        let mut to = if new_parent == parent { from.clone() } else { self.dir_of(&mut st, new_parent)? };
+        let existing = to.get(new_name).copied();
+        if flags & libc::RENAME_EXCHANGE != 0 {
+            let (other, okind) = existing.ok_or(Error::Os(libc::ENOENT))?;
+            if new_parent == parent {
+                from.insert(name.to_owned(), (other, okind));
+                from.insert(new_name.to_owned(), (ino, kind));
+                self.store_dir(&mut st, parent, &from)?;
+            } else {
+                from.insert(name.to_owned(), (other, okind));
+                to.insert(new_name.to_owned(), (ino, kind));
+                self.store_dir(&mut st, parent, &from)?;
+                self.store_dir(&mut st, new_parent, &to)?;
+                let moved_dirs = (kind == FileKind::Dir) as i32 - (okind == FileKind::Dir) as i32;
+                self.adjust_links(&mut st, parent, -moved_dirs)?;
+                self.adjust_links(&mut st, new_parent, moved_dirs)?;
+            }
+            for i in [ino, other] {
+                let n = self.node(&mut st, i)?;
+                n.attrs.ctime = SystemTime::now();
+                n.dirty = true;
+            }
+            return Ok(());
+        }
+        if let Some((other, okind)) = existing {
+            if other == ino {
+                return Ok(());
+            }
+            if flags & libc::RENAME_NOREPLACE != 0 {
+                return Err(Error::Os(libc::EEXIST));
+            }
+            match (kind == FileKind::Dir, okind == FileKind::Dir) {
+                (true, false) => return Err(Error::Os(libc::ENOTDIR)),
+                (false, true) => return Err(Error::Os(libc::EISDIR)),
+                (true, true) if !self.dir_of(&mut st, other)?.is_empty() => return Err(Error::Os(libc::ENOTEMPTY)),
+                _ => {}
+            }
+        }
+        from.remove(name);
+        if new_parent == parent {
+            from.insert(new_name.to_owned(), (ino, kind));
+            self.store_dir(&mut st, parent, &from)?;
+        } else {
+            to.insert(new_name.to_owned(), (ino, kind));
+            self.store_dir(&mut st, parent, &from)?;
+            self.store_dir(&mut st, new_parent, &to)?;
+            if kind == FileKind::Dir {
+                self.adjust_links(&mut st, parent, -1)?;
+                self.adjust_links(&mut st, new_parent, 1)?;
+            }
+        }
+        let n = self.node(&mut st, ino)?;
+        n.attrs.ctime = SystemTime::now();
+        n.dirty = true;
+        if let Some((other, okind)) = existing {
+            let n = self.node(&mut st, other)?;
+            n.attrs.nlink = n.attrs.nlink.saturating_sub(if okind == FileKind::Dir { 2 } else { 1 });
+            n.attrs.ctime = SystemTime::now();
+            n.dirty = true;
+            if okind == FileKind::Dir {
+                self.adjust_links(&mut st, new_parent, -1)?;
+            }
+            if self.node(&mut st, other)?.attrs.nlink == 0 && !st.open.contains_key(&other) {
+                self.free_inode(&mut st, other)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn adjust_links(&self, st: &mut State, ino: u64, by: i32) -> Result<()> {
+        let n = self.node(st, ino)?;
+        n.attrs.nlink = (n.attrs.nlink as i64 + by as i64).max(0) as u32;
+        n.dirty = true;
+        Ok(())
+    }
+
+    /// Space: sectors in all, free, and inodes in use.
+    pub fn statfs(&self) -> Result<(u64, u64, u64)> {
+        let mut st = self.state.lock();
+        st.map = self.client.free_map().map_err(exo)?;
+        let inodes = st.tables.iter().map(|t| t.2 as u64).sum();
+        Ok((st.map.sectors(), st.map.sectors() - st.map.allocated(), inodes))
     }
 
     fn free_inode(&self, st: &mut State, ino: u64) -> Result<()> {

@@ -6,3 +6,4 @@
 
 pub mod format;
 pub mod fs;
+pub mod layer;

@@ -1,0 +1,298 @@
+//! exofs as a plyfs bottom layer: `plyfs mount exodisk:SOCKET MNT --stack ...`.
+//!
+//! Node ids are inode numbers (exonode sectors); node 1, the mount's root, stands for the root
+//! directory's inode. The kernel checks permissions (`default_permissions`); this layer keeps
+//! the attributes that make those checks right, as a kernel file system's `inode_init_owner`
+//! does for new objects.
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::SystemTime;
+
+use plyfs_stack::{
+    Attr, Caller, DirEntry, Entry, Error, FileHandle, FileKind, Layer, Level, NodeId, Op, Opened, Reply, Result, StatFs, TimeSet,
+    XattrReply,
+};
+
+use crate::format::Inode;
+use crate::fs::Fs;
+
+pub struct Exofs {
+    name: String,
+    fs: Fs,
+    next_fh: AtomicU64,
+}
+
+impl Exofs {
+    pub fn new(name: &str, fs: Fs) -> Exofs {
+        Exofs { name: name.to_owned(), fs, next_fh: AtomicU64::new(1) }
+    }
+
+    pub fn level(self) -> Level {
+        Level::new(std::sync::Arc::new(self))
+    }
+
+    fn ino(&self, n: NodeId) -> u64 {
+        if n == NodeId::ROOT {
+            self.fs.root()
+        } else {
+            n.0
+        }
+    }
+
+    fn node(&self, ino: u64) -> NodeId {
+        if ino == self.fs.root() {
+            NodeId::ROOT
+        } else {
+            NodeId(ino)
+        }
+    }
+
+    fn attr(i: &Inode) -> Attr {
+        Attr {
+            size: i.size,
+            blocks: i.size.div_ceil(512),
+            atime: i.atime,
+            mtime: i.mtime,
+            ctime: i.ctime,
+            kind: i.kind,
+            perm: i.perm,
+            nlink: i.nlink,
+            uid: i.uid,
+            gid: i.gid,
+            rdev: i.rdev,
+            blksize: 4096,
+        }
+    }
+
+    fn entry(&self, ino: u64, i: &Inode) -> Entry {
+        Entry { node: self.node(ino), attr: Self::attr(i), generation: i.generation }
+    }
+
+    /// A new object's attributes, as `inode_init_owner`: the caller's ids, or the directory's
+    /// group when it is set-group-ID (which a new directory inherits).
+    fn new_inode(&self, cx: &Caller, parent: u64, kind: FileKind, mode: u32, rdev: u32) -> Result<Inode> {
+        let p = self.fs.getattr(parent)?;
+        let mut perm = (mode & 0o7777) as u16;
+        let gid = if p.perm & libc::S_ISGID as u16 != 0 {
+            if kind == FileKind::Dir {
+                perm |= libc::S_ISGID as u16;
+            }
+            p.gid
+        } else {
+            cx.gid
+        };
+        if kind != FileKind::Dir
+            && perm & libc::S_ISGID as u16 != 0
+            && perm & libc::S_IXGRP as u16 != 0
+            && gid != cx.gid
+            && cx.uid != 0
+        {
+            perm &= !(libc::S_ISGID as u16);
+        }
+        let now = SystemTime::now();
+        Ok(Inode {
+            kind,
+            perm,
+            uid: cx.uid,
+            gid,
+            nlink: if kind == FileKind::Dir { 2 } else { 1 },
+            rdev,
+            size: 0,
+            atime: now,
+            mtime: now,
+            ctime: now,
+            generation: 1,
+        })
+    }
+
+    fn make(&self, cx: &Caller, parent: NodeId, name: &OsStr, kind: FileKind, mode: u32, rdev: u32, content: &[u8]) -> Result<Entry> {
+        let parent = self.ino(parent);
+        let attrs = self.new_inode(cx, parent, kind, mode, rdev)?;
+        let ino = self.fs.make(parent, name, attrs, content)?;
+        Ok(self.entry(ino, &self.fs.getattr(ino)?))
+    }
+
+    fn opened(&self, ino: u64) -> Opened {
+        self.fs.opened(ino);
+        Opened { fh: FileHandle(self.next_fh.fetch_add(1, Ordering::Relaxed)), backing: None, direct_io: false, flush_on_close: false }
+    }
+}
+
+fn when(t: TimeSet) -> SystemTime {
+    match t {
+        TimeSet::Now => SystemTime::now(),
+        TimeSet::At(t) => t,
+    }
+}
+
+impl Layer for Exofs {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> &'static str {
+        "exofs"
+    }
+
+    fn lower(&self) -> &[Level] {
+        &[]
+    }
+
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        match *op {
+            Op::Lookup { parent, name } => {
+                if name.len() > 255 {
+                    return Err(Error::Os(libc::ENAMETOOLONG));
+                }
+                let (ino, attrs) = self.fs.lookup(self.ino(parent), name)?;
+                Ok(Reply::Entry(self.entry(ino, &attrs)))
+            }
+            Op::Forget { .. } => Ok(Reply::Empty),
+            Op::GetAttr { node, .. } => Ok(Reply::Attr(Self::attr(&self.fs.getattr(self.ino(node))?))),
+            Op::SetAttr { node, set, .. } => {
+                let ino = self.ino(node);
+                if let Some(size) = set.size {
+                    if self.fs.getattr(ino)?.kind == FileKind::Dir {
+                        return Err(Error::Os(libc::EISDIR));
+                    }
+                    self.fs.truncate(ino, size)?;
+                }
+                let now = SystemTime::now();
+                let attrs = self.fs.set_attrs(ino, |a| {
+                    if let Some(m) = set.mode {
+                        a.perm = (m & 0o7777) as u16;
+                    }
+                    if let Some(u) = set.uid {
+                        a.uid = u;
+                    }
+                    if let Some(g) = set.gid {
+                        a.gid = g;
+                    }
+                    if let Some(t) = set.atime {
+                        a.atime = when(t);
+                    }
+                    if let Some(t) = set.mtime {
+                        a.mtime = when(t);
+                    }
+                    if set.size.is_some() && set.mtime.is_none() {
+                        a.mtime = now;
+                    }
+                    a.ctime = now;
+                })?;
+                Ok(Reply::Attr(Self::attr(&attrs)))
+            }
+            Op::ReadLink { node } => {
+                let ino = self.ino(node);
+                let a = self.fs.getattr(ino)?;
+                if a.kind != FileKind::Symlink {
+                    return Err(Error::Os(libc::EINVAL));
+                }
+                Ok(Reply::Data(self.fs.read(ino, 0, a.size as usize)?))
+            }
+            Op::MkNod { parent, name, mode, rdev } => {
+                let kind = FileKind::from_mode(mode).ok_or(Error::Os(libc::EINVAL))?;
+                Ok(Reply::Entry(self.make(cx, parent, name, kind, mode, rdev, &[])?))
+            }
+            Op::MkDir { parent, name, mode } => Ok(Reply::Entry(self.make(cx, parent, name, FileKind::Dir, mode, 0, &[])?)),
+            Op::SymLink { parent, name, target } => {
+                let t = target.as_os_str().as_bytes();
+                if t.is_empty() || t.len() >= libc::PATH_MAX as usize {
+                    return Err(Error::Os(if t.is_empty() { libc::ENOENT } else { libc::ENAMETOOLONG }));
+                }
+                Ok(Reply::Entry(self.make(cx, parent, name, FileKind::Symlink, 0o777, 0, t)?))
+            }
+            Op::Unlink { parent, name } => self.fs.remove(self.ino(parent), name, false).map(|()| Reply::Empty),
+            Op::RmDir { parent, name } => self.fs.remove(self.ino(parent), name, true).map(|()| Reply::Empty),
+            Op::Rename { parent, name, new_parent, new_name, flags } => {
+                self.fs.rename(self.ino(parent), name, self.ino(new_parent), new_name, flags).map(|()| Reply::Empty)
+            }
+            Op::Link { node, new_parent, new_name } => {
+                let ino = self.ino(node);
+                let attrs = self.fs.link(ino, self.ino(new_parent), new_name)?;
+                Ok(Reply::Entry(self.entry(ino, &attrs)))
+            }
+            Op::Open { node, .. } => Ok(Reply::Opened(self.opened(self.ino(node)))),
+            Op::Create { parent, name, mode, .. } => {
+                let e = self.make(cx, parent, name, FileKind::File, mode, 0, &[])?;
+                let o = self.opened(self.ino(e.node));
+                Ok(Reply::Created(e, o))
+            }
+            Op::Read { node, offset, size, .. } => Ok(Reply::Data(self.fs.read(self.ino(node), offset, size as usize)?)),
+            Op::Write { node, offset, data, .. } => {
+                let ino = self.ino(node);
+                self.fs.write(ino, offset, data)?;
+                let now = SystemTime::now();
+                self.fs.set_attrs(ino, |a| {
+                    a.mtime = now;
+                    a.ctime = now;
+                })?;
+                Ok(Reply::Written(data.len() as u32))
+            }
+            Op::Flush { .. } => Ok(Reply::Empty),
+            Op::Fsync { .. } | Op::FsyncDir { .. } => self.fs.sync().map(|()| Reply::Empty),
+            Op::Release { node, .. } => self.fs.closed(self.ino(node)).map(|()| Reply::Empty),
+            Op::OpenDir { node } => {
+                let ino = self.ino(node);
+                if self.fs.getattr(ino)?.kind != FileKind::Dir {
+                    return Err(Error::Os(libc::ENOTDIR));
+                }
+                Ok(Reply::Opened(Opened { fh: FileHandle(0), backing: None, direct_io: false, flush_on_close: false }))
+            }
+            Op::ReadDir { node, offset, max_entries, plus, .. } => {
+                let ino = self.ino(node);
+                let dir = self.fs.read_dir(ino)?;
+                let mut out = Vec::new();
+                let dots = [(".", node), ("..", node)];
+                let all = dots
+                    .iter()
+                    .map(|(n, id)| (OsStr::new(n).to_owned(), *id, FileKind::Dir, true))
+                    .chain(dir.into_iter().map(|(n, (i, k))| (n, self.node(i), k, false)));
+                for (i, (name, id, kind, dot)) in all.enumerate().skip(offset as usize) {
+                    if out.len() as u32 >= max_entries {
+                        break;
+                    }
+                    let entry = if plus && !dot {
+                        match self.fs.getattr(self.ino(id)) {
+                            Ok(a) => Some(self.entry(self.ino(id), &a)),
+                            Err(_) => continue,
+                        }
+                    } else {
+                        None
+                    };
+                    out.push(DirEntry { name, node: id, kind, next_offset: i as u64 + 1, entry });
+                }
+                Ok(Reply::Dir(out))
+            }
+            Op::ReleaseDir { .. } => Ok(Reply::Empty),
+            Op::StatFs { .. } => {
+                let (sectors, free, inodes) = self.fs.statfs()?;
+                Ok(Reply::StatFs(StatFs {
+                    blocks: sectors / 8,
+                    bfree: free / 8,
+                    bavail: free / 8,
+                    files: inodes + free / 2,
+                    ffree: free / 2,
+                    bsize: 4096,
+                    namelen: 255,
+                    frsize: 4096,
+                }))
+            }
+            Op::Access { .. } => Ok(Reply::Empty),
+            Op::GetXattr { .. } => Err(Error::Os(libc::ENODATA)),
+            Op::ListXattr { size, .. } => Ok(Reply::Xattr(if size == 0 { XattrReply::Size(0) } else { XattrReply::Data(Vec::new()) })),
+            Op::SetXattr { .. } => Err(Error::Os(libc::ENOTSUP)),
+            Op::RemoveXattr { .. } => Err(Error::Os(libc::ENODATA)),
+            Op::Fallocate { .. } => Err(Error::Os(libc::EOPNOTSUPP)),
+            Op::Lseek { .. } => Err(Error::Os(libc::ENOSYS)),
+            Op::Extended { name, .. } => Err(Error::UnsupportedOp { op: name.to_owned(), layers: vec![self.name.clone()] }),
+        }
+    }
+
+    fn shutdown(&self) {
+        if let Err(e) = self.fs.sync() {
+            tracing::error!("exofs: writing back at unmount: {e:?}");
+        }
+    }
+}
