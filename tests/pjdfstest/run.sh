@@ -519,6 +519,21 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
     mount_stack=${mount_stack%,}
     mount_stack=${mount_stack:-null}
   fi
+  # A stack ending in `exofs` mounts exofs on an exodisk volume of its own (an image in the work
+  # directory, served by `plyfs exodisk serve`); the layers before `exofs` run in the mount.
+  if [[ ",$mount_stack" == *,exofs ]]; then
+    img=$WORK/$i.img
+    "$PLYFS" exodisk format "$img" --size 512M >/dev/null
+    "$PLYFS" exodisk serve "$img" --socket "$WORK/$i.exo.sock" 2>"$RESULTS/$label.server.log" &
+    server=$!
+    SERVERS+=("$server")
+    for _ in $(seq 200); do [ -S "$WORK/$i.exo.sock" ] && break; sleep 0.05; done
+    [ -S "$WORK/$i.exo.sock" ] || die "plyfs exodisk serve did not make its socket (see $RESULTS/$label.server.log)"
+    mount_lower=exodisk:$WORK/$i.exo.sock
+    mount_stack=${mount_stack%exofs}
+    mount_stack=${mount_stack%,}
+    mount_stack=${mount_stack:-null}
+  fi
   out=$(timeout 60 "$PLYFS" mount "$mount_lower" "$mnt" --stack "$mount_stack" ${extra[@]+"${extra[@]}"} -o "$opts" --log "$RESULTS/$label.daemon.log" 2>&1) || {
     echo "$out" >&2
     {
