@@ -3,7 +3,9 @@
 //! An inode is an exonode; its number is the exonode's sector. Its entries are:
 //! - 0: the attributes ([`Inode`]), as application data;
 //! - 1: immediate data: a small file's bytes, a symlink's target, or a small directory's records;
-//! - 2 onwards: extents holding the rest, in file order.
+//! - 2: the extent map: for each extent entry, the file sector it starts at (holes between
+//!   extents read as zeros);
+//! - 3 onwards: extents holding the rest.
 //!
 //! A directory's contents are records `name length (u8) | name | inode (u64 LE) | kind (u8)`.
 
@@ -18,8 +20,8 @@ use plyfs_stack::FileKind;
 pub const ATTRS: u32 = 0;
 /// The immediate-data entry.
 pub const IMMEDIATE: u32 = 1;
-/// The first extent entry.
-pub const FIRST_EXTENT: u32 = 2;
+/// The extent map entry.
+pub const MAP: u32 = 2;
 
 const VERSION: u8 = 1;
 
@@ -178,6 +180,25 @@ pub fn decode_dir(mut b: &[u8]) -> Result<Dir, Corrupt> {
         b = &b[10 + n..];
     }
     Ok(d)
+}
+
+/// The extent map: (entry, file sector) pairs.
+pub fn encode_map(m: &[(u32, u64)]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(m.len() * 12);
+    for (e, l) in m {
+        b.extend_from_slice(&e.to_le_bytes());
+        b.extend_from_slice(&l.to_le_bytes());
+    }
+    b
+}
+
+pub fn decode_map(b: &[u8]) -> Result<Vec<(u32, u64)>, Corrupt> {
+    if b.len() % 12 != 0 {
+        return Err(Corrupt("extent map length"));
+    }
+    Ok(b.chunks(12)
+        .map(|c| (u32::from_le_bytes(c[..4].try_into().expect("4")), u64::from_le_bytes(c[4..].try_into().expect("8"))))
+        .collect())
 }
 
 /// `name` as a directory may hold it.

@@ -16,7 +16,7 @@ use plyfs_exodisk::object::Caps;
 use plyfs_exodisk::proto::WEntry;
 use plyfs_stack::{Error, FileKind, Result};
 
-use crate::format::{decode_dir, encode_dir, valid_name, Dir, Inode, ATTRS, FIRST_EXTENT, IMMEDIATE};
+use crate::format::{decode_dir, decode_map, encode_dir, encode_map, valid_name, Dir, Inode, ATTRS, IMMEDIATE, MAP};
 
 /// Sectors of an inode exonode, and of an inode table.
 pub const INODE_SECTORS: u32 = 2;
@@ -24,7 +24,6 @@ pub const TABLE_SECTORS: u32 = 32;
 /// Bytes kept inside the inode.
 pub const IMMEDIATE_MAX: usize = 480;
 /// The first extent of a file, in sectors (64 KiB); later ones double, up to `MAX_EXTENT`.
-const FIRST_EXTENT_SECTORS: u64 = 128;
 const MAX_EXTENT_SECTORS: u64 = 65536;
 const SECTOR: u64 = 512;
 const MAGIC: &[u8; 8] = b"EXOFS\0\0\x01";
@@ -36,14 +35,23 @@ fn exo(e: ExoError) -> Error {
     Error::Os(e.errno)
 }
 
+/// An extent of a file: its entry in the inode, where it is on the volume, and where in the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Ext {
+    entry: u32,
+    start: u64,
+    sectors: u64,
+    logical: u64,
+}
+
 #[derive(Clone, Debug)]
 struct Node {
     /// Entry numbers from R: the table, then the inode.
     path: [u32; 2],
     attrs: Inode,
     immediate: Vec<u8>,
-    /// Extents in file order: (entry, first sector, sectors).
-    extents: Vec<(u32, u64, u64)>,
+    /// Extents by the file sector they start at (holes between them read as zeros).
+    extents: Vec<Ext>,
     dirty: bool,
 }
 
@@ -186,6 +194,7 @@ impl Fs {
         let t = self.rt(&path);
         self.client.add_data(&t, self.caps.write, Some(ATTRS), &attrs.encode()).map_err(exo)?;
         self.client.add_data(&t, self.caps.write, Some(IMMEDIATE), &[]).map_err(exo)?;
+        self.client.add_data(&t, self.caps.write, Some(MAP), &[]).map_err(exo)?;
         st.nodes.insert(at, Node { path, attrs, immediate: Vec::new(), extents: Vec::new(), dirty: false });
         Ok(at)
     }
@@ -208,16 +217,21 @@ impl Fs {
                 Some(WEntry::Data(d)) => d.to_vec(),
                 _ => return Err(corrupt("no immediate data")),
             };
-            let extents = x
-                .entries
-                .iter()
-                .enumerate()
-                .skip(FIRST_EXTENT as usize)
-                .filter_map(|(i, e)| match e {
-                    WEntry::Extent { start, sectors } => Some((i as u32, *start, *sectors)),
-                    _ => None,
-                })
-                .collect();
+            let map = match x.entries.get(MAP as usize) {
+                Some(WEntry::Data(d)) => decode_map(d).map_err(|e| corrupt(&e.to_string()))?,
+                _ => return Err(corrupt("no extent map")),
+            };
+            let mut extents = Vec::new();
+            for (entry, logical) in map {
+                match x.entries.get(entry as usize) {
+                    Some(WEntry::Extent { start, sectors }) => extents.push(Ext { entry, start: *start, sectors: *sectors, logical }),
+                    _ => return Err(corrupt("the extent map names an entry that is not an extent")),
+                }
+            }
+            extents.sort_by_key(|e| e.logical);
+            if extents.windows(2).any(|w| w[0].logical + w[0].sectors > w[1].logical) {
+                return Err(corrupt("overlapping extents"));
+            }
             st.nodes.insert(ino, Node { path, attrs, immediate, extents, dirty: false });
         }
         Ok(st.nodes.get_mut(&ino).expect("loaded"))
@@ -460,8 +474,8 @@ impl Fs {
         }
         st.paths.remove(&ino);
         st.map.set(ino, INODE_SECTORS as u64, false);
-        for (_, start, sectors) in n.extents {
-            st.map.set(start, sectors, false);
+        for e in n.extents {
+            st.map.set(e.start, e.sectors, false);
         }
         Ok(())
     }
@@ -488,38 +502,65 @@ impl Fs {
         }
         let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
         let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
-        self.sectors_io(&n, s0, &mut buf, None)?;
+        self.read_sectors(&n, s0, &mut buf)?;
         let skip = (off - s0 * SECTOR) as usize;
         Ok(buf[skip..skip + (end - off) as usize].to_vec())
     }
 
-    /// Read (`write` None) into `buf` or write `write` at file sector `first`, extent by extent.
-    fn sectors_io(&self, n: &Node, first: u64, buf: &mut [u8], write: Option<&[u8]>) -> Result<()> {
-        let t = self.rt(&n.path);
-        let total = (buf.len() as u64).max(write.map_or(0, |w| w.len() as u64)) / SECTOR;
-        let mut logical = 0u64;
-        let mut done = 0u64;
-        for &(_, start, sectors) in &n.extents {
-            let (lo, hi) = (logical, logical + sectors);
-            logical = hi;
-            let want_lo = first + done;
-            if done >= total || want_lo >= hi {
-                continue;
-            }
-            if want_lo < lo {
+    /// The pieces of file sectors `s0..s1`: (file sector, count, volume sector or `None` for a
+    /// hole).
+    fn pieces(n: &Node, s0: u64, s1: u64) -> Vec<(u64, u64, Option<u64>)> {
+        let mut out = Vec::new();
+        let mut at = s0;
+        for e in &n.extents {
+            if at >= s1 {
                 break;
             }
-            let count = (hi - want_lo).min(total - done);
-            let disk = start + (want_lo - lo);
-            let range = (done * SECTOR) as usize..((done + count) * SECTOR) as usize;
-            match write {
-                Some(w) => self.client.write(&t, self.caps.write, disk, &w[range]).map_err(exo)?,
-                None => self.client.read(&t, self.caps.read, disk, &mut buf[range]).map_err(exo)?,
+            let (lo, hi) = (e.logical, e.logical + e.sectors);
+            if hi <= at {
+                continue;
             }
-            done += count;
+            if lo >= s1 {
+                break;
+            }
+            if lo > at {
+                out.push((at, lo - at, None));
+                at = lo;
+            }
+            let end = hi.min(s1);
+            out.push((at, end - at, Some(e.start + (at - lo))));
+            at = end;
         }
-        if done < total {
-            return Err(Error::Corrupt(format!("exofs: extents end before sector {}", first + done)));
+        if at < s1 {
+            out.push((at, s1 - at, None));
+        }
+        out
+    }
+
+    /// Read file sectors from `first` into `buf` (holes are zeros).
+    fn read_sectors(&self, n: &Node, first: u64, buf: &mut [u8]) -> Result<()> {
+        let t = self.rt(&n.path);
+        let count = buf.len() as u64 / SECTOR;
+        for (at, len, disk) in Self::pieces(n, first, first + count) {
+            let range = ((at - first) * SECTOR) as usize..((at - first + len) * SECTOR) as usize;
+            match disk {
+                Some(d) => self.client.read(&t, self.caps.read, d, &mut buf[range]).map_err(exo)?,
+                None => buf[range].fill(0),
+            }
+        }
+        Ok(())
+    }
+
+    /// Write `data` (whole sectors) at file sector `first`; every sector must be covered.
+    fn write_sectors(&self, n: &Node, first: u64, data: &[u8]) -> Result<()> {
+        let t = self.rt(&n.path);
+        let count = data.len() as u64 / SECTOR;
+        for (at, len, disk) in Self::pieces(n, first, first + count) {
+            let range = ((at - first) * SECTOR) as usize..((at - first + len) * SECTOR) as usize;
+            match disk {
+                Some(d) => self.client.write(&t, self.caps.write, d, &data[range]).map_err(exo)?,
+                None => return Err(Error::Corrupt(format!("exofs: writing into a hole at file sector {at}"))),
+            }
         }
         Ok(())
     }
@@ -536,84 +577,119 @@ impl Fs {
         self.write_at(&mut st, ino, off, data)
     }
 
+    fn store_immediate(&self, path: [u32; 2], bytes: &[u8]) -> Result<()> {
+        self.client.add_data(&self.rt(&path), self.caps.write, Some(IMMEDIATE), bytes).map(|_| ()).map_err(exo)
+    }
+
+    fn store_map(&self, n: &Node) -> Result<()> {
+        let map: Vec<(u32, u64)> = n.extents.iter().map(|e| (e.entry, e.logical)).collect();
+        self.client.add_data(&self.rt(&n.path), self.caps.write, Some(MAP), &encode_map(&map)).map(|_| ()).map_err(exo)
+    }
+
     fn write_at(&self, st: &mut State, ino: u64, off: u64, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
         let end = off + data.len() as u64;
         let n = self.node(st, ino)?;
         let size = n.attrs.size.max(end);
         if n.extents.is_empty() && size as usize <= IMMEDIATE_MAX {
-            let imm = &mut n.immediate;
+            let mut imm = n.immediate.clone();
             if imm.len() < end as usize {
                 imm.resize(end as usize, 0);
             }
             imm[off as usize..end as usize].copy_from_slice(data);
+            self.store_immediate(n.path, &imm)?;
+            let n = self.node(st, ino)?;
+            n.immediate = imm;
             n.attrs.size = size;
             n.dirty = true;
-            let path = n.path;
+            return Ok(());
+        }
+        if n.extents.is_empty() && !n.immediate.is_empty() {
+            // Out of the inode: the immediate bytes go first, into extents of their own.
             let imm = n.immediate.clone();
-            return self.client.add_data(&self.rt(&path), self.caps.write, Some(IMMEDIATE), &imm).map(|_| ()).map_err(exo);
+            let old = n.attrs.size;
+            self.cover(st, ino, 0, (imm.len() as u64).div_ceil(SECTOR))?;
+            let mut buf = imm.clone();
+            buf.resize(imm.len().div_ceil(SECTOR as usize) * SECTOR as usize, 0);
+            let node = self.node(st, ino)?.clone();
+            self.write_sectors(&node, 0, &buf)?;
+            let path = node.path;
+            self.store_immediate(path, &[])?;
+            let n = self.node(st, ino)?;
+            n.immediate.clear();
+            n.attrs.size = old;
         }
-        if n.extents.is_empty() {
-            // Out of the inode: the immediate bytes move to the first extent.
-            let imm = std::mem::take(&mut n.immediate);
-            let path = n.path;
-            self.client.add_data(&self.rt(&path), self.caps.write, Some(IMMEDIATE), &[]).map_err(exo)?;
-            self.grow(st, ino, end.div_ceil(SECTOR))?;
-            if !imm.is_empty() {
-                let node = self.node(st, ino)?.clone();
-                let mut buf = imm.clone();
-                buf.resize(imm.len().div_ceil(SECTOR as usize) * SECTOR as usize, 0);
-                self.sectors_io(&node, 0, &mut [], Some(&buf))?;
-            }
-        } else {
-            self.grow(st, ino, end.div_ceil(SECTOR))?;
-        }
-        let node = self.node(st, ino)?.clone();
         let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
+        // What was there before (for partial sectors), then the new extents.
+        let before = self.node(st, ino)?.clone();
         let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
-        // The partial sectors at either end keep what is around the write.
-        let old = node.attrs.size;
-        if !off.is_multiple_of(SECTOR) && s0 * SECTOR < old {
-            self.sectors_io(&node, s0, &mut buf[..SECTOR as usize], None)?;
+        if !off.is_multiple_of(SECTOR) {
+            self.read_sectors(&before, s0, &mut buf[..SECTOR as usize])?;
         }
-        if !end.is_multiple_of(SECTOR) && (s1 - 1) * SECTOR < old && (s1 - 1 > s0 || off.is_multiple_of(SECTOR)) {
+        if !end.is_multiple_of(SECTOR) && (s1 - 1 > s0 || off.is_multiple_of(SECTOR)) {
             let last = buf.len() - SECTOR as usize;
-            self.sectors_io(&node, s1 - 1, &mut buf[last..], None)?;
+            self.read_sectors(&before, s1 - 1, &mut buf[last..])?;
         }
         let skip = (off - s0 * SECTOR) as usize;
         buf[skip..skip + data.len()].copy_from_slice(data);
-        self.sectors_io(&node, s0, &mut [], Some(&buf))?;
+        self.cover(st, ino, s0, s1)?;
+        let node = self.node(st, ino)?.clone();
+        self.write_sectors(&node, s0, &buf)?;
         let n = self.node(st, ino)?;
         n.attrs.size = size;
         n.dirty = true;
         Ok(())
     }
 
-    /// Make the extents of `ino` cover `sectors` sectors (new ones zeroed).
-    fn grow(&self, st: &mut State, ino: u64, sectors: u64) -> Result<()> {
-        loop {
-            let n = self.node(st, ino)?;
-            let have: u64 = n.extents.iter().map(|e| e.2).sum();
-            if have >= sectors {
-                return Ok(());
-            }
-            let mut want = have.clamp(FIRST_EXTENT_SECTORS, MAX_EXTENT_SECTORS);
-            let path = n.path;
-            let at = loop {
-                match self.find(st, want, ino) {
-                    Ok(at) => break at,
-                    Err(_) if want > 8 => want /= 2,
-                    Err(e) => return Err(e),
+    /// Give the holes in file sectors `s0..s1` extents of their own, near what comes before.
+    fn cover(&self, st: &mut State, ino: u64, s0: u64, s1: u64) -> Result<()> {
+        let holes: Vec<(u64, u64)> =
+            Self::pieces(self.node(st, ino)?, s0, s1).into_iter().filter(|p| p.2.is_none()).map(|p| (p.0, p.1)).collect();
+        for (mut at, mut len) in holes {
+            while len > 0 {
+                let n = self.node(st, ino)?.clone();
+                let prev = n.extents.iter().filter(|e| e.logical + e.sectors <= at).max_by_key(|e| e.logical).copied();
+                let near = prev.map_or(ino, |p| p.start + p.sectors);
+                let mut want = len.min(MAX_EXTENT_SECTORS);
+                let start = loop {
+                    match self.find(st, want, near) {
+                        Ok(s) => break s,
+                        Err(_) if want > 8 => want = want.div_ceil(2),
+                        Err(e) => return Err(e),
+                    }
+                };
+                let t = self.rt(&n.path);
+                let entry = match self.client.add_extent(&t, self.caps.write, None, start, want) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        st.map.set(start, want, false);
+                        return Err(exo(e));
+                    }
+                };
+                let mut ext = Ext { entry, start, sectors: want, logical: at };
+                // Right after the previous extent on the volume and in the file: one extent.
+                let mut merged = None;
+                if let Some(p) = prev.filter(|p| p.start + p.sectors == start && p.logical + p.sectors == at) {
+                    if self.client.combine(&t, self.caps.write, p.entry, entry).is_ok() {
+                        ext = Ext { entry: p.entry, start: p.start, sectors: p.sectors + want, logical: p.logical };
+                        merged = Some(p.entry);
+                    }
                 }
-            };
-            let entry = self.client.add_extent(&self.rt(&path), self.caps.write, None, at, want).map_err(|e| {
-                st.map.set(at, want, false);
-                exo(e)
-            })?;
-            // Fresh sectors may hold anything: a file reads zeros where it was not written.
-            let zeros = vec![0u8; (want * SECTOR) as usize];
-            self.client.write(&self.rt(&path), self.caps.write, at, &zeros).map_err(exo)?;
-            self.node(st, ino)?.extents.push((entry, at, want));
+                let node = self.node(st, ino)?;
+                if let Some(m) = merged {
+                    node.extents.retain(|e| e.entry != m);
+                }
+                node.extents.push(ext);
+                node.extents.sort_by_key(|e| e.logical);
+                let node = node.clone();
+                self.store_map(&node)?;
+                at += want;
+                len -= want;
+            }
         }
+        Ok(())
     }
 
     /// Set the size of `ino`.
@@ -624,44 +700,66 @@ impl Fs {
 
     fn truncate_at(&self, st: &mut State, ino: u64, size: u64) -> Result<()> {
         let n = self.node(st, ino)?.clone();
-        if size > n.attrs.size {
-            // Zeros: written as such (sparse files are for later).
-            let old = n.attrs.size;
-            let zeros = vec![0u8; (size - old) as usize];
-            return self.write_at(st, ino, old, &zeros);
-        }
-        if n.extents.is_empty() {
+        if size >= n.attrs.size {
+            // Longer: a hole (immediate data is zero-filled in place).
+            if n.extents.is_empty() && size as usize <= IMMEDIATE_MAX {
+                let mut imm = n.immediate.clone();
+                imm.resize(size as usize, 0);
+                self.store_immediate(n.path, &imm)?;
+                self.node(st, ino)?.immediate = imm;
+            } else if n.extents.is_empty() && !n.immediate.is_empty() {
+                // Move the bytes out first, as a write does.
+                let imm = n.immediate.clone();
+                self.write_at(st, ino, 0, &imm)?;
+            }
             let node = self.node(st, ino)?;
-            node.immediate.truncate(size as usize);
             node.attrs.size = size;
             node.dirty = true;
-            let imm = node.immediate.clone();
-            return self.client.add_data(&self.rt(&n.path), self.caps.write, Some(IMMEDIATE), &imm).map(|_| ()).map_err(exo);
+            return Ok(());
         }
-        // Drop the extents wholly past the end, and zero the rest of the last sector kept.
+        if n.extents.is_empty() {
+            let mut imm = n.immediate.clone();
+            imm.truncate(size as usize);
+            self.store_immediate(n.path, &imm)?;
+            let node = self.node(st, ino)?;
+            node.immediate = imm;
+            node.attrs.size = size;
+            node.dirty = true;
+            return Ok(());
+        }
+        // Extents wholly past the end go; one that straddles it is split there; the rest of the
+        // last sector kept is zeroed (so that a later extension reads zeros).
         let keep = size.div_ceil(SECTOR);
-        let mut logical = 0;
+        let t = self.rt(&n.path);
         let mut kept = Vec::new();
-        for &(entry, start, sectors) in &n.extents {
-            if logical >= keep {
-                self.client.remove_entry(&self.rt(&n.path), self.caps.write, entry).map_err(exo)?;
-                st.map.set(start, sectors, false);
+        for e in &n.extents {
+            if e.logical >= keep {
+                self.client.remove_entry(&t, self.caps.write, e.entry).map_err(exo)?;
+                st.map.set(e.start, e.sectors, false);
+            } else if e.logical + e.sectors > keep {
+                let at = keep - e.logical;
+                let tail = self.client.split(&t, self.caps.write, e.entry, at, None).map_err(exo)?;
+                self.client.remove_entry(&t, self.caps.write, tail).map_err(exo)?;
+                st.map.set(e.start + at, e.sectors - at, false);
+                kept.push(Ext { sectors: at, ..*e });
             } else {
-                kept.push((entry, start, sectors));
+                kept.push(*e);
             }
-            logical += sectors;
         }
         let node = self.node(st, ino)?;
         node.extents = kept;
         node.attrs.size = size;
         node.dirty = true;
         let node = node.clone();
+        self.store_map(&node)?;
         if !size.is_multiple_of(SECTOR) {
             let s = size / SECTOR;
-            let mut buf = vec![0u8; SECTOR as usize];
-            self.sectors_io(&node, s, &mut buf, None)?;
-            buf[(size % SECTOR) as usize..].fill(0);
-            self.sectors_io(&node, s, &mut [], Some(&buf))?;
+            if Self::pieces(&node, s, s + 1)[0].2.is_some() {
+                let mut buf = vec![0u8; SECTOR as usize];
+                self.read_sectors(&node, s, &mut buf)?;
+                buf[(size % SECTOR) as usize..].fill(0);
+                self.write_sectors(&node, s, &buf)?;
+            }
         }
         Ok(())
     }

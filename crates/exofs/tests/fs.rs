@@ -102,4 +102,20 @@ fn files_and_directories_round_trip_and_survive_a_remount() {
     // Growing again reads zeros past the old end.
     fs.truncate(big_ino, 2_600_000).unwrap();
     assert!(fs.read(big_ino, 2_500_000, 100_000).unwrap().iter().all(|b| *b == 0));
+    // Sparse: a write far past the end of a 128 MiB volume takes only what it writes.
+    let sparse = fs.make(root, OsStr::new("sparse"), file(FileKind::File), b"").unwrap();
+    fs.write(sparse, 0, b"head").unwrap();
+    fs.write(sparse, 3 << 30, b"tail").unwrap();
+    assert_eq!(fs.getattr(sparse).unwrap().size, (3 << 30) + 4);
+    assert_eq!(fs.read(sparse, (3 << 30) - 2, 10).unwrap(), b"\0\0tail");
+    assert_eq!(fs.read(sparse, 0, 6).unwrap(), b"head\0\0");
+    // Small appends stay one extent.
+    let log = fs.make(root, OsStr::new("log"), file(FileKind::File), b"").unwrap();
+    let mut expect = Vec::new();
+    for i in 0..300u32 {
+        let line = format!("line {i:05} of the log\n");
+        fs.write(log, expect.len() as u64, line.as_bytes()).unwrap();
+        expect.extend_from_slice(line.as_bytes());
+    }
+    assert_eq!(fs.read(log, 0, expect.len()).unwrap(), expect);
 }
