@@ -193,7 +193,7 @@ pub fn encode_map(m: &[(u32, u64)]) -> Vec<u8> {
 }
 
 pub fn decode_map(b: &[u8]) -> Result<Vec<(u32, u64)>, Corrupt> {
-    if b.len() % 12 != 0 {
+    if !b.len().is_multiple_of(12) {
         return Err(Corrupt("extent map length"));
     }
     Ok(b.chunks(12)

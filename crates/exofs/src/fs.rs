@@ -66,6 +66,9 @@ struct State {
     map: plyfs_exodisk::freemap::FreeMap,
     /// Open descriptors per inode: an inode whose last link goes while open lives until closed.
     open: HashMap<u64, u32>,
+    /// Lookups the layer above holds per inode: an inode without links lives until they are
+    /// forgotten, so that its number is not reused while the kernel still knows it.
+    lookups: HashMap<u64, u64>,
 }
 
 pub struct Fs {
@@ -91,6 +94,7 @@ impl Fs {
                 root: 0,
                 map,
                 open: HashMap::new(),
+                lookups: HashMap::new(),
             }),
         };
         let x = fs.client.map(&fs.rt(&[]), caps.read).map_err(|e| e.msg)?;
@@ -320,10 +324,37 @@ impl Fs {
         n.attrs.nlink = n.attrs.nlink.saturating_sub(if dir { 2 } else { 1 });
         n.attrs.ctime = SystemTime::now();
         n.dirty = true;
-        if n.attrs.nlink == 0 && !st.open.contains_key(&ino) {
-            self.free_inode(&mut st, ino)?;
+        self.maybe_free(&mut st, ino)
+    }
+
+    /// Free `ino` if nothing names, holds or knows it any more.
+    fn maybe_free(&self, st: &mut State, ino: u64) -> Result<()> {
+        let unlinked = st.nodes.get(&ino).is_some_and(|n| n.attrs.nlink == 0);
+        if unlinked && !st.open.contains_key(&ino) && !st.lookups.contains_key(&ino) {
+            self.free_inode(st, ino)?;
         }
         Ok(())
+    }
+
+    /// The layer above holds one more lookup of `ino`.
+    pub fn looked_up(&self, ino: u64) {
+        *self.state.lock().lookups.entry(ino).or_default() += 1;
+    }
+
+    /// The layer above dropped `n` lookups of `ino`.
+    pub fn forget(&self, ino: u64, n: u64) -> Result<()> {
+        let mut st = self.state.lock();
+        match st.lookups.get_mut(&ino) {
+            Some(l) if *l > n => {
+                *l -= n;
+                Ok(())
+            }
+            Some(_) => {
+                st.lookups.remove(&ino);
+                self.maybe_free(&mut st, ino)
+            }
+            None => Ok(()),
+        }
     }
 
     /// A descriptor of `ino` opened.
@@ -345,8 +376,8 @@ impl Fs {
             }
             None => false,
         };
-        if last && st.nodes.get(&ino).is_some_and(|n| n.attrs.nlink == 0) {
-            self.free_inode(&mut st, ino)?;
+        if last {
+            self.maybe_free(&mut st, ino)?;
         }
         Ok(())
     }
@@ -444,9 +475,7 @@ impl Fs {
             if okind == FileKind::Dir {
                 self.adjust_links(&mut st, new_parent, -1)?;
             }
-            if self.node(&mut st, other)?.attrs.nlink == 0 && !st.open.contains_key(&other) {
-                self.free_inode(&mut st, other)?;
-            }
+            self.maybe_free(&mut st, other)?;
         }
         Ok(())
     }

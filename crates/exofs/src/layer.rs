@@ -66,7 +66,9 @@ impl Exofs {
         }
     }
 
+    /// An entry for the layer above, which then holds one more lookup of it.
     fn entry(&self, ino: u64, i: &Inode) -> Entry {
+        self.fs.looked_up(ino);
         Entry { node: self.node(ino), attr: Self::attr(i), generation: i.generation }
     }
 
@@ -111,7 +113,8 @@ impl Exofs {
         let parent = self.ino(parent);
         let attrs = self.new_inode(cx, parent, kind, mode, rdev)?;
         let ino = self.fs.make(parent, name, attrs, content)?;
-        Ok(self.entry(ino, &self.fs.getattr(ino)?))
+        let attrs = self.fs.getattr(ino)?;
+        Ok(self.entry(ino, &attrs))
     }
 
     fn opened(&self, ino: u64) -> Opened {
@@ -149,7 +152,12 @@ impl Layer for Exofs {
                 let (ino, attrs) = self.fs.lookup(self.ino(parent), name)?;
                 Ok(Reply::Entry(self.entry(ino, &attrs)))
             }
-            Op::Forget { .. } => Ok(Reply::Empty),
+            Op::Forget { node, nlookup } => {
+                if node != NodeId::ROOT {
+                    self.fs.forget(node.0, nlookup)?;
+                }
+                Ok(Reply::Empty)
+            }
             Op::GetAttr { node, .. } => Ok(Reply::Attr(Self::attr(&self.fs.getattr(self.ino(node))?))),
             Op::SetAttr { node, set, .. } => {
                 let ino = self.ino(node);
