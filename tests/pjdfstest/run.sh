@@ -9,7 +9,8 @@
 # `gzip:level=9:fast_tails=on`, `crypt`, `union` (a read-write branch over a read-only branch
 # holding files), `mirror` (two branches), `version`, and `remote` (a `plyfs serve` over a Unix
 # socket; `remote --tls` over TLS on loopback; `zstd,remote` compressing in the mount;
-# `crypt,remote` decrypting in the mount a volume served as stored), and
+# `crypt,remote` decrypting in the mount a volume served as stored), `exofs` and `zstd,exofs` (on an
+# exodisk volume of their own), and
 # `zstd,ext:socket=@trace,null` (`ext:socket=@LAYER` runs LAYER in a `plyfs host` process)). For each one a fresh lower directory on
 # the real disk and an empty mount point are made, plyfs is mounted over them with
 # `-o allow_other` (pjdfstest switches to other users), pjdfstest runs inside the mount, and the
@@ -55,7 +56,7 @@ PJDFSTEST_VERSION=0.2.2
 # An entry may add mount arguments after the spec, e.g. `null --rules FILE`: the last one mixes
 # compressed files (half of the names, by rule) with untouched ones.
 DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt union mirror version
-  remote "remote --tls" zstd,remote crypt,remote "zstd,ext:socket=@trace,null")
+  remote "remote --tls" zstd,remote crypt,remote "zstd,ext:socket=@trace,null" exofs zstd,exofs)
 
 die() { echo "pjdfstest/run.sh: $*" >&2; exit 2; }
 say() { echo "== $*" >&2; }

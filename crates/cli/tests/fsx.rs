@@ -381,6 +381,59 @@ fn fsx_crypt_over_remote_served_as_stored() {
     run_fsx_remote("zstd,crypt,remote", 300);
 }
 
+/// fsx on `stack` over exofs, on an exodisk volume served by a `plyfs exodisk serve` that outlives
+/// the test's remounts.
+fn run_fsx_exofs(stack: &str, default_ops: usize) {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/var/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let img = root.join("v.img");
+    let out = common::run(common::plyfs().args(["exodisk", "format"]).arg(&img).args(["--size", "256M"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let sock = root.join("s.sock");
+    let log = std::fs::File::create(root.join("server.log")).unwrap();
+    let mut server = common::plyfs()
+        .args(["exodisk", "serve"])
+        .arg(&img)
+        .arg("--socket")
+        .arg(&sock)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+            let _ = self.0.wait();
+        }
+    }
+    let _guard = Kill(&mut server);
+    for _ in 0..1000 {
+        if std::os::unix::net::UnixStream::connect(&sock).is_ok() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let lower = format!("exodisk:{}", sock.display());
+    let mount = || {
+        let mdir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+        let mnt = mdir.path().canonicalize().unwrap().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        Mount::start(mdir, std::path::PathBuf::from(&lower), mnt, stack, &[])
+    };
+    run_fsx_on(&format!("[{stack}] on {lower}"), mount, default_ops, &[]);
+}
+
+#[test]
+fn fsx_exofs() {
+    run_fsx_exofs("null", 400);
+}
+
+#[test]
+fn fsx_zstd_over_exofs() {
+    run_fsx_exofs("zstd", 300);
+}
+
 /// An example of `examples/python`, by its file name, as a `py:script=` layer.
 fn python_example(name: &str) -> String {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/python").join(name);

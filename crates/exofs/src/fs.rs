@@ -18,13 +18,16 @@ use plyfs_stack::{Error, FileKind, Result};
 
 use crate::format::{decode_dir, decode_map, encode_dir, encode_map, valid_name, Dir, Inode, ATTRS, IMMEDIATE, MAP};
 
-/// Sectors of an inode exonode, and of an inode table.
-pub const INODE_SECTORS: u32 = 2;
+/// Sectors of an inode exonode (4 KiB: room for about 130 extents), and of an inode table.
+pub const INODE_SECTORS: u32 = 8;
 pub const TABLE_SECTORS: u32 = 32;
 /// Bytes kept inside the inode.
 pub const IMMEDIATE_MAX: usize = 480;
 /// The first extent of a file, in sectors (64 KiB); later ones double, up to `MAX_EXTENT`.
 const MAX_EXTENT_SECTORS: u64 = 65536;
+/// Holes are filled a whole aligned chunk at a time (32 KiB), so that random writes do not make
+/// an extent each.
+const CHUNK_SECTORS: u64 = 64;
 const SECTOR: u64 = 512;
 const MAGIC: &[u8; 8] = b"EXOFS\0\0\x01";
 
@@ -674,9 +677,15 @@ impl Fs {
 
     /// Give the holes in file sectors `s0..s1` extents of their own, near what comes before.
     fn cover(&self, st: &mut State, ino: u64, s0: u64, s1: u64) -> Result<()> {
-        let holes: Vec<(u64, u64)> =
-            Self::pieces(self.node(st, ino)?, s0, s1).into_iter().filter(|p| p.2.is_none()).map(|p| (p.0, p.1)).collect();
+        // The holes, widened to whole chunks (as far as the extents around them allow).
+        let node = self.node(st, ino)?.clone();
+        let (c0, c1) = (s0 / CHUNK_SECTORS * CHUNK_SECTORS, s1.div_ceil(CHUNK_SECTORS) * CHUNK_SECTORS);
+        let holes: Vec<(u64, u64)> = Self::pieces(&node, c0, c1).into_iter().filter(|p| p.2.is_none()).map(|p| (p.0, p.1)).collect();
         for (mut at, mut len) in holes {
+            // A chunk piece entirely outside what is written stays a hole.
+            if at + len <= s0 || at >= s1 {
+                continue;
+            }
             while len > 0 {
                 let n = self.node(st, ino)?.clone();
                 let prev = n.extents.iter().filter(|e| e.logical + e.sectors <= at).max_by_key(|e| e.logical).copied();
@@ -697,6 +706,16 @@ impl Fs {
                         return Err(exo(e));
                     }
                 };
+                // What the write will not cover reads as zeros.
+                let zero = |from: u64, to: u64| -> Result<()> {
+                    if from < to {
+                        let zeros = vec![0u8; ((to - from) * SECTOR) as usize];
+                        self.client.write(&t, self.caps.write, start + (from - at), &zeros).map_err(exo)?;
+                    }
+                    Ok(())
+                };
+                zero(at, s0.clamp(at, at + want))?;
+                zero(s1.clamp(at, at + want), at + want)?;
                 let mut ext = Ext { entry, start, sectors: want, logical: at };
                 // Right after the previous extent on the volume and in the file: one extent.
                 let mut merged = None;
