@@ -109,7 +109,9 @@ impl Exofs {
         })
     }
 
-    fn make(&self, cx: &Caller, parent: NodeId, name: &OsStr, kind: FileKind, mode: u32, rdev: u32, content: &[u8]) -> Result<Entry> {
+    /// Make `name`: `what` is its kind, mode and device number.
+    fn make(&self, cx: &Caller, parent: NodeId, name: &OsStr, what: (FileKind, u32, u32), content: &[u8]) -> Result<Entry> {
+        let (kind, mode, rdev) = what;
         let parent = self.ino(parent);
         let attrs = self.new_inode(cx, parent, kind, mode, rdev)?;
         let ino = self.fs.make(parent, name, attrs, content)?;
@@ -201,15 +203,15 @@ impl Layer for Exofs {
             }
             Op::MkNod { parent, name, mode, rdev } => {
                 let kind = FileKind::from_mode(mode).ok_or(Error::Os(libc::EINVAL))?;
-                Ok(Reply::Entry(self.make(cx, parent, name, kind, mode, rdev, &[])?))
+                Ok(Reply::Entry(self.make(cx, parent, name, (kind, mode, rdev), &[])?))
             }
-            Op::MkDir { parent, name, mode } => Ok(Reply::Entry(self.make(cx, parent, name, FileKind::Dir, mode, 0, &[])?)),
+            Op::MkDir { parent, name, mode } => Ok(Reply::Entry(self.make(cx, parent, name, (FileKind::Dir, mode, 0), &[])?)),
             Op::SymLink { parent, name, target } => {
                 let t = target.as_os_str().as_bytes();
                 if t.is_empty() || t.len() >= libc::PATH_MAX as usize {
                     return Err(Error::Os(if t.is_empty() { libc::ENOENT } else { libc::ENAMETOOLONG }));
                 }
-                Ok(Reply::Entry(self.make(cx, parent, name, FileKind::Symlink, 0o777, 0, t)?))
+                Ok(Reply::Entry(self.make(cx, parent, name, (FileKind::Symlink, 0o777, 0), t)?))
             }
             Op::Unlink { parent, name } => self.fs.remove(self.ino(parent), name, false).map(|()| Reply::Empty),
             Op::RmDir { parent, name } => self.fs.remove(self.ino(parent), name, true).map(|()| Reply::Empty),
@@ -223,7 +225,7 @@ impl Layer for Exofs {
             }
             Op::Open { node, .. } => Ok(Reply::Opened(self.opened(self.ino(node)))),
             Op::Create { parent, name, mode, .. } => {
-                let e = self.make(cx, parent, name, FileKind::File, mode, 0, &[])?;
+                let e = self.make(cx, parent, name, (FileKind::File, mode, 0), &[])?;
                 let o = self.opened(self.ino(e.node));
                 Ok(Reply::Created(e, o))
             }
