@@ -211,3 +211,18 @@ fn a_service_killed_under_storms_restarts_with_every_invariant_and_every_durable
     let (clean, report) = fsck(&v);
     assert!(clean, "{report}");
 }
+
+#[test]
+fn the_service_stops_on_sigterm_even_when_its_socket_file_is_gone() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let v = format(dir.path(), "32M");
+    let sock = dir.path().join("s.sock");
+    let mut service = Service::start(&v, &sock);
+    std::fs::remove_file(&sock).unwrap();
+    let started = Instant::now();
+    service.stop();
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert!(service.log_text().contains("is consistent"), "{}", service.log_text());
+    let (clean, report) = fsck(&v);
+    assert!(clean, "{report}");
+}

@@ -39,6 +39,8 @@ pub struct Service {
     uid: u32,
     /// Each client's socket and thread, to close and wait for at shutdown.
     clients: Mutex<Vec<(UnixStream, std::thread::JoinHandle<()>)>>,
+    /// The listening socket's descriptor, shut down to stop the accept loop.
+    listener: std::sync::atomic::AtomicI32,
 }
 
 /// Open and check the volume, reconcile its free map, and get ready to serve. A volume whose
@@ -66,6 +68,7 @@ pub fn start(volume: &Path, key: &Path, socket: &Path) -> Result<(Arc<Service>, 
         socket: socket.to_owned(),
         uid: unsafe { libc::geteuid() },
         clients: Mutex::new(Vec::new()),
+        listener: std::sync::atomic::AtomicI32::new(-1),
     });
     Ok((service, Started { report }))
 }
@@ -81,13 +84,20 @@ impl Service {
             std::fs::remove_file(&self.socket).map_err(|e| format!("{shown}: {e}"))?;
         }
         let listener = UnixListener::bind(&self.socket).map_err(|e| format!("{shown}: {e}"))?;
+        self.listener.store(std::os::fd::AsRawFd::as_raw_fd(&listener), Ordering::Release);
+        if self.stopping.load(Ordering::Acquire) {
+            return Ok(());
+        }
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&self.socket, std::fs::Permissions::from_mode(0o666)).map_err(|e| format!("{shown}: {e}"))?;
         for stream in listener.incoming() {
             if self.stopping.load(Ordering::Acquire) {
                 break;
             }
-            let Ok(stream) = stream else { continue };
+            let Ok(stream) = stream else {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                continue;
+            };
             let Ok(handle) = stream.try_clone() else { continue };
             let me = self.clone();
             let thread = std::thread::Builder::new().name("exodisk-client".into()).spawn(move || {
@@ -101,6 +111,8 @@ impl Service {
                 clients.push((handle, t));
             }
         }
+        self.listener.store(-1, Ordering::Release);
+        drop(listener);
         self.finish();
         Ok(())
     }
@@ -108,8 +120,11 @@ impl Service {
     /// Stop serving: finish the queue, write what is dirty.
     pub fn stop(&self) {
         if !self.stopping.swap(true, Ordering::AcqRel) {
-            // Wake the accept loop.
-            let _ = UnixStream::connect(&self.socket);
+            // Wake the accept loop (whether or not its socket is still in the file system).
+            let fd = self.listener.load(Ordering::Acquire);
+            if fd >= 0 {
+                unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+            }
         }
     }
 
