@@ -320,6 +320,13 @@ fn fsck(volume: &Path, key_path: &Path) -> Result<(), String> {
         report.reclaimed,
         started.elapsed().as_secs_f64()
     );
+    if !report.dangling.is_empty() || report.orphans > 0 {
+        println!(
+            "  {} orphaned exonodes and {} entries naming removed exonodes (interrupted creations and removals): the service gives them back",
+            report.orphans,
+            report.dangling.len()
+        );
+    }
     for p in &report.problems {
         println!("  problem: {p}");
     }

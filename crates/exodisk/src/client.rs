@@ -147,7 +147,16 @@ impl Client {
 
     /// The caller's root exonode named `name` (made on first use), and its capabilities.
     pub fn root(&self, name: &str) -> Result<(u64, Caps)> {
-        match self.call(Request::Root { name: name.into(), uid: None })? {
+        match self.call(Request::Root { name: name.into(), uid: None, exclusive: false })? {
+            Reply::Root { at, caps } => Ok((at, caps.into())),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// The root named `name`, held by this connection alone until it ends (another exclusive
+    /// holder waits up to 10 s for it, then gets `EBUSY`).
+    pub fn root_exclusive(&self, name: &str) -> Result<(u64, Caps)> {
+        match self.call(Request::Root { name: name.into(), uid: None, exclusive: true })? {
             Reply::Root { at, caps } => Ok((at, caps.into())),
             r => Err(unexpected(r)),
         }
@@ -197,7 +206,30 @@ impl Client {
     }
 
     pub fn add_exonode(&self, t: &Target, wcap_: Cap, idx: Option<u32>, child: u64, sectors: u32, caps: Caps) -> Result<u32> {
-        self.entry(Request::AddExonode { target: t.into(), wcap: wcap(wcap_), idx, child, sectors, caps: caps.into() })
+        self.add_exonode_as(t, wcap_, idx, child, sectors, caps, None)
+    }
+
+    /// ADD_EXONODE, the descendant with a persistence model of its own.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_exonode_as(
+        &self,
+        t: &Target,
+        wcap_: Cap,
+        idx: Option<u32>,
+        child: u64,
+        sectors: u32,
+        caps: Caps,
+        model: Option<Persistence>,
+    ) -> Result<u32> {
+        self.entry(Request::AddExonode {
+            target: t.into(),
+            wcap: wcap(wcap_),
+            idx,
+            child,
+            sectors,
+            caps: caps.into(),
+            persistence: model.map(Into::into),
+        })
     }
 
     pub fn add_data(&self, t: &Target, wcap_: Cap, idx: Option<u32>, data: &[u8]) -> Result<u32> {
@@ -364,6 +396,13 @@ impl Client {
     /// Ask the service to stop (root or its own user).
     pub fn shutdown(&self) -> Result<()> {
         self.ok(Request::Shutdown)
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        // The reader thread holds the socket too: end the connection for both.
+        let _ = self.writer.lock().shutdown(std::net::Shutdown::Both);
     }
 }
 

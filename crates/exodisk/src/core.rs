@@ -560,8 +560,23 @@ impl Core {
 
     /// ADD_EXONODE: allocate a descendant exonode at `child` with capabilities of its own.
     pub fn add_exonode(&mut self, target: &Target, wcap: Cap, idx: Option<u32>, child: u64, sectors: u32, caps: Caps) -> Result<u32> {
+        self.add_exonode_as(target, wcap, idx, child, sectors, caps, None)
+    }
+
+    /// ADD_EXONODE with the descendant's own persistence model (its parent's by default).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_exonode_as(
+        &mut self,
+        target: &Target,
+        wcap: Cap,
+        idx: Option<u32>,
+        child: u64,
+        sectors: u32,
+        caps: Caps,
+        model: Option<Persistence>,
+    ) -> Result<u32> {
         let at = self.exonode_at(target, wcap, Access::Write)?;
-        let persistence = self.persistence(at);
+        let persistence = model.unwrap_or(self.persistence(at));
         // Room in the parent first, so a full parent leaves nothing behind.
         let mut probe = self.exonode(at).clone();
         Self::place(&mut probe, idx, Entry::Descendant { at: child })?;
@@ -861,6 +876,22 @@ impl Core {
         self.disk.write(at, buf).map_err(io_err)?;
         if model == Persistence::Data {
             self.disk.sync().map_err(io_err)?;
+        }
+        Ok(())
+    }
+
+    /// Drop descendant entries that name exonodes that are gone (found by the start-up scan),
+    /// and write their exonodes.
+    pub fn drop_dangling(&mut self, dangling: &[(u64, u32)]) -> Result<()> {
+        for &(at, idx) in dangling {
+            self.load(at)?;
+            if let Obj::Exonode(x) = &mut self.cache.get_mut(&at).expect("loaded").obj {
+                if let Some(e @ Entry::Descendant { .. }) = x.entries.get_mut(idx as usize) {
+                    *e = Entry::Empty;
+                }
+            }
+            self.cache.get_mut(&at).expect("loaded").dirty = true;
+            self.persist(at, true)?;
         }
         Ok(())
     }

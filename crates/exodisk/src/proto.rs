@@ -120,6 +120,10 @@ pub enum Request {
     Root {
         name: String,
         uid: Option<u32>,
+        /// Hold the root for this connection alone (a file system mounted on it): another
+        /// exclusive holder waits until the first connection ends (at most 10 s, then EBUSY).
+        #[serde(default)]
+        exclusive: bool,
     },
     FreeMap,
     ExtentAllocate {
@@ -161,6 +165,9 @@ pub enum Request {
         child: u64,
         sectors: u32,
         caps: WCaps,
+        /// The descendant's own persistence model (its parent's when absent).
+        #[serde(default)]
+        persistence: Option<WPersistence>,
     },
     AddData {
         target: WTarget,

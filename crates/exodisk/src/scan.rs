@@ -37,6 +37,9 @@ pub struct Report {
     pub reclaimed: u64,
     /// Exonodes their parent does not name (an interrupted creation or removal): given back.
     pub orphans: usize,
+    /// Descendant entries (exonode, entry) that name an exonode that is gone (a removal whose
+    /// parent was not written yet): the service drops them.
+    pub dangling: Vec<(u64, u32)>,
     /// Invariants that do not hold, and records that fail authentication.
     pub problems: Vec<String>,
 }
@@ -142,9 +145,7 @@ pub fn scan(disk: &Disk, key: &VolumeKey, sb: &Superblock) -> io::Result<(Found,
                     Some(child) => report
                         .problems
                         .push(format!("entry {i} of the exonode at {s} names the exonode at {d}, whose parent is {}", child.parent)),
-                    None => {
-                        report.problems.push(format!("entry {i} of the exonode at {s} names a descendant at {d} that is not there"))
-                    }
+                    None => report.dangling.push((s, i as u32)),
                 },
                 _ => {}
             }

@@ -41,6 +41,8 @@ pub struct Service {
     clients: Mutex<Vec<(UnixStream, std::thread::JoinHandle<()>)>>,
     /// The listening socket's descriptor, shut down to stop the accept loop.
     listener: std::sync::atomic::AtomicI32,
+    /// Named roots held exclusively, by the client holding them.
+    leases: Mutex<std::collections::HashMap<(u32, String), u64>>,
 }
 
 /// Open and check the volume, reconcile its free map, and get ready to serve. A volume whose
@@ -59,7 +61,8 @@ pub fn start(volume: &Path, key: &Path, socket: &Path) -> Result<(Arc<Service>, 
     }
     map.store(&disk, &key, &sb).and_then(|()| disk.sync()).map_err(|e| format!("{}: {e}", volume.display()))?;
     let engine = Engine::start(disk.fd()).map_err(|e| format!("io_uring: {e}"))?;
-    let core = Core::new(disk, key, sb, map);
+    let mut core = Core::new(disk, key, sb, map);
+    core.drop_dangling(&report.dangling).map_err(|e| format!("{}: dropping entries of removed exonodes: {e}", volume.display()))?;
     let service = Arc::new(Service {
         core: Mutex::new(core),
         engine,
@@ -69,6 +72,7 @@ pub fn start(volume: &Path, key: &Path, socket: &Path) -> Result<(Arc<Service>, 
         uid: unsafe { libc::geteuid() },
         clients: Mutex::new(Vec::new()),
         listener: std::sync::atomic::AtomicI32::new(-1),
+        leases: Mutex::new(std::collections::HashMap::new()),
     });
     Ok((service, Started { report }))
 }
@@ -203,15 +207,43 @@ impl Service {
         }
         drop(tx);
         let _ = writer.join();
+        self.leases.lock().retain(|_, c| *c != client);
         Ok(())
+    }
+
+    /// Take root `key` for `client` alone, waiting a while for another holder to go.
+    fn lease(&self, key: (u32, String), client: u64) -> crate::core::Result<()> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            {
+                let mut leases = self.leases.lock();
+                match leases.get(&key) {
+                    Some(c) if *c != client => {}
+                    _ => {
+                        leases.insert(key, client);
+                        return Ok(());
+                    }
+                }
+            }
+            if std::time::Instant::now() > deadline {
+                return err(libc::EBUSY, "this root is in use by another client (a mount of it?)");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 
     fn handle(&self, req: Request, uid: u32, client: u64, shm: &Arc<Shm>, tx: &Sender<Message>) -> crate::core::Result<Reply> {
         let t = |w: &proto::WTarget| Target::from(w);
+        if let Request::Root { name, uid: other, exclusive: true } = &req {
+            let who = other.unwrap_or(uid);
+            if who == uid || uid == 0 {
+                self.lease((who, name.clone()), client)?;
+            }
+        }
         let mut core = self.core.lock();
         Ok(match req {
             Request::Hello { .. } | Request::Shutdown => return err(libc::EPROTO, "unexpected here"),
-            Request::Root { name, uid: other } => {
+            Request::Root { name, uid: other, .. } => {
                 let uid = match other {
                     Some(o) if o != uid && uid != 0 => return err(libc::EPERM, "only root may open another user's root"),
                     Some(o) => o,
@@ -250,9 +282,15 @@ impl Service {
             Request::AddExtent { target, wcap, idx, start, sectors } => {
                 Reply::Entry(core.add_extent(&t(&target), cap(wcap), idx, start, sectors)?)
             }
-            Request::AddExonode { target, wcap, idx, child, sectors, caps } => {
-                Reply::Entry(core.add_exonode(&t(&target), cap(wcap), idx, child, sectors, caps.into())?)
-            }
+            Request::AddExonode { target, wcap, idx, child, sectors, caps, persistence } => Reply::Entry(core.add_exonode_as(
+                &t(&target),
+                cap(wcap),
+                idx,
+                child,
+                sectors,
+                caps.into(),
+                persistence.map(Into::into),
+            )?),
             Request::AddData { target, wcap, idx, data } => Reply::Entry(core.add_data(&t(&target), cap(wcap), idx, &data)?),
             Request::ReadData { target, rcap, idx } => Reply::Data(ByteBuf::from(core.read_data(&t(&target), cap(rcap), idx)?)),
             Request::RemoveEntry { target, wcap, idx } => {

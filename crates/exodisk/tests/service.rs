@@ -113,3 +113,23 @@ fn objects_survive_a_restart_of_the_service_by_their_model() {
     assert_eq!(back, [5u8; 512]);
     assert_eq!(c.map(&Target::Exonode { at: x, path: vec![] }, A.read).unwrap_err().errno, libc::ENOENT);
 }
+
+#[test]
+fn an_exclusive_root_waits_for_its_holder_to_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = run(dir.path());
+    let first = Client::connect(&r.socket, 1 << 20).unwrap();
+    let held = first.root_exclusive("fs").unwrap();
+    // A shared look is fine; a second exclusive holder waits until the first connection ends.
+    assert_eq!(Client::connect(&r.socket, 1 << 20).unwrap().root("fs").unwrap(), held);
+    let second = Client::connect(&r.socket, 1 << 20).unwrap();
+    let started = std::time::Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            drop(first);
+        });
+        assert_eq!(second.root_exclusive("fs").unwrap(), held);
+    });
+    assert!(started.elapsed() >= std::time::Duration::from_millis(250));
+}

@@ -142,3 +142,26 @@ fn sectors_owned_twice_are_reported() {
     assert!(report.problems.iter().any(|p| p.contains("owned twice")), "{report:?}");
     assert!(report.problems.iter().any(|p| p.contains("marked free")), "{report:?}");
 }
+
+#[test]
+fn a_descendant_entry_naming_a_removed_exonode_is_given_back_not_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, key) = image(dir.path());
+    let (disk, k, sb) = layout::open(&img, &key).unwrap();
+    let base = sb.data_start + 64;
+    // The parent was not written again before a crash, after its child was overwritten.
+    let x = Exonode {
+        sectors: 1,
+        caps: Caps { read: 1, write: 2 },
+        model: 1,
+        parent: 0,
+        entries: vec![Entry::Descendant { at: base + 5 }],
+    };
+    disk.write(base, &Aligned::from_bytes(&x.seal(&k, base))).unwrap();
+    let (_, _, mut map) = scan(&disk, &k, &sb).unwrap();
+    map.set(base, 1, true);
+    map.store(&disk, &k, &sb).unwrap();
+    let (_, report, _) = scan(&disk, &k, &sb).unwrap();
+    assert!(report.clean(), "{report:?}");
+    assert_eq!(report.dangling, vec![(base, 0)]);
+}

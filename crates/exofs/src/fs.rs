@@ -12,6 +12,7 @@ use std::time::SystemTime;
 use parking_lot::Mutex;
 use plyfs_exodisk::client::Client;
 use plyfs_exodisk::core::{ExoError, Persistence, Target};
+
 use plyfs_exodisk::object::Caps;
 use plyfs_exodisk::proto::WEntry;
 use plyfs_stack::{Error, FileKind, Result};
@@ -56,6 +57,10 @@ struct Node {
     /// Extents by the file sector they start at (holes between them read as zeros).
     extents: Vec<Ext>,
     dirty: bool,
+    /// A directory's entries, decoded, once read.
+    dir: Option<Dir>,
+    /// Its entries changed since they were last written.
+    dir_dirty: bool,
 }
 
 struct State {
@@ -72,6 +77,8 @@ struct State {
     /// Lookups the layer above holds per inode: an inode without links lives until they are
     /// forgotten, so that its number is not reused while the kernel still knows it.
     lookups: HashMap<u64, u64>,
+    /// An inode was added to or removed from a table since the last write-back.
+    tables_dirty: bool,
 }
 
 pub struct Fs {
@@ -84,7 +91,7 @@ pub struct Fs {
 impl Fs {
     /// The file system in the caller's root `name` on the service behind `client`, made if new.
     pub fn open(client: Client, name: &str) -> std::result::Result<Fs, String> {
-        let (r, caps) = client.root(name).map_err(|e| e.msg)?;
+        let (r, caps) = client.root_exclusive(name).map_err(|e| e.msg)?;
         let map = client.free_map().map_err(|e| e.msg)?;
         let fs = Fs {
             client,
@@ -98,6 +105,7 @@ impl Fs {
                 map,
                 open: HashMap::new(),
                 lookups: HashMap::new(),
+                tables_dirty: false,
             }),
         };
         let x = fs.client.map(&fs.rt(&[]), caps.read).map_err(|e| e.msg)?;
@@ -188,21 +196,29 @@ impl Fs {
             None => {
                 let at = self.find(st, TABLE_SECTORS as u64, self.r)?;
                 let caps = random_caps();
-                let k = self.client.add_exonode(&self.rt(&[]), self.caps.write, None, at, TABLE_SECTORS, caps).map_err(exo)?;
+                let k = self
+                    .client
+                    .add_exonode_as(&self.rt(&[]), self.caps.write, None, at, TABLE_SECTORS, caps, Some(Persistence::Memory))
+                    .map_err(exo)?;
                 st.tables.push((k, at, 0));
                 st.tables.len() - 1
             }
         };
         let k = st.tables[table].0;
         let at = self.find(st, INODE_SECTORS as u64, near)?;
-        let j = self.client.add_exonode(&self.rt(&[k]), self.caps.write, None, at, INODE_SECTORS, random_caps()).map_err(exo)?;
+        let j = self
+            .client
+            .add_exonode_as(&self.rt(&[k]), self.caps.write, None, at, INODE_SECTORS, random_caps(), Some(Persistence::Memory))
+            .map_err(exo)?;
         st.tables[table].2 += 1;
+        st.tables_dirty = true;
         let path = [k, j];
         let t = self.rt(&path);
         self.client.add_data(&t, self.caps.write, Some(ATTRS), &attrs.encode()).map_err(exo)?;
         self.client.add_data(&t, self.caps.write, Some(IMMEDIATE), &[]).map_err(exo)?;
         self.client.add_data(&t, self.caps.write, Some(MAP), &[]).map_err(exo)?;
-        st.nodes.insert(at, Node { path, attrs, immediate: Vec::new(), extents: Vec::new(), dirty: false });
+        st.nodes
+            .insert(at, Node { path, attrs, immediate: Vec::new(), extents: Vec::new(), dirty: true, dir: None, dir_dirty: false });
         Ok(at)
     }
 
@@ -239,7 +255,7 @@ impl Fs {
             if extents.windows(2).any(|w| w[0].logical + w[0].sectors > w[1].logical) {
                 return Err(corrupt("overlapping extents"));
             }
-            st.nodes.insert(ino, Node { path, attrs, immediate, extents, dirty: false });
+            st.nodes.insert(ino, Node { path, attrs, immediate, extents, dirty: false, dir: None, dir_dirty: false });
         }
         Ok(st.nodes.get_mut(&ino).expect("loaded"))
     }
@@ -260,15 +276,28 @@ impl Fs {
         if n.attrs.kind != FileKind::Dir {
             return Err(Error::Os(libc::ENOTDIR));
         }
+        if let Some(d) = &n.dir {
+            return Ok(d.clone());
+        }
         let size = n.attrs.size as usize;
         let bytes = self.read_at(st, ino, 0, size)?;
-        decode_dir(&bytes).map_err(|e| Error::Corrupt(format!("exofs directory {ino}: {e}")))
+        let mut d = decode_dir(&bytes).map_err(|e| Error::Corrupt(format!("exofs directory {ino}: {e}")))?;
+        // A record whose inode did not reach the disk before a crash names nothing: it goes.
+        let before = d.len();
+        d.retain(|_, (i, _)| st.paths.contains_key(i) || st.nodes.contains_key(i));
+        if d.len() != before {
+            tracing::warn!("exofs: directory {ino}: dropped {} entries whose inodes were lost in a crash", before - d.len());
+            self.store_dir(st, ino, &d)?;
+        }
+        self.node(st, ino)?.dir = Some(d.clone());
+        Ok(d)
     }
 
+    /// A directory's new entries: kept in memory, written back with its inode ([`Fs::sync`]).
     fn store_dir(&self, st: &mut State, ino: u64, d: &Dir) -> Result<()> {
-        let bytes = encode_dir(d);
-        self.set_content(st, ino, &bytes)?;
         let n = self.node(st, ino)?;
+        n.dir = Some(d.clone());
+        n.dir_dirty = true;
         n.attrs.mtime = SystemTime::now();
         n.attrs.ctime = n.attrs.mtime;
         n.dirty = true;
@@ -504,6 +533,7 @@ impl Fs {
         if let Some(t) = st.tables.iter_mut().find(|t| t.0 == n.path[0]) {
             t.2 -= 1;
         }
+        st.tables_dirty = true;
         st.paths.remove(&ino);
         st.map.set(ino, INODE_SECTORS as u64, false);
         for e in n.extents {
@@ -679,7 +709,13 @@ impl Fs {
     fn cover(&self, st: &mut State, ino: u64, s0: u64, s1: u64) -> Result<()> {
         // The holes, widened to whole chunks (as far as the extents around them allow).
         let node = self.node(st, ino)?.clone();
-        let (c0, c1) = (s0 / CHUNK_SECTORS * CHUNK_SECTORS, s1.div_ceil(CHUNK_SECTORS) * CHUNK_SECTORS);
+        let last = node.extents.iter().map(|e| e.logical + e.sectors).max().unwrap_or(0);
+        let (c0, c1) = if s0 >= last {
+            // Past the last extent (appending): just what is written, in 4 KiB steps.
+            (s0, s1.div_ceil(8) * 8)
+        } else {
+            (s0 / CHUNK_SECTORS * CHUNK_SECTORS, s1.div_ceil(CHUNK_SECTORS) * CHUNK_SECTORS)
+        };
         let holes: Vec<(u64, u64)> = Self::pieces(&node, c0, c1).into_iter().filter(|p| p.2.is_none()).map(|p| (p.0, p.1)).collect();
         for (mut at, mut len) in holes {
             // A chunk piece entirely outside what is written stays a hole.
@@ -821,22 +857,42 @@ impl Fs {
         Ok(n.attrs.clone())
     }
 
-    /// Write back every changed inode (`EXONODE_WRITE`).
+    /// Write back every changed inode (`EXONODE_WRITE`): files first, then directories, then the
+    /// tables, so that an interrupted write-back leaves only records nothing names yet (which the
+    /// volume's scan gives back), never a name without its record.
     pub fn sync(&self) -> Result<()> {
         let mut st = self.state.lock();
-        let dirty: Vec<u64> = st.nodes.iter().filter(|(_, n)| n.dirty).map(|(i, _)| *i).collect();
-        for ino in dirty {
+        let mut dirty: Vec<(bool, u64)> =
+            st.nodes.iter().filter(|(_, n)| n.dirty).map(|(i, n)| (n.attrs.kind == FileKind::Dir, *i)).collect();
+        if dirty.is_empty() && !st.tables_dirty {
+            return Ok(());
+        }
+        dirty.sort();
+        for &(is_dir, ino) in &dirty {
+            // A directory's entries first (its size is then right in the record).
+            let n = st.nodes.get_mut(&ino).expect("listed");
+            if is_dir && n.dir_dirty {
+                let bytes = encode_dir(n.dir.as_ref().expect("a dirty directory is cached"));
+                let old = n.attrs.size;
+                self.write_at(&mut st, ino, 0, &bytes)?;
+                if (bytes.len() as u64) < old {
+                    self.truncate_at(&mut st, ino, bytes.len() as u64)?;
+                }
+                st.nodes.get_mut(&ino).expect("listed").dir_dirty = false;
+            }
+        }
+        for (_, ino) in dirty {
             let n = st.nodes.get_mut(&ino).expect("listed");
             let t = self.rt(&n.path);
             self.client.add_data(&t, self.caps.write, Some(ATTRS), &n.attrs.encode()).map_err(exo)?;
             self.client.write_record(&t, self.caps.write).map_err(exo)?;
             n.dirty = false;
         }
-        // The tables and R too: they name the inodes.
         let tables: Vec<u32> = st.tables.iter().map(|t| t.0).collect();
         for k in tables {
             self.client.write_record(&self.rt(&[k]), self.caps.write).map_err(exo)?;
         }
+        st.tables_dirty = false;
         Ok(())
     }
 

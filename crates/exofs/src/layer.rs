@@ -20,12 +20,24 @@ use crate::fs::Fs;
 
 pub struct Exofs {
     name: String,
-    fs: Fs,
+    fs: std::sync::Arc<Fs>,
     next_fh: AtomicU64,
 }
 
+/// How often changed metadata is written back (as ext4's commit interval).
+const WRITE_BACK: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl Exofs {
     pub fn new(name: &str, fs: Fs) -> Exofs {
+        let fs = std::sync::Arc::new(fs);
+        let weak = std::sync::Arc::downgrade(&fs);
+        let _ = std::thread::Builder::new().name("exofs-writeback".into()).spawn(move || loop {
+            std::thread::sleep(WRITE_BACK);
+            let Some(fs) = weak.upgrade() else { return };
+            if let Err(e) = fs.sync() {
+                tracing::error!("exofs: write-back: {e:?}");
+            }
+        });
         Exofs { name: name.to_owned(), fs, next_fh: AtomicU64::new(1) }
     }
 
