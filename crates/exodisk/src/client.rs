@@ -206,7 +206,7 @@ impl Client {
     }
 
     pub fn add_exonode(&self, t: &Target, wcap_: Cap, idx: Option<u32>, child: u64, sectors: u32, caps: Caps) -> Result<u32> {
-        self.add_exonode_as(t, wcap_, idx, child, sectors, caps, None)
+        self.add_exonode_as(t, wcap_, idx, child, sectors, caps, None, Vec::new())
     }
 
     /// ADD_EXONODE, the descendant with a persistence model of its own.
@@ -220,6 +220,7 @@ impl Client {
         sectors: u32,
         caps: Caps,
         model: Option<Persistence>,
+        data: Vec<Vec<u8>>,
     ) -> Result<u32> {
         self.entry(Request::AddExonode {
             target: t.into(),
@@ -229,6 +230,7 @@ impl Client {
             sectors,
             caps: caps.into(),
             persistence: model.map(Into::into),
+            data: data.into_iter().map(ByteBuf::from).collect(),
         })
     }
 

@@ -560,7 +560,7 @@ impl Core {
 
     /// ADD_EXONODE: allocate a descendant exonode at `child` with capabilities of its own.
     pub fn add_exonode(&mut self, target: &Target, wcap: Cap, idx: Option<u32>, child: u64, sectors: u32, caps: Caps) -> Result<u32> {
-        self.add_exonode_as(target, wcap, idx, child, sectors, caps, None)
+        self.add_exonode_as(target, wcap, idx, child, sectors, caps, None, Vec::new())
     }
 
     /// ADD_EXONODE with the descendant's own persistence model (its parent's by default).
@@ -574,13 +574,25 @@ impl Core {
         sectors: u32,
         caps: Caps,
         model: Option<Persistence>,
+        data: Vec<Vec<u8>>,
     ) -> Result<u32> {
         let at = self.exonode_at(target, wcap, Access::Write)?;
         let persistence = model.unwrap_or(self.persistence(at));
         // Room in the parent first, so a full parent leaves nothing behind.
         let mut probe = self.exonode(at).clone();
         Self::place(&mut probe, idx, Entry::Descendant { at: child })?;
+        // And in the child for the data entries it starts with.
+        let first = Exonode { sectors, caps, model: 0, parent: at, entries: data.iter().cloned().map(Entry::Data).collect() };
+        if sectors == 0 || sectors > MAX_EXONODE_SECTORS || !first.fits() {
+            return err(libc::ENOSPC, "the new exonode's first entries do not fit it");
+        }
         self.new_exonode(child, sectors, caps, at, persistence)?;
+        if !data.is_empty() {
+            self.edit(child, |x| {
+                x.entries = data.into_iter().map(Entry::Data).collect();
+                Ok(())
+            })?;
+        }
         self.edit(at, |x| Self::place(x, idx, Entry::Descendant { at: child }))
     }
 

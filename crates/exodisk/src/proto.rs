@@ -168,6 +168,9 @@ pub enum Request {
         /// The descendant's own persistence model (its parent's when absent).
         #[serde(default)]
         persistence: Option<WPersistence>,
+        /// Data entries it starts with (entries 0, 1, ...), saving a request each.
+        #[serde(default)]
+        data: Vec<ByteBuf>,
     },
     AddData {
         target: WTarget,

@@ -282,7 +282,7 @@ impl Service {
             Request::AddExtent { target, wcap, idx, start, sectors } => {
                 Reply::Entry(core.add_extent(&t(&target), cap(wcap), idx, start, sectors)?)
             }
-            Request::AddExonode { target, wcap, idx, child, sectors, caps, persistence } => Reply::Entry(core.add_exonode_as(
+            Request::AddExonode { target, wcap, idx, child, sectors, caps, persistence, data } => Reply::Entry(core.add_exonode_as(
                 &t(&target),
                 cap(wcap),
                 idx,
@@ -290,6 +290,7 @@ impl Service {
                 sectors,
                 caps.into(),
                 persistence.map(Into::into),
+                data.into_iter().map(ByteBuf::into_vec).collect(),
             )?),
             Request::AddData { target, wcap, idx, data } => Reply::Entry(core.add_data(&t(&target), cap(wcap), idx, &data)?),
             Request::ReadData { target, rcap, idx } => Reply::Data(ByteBuf::from(core.read_data(&t(&target), cap(rcap), idx)?)),

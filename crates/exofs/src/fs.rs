@@ -198,7 +198,16 @@ impl Fs {
                 let caps = random_caps();
                 let k = self
                     .client
-                    .add_exonode_as(&self.rt(&[]), self.caps.write, None, at, TABLE_SECTORS, caps, Some(Persistence::Memory))
+                    .add_exonode_as(
+                        &self.rt(&[]),
+                        self.caps.write,
+                        None,
+                        at,
+                        TABLE_SECTORS,
+                        caps,
+                        Some(Persistence::Memory),
+                        Vec::new(),
+                    )
                     .map_err(exo)?;
                 st.tables.push((k, at, 0));
                 st.tables.len() - 1
@@ -206,17 +215,16 @@ impl Fs {
         };
         let k = st.tables[table].0;
         let at = self.find(st, INODE_SECTORS as u64, near)?;
+        // The inode with its attributes, no immediate data and an empty extent map (entries
+        // ATTRS, IMMEDIATE, MAP), in one request.
+        let first = vec![attrs.encode(), Vec::new(), Vec::new()];
         let j = self
             .client
-            .add_exonode_as(&self.rt(&[k]), self.caps.write, None, at, INODE_SECTORS, random_caps(), Some(Persistence::Memory))
+            .add_exonode_as(&self.rt(&[k]), self.caps.write, None, at, INODE_SECTORS, random_caps(), Some(Persistence::Memory), first)
             .map_err(exo)?;
         st.tables[table].2 += 1;
         st.tables_dirty = true;
         let path = [k, j];
-        let t = self.rt(&path);
-        self.client.add_data(&t, self.caps.write, Some(ATTRS), &attrs.encode()).map_err(exo)?;
-        self.client.add_data(&t, self.caps.write, Some(IMMEDIATE), &[]).map_err(exo)?;
-        self.client.add_data(&t, self.caps.write, Some(MAP), &[]).map_err(exo)?;
         st.nodes
             .insert(at, Node { path, attrs, immediate: Vec::new(), extents: Vec::new(), dirty: true, dir: None, dir_dirty: false });
         Ok(at)
