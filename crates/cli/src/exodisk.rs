@@ -151,17 +151,6 @@ fn hex_cap(s: &str) -> Result<u128, String> {
     u128::from_str_radix(s.trim_start_matches("0x"), 16).map_err(|_| format!("'{s}': expected a capability in hex"))
 }
 
-fn random_cap() -> u128 {
-    let mut b = [0u8; 16];
-    getrandom_fill(&mut b);
-    u128::from_le_bytes(b)
-}
-
-fn getrandom_fill(b: &mut [u8]) {
-    use std::io::Read;
-    let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(b));
-}
-
 fn serve(volume: &Path, socket: &Path, key: &Path) -> Result<(), String> {
     let signals = crate::daemon::block_signals();
     crate::daemon::init_logging(0);
@@ -266,7 +255,7 @@ fn alloc(socket: &Path, sectors: u64, at: Option<u64>, exonode: bool, persistenc
             .find_free(sectors, c.data_start)
             .ok_or_else(|| format!("{}: no {sectors} free sectors in a row", socket.display()))?,
     };
-    let caps = Caps { read: random_cap(), write: random_cap() };
+    let caps = Caps::random();
     if exonode {
         c.exonode_allocate(at, sectors as u32, caps, p).map_err(e)?;
     } else {

@@ -166,13 +166,7 @@ impl Client {
     pub fn free_map(&self) -> Result<FreeMap> {
         match self.call(Request::FreeMap)? {
             Reply::FreeMap { sectors, bits } => {
-                let mut map = FreeMap::new(sectors);
-                for s in 0..sectors {
-                    if bits[(s / 8) as usize] & (1 << (s % 8)) != 0 {
-                        map.set(s, 1, true);
-                    }
-                }
-                Ok(map)
+                FreeMap::from_bits(sectors, &bits).ok_or(ExoError { errno: libc::EPROTO, msg: "a short free map".into() })
             }
             r => Err(unexpected(r)),
         }

@@ -83,6 +83,36 @@ impl FreeMap {
         scan(near, self.sectors).or_else(|| scan(0, (near + len).min(self.sectors)))
     }
 
+    /// The whole map as bytes, sector `s` at bit `s % 8` of byte `s / 8` (as `GET_FREE_MAP`
+    /// sends it).
+    pub fn to_bits(&self) -> Vec<u8> {
+        let mut out: Vec<u8> = self.words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        out.truncate(self.sectors.div_ceil(8) as usize);
+        out
+    }
+
+    /// A map of `sectors` sectors from [`FreeMap::to_bits`]'s bytes; `None` if too few.
+    pub fn from_bits(sectors: u64, bits: &[u8]) -> Option<FreeMap> {
+        if (bits.len() as u64) < sectors.div_ceil(8) {
+            return None;
+        }
+        let mut map = FreeMap::new(sectors);
+        for (i, w) in map.words.iter_mut().enumerate() {
+            let mut b = [0u8; 8];
+            let chunk = bits.get(i * 8..).unwrap_or(&[]);
+            let n = chunk.len().min(8);
+            b[..n].copy_from_slice(&chunk[..n]);
+            *w = u64::from_le_bytes(b);
+        }
+        // Nothing past the end.
+        if !sectors.is_multiple_of(64) {
+            if let Some(last) = map.words.last_mut() {
+                *last &= (1u64 << (sectors % 64)) - 1;
+            }
+        }
+        Some(map)
+    }
+
     /// The bits of block `b`, as stored.
     fn block_bytes(&self, b: u64) -> Vec<u8> {
         let mut out = vec![0u8; body_len(MAP_BLOCK)];
@@ -156,5 +186,22 @@ mod tests {
         assert_eq!(m.allocated(), 101);
         m.set(0, 1000, true);
         assert_eq!(m.find_free(1, 0), None);
+    }
+
+    #[test]
+    fn the_map_as_bytes_round_trips() {
+        let mut m = FreeMap::new(1001);
+        for s in [0, 7, 8, 63, 64, 500, 1000] {
+            m.set(s, 1, true);
+        }
+        let bits = m.to_bits();
+        assert_eq!(bits.len(), 126);
+        assert_eq!(bits[0], 0x81);
+        assert_eq!(FreeMap::from_bits(1001, &bits).unwrap(), m);
+        assert!(FreeMap::from_bits(1001, &bits[..125]).is_none());
+        // Bits past the end are not taken for sectors.
+        let mut padded = bits.clone();
+        padded[125] = 0xff;
+        assert_eq!(FreeMap::from_bits(1001, &padded).unwrap().allocated(), m.allocated());
     }
 }

@@ -201,7 +201,7 @@ fn format_existing(path: &Path, size: Option<u64>, key_path: &Path, existed: boo
     let raw_key: Zeroizing<[u8; 32]> = Zeroizing::new(seal::random());
     let key = VolumeKey::new(&raw_key, seal::random());
     let mut sb = Superblock::for_size(sectors);
-    sb.roots = Caps { read: u128::from_le_bytes(seal::random()), write: u128::from_le_bytes(seal::random()) };
+    sb.roots = Caps::random();
     sb.created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     if sb.data_start + ROOTS_SECTORS as u64 >= sectors {
         return Err(format!("{shown}: too small for a volume"));

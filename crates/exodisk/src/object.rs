@@ -26,6 +26,14 @@ pub struct Caps {
     pub write: Cap,
 }
 
+impl Caps {
+    /// A fresh pair from the operating system's random source (never 0, which is "none").
+    pub fn random() -> Caps {
+        let c = || u128::from_le_bytes(crate::seal::random()).max(1);
+        Caps { read: c(), write: c() }
+    }
+}
+
 /// The largest exonode: 64 KiB.
 pub const MAX_EXONODE_SECTORS: u32 = 128;
 

@@ -175,8 +175,8 @@ pub fn scan(disk: &Disk, key: &VolumeKey, sb: &Superblock) -> io::Result<(Found,
     // A record's magic that does not open is tampering unless it sits in some object's data
     // (where an application may write anything).
     for (s, what) in suspects {
-        let in_data =
-            ranges.iter().any(|(a, b, _)| s > *a && s < *b) || ranges.iter().any(|(a, b, o)| s >= *a && s < *b && o.contains("entry"));
+        // Past an object's first sector, or anywhere in an extent an exonode owns.
+        let in_data = ranges.iter().any(|(a, b, o)| s < *b && (s > *a || (s == *a && o.starts_with("entry"))));
         if !in_data {
             report.problems.push(format!("sector {s} holds {what} that fails authentication (edited offline?): not trusted"));
         }

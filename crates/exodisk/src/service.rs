@@ -21,7 +21,6 @@ use crate::engine::{Buffer, Engine, Job};
 use crate::layout;
 use crate::object::{Caps, Entry};
 use crate::proto::{self, cap, Message, Reply, Request};
-use crate::seal;
 use crate::shm::Shm;
 
 /// What the start-up found and did, for the log.
@@ -254,13 +253,7 @@ impl Service {
             }
             Request::FreeMap => {
                 let map = core.free_map();
-                let mut bits = vec![0u8; map.sectors().div_ceil(8) as usize];
-                for s in 0..map.sectors() {
-                    if map.is_allocated(s) {
-                        bits[(s / 8) as usize] |= 1 << (s % 8);
-                    }
-                }
-                Reply::FreeMap { sectors: map.sectors(), bits: ByteBuf::from(bits) }
+                Reply::FreeMap { sectors: map.sectors(), bits: ByteBuf::from(map.to_bits()) }
             }
             Request::ExtentAllocate { at, sectors, caps, persistence } => {
                 core.extent_allocate(at, sectors, caps.into(), persistence.into())?;
@@ -398,7 +391,7 @@ fn named_root(core: &mut Core, uid: u32, name: &str) -> crate::core::Result<(u64
         .free_map()
         .find_free(sectors as u64, roots_at + layout::ROOTS_SECTORS as u64)
         .ok_or(ExoError { errno: libc::ENOSPC, msg: "the volume is full".into() })?;
-    let new = Caps { read: u128::from_le_bytes(seal::random()), write: u128::from_le_bytes(seal::random()) };
+    let new = Caps::random();
     let n = x.entries.len() as u32;
     core.add_data(&top, caps.write, Some(n), &label)?;
     if let Err(e) = core.add_exonode(&top, caps.write, Some(n + 1), at, sectors, new) {

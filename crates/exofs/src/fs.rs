@@ -195,7 +195,7 @@ impl Fs {
             Some(i) => i,
             None => {
                 let at = self.find(st, TABLE_SECTORS as u64, self.r)?;
-                let caps = random_caps();
+                let caps = Caps::random();
                 let k = self
                     .client
                     .add_exonode_as(
@@ -220,7 +220,7 @@ impl Fs {
         let first = vec![attrs.encode(), Vec::new(), Vec::new()];
         let j = self
             .client
-            .add_exonode_as(&self.rt(&[k]), self.caps.write, None, at, INODE_SECTORS, random_caps(), Some(Persistence::Memory), first)
+            .add_exonode_as(&self.rt(&[k]), self.caps.write, None, at, INODE_SECTORS, Caps::random(), Some(Persistence::Memory), first)
             .map_err(exo)?;
         st.tables[table].2 += 1;
         st.tables_dirty = true;
@@ -907,19 +907,5 @@ impl Fs {
     /// The directory's entries, for tests and tools: names and inode numbers.
     pub fn names(&self, ino: u64) -> Result<Vec<(OsString, u64)>> {
         Ok(self.read_dir(ino)?.into_iter().map(|(n, (i, _))| (n, i)).collect())
-    }
-
-    pub fn persistence() -> Persistence {
-        Persistence::Memory
-    }
-}
-
-fn random_caps() -> Caps {
-    let mut b = [0u8; 32];
-    use std::io::Read;
-    let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
-    Caps {
-        read: u128::from_le_bytes(b[..16].try_into().expect("16")) | 1,
-        write: u128::from_le_bytes(b[16..].try_into().expect("16")) | 1,
     }
 }
