@@ -124,7 +124,10 @@ pub fn run(args: ExodiskArgs) -> Result<(), String> {
                 serve(&volume, &socket, &key.path(&volume))
             }
         }
-        Action::Stat { socket } => stat(&socket),
+        Action::Stat { socket } => {
+            quiet_pipe();
+            stat(&socket)
+        }
         Action::Alloc { socket, sectors, at, exonode, persistence } => alloc(&socket, sectors, at, exonode, &persistence),
         Action::Free { socket, at, wcap, exonode } => {
             let c = connect(&socket)?;
@@ -134,7 +137,10 @@ pub fn run(args: ExodiskArgs) -> Result<(), String> {
             println!("freed the {} at {at}", if exonode { "exonode" } else { "extent" });
             Ok(())
         }
-        Action::Ls { socket, root, at, rcap } => ls(&socket, root, at, rcap),
+        Action::Ls { socket, root, at, rcap } => {
+            quiet_pipe();
+            ls(&socket, root, at, rcap)
+        }
     }
 }
 
@@ -326,4 +332,10 @@ fn fsck(volume: &Path, key_path: &Path) -> Result<(), String> {
         let n = report.problems.len();
         Err(format!("{}: {n} problem{} (listed above)", volume.display(), if n == 1 { "" } else { "s" }))
     }
+}
+
+/// A report piped into `head` ends quietly when the reader goes, as other tools' do (Rust
+/// ignores SIGPIPE, so a write would fail and `println!` panic instead).
+fn quiet_pipe() {
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
 }

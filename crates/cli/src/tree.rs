@@ -108,7 +108,7 @@ impl Lower {
         match self {
             Lower::Dir(dir) => LowerDir::level(dir).map_err(|e| e.to_string()),
             Lower::Exodisk(socket) => {
-                let client = plyfs_exodisk::client::Client::connect(socket, 8 << 20)?;
+                let client = plyfs_exodisk::client::Client::connect(socket, 32 << 20)?;
                 let fs = plyfs_exofs::fs::Fs::open(client, "exofs").map_err(|e| format!("exodisk:{}: {e}", socket.display()))?;
                 Ok(plyfs_exofs::layer::Exofs::new("exofs", fs).level())
             }

@@ -226,3 +226,31 @@ fn the_service_stops_on_sigterm_even_when_its_socket_file_is_gone() {
     let (clean, report) = fsck(&v);
     assert!(clean, "{report}");
 }
+
+#[test]
+fn a_directory_read_while_its_entries_are_removed_misses_none() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let v = format(dir.path(), "64M");
+    let sock = dir.path().join("s.sock");
+    let _service = Service::start(&v, &sock);
+    let mdir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let mnt = mdir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let lower = PathBuf::from(format!("exodisk:{}", sock.display()));
+    let mut m = Mount::start(mdir, lower, mnt, "null", &[]);
+    let d = m.path("d");
+    std::fs::create_dir(&d).unwrap();
+    for i in 0..600 {
+        std::fs::write(d.join(format!("a-rather-long-file-name-{i:04}")), format!("{i}")).unwrap();
+    }
+    // Removing each entry as it is read (as `rm -rf` does between reads of a large
+    // directory): later reads go on where the earlier ones stopped.
+    let mut seen = 0;
+    for e in std::fs::read_dir(&d).unwrap() {
+        std::fs::remove_file(e.unwrap().path()).unwrap();
+        seen += 1;
+    }
+    assert_eq!(seen, 600);
+    std::fs::remove_dir(&d).unwrap();
+    assert!(m.unmount().success());
+}

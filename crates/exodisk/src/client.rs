@@ -389,6 +389,105 @@ impl Client {
         self.transfer(t, wcap_, sector, data.len(), Some(data), None)
     }
 
+    /// Do `reqs` in order in one round trip. The replies of those done, and the failure that
+    /// stopped the rest (if one did).
+    pub fn batch(&self, reqs: Vec<Request>) -> (Vec<Reply>, Option<ExoError>) {
+        if reqs.is_empty() {
+            return (Vec::new(), None);
+        }
+        match self.call(Request::Batch { reqs }) {
+            Ok(Reply::Batch(results)) => {
+                let mut out = Vec::with_capacity(results.len());
+                for r in results {
+                    match r {
+                        Ok(r) => out.push(r),
+                        Err((errno, msg)) => return (out, Some(ExoError { errno, msg })),
+                    }
+                }
+                (out, None)
+            }
+            Ok(r) => (Vec::new(), Some(unexpected(r))),
+            Err(e) => (Vec::new(), Some(e)),
+        }
+    }
+
+    /// Write many pieces at once (each whole sectors of one object): they are packed into the
+    /// shared memory, queued together so that the service orders them on the disk, and waited
+    /// for. The first failure is the answer, after every piece has completed.
+    pub fn write_many(&self, pieces: &[(Target, Cap, u64, &[u8])]) -> Result<()> {
+        // Slots held by this call, those of them idle again, the one being filled and how full.
+        let mut held: Vec<usize> = Vec::new();
+        let mut idle: Vec<usize> = Vec::new();
+        let (mut slot, mut used) = (0usize, SLOT);
+        let mut waiting: Vec<(u64, u64)> = Vec::new();
+        let mut first_err: Option<ExoError> = None;
+        let mut reqs = Vec::new();
+        let send = |reqs: &mut Vec<IoReq>, first_err: &mut Option<ExoError>| {
+            if !reqs.is_empty() {
+                if let Err(e) = self.submit(std::mem::take(reqs)) {
+                    first_err.get_or_insert(e);
+                }
+            }
+        };
+        let finish = |waiting: &mut Vec<(u64, u64)>, first_err: &mut Option<ExoError>| {
+            for (id, sector) in waiting.drain(..) {
+                let r = self.wait_io(id);
+                if r < 0 && first_err.is_none() {
+                    *first_err =
+                        Some(ExoError { errno: -r, msg: format!("sectors {sector}..: {}", std::io::Error::from_raw_os_error(-r)) });
+                }
+            }
+        };
+        for (t, c, sector, data) in pieces {
+            if !data.len().is_multiple_of(crate::disk::SECTOR) {
+                first_err.get_or_insert(ExoError { errno: libc::EINVAL, msg: "a whole number of sectors".into() });
+                break;
+            }
+            let mut done = 0usize;
+            while done < data.len() {
+                if used == SLOT {
+                    // Another slot: one of ours that is idle, a free one, or (when every slot is
+                    // taken) ours again once what was queued in them is done.
+                    if let Some(s) = idle.pop() {
+                        slot = s;
+                    } else if let Some(f) = if held.is_empty() { Some(self.slot()) } else { self.free_slots.lock().pop() } {
+                        held.push(f);
+                        slot = f;
+                    } else {
+                        send(&mut reqs, &mut first_err);
+                        finish(&mut waiting, &mut first_err);
+                        idle = held.clone();
+                        slot = idle.pop().expect("one held");
+                    }
+                    used = 0;
+                }
+                let n = (data.len() - done).min(SLOT - used);
+                let offset = (slot * SLOT + used) as u64;
+                self.shm.put(offset, &data[done..done + n]).map_err(|_| lost())?;
+                let id = self.io_id();
+                let s = sector + (done / crate::disk::SECTOR) as u64;
+                reqs.push(IoReq {
+                    id,
+                    target: WTarget::from(t),
+                    cap: wcap(*c),
+                    write: true,
+                    sector: s,
+                    count: (n / crate::disk::SECTOR) as u32,
+                    offset,
+                });
+                waiting.push((id, s));
+                used += n;
+                done += n;
+            }
+        }
+        send(&mut reqs, &mut first_err);
+        finish(&mut waiting, &mut first_err);
+        for s in held {
+            self.give_back(s);
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
     /// Ask the service to stop (root or its own user).
     pub fn shutdown(&self) -> Result<()> {
         self.ok(Request::Shutdown)

@@ -10,7 +10,7 @@ use serde_bytes::ByteBuf;
 use crate::core::{Persistence, Target};
 use crate::object::{Caps, Entry, Exonode};
 
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// The largest frame.
 pub const MAX_FRAME: usize = 16 << 20;
 
@@ -240,6 +240,12 @@ pub enum Request {
     },
     Poll,
     Shutdown,
+    /// Requests done in order in one round trip, stopping at the first that fails (a compound
+    /// request, as NFSv4's): a library file system writes back many objects at once. `Hello`,
+    /// `Root`, `Shutdown` and `Batch` itself are refused inside.
+    Batch {
+        reqs: Vec<Request>,
+    },
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -305,6 +311,8 @@ pub enum Reply {
         pending: u64,
         queue: Vec<(u64, u32, bool)>,
     },
+    /// The results of a batch's requests, in order, up to and including the first failure.
+    Batch(Vec<Result<Reply, (i32, String)>>),
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug)]

@@ -104,8 +104,17 @@ impl Service {
             let Ok(handle) = stream.try_clone() else { continue };
             let me = self.clone();
             let thread = std::thread::Builder::new().name("exodisk-client".into()).spawn(move || {
+                // However the connection's thread ends (an error, a message it cannot read, a
+                // panic), the connection ends with it, so the client is not left waiting.
+                struct Hangup(UnixStream);
+                impl Drop for Hangup {
+                    fn drop(&mut self) {
+                        let _ = self.0.shutdown(std::net::Shutdown::Both);
+                    }
+                }
+                let _hangup = stream.try_clone().map(Hangup);
                 if let Err(e) = me.client(stream) {
-                    tracing::debug!("exodisk: a client: {e}");
+                    tracing::warn!("exodisk: a client's connection ended: {e}");
                 }
             });
             if let Ok(t) = thread {
@@ -242,6 +251,24 @@ impl Service {
         let mut core = self.core.lock();
         Ok(match req {
             Request::Hello { .. } | Request::Shutdown => return err(libc::EPROTO, "unexpected here"),
+            Request::Batch { reqs } => {
+                drop(core);
+                let mut out = Vec::with_capacity(reqs.len());
+                for (i, r) in reqs.into_iter().enumerate() {
+                    let result =
+                        if matches!(r, Request::Hello { .. } | Request::Root { .. } | Request::Shutdown | Request::Batch { .. }) {
+                            Err((libc::EINVAL, format!("request {i} of the batch cannot be batched")))
+                        } else {
+                            self.handle(r, uid, client, shm, tx).map_err(|e| (e.errno, format!("request {i} of the batch: {}", e.msg)))
+                        };
+                    let failed = result.is_err();
+                    out.push(result);
+                    if failed {
+                        break;
+                    }
+                }
+                return Ok(Reply::Batch(out));
+            }
             Request::Root { name, uid: other, .. } => {
                 let uid = match other {
                     Some(o) if o != uid && uid != 0 => return err(libc::EPERM, "only root may open another user's root"),

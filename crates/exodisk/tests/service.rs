@@ -133,3 +133,58 @@ fn an_exclusive_root_waits_for_its_holder_to_go() {
     });
     assert!(started.elapsed() >= std::time::Duration::from_millis(250));
 }
+
+#[test]
+fn a_batch_runs_in_order_in_one_request_and_stops_at_the_first_failure() {
+    use plyfs_exodisk::proto::{Reply, Request};
+    let dir = tempfile::tempdir().unwrap();
+    let r = run(dir.path());
+    let c = Client::connect(&r.socket, 4 << 20).unwrap();
+    let at = c.free_map().unwrap().find_free(8, c.data_start + 100).unwrap();
+    c.exonode_allocate(at, 8, A, Persistence::Metadata).unwrap();
+    let x = WTarget::from(&Target::Exonode { at, path: vec![] });
+    let data = |bytes: &[u8], w: u128| Request::AddData { target: x.clone(), wcap: wcap(w), idx: None, data: bytes.to_vec().into() };
+    // All three done, in order.
+    let (done, failed) = c.batch(vec![data(b"one", A.write), data(b"two", A.write), data(b"three", A.write)]);
+    assert!(failed.is_none());
+    assert_eq!(done, [Reply::Entry(0), Reply::Entry(1), Reply::Entry(2)]);
+    // A wrong capability in the middle: the first is done, the third never is.
+    let (done, failed) = c.batch(vec![data(b"four", A.write), data(b"bad", 0xdead), data(b"five", A.write)]);
+    assert_eq!(done, [Reply::Entry(3)]);
+    let e = failed.unwrap();
+    assert_eq!(e.errno, libc::EACCES, "{}", e.msg);
+    assert!(e.msg.contains("request 1 of the batch"), "{}", e.msg);
+    assert_eq!(c.map(&Target::Exonode { at, path: vec![] }, A.read).unwrap().entries.len(), 4);
+    // Requests that cannot be batched are refused there, and the connection lives on.
+    let (done, failed) = c.batch(vec![Request::Root { name: "r".into(), uid: None, exclusive: false }]);
+    assert!(done.is_empty());
+    assert_eq!(failed.unwrap().errno, libc::EINVAL);
+    assert!(c.free_map().is_ok());
+}
+
+#[test]
+fn many_writes_are_queued_together_and_land_where_they_were_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = run(dir.path());
+    // Little shared memory: the writes take more than all of it and reuse it.
+    let c = Client::connect(&r.socket, 2 << 20).unwrap();
+    let at = c.free_map().unwrap().find_free(20_001, c.data_start + 100).unwrap();
+    c.extent_allocate(at, 20_001, A, Persistence::Metadata).unwrap();
+    let ext = Target::Extent(at);
+    let pieces: Vec<Vec<u8>> = (0..40u32).map(|i| vec![i as u8 + 1; 500 * 512]).collect();
+    let list: Vec<(Target, u128, u64, &[u8])> =
+        pieces.iter().enumerate().map(|(i, p)| (ext.clone(), A.write, at + 1 + i as u64 * 500, &p[..])).collect();
+    c.write_many(&list).unwrap();
+    for (i, p) in pieces.iter().enumerate() {
+        let mut back = vec![0u8; p.len()];
+        c.read(&ext, A.read, at + 1 + i as u64 * 500, &mut back).unwrap();
+        assert!(back == *p, "piece {i}");
+    }
+    // A piece outside the extent fails the call, after the others are done.
+    let bad = vec![7u8; 512];
+    let e = c.write_many(&[(ext.clone(), A.write, at + 1, &bad[..]), (ext.clone(), A.write, at + 20_001, &bad[..])]).unwrap_err();
+    assert!(e.errno == libc::EACCES || e.errno == libc::EINVAL || e.errno == libc::ERANGE, "{}", e.msg);
+    let mut back = vec![0u8; 512];
+    c.read(&ext, A.read, at + 1, &mut back).unwrap();
+    assert_eq!(back, bad);
+}

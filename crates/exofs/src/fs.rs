@@ -3,7 +3,14 @@
 //!
 //! Everything is reached with the capabilities of the user's named root `exofs` (R): R's entry 0
 //! is the superblock, its entries 1.. are inode tables, and each inode hangs below a table.
-//! Inodes are `memory`-model exonodes written back by [`Fs::sync`]; file data is written at once.
+//! Inodes are `memory`-model exonodes written back by [`Fs::sync`], as ext4 commits its journal.
+//!
+//! Small work stays in memory until then, as a kernel file system's page cache and delayed
+//! allocation keep it: new inodes come from a pool made a batch at a time; a file's bytes live
+//! in its inode (up to [`BUFFER_MAX`]) and get extents only at write-back, all at once and
+//! ordered on the disk; inodes removed go back to the pool if they never reached the disk, and
+//! are deallocated together at write-back otherwise. A write-back is a few batched requests
+//! whatever the number of files. Larger files are written through at once.
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
@@ -14,16 +21,25 @@ use plyfs_exodisk::client::Client;
 use plyfs_exodisk::core::{ExoError, Persistence, Target};
 
 use plyfs_exodisk::object::Caps;
-use plyfs_exodisk::proto::WEntry;
+use plyfs_exodisk::proto::{wcap, Reply, Request, WEntry, WPersistence, WTarget};
 use plyfs_stack::{Error, FileKind, Result};
+use serde_bytes::ByteBuf;
 
 use crate::format::{decode_dir, decode_map, encode_dir, encode_map, valid_name, Dir, Inode, ATTRS, IMMEDIATE, MAP};
 
 /// Sectors of an inode exonode (4 KiB: room for about 130 extents), and of an inode table.
 pub const INODE_SECTORS: u32 = 8;
 pub const TABLE_SECTORS: u32 = 32;
-/// Bytes kept inside the inode.
+/// Bytes kept inside the inode on the volume.
 pub const IMMEDIATE_MAX: usize = 480;
+/// Bytes of a file kept in memory until write-back (beyond this it is written through)...
+pub const BUFFER_MAX: usize = 256 << 10;
+/// ... while all files' bytes kept in memory stay under this.
+const BUFFER_TOTAL: usize = 64 << 20;
+/// Inodes made per request when the pool is empty.
+const POOL: usize = 32;
+/// Inodes written back per batched request.
+const BATCH_NODES: usize = 256;
 /// The first extent of a file, in sectors (64 KiB); later ones double, up to `MAX_EXTENT`.
 const MAX_EXTENT_SECTORS: u64 = 65536;
 /// Holes are filled a whole aligned chunk at a time (32 KiB), so that random writes do not make
@@ -61,6 +77,42 @@ struct Node {
     dir: Option<Dir>,
     /// Its entries changed since they were last written.
     dir_dirty: bool,
+    /// Its immediate bytes (entry IMMEDIATE) or extent map (entry MAP) changed since the last
+    /// write-back.
+    imm_dirty: bool,
+    map_dirty: bool,
+    /// The service's exonode is still as the pool made it (nothing written to it yet), so the
+    /// inode can go back to the pool when removed.
+    fresh: bool,
+}
+
+/// Where a file's bytes are: what reading and writing its sectors needs (cheap to copy, unlike
+/// a node with its bytes held in memory).
+#[derive(Clone, Debug)]
+struct Shape {
+    path: [u32; 2],
+    extents: Vec<Ext>,
+}
+
+impl Node {
+    fn shape(&self) -> Shape {
+        Shape { path: self.path, extents: self.extents.clone() }
+    }
+
+    fn new(path: [u32; 2], attrs: Inode) -> Node {
+        Node {
+            path,
+            attrs,
+            immediate: Vec::new(),
+            extents: Vec::new(),
+            dirty: true,
+            dir: None,
+            dir_dirty: false,
+            imm_dirty: true,
+            map_dirty: true,
+            fresh: true,
+        }
+    }
 }
 
 struct State {
@@ -79,6 +131,13 @@ struct State {
     lookups: HashMap<u64, u64>,
     /// An inode was added to or removed from a table since the last write-back.
     tables_dirty: bool,
+    /// Inodes made (in a table, with empty entries) and not used yet: sector and path.
+    pool: Vec<(u64, [u32; 2])>,
+    /// Inodes removed since the last write-back, deallocated by it: sector, path, extents
+    /// (their sectors stay taken in the map until then).
+    freeing: Vec<(u64, [u32; 2], Vec<Ext>)>,
+    /// Bytes of file contents held in memory (immediate data, written back or not).
+    buffered: usize,
 }
 
 pub struct Fs {
@@ -106,6 +165,9 @@ impl Fs {
                 open: HashMap::new(),
                 lookups: HashMap::new(),
                 tables_dirty: false,
+                pool: Vec::new(),
+                freeing: Vec::new(),
+                buffered: 0,
             }),
         };
         let x = fs.client.map(&fs.rt(&[]), caps.read).map_err(|e| e.msg)?;
@@ -189,13 +251,22 @@ impl Fs {
     }
 
     fn new_inode(&self, st: &mut State, attrs: Inode, near: u64) -> Result<u64> {
-        // A table with room, or a new one.
+        if st.pool.is_empty() {
+            self.refill_pool(st, near)?;
+        }
+        let (at, path) = st.pool.pop().expect("refilled");
+        st.nodes.insert(at, Node::new(path, attrs));
+        Ok(at)
+    }
+
+    /// Make [`POOL`] inodes in one request, in a run of sectors near `near` (a directory's small
+    /// files then sit together, thesis §5.3), each with empty entries ATTRS, IMMEDIATE and MAP.
+    fn refill_pool(&self, st: &mut State, near: u64) -> Result<()> {
         let cap = (plyfs_exodisk::object::Exonode::capacity(TABLE_SECTORS) / 9) as u32;
-        let table = match st.tables.iter().position(|(_, _, n)| *n < cap) {
+        let table = match st.tables.iter().position(|(_, _, n)| *n + POOL as u32 <= cap) {
             Some(i) => i,
             None => {
                 let at = self.find(st, TABLE_SECTORS as u64, self.r)?;
-                let caps = Caps::random();
                 let k = self
                     .client
                     .add_exonode_as(
@@ -204,7 +275,7 @@ impl Fs {
                         None,
                         at,
                         TABLE_SECTORS,
-                        caps,
+                        Caps::random(),
                         Some(Persistence::Memory),
                         Vec::new(),
                     )
@@ -214,20 +285,57 @@ impl Fs {
             }
         };
         let k = st.tables[table].0;
-        let at = self.find(st, INODE_SECTORS as u64, near)?;
-        // The inode with its attributes, no immediate data and an empty extent map (entries
-        // ATTRS, IMMEDIATE, MAP), in one request.
-        let first = vec![attrs.encode(), Vec::new(), Vec::new()];
-        let j = self
-            .client
-            .add_exonode_as(&self.rt(&[k]), self.caps.write, None, at, INODE_SECTORS, Caps::random(), Some(Persistence::Memory), first)
-            .map_err(exo)?;
-        st.tables[table].2 += 1;
-        st.tables_dirty = true;
-        let path = [k, j];
-        st.nodes
-            .insert(at, Node { path, attrs, immediate: Vec::new(), extents: Vec::new(), dirty: true, dir: None, dir_dirty: false });
-        Ok(at)
+        let sectors: Vec<u64> = match self.find(st, POOL as u64 * INODE_SECTORS as u64, near) {
+            Ok(run) => (0..POOL as u64).map(|i| run + i * INODE_SECTORS as u64).collect(),
+            Err(_) => {
+                let mut one = Vec::new();
+                for _ in 0..POOL {
+                    match self.find(st, INODE_SECTORS as u64, near) {
+                        Ok(at) => one.push(at),
+                        Err(_) => break,
+                    }
+                }
+                one
+            }
+        };
+        if sectors.is_empty() {
+            return Err(Error::Os(libc::ENOSPC));
+        }
+        let table_target = WTarget::from(&self.rt(&[k]));
+        let reqs = sectors
+            .iter()
+            .map(|&at| Request::AddExonode {
+                target: table_target.clone(),
+                wcap: wcap(self.caps.write),
+                idx: None,
+                child: at,
+                sectors: INODE_SECTORS,
+                caps: Caps::random().into(),
+                persistence: Some(WPersistence::Memory),
+                data: vec![ByteBuf::new(), ByteBuf::new(), ByteBuf::new()],
+            })
+            .collect();
+        let (done, failed) = self.client.batch(reqs);
+        for (at, rep) in sectors.iter().zip(&done) {
+            if let Reply::Entry(j) = rep {
+                st.pool.push((*at, [k, *j]));
+            }
+        }
+        st.tables[table].2 += done.len() as u32;
+        st.tables_dirty |= !done.is_empty();
+        // The rest were not made: their sectors are not ours (another client may have taken
+        // them), so the map is read again.
+        st.pool.reverse();
+        if let Some(e) = failed {
+            for at in &sectors[done.len()..] {
+                st.map.set(*at, INODE_SECTORS as u64, false);
+            }
+            if done.is_empty() {
+                st.map = self.client.free_map().map_err(exo)?;
+                return Err(exo(e));
+            }
+        }
+        Ok(())
     }
 
     /// The root directory's inode number.
@@ -263,7 +371,10 @@ impl Fs {
             if extents.windows(2).any(|w| w[0].logical + w[0].sectors > w[1].logical) {
                 return Err(corrupt("overlapping extents"));
             }
-            st.nodes.insert(ino, Node { path, attrs, immediate, extents, dirty: false, dir: None, dir_dirty: false });
+            st.buffered += immediate.len();
+            let loaded =
+                Node { immediate, extents, dirty: false, imm_dirty: false, map_dirty: false, fresh: false, ..Node::new(path, attrs) };
+            st.nodes.insert(ino, loaded);
         }
         Ok(st.nodes.get_mut(&ino).expect("loaded"))
     }
@@ -276,35 +387,36 @@ impl Fs {
     /// The directory `ino`'s entries.
     pub fn read_dir(&self, ino: u64) -> Result<Dir> {
         let mut st = self.state.lock();
-        self.dir_of(&mut st, ino)
+        Ok(self.dir(&mut st, ino)?.clone())
     }
 
-    fn dir_of(&self, st: &mut State, ino: u64) -> Result<Dir> {
+    /// The directory `ino`'s entries, read once and then kept (and changed) in memory.
+    fn dir<'a>(&self, st: &'a mut State, ino: u64) -> Result<&'a mut Dir> {
         let n = self.node(st, ino)?;
         if n.attrs.kind != FileKind::Dir {
             return Err(Error::Os(libc::ENOTDIR));
         }
-        if let Some(d) = &n.dir {
-            return Ok(d.clone());
+        if n.dir.is_none() {
+            let size = n.attrs.size as usize;
+            let bytes = self.read_at(st, ino, 0, size)?;
+            let mut d = decode_dir(&bytes).map_err(|e| Error::Corrupt(format!("exofs directory {ino}: {e}")))?;
+            // A record whose inode did not reach the disk before a crash names nothing: it goes.
+            let before = d.len();
+            d.retain(|_, (i, _)| st.paths.contains_key(i) || st.nodes.contains_key(i));
+            let dropped = before - d.len();
+            self.node(st, ino)?.dir = Some(d);
+            if dropped > 0 {
+                tracing::warn!("exofs: directory {ino}: dropped {dropped} entries whose inodes were lost in a crash");
+                self.dir_changed(st, ino)?;
+            }
         }
-        let size = n.attrs.size as usize;
-        let bytes = self.read_at(st, ino, 0, size)?;
-        let mut d = decode_dir(&bytes).map_err(|e| Error::Corrupt(format!("exofs directory {ino}: {e}")))?;
-        // A record whose inode did not reach the disk before a crash names nothing: it goes.
-        let before = d.len();
-        d.retain(|_, (i, _)| st.paths.contains_key(i) || st.nodes.contains_key(i));
-        if d.len() != before {
-            tracing::warn!("exofs: directory {ino}: dropped {} entries whose inodes were lost in a crash", before - d.len());
-            self.store_dir(st, ino, &d)?;
-        }
-        self.node(st, ino)?.dir = Some(d.clone());
-        Ok(d)
+        Ok(self.node(st, ino)?.dir.as_mut().expect("read"))
     }
 
-    /// A directory's new entries: kept in memory, written back with its inode ([`Fs::sync`]).
-    fn store_dir(&self, st: &mut State, ino: u64, d: &Dir) -> Result<()> {
+    /// A directory's entries changed (in memory): they are written back with its inode
+    /// ([`Fs::sync`]).
+    fn dir_changed(&self, st: &mut State, ino: u64) -> Result<()> {
         let n = self.node(st, ino)?;
-        n.dir = Some(d.clone());
         n.dir_dirty = true;
         n.attrs.mtime = SystemTime::now();
         n.attrs.ctime = n.attrs.mtime;
@@ -312,10 +424,15 @@ impl Fs {
         Ok(())
     }
 
+    /// A directory's entries replaced.
+    fn store_dir(&self, st: &mut State, ino: u64, d: Dir) -> Result<()> {
+        *self.dir(st, ino)? = d;
+        self.dir_changed(st, ino)
+    }
+
     pub fn lookup(&self, parent: u64, name: &OsStr) -> Result<(u64, Inode)> {
         let mut st = self.state.lock();
-        let d = self.dir_of(&mut st, parent)?;
-        let (ino, _) = *d.get(name).ok_or(Error::Os(libc::ENOENT))?;
+        let (ino, _) = *self.dir(&mut st, parent)?.get(name).ok_or(Error::Os(libc::ENOENT))?;
         let attrs = self.node(&mut st, ino)?.attrs.clone();
         Ok((ino, attrs))
     }
@@ -326,8 +443,7 @@ impl Fs {
             return Err(Error::Os(if name.len() > 255 { libc::ENAMETOOLONG } else { libc::EINVAL }));
         }
         let mut st = self.state.lock();
-        let mut d = self.dir_of(&mut st, parent)?;
-        if d.contains_key(name) {
+        if self.dir(&mut st, parent)?.contains_key(name) {
             return Err(Error::Os(libc::EEXIST));
         }
         let kind = attrs.kind;
@@ -336,8 +452,8 @@ impl Fs {
         if !content.is_empty() {
             self.set_content(&mut st, ino, content)?;
         }
-        d.insert(name.to_owned(), (ino, kind));
-        self.store_dir(&mut st, parent, &d)?;
+        self.dir(&mut st, parent)?.insert(name.to_owned(), (ino, kind));
+        self.dir_changed(&mut st, parent)?;
         if is_dir {
             self.node(&mut st, parent)?.attrs.nlink += 1;
         }
@@ -347,16 +463,15 @@ impl Fs {
     /// Remove `name` from `parent`; the inode goes when its last link does.
     pub fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> Result<()> {
         let mut st = self.state.lock();
-        let mut d = self.dir_of(&mut st, parent)?;
-        let (ino, kind) = *d.get(name).ok_or(Error::Os(libc::ENOENT))?;
+        let (ino, kind) = *self.dir(&mut st, parent)?.get(name).ok_or(Error::Os(libc::ENOENT))?;
         match (dir, kind == FileKind::Dir) {
             (true, false) => return Err(Error::Os(libc::ENOTDIR)),
             (false, true) => return Err(Error::Os(libc::EISDIR)),
-            (true, true) if !self.dir_of(&mut st, ino)?.is_empty() => return Err(Error::Os(libc::ENOTEMPTY)),
+            (true, true) if !self.dir(&mut st, ino)?.is_empty() => return Err(Error::Os(libc::ENOTEMPTY)),
             _ => {}
         }
-        d.remove(name);
-        self.store_dir(&mut st, parent, &d)?;
+        self.dir(&mut st, parent)?.remove(name);
+        self.dir_changed(&mut st, parent)?;
         if dir {
             self.node(&mut st, parent)?.attrs.nlink -= 1;
         }
@@ -432,12 +547,12 @@ impl Fs {
         if kind == FileKind::Dir {
             return Err(Error::Os(libc::EPERM));
         }
-        let mut d = self.dir_of(&mut st, parent)?;
+        let d = self.dir(&mut st, parent)?;
         if d.contains_key(name) {
             return Err(Error::Os(libc::EEXIST));
         }
         d.insert(name.to_owned(), (ino, kind));
-        self.store_dir(&mut st, parent, &d)?;
+        self.dir_changed(&mut st, parent)?;
         let n = self.node(&mut st, ino)?;
         n.attrs.nlink += 1;
         n.attrs.ctime = SystemTime::now();
@@ -451,21 +566,21 @@ impl Fs {
             return Err(Error::Os(libc::ENAMETOOLONG));
         }
         let mut st = self.state.lock();
-        let mut from = self.dir_of(&mut st, parent)?;
+        let mut from = self.dir(&mut st, parent)?.clone();
         let (ino, kind) = *from.get(name).ok_or(Error::Os(libc::ENOENT))?;
-        let mut to = if new_parent == parent { from.clone() } else { self.dir_of(&mut st, new_parent)? };
+        let mut to = if new_parent == parent { from.clone() } else { self.dir(&mut st, new_parent)?.clone() };
         let existing = to.get(new_name).copied();
         if flags & libc::RENAME_EXCHANGE != 0 {
             let (other, okind) = existing.ok_or(Error::Os(libc::ENOENT))?;
             if new_parent == parent {
                 from.insert(name.to_owned(), (other, okind));
                 from.insert(new_name.to_owned(), (ino, kind));
-                self.store_dir(&mut st, parent, &from)?;
+                self.store_dir(&mut st, parent, from)?;
             } else {
                 from.insert(name.to_owned(), (other, okind));
                 to.insert(new_name.to_owned(), (ino, kind));
-                self.store_dir(&mut st, parent, &from)?;
-                self.store_dir(&mut st, new_parent, &to)?;
+                self.store_dir(&mut st, parent, from)?;
+                self.store_dir(&mut st, new_parent, to)?;
                 let moved_dirs = (kind == FileKind::Dir) as i32 - (okind == FileKind::Dir) as i32;
                 self.adjust_links(&mut st, parent, -moved_dirs)?;
                 self.adjust_links(&mut st, new_parent, moved_dirs)?;
@@ -487,18 +602,18 @@ impl Fs {
             match (kind == FileKind::Dir, okind == FileKind::Dir) {
                 (true, false) => return Err(Error::Os(libc::ENOTDIR)),
                 (false, true) => return Err(Error::Os(libc::EISDIR)),
-                (true, true) if !self.dir_of(&mut st, other)?.is_empty() => return Err(Error::Os(libc::ENOTEMPTY)),
+                (true, true) if !self.dir(&mut st, other)?.is_empty() => return Err(Error::Os(libc::ENOTEMPTY)),
                 _ => {}
             }
         }
         from.remove(name);
         if new_parent == parent {
             from.insert(new_name.to_owned(), (ino, kind));
-            self.store_dir(&mut st, parent, &from)?;
+            self.store_dir(&mut st, parent, from)?;
         } else {
             to.insert(new_name.to_owned(), (ino, kind));
-            self.store_dir(&mut st, parent, &from)?;
-            self.store_dir(&mut st, new_parent, &to)?;
+            self.store_dir(&mut st, parent, from)?;
+            self.store_dir(&mut st, new_parent, to)?;
             if kind == FileKind::Dir {
                 self.adjust_links(&mut st, parent, -1)?;
                 self.adjust_links(&mut st, new_parent, 1)?;
@@ -537,15 +652,13 @@ impl Fs {
 
     fn free_inode(&self, st: &mut State, ino: u64) -> Result<()> {
         let n = st.nodes.remove(&ino).ok_or(Error::Os(libc::ESTALE))?;
-        self.client.exonode_deallocate(&self.rt(&n.path), self.caps.write).map_err(exo)?;
-        if let Some(t) = st.tables.iter_mut().find(|t| t.0 == n.path[0]) {
-            t.2 -= 1;
-        }
-        st.tables_dirty = true;
+        st.buffered -= n.immediate.len();
         st.paths.remove(&ino);
-        st.map.set(ino, INODE_SECTORS as u64, false);
-        for e in n.extents {
-            st.map.set(e.start, e.sectors, false);
+        if n.fresh {
+            // Never written: the service's exonode is as the pool made it.
+            st.pool.push((ino, n.path));
+        } else {
+            st.freeing.push((ino, n.path, n.extents));
         }
         Ok(())
     }
@@ -559,7 +672,7 @@ impl Fs {
     }
 
     fn read_at(&self, st: &mut State, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
-        let n = self.node(st, ino)?.clone();
+        let n = self.node(st, ino)?;
         let end = (off + len as u64).min(n.attrs.size);
         if off >= end {
             return Ok(Vec::new());
@@ -570,6 +683,7 @@ impl Fs {
             out.resize((end - off) as usize, 0);
             return Ok(out);
         }
+        let n = n.shape();
         let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
         let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
         self.read_sectors(&n, s0, &mut buf)?;
@@ -579,7 +693,7 @@ impl Fs {
 
     /// The pieces of file sectors `s0..s1`: (file sector, count, volume sector or `None` for a
     /// hole).
-    fn pieces(n: &Node, s0: u64, s1: u64) -> Vec<(u64, u64, Option<u64>)> {
+    fn pieces(n: &Shape, s0: u64, s1: u64) -> Vec<(u64, u64, Option<u64>)> {
         let mut out = Vec::new();
         let mut at = s0;
         for e in &n.extents {
@@ -608,7 +722,7 @@ impl Fs {
     }
 
     /// Read file sectors from `first` into `buf` (holes are zeros).
-    fn read_sectors(&self, n: &Node, first: u64, buf: &mut [u8]) -> Result<()> {
+    fn read_sectors(&self, n: &Shape, first: u64, buf: &mut [u8]) -> Result<()> {
         let t = self.rt(&n.path);
         let count = buf.len() as u64 / SECTOR;
         for (at, len, disk) in Self::pieces(n, first, first + count) {
@@ -622,7 +736,7 @@ impl Fs {
     }
 
     /// Write `data` (whole sectors) at file sector `first`; every sector must be covered.
-    fn write_sectors(&self, n: &Node, first: u64, data: &[u8]) -> Result<()> {
+    fn write_sectors(&self, n: &Shape, first: u64, data: &[u8]) -> Result<()> {
         let t = self.rt(&n.path);
         let count = data.len() as u64 / SECTOR;
         for (at, len, disk) in Self::pieces(n, first, first + count) {
@@ -647,13 +761,40 @@ impl Fs {
         self.write_at(&mut st, ino, off, data)
     }
 
-    fn store_immediate(&self, path: [u32; 2], bytes: &[u8]) -> Result<()> {
-        self.client.add_data(&self.rt(&path), self.caps.write, Some(IMMEDIATE), bytes).map(|_| ()).map_err(exo)
+    /// Change the bytes held in the inode (in memory; stored at write-back).
+    fn edit_immediate(&self, st: &mut State, ino: u64, edit: impl FnOnce(&mut Vec<u8>)) -> Result<()> {
+        let n = self.node(st, ino)?;
+        let old = n.immediate.len();
+        edit(&mut n.immediate);
+        let new = n.immediate.len();
+        n.imm_dirty = true;
+        n.dirty = true;
+        st.buffered = st.buffered + new - old;
+        Ok(())
     }
 
-    fn store_map(&self, n: &Node) -> Result<()> {
-        let map: Vec<(u32, u64)> = n.extents.iter().map(|e| (e.entry, e.logical)).collect();
-        self.client.add_data(&self.rt(&n.path), self.caps.write, Some(MAP), &encode_map(&map)).map(|_| ()).map_err(exo)
+    /// Whether `ino`'s content may be held in memory at `size` bytes.
+    fn may_buffer(st: &State, n: &Node, size: u64) -> bool {
+        let limit = if st.buffered + size as usize <= BUFFER_TOTAL + n.immediate.len() { BUFFER_MAX } else { IMMEDIATE_MAX };
+        n.extents.is_empty() && size as usize <= limit
+    }
+
+    /// Give a file whose bytes are held in memory extents for them and write them there now.
+    fn spill(&self, st: &mut State, ino: u64) -> Result<()> {
+        let n = self.node(st, ino)?;
+        if !n.extents.is_empty() || n.immediate.is_empty() {
+            return Ok(());
+        }
+        let imm = n.immediate.clone();
+        let old = n.attrs.size;
+        self.cover(st, ino, 0, (imm.len() as u64).div_ceil(SECTOR))?;
+        let mut buf = imm;
+        buf.resize(buf.len().div_ceil(SECTOR as usize) * SECTOR as usize, 0);
+        let node = self.node(st, ino)?.shape();
+        self.write_sectors(&node, 0, &buf)?;
+        self.edit_immediate(st, ino, |b| *b = Vec::new())?;
+        self.node(st, ino)?.attrs.size = old;
+        Ok(())
     }
 
     fn write_at(&self, st: &mut State, ino: u64, off: u64, data: &[u8]) -> Result<()> {
@@ -663,37 +804,22 @@ impl Fs {
         let end = off + data.len() as u64;
         let n = self.node(st, ino)?;
         let size = n.attrs.size.max(end);
-        if n.extents.is_empty() && size as usize <= IMMEDIATE_MAX {
-            let mut imm = n.immediate.clone();
-            if imm.len() < end as usize {
-                imm.resize(end as usize, 0);
-            }
-            imm[off as usize..end as usize].copy_from_slice(data);
-            self.store_immediate(n.path, &imm)?;
+        if Self::may_buffer(st, st.nodes.get(&ino).expect("loaded"), size) {
+            self.edit_immediate(st, ino, |imm| {
+                if imm.len() < end as usize {
+                    imm.resize(end as usize, 0);
+                }
+                imm[off as usize..end as usize].copy_from_slice(data);
+            })?;
             let n = self.node(st, ino)?;
-            n.immediate = imm;
             n.attrs.size = size;
-            n.dirty = true;
             return Ok(());
         }
-        if n.extents.is_empty() && !n.immediate.is_empty() {
-            // Out of the inode: the immediate bytes go first, into extents of their own.
-            let imm = n.immediate.clone();
-            let old = n.attrs.size;
-            self.cover(st, ino, 0, (imm.len() as u64).div_ceil(SECTOR))?;
-            let mut buf = imm.clone();
-            buf.resize(imm.len().div_ceil(SECTOR as usize) * SECTOR as usize, 0);
-            let node = self.node(st, ino)?.clone();
-            self.write_sectors(&node, 0, &buf)?;
-            let path = node.path;
-            self.store_immediate(path, &[])?;
-            let n = self.node(st, ino)?;
-            n.immediate.clear();
-            n.attrs.size = old;
-        }
+        // Out of memory: the bytes held go first, into extents of their own.
+        self.spill(st, ino)?;
         let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
         // What was there before (for partial sectors), then the new extents.
-        let before = self.node(st, ino)?.clone();
+        let before = self.node(st, ino)?.shape();
         let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
         if !off.is_multiple_of(SECTOR) {
             self.read_sectors(&before, s0, &mut buf[..SECTOR as usize])?;
@@ -705,7 +831,7 @@ impl Fs {
         let skip = (off - s0 * SECTOR) as usize;
         buf[skip..skip + data.len()].copy_from_slice(data);
         self.cover(st, ino, s0, s1)?;
-        let node = self.node(st, ino)?.clone();
+        let node = self.node(st, ino)?.shape();
         self.write_sectors(&node, s0, &buf)?;
         let n = self.node(st, ino)?;
         n.attrs.size = size;
@@ -716,7 +842,7 @@ impl Fs {
     /// Give the holes in file sectors `s0..s1` extents of their own, near what comes before.
     fn cover(&self, st: &mut State, ino: u64, s0: u64, s1: u64) -> Result<()> {
         // The holes, widened to whole chunks (as far as the extents around them allow).
-        let node = self.node(st, ino)?.clone();
+        let node = self.node(st, ino)?.shape();
         let last = node.extents.iter().map(|e| e.logical + e.sectors).max().unwrap_or(0);
         let (c0, c1) = if s0 >= last {
             // Past the last extent (appending): just what is written, in 4 KiB steps.
@@ -731,7 +857,7 @@ impl Fs {
                 continue;
             }
             while len > 0 {
-                let n = self.node(st, ino)?.clone();
+                let n = self.node(st, ino)?.shape();
                 let prev = n.extents.iter().filter(|e| e.logical + e.sectors <= at).max_by_key(|e| e.logical).copied();
                 let near = prev.map_or(ino, |p| p.start + p.sectors);
                 let mut want = len.min(MAX_EXTENT_SECTORS);
@@ -775,8 +901,8 @@ impl Fs {
                 }
                 node.extents.push(ext);
                 node.extents.sort_by_key(|e| e.logical);
-                let node = node.clone();
-                self.store_map(&node)?;
+                node.map_dirty = true;
+                node.fresh = false;
                 at += want;
                 len -= want;
             }
@@ -791,18 +917,14 @@ impl Fs {
     }
 
     fn truncate_at(&self, st: &mut State, ino: u64, size: u64) -> Result<()> {
-        let n = self.node(st, ino)?.clone();
+        let n = self.node(st, ino)?;
         if size >= n.attrs.size {
             // Longer: a hole (immediate data is zero-filled in place).
-            if n.extents.is_empty() && size as usize <= IMMEDIATE_MAX {
-                let mut imm = n.immediate.clone();
-                imm.resize(size as usize, 0);
-                self.store_immediate(n.path, &imm)?;
-                self.node(st, ino)?.immediate = imm;
-            } else if n.extents.is_empty() && !n.immediate.is_empty() {
+            if Self::may_buffer(st, st.nodes.get(&ino).expect("loaded"), size) {
+                self.edit_immediate(st, ino, |imm| imm.resize(size as usize, 0))?;
+            } else {
                 // Move the bytes out first, as a write does.
-                let imm = n.immediate.clone();
-                self.write_at(st, ino, 0, &imm)?;
+                self.spill(st, ino)?;
             }
             let node = self.node(st, ino)?;
             node.attrs.size = size;
@@ -810,17 +932,15 @@ impl Fs {
             return Ok(());
         }
         if n.extents.is_empty() {
-            let mut imm = n.immediate.clone();
-            imm.truncate(size as usize);
-            self.store_immediate(n.path, &imm)?;
+            self.edit_immediate(st, ino, |imm| imm.truncate(size as usize))?;
             let node = self.node(st, ino)?;
-            node.immediate = imm;
             node.attrs.size = size;
             node.dirty = true;
             return Ok(());
         }
         // Extents wholly past the end go; one that straddles it is split there; the rest of the
         // last sector kept is zeroed (so that a later extension reads zeros).
+        let n = n.shape();
         let keep = size.div_ceil(SECTOR);
         let t = self.rt(&n.path);
         let mut kept = Vec::new();
@@ -842,8 +962,8 @@ impl Fs {
         node.extents = kept;
         node.attrs.size = size;
         node.dirty = true;
-        let node = node.clone();
-        self.store_map(&node)?;
+        node.map_dirty = true;
+        let node = node.shape();
         if !size.is_multiple_of(SECTOR) {
             let s = size / SECTOR;
             if Self::pieces(&node, s, s + 1)[0].2.is_some() {
@@ -865,11 +985,52 @@ impl Fs {
         Ok(n.attrs.clone())
     }
 
-    /// Write back every changed inode (`EXONODE_WRITE`): files first, then directories, then the
-    /// tables, so that an interrupted write-back leaves only records nothing names yet (which the
-    /// volume's scan gives back), never a name without its record.
+    /// Write back everything changed: removed inodes are deallocated; directories' entries are
+    /// encoded; files held in memory get their extents and their bytes are written (all at once,
+    /// so that the service orders them on the disk); then the changed inodes are written
+    /// (`EXONODE_WRITE`), files first, then directories, then the tables. An interrupted
+    /// write-back thus leaves only records nothing names yet (which the volume's scan gives back),
+    /// never a name without its record, and never a record naming data not yet written.
     pub fn sync(&self) -> Result<()> {
         let mut st = self.state.lock();
+        self.write_back(&mut st)
+    }
+
+    /// Write back, then give the unused inodes of the pool back: the file system is left as a
+    /// clean unmount leaves it.
+    pub fn close(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        let pool = std::mem::take(&mut st.pool);
+        st.freeing.extend(pool.into_iter().map(|(at, path)| (at, path, Vec::new())));
+        self.write_back(&mut st)
+    }
+
+    fn write_back(&self, st: &mut State) -> Result<()> {
+        let wc = wcap(self.caps.write);
+        // Removed inodes (with their extents) go first: a directory on disk still naming one
+        // loses that name at its next read.
+        if !st.freeing.is_empty() {
+            let freeing = std::mem::take(&mut st.freeing);
+            let reqs = freeing
+                .iter()
+                .map(|(_, path, _)| Request::ExonodeDeallocate { target: WTarget::from(&self.rt(path)), wcap: wc })
+                .collect();
+            let (done, failed) = self.client.batch(reqs);
+            for (at, path, extents) in &freeing[..done.len()] {
+                if let Some(t) = st.tables.iter_mut().find(|t| t.0 == path[0]) {
+                    t.2 -= 1;
+                }
+                st.map.set(*at, INODE_SECTORS as u64, false);
+                for e in extents {
+                    st.map.set(e.start, e.sectors, false);
+                }
+            }
+            st.tables_dirty |= !done.is_empty();
+            if let Some(e) = failed {
+                st.freeing.extend_from_slice(&freeing[done.len()..]);
+                return Err(exo(e));
+            }
+        }
         let mut dirty: Vec<(bool, u64)> =
             st.nodes.iter().filter(|(_, n)| n.dirty).map(|(i, n)| (n.attrs.kind == FileKind::Dir, *i)).collect();
         if dirty.is_empty() && !st.tables_dirty {
@@ -882,25 +1043,148 @@ impl Fs {
             if is_dir && n.dir_dirty {
                 let bytes = encode_dir(n.dir.as_ref().expect("a dirty directory is cached"));
                 let old = n.attrs.size;
-                self.write_at(&mut st, ino, 0, &bytes)?;
+                self.write_at(st, ino, 0, &bytes)?;
                 if (bytes.len() as u64) < old {
-                    self.truncate_at(&mut st, ino, bytes.len() as u64)?;
+                    self.truncate_at(st, ino, bytes.len() as u64)?;
                 }
                 st.nodes.get_mut(&ino).expect("listed").dir_dirty = false;
             }
         }
-        for (_, ino) in dirty {
+        let big: Vec<u64> = dirty
+            .iter()
+            .map(|d| d.1)
+            .filter(|i| st.nodes[i].extents.is_empty() && st.nodes[i].immediate.len() > IMMEDIATE_MAX)
+            .collect();
+        self.place_buffered(st, &big)?;
+        for chunk in dirty.chunks(BATCH_NODES) {
+            let mut reqs = Vec::new();
+            for &(_, ino) in chunk {
+                let n = &st.nodes[&ino];
+                let target = WTarget::from(&self.rt(&n.path));
+                let data = |idx: u32, bytes: Vec<u8>| Request::AddData {
+                    target: target.clone(),
+                    wcap: wc,
+                    idx: Some(idx),
+                    data: ByteBuf::from(bytes),
+                };
+                reqs.push(data(ATTRS, n.attrs.encode()));
+                if n.imm_dirty {
+                    reqs.push(data(IMMEDIATE, n.immediate.clone()));
+                }
+                if n.map_dirty {
+                    let map: Vec<(u32, u64)> = n.extents.iter().map(|e| (e.entry, e.logical)).collect();
+                    reqs.push(data(MAP, encode_map(&map)));
+                }
+                reqs.push(Request::WriteRecord { target: target.clone(), wcap: wc });
+            }
+            let (_, failed) = self.client.batch(reqs);
+            if let Some(e) = failed {
+                return Err(exo(e));
+            }
+            for &(_, ino) in chunk {
+                let n = st.nodes.get_mut(&ino).expect("listed");
+                (n.dirty, n.imm_dirty, n.map_dirty, n.fresh) = (false, false, false, false);
+            }
+        }
+        if st.tables_dirty {
+            let reqs = st.tables.iter().map(|t| Request::WriteRecord { target: WTarget::from(&self.rt(&[t.0])), wcap: wc }).collect();
+            if let (_, Some(e)) = self.client.batch(reqs) {
+                return Err(exo(e));
+            }
+            st.tables_dirty = false;
+        }
+        Ok(())
+    }
+
+    /// Extents for files whose bytes are held in memory (more than fit in an inode), near their
+    /// inodes, and the bytes written there: a batch of `ADD_EXTENT` and one queue of writes.
+    fn place_buffered(&self, st: &mut State, inos: &[u64]) -> Result<()> {
+        if inos.is_empty() {
+            return Ok(());
+        }
+        let wc = wcap(self.caps.write);
+        // (inode, volume sector, sectors, file sector) for each new extent.
+        let mut planned: Vec<(u64, u64, u64, u64)> = Vec::new();
+        let mut reqs = Vec::new();
+        for &ino in inos {
+            let path = st.nodes[&ino].path;
+            let total = (st.nodes[&ino].immediate.len() as u64).div_ceil(SECTOR).div_ceil(8) * 8;
+            let (mut logical, mut want) = (0u64, total);
+            while logical < total {
+                want = want.min(total - logical);
+                let start = match self.find(st, want, ino) {
+                    Ok(s) => s,
+                    Err(_) if want > 8 => {
+                        want = (want / 2).div_ceil(8) * 8;
+                        continue;
+                    }
+                    Err(e) => {
+                        for p in &planned {
+                            st.map.set(p.1, p.2, false);
+                        }
+                        return Err(e);
+                    }
+                };
+                planned.push((ino, start, want, logical));
+                reqs.push(Request::AddExtent { target: WTarget::from(&self.rt(&path)), wcap: wc, idx: None, start, sectors: want });
+                logical += want;
+            }
+        }
+        let (done, failed) = self.client.batch(reqs);
+        let mut added: HashMap<u64, Vec<Ext>> = HashMap::new();
+        for (p, rep) in planned.iter().zip(&done) {
+            if let Reply::Entry(entry) = rep {
+                added.entry(p.0).or_default().push(Ext { entry: *entry, start: p.1, sectors: p.2, logical: p.3 });
+            }
+        }
+        // On a failure the extents added are removed again (the bytes stay in memory, for the
+        // next write-back to try again).
+        let undo = |st: &mut State, added: HashMap<u64, Vec<Ext>>| {
+            for (ino, exts) in added {
+                let path = st.nodes[&ino].path;
+                for x in exts {
+                    if self.client.remove_entry(&self.rt(&path), self.caps.write, x.entry).is_ok() {
+                        st.map.set(x.start, x.sectors, false);
+                    }
+                }
+            }
+        };
+        if let Some(e) = failed {
+            for p in &planned[done.len()..] {
+                st.map.set(p.1, p.2, false);
+            }
+            undo(st, added);
+            return Err(exo(e));
+        }
+        // The bytes, padded to whole extents (what follows the end reads as zeros).
+        let mut bufs: Vec<(Target, u64, Vec<u8>)> = Vec::new();
+        for (&ino, exts) in &added {
+            let n = &st.nodes[&ino];
+            for x in exts {
+                let mut b = vec![0u8; (x.sectors * SECTOR) as usize];
+                let from = (x.logical * SECTOR) as usize;
+                let to = (from + b.len()).min(n.immediate.len());
+                b[..to - from].copy_from_slice(&n.immediate[from..to]);
+                bufs.push((self.rt(&n.path), x.start, b));
+            }
+        }
+        let pieces: Vec<(Target, plyfs_exodisk::object::Cap, u64, &[u8])> =
+            bufs.iter().map(|(t, at, b)| (t.clone(), self.caps.write, *at, &b[..])).collect();
+        if let Err(e) = self.client.write_many(&pieces) {
+            drop(pieces);
+            undo(st, added);
+            return Err(exo(e));
+        }
+        for (ino, mut exts) in added {
+            exts.sort_by_key(|e| e.logical);
             let n = st.nodes.get_mut(&ino).expect("listed");
-            let t = self.rt(&n.path);
-            self.client.add_data(&t, self.caps.write, Some(ATTRS), &n.attrs.encode()).map_err(exo)?;
-            self.client.write_record(&t, self.caps.write).map_err(exo)?;
-            n.dirty = false;
+            n.extents = exts;
+            (n.map_dirty, n.fresh) = (true, false);
+            let held = std::mem::take(&mut n.immediate);
+            st.buffered -= held.len();
+            let n = st.nodes.get_mut(&ino).expect("listed");
+            n.imm_dirty = true;
         }
-        let tables: Vec<u32> = st.tables.iter().map(|t| t.0).collect();
-        for k in tables {
-            self.client.write_record(&self.rt(&[k]), self.caps.write).map_err(exo)?;
-        }
-        st.tables_dirty = false;
         Ok(())
     }
 

@@ -22,7 +22,14 @@ pub struct Exofs {
     name: String,
     fs: std::sync::Arc<Fs>,
     next_fh: AtomicU64,
+    /// Each open directory's entries as they were at `opendir`: offsets into it stay valid
+    /// while entries are removed (as `rm -rf` does between reads), and it is copied once per
+    /// open, not once per read.
+    listings: parking_lot::Mutex<std::collections::HashMap<u64, std::sync::Arc<Listing>>>,
 }
+
+/// A directory's entries in order: name, inode, kind.
+type Listing = Vec<(std::ffi::OsString, u64, FileKind)>;
 
 /// How often changed metadata is written back (as ext4's commit interval).
 const WRITE_BACK: std::time::Duration = std::time::Duration::from_secs(5);
@@ -38,11 +45,16 @@ impl Exofs {
                 tracing::error!("exofs: write-back: {e:?}");
             }
         });
-        Exofs { name: name.to_owned(), fs, next_fh: AtomicU64::new(1) }
+        Exofs { name: name.to_owned(), fs, next_fh: AtomicU64::new(1), listings: Default::default() }
     }
 
     pub fn level(self) -> Level {
         Level::new(std::sync::Arc::new(self))
+    }
+
+    /// A directory's entries, in order.
+    fn listing(&self, ino: u64) -> Result<Listing> {
+        Ok(self.fs.read_dir(ino)?.into_iter().map(|(n, (i, k))| (n, i, k)).collect())
     }
 
     fn ino(&self, n: NodeId) -> u64 {
@@ -260,17 +272,29 @@ impl Layer for Exofs {
                 if self.fs.getattr(ino)?.kind != FileKind::Dir {
                     return Err(Error::Os(libc::ENOTDIR));
                 }
-                Ok(Reply::Opened(Opened { fh: FileHandle(0), backing: None, direct_io: false, flush_on_close: false }))
+                let fh = FileHandle(self.next_fh.fetch_add(1, Ordering::Relaxed));
+                Ok(Reply::Opened(Opened { fh, backing: None, direct_io: false, flush_on_close: false }))
             }
-            Op::ReadDir { node, offset, max_entries, plus, .. } => {
+            Op::ReadDir { node, fh, offset, max_entries, plus } => {
                 let ino = self.ino(node);
-                let dir = self.fs.read_dir(ino)?;
+                // Listed afresh from the start (`rewinddir` sees what changed), then kept.
+                let listed = if offset == 0 { None } else { self.listings.lock().get(&fh.0).cloned() };
+                let dir = match listed {
+                    Some(d) => d,
+                    None => {
+                        let d = std::sync::Arc::new(self.listing(ino)?);
+                        if fh.0 != 0 {
+                            self.listings.lock().insert(fh.0, d.clone());
+                        }
+                        d
+                    }
+                };
                 let mut out = Vec::new();
                 let dots = [(".", node), ("..", node)];
                 let all = dots
                     .iter()
                     .map(|(n, id)| (OsStr::new(n).to_owned(), *id, FileKind::Dir, true))
-                    .chain(dir.into_iter().map(|(n, (i, k))| (n, self.node(i), k, false)));
+                    .chain(dir.iter().map(|(n, i, k)| (n.clone(), self.node(*i), *k, false)));
                 for (i, (name, id, kind, dot)) in all.enumerate().skip(offset as usize) {
                     if out.len() as u32 >= max_entries {
                         break;
@@ -287,7 +311,10 @@ impl Layer for Exofs {
                 }
                 Ok(Reply::Dir(out))
             }
-            Op::ReleaseDir { .. } => Ok(Reply::Empty),
+            Op::ReleaseDir { fh, .. } => {
+                self.listings.lock().remove(&fh.0);
+                Ok(Reply::Empty)
+            }
             Op::StatFs { .. } => {
                 let (sectors, free, inodes) = self.fs.statfs()?;
                 Ok(Reply::StatFs(StatFs {
@@ -313,7 +340,7 @@ impl Layer for Exofs {
     }
 
     fn shutdown(&self) {
-        if let Err(e) = self.fs.sync() {
+        if let Err(e) = self.fs.close() {
             tracing::error!("exofs: writing back at unmount: {e:?}");
         }
     }

@@ -119,3 +119,59 @@ fn files_and_directories_round_trip_and_survive_a_remount() {
     }
     assert_eq!(fs.read(log, 0, expect.len()).unwrap(), expect);
 }
+
+/// Sectors allocated on the volume, seen by another client.
+fn allocated(sock: &Path) -> u64 {
+    Client::connect(sock, 1 << 20).unwrap().free_map().unwrap().allocated()
+}
+
+#[test]
+fn small_files_wait_in_memory_until_write_back_and_leave_nothing_behind() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let content = |i: u32| -> Vec<u8> { (0..10_000 + i).map(|j| ((i * 31 + j) % 251) as u8).collect() };
+    let (empty, d);
+    {
+        let (_r, sock) = run(dir.path());
+        let fs = Fs::open(Client::connect(&sock, 4 << 20).unwrap(), "exofs").unwrap();
+        fs.close().unwrap();
+        empty = allocated(&sock);
+        d = fs.make(fs.root(), OsStr::new("d"), file(FileKind::Dir), &[]).unwrap();
+        let mut inos = Vec::new();
+        for i in 0..100u32 {
+            let ino = fs.make(d, OsStr::new(&format!("f{i:03}")), file(FileKind::File), b"").unwrap();
+            for (k, piece) in content(i).chunks(4096).enumerate() {
+                fs.write(ino, k as u64 * 4096, piece).unwrap();
+            }
+            inos.push(ino);
+        }
+        // Nothing of the data is on the volume yet: only inodes were made.
+        let before = allocated(&sock);
+        assert!(before - empty < 100 * 20, "{} sectors allocated before write-back", before - empty);
+        assert_eq!(fs.read(inos[7], 9_990, 100).unwrap(), content(7)[9_990..]);
+        // Half go before they were ever written back: their inodes are reused, nothing is freed.
+        for i in (0..100u32).step_by(2) {
+            fs.remove(d, OsStr::new(&format!("f{i:03}")), false).unwrap();
+        }
+        let again = fs.make(d, OsStr::new("again"), file(FileKind::File), b"").unwrap();
+        assert!(inos.contains(&again), "a removed inode that never reached the disk is reused");
+        fs.remove(d, OsStr::new("again"), false).unwrap();
+        fs.sync().unwrap();
+        // The other half is on the volume now, each near its directory's inode.
+        assert!(allocated(&sock) - before >= 50 * 20);
+        fs.close().unwrap();
+    }
+    let (_r, sock) = run(dir.path());
+    let fs = Fs::open(Client::connect(&sock, 4 << 20).unwrap(), "exofs").unwrap();
+    assert_eq!(fs.names(d).unwrap().len(), 50);
+    for i in (1..100u32).step_by(2) {
+        let (ino, attrs) = fs.lookup(d, OsStr::new(&format!("f{i:03}"))).unwrap();
+        assert_eq!(attrs.size, 10_000 + i as u64);
+        assert!(fs.read(ino, 0, 20_000).unwrap() == content(i), "f{i:03}");
+    }
+    for i in (1..100u32).step_by(2) {
+        fs.remove(d, OsStr::new(&format!("f{i:03}")), false).unwrap();
+    }
+    fs.remove(fs.root(), OsStr::new("d"), true).unwrap();
+    fs.close().unwrap();
+    assert_eq!(allocated(&sock), empty, "every sector comes back when everything is removed");
+}
