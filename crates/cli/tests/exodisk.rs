@@ -254,3 +254,45 @@ fn a_directory_read_while_its_entries_are_removed_misses_none() {
     std::fs::remove_dir(&d).unwrap();
     assert!(m.unmount().success());
 }
+
+#[test]
+fn insert_and_punch_through_a_mount_move_bytes_and_the_kernel_sees_them() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let v = format(dir.path(), "64M");
+    let sock = dir.path().join("s.sock");
+    let _service = Service::start(&v, &sock);
+    let mdir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let mnt = mdir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let lower = PathBuf::from(format!("exodisk:{}", sock.display()));
+    let mut m = Mount::start(mdir, lower, mnt, "null", &[]);
+    let f = m.path("f");
+    let original: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&f, &original).unwrap();
+    // Read once so that the kernel caches it, then move bytes behind its back.
+    assert_eq!(std::fs::read(&f).unwrap(), original);
+    let out = run(plyfs().arg("op").arg(&f).args(["insert", "500000", "sixteen bytes!!!"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1000016"), "{}", String::from_utf8_lossy(&out.stdout));
+    let mut want = original.clone();
+    want.splice(500_000..500_000, b"sixteen bytes!!!".iter().copied());
+    assert!(std::fs::read(&f).unwrap() == want, "the insertion is read back through the kernel");
+    let out = run(plyfs().arg("op").arg(&f).args(["punch", "500000", "16"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read(&f).unwrap() == original, "the removal gives the original back");
+    // Bad arguments: one line naming the problem.
+    let out = run(plyfs().arg("op").arg(&f).args(["insert", "2000000", "x"]));
+    assert!(!out.status.success());
+    let out = run(plyfs().arg("op").arg(&f).args(["insert", "ten", "x"]));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a number"), "{}", String::from_utf8_lossy(&out.stderr));
+    // Survives a remount.
+    std::fs::OpenOptions::new().write(true).open(&f).unwrap().sync_all().unwrap();
+    let out = run(plyfs().arg("op").arg(&f).args(["insert", "0", "head:"]));
+    assert!(out.status.success());
+    let mut m = m.remount();
+    let mut want = original.clone();
+    want.splice(0..0, b"head:".iter().copied());
+    assert!(std::fs::read(m.path("f")).unwrap() == want);
+    assert!(m.unmount().success());
+}

@@ -183,22 +183,63 @@ pub fn decode_dir(mut b: &[u8]) -> Result<Dir, Corrupt> {
 }
 
 /// The extent map: (entry, file sector) pairs.
-pub fn encode_map(m: &[(u32, u64)]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(m.len() * 12);
+/// A piece of a file whose bytes were inserted or removed in the middle: file bytes
+/// `logical..logical + len` are the bytes `store..store + len` of its extents (the *store*,
+/// addressed as the file itself is when it has no pieces).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seg {
+    pub logical: u64,
+    pub len: u64,
+    pub store: u64,
+}
+
+/// Marks the pieces after the extent map (an entry number no exonode has).
+const SEGS: u32 = u32::MAX;
+
+/// The extent map (entry, file sector) and, for a file with inserted or removed bytes, its
+/// pieces after it: `(entry u32, sector u64)*` then `(logical, len, store)*` and a trailer
+/// `(u32::MAX, count u64)`.
+pub fn encode_map(m: &[(u32, u64)], segs: Option<&[Seg]>) -> Vec<u8> {
+    let mut b = Vec::with_capacity(m.len() * 12 + segs.map_or(0, |s| s.len() * 24 + 12));
     for (e, l) in m {
         b.extend_from_slice(&e.to_le_bytes());
         b.extend_from_slice(&l.to_le_bytes());
     }
+    if let Some(segs) = segs {
+        for s in segs {
+            for v in [s.logical, s.len, s.store] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        b.extend_from_slice(&SEGS.to_le_bytes());
+        b.extend_from_slice(&(segs.len() as u64).to_le_bytes());
+    }
     b
 }
 
-pub fn decode_map(b: &[u8]) -> Result<Vec<(u32, u64)>, Corrupt> {
-    if !b.len().is_multiple_of(12) {
+/// The extent map and the pieces, if any ([`encode_map`]).
+#[allow(clippy::type_complexity)]
+pub fn decode_map(b: &[u8]) -> Result<(Vec<(u32, u64)>, Option<Vec<Seg>>), Corrupt> {
+    let u64_at = |c: &[u8], i: usize| u64::from_le_bytes(c[i..i + 8].try_into().expect("8"));
+    let mut map = b;
+    let mut segs = None;
+    if b.len() >= 12 && b[b.len() - 12..b.len() - 8] == SEGS.to_le_bytes() {
+        let n = u64_at(b, b.len() - 8) as usize;
+        let bytes = n.checked_mul(24).filter(|l| l + 12 <= b.len()).ok_or(Corrupt("the pieces' count"))?;
+        let at = b.len() - 12 - bytes;
+        let list: Vec<Seg> =
+            b[at..b.len() - 12].chunks(24).map(|c| Seg { logical: u64_at(c, 0), len: u64_at(c, 8), store: u64_at(c, 16) }).collect();
+        if list.windows(2).any(|w| w[0].logical + w[0].len != w[1].logical) || list.first().is_some_and(|s| s.logical != 0) {
+            return Err(Corrupt("the pieces do not follow each other"));
+        }
+        segs = Some(list);
+        map = &b[..at];
+    }
+    if !map.len().is_multiple_of(12) {
         return Err(Corrupt("extent map length"));
     }
-    Ok(b.chunks(12)
-        .map(|c| (u32::from_le_bytes(c[..4].try_into().expect("4")), u64::from_le_bytes(c[4..].try_into().expect("8"))))
-        .collect())
+    let m = map.chunks(12).map(|c| (u32::from_le_bytes(c[..4].try_into().expect("4")), u64_at(c, 4))).collect();
+    Ok((m, segs))
 }
 
 /// `name` as a directory may hold it.

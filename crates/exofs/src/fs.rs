@@ -20,12 +20,12 @@ use parking_lot::Mutex;
 use plyfs_exodisk::client::Client;
 use plyfs_exodisk::core::{ExoError, Persistence, Target};
 
-use plyfs_exodisk::object::Caps;
+use plyfs_exodisk::object::{Caps, Exonode};
 use plyfs_exodisk::proto::{wcap, Reply, Request, WEntry, WPersistence, WTarget};
 use plyfs_stack::{Error, FileKind, Result};
 use serde_bytes::ByteBuf;
 
-use crate::format::{decode_dir, decode_map, encode_dir, encode_map, valid_name, Dir, Inode, ATTRS, IMMEDIATE, MAP};
+use crate::format::{decode_dir, decode_map, encode_dir, encode_map, valid_name, Dir, Inode, Seg, ATTRS, IMMEDIATE, MAP};
 
 /// Sectors of an inode exonode (4 KiB: room for about 130 extents), and of an inode table.
 pub const INODE_SECTORS: u32 = 8;
@@ -36,6 +36,13 @@ pub const IMMEDIATE_MAX: usize = 480;
 pub const BUFFER_MAX: usize = 256 << 10;
 /// ... while all files' bytes kept in memory stay under this.
 const BUFFER_TOTAL: usize = 64 << 20;
+/// Sectors of an inode's extent holder: the descendant that takes a file's extents and its map
+/// once they outgrow the inode (64 KiB: room for about 2,000 extents and pieces).
+const HOLDER_SECTORS: u32 = 128;
+/// An extent map item naming an extent of the holder rather than of the inode.
+const HELD: u32 = 1 << 30;
+/// Pieces a file may be cut into by insertions and removals (its map must fit its holder).
+const MAX_PIECES: usize = 1500;
 /// Inodes made per request when the pool is empty.
 const POOL: usize = 32;
 /// Inodes written back per batched request.
@@ -62,6 +69,8 @@ struct Ext {
     start: u64,
     sectors: u64,
     logical: u64,
+    /// The entry is in the inode's holder, not in the inode.
+    held: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -84,6 +93,14 @@ struct Node {
     /// The service's exonode is still as the pool made it (nothing written to it yet), so the
     /// inode can go back to the pool when removed.
     fresh: bool,
+    /// For a file with bytes inserted or removed in the middle: its pieces, in file order,
+    /// covering `0..size` (its extents then hold the *store* the pieces point into).
+    segs: Option<Vec<Seg>>,
+    /// The descendant holding extents and the extent map once they outgrow the inode: its
+    /// entry in the inode and its sector.
+    holder: Option<(u32, u64)>,
+    /// The holder's entries changed since the last write-back.
+    holder_dirty: bool,
 }
 
 /// Where a file's bytes are: what reading and writing its sectors needs (cheap to copy, unlike
@@ -92,11 +109,12 @@ struct Node {
 struct Shape {
     path: [u32; 2],
     extents: Vec<Ext>,
+    holder: Option<u32>,
 }
 
 impl Node {
     fn shape(&self) -> Shape {
-        Shape { path: self.path, extents: self.extents.clone() }
+        Shape { path: self.path, extents: self.extents.clone(), holder: self.holder.map(|h| h.0) }
     }
 
     fn new(path: [u32; 2], attrs: Inode) -> Node {
@@ -111,8 +129,22 @@ impl Node {
             imm_dirty: true,
             map_dirty: true,
             fresh: true,
+            segs: None,
+            holder: None,
+            holder_dirty: false,
         }
     }
+}
+
+/// An inode removed, deallocated at the next write-back (its sectors stay taken in the map
+/// until then).
+#[derive(Clone, Debug)]
+struct Freeing {
+    at: u64,
+    path: [u32; 2],
+    extents: Vec<Ext>,
+    /// Its holder: entry in the inode, sector.
+    holder: Option<(u32, u64)>,
 }
 
 struct State {
@@ -135,7 +167,7 @@ struct State {
     pool: Vec<(u64, [u32; 2])>,
     /// Inodes removed since the last write-back, deallocated by it: sector, path, extents
     /// (their sectors stay taken in the map until then).
-    freeing: Vec<(u64, [u32; 2], Vec<Ext>)>,
+    freeing: Vec<Freeing>,
     /// Bytes of file contents held in memory (immediate data, written back or not).
     buffered: usize,
 }
@@ -356,14 +388,28 @@ impl Fs {
                 Some(WEntry::Data(d)) => d.to_vec(),
                 _ => return Err(corrupt("no immediate data")),
             };
-            let map = match x.entries.get(MAP as usize) {
-                Some(WEntry::Data(d)) => decode_map(d).map_err(|e| corrupt(&e.to_string()))?,
+            // A file with many extents keeps them and its map in a descendant, its holder.
+            let holder = x.entries.iter().enumerate().find_map(|(i, e)| match e {
+                WEntry::Descendant { at } => Some((i as u32, *at)),
+                _ => None,
+            });
+            let held = match holder {
+                Some((h, _)) => Some(self.client.map(&self.rt(&[path[0], path[1], h]), self.caps.read).map_err(exo)?),
+                None => None,
+            };
+            let map_bytes = match held.as_ref().map_or(x.entries.get(MAP as usize), |h| h.entries.first()) {
+                Some(WEntry::Data(d)) => d,
                 _ => return Err(corrupt("no extent map")),
             };
+            let (map, segs) = decode_map(map_bytes).map_err(|e| corrupt(&e.to_string()))?;
             let mut extents = Vec::new();
-            for (entry, logical) in map {
-                match x.entries.get(entry as usize) {
-                    Some(WEntry::Extent { start, sectors }) => extents.push(Ext { entry, start: *start, sectors: *sectors, logical }),
+            for (item, logical) in map {
+                let (in_holder, entry) = (item & HELD != 0, item & !HELD);
+                let from = if in_holder { held.as_ref().map(|h| &h.entries) } else { Some(&x.entries) };
+                match from.and_then(|e| e.get(entry as usize)) {
+                    Some(WEntry::Extent { start, sectors }) => {
+                        extents.push(Ext { entry, start: *start, sectors: *sectors, logical, held: in_holder })
+                    }
                     _ => return Err(corrupt("the extent map names an entry that is not an extent")),
                 }
             }
@@ -372,8 +418,20 @@ impl Fs {
                 return Err(corrupt("overlapping extents"));
             }
             st.buffered += immediate.len();
-            let loaded =
-                Node { immediate, extents, dirty: false, imm_dirty: false, map_dirty: false, fresh: false, ..Node::new(path, attrs) };
+            if segs.as_ref().is_some_and(|s| s.last().map_or(0, |l| l.logical + l.len) != attrs.size) {
+                return Err(corrupt("the pieces do not cover the file"));
+            }
+            let loaded = Node {
+                immediate,
+                extents,
+                segs,
+                holder,
+                dirty: false,
+                imm_dirty: false,
+                map_dirty: false,
+                fresh: false,
+                ..Node::new(path, attrs)
+            };
             st.nodes.insert(ino, loaded);
         }
         Ok(st.nodes.get_mut(&ino).expect("loaded"))
@@ -658,7 +716,7 @@ impl Fs {
             // Never written: the service's exonode is as the pool made it.
             st.pool.push((ino, n.path));
         } else {
-            st.freeing.push((ino, n.path, n.extents));
+            st.freeing.push(Freeing { at: ino, path: n.path, extents: n.extents, holder: n.holder });
         }
         Ok(())
     }
@@ -672,6 +730,9 @@ impl Fs {
     }
 
     fn read_at(&self, st: &mut State, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
+        if self.node(st, ino)?.segs.is_some() {
+            return self.read_segmented(st, ino, off, len);
+        }
         let n = self.node(st, ino)?;
         let end = (off + len as u64).min(n.attrs.size);
         if off >= end {
@@ -693,7 +754,7 @@ impl Fs {
 
     /// The pieces of file sectors `s0..s1`: (file sector, count, volume sector or `None` for a
     /// hole).
-    fn pieces(n: &Shape, s0: u64, s1: u64) -> Vec<(u64, u64, Option<u64>)> {
+    fn pieces(n: &Shape, s0: u64, s1: u64) -> Vec<(u64, u64, Option<(u64, bool)>)> {
         let mut out = Vec::new();
         let mut at = s0;
         for e in &n.extents {
@@ -712,7 +773,7 @@ impl Fs {
                 at = lo;
             }
             let end = hi.min(s1);
-            out.push((at, end - at, Some(e.start + (at - lo))));
+            out.push((at, end - at, Some((e.start + (at - lo), e.held))));
             at = end;
         }
         if at < s1 {
@@ -721,14 +782,81 @@ impl Fs {
         out
     }
 
+    /// The exonode that holds an extent of a file: its inode, or its holder.
+    fn xt(&self, n: &Shape, held: bool) -> Target {
+        match (held, n.holder) {
+            (true, Some(h)) => self.rt(&[n.path[0], n.path[1], h]),
+            _ => self.rt(&n.path),
+        }
+    }
+
+    /// A new extent for file `ino` (sectors `start..start + sectors`, already taken in the
+    /// map): in its inode while the inode has room, in its holder after that. Returns the entry
+    /// and whether it is in the holder.
+    fn new_extent(&self, st: &mut State, ino: u64, start: u64, sectors: u64) -> Result<(u32, bool)> {
+        let n = self.node(st, ino)?;
+        let in_inode = n.extents.iter().filter(|e| !e.held).count();
+        let (all, pieces) = (n.extents.len(), n.segs.as_ref().map_or(0, |s| s.len()));
+        // What the inode would hold: attributes, immediate bytes, its extents, and the map while
+        // there is no holder; with room left for the pieces an insertion adds.
+        let map_here = if n.holder.is_none() { 12 * (all + 1) + 24 * (pieces + 4) + 32 } else { 9 };
+        let inode_use = 128 + n.immediate.len() + 17 * (in_inode + 1) + map_here;
+        let held = n.holder.is_some() || inode_use > Exonode::capacity(INODE_SECTORS);
+        if held {
+            self.ensure_holder(st, ino)?;
+            let n = self.node(st, ino)?;
+            let in_holder = n.extents.iter().filter(|e| e.held).count();
+            if 17 * (in_holder + 1) + 12 * (all + 1) + 24 * pieces + 64 > Exonode::capacity(HOLDER_SECTORS) {
+                tracing::warn!("exofs: inode {ino}: too fragmented for more extents ({all})");
+                return Err(Error::Os(libc::ENOSPC));
+            }
+        }
+        let shape = self.node(st, ino)?.shape();
+        let entry = self.client.add_extent(&self.xt(&shape, held), self.caps.write, None, start, sectors).map_err(exo)?;
+        let n = self.node(st, ino)?;
+        n.fresh = false;
+        n.map_dirty = true;
+        n.holder_dirty |= held;
+        Ok((entry, held))
+    }
+
+    /// Give file `ino` its holder if it has none.
+    fn ensure_holder(&self, st: &mut State, ino: u64) -> Result<()> {
+        if self.node(st, ino)?.holder.is_some() {
+            return Ok(());
+        }
+        let path = self.node(st, ino)?.path;
+        let at = self.find(st, HOLDER_SECTORS as u64, ino)?;
+        let made = self.client.add_exonode_as(
+            &self.rt(&path),
+            self.caps.write,
+            None,
+            at,
+            HOLDER_SECTORS,
+            Caps::random(),
+            Some(Persistence::Memory),
+            vec![Vec::new()],
+        );
+        let entry = match made {
+            Ok(e) => e,
+            Err(e) => {
+                st.map.set(at, HOLDER_SECTORS as u64, false);
+                return Err(exo(e));
+            }
+        };
+        let n = self.node(st, ino)?;
+        n.holder = Some((entry, at));
+        (n.holder_dirty, n.map_dirty, n.dirty, n.fresh) = (true, true, true, false);
+        Ok(())
+    }
+
     /// Read file sectors from `first` into `buf` (holes are zeros).
     fn read_sectors(&self, n: &Shape, first: u64, buf: &mut [u8]) -> Result<()> {
-        let t = self.rt(&n.path);
         let count = buf.len() as u64 / SECTOR;
         for (at, len, disk) in Self::pieces(n, first, first + count) {
             let range = ((at - first) * SECTOR) as usize..((at - first + len) * SECTOR) as usize;
             match disk {
-                Some(d) => self.client.read(&t, self.caps.read, d, &mut buf[range]).map_err(exo)?,
+                Some((d, held)) => self.client.read(&self.xt(n, held), self.caps.read, d, &mut buf[range]).map_err(exo)?,
                 None => buf[range].fill(0),
             }
         }
@@ -737,12 +865,11 @@ impl Fs {
 
     /// Write `data` (whole sectors) at file sector `first`; every sector must be covered.
     fn write_sectors(&self, n: &Shape, first: u64, data: &[u8]) -> Result<()> {
-        let t = self.rt(&n.path);
         let count = data.len() as u64 / SECTOR;
         for (at, len, disk) in Self::pieces(n, first, first + count) {
             let range = ((at - first) * SECTOR) as usize..((at - first + len) * SECTOR) as usize;
             match disk {
-                Some(d) => self.client.write(&t, self.caps.write, d, &data[range]).map_err(exo)?,
+                Some((d, held)) => self.client.write(&self.xt(n, held), self.caps.write, d, &data[range]).map_err(exo)?,
                 None => return Err(Error::Corrupt(format!("exofs: writing into a hole at file sector {at}"))),
             }
         }
@@ -801,6 +928,9 @@ impl Fs {
         if data.is_empty() {
             return Ok(());
         }
+        if self.node(st, ino)?.segs.is_some() {
+            return self.write_segmented(st, ino, off, data);
+        }
         let end = off + data.len() as u64;
         let n = self.node(st, ino)?;
         let size = n.attrs.size.max(end);
@@ -817,6 +947,17 @@ impl Fs {
         }
         // Out of memory: the bytes held go first, into extents of their own.
         self.spill(st, ino)?;
+        self.write_store(st, ino, off, data)?;
+        let n = self.node(st, ino)?;
+        n.attrs.size = size;
+        n.dirty = true;
+        Ok(())
+    }
+
+    /// Write `data` at byte `off` of the extents (the file itself, or the store of a file in
+    /// pieces), giving holes extents of their own.
+    fn write_store(&self, st: &mut State, ino: u64, off: u64, data: &[u8]) -> Result<()> {
+        let end = off + data.len() as u64;
         let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
         // What was there before (for partial sectors), then the new extents.
         let before = self.node(st, ino)?.shape();
@@ -833,9 +974,7 @@ impl Fs {
         self.cover(st, ino, s0, s1)?;
         let node = self.node(st, ino)?.shape();
         self.write_sectors(&node, s0, &buf)?;
-        let n = self.node(st, ino)?;
-        n.attrs.size = size;
-        n.dirty = true;
+        self.node(st, ino)?.dirty = true;
         Ok(())
     }
 
@@ -868,14 +1007,15 @@ impl Fs {
                         Err(e) => return Err(e),
                     }
                 };
-                let t = self.rt(&n.path);
-                let entry = match self.client.add_extent(&t, self.caps.write, None, start, want) {
+                let (entry, held) = match self.new_extent(st, ino, start, want) {
                     Ok(e) => e,
                     Err(e) => {
                         st.map.set(start, want, false);
-                        return Err(exo(e));
+                        return Err(e);
                     }
                 };
+                let n = self.node(st, ino)?.shape();
+                let t = self.xt(&n, held);
                 // What the write will not cover reads as zeros.
                 let zero = |from: u64, to: u64| -> Result<()> {
                     if from < to {
@@ -886,18 +1026,18 @@ impl Fs {
                 };
                 zero(at, s0.clamp(at, at + want))?;
                 zero(s1.clamp(at, at + want), at + want)?;
-                let mut ext = Ext { entry, start, sectors: want, logical: at };
+                let mut ext = Ext { entry, start, sectors: want, logical: at, held };
                 // Right after the previous extent on the volume and in the file: one extent.
                 let mut merged = None;
-                if let Some(p) = prev.filter(|p| p.start + p.sectors == start && p.logical + p.sectors == at) {
+                if let Some(p) = prev.filter(|p| p.start + p.sectors == start && p.logical + p.sectors == at && p.held == held) {
                     if self.client.combine(&t, self.caps.write, p.entry, entry).is_ok() {
-                        ext = Ext { entry: p.entry, start: p.start, sectors: p.sectors + want, logical: p.logical };
+                        ext = Ext { sectors: p.sectors + want, ..p };
                         merged = Some(p.entry);
                     }
                 }
                 let node = self.node(st, ino)?;
                 if let Some(m) = merged {
-                    node.extents.retain(|e| e.entry != m);
+                    node.extents.retain(|e| (e.entry, e.held) != (m, held));
                 }
                 node.extents.push(ext);
                 node.extents.sort_by_key(|e| e.logical);
@@ -910,6 +1050,286 @@ impl Fs {
         Ok(())
     }
 
+    // ---- insertion and removal in the middle (the thesis's indexed insert, §5.4.1) ---------
+
+    /// Put `data` before byte `off` of file `ino` (`off` = its size appends), moving what follows
+    /// without copying it: the file becomes pieces of its store, and the new bytes a piece of
+    /// their own at the store's end. The cost does not depend on the file's size.
+    pub fn insert(&self, ino: u64, off: u64, data: &[u8]) -> Result<Inode> {
+        let mut st = self.state.lock();
+        let n = self.node(&mut st, ino)?;
+        if n.attrs.kind != FileKind::File {
+            return Err(Error::Os(if n.attrs.kind == FileKind::Dir { libc::EISDIR } else { libc::EINVAL }));
+        }
+        let size = n.attrs.size;
+        if off > size {
+            return Err(Error::Os(libc::EINVAL));
+        }
+        let len = data.len() as u64;
+        if len > 0 {
+            if n.segs.is_none() && Self::may_buffer(&st, st.nodes.get(&ino).expect("loaded"), size + len) {
+                // Held in memory: spliced there.
+                self.edit_immediate(&mut st, ino, |imm| {
+                    imm.resize(size as usize, 0);
+                    imm.splice(off as usize..off as usize, data.iter().copied());
+                })?;
+            } else {
+                Self::room_for_pieces(st.nodes.get(&ino).expect("loaded"), ino)?;
+                let top = self.into_pieces(&mut st, ino)?;
+                let segs = self.node(&mut st, ino)?.segs.as_mut().expect("in pieces");
+                Self::cut(segs, off);
+                let at = segs.partition_point(|s| s.logical < off);
+                for s in &mut segs[at..] {
+                    s.logical += len;
+                }
+                segs.insert(at, Seg { logical: off, len, store: top });
+                self.write_store(&mut st, ino, top, data)?;
+            }
+        }
+        self.changed(&mut st, ino, size + len)
+    }
+
+    /// Remove bytes `off..off + len` of file `ino`, moving what follows down without copying
+    /// it; the store's whole sectors no piece uses any more are freed.
+    pub fn remove_range(&self, ino: u64, off: u64, len: u64) -> Result<Inode> {
+        let mut st = self.state.lock();
+        self.remove_range_at(&mut st, ino, off, len)
+    }
+
+    fn remove_range_at(&self, st: &mut State, ino: u64, off: u64, len: u64) -> Result<Inode> {
+        let n = self.node(st, ino)?;
+        if n.attrs.kind != FileKind::File {
+            return Err(Error::Os(if n.attrs.kind == FileKind::Dir { libc::EISDIR } else { libc::EINVAL }));
+        }
+        let size = n.attrs.size;
+        if off > size {
+            return Err(Error::Os(libc::EINVAL));
+        }
+        let len = len.min(size - off);
+        if len == 0 {
+            return Ok(n.attrs.clone());
+        }
+        if n.segs.is_none() && n.extents.is_empty() {
+            self.edit_immediate(st, ino, |imm| {
+                imm.resize(size as usize, 0);
+                imm.drain(off as usize..(off + len) as usize);
+            })?;
+            return self.changed(st, ino, size - len);
+        }
+        Self::room_for_pieces(n, ino)?;
+        self.into_pieces(st, ino)?;
+        let segs = self.node(st, ino)?.segs.as_mut().expect("in pieces");
+        Self::cut(segs, off);
+        Self::cut(segs, off + len);
+        let gone: Vec<Seg> = segs.iter().filter(|s| s.logical >= off && s.logical < off + len).copied().collect();
+        segs.retain(|s| s.logical < off || s.logical >= off + len);
+        for s in segs.iter_mut().filter(|s| s.logical >= off + len) {
+            s.logical -= len;
+        }
+        Self::merge(segs);
+        for g in gone {
+            self.free_store(st, ino, g.store.div_ceil(SECTOR), (g.store + g.len) / SECTOR)?;
+        }
+        self.changed(st, ino, size - len)
+    }
+
+    /// Whether `n` may be cut into two more pieces.
+    fn room_for_pieces(n: &Node, ino: u64) -> Result<()> {
+        if n.segs.as_ref().is_some_and(|s| s.len() + 2 > MAX_PIECES) {
+            tracing::warn!("exofs: inode {ino}: cut into {MAX_PIECES} pieces already; copy it to join them");
+            return Err(Error::Os(libc::ENOSPC));
+        }
+        Ok(())
+    }
+
+    /// The new size and times of a file whose bytes moved.
+    fn changed(&self, st: &mut State, ino: u64, size: u64) -> Result<Inode> {
+        let n = self.node(st, ino)?;
+        n.attrs.size = size;
+        n.attrs.mtime = SystemTime::now();
+        n.attrs.ctime = n.attrs.mtime;
+        n.dirty = true;
+        n.map_dirty = true;
+        if size == 0 && n.segs.is_some() {
+            // Nothing left: back to a plain file, every extent given back.
+            n.segs = Some(Vec::new());
+            self.free_store(st, ino, 0, u64::MAX)?;
+            self.node(st, ino)?.segs = None;
+        }
+        Ok(self.node(st, ino)?.attrs.clone())
+    }
+
+    /// Make `ino` a file in pieces (one piece for all of it if it was plain; bytes held in
+    /// memory go to extents first). Returns the store's first byte that nothing uses, 4 KiB
+    /// aligned: above every piece and every extent.
+    fn into_pieces(&self, st: &mut State, ino: u64) -> Result<u64> {
+        self.spill(st, ino)?;
+        let n = self.node(st, ino)?;
+        if n.segs.is_none() {
+            let size = n.attrs.size;
+            n.segs = Some(if size > 0 { vec![Seg { logical: 0, len: size, store: 0 }] } else { Vec::new() });
+        }
+        let extents = n.extents.iter().map(|e| (e.logical + e.sectors) * SECTOR).max().unwrap_or(0);
+        let pieces = n.segs.iter().flatten().map(|s| s.store + s.len).max().unwrap_or(0);
+        Ok(extents.max(pieces).div_ceil(4096) * 4096)
+    }
+
+    /// Split the piece that `at` falls inside, so that a piece starts at `at`.
+    fn cut(segs: &mut Vec<Seg>, at: u64) {
+        if let Some(i) = segs.iter().position(|s| s.logical < at && at < s.logical + s.len) {
+            let s = segs[i];
+            let head = at - s.logical;
+            segs[i].len = head;
+            segs.insert(i + 1, Seg { logical: at, len: s.len - head, store: s.store + head });
+        }
+    }
+
+    /// Join pieces that follow each other in the store too.
+    fn merge(segs: &mut Vec<Seg>) {
+        let mut out: Vec<Seg> = Vec::with_capacity(segs.len());
+        for s in segs.drain(..) {
+            match out.last_mut() {
+                Some(l) if l.store + l.len == s.store && l.logical + l.len == s.logical => l.len += s.len,
+                _ => out.push(s),
+            }
+        }
+        *segs = out;
+    }
+
+    /// The pieces of file bytes `off..end`: (file byte, bytes, store byte).
+    fn seg_pieces(segs: &[Seg], off: u64, end: u64) -> Vec<(u64, u64, u64)> {
+        let first = segs.partition_point(|s| s.logical + s.len <= off);
+        let mut out = Vec::new();
+        for s in &segs[first..] {
+            if s.logical >= end {
+                break;
+            }
+            let (a, b) = (off.max(s.logical), end.min(s.logical + s.len));
+            out.push((a, b - a, s.store + (a - s.logical)));
+        }
+        out
+    }
+
+    /// Store bytes `off..off + len` (holes read as zeros).
+    fn read_store(&self, st: &mut State, ino: u64, off: u64, len: u64) -> Result<Vec<u8>> {
+        let shape = self.node(st, ino)?.shape();
+        let (s0, s1) = (off / SECTOR, (off + len).div_ceil(SECTOR));
+        let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
+        self.read_sectors(&shape, s0, &mut buf)?;
+        let skip = (off - s0 * SECTOR) as usize;
+        Ok(buf[skip..skip + len as usize].to_vec())
+    }
+
+    fn read_segmented(&self, st: &mut State, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
+        let n = self.node(st, ino)?;
+        let end = (off + len as u64).min(n.attrs.size);
+        if off >= end {
+            return Ok(Vec::new());
+        }
+        let pieces = Self::seg_pieces(n.segs.as_deref().expect("in pieces"), off, end);
+        let mut out = Vec::with_capacity((end - off) as usize);
+        for (_, l, at) in pieces {
+            out.extend_from_slice(&self.read_store(st, ino, at, l)?);
+        }
+        Ok(out)
+    }
+
+    fn write_segmented(&self, st: &mut State, ino: u64, off: u64, data: &[u8]) -> Result<()> {
+        let end = off + data.len() as u64;
+        if end > self.node(st, ino)?.attrs.size {
+            self.extend_pieces(st, ino, end)?;
+        }
+        let n = self.node(st, ino)?;
+        let pieces = Self::seg_pieces(n.segs.as_deref().expect("in pieces"), off, end);
+        for (at, l, store) in pieces {
+            let from = (at - off) as usize;
+            self.write_store(st, ino, store, &data[from..from + l as usize])?;
+        }
+        let n = self.node(st, ino)?;
+        n.attrs.size = n.attrs.size.max(end);
+        n.dirty = true;
+        Ok(())
+    }
+
+    /// Grow a file in pieces to `size`: its last piece grows when it is the store's last (what
+    /// lies above it in the store is made to read as zeros first), otherwise a new piece takes
+    /// fresh store.
+    fn extend_pieces(&self, st: &mut State, ino: u64, size: u64) -> Result<()> {
+        let top = self.into_pieces(st, ino)?;
+        let n = self.node(st, ino)?;
+        let old = n.attrs.size;
+        let segs = n.segs.as_ref().expect("in pieces");
+        let highest = segs.iter().map(|s| s.store + s.len).max().unwrap_or(0);
+        match segs.last().copied() {
+            Some(last) if last.store + last.len == highest => {
+                if !highest.is_multiple_of(SECTOR) {
+                    let rest = vec![0u8; (SECTOR - highest % SECTOR) as usize];
+                    self.write_store(st, ino, highest, &rest)?;
+                }
+                self.free_store(st, ino, highest.div_ceil(SECTOR), u64::MAX)?;
+                self.node(st, ino)?.segs.as_mut().expect("in pieces").last_mut().expect("last").len += size - old;
+            }
+            _ => self.node(st, ino)?.segs.as_mut().expect("in pieces").push(Seg { logical: old, len: size - old, store: top }),
+        }
+        let n = self.node(st, ino)?;
+        n.attrs.size = size;
+        n.map_dirty = true;
+        n.dirty = true;
+        Ok(())
+    }
+
+    fn truncate_segmented(&self, st: &mut State, ino: u64, size: u64) -> Result<()> {
+        let old = self.node(st, ino)?.attrs.size;
+        if size > old {
+            return self.extend_pieces(st, ino, size);
+        }
+        if size < old {
+            self.remove_range_at(st, ino, size, old - size)?;
+        }
+        Ok(())
+    }
+
+    /// Free the store's sectors `s0..s1` (no piece uses them): extents inside go, extents
+    /// across an end are split there.
+    fn free_store(&self, st: &mut State, ino: u64, s0: u64, s1: u64) -> Result<()> {
+        if s0 >= s1 {
+            return Ok(());
+        }
+        let shape = self.node(st, ino)?.shape();
+        let w = self.caps.write;
+        let mut kept = Vec::new();
+        let mut held_changed = false;
+        for e in shape.extents.iter().copied() {
+            let (l, h) = (e.logical, e.logical + e.sectors);
+            let (lo, hi) = (l.max(s0), h.min(s1));
+            if lo >= hi {
+                kept.push(e);
+                continue;
+            }
+            // The part before `lo` stays as `e`; the part after `hi` becomes an extent of its own.
+            let t = self.xt(&shape, e.held);
+            held_changed |= e.held;
+            let mut middle = e.entry;
+            if lo > l {
+                middle = self.client.split(&t, w, e.entry, lo - l, None).map_err(exo)?;
+                kept.push(Ext { sectors: lo - l, ..e });
+            }
+            if hi < h {
+                let tail = self.client.split(&t, w, middle, hi - lo, None).map_err(exo)?;
+                kept.push(Ext { entry: tail, start: e.start + (hi - l), sectors: h - hi, logical: hi, held: e.held });
+            }
+            self.client.remove_entry(&t, w, middle).map_err(exo)?;
+            st.map.set(e.start + (lo - l), hi - lo, false);
+        }
+        kept.sort_by_key(|e| e.logical);
+        let n = self.node(st, ino)?;
+        n.extents = kept;
+        n.map_dirty = true;
+        n.holder_dirty |= held_changed;
+        n.fresh = false;
+        Ok(())
+    }
+
     /// Set the size of `ino`.
     pub fn truncate(&self, ino: u64, size: u64) -> Result<()> {
         let mut st = self.state.lock();
@@ -917,6 +1337,9 @@ impl Fs {
     }
 
     fn truncate_at(&self, st: &mut State, ino: u64, size: u64) -> Result<()> {
+        if self.node(st, ino)?.segs.is_some() {
+            return self.truncate_segmented(st, ino, size);
+        }
         let n = self.node(st, ino)?;
         if size >= n.attrs.size {
             // Longer: a hole (immediate data is zero-filled in place).
@@ -940,26 +1363,8 @@ impl Fs {
         }
         // Extents wholly past the end go; one that straddles it is split there; the rest of the
         // last sector kept is zeroed (so that a later extension reads zeros).
-        let n = n.shape();
-        let keep = size.div_ceil(SECTOR);
-        let t = self.rt(&n.path);
-        let mut kept = Vec::new();
-        for e in &n.extents {
-            if e.logical >= keep {
-                self.client.remove_entry(&t, self.caps.write, e.entry).map_err(exo)?;
-                st.map.set(e.start, e.sectors, false);
-            } else if e.logical + e.sectors > keep {
-                let at = keep - e.logical;
-                let tail = self.client.split(&t, self.caps.write, e.entry, at, None).map_err(exo)?;
-                self.client.remove_entry(&t, self.caps.write, tail).map_err(exo)?;
-                st.map.set(e.start + at, e.sectors - at, false);
-                kept.push(Ext { sectors: at, ..*e });
-            } else {
-                kept.push(*e);
-            }
-        }
+        self.free_store(st, ino, size.div_ceil(SECTOR), u64::MAX)?;
         let node = self.node(st, ino)?;
-        node.extents = kept;
         node.attrs.size = size;
         node.dirty = true;
         node.map_dirty = true;
@@ -1001,7 +1406,7 @@ impl Fs {
     pub fn close(&self) -> Result<()> {
         let mut st = self.state.lock();
         let pool = std::mem::take(&mut st.pool);
-        st.freeing.extend(pool.into_iter().map(|(at, path)| (at, path, Vec::new())));
+        st.freeing.extend(pool.into_iter().map(|(at, path)| Freeing { at, path, extents: Vec::new(), holder: None }));
         self.write_back(&mut st)
     }
 
@@ -1011,23 +1416,42 @@ impl Fs {
         // loses that name at its next read.
         if !st.freeing.is_empty() {
             let freeing = std::mem::take(&mut st.freeing);
-            let reqs = freeing
-                .iter()
-                .map(|(_, path, _)| Request::ExonodeDeallocate { target: WTarget::from(&self.rt(path)), wcap: wc })
-                .collect();
-            let (done, failed) = self.client.batch(reqs);
-            for (at, path, extents) in &freeing[..done.len()] {
-                if let Some(t) = st.tables.iter_mut().find(|t| t.0 == path[0]) {
-                    t.2 -= 1;
+            // A holder goes before its inode (an exonode with descendants cannot go); the index
+            // of each inode's own request tells which were done.
+            let mut reqs = Vec::new();
+            let mut own = Vec::new();
+            for f in &freeing {
+                if let Some((h, _)) = f.holder {
+                    let t = self.rt(&[f.path[0], f.path[1], h]);
+                    reqs.push(Request::ExonodeDeallocate { target: WTarget::from(&t), wcap: wc });
                 }
-                st.map.set(*at, INODE_SECTORS as u64, false);
-                for e in extents {
-                    st.map.set(e.start, e.sectors, false);
+                own.push(reqs.len());
+                reqs.push(Request::ExonodeDeallocate { target: WTarget::from(&self.rt(&f.path)), wcap: wc });
+            }
+            let (done, failed) = self.client.batch(reqs);
+            for (f, &i) in freeing.iter().zip(&own) {
+                if i < done.len() {
+                    if let Some(t) = st.tables.iter_mut().find(|t| t.0 == f.path[0]) {
+                        t.2 -= 1;
+                    }
+                    st.map.set(f.at, INODE_SECTORS as u64, false);
+                    if let Some((_, at)) = f.holder {
+                        st.map.set(at, HOLDER_SECTORS as u64, false);
+                    }
+                    for e in &f.extents {
+                        st.map.set(e.start, e.sectors, false);
+                    }
+                } else {
+                    // Again at the next write-back (without its holder if that went).
+                    let holder_gone = f.holder.is_some() && i > 0 && i - 1 < done.len();
+                    if holder_gone {
+                        st.map.set(f.holder.expect("held").1, HOLDER_SECTORS as u64, false);
+                    }
+                    st.freeing.push(Freeing { holder: if holder_gone { None } else { f.holder }, ..f.clone() });
                 }
             }
             st.tables_dirty |= !done.is_empty();
             if let Some(e) = failed {
-                st.freeing.extend_from_slice(&freeing[done.len()..]);
                 return Err(exo(e));
             }
         }
@@ -1056,11 +1480,32 @@ impl Fs {
             .filter(|i| st.nodes[i].extents.is_empty() && st.nodes[i].immediate.len() > IMMEDIATE_MAX)
             .collect();
         self.place_buffered(st, &big)?;
+        // A map grown past what the inode holds (pieces added by removals in the middle) moves
+        // to a holder.
+        for &(_, ino) in &dirty {
+            let n = &st.nodes[&ino];
+            let map_len = 12 * n.extents.len() + n.segs.as_ref().map_or(0, |s| 24 * s.len() + 12);
+            let inode_use = 128 + n.immediate.len() + 17 * n.extents.iter().filter(|e| !e.held).count() + map_len;
+            if n.holder.is_none() && inode_use > Exonode::capacity(INODE_SECTORS) {
+                self.ensure_holder(st, ino)?;
+            }
+        }
         for chunk in dirty.chunks(BATCH_NODES) {
             let mut reqs = Vec::new();
             for &(_, ino) in chunk {
                 let n = &st.nodes[&ino];
                 let target = WTarget::from(&self.rt(&n.path));
+                let map = || {
+                    let items: Vec<(u32, u64)> =
+                        n.extents.iter().map(|e| (e.entry | if e.held { HELD } else { 0 }, e.logical)).collect();
+                    encode_map(&items, n.segs.as_deref())
+                };
+                // The holder first (a child before its parent), with the map when there is one.
+                if let Some((h, _)) = n.holder.filter(|_| n.holder_dirty || n.map_dirty) {
+                    let ht = WTarget::from(&self.rt(&[n.path[0], n.path[1], h]));
+                    reqs.push(Request::AddData { target: ht.clone(), wcap: wc, idx: Some(0), data: ByteBuf::from(map()) });
+                    reqs.push(Request::WriteRecord { target: ht, wcap: wc });
+                }
                 let data = |idx: u32, bytes: Vec<u8>| Request::AddData {
                     target: target.clone(),
                     wcap: wc,
@@ -1072,8 +1517,7 @@ impl Fs {
                     reqs.push(data(IMMEDIATE, n.immediate.clone()));
                 }
                 if n.map_dirty {
-                    let map: Vec<(u32, u64)> = n.extents.iter().map(|e| (e.entry, e.logical)).collect();
-                    reqs.push(data(MAP, encode_map(&map)));
+                    reqs.push(data(MAP, if n.holder.is_some() { Vec::new() } else { map() }));
                 }
                 reqs.push(Request::WriteRecord { target: target.clone(), wcap: wc });
             }
@@ -1083,7 +1527,7 @@ impl Fs {
             }
             for &(_, ino) in chunk {
                 let n = st.nodes.get_mut(&ino).expect("listed");
-                (n.dirty, n.imm_dirty, n.map_dirty, n.fresh) = (false, false, false, false);
+                (n.dirty, n.imm_dirty, n.map_dirty, n.holder_dirty, n.fresh) = (false, false, false, false, false);
             }
         }
         if st.tables_dirty {
@@ -1134,7 +1578,7 @@ impl Fs {
         let mut added: HashMap<u64, Vec<Ext>> = HashMap::new();
         for (p, rep) in planned.iter().zip(&done) {
             if let Reply::Entry(entry) = rep {
-                added.entry(p.0).or_default().push(Ext { entry: *entry, start: p.1, sectors: p.2, logical: p.3 });
+                added.entry(p.0).or_default().push(Ext { entry: *entry, start: p.1, sectors: p.2, logical: p.3, held: false });
             }
         }
         // On a failure the extents added are removed again (the bytes stay in memory, for the

@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use plyfs_stack::{
-    Attr, Caller, DirEntry, Entry, Error, FileHandle, FileKind, Layer, Level, NodeId, Op, Opened, Reply, Result, StatFs, TimeSet,
-    XattrReply,
+    Attr, Caller, DirEntry, Entry, Error, ExtOpInfo, FileHandle, FileKind, Invalidator, Layer, Level, NodeId, Op, Opened, Reply,
+    Result, StatFs, TimeSet, XattrReply,
 };
 
 use crate::format::Inode;
@@ -26,7 +26,22 @@ pub struct Exofs {
     /// while entries are removed (as `rm -rf` does between reads), and it is copied once per
     /// open, not once per read.
     listings: parking_lot::Mutex<std::collections::HashMap<u64, std::sync::Arc<Listing>>>,
+    /// The front end's, to drop the kernel's cache of a file changed by an extended operation.
+    invalidator: parking_lot::Mutex<Option<std::sync::Arc<dyn Invalidator>>>,
 }
+
+const EXT_OPS: &[ExtOpInfo] = &[
+    ExtOpInfo {
+        name: "insert",
+        args: "OFFSET DATA",
+        help: "put DATA before byte OFFSET of a file without copying what follows (constant time whatever the size)",
+    },
+    ExtOpInfo {
+        name: "punch",
+        args: "OFFSET LENGTH",
+        help: "remove LENGTH bytes at OFFSET of a file, moving what follows down without copying it",
+    },
+];
 
 /// A directory's entries in order: name, inode, kind.
 type Listing = Vec<(std::ffi::OsString, u64, FileKind)>;
@@ -45,7 +60,7 @@ impl Exofs {
                 tracing::error!("exofs: write-back: {e:?}");
             }
         });
-        Exofs { name: name.to_owned(), fs, next_fh: AtomicU64::new(1), listings: Default::default() }
+        Exofs { name: name.to_owned(), fs, next_fh: AtomicU64::new(1), listings: Default::default(), invalidator: Default::default() }
     }
 
     pub fn level(self) -> Level {
@@ -55,6 +70,14 @@ impl Exofs {
     /// A directory's entries, in order.
     fn listing(&self, ino: u64) -> Result<Listing> {
         Ok(self.fs.read_dir(ino)?.into_iter().map(|(n, (i, k))| (n, i, k)).collect())
+    }
+
+    /// A file's bytes moved behind the kernel's back: what it caches of them goes.
+    fn moved(&self, node: NodeId, attrs: &Inode) -> Result<Reply> {
+        if let Some(inv) = self.invalidator.lock().as_ref() {
+            inv.node(node);
+        }
+        Ok(Reply::Extended(serde_json::json!({ "size": attrs.size })))
     }
 
     fn ino(&self, n: NodeId) -> u64 {
@@ -335,8 +358,28 @@ impl Layer for Exofs {
             Op::RemoveXattr { .. } => Err(Error::Os(libc::ENODATA)),
             Op::Fallocate { .. } => Err(Error::Os(libc::EOPNOTSUPP)),
             Op::Lseek { .. } => Err(Error::Os(libc::ENOSYS)),
+            Op::Extended { node, name: "insert", args } => {
+                let [off, data] = args else { return Err(Error::BadArgs("usage: insert OFFSET DATA".into())) };
+                let off = off.parse().map_err(|_| Error::BadArgs(format!("insert: offset {off:?} is not a number")))?;
+                let attrs = self.fs.insert(self.ino(node), off, data.as_bytes())?;
+                self.moved(node, &attrs)
+            }
+            Op::Extended { node, name: "punch", args } => {
+                let [off, len] = args else { return Err(Error::BadArgs("usage: punch OFFSET LENGTH".into())) };
+                let num = |v: &String| v.parse().map_err(|_| Error::BadArgs(format!("punch: {v:?} is not a number")));
+                let attrs = self.fs.remove_range(self.ino(node), num(off)?, num(len)?)?;
+                self.moved(node, &attrs)
+            }
             Op::Extended { name, .. } => Err(Error::UnsupportedOp { op: name.to_owned(), layers: vec![self.name.clone()] }),
         }
+    }
+
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        EXT_OPS
+    }
+
+    fn set_invalidator(&self, inv: std::sync::Arc<dyn Invalidator>) {
+        *self.invalidator.lock() = Some(inv);
     }
 
     fn shutdown(&self) {

@@ -175,3 +175,142 @@ fn small_files_wait_in_memory_until_write_back_and_leave_nothing_behind() {
     fs.close().unwrap();
     assert_eq!(allocated(&sock), empty, "every sector comes back when everything is removed");
 }
+
+/// A small deterministic generator (xorshift), so that a failing seed reproduces.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// Random writes, truncations, insertions and removals in the middle, write-backs and restarts,
+/// each compared with the same operations on a plain vector. `PLYFS_SEED=N` replays one seed.
+#[test]
+fn insert_and_punch_match_a_reference_under_random_operations() {
+    let seeds: Vec<u64> = match std::env::var("PLYFS_SEED") {
+        Ok(s) => vec![s.parse().expect("PLYFS_SEED is a number")],
+        Err(_) => (1..=6).map(|i| i * 0x9E37_79B9_7F4A_7C15).collect(),
+    };
+    let ops: usize = std::env::var("PLYFS_FSX_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(400);
+    for seed in seeds {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let mut rng = Rng(seed);
+        let mut model: Vec<u8> = Vec::new();
+        let ino;
+        let (mut running, sock) = run(dir.path());
+        let mut fs = Fs::open(Client::connect(&sock, 4 << 20).unwrap(), "exofs").unwrap();
+        ino = fs.make(fs.root(), OsStr::new("f"), file(FileKind::File), b"").unwrap();
+        // Sizes around the thresholds: immediate (480 B), held in memory (256 KiB), sectors.
+        let span = |rng: &mut Rng| [600u64, 5_000, 70_000, 400_000][rng.below(4) as usize];
+        for step in 0..ops {
+            let what = rng.below(100);
+            let sp = span(&mut rng);
+            let tiny = rng.below(3) == 0;
+            let ctx = format!("seed {seed}, step {step}, size {}", model.len());
+            match what {
+                0..=29 => {
+                    let off = rng.below(model.len() as u64 + sp / 4);
+                    let len = 1 + rng.below(sp);
+                    let byte = (step % 251) as u8 + 1;
+                    let data: Vec<u8> = (0..len).map(|i| byte.wrapping_add(i as u8)).collect();
+                    fs.write(ino, off, &data).unwrap_or_else(|e| panic!("{ctx}: write: {e:?}"));
+                    let end = (off + len) as usize;
+                    if model.len() < end {
+                        model.resize(end, 0);
+                    }
+                    model[off as usize..end].copy_from_slice(&data);
+                }
+                30..=49 => {
+                    let off = rng.below(model.len() as u64 + 1);
+                    let len = 1 + rng.below(if tiny { 20 } else { sp });
+                    let data: Vec<u8> = (0..len).map(|i| (i * 7 + step as u64) as u8 | 1).collect();
+                    let a = fs.insert(ino, off, &data).unwrap_or_else(|e| panic!("{ctx}: insert: {e:?}"));
+                    model.splice(off as usize..off as usize, data);
+                    assert_eq!(a.size, model.len() as u64, "{ctx}");
+                }
+                50..=64 => {
+                    let off = rng.below(model.len() as u64 + 1);
+                    let len = rng.below(sp);
+                    let a = fs.remove_range(ino, off, len).unwrap_or_else(|e| panic!("{ctx}: punch: {e:?}"));
+                    let end = (off + len).min(model.len() as u64) as usize;
+                    model.drain(off as usize..end);
+                    assert_eq!(a.size, model.len() as u64, "{ctx}");
+                }
+                65..=74 => {
+                    let size = rng.below(model.len() as u64 + sp);
+                    fs.truncate(ino, size).unwrap_or_else(|e| panic!("{ctx}: truncate: {e:?}"));
+                    model.resize(size as usize, 0);
+                }
+                75..=84 => fs.sync().unwrap_or_else(|e| panic!("{ctx}: sync: {e:?}")),
+                85..=87 => {
+                    // Unmount, restart the service, mount again.
+                    fs.close().unwrap_or_else(|e| panic!("{ctx}: close: {e:?}"));
+                    drop(fs);
+                    drop(running);
+                    (running, _) = run(dir.path());
+                    fs = Fs::open(Client::connect(&sock, 4 << 20).unwrap(), "exofs").unwrap();
+                }
+                _ => {
+                    let off = rng.below(model.len() as u64 + 10);
+                    let len = rng.below(sp) as usize;
+                    let got = fs.read(ino, off, len).unwrap_or_else(|e| panic!("{ctx}: read: {e:?}"));
+                    let s = (off as usize).min(model.len());
+                    let want = &model[s..(s + len).min(model.len())];
+                    assert!(got == want, "{ctx}: read {off}+{len} differs");
+                }
+            }
+            assert_eq!(fs.getattr(ino).unwrap().size, model.len() as u64, "{ctx}");
+        }
+        let all = fs.read(ino, 0, model.len() + 1).unwrap();
+        assert!(all == model, "seed {seed}: the whole file differs at the end");
+        // Removed, it gives every sector back.
+        fs.remove(fs.root(), OsStr::new("f"), false).unwrap();
+        fs.close().unwrap();
+        drop(fs);
+        drop(running);
+        let (_r, sock) = run(dir.path());
+        let fs = Fs::open(Client::connect(&sock, 4 << 20).unwrap(), "exofs").unwrap();
+        assert!(fs.names(fs.root()).unwrap().is_empty());
+        fs.close().unwrap();
+        let used = allocated(&sock);
+        assert!(used < 2048, "seed {seed}: {used} sectors still allocated with the file gone");
+    }
+}
+
+#[test]
+fn a_very_fragmented_file_keeps_its_extents_in_a_descendant() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let (empty, ino);
+    {
+        let (_r, sock) = run(dir.path());
+        let fs = Fs::open(Client::connect(&sock, 4 << 20).unwrap(), "exofs").unwrap();
+        fs.close().unwrap();
+        empty = allocated(&sock);
+        ino = fs.make(fs.root(), OsStr::new("holes"), file(FileKind::File), b"").unwrap();
+        // 600 pieces of 4 KiB, each 60 KiB from the next: 600 extents, far more than an inode holds.
+        for i in 0..600u64 {
+            fs.write(ino, i * 65536, &[i as u8 | 1; 4096]).unwrap();
+        }
+        fs.close().unwrap();
+    }
+    let (_r, sock) = run(dir.path());
+    let fs = Fs::open(Client::connect(&sock, 4 << 20).unwrap(), "exofs").unwrap();
+    for i in (0..600u64).step_by(37) {
+        assert_eq!(fs.read(ino, i * 65536, 4096).unwrap(), vec![i as u8 | 1; 4096], "piece {i}");
+        assert!(fs.read(ino, i * 65536 + 4096, 100).unwrap().iter().all(|b| *b == 0));
+    }
+    fs.truncate(ino, 300 * 65536).unwrap();
+    fs.sync().unwrap();
+    fs.remove(fs.root(), OsStr::new("holes"), false).unwrap();
+    fs.close().unwrap();
+    assert_eq!(allocated(&sock), empty, "the extents, the holder and the inode are all given back");
+}
