@@ -103,6 +103,10 @@ struct Node {
     holder_dirty: bool,
 }
 
+/// File sector, sectors, and where they are (volume sector and whether the extent is in the
+/// holder), or `None` for a hole.
+type Piece = (u64, u64, Option<(u64, bool)>);
+
 /// Where a file's bytes are: what reading and writing its sectors needs (cheap to copy, unlike
 /// a node with its bytes held in memory).
 #[derive(Clone, Debug)]
@@ -754,7 +758,7 @@ impl Fs {
 
     /// The pieces of file sectors `s0..s1`: (file sector, count, volume sector or `None` for a
     /// hole).
-    fn pieces(n: &Shape, s0: u64, s1: u64) -> Vec<(u64, u64, Option<(u64, bool)>)> {
+    fn pieces(n: &Shape, s0: u64, s1: u64) -> Vec<Piece> {
         let mut out = Vec::new();
         let mut at = s0;
         for e in &n.extents {
@@ -1075,7 +1079,7 @@ impl Fs {
                 })?;
             } else {
                 Self::room_for_pieces(st.nodes.get(&ino).expect("loaded"), ino)?;
-                let top = self.into_pieces(&mut st, ino)?;
+                let top = self.make_pieces(&mut st, ino)?;
                 let segs = self.node(&mut st, ino)?.segs.as_mut().expect("in pieces");
                 Self::cut(segs, off);
                 let at = segs.partition_point(|s| s.logical < off);
@@ -1117,7 +1121,7 @@ impl Fs {
             return self.changed(st, ino, size - len);
         }
         Self::room_for_pieces(n, ino)?;
-        self.into_pieces(st, ino)?;
+        self.make_pieces(st, ino)?;
         let segs = self.node(st, ino)?.segs.as_mut().expect("in pieces");
         Self::cut(segs, off);
         Self::cut(segs, off + len);
@@ -1162,7 +1166,7 @@ impl Fs {
     /// Make `ino` a file in pieces (one piece for all of it if it was plain; bytes held in
     /// memory go to extents first). Returns the store's first byte that nothing uses, 4 KiB
     /// aligned: above every piece and every extent.
-    fn into_pieces(&self, st: &mut State, ino: u64) -> Result<u64> {
+    fn make_pieces(&self, st: &mut State, ino: u64) -> Result<u64> {
         self.spill(st, ino)?;
         let n = self.node(st, ino)?;
         if n.segs.is_none() {
@@ -1255,7 +1259,7 @@ impl Fs {
     /// lies above it in the store is made to read as zeros first), otherwise a new piece takes
     /// fresh store.
     fn extend_pieces(&self, st: &mut State, ino: u64, size: u64) -> Result<()> {
-        let top = self.into_pieces(st, ino)?;
+        let top = self.make_pieces(st, ino)?;
         let n = self.node(st, ino)?;
         let old = n.attrs.size;
         let segs = n.segs.as_ref().expect("in pieces");
