@@ -128,6 +128,16 @@ pub struct Core {
     clock: u64,
     proxies: HashMap<u64, Proxy>,
     next_proxy: u64,
+    /// In a batch: records are written without a flush each, and sectors given up are freed in
+    /// the map only after the one flush at its end (so that a cleared bit never reaches the
+    /// disk before the record that gave the sectors up).
+    batch: Option<Batch>,
+}
+
+#[derive(Default)]
+struct Batch {
+    unflushed: bool,
+    freed: Vec<(u64, u64)>,
 }
 
 /// The sectors an extent's data takes: after its header.
@@ -148,6 +158,44 @@ impl Core {
             clock: 0,
             proxies: HashMap::new(),
             next_proxy: 1,
+            batch: None,
+        }
+    }
+
+    /// Start a batch of requests: what they write is flushed once, by [`Core::end_batch`]. With
+    /// `records`, what was written before (file data) is flushed first, so that no record
+    /// written in the batch reaches the disk before the data it describes.
+    pub fn begin_batch(&mut self, records: bool) -> Result<()> {
+        if records {
+            self.disk.sync().map_err(io_err)?;
+        }
+        self.batch = Some(Batch::default());
+        Ok(())
+    }
+
+    /// End a batch: one flush, then the sectors its requests gave up are freed.
+    pub fn end_batch(&mut self) -> Result<()> {
+        let Some(b) = self.batch.take() else { return Ok(()) };
+        if b.unflushed {
+            self.disk.sync().map_err(io_err)?;
+        }
+        for (start, len) in b.freed {
+            self.mark(start, len, false);
+        }
+        if !self.map_dirty.is_empty() {
+            self.flush_map()?;
+        }
+        Ok(())
+    }
+
+    /// Make what was just written durable now, or at the end of the batch.
+    fn settle(&mut self) -> Result<()> {
+        match &mut self.batch {
+            Some(b) => {
+                b.unflushed = true;
+                Ok(())
+            }
+            None => self.disk.sync().map_err(io_err),
         }
     }
 
@@ -248,7 +296,7 @@ impl Core {
         let bytes = self.seal(at, &c.obj);
         self.flush_map()?;
         self.disk.write(at, &Aligned::from_bytes(&bytes)).map_err(io_err)?;
-        self.disk.sync().map_err(io_err)?;
+        self.settle()?;
         let c = self.cache.get_mut(&at).expect("cached");
         c.dirty = false;
         c.on_disk = true;
@@ -265,6 +313,10 @@ impl Core {
     }
 
     fn mark(&mut self, start: u64, len: u64, allocated: bool) {
+        if let (false, Some(b)) = (allocated, &mut self.batch) {
+            b.freed.push((start, len));
+            return;
+        }
         self.map.set(start, len, allocated);
         if len > 0 {
             for b in start / BITS_PER_BLOCK..=(start + len - 1) / BITS_PER_BLOCK {
@@ -419,7 +471,7 @@ impl Core {
         let c = self.cache.remove(&at).expect("cached");
         if c.on_disk {
             self.disk.write(at, &Aligned::zeroed(sectors as usize * SECTOR)).map_err(io_err)?;
-            self.disk.sync().map_err(io_err)?;
+            self.settle()?;
         }
         Ok(())
     }

@@ -241,7 +241,6 @@ impl Service {
     }
 
     fn handle(&self, req: Request, uid: u32, client: u64, shm: &Arc<Shm>, tx: &Sender<Message>) -> crate::core::Result<Reply> {
-        let t = |w: &proto::WTarget| Target::from(w);
         if let Request::Root { name, uid: other, exclusive: true } = &req {
             let who = other.unwrap_or(uid);
             if who == uid || uid == 0 {
@@ -249,23 +248,44 @@ impl Service {
             }
         }
         let mut core = self.core.lock();
+        self.handle_locked(&mut core, req, uid, client, shm, tx)
+    }
+
+    /// A request, with the core held (a batch holds it throughout, so that no other client's
+    /// request runs inside it and is answered before the batch's flush).
+    fn handle_locked(
+        &self,
+        core: &mut Core,
+        req: Request,
+        uid: u32,
+        client: u64,
+        shm: &Arc<Shm>,
+        tx: &Sender<Message>,
+    ) -> crate::core::Result<Reply> {
+        let t = |w: &proto::WTarget| Target::from(w);
         Ok(match req {
             Request::Hello { .. } | Request::Shutdown => return err(libc::EPROTO, "unexpected here"),
             Request::Batch { reqs } => {
-                drop(core);
+                let records = reqs.iter().any(|r| matches!(r, Request::WriteRecord { .. }));
+                core.begin_batch(records)?;
                 let mut out = Vec::with_capacity(reqs.len());
                 for (i, r) in reqs.into_iter().enumerate() {
                     let result =
                         if matches!(r, Request::Hello { .. } | Request::Root { .. } | Request::Shutdown | Request::Batch { .. }) {
                             Err((libc::EINVAL, format!("request {i} of the batch cannot be batched")))
                         } else {
-                            self.handle(r, uid, client, shm, tx).map_err(|e| (e.errno, format!("request {i} of the batch: {}", e.msg)))
+                            self.handle_locked(core, r, uid, client, shm, tx)
+                                .map_err(|e| (e.errno, format!("request {i} of the batch: {}", e.msg)))
                         };
                     let failed = result.is_err();
                     out.push(result);
                     if failed {
                         break;
                     }
+                }
+                // One flush for all of it; a failure there fails the batch's last request.
+                if let Err(e) = core.end_batch() {
+                    out.push(Err((e.errno, format!("flushing the batch: {}", e.msg))));
                 }
                 return Ok(Reply::Batch(out));
             }
@@ -275,7 +295,7 @@ impl Service {
                     Some(o) => o,
                     None => uid,
                 };
-                let (at, caps) = named_root(&mut core, uid, &name)?;
+                let (at, caps) = named_root(core, uid, &name)?;
                 Reply::Root { at, caps: caps.into() }
             }
             Request::FreeMap => {

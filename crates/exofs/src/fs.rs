@@ -46,7 +46,7 @@ const MAX_PIECES: usize = 1500;
 /// Inodes made per request when the pool is empty.
 const POOL: usize = 32;
 /// Inodes written back per batched request.
-const BATCH_NODES: usize = 256;
+const BATCH_NODES: usize = 1024;
 /// The first extent of a file, in sectors (64 KiB); later ones double, up to `MAX_EXTENT`.
 const MAX_EXTENT_SECTORS: u64 = 65536;
 /// Holes are filled a whole aligned chunk at a time (32 KiB), so that random writes do not make
