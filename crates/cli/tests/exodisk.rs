@@ -296,3 +296,118 @@ fn insert_and_punch_through_a_mount_move_bytes_and_the_kernel_sees_them() {
     assert!(std::fs::read(m.path("f")).unwrap() == want);
     assert!(m.unmount().success());
 }
+
+/// A small exofs inode's attributes.
+fn exofs_attrs(kind: plyfs_stack::FileKind) -> plyfs_exofs::format::Inode {
+    let now = std::time::SystemTime::now();
+    plyfs_exofs::format::Inode {
+        kind,
+        perm: 0o755,
+        uid: 0,
+        gid: 0,
+        nlink: if kind == plyfs_stack::FileKind::Dir { 2 } else { 1 },
+        rdev: 0,
+        size: 0,
+        atime: now,
+        mtime: now,
+        ctime: now,
+        generation: 1,
+    }
+}
+
+#[test]
+fn each_file_keeps_its_persistence_model_through_a_killed_service() {
+    use plyfs_exofs::fs::Fs;
+    use plyfs_stack::FileKind;
+    use std::ffi::OsStr;
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let v = format(dir.path(), "64M");
+    let sock = dir.path().join("s.sock");
+    let mut service = Service::start(&v, &sock);
+    let body: Vec<u8> = (0..50_000u32).map(|i| (i % 239) as u8).collect();
+    {
+        let fs = Fs::open(Client::connect(&sock, 4 << 20).unwrap(), "exofs").unwrap();
+        let root = fs.root();
+        for model in ["data", "metadata", "memory"] {
+            let d = fs.make(root, OsStr::new(model), exofs_attrs(FileKind::Dir), &[]).unwrap();
+            fs.set_xattr(d, b"user.exofs.persistence", Some(model.as_bytes()), 0).unwrap();
+        }
+        // The directories themselves are written back once; what is made in them after that
+        // follows their model.
+        fs.sync().unwrap();
+        for model in ["data", "metadata", "memory"] {
+            let (d, _) = fs.lookup(root, OsStr::new(model)).unwrap();
+            let f = fs.make(d, OsStr::new("f"), exofs_attrs(FileKind::File), b"").unwrap();
+            assert_eq!(fs.get_xattr(f, b"user.exofs.persistence").unwrap(), model.as_bytes(), "inherited");
+            fs.write(f, 0, &body).unwrap();
+        }
+        let bad = fs.set_xattr(root, b"user.exofs.persistence", Some(b"fast"), 0).unwrap_err();
+        assert!(matches!(bad, plyfs_stack::Error::BadArgs(ref m) if m.contains("not a persistence model")), "{bad:?}");
+        // No write-back, no unmount: the service dies.
+        service.kill();
+    }
+    let _service = Service::start(&v, &sock);
+    let fs = Fs::open(Client::connect(&sock, 4 << 20).unwrap(), "exofs").unwrap();
+    let root = fs.root();
+    for model in ["data", "metadata"] {
+        let (d, _) = fs.lookup(root, OsStr::new(model)).unwrap();
+        let (f, attrs) = fs.lookup(d, OsStr::new("f")).unwrap_or_else(|e| panic!("{model}: {e:?}"));
+        assert_eq!(attrs.size, body.len() as u64, "{model}");
+        assert!(fs.read(f, 0, body.len()).unwrap() == body, "{model}: the bytes are back");
+    }
+    // The memory model's directory and file lived in the service's memory only.
+    assert!(
+        fs.lookup(root, OsStr::new("memory")).is_err() || {
+            let (d, _) = fs.lookup(root, OsStr::new("memory")).unwrap();
+            fs.lookup(d, OsStr::new("f")).is_err()
+        }
+    );
+}
+
+#[test]
+fn extended_attributes_are_kept_through_a_mount_and_a_remount() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let v = format(dir.path(), "64M");
+    let sock = dir.path().join("s.sock");
+    let _service = Service::start(&v, &sock);
+    let mdir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let mnt = mdir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let lower = PathBuf::from(format!("exodisk:{}", sock.display()));
+    let m = Mount::start(mdir, lower, mnt, "null", &[]);
+    let f = m.path("f");
+    std::fs::write(&f, b"x").unwrap();
+    let (p, name) = (cpath(&f), std::ffi::CString::new("user.colour").unwrap());
+    let set =
+        |value: &[u8], flags: i32| unsafe { libc::setxattr(p.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), flags) };
+    assert_eq!(set(b"blue", libc::XATTR_REPLACE), -1);
+    assert_eq!(errno(), libc::ENODATA);
+    assert_eq!(set(b"blue", 0), 0);
+    assert_eq!(set(b"red", libc::XATTR_CREATE), -1);
+    assert_eq!(errno(), libc::EEXIST);
+    let get = || {
+        let mut buf = [0u8; 64];
+        let n = unsafe { libc::getxattr(p.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        (n >= 0).then(|| buf[..n as usize].to_vec())
+    };
+    assert_eq!(get().as_deref(), Some(&b"blue"[..]));
+    // Too much for an inode: ENOSPC, and nothing changes.
+    assert_eq!(set(&[7u8; 4000], 0), -1);
+    assert_eq!(errno(), libc::ENOSPC);
+    let mut m = m.remount();
+    let p = cpath(&m.path("f"));
+    let mut list = [0u8; 256];
+    let n = unsafe { libc::listxattr(p.as_ptr(), list.as_mut_ptr().cast(), list.len()) };
+    assert_eq!(&list[..n as usize], b"user.colour\0");
+    let mut buf = [0u8; 64];
+    let n = unsafe { libc::getxattr(p.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    assert_eq!(&buf[..n as usize], b"blue");
+    assert_eq!(unsafe { libc::removexattr(p.as_ptr(), name.as_ptr()) }, 0);
+    assert_eq!(unsafe { libc::getxattr(p.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) }, -1);
+    assert_eq!(errno(), libc::ENODATA);
+    // A model that does not exist is refused with EINVAL.
+    let pm = std::ffi::CString::new("user.exofs.persistence").unwrap();
+    assert_eq!(unsafe { libc::setxattr(p.as_ptr(), pm.as_ptr(), b"fast".as_ptr().cast(), 4, 0) }, -1);
+    assert_eq!(errno(), libc::EINVAL);
+    assert!(m.unmount().success());
+}

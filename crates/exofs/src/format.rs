@@ -145,6 +145,38 @@ impl Inode {
     }
 }
 
+/// Extended attributes: name to value.
+pub type Xattrs = BTreeMap<Vec<u8>, Vec<u8>>;
+
+/// Extended attributes as kept after an inode's attributes: `(name len u8, value len u16,
+/// name, value)*`.
+pub fn encode_xattrs(x: &Xattrs) -> Vec<u8> {
+    let mut b = Vec::new();
+    for (name, value) in x {
+        b.push(name.len() as u8);
+        b.extend_from_slice(&(value.len() as u16).to_le_bytes());
+        b.extend_from_slice(name);
+        b.extend_from_slice(value);
+    }
+    b
+}
+
+pub fn decode_xattrs(mut b: &[u8]) -> Result<Xattrs, Corrupt> {
+    let mut x = Xattrs::new();
+    while !b.is_empty() {
+        if b.len() < 3 {
+            return Err(Corrupt("extended attributes: truncated"));
+        }
+        let (n, v) = (b[0] as usize, u16::from_le_bytes([b[1], b[2]]) as usize);
+        if n == 0 || b.len() < 3 + n + v {
+            return Err(Corrupt("extended attributes: truncated"));
+        }
+        x.insert(b[3..3 + n].to_vec(), b[3 + n..3 + n + v].to_vec());
+        b = &b[3 + n + v..];
+    }
+    Ok(x)
+}
+
 /// A directory's entries: name to inode number and kind.
 pub type Dir = BTreeMap<OsString, (u64, FileKind)>;
 

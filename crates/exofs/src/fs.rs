@@ -25,7 +25,10 @@ use plyfs_exodisk::proto::{wcap, Reply, Request, WEntry, WPersistence, WTarget};
 use plyfs_stack::{Error, FileKind, Result};
 use serde_bytes::ByteBuf;
 
-use crate::format::{decode_dir, decode_map, encode_dir, encode_map, valid_name, Dir, Inode, Seg, ATTRS, IMMEDIATE, MAP};
+use crate::format::{
+    decode_dir, decode_map, decode_xattrs, encode_dir, encode_map, encode_xattrs, valid_name, Dir, Inode, Seg, Xattrs, ATTRS,
+    IMMEDIATE, MAP,
+};
 
 /// Sectors of an inode exonode (4 KiB: room for about 130 extents), and of an inode table.
 pub const INODE_SECTORS: u32 = 8;
@@ -41,6 +44,11 @@ const BUFFER_TOTAL: usize = 64 << 20;
 const HOLDER_SECTORS: u32 = 128;
 /// An extent map item naming an extent of the holder rather than of the inode.
 const HELD: u32 = 1 << 30;
+/// Bytes of extended attributes an inode holds (names and values together).
+pub const XATTR_MAX: usize = 2048;
+/// The extended attribute that picks a file's persistence model (and its new files', on a
+/// directory).
+pub const PERSISTENCE_XATTR: &[u8] = b"user.exofs.persistence";
 /// Pieces a file may be cut into by insertions and removals (its map must fit its holder).
 const MAX_PIECES: usize = 1500;
 /// Inodes made per request when the pool is empty.
@@ -101,6 +109,8 @@ struct Node {
     holder: Option<(u32, u64)>,
     /// The holder's entries changed since the last write-back.
     holder_dirty: bool,
+    /// Extended attributes (kept after the attributes, in entry ATTRS).
+    xattrs: Xattrs,
 }
 
 /// File sector, sectors, and where they are (volume sector and whether the extent is in the
@@ -136,6 +146,7 @@ impl Node {
             segs: None,
             holder: None,
             holder_dirty: false,
+            xattrs: Xattrs::new(),
         }
     }
 }
@@ -385,8 +396,14 @@ impl Fs {
             let x = self.client.map(&self.rt(&path), self.caps.read).map_err(exo)?;
             let corrupt = |what: &str| Error::Corrupt(format!("exofs inode {ino}: {what}"));
             let attrs = match x.entries.get(ATTRS as usize) {
-                Some(WEntry::Data(d)) => Inode::decode(d).map_err(|e| corrupt(&e.to_string()))?,
+                Some(WEntry::Data(d)) if d.len() >= Inode::ENCODED_LEN => {
+                    Inode::decode(&d[..Inode::ENCODED_LEN]).map_err(|e| corrupt(&e.to_string()))?
+                }
                 _ => return Err(corrupt("no attributes")),
+            };
+            let xattrs = match x.entries.get(ATTRS as usize) {
+                Some(WEntry::Data(d)) => decode_xattrs(&d[Inode::ENCODED_LEN..]).map_err(|e| corrupt(&e.to_string()))?,
+                _ => Xattrs::new(),
             };
             let immediate = match x.entries.get(IMMEDIATE as usize) {
                 Some(WEntry::Data(d)) => d.to_vec(),
@@ -430,6 +447,7 @@ impl Fs {
                 extents,
                 segs,
                 holder,
+                xattrs,
                 dirty: false,
                 imm_dirty: false,
                 map_dirty: false,
@@ -510,7 +528,12 @@ impl Fs {
         }
         let kind = attrs.kind;
         let is_dir = kind == FileKind::Dir;
+        let inherited = self.node(&mut st, parent)?.xattrs.get(PERSISTENCE_XATTR).cloned();
         let ino = self.new_inode(&mut st, attrs, parent)?;
+        if let Some(model) = inherited {
+            // A directory's persistence model goes to what is made in it.
+            self.node(&mut st, ino)?.xattrs.insert(PERSISTENCE_XATTR.to_vec(), model);
+        }
         if !content.is_empty() {
             self.set_content(&mut st, ino, content)?;
         }
@@ -519,6 +542,7 @@ impl Fs {
         if is_dir {
             self.node(&mut st, parent)?.attrs.nlink += 1;
         }
+        self.settle(&mut st, ino, true)?;
         Ok(ino)
     }
 
@@ -541,7 +565,8 @@ impl Fs {
         n.attrs.nlink = n.attrs.nlink.saturating_sub(if dir { 2 } else { 1 });
         n.attrs.ctime = SystemTime::now();
         n.dirty = true;
-        self.maybe_free(&mut st, ino)
+        self.maybe_free(&mut st, ino)?;
+        self.settle(&mut st, parent, true)
     }
 
     /// Free `ino` if nothing names, holds or knows it any more.
@@ -619,7 +644,9 @@ impl Fs {
         n.attrs.nlink += 1;
         n.attrs.ctime = SystemTime::now();
         n.dirty = true;
-        Ok(n.attrs.clone())
+        let attrs = n.attrs.clone();
+        self.settle(&mut st, parent, true)?;
+        Ok(attrs)
     }
 
     /// `rename(2)`, with `RENAME_NOREPLACE` and `RENAME_EXCHANGE`.
@@ -652,7 +679,8 @@ impl Fs {
                 n.attrs.ctime = SystemTime::now();
                 n.dirty = true;
             }
-            return Ok(());
+            self.settle(&mut st, parent, true)?;
+            return self.settle(&mut st, new_parent, true);
         }
         if let Some((other, okind)) = existing {
             if other == ino {
@@ -694,7 +722,8 @@ impl Fs {
             }
             self.maybe_free(&mut st, other)?;
         }
-        Ok(())
+        self.settle(&mut st, parent, true)?;
+        self.settle(&mut st, new_parent, true)
     }
 
     fn adjust_links(&self, st: &mut State, ino: u64, by: i32) -> Result<()> {
@@ -889,7 +918,89 @@ impl Fs {
     /// Write `data` at `off`.
     pub fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<()> {
         let mut st = self.state.lock();
-        self.write_at(&mut st, ino, off, data)
+        let grew = data.len() as u64 + off > self.node(&mut st, ino)?.attrs.size;
+        self.write_at(&mut st, ino, off, data)?;
+        self.settle(&mut st, ino, grew)
+    }
+
+    /// A change to `ino` made durable before it is answered when its model asks for that:
+    /// `data`, any change; `metadata`, a change to more than the bytes of a file (`meta`). The
+    /// whole file system is written back then, as a journal commits (the directory naming a
+    /// new file, and the table naming its inode, go with it).
+    fn settle(&self, st: &mut State, ino: u64, meta: bool) -> Result<()> {
+        let n = self.node(st, ino)?;
+        let now = match Self::model(n) {
+            Some(Persistence::Data) => true,
+            Some(Persistence::Metadata) => meta || n.map_dirty,
+            _ => false,
+        };
+        if now {
+            self.write_back(st)?;
+        }
+        Ok(())
+    }
+
+    /// The persistence model an inode's extended attribute picks (none: written back every 5 s).
+    fn model(n: &Node) -> Option<Persistence> {
+        match n.xattrs.get(PERSISTENCE_XATTR).map(|v| v.as_slice()) {
+            Some(b"data") => Some(Persistence::Data),
+            Some(b"metadata") => Some(Persistence::Metadata),
+            Some(b"memory") => Some(Persistence::Memory),
+            _ => None,
+        }
+    }
+
+    // ---- extended attributes ----------------------------------------------------------------
+
+    pub fn get_xattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
+        let mut st = self.state.lock();
+        self.node(&mut st, ino)?.xattrs.get(name).cloned().ok_or(Error::Os(libc::ENODATA))
+    }
+
+    pub fn list_xattr(&self, ino: u64) -> Result<Vec<Vec<u8>>> {
+        let mut st = self.state.lock();
+        Ok(self.node(&mut st, ino)?.xattrs.keys().cloned().collect())
+    }
+
+    /// Set (`value`) or remove (`None`) an extended attribute, with `XATTR_CREATE` and
+    /// `XATTR_REPLACE`. `user.exofs.persistence` takes `data`, `metadata` or `memory`.
+    pub fn set_xattr(&self, ino: u64, name: &[u8], value: Option<&[u8]>, flags: i32) -> Result<()> {
+        if name.is_empty() || name.len() > 255 {
+            return Err(Error::Os(libc::ERANGE));
+        }
+        if name == PERSISTENCE_XATTR && value.is_some_and(|v| !matches!(v, b"data" | b"metadata" | b"memory")) {
+            return Err(Error::BadArgs(format!(
+                "{}: '{}' is not a persistence model (data, metadata or memory)",
+                String::from_utf8_lossy(PERSISTENCE_XATTR),
+                String::from_utf8_lossy(value.unwrap_or_default())
+            )));
+        }
+        let mut st = self.state.lock();
+        let n = self.node(&mut st, ino)?;
+        let exists = n.xattrs.contains_key(name);
+        match value {
+            Some(v) => {
+                if flags & libc::XATTR_CREATE != 0 && exists {
+                    return Err(Error::Os(libc::EEXIST));
+                }
+                if flags & libc::XATTR_REPLACE != 0 && !exists {
+                    return Err(Error::Os(libc::ENODATA));
+                }
+                let others: usize = n.xattrs.iter().filter(|(k, _)| k.as_slice() != name).map(|(k, v)| 3 + k.len() + v.len()).sum();
+                if others + 3 + name.len() + v.len() > XATTR_MAX {
+                    return Err(Error::Os(libc::ENOSPC));
+                }
+                n.xattrs.insert(name.to_vec(), v.to_vec());
+            }
+            None => {
+                if n.xattrs.remove(name).is_none() {
+                    return Err(Error::Os(libc::ENODATA));
+                }
+            }
+        }
+        n.attrs.ctime = SystemTime::now();
+        n.dirty = true;
+        self.settle(&mut st, ino, true)
     }
 
     /// Change the bytes held in the inode (in memory; stored at write-back).
@@ -906,6 +1017,9 @@ impl Fs {
 
     /// Whether `ino`'s content may be held in memory at `size` bytes.
     fn may_buffer(st: &State, n: &Node, size: u64) -> bool {
+        if matches!(Self::model(n), Some(Persistence::Data | Persistence::Metadata)) {
+            return size as usize <= IMMEDIATE_MAX && n.extents.is_empty();
+        }
         let limit = if st.buffered + size as usize <= BUFFER_TOTAL + n.immediate.len() { BUFFER_MAX } else { IMMEDIATE_MAX };
         n.extents.is_empty() && size as usize <= limit
     }
@@ -1090,14 +1204,18 @@ impl Fs {
                 self.write_store(&mut st, ino, top, data)?;
             }
         }
-        self.changed(&mut st, ino, size + len)
+        let attrs = self.changed(&mut st, ino, size + len)?;
+        self.settle(&mut st, ino, true)?;
+        Ok(attrs)
     }
 
     /// Remove bytes `off..off + len` of file `ino`, moving what follows down without copying
     /// it; the store's whole sectors no piece uses any more are freed.
     pub fn remove_range(&self, ino: u64, off: u64, len: u64) -> Result<Inode> {
         let mut st = self.state.lock();
-        self.remove_range_at(&mut st, ino, off, len)
+        let attrs = self.remove_range_at(&mut st, ino, off, len)?;
+        self.settle(&mut st, ino, true)?;
+        Ok(attrs)
     }
 
     fn remove_range_at(&self, st: &mut State, ino: u64, off: u64, len: u64) -> Result<Inode> {
@@ -1337,7 +1455,8 @@ impl Fs {
     /// Set the size of `ino`.
     pub fn truncate(&self, ino: u64, size: u64) -> Result<()> {
         let mut st = self.state.lock();
-        self.truncate_at(&mut st, ino, size)
+        self.truncate_at(&mut st, ino, size)?;
+        self.settle(&mut st, ino, true)
     }
 
     fn truncate_at(&self, st: &mut State, ino: u64, size: u64) -> Result<()> {
@@ -1391,7 +1510,9 @@ impl Fs {
         let n = self.node(&mut st, ino)?;
         change(&mut n.attrs);
         n.dirty = true;
-        Ok(n.attrs.clone())
+        let attrs = n.attrs.clone();
+        self.settle(&mut st, ino, true)?;
+        Ok(attrs)
     }
 
     /// Write back everything changed: removed inodes are deallocated; directories' entries are
@@ -1505,10 +1626,14 @@ impl Fs {
                     encode_map(&items, n.segs.as_deref())
                 };
                 // The holder first (a child before its parent), with the map when there is one.
+                // A file of the memory model is never written: it lives in the service's memory.
+                let durable = Self::model(n) != Some(Persistence::Memory);
                 if let Some((h, _)) = n.holder.filter(|_| n.holder_dirty || n.map_dirty) {
                     let ht = WTarget::from(&self.rt(&[n.path[0], n.path[1], h]));
                     reqs.push(Request::AddData { target: ht.clone(), wcap: wc, idx: Some(0), data: ByteBuf::from(map()) });
-                    reqs.push(Request::WriteRecord { target: ht, wcap: wc });
+                    if durable {
+                        reqs.push(Request::WriteRecord { target: ht, wcap: wc });
+                    }
                 }
                 let data = |idx: u32, bytes: Vec<u8>| Request::AddData {
                     target: target.clone(),
@@ -1516,14 +1641,18 @@ impl Fs {
                     idx: Some(idx),
                     data: ByteBuf::from(bytes),
                 };
-                reqs.push(data(ATTRS, n.attrs.encode()));
+                let mut attrs = n.attrs.encode();
+                attrs.extend_from_slice(&encode_xattrs(&n.xattrs));
+                reqs.push(data(ATTRS, attrs));
                 if n.imm_dirty {
                     reqs.push(data(IMMEDIATE, n.immediate.clone()));
                 }
                 if n.map_dirty {
                     reqs.push(data(MAP, if n.holder.is_some() { Vec::new() } else { map() }));
                 }
-                reqs.push(Request::WriteRecord { target: target.clone(), wcap: wc });
+                if durable {
+                    reqs.push(Request::WriteRecord { target: target.clone(), wcap: wc });
+                }
             }
             let (_, failed) = self.client.batch(reqs);
             if let Some(e) = failed {

@@ -352,10 +352,22 @@ impl Layer for Exofs {
                 }))
             }
             Op::Access { .. } => Ok(Reply::Empty),
-            Op::GetXattr { .. } => Err(Error::Os(libc::ENODATA)),
-            Op::ListXattr { size, .. } => Ok(Reply::Xattr(if size == 0 { XattrReply::Size(0) } else { XattrReply::Data(Vec::new()) })),
-            Op::SetXattr { .. } => Err(Error::Os(libc::ENOTSUP)),
-            Op::RemoveXattr { .. } => Err(Error::Os(libc::ENODATA)),
+            Op::GetXattr { node, name, size } => {
+                let value = self.fs.get_xattr(self.ino(node), name.as_bytes())?;
+                xattr_reply(value, size)
+            }
+            Op::ListXattr { node, size } => {
+                let mut names = Vec::new();
+                for n in self.fs.list_xattr(self.ino(node))? {
+                    names.extend_from_slice(&n);
+                    names.push(0);
+                }
+                xattr_reply(names, size)
+            }
+            Op::SetXattr { node, name, value, flags } => {
+                self.fs.set_xattr(self.ino(node), name.as_bytes(), Some(value), flags).map(|()| Reply::Empty)
+            }
+            Op::RemoveXattr { node, name } => self.fs.set_xattr(self.ino(node), name.as_bytes(), None, 0).map(|()| Reply::Empty),
             Op::Fallocate { .. } => Err(Error::Os(libc::EOPNOTSUPP)),
             Op::Lseek { .. } => Err(Error::Os(libc::ENOSYS)),
             Op::Extended { node, name: "insert", args } => {
@@ -387,4 +399,13 @@ impl Layer for Exofs {
             tracing::error!("exofs: writing back at unmount: {e:?}");
         }
     }
+}
+
+/// A value (or list of names) for a request that gave `size` bytes of room (0: only the size).
+fn xattr_reply(value: Vec<u8>, size: u32) -> Result<Reply> {
+    Ok(Reply::Xattr(match size {
+        0 => XattrReply::Size(value.len() as u32),
+        n if (n as usize) < value.len() => return Err(Error::Os(libc::ERANGE)),
+        _ => XattrReply::Data(value),
+    }))
 }
