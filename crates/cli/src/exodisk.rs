@@ -44,6 +44,19 @@ enum Action {
     },
     /// The volume behind a service: size, space, and the disk queue.
     Stat { socket: PathBuf },
+    /// Run one group of the thesis's micro-benchmarks against the service (lines of
+    /// `group,config,metric,value`; `bench/exodisk.sh` runs them all).
+    Bench {
+        socket: PathBuf,
+        /// small, large, two, insert, ddio or persist.
+        group: String,
+        /// Files (small, two, persist).
+        #[arg(long, default_value_t = 1000)]
+        files: usize,
+        /// Bytes per file (small, two, persist), or of the one file (large).
+        #[arg(long, value_parser = size, default_value = "10000")]
+        size: u64,
+    },
     /// Allocate an extent (or, with --exonode, an exonode) and print its capabilities.
     Alloc {
         socket: PathBuf,
@@ -124,6 +137,7 @@ pub fn run(args: ExodiskArgs) -> Result<(), String> {
                 serve(&volume, &socket, &key.path(&volume))
             }
         }
+        Action::Bench { socket, group, files, size } => crate::exobench::run(&socket, &group, files, size as usize),
         Action::Stat { socket } => {
             quiet_pipe();
             stat(&socket)

@@ -1,6 +1,7 @@
 //! `plyfs`: mount, unmount and inspect stacks of file-system layers.
 
 mod daemon;
+mod exobench;
 mod exodisk;
 mod offline;
 mod options;

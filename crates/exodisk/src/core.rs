@@ -564,6 +564,10 @@ impl Core {
         if i > x.entries.len() {
             return err(libc::EINVAL, format!("entry {i}: past the end ({} entries)", x.entries.len()));
         }
+        if i < x.entries.len() && x.entries[i] != Entry::Empty {
+            return err(libc::EEXIST, format!("entry {i} is in use"));
+        }
+        Self::fits_with(x, i, &entry)?;
         if i == x.entries.len() {
             x.entries.push(entry);
         } else if x.entries[i] == Entry::Empty {
@@ -571,18 +575,14 @@ impl Core {
         } else {
             return err(libc::EEXIST, format!("entry {i} is in use"));
         }
-        if !x.fits() {
-            return err(
-                libc::ENOSPC,
-                format!("the exonode is full ({} bytes of entries): allocate a larger one or a descendant", x.used()),
-            );
-        }
+        debug_assert!(x.fits());
         Ok(i as u32)
     }
 
-    /// Apply `edit` to the exonode at `at` and persist it, or leave it as it was.
+    /// Change the exonode at `at` and persist it by its model. `edit` checks before it changes
+    /// anything: on an error the exonode is as it was (no copy is kept to restore it, so that an
+    /// edit of a large exonode costs no more than the change).
     fn edit<T>(&mut self, at: u64, edit: impl FnOnce(&mut Exonode) -> Result<T>) -> Result<T> {
-        let before = self.exonode(at).clone();
         let was_dirty = self.cache[&at].dirty;
         match edit(self.exonode_mut(at)) {
             Ok(v) => {
@@ -590,12 +590,21 @@ impl Core {
                 Ok(v)
             }
             Err(e) => {
-                let c = self.cache.get_mut(&at).expect("cached");
-                c.obj = Obj::Exonode(before);
-                c.dirty = was_dirty;
+                self.cache.get_mut(&at).expect("cached").dirty = was_dirty;
                 Err(e)
             }
         }
+    }
+
+    /// Whether `x` still fits its sectors with entry `i` replaced by (or, past the end,
+    /// extended with) `entry`.
+    fn fits_with(x: &Exonode, i: usize, entry: &Entry) -> Result<()> {
+        let old = x.entries.get(i).map_or(0, Entry::encoded_len);
+        let used = x.used() - old + entry.encoded_len();
+        if used > Exonode::capacity(x.sectors) {
+            return err(libc::ENOSPC, format!("the exonode is full ({used} bytes of entries): allocate a larger one or a descendant"));
+        }
+        Ok(())
     }
 
     /// ADD_EXTENT: allocate `start..start + sectors` into the exonode. Returns the entry number.
@@ -654,10 +663,9 @@ impl Core {
         let data = data.to_vec();
         self.edit(at, |x| match idx.map(|i| i as usize) {
             Some(i) if matches!(x.entries.get(i), Some(Entry::Data(_))) => {
-                x.entries[i] = Entry::Data(data);
-                if !x.fits() {
-                    return err(libc::ENOSPC, "the exonode is full: allocate a larger one or a descendant");
-                }
+                let entry = Entry::Data(data);
+                Self::fits_with(x, i, &entry)?;
+                x.entries[i] = entry;
                 Ok(i as u32)
             }
             _ => Self::place(x, idx, Entry::Data(data)),
@@ -721,8 +729,10 @@ impl Core {
         let at = self.exonode_at(target, wcap, Access::Write)?;
         self.edit(at, |x| match x.entries.get(idx as usize).cloned() {
             Some(Entry::Extent { start, sectors }) if at_sector > 0 && at_sector < sectors => {
+                // The tail first: if it has no room, nothing has changed.
+                let tail = Self::place(x, new_idx, Entry::Extent { start: start + at_sector, sectors: sectors - at_sector })?;
                 x.entries[idx as usize] = Entry::Extent { start, sectors: at_sector };
-                Self::place(x, new_idx, Entry::Extent { start: start + at_sector, sectors: sectors - at_sector })
+                Ok(tail)
             }
             _ => err(libc::EINVAL, format!("entry {idx}: not an extent longer than {at_sector} sectors")),
         })

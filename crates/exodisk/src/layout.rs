@@ -151,7 +151,19 @@ pub fn format(path: &Path, size: Option<u64>, key_path: &Path) -> Result<Formatt
         let size = size.ok_or_else(|| format!("{shown}: no such file; give --size to make an image"))?;
         check_size(path, size)?;
         let f = std::fs::OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| format!("{shown}: {e}"))?;
-        f.set_len(size).map_err(|e| format!("{shown}: {e}"))?;
+        // The image's space is taken now, as a disk's is: the service never finds the host
+        // file system full, and its first writes do not pay for allocating the file's blocks.
+        use std::os::fd::AsRawFd;
+        let r = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, size as libc::off_t) };
+        match r {
+            0 => {}
+            libc::EOPNOTSUPP | libc::EINVAL => f.set_len(size).map_err(|e| format!("{shown}: {e}"))?,
+            e => {
+                drop(f);
+                let _ = std::fs::remove_file(path);
+                return Err(format!("{shown}: reserving {size} bytes: {}", std::io::Error::from_raw_os_error(e)));
+            }
+        }
     }
     let result = format_existing(path, size, key_path, existed);
     if result.is_err() && !existed {

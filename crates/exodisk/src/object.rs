@@ -59,7 +59,7 @@ pub enum Entry {
 }
 
 impl Entry {
-    fn encoded_len(&self) -> usize {
+    pub fn encoded_len(&self) -> usize {
         match self {
             Entry::Empty => 1,
             Entry::Extent { .. } => 17,

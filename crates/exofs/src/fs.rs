@@ -781,8 +781,10 @@ impl Fs {
         let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
         let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
         self.read_sectors(&n, s0, &mut buf)?;
-        let skip = (off - s0 * SECTOR) as usize;
-        Ok(buf[skip..skip + (end - off) as usize].to_vec())
+        // The bytes asked for, without another copy when they start on a sector.
+        buf.drain(..(off - s0 * SECTOR) as usize);
+        buf.truncate((end - off) as usize);
+        Ok(buf)
     }
 
     /// The pieces of file sectors `s0..s1`: (file sector, count, volume sector or `None` for a
@@ -1077,6 +1079,14 @@ impl Fs {
     fn write_store(&self, st: &mut State, ino: u64, off: u64, data: &[u8]) -> Result<()> {
         let end = off + data.len() as u64;
         let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
+        if off.is_multiple_of(SECTOR) && end.is_multiple_of(SECTOR) {
+            // Whole sectors: written as they are.
+            self.cover(st, ino, s0, s1)?;
+            let node = self.node(st, ino)?.shape();
+            self.write_sectors(&node, s0, data)?;
+            self.node(st, ino)?.dirty = true;
+            return Ok(());
+        }
         // What was there before (for partial sectors), then the new extents.
         let before = self.node(st, ino)?.shape();
         let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
