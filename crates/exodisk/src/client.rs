@@ -488,6 +488,80 @@ impl Client {
         first_err.map_or(Ok(()), Err)
     }
 
+    /// Read many pieces at once (each whole sectors of one object, at most 1 MiB): queued
+    /// together so that the service orders them on the disk, then copied out. The pieces' bytes,
+    /// in order.
+    pub fn read_many(&self, pieces: &[(Target, Cap, u64, usize)]) -> Result<Vec<Vec<u8>>> {
+        let mut out: Vec<Vec<u8>> = Vec::with_capacity(pieces.len());
+        let mut held = vec![self.slot()];
+        while held.len() < 8 {
+            match self.free_slots.lock().pop() {
+                Some(s) => held.push(s),
+                None => break,
+            }
+        }
+        let mut result = Ok(());
+        let mut next = 0;
+        while next < pieces.len() && result.is_ok() {
+            // A round: as many whole pieces as the slots held take.
+            let (mut slot, mut used) = (0usize, 0usize);
+            let mut round: Vec<(usize, u64, u64)> = Vec::new();
+            while next < pieces.len() {
+                let len = pieces[next].3;
+                if len > SLOT || !len.is_multiple_of(crate::disk::SECTOR) {
+                    result =
+                        Err(ExoError { errno: libc::EINVAL, msg: format!("a piece of {len} bytes (whole sectors, at most 1 MiB)") });
+                    break;
+                }
+                if used + len > SLOT {
+                    (slot, used) = (slot + 1, 0);
+                    if slot == held.len() {
+                        break;
+                    }
+                }
+                round.push((next, (held[slot] * SLOT + used) as u64, self.io_id()));
+                used += len;
+                next += 1;
+            }
+            if result.is_err() || round.is_empty() {
+                break;
+            }
+            let reqs = round
+                .iter()
+                .map(|&(i, offset, id)| IoReq {
+                    id,
+                    target: WTarget::from(&pieces[i].0),
+                    cap: wcap(pieces[i].1),
+                    write: false,
+                    sector: pieces[i].2,
+                    count: (pieces[i].3 / crate::disk::SECTOR) as u32,
+                    offset,
+                })
+                .collect();
+            if let Err(e) = self.submit(reqs) {
+                result = Err(e);
+            }
+            for &(i, offset, id) in &round {
+                let r = self.wait_io(id);
+                if r < 0 && result.is_ok() {
+                    result = Err(ExoError {
+                        errno: -r,
+                        msg: format!("sectors {}..: {}", pieces[i].2, std::io::Error::from_raw_os_error(-r)),
+                    });
+                }
+                if result.is_ok() {
+                    let mut b = vec![0u8; pieces[i].3];
+                    self.shm.get(offset, &mut b).map_err(|_| lost())?;
+                    out.push(b);
+                }
+            }
+        }
+        for s in held {
+            self.give_back(s);
+        }
+        result.map(|()| out)
+    }
+
     /// Ask the service to stop (root or its own user).
     pub fn shutdown(&self) -> Result<()> {
         self.ok(Request::Shutdown)
