@@ -579,6 +579,30 @@ impl Core {
         Ok(i as u32)
     }
 
+    /// The sectors a deallocation of `target` (or, with `entry`, a removal of that entry) would
+    /// give up, for the service to wait until no data request on them is still queued. Empty
+    /// when the request would be refused anyway.
+    pub fn sectors_given_up(&mut self, target: &Target, wcap: Cap, entry: Option<u32>) -> Vec<(u64, u64)> {
+        match target {
+            Target::Extent(at) => match self.extent(*at, wcap, Access::Write) {
+                Ok(h) => vec![(*at, *at + h.sectors)],
+                Err(_) => Vec::new(),
+            },
+            _ => {
+                let Ok(at) = self.exonode_at(target, wcap, Access::Write) else { return Vec::new() };
+                let x = self.exonode(at);
+                let extent = |e: &Entry| match *e {
+                    Entry::Extent { start, sectors } => Some((start, start + sectors)),
+                    _ => None,
+                };
+                match entry {
+                    Some(i) => x.entries.get(i as usize).and_then(extent).into_iter().collect(),
+                    None => x.entries.iter().filter_map(extent).chain([(at, at + x.sectors as u64)]).collect(),
+                }
+            }
+        }
+    }
+
     /// Change the exonode at `at` and persist it by its model. `edit` checks before it changes
     /// anything: on an error the exonode is as it was (no copy is kept to restore it, so that an
     /// edit of a large exonode costs no more than the change).

@@ -47,6 +47,8 @@ pub struct Engine {
     tx: Mutex<Option<Sender<Job>>>,
     queue: Arc<Mutex<Vec<Queued>>>,
     pending: Arc<AtomicU64>,
+    /// The sector ranges of the requests submitted and not yet complete.
+    outstanding: Arc<Mutex<Vec<(u64, u64)>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -57,17 +59,31 @@ impl Engine {
         let (tx, rx) = std::sync::mpsc::channel();
         let queue = Arc::new(Mutex::new(Vec::new()));
         let pending = Arc::new(AtomicU64::new(0));
-        let (q, p) = (queue.clone(), pending.clone());
-        let thread = std::thread::Builder::new().name("exodisk-io".into()).spawn(move || run(ring, fd, rx, q, p))?;
-        Ok(Engine { tx: Mutex::new(Some(tx)), queue, pending, thread: Mutex::new(Some(thread)) })
+        let outstanding = Arc::new(Mutex::new(Vec::new()));
+        let (q, p, o) = (queue.clone(), pending.clone(), outstanding.clone());
+        let thread = std::thread::Builder::new().name("exodisk-io".into()).spawn(move || run(ring, fd, rx, q, p, o))?;
+        Ok(Engine { tx: Mutex::new(Some(tx)), queue, pending, outstanding, thread: Mutex::new(Some(thread)) })
     }
 
     pub fn submit(&self, job: Job) {
         self.pending.fetch_add(1, Ordering::AcqRel);
+        let range = (job.sector, job.sector + (job.buf.len / SECTOR) as u64);
+        self.outstanding.lock().push(range);
         let sent = self.tx.lock().as_ref().map(|tx| tx.send(job));
         if let Some(Err(std::sync::mpsc::SendError(job))) = sent {
             self.pending.fetch_sub(1, Ordering::AcqRel);
+            done_with(&self.outstanding, range);
             (job.done)(-libc::ESHUTDOWN);
+        }
+    }
+
+    /// Wait until no request submitted on any of `ranges` is still queued or in flight: what a
+    /// deallocation gives up is then no longer written (or read) on behalf of its old owner
+    /// once another owns it.
+    pub fn wait_clear(&self, ranges: &[(u64, u64)]) {
+        let busy = || self.outstanding.lock().iter().any(|&(a, b)| ranges.iter().any(|&(c, d)| a < d && c < b));
+        while !ranges.is_empty() && busy() {
+            std::thread::sleep(std::time::Duration::from_micros(50));
         }
     }
 
@@ -96,7 +112,22 @@ impl Drop for Engine {
     }
 }
 
-fn run(mut ring: IoUring, fd: RawFd, rx: Receiver<Job>, view: Arc<Mutex<Vec<Queued>>>, pending: Arc<AtomicU64>) {
+/// Take one request's range out of the outstanding ones.
+fn done_with(outstanding: &Mutex<Vec<(u64, u64)>>, range: (u64, u64)) {
+    let mut o = outstanding.lock();
+    if let Some(i) = o.iter().position(|r| *r == range) {
+        o.swap_remove(i);
+    }
+}
+
+fn run(
+    mut ring: IoUring,
+    fd: RawFd,
+    rx: Receiver<Job>,
+    view: Arc<Mutex<Vec<Queued>>>,
+    pending: Arc<AtomicU64>,
+    outstanding: Arc<Mutex<Vec<(u64, u64)>>>,
+) {
     // Waiting requests by (sector, arrival), so C-LOOK is a range query.
     let mut waiting: BTreeMap<(u64, u64), Job> = BTreeMap::new();
     let mut in_flight: Vec<Option<Job>> = (0..DEPTH).map(|_| None).collect();
@@ -170,7 +201,11 @@ fn run(mut ring: IoUring, fd: RawFd, rx: Receiver<Job>, view: Arc<Mutex<Vec<Queu
                 busy -= 1;
                 let result = if result >= 0 && result as usize != job.buf.len { -libc::EIO } else { result };
                 pending.fetch_sub(1, Ordering::AcqRel);
+                // Its completion is sent before its sectors count as clear, so that a client
+                // hears of it before the answer to a deallocation that waited for it.
+                let range = (job.sector, job.sector + (job.buf.len / SECTOR) as u64);
                 (job.done)(result);
+                done_with(&outstanding, range);
             }
         }
     }

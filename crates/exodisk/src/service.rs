@@ -263,6 +263,15 @@ impl Service {
         tx: &Sender<Message>,
     ) -> crate::core::Result<Reply> {
         let t = |w: &proto::WTarget| Target::from(w);
+        // Sectors about to be given up: their queued data requests finish first.
+        let giving_up = match &req {
+            Request::ExtentDeallocate { at, wcap } => core.sectors_given_up(&Target::Extent(*at), cap(*wcap), None),
+            Request::ExtentResize { at, wcap, by } if *by < 0 => core.sectors_given_up(&Target::Extent(*at), cap(*wcap), None),
+            Request::ExonodeDeallocate { target, wcap } => core.sectors_given_up(&t(target), cap(*wcap), None),
+            Request::RemoveEntry { target, wcap, idx } => core.sectors_given_up(&t(target), cap(*wcap), Some(*idx)),
+            _ => Vec::new(),
+        };
+        self.engine.wait_clear(&giving_up);
         Ok(match req {
             Request::Hello { .. } | Request::Shutdown => return err(libc::EPROTO, "unexpected here"),
             Request::Batch { reqs } => {

@@ -188,3 +188,34 @@ fn many_writes_are_queued_together_and_land_where_they_were_sent() {
     c.read(&ext, A.read, at + 1, &mut back).unwrap();
     assert_eq!(back, bad);
 }
+
+#[test]
+fn a_deallocation_waits_for_the_data_requests_queued_on_its_sectors() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let r = run(dir.path());
+    let c = Client::connect(&r.socket, 8 << 20).unwrap();
+    let n = 128u64;
+    let at = c.free_map().unwrap().find_free(1 + n * 128, c.data_start + 100).unwrap();
+    c.extent_allocate(at, 1 + n * 128, A, Persistence::Metadata).unwrap();
+    let t = WTarget::from(&Target::Extent(at));
+    // 128 writes of 64 KiB queued at once, then the extent given up at once.
+    let reqs: Vec<IoReq> = (0..n)
+        .map(|i| IoReq {
+            id: c.io_id(),
+            target: t.clone(),
+            cap: wcap(A.write),
+            write: true,
+            sector: at + 1 + i * 128,
+            count: 128,
+            offset: (i % 64) * 65536,
+        })
+        .collect();
+    let ids: Vec<u64> = reqs.iter().map(|q| q.id).collect();
+    assert_eq!(c.submit(reqs).unwrap(), n as u32);
+    c.extent_deallocate(at, A.write).unwrap();
+    // By the time the deallocation is answered, every write on its sectors has completed (its
+    // completion came first on the same connection): none can land once another owns them.
+    for id in ids {
+        assert!(c.poll_io(id).is_some_and(|r| r >= 0), "request {id} was still queued when its sectors were given up");
+    }
+}
