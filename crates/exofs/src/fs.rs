@@ -49,6 +49,8 @@ pub const XATTR_MAX: usize = 2048;
 /// The extended attribute that picks a file's persistence model (and its new files', on a
 /// directory).
 pub const PERSISTENCE_XATTR: &[u8] = b"user.exofs.persistence";
+/// The most an append takes ahead of what it writes (8 MiB).
+const PREALLOC_SECTORS: u64 = 16384;
 /// Files read ahead at a time, the largest read ahead, and the bytes kept read ahead at most.
 const READ_AHEAD: usize = 64;
 const READ_AHEAD_MAX: u64 = 64 << 10;
@@ -1162,6 +1164,10 @@ impl Fs {
         }
         // Out of memory: the bytes held go first, into extents of their own.
         self.spill(st, ino)?;
+        let old = self.node(st, ino)?.attrs.size;
+        if off > old {
+            self.zero_past_end(st, ino, old, off)?;
+        }
         self.write_store(st, ino, off, data)?;
         let n = self.node(st, ino)?;
         n.attrs.size = size;
@@ -1201,13 +1207,50 @@ impl Fs {
         Ok(())
     }
 
+    /// A plain file grows from `from` to `to` bytes without those bytes being written: what its
+    /// extents hold there (room taken ahead by appends, never written) is zeroed.
+    fn zero_past_end(&self, st: &mut State, ino: u64, from: u64, to: u64) -> Result<()> {
+        let shape = self.node(st, ino)?.shape();
+        let end = shape.extents.iter().map(|e| (e.logical + e.sectors) * SECTOR).max().unwrap_or(0);
+        let to = to.min(end);
+        if from >= to {
+            return Ok(());
+        }
+        let (s0, s1) = (from / SECTOR, to.div_ceil(SECTOR));
+        for (at, len, disk) in Self::pieces(&shape, s0, s1) {
+            if disk.is_none() {
+                continue;
+            }
+            // Whole sectors, keeping the bytes before `from` in the first one.
+            let mut buf = vec![0u8; (len * SECTOR) as usize];
+            if at * SECTOR < from {
+                self.read_sectors(&shape, at, &mut buf[..SECTOR as usize])?;
+                buf[(from - at * SECTOR) as usize..SECTOR as usize].fill(0);
+            }
+            for chunk in 0..len.div_ceil(2048) {
+                let (c0, c1) = (chunk * 2048, (chunk * 2048 + 2048).min(len));
+                self.write_sectors(&shape, at + c0, &buf[(c0 * SECTOR) as usize..(c1 * SECTOR) as usize])?;
+            }
+        }
+        Ok(())
+    }
+
     /// Give the holes in file sectors `s0..s1` extents of their own, near what comes before.
     fn cover(&self, st: &mut State, ino: u64, s0: u64, s1: u64) -> Result<()> {
         // The holes, widened to whole chunks (as far as the extents around them allow).
-        let node = self.node(st, ino)?.shape();
+        let n = self.node(st, ino)?;
+        let (plain, size) = (n.segs.is_none(), n.attrs.size);
+        let node = n.shape();
         let last = node.extents.iter().map(|e| e.logical + e.sectors).max().unwrap_or(0);
-        let (c0, c1) = if s0 >= last {
-            // Past the last extent (appending): just what is written, in 4 KiB steps.
+        // Appending to a plain file: room for as much again as it holds (up to 8 MiB) is taken
+        // with what is written, so that a file written in order needs an allocation only now
+        // and then. What lies past the end is not written (nor read: growing the file zeroes
+        // what it exposes, see `zero_past_end`).
+        let appending = s0 >= last && plain;
+        let (c0, c1) = if appending {
+            let ahead = (size / SECTOR).clamp(8, PREALLOC_SECTORS);
+            (s0, (s1.max(s0 + ahead)).div_ceil(8) * 8)
+        } else if s0 >= last {
             (s0, s1.div_ceil(8) * 8)
         } else {
             (s0 / CHUNK_SECTORS * CHUNK_SECTORS, s1.div_ceil(CHUNK_SECTORS) * CHUNK_SECTORS)
@@ -1248,7 +1291,11 @@ impl Fs {
                     Ok(())
                 };
                 zero(at, s0.clamp(at, at + want))?;
-                zero(s1.clamp(at, at + want), at + want)?;
+                // After what is written: zeros up to the file's end (a file made longer by
+                // truncate), and room taken ahead past it left as it is.
+                let z0 = s1.clamp(at, at + want);
+                let z1 = if appending { (at + want).min(size.div_ceil(SECTOR)).max(z0) } else { at + want };
+                zero(z0, z1)?;
                 let mut ext = Ext { entry, start, sectors: want, logical: at, held };
                 // Right after the previous extent on the volume and in the file: one extent.
                 let mut merged = None;
@@ -1579,6 +1626,8 @@ impl Fs {
             } else {
                 // Move the bytes out first, as a write does.
                 self.spill(st, ino)?;
+                let old = self.node(st, ino)?.attrs.size;
+                self.zero_past_end(st, ino, old, size)?;
             }
             let node = self.node(st, ino)?;
             node.attrs.size = size;
