@@ -276,6 +276,14 @@ impl Client {
         }
     }
 
+    /// A proxy of some entries of the exonode `t` under `caps`.
+    pub fn proxy_entries(&self, t: &Target, c: Cap, entries: Vec<u32>, caps: Caps) -> Result<u64> {
+        match self.call(Request::ProxyEntries { target: t.into(), cap: wcap(c), entries, caps: caps.into() })? {
+            Reply::Id(id) => Ok(id),
+            r => Err(unexpected(r)),
+        }
+    }
+
     /// The service's pending count and its queue (sector, sectors, whether it is this
     /// client's).
     pub fn poll(&self) -> Result<(u64, QueueView)> {

@@ -116,6 +116,9 @@ pub struct Proxy {
     pub access: Access,
     /// Sectors it covers (an extent's or an exonode's extents, intersected at each use).
     pub sectors: Option<(u64, u64)>,
+    /// The exonode's entries it grants, when it grants only some: I/O on their extents, and
+    /// `MAP` and `READ_DATA` showing only them. No other entry operation goes through it.
+    pub entries: Option<Vec<u32>>,
 }
 
 pub struct Core {
@@ -368,6 +371,9 @@ impl Core {
                 let p = self.proxy(*id, cap, want)?;
                 if p.sectors.is_some() {
                     return err(libc::EACCES, format!("proxy {id} grants sectors, not the exonode's entries"));
+                }
+                if let Some(e) = &p.entries {
+                    return err(libc::EACCES, format!("proxy {id} grants entries {e:?} only: I/O on them, MAP and READ_DATA"));
                 }
                 // The proxy's capability was checked: reach the original with its own.
                 let real = self.real_caps(&p.target)?;
@@ -698,7 +704,13 @@ impl Core {
 
     /// READ_DATA.
     pub fn read_data(&mut self, target: &Target, rcap: Cap, idx: u32) -> Result<Vec<u8>> {
-        let at = self.exonode_at(target, rcap, Access::Read)?;
+        let at = match self.entries_proxy(target, rcap, Access::Read)? {
+            Some((_, entries)) if !entries.contains(&idx) => {
+                return err(libc::EACCES, format!("entry {idx}: not granted by the proxy"))
+            }
+            Some((at, _)) => at,
+            None => self.exonode_at(target, rcap, Access::Read)?,
+        };
         match self.exonode(at).entries.get(idx as usize) {
             Some(Entry::Data(d)) => Ok(d.clone()),
             _ => err(libc::ENOENT, format!("the exonode at {at}: entry {idx} holds no data")),
@@ -792,6 +804,16 @@ impl Core {
 
     /// MAP: the exonode as it is (entries and data), for a holder of its read capability.
     pub fn map(&mut self, target: &Target, rcap: Cap) -> Result<Exonode> {
+        if let Some((at, entries)) = self.entries_proxy(target, rcap, Access::Read)? {
+            // Only what the proxy grants shows.
+            let mut x = self.exonode(at).clone();
+            for (i, e) in x.entries.iter_mut().enumerate() {
+                if !entries.contains(&(i as u32)) {
+                    *e = Entry::Empty;
+                }
+            }
+            return Ok(x);
+        }
         let at = self.exonode_at(target, rcap, Access::Read)?;
         Ok(self.exonode(at).clone())
     }
@@ -812,6 +834,9 @@ impl Core {
         let (original, sectors) = match target {
             Target::Proxy(id) => {
                 let parent = self.proxy(*id, cap, Access::Read)?;
+                if parent.entries.is_some() {
+                    return err(libc::EACCES, format!("proxy {id} grants entries: it can be narrowed only to fewer entries"));
+                }
                 let sectors = match (parent.sectors, range) {
                     (Some(p), None) => Some(p),
                     (Some((lo, hi)), Some((a, b))) if lo <= a && a < b && b <= hi => Some((a, b)),
@@ -851,8 +876,57 @@ impl Core {
         let id = self.next_proxy;
         self.next_proxy += 1;
         let access = if caps.write == 0 { Access::Read } else { access };
-        self.proxies.insert(id, Proxy { target: original, caps, access, sectors });
+        self.proxies.insert(id, Proxy { target: original, caps, access, sectors, entries: None });
         Ok(id)
+    }
+
+    /// PROXY of some entries of an exonode (or of an entries proxy, narrowed to fewer), under
+    /// `caps`, with at most the access `cap` gives.
+    pub fn make_entries_proxy(&mut self, target: &Target, cap: Cap, entries: Vec<u32>, caps: Caps) -> Result<u64> {
+        if caps.read == 0 {
+            return err(libc::EINVAL, "a proxy needs a read capability");
+        }
+        if entries.is_empty() {
+            return err(libc::EINVAL, "a proxy of no entries");
+        }
+        let access = match self.access_of(target, cap) {
+            Some(a) => a,
+            None => return err(libc::EACCES, "a proxy needs the read or write capability of what it grants"),
+        };
+        let original = match target {
+            Target::Proxy(id) => {
+                let parent = self.proxy(*id, cap, Access::Read)?;
+                match &parent.entries {
+                    Some(have) if entries.iter().all(|e| have.contains(e)) => parent.target,
+                    Some(have) => return err(libc::EACCES, format!("entries {entries:?}: wider than proxy {id}'s {have:?}")),
+                    None => return err(libc::EACCES, format!("proxy {id} does not grant entries")),
+                }
+            }
+            Target::Extent(at) => return err(libc::EINVAL, format!("sector {at}: an extent has no entries")),
+            _ => {
+                let at = self.exonode_at(target, cap, Access::Read)?;
+                let n = self.exonode(at).entries.len() as u32;
+                if let Some(e) = entries.iter().find(|e| **e >= n) {
+                    return err(libc::EINVAL, format!("entry {e}: the exonode has {n} entries"));
+                }
+                target.clone()
+            }
+        };
+        let id = self.next_proxy;
+        self.next_proxy += 1;
+        let access = if caps.write == 0 { Access::Read } else { access };
+        self.proxies.insert(id, Proxy { target: original, caps, access, sectors: None, entries: Some(entries) });
+        Ok(id)
+    }
+
+    /// The original exonode behind an entries proxy, and the entries it grants.
+    fn entries_proxy(&mut self, target: &Target, cap: Cap, want: Access) -> Result<Option<(u64, Vec<u32>)>> {
+        let Target::Proxy(id) = target else { return Ok(None) };
+        let p = self.proxy(*id, cap, want)?;
+        let Some(entries) = p.entries else { return Ok(None) };
+        let real = self.real_caps(&p.target)?;
+        let at = self.exonode_at(&p.target, if want == Access::Write { real.write } else { real.read }, want)?;
+        Ok(Some((at, entries)))
     }
 
     /// Remove a proxy (its maker's job; proxies also die with the service).
@@ -916,6 +990,16 @@ impl Core {
                 // Within the original as it is now (it may have shrunk), with its own rights.
                 let real_cap = self.real_caps(&p.target)?;
                 let cap = if want == Access::Write { real_cap.write } else { real_cap.read };
+                if let Some(es) = &p.entries {
+                    let xn = self.exonode_at(&p.target, cap, want)?;
+                    let x = self.exonode(xn);
+                    let inside = es.iter().any(|e| {
+                        matches!(x.entries.get(*e as usize), Some(Entry::Extent { start, sectors }) if at >= *start && end <= start + sectors)
+                    });
+                    if !inside {
+                        return err(libc::EACCES, format!("sectors {at}..{end}: not in the entries proxy {id} grants"));
+                    }
+                }
                 self.check_io(&p.target, cap, want, at, len)
             }
             Target::Extent(x) => {

@@ -223,6 +223,13 @@ pub enum Request {
         range: Option<(u64, u64)>,
         caps: WCaps,
     },
+    /// A proxy of some entries of an exonode (the thesis's proxy of part of an exonode).
+    ProxyEntries {
+        target: WTarget,
+        cap: WCap,
+        entries: Vec<u32>,
+        caps: WCaps,
+    },
     RemoveProxy {
         id: u64,
         cap: WCap,

@@ -365,6 +365,9 @@ impl Service {
             }
             Request::Map { target, rcap } => Reply::Exonode((&core.map(&t(&target), cap(rcap))?).into()),
             Request::Proxy { target, cap: c, range, caps } => Reply::Id(core.make_proxy(&t(&target), cap(c), range, caps.into())?),
+            Request::ProxyEntries { target, cap: c, entries, caps } => {
+                Reply::Id(core.make_entries_proxy(&t(&target), cap(c), entries, caps.into())?)
+            }
             Request::RemoveProxy { id, cap: c } => {
                 core.remove_proxy(id, cap(c))?;
                 Reply::Ok

@@ -169,3 +169,47 @@ fn persistence_models_survive_a_restart_as_they_promise() {
     let (mut core, _) = start(&img);
     assert_eq!(core.map(&x, B.read).unwrap().entries.len(), 1);
 }
+
+#[test]
+fn a_proxy_of_some_entries_grants_those_and_nothing_else() {
+    use plyfs_exodisk::object::Entry;
+    let dir = tempfile::tempdir().unwrap();
+    let img = volume(dir.path());
+    let (mut core, _) = start(&img);
+    let x = core.sb.data_start + 100;
+    core.exonode_allocate(x, 1, A, Persistence::Metadata).unwrap();
+    let xt = Target::Exonode { at: x, path: vec![] };
+    let (e0, e1) = (x + 10, x + 20);
+    assert_eq!(core.add_extent(&xt, A.write, None, e0, 4).unwrap(), 0);
+    assert_eq!(core.add_extent(&xt, A.write, None, e1, 4).unwrap(), 1);
+    assert_eq!(core.add_data(&xt, A.write, None, b"secret").unwrap(), 2);
+    assert_eq!(core.add_data(&xt, A.write, None, b"shared").unwrap(), 3);
+    let p = Caps { read: 0xC1, write: 0xC2 };
+    let only = Target::Proxy(core.make_entries_proxy(&xt, A.write, vec![1, 3], p).unwrap());
+    let mut buf = Aligned::zeroed(SECTOR);
+    // I/O on entry 1's extent, not on entry 0's.
+    core.write(&only, p.write, e1 + 1, &buf).unwrap();
+    core.read(&only, p.read, e1, &mut buf).unwrap();
+    assert_eq!(errno(core.read(&only, p.read, e0, &mut buf)), libc::EACCES);
+    // MAP and READ_DATA show only the entries granted.
+    let m = core.map(&only, p.read).unwrap();
+    assert_eq!(m.entries[0], Entry::Empty);
+    assert_eq!(m.entries[2], Entry::Empty);
+    assert_eq!(m.entries[3], Entry::Data(b"shared".to_vec()));
+    assert_eq!(core.read_data(&only, p.read, 3).unwrap(), b"shared");
+    assert_eq!(errno(core.read_data(&only, p.read, 2)), libc::EACCES);
+    // No other entry operation goes through it.
+    assert_eq!(errno(core.add_data(&only, p.write, None, b"more")), libc::EACCES);
+    assert_eq!(errno(core.remove_entry(&only, p.write, 1)), libc::EACCES);
+    // Narrowed, never widened; a sector proxy of it would widen it and is refused.
+    let narrower = Target::Proxy(core.make_entries_proxy(&only, p.read, vec![3], Caps { read: 0xD1, write: 0 }).unwrap());
+    assert_eq!(errno(core.read(&narrower, 0xD1, e1, &mut buf)), libc::EACCES);
+    assert_eq!(errno(core.make_entries_proxy(&only, p.read, vec![0], Caps { read: 0xE1, write: 0 })), libc::EACCES);
+    assert_eq!(errno(core.make_proxy(&only, p.read, None, Caps { read: 0xE1, write: 0 })), libc::EACCES);
+    // Made with the wrong capability, or of entries that are not there: refused.
+    assert_eq!(errno(core.make_entries_proxy(&xt, B.read, vec![1], p)), libc::EACCES);
+    assert_eq!(errno(core.make_entries_proxy(&xt, A.read, vec![9], p)), libc::EINVAL);
+    // It follows the original: entry 1 removed, its sectors are no longer reachable.
+    core.remove_entry(&xt, A.write, 1).unwrap();
+    assert_eq!(errno(core.read(&only, p.read, e1, &mut buf)), libc::EACCES);
+}
