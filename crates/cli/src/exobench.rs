@@ -4,7 +4,7 @@
 
 use std::ffi::OsStr;
 use std::path::Path;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use plyfs_exodisk::client::Client;
 use plyfs_exodisk::core::{Persistence, Target};
@@ -147,20 +147,7 @@ fn small(c: &Client, files: usize, size: usize) -> Result<(), String> {
 }
 
 fn attrs(kind: FileKind) -> Inode {
-    let now = SystemTime::now();
-    Inode {
-        kind,
-        perm: 0o644,
-        uid: 0,
-        gid: 0,
-        nlink: if kind == FileKind::Dir { 2 } else { 1 },
-        rdev: 0,
-        size: 0,
-        atime: now,
-        mtime: now,
-        ctime: now,
-        generation: 1,
-    }
+    Inode::new(kind, 0o644, 0, 0)
 }
 
 /// exofs in a root of its own (not a mounted file system's), emptied when done.

@@ -229,16 +229,8 @@ fn the_service_stops_on_sigterm_even_when_its_socket_file_is_gone() {
 
 #[test]
 fn a_directory_read_while_its_entries_are_removed_misses_none() {
-    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
-    let v = format(dir.path(), "64M");
-    let sock = dir.path().join("s.sock");
-    let _service = Service::start(&v, &sock);
-    let mdir = tempfile::tempdir_in("/var/tmp").unwrap();
-    let mnt = mdir.path().join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
-    let lower = PathBuf::from(format!("exodisk:{}", sock.display()));
-    let mut m = Mount::start(mdir, lower, mnt, "null", &[]);
-    let d = m.path("d");
+    let mut x = exofs_mount("null");
+    let d = x.m.path("d");
     std::fs::create_dir(&d).unwrap();
     for i in 0..600 {
         std::fs::write(d.join(format!("a-rather-long-file-name-{i:04}")), format!("{i}")).unwrap();
@@ -252,21 +244,13 @@ fn a_directory_read_while_its_entries_are_removed_misses_none() {
     }
     assert_eq!(seen, 600);
     std::fs::remove_dir(&d).unwrap();
-    assert!(m.unmount().success());
+    assert!(x.m.unmount().success());
 }
 
 #[test]
 fn insert_and_punch_through_a_mount_move_bytes_and_the_kernel_sees_them() {
-    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
-    let v = format(dir.path(), "64M");
-    let sock = dir.path().join("s.sock");
-    let _service = Service::start(&v, &sock);
-    let mdir = tempfile::tempdir_in("/var/tmp").unwrap();
-    let mnt = mdir.path().join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
-    let lower = PathBuf::from(format!("exodisk:{}", sock.display()));
-    let mut m = Mount::start(mdir, lower, mnt, "null", &[]);
-    let f = m.path("f");
+    let mut x = exofs_mount("null");
+    let f = x.m.path("f");
     let original: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
     std::fs::write(&f, &original).unwrap();
     // Read once so that the kernel caches it, then move bytes behind its back.
@@ -290,29 +274,36 @@ fn insert_and_punch_through_a_mount_move_bytes_and_the_kernel_sees_them() {
     std::fs::OpenOptions::new().write(true).open(&f).unwrap().sync_all().unwrap();
     let out = run(plyfs().arg("op").arg(&f).args(["insert", "0", "head:"]));
     assert!(out.status.success());
-    let mut m = m.remount();
+    x.m = x.m.remount();
     let mut want = original.clone();
     want.splice(0..0, b"head:".iter().copied());
-    assert!(std::fs::read(m.path("f")).unwrap() == want);
-    assert!(m.unmount().success());
+    assert!(std::fs::read(x.m.path("f")).unwrap() == want);
+    assert!(x.m.unmount().success());
+}
+
+/// exofs on a volume of its own, mounted under a stack. Dropped in this order: the mount,
+/// the service, the files.
+struct ExofsMount {
+    m: Mount,
+    _service: Service,
+    _dir: tempfile::TempDir,
+}
+
+fn exofs_mount(stack: &str) -> ExofsMount {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let v = format(dir.path(), "64M");
+    let sock = dir.path().join("s.sock");
+    let service = Service::start(&v, &sock);
+    let mdir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let mnt = mdir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let m = Mount::start(mdir, PathBuf::from(format!("exodisk:{}", sock.display())), mnt, stack, &[]);
+    ExofsMount { m, _service: service, _dir: dir }
 }
 
 /// A small exofs inode's attributes.
 fn exofs_attrs(kind: plyfs_stack::FileKind) -> plyfs_exofs::format::Inode {
-    let now = std::time::SystemTime::now();
-    plyfs_exofs::format::Inode {
-        kind,
-        perm: 0o755,
-        uid: 0,
-        gid: 0,
-        nlink: if kind == plyfs_stack::FileKind::Dir { 2 } else { 1 },
-        rdev: 0,
-        size: 0,
-        atime: now,
-        mtime: now,
-        ctime: now,
-        generation: 1,
-    }
+    plyfs_exofs::format::Inode::new(kind, 0o755, 0, 0)
 }
 
 #[test]
@@ -366,16 +357,8 @@ fn each_file_keeps_its_persistence_model_through_a_killed_service() {
 
 #[test]
 fn extended_attributes_are_kept_through_a_mount_and_a_remount() {
-    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
-    let v = format(dir.path(), "64M");
-    let sock = dir.path().join("s.sock");
-    let _service = Service::start(&v, &sock);
-    let mdir = tempfile::tempdir_in("/var/tmp").unwrap();
-    let mnt = mdir.path().join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
-    let lower = PathBuf::from(format!("exodisk:{}", sock.display()));
-    let m = Mount::start(mdir, lower, mnt, "null", &[]);
-    let f = m.path("f");
+    let mut x = exofs_mount("null");
+    let f = x.m.path("f");
     std::fs::write(&f, b"x").unwrap();
     let (p, name) = (cpath(&f), std::ffi::CString::new("user.colour").unwrap());
     let set =
@@ -394,8 +377,8 @@ fn extended_attributes_are_kept_through_a_mount_and_a_remount() {
     // Too much for an inode: ENOSPC, and nothing changes.
     assert_eq!(set(&[7u8; 4000], 0), -1);
     assert_eq!(errno(), libc::ENOSPC);
-    let mut m = m.remount();
-    let p = cpath(&m.path("f"));
+    x.m = x.m.remount();
+    let p = cpath(&x.m.path("f"));
     let mut list = [0u8; 256];
     let n = unsafe { libc::listxattr(p.as_ptr(), list.as_mut_ptr().cast(), list.len()) };
     assert_eq!(&list[..n as usize], b"user.colour\0");
@@ -409,5 +392,5 @@ fn extended_attributes_are_kept_through_a_mount_and_a_remount() {
     let pm = std::ffi::CString::new("user.exofs.persistence").unwrap();
     assert_eq!(unsafe { libc::setxattr(p.as_ptr(), pm.as_ptr(), b"fast".as_ptr().cast(), 4, 0) }, -1);
     assert_eq!(errno(), libc::EINVAL);
-    assert!(m.unmount().success());
+    assert!(x.m.unmount().success());
 }

@@ -100,6 +100,25 @@ impl std::fmt::Display for Corrupt {
 }
 
 impl Inode {
+    /// A new object's attributes: owned by `uid`:`gid`, its times now, one link (two for a
+    /// directory), empty.
+    pub fn new(kind: FileKind, perm: u16, uid: u32, gid: u32) -> Inode {
+        let now = SystemTime::now();
+        Inode {
+            kind,
+            perm,
+            uid,
+            gid,
+            nlink: if kind == FileKind::Dir { 2 } else { 1 },
+            rdev: 0,
+            size: 0,
+            atime: now,
+            mtime: now,
+            ctime: now,
+            generation: 1,
+        }
+    }
+
     pub const ENCODED_LEN: usize = 1 + 1 + 2 + 4 * 4 + 8 + 3 * 12 + 8;
 
     pub fn encode(&self) -> Vec<u8> {

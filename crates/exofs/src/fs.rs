@@ -249,20 +249,7 @@ impl Fs {
         let mut sb = MAGIC.to_vec();
         sb.extend_from_slice(&0u64.to_le_bytes());
         self.client.add_data(&self.rt(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
-        let now = SystemTime::now();
-        let root = Inode {
-            kind: FileKind::Dir,
-            perm: 0o755,
-            uid: unsafe { libc::geteuid() },
-            gid: unsafe { libc::getegid() },
-            nlink: 2,
-            rdev: 0,
-            size: 0,
-            atime: now,
-            mtime: now,
-            ctime: now,
-            generation: 1,
-        };
+        let root = Inode::new(FileKind::Dir, 0o755, unsafe { libc::geteuid() }, unsafe { libc::getegid() });
         let ino = self.new_inode(&mut st, root, self.r)?;
         st.root = ino;
         let mut sb = MAGIC.to_vec();
