@@ -76,6 +76,46 @@ pub fn start(volume: &Path, key: &Path, socket: &Path) -> Result<(Arc<Service>, 
     Ok((service, Started { report }))
 }
 
+/// A service serving on a thread of this process (tools and tests that embed it), stopped and
+/// joined when dropped.
+pub struct Background {
+    pub service: Arc<Service>,
+    pub socket: PathBuf,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// [`start`], then serve on a thread; returns once the socket is there (at most 10 s).
+pub fn spawn(volume: &Path, key: &Path, socket: &Path) -> Result<Background, String> {
+    let (service, _) = start(volume, key, socket)?;
+    let s = service.clone();
+    let thread = std::thread::Builder::new()
+        .name("exodisk-serve".into())
+        .spawn(move || {
+            if let Err(e) = s.serve() {
+                tracing::error!("exodisk: {e}");
+            }
+        })
+        .map_err(|e| e.to_string())?;
+    let running = Background { service, socket: socket.to_owned(), thread: Some(thread) };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !socket.exists() {
+        if std::time::Instant::now() > deadline || running.thread.as_ref().is_some_and(|t| t.is_finished()) {
+            return Err(format!("{}: the service did not start listening", socket.display()));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    Ok(running)
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.service.stop();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 impl Service {
     /// Listen on the socket and serve until `SHUTDOWN` (or `stop`).
     pub fn serve(self: &Arc<Self>) -> Result<(), String> {

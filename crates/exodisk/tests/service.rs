@@ -1,47 +1,21 @@
 //! The service over its socket, with clients in this process: shared-memory data, batches,
 //! named roots, and what one client can and cannot do to another's objects.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 
 use plyfs_exodisk::client::Client;
 use plyfs_exodisk::core::{Persistence, Target};
 use plyfs_exodisk::layout::{self, default_key_path};
 use plyfs_exodisk::object::Caps;
 use plyfs_exodisk::proto::{wcap, IoReq, WTarget};
-use plyfs_exodisk::service::{self, Service};
+use plyfs_exodisk::service::{self, Background};
 
-struct Running {
-    service: Arc<Service>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    socket: PathBuf,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.service.stop();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn run(dir: &Path) -> Running {
+fn run(dir: &Path) -> Background {
     let img = dir.join("v.img");
     if !img.exists() {
         layout::format(&img, Some(64 << 20), &default_key_path(&img)).unwrap();
     }
-    let socket = dir.join("s.sock");
-    let (service, _) = service::start(&img, &default_key_path(&img), &socket).unwrap();
-    let s = service.clone();
-    let thread = std::thread::spawn(move || s.serve().unwrap());
-    for _ in 0..200 {
-        if socket.exists() {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    Running { service, thread: Some(thread), socket }
+    service::spawn(&img, &default_key_path(&img), &dir.join("s.sock")).unwrap()
 }
 
 const A: Caps = Caps { read: 0x1111, write: 0x2222 };

@@ -3,39 +3,21 @@
 
 use std::ffi::OsStr;
 use std::path::Path;
-use std::sync::Arc;
 
 use plyfs_exodisk::client::Client;
 use plyfs_exodisk::layout::{self, default_key_path};
-use plyfs_exodisk::service::{self, Service};
+use plyfs_exodisk::service::{self, Background};
 use plyfs_exofs::format::Inode;
 use plyfs_exofs::fs::Fs;
 use plyfs_stack::{Error, FileKind};
 
-struct Running(Arc<Service>, Option<std::thread::JoinHandle<()>>);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.0.stop();
-        if let Some(t) = self.1.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn run(dir: &Path) -> (Running, std::path::PathBuf) {
+fn run(dir: &Path) -> (Background, std::path::PathBuf) {
     let img = dir.join("v.img");
     if !img.exists() {
         layout::format(&img, Some(128 << 20), &default_key_path(&img)).unwrap();
     }
     let sock = dir.join("s.sock");
-    let (s, _) = service::start(&img, &default_key_path(&img), &sock).unwrap();
-    let s2 = s.clone();
-    let t = std::thread::spawn(move || s2.serve().unwrap());
-    while !sock.exists() {
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    (Running(s, Some(t)), sock)
+    (service::spawn(&img, &default_key_path(&img), &sock).unwrap(), sock)
 }
 
 fn file(kind: FileKind) -> Inode {
