@@ -3,7 +3,7 @@
 //! submitted through io_uring with a bounded depth. The queue is visible (`POLL`), so that
 //! applications can time their own requests (thesis §2.3.2).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
@@ -47,8 +47,8 @@ pub struct Engine {
     tx: Mutex<Option<Sender<Job>>>,
     queue: Arc<Mutex<Vec<Queued>>>,
     pending: Arc<AtomicU64>,
-    /// The sector ranges of the requests submitted and not yet complete.
-    outstanding: Arc<Mutex<Vec<(u64, u64)>>>,
+    /// The sector ranges of the requests submitted and not yet complete, with how many of each.
+    outstanding: Arc<Mutex<HashMap<(u64, u64), u32>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -59,7 +59,7 @@ impl Engine {
         let (tx, rx) = std::sync::mpsc::channel();
         let queue = Arc::new(Mutex::new(Vec::new()));
         let pending = Arc::new(AtomicU64::new(0));
-        let outstanding = Arc::new(Mutex::new(Vec::new()));
+        let outstanding = Arc::new(Mutex::new(HashMap::new()));
         let (q, p, o) = (queue.clone(), pending.clone(), outstanding.clone());
         let thread = std::thread::Builder::new().name("exodisk-io".into()).spawn(move || run(ring, fd, rx, q, p, o))?;
         Ok(Engine { tx: Mutex::new(Some(tx)), queue, pending, outstanding, thread: Mutex::new(Some(thread)) })
@@ -68,7 +68,7 @@ impl Engine {
     pub fn submit(&self, job: Job) {
         self.pending.fetch_add(1, Ordering::AcqRel);
         let range = (job.sector, job.sector + (job.buf.len / SECTOR) as u64);
-        self.outstanding.lock().push(range);
+        *self.outstanding.lock().entry(range).or_default() += 1;
         let sent = self.tx.lock().as_ref().map(|tx| tx.send(job));
         if let Some(Err(std::sync::mpsc::SendError(job))) = sent {
             self.pending.fetch_sub(1, Ordering::AcqRel);
@@ -81,7 +81,7 @@ impl Engine {
     /// deallocation gives up is then no longer written (or read) on behalf of its old owner
     /// once another owns it.
     pub fn wait_clear(&self, ranges: &[(u64, u64)]) {
-        let busy = || self.outstanding.lock().iter().any(|&(a, b)| ranges.iter().any(|&(c, d)| a < d && c < b));
+        let busy = || self.outstanding.lock().keys().any(|&(a, b)| ranges.iter().any(|&(c, d)| a < d && c < b));
         while !ranges.is_empty() && busy() {
             std::thread::sleep(std::time::Duration::from_micros(50));
         }
@@ -113,10 +113,13 @@ impl Drop for Engine {
 }
 
 /// Take one request's range out of the outstanding ones.
-fn done_with(outstanding: &Mutex<Vec<(u64, u64)>>, range: (u64, u64)) {
+fn done_with(outstanding: &Mutex<HashMap<(u64, u64), u32>>, range: (u64, u64)) {
     let mut o = outstanding.lock();
-    if let Some(i) = o.iter().position(|r| *r == range) {
-        o.swap_remove(i);
+    if let Some(n) = o.get_mut(&range) {
+        *n -= 1;
+        if *n == 0 {
+            o.remove(&range);
+        }
     }
 }
 
@@ -126,7 +129,7 @@ fn run(
     rx: Receiver<Job>,
     view: Arc<Mutex<Vec<Queued>>>,
     pending: Arc<AtomicU64>,
-    outstanding: Arc<Mutex<Vec<(u64, u64)>>>,
+    outstanding: Arc<Mutex<HashMap<(u64, u64), u32>>>,
 ) {
     // Waiting requests by (sector, arrival), so C-LOOK is a range query.
     let mut waiting: BTreeMap<(u64, u64), Job> = BTreeMap::new();

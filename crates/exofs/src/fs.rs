@@ -786,7 +786,9 @@ impl Fs {
             out.resize((end - off) as usize, 0);
             return Ok(out);
         }
-        if !st.ahead.contains_key(&ino) {
+        // Only a small file's read starts a read-ahead (a large one is not read ahead, and
+        // would look over its siblings again at every read).
+        if n.attrs.size <= READ_AHEAD_MAX && !st.ahead.contains_key(&ino) {
             self.read_ahead(st, ino);
         }
         if let Some(b) = st.ahead.get(&ino) {
@@ -1415,9 +1417,8 @@ impl Fs {
         n.map_dirty = true;
         if size == 0 && n.segs.is_some() {
             // Nothing left: back to a plain file, every extent given back.
-            n.segs = Some(Vec::new());
+            n.segs = None;
             self.free_store(st, ino, 0, u64::MAX)?;
-            self.node(st, ino)?.segs = None;
         }
         Ok(self.node(st, ino)?.attrs.clone())
     }
