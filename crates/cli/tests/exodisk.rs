@@ -394,3 +394,27 @@ fn extended_attributes_are_kept_through_a_mount_and_a_remount() {
     assert_eq!(errno(), libc::EINVAL);
     assert!(x.m.unmount().success());
 }
+
+#[test]
+fn a_killed_exofs_mount_loses_nothing_that_was_synced_and_the_next_mount_takes_over() {
+    let mut x = exofs_mount("null");
+    let synced: Vec<u8> = (0..300_000u32).map(|i| (i % 241) as u8).collect();
+    std::fs::create_dir(x.m.path("d")).unwrap();
+    std::fs::write(x.m.path("d/synced"), &synced).unwrap();
+    std::fs::File::open(x.m.path("d/synced")).unwrap().sync_all().unwrap();
+    // Written after the last write-back: lost with the daemon, or kept whole, never half.
+    std::fs::write(x.m.path("d/late"), b"written after the sync").unwrap();
+    unsafe { libc::kill(x.m.pid(), libc::SIGKILL) };
+    x.m.wait_exit(Duration::from_secs(10)).expect("the daemon did not die");
+    // The service notices the connection go, so the next mount gets the file system at once.
+    x.m = x.m.remount();
+    assert!(std::fs::read(x.m.path("d/synced")).unwrap() == synced);
+    match std::fs::read(x.m.path("d/late")) {
+        Ok(b) => assert_eq!(b, b"written after the sync"),
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::NotFound),
+    }
+    // And it works as before.
+    std::fs::write(x.m.path("d/after"), b"after").unwrap();
+    assert_eq!(std::fs::read(x.m.path("d/after")).unwrap(), b"after");
+    assert!(x.m.unmount().success());
+}
