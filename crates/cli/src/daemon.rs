@@ -229,6 +229,9 @@ fn serve_inner(
     let fd_limit = plyfs_stack::raise_fd_limit();
     tracing::debug!("open-files limit: {fd_limit}");
 
+    if opts.shared {
+        plyfs_stack::shared::set_mode(Some(plyfs_stack::shared::SharedMode { revalidate: opts.attr_ttl }));
+    }
     let stack = crate::tree::build_stack(&specs, &lower, &args.tree.branches, args.tree.rules.as_deref(), Some(&mountpoint))?;
     let stack = Arc::new(stack);
     // Every level by name, branches included (a tree's trunk may have no layer of its own).
@@ -253,6 +256,7 @@ fn serve_inner(
                 crate::tree::Lower::Remote { .. } => Some("a remote stack has no lower files to hand to the kernel".to_owned()),
                 crate::tree::Lower::Exodisk(_) => Some("exofs has no lower files to hand to the kernel".to_owned()),
             },
+            shared: opts.shared,
         },
         threads: opts.threads,
         // Across a transport, a longer read-ahead keeps several reads in flight.

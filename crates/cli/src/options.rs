@@ -15,6 +15,8 @@ pub struct MountOptions {
     pub allow_other: bool,
     pub allow_root: bool,
     pub read_only: bool,
+    /// Other mounts share the lower tree (`-o shared`).
+    pub shared: bool,
     pub flags: Vec<String>,
 }
 
@@ -29,13 +31,14 @@ impl Default for MountOptions {
             allow_other: false,
             allow_root: false,
             read_only: false,
+            shared: false,
             flags: Vec::new(),
         }
     }
 }
 
 pub const HELP: &str = "comma-separated: passthrough=on|off, entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
-allow_other, allow_root, ro, and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
+shared, allow_other, allow_root, ro, and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
 
 fn seconds(key: &str, v: &str) -> Result<Duration, String> {
     let s: f64 = v.parse().map_err(|_| format!("-o {key}={v}: not a number of seconds"))?;
@@ -73,6 +76,7 @@ pub fn parse(args: &[String]) -> Result<MountOptions, String> {
             ("allow_other", None) => o.allow_other = true,
             ("allow_root", None) => o.allow_root = true,
             ("ro", None) => o.read_only = true,
+            ("shared", None) => o.shared = true,
             ("default_permissions", None) => {} // always on
             (flag, None) if KERNEL_FLAGS.contains(&flag) => o.flags.push(flag.to_owned()),
             _ => return Err(format!("unknown mount option '{opt}' ({HELP})")),

@@ -39,6 +39,9 @@ pub struct FrontOptions {
     pub passthrough: bool,
     /// Why passthrough is off when the mount knows better than `-o passthrough=off`.
     pub no_passthrough_because: Option<String>,
+    /// Other mounts share the lowers (`-o shared`): pages are not kept from one open to the
+    /// next (close-to-open consistency, as NFS gives).
+    pub shared: bool,
 }
 
 impl Default for FrontOptions {
@@ -48,6 +51,7 @@ impl Default for FrontOptions {
             attr_ttl: Duration::from_secs(1),
             passthrough: true,
             no_passthrough_because: None,
+            shared: false,
         }
     }
 }
@@ -314,7 +318,7 @@ impl FuseFs {
     fn cache_flags(&self, view: usize, opened: &Opened) -> FopenFlags {
         let cache = if opened.direct_io {
             FopenFlags::FOPEN_DIRECT_IO
-        } else if view == 0 {
+        } else if view == 0 && !self.options.shared {
             // The page cache stays valid across opens: all changes come through this mount,
             // and FUSE_AUTO_INVAL_DATA drops it when the attributes show an outside change.
             FopenFlags::FOPEN_KEEP_CACHE

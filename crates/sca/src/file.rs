@@ -10,6 +10,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use plyfs_stack::shared::{LockKind, SharedMode};
 use plyfs_stack::{Error, Result};
 use serde_json::{json, Value};
 
@@ -31,6 +32,14 @@ pub trait LowerIo {
     fn writable(&self) -> bool;
     /// The file, for messages.
     fn describe(&self) -> String;
+    /// Take a lock on the file against other mounts sharing it (see
+    /// [`plyfs_stack::shared`]). Only called when the engine shares its files.
+    fn lock(&self, _kind: LockKind) -> Result<()> {
+        Ok(())
+    }
+    fn unlock(&self, _kind: LockKind) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Per-layer settings and shared state: the codec and what it encodes a zero chunk to.
@@ -40,6 +49,9 @@ pub struct Engine {
     /// Chunk size for new files, as a power of two.
     pub chunk_shift: u8,
     pub fast_tails: bool,
+    /// Other mounts may change the files (`-o shared`): every change is made under the lower
+    /// file's lock, after catching up with theirs.
+    pub shared: Option<SharedMode>,
     zero_chunks: Mutex<HashMap<u8, Arc<EncodedChunk>>>,
 }
 
@@ -50,7 +62,12 @@ struct EncodedChunk {
 
 impl Engine {
     pub fn new(kind: &'static str, codec: Arc<dyn Codec>, chunk_shift: u8, fast_tails: bool) -> Engine {
-        Engine { kind, codec, chunk_shift, fast_tails, zero_chunks: Mutex::new(HashMap::new()) }
+        Engine { kind, codec, chunk_shift, fast_tails, shared: None, zero_chunks: Mutex::new(HashMap::new()) }
+    }
+
+    /// The same engine for files other mounts share.
+    pub fn sharing(self, mode: Option<SharedMode>) -> Engine {
+        Engine { shared: mode, ..self }
     }
 
     fn encode(&self, place: &Place, chunk: &[u8]) -> Result<EncodedChunk> {
@@ -143,14 +160,37 @@ pub struct ScaFile<L: LowerIo> {
     hot: Option<(u64, u64, Vec<u8>)>,
     /// A chunk-sized buffer for read-modify-write.
     scratch: Vec<u8>,
+    /// For a shared file: the lower file as last seen under its lock.
+    seen: Option<Seen>,
+    /// Within an operation under a shared (read) lock: nothing may be written.
+    read_locked: bool,
+    /// A repair was needed under a read lock: the operation must run again under the write lock.
+    needs_write_lock: bool,
+    /// Another mount changed the file since this was last told (see [`Self::take_changed`]).
+    changed_outside: bool,
+}
+
+/// What a shared file looked like the last time this mount checked it under its lock: any
+/// change by another mount changes the slot in force (its sequence number only grows) or the
+/// length.
+#[derive(Clone, PartialEq, Eq)]
+struct Seen {
+    head: Vec<u8>,
+    len: u64,
+    at: std::time::Instant,
 }
 
 impl<L: LowerIo> ScaFile<L> {
     /// Open the encoded file in `lower`, loading and checking its index, and rebuilding it from
     /// the records if it is missing or inconsistent.
     pub fn open(engine: Arc<Engine>, lower: L) -> Result<ScaFile<L>> {
+        let shared = engine.shared.is_some();
         let mut f = ScaFile::new_empty(engine, lower);
-        f.load()?;
+        if shared {
+            f.revalidate()?;
+        } else {
+            f.load()?;
+        }
         Ok(f)
     }
 
@@ -172,8 +212,13 @@ impl<L: LowerIo> ScaFile<L> {
             modified: false,
             hot: None,
             scratch: Vec::new(),
+            seen: None,
+            read_locked: false,
+            needs_write_lock: false,
+            changed_outside: false,
         }
     }
+
 
     fn load(&mut self) -> Result<()> {
         let first = self.lower.read_at(0, OPEN_READ_BYTES)?;
@@ -209,6 +254,180 @@ impl<L: LowerIo> ScaFile<L> {
     fn replace_index(&mut self, ix: FileIndex) {
         self.ix = ix;
         self.hot = None;
+    }
+
+    // Sharing the file with other mounts.
+
+    /// Run `op` on a file other mounts share: under the lower file's lock of `kind`, after
+    /// catching up with what they wrote, and with everything `op` changed (slot included)
+    /// written before the lock is dropped. A repair found needed under a read lock runs the
+    /// whole again under the write lock. Without sharing, just `op`.
+    fn locked<T>(&mut self, kind: LockKind, mut op: impl FnMut(&mut Self) -> Result<T>) -> Result<T> {
+        if self.engine.shared.is_none() {
+            return op(self);
+        }
+        let kind = if kind == LockKind::Shared || self.lower.writable() { kind } else { LockKind::Shared };
+        match self.locked_once(kind, &mut op) {
+            Err(_) if std::mem::take(&mut self.needs_write_lock) && self.lower.writable() => {
+                self.locked_once(LockKind::Exclusive, &mut op)
+            }
+            other => other,
+        }
+    }
+
+    fn locked_once<T>(&mut self, kind: LockKind, op: &mut impl FnMut(&mut Self) -> Result<T>) -> Result<T> {
+        self.lower.lock(kind).map_err(|e| match e {
+            Error::UnsupportedOp { .. } => Error::Config(format!(
+                "{}: the lower file cannot be locked, so it cannot be shared with other mounts (-o shared)",
+                self.lower.describe()
+            )),
+            e => e,
+        })?;
+        self.read_locked = kind == LockKind::Shared;
+        self.needs_write_lock = false;
+        let result = self.catch_up().and_then(|()| op(self));
+        let result = match result {
+            Ok(v) if kind == LockKind::Exclusive => self.publish().map(|()| v),
+            other => other,
+        };
+        self.read_locked = false;
+        if result.is_err() {
+            // Whatever the failure left in memory is not to be trusted at the next operation.
+            self.seen = None;
+        }
+        let unlocked = self.lower.unlock(kind);
+        let value = result?;
+        unlocked.map(|()| value)
+    }
+
+    /// The lower file's start and length as they are now.
+    fn observe(&self) -> Result<Seen> {
+        let head = self.lower.read_at(0, DATA_START as usize)?;
+        let len = self.lower.len()?;
+        Ok(Seen { head, len, at: std::time::Instant::now() })
+    }
+
+    /// Under the lock: bring the state up to what the lower file holds now. Records other
+    /// mounts appended are applied to the index; anything else (a new checkpoint, compaction,
+    /// truncation, a file replaced) loads the file afresh.
+    fn catch_up(&mut self) -> Result<()> {
+        let now = self.observe()?;
+        if let Some(seen) = &self.seen {
+            if seen.head == now.head && seen.len == now.len {
+                self.seen = Some(now);
+                return Ok(());
+            }
+        }
+        let first_look = self.seen.is_none() && !self.modified && !self.header_on_disk;
+        self.changed_outside |= !first_look;
+        self.drop_prefetched();
+        self.hot = None;
+        if !self.catch_up_by_appends(&now)? {
+            self.load()?;
+        }
+        // Loading may have cut an interrupted append: look again.
+        self.seen = Some(self.observe()?);
+        Ok(())
+    }
+
+    /// Apply the records appended since this state was current, if that is all that happened.
+    fn catch_up_by_appends(&mut self, now: &Seen) -> Result<bool> {
+        if self.seen.is_none() || !self.header_on_disk || !self.pending.is_empty() || !self.lost.is_empty() {
+            return Ok(false);
+        }
+        let Some(header) = FileHeader::decode(&now.head) else { return Ok(false) };
+        let slot = Slot::newest_in(&now.head);
+        let same_file = header.codec == self.engine.codec.tag()
+            && header.chunk_shift == self.ix.chunk_shift
+            && header.file_id.unwrap_or_default() == self.file_id;
+        if !same_file || now.len < self.ix.log_end || slot.is_none_or(|s| s.slot_seq < self.slot_seq || s.log_end < self.ix.log_end) {
+            return Ok(false);
+        }
+        let mut ix = std::mem::replace(&mut self.ix, FileIndex::new(header.chunk_shift));
+        let from = ix.log_end;
+        let mut broken = false;
+        let end = self.scan(from, now.len, false, |off, h, payload, _| {
+            // Only plain appends continue the log: the next number, no new checkpoint (which
+            // may come with records moved).
+            if broken || h.seq != ix.next_seq || h.kind == Kind::Index || h.chunk_shift != ix.chunk_shift {
+                broken = true;
+            } else if ix.apply(off, h, payload).is_err() {
+                broken = true;
+            }
+        });
+        let end = match end {
+            Ok(end) => end,
+            Err(e) => {
+                self.ix = ix;
+                return Err(fault_to_error(e));
+            }
+        };
+        let slot = slot.expect("checked above");
+        let consistent = !broken && slot.covered_seq < ix.next_seq && ix.log_end >= slot.log_end;
+        self.ix = ix;
+        if !consistent {
+            return Ok(false);
+        }
+        if end < now.len && self.may_write() {
+            // An append interrupted by a mount that died: the next writer would overwrite it.
+            self.lower.set_len(end)?;
+        }
+        self.slot_seq = slot.slot_seq;
+        Ok(true)
+    }
+
+    /// After a change under the write lock: everything written, the slot too, so that the
+    /// next mount to take the lock sees it.
+    fn publish(&mut self) -> Result<()> {
+        self.flush_pending()?;
+        if self.slot_dirty {
+            self.write_slot()?;
+        }
+        // The length is what this mount left, not asked of the lower file: on a network file
+        // system that would wait for the writes still in the client's cache.
+        let head = self.lower.read_at(0, DATA_START as usize)?;
+        let len = if self.header_on_disk { self.ix.log_end } else { 0 };
+        self.seen = Some(Seen { head, len, at: std::time::Instant::now() });
+        Ok(())
+    }
+
+    /// Whether repairs and cut logs may be written now.
+    fn may_write(&self) -> bool {
+        self.lower.writable() && !self.read_locked
+    }
+
+    /// Whether the state in memory may serve a read without checking the lower file: not
+    /// shared, or checked within the mount's revalidation time.
+    pub fn is_fresh(&self) -> bool {
+        match (&self.engine.shared, &self.seen) {
+            (None, _) => true,
+            (Some(mode), Some(seen)) => seen.at.elapsed() < mode.revalidate,
+            (Some(_), None) => false,
+        }
+    }
+
+    /// Check the state against the lower file under its read lock (a shared file at open).
+    pub fn revalidate(&mut self) -> Result<()> {
+        self.locked(LockKind::Shared, |_| Ok(()))
+    }
+
+    /// A read that checks the state against the lower file first when it is shared.
+    pub fn read_current(&mut self, offset: u64, size: usize) -> Result<Vec<u8>> {
+        self.locked(LockKind::Shared, |f| f.with_rebuild(|f| f.read(offset, size)))
+    }
+
+    /// The decoded size, checked against the lower file when it was not lately.
+    pub fn current_size(&mut self) -> Result<u64> {
+        if !self.is_fresh() {
+            self.revalidate()?;
+        }
+        Ok(self.ix.size)
+    }
+
+    /// Whether another mount changed the file since the last call: the kernel's pages of it
+    /// are then stale.
+    pub fn take_changed(&mut self) -> bool {
+        std::mem::take(&mut self.changed_outside)
     }
 
     fn load_with(&mut self, len: u64) -> Result<()> {
@@ -290,12 +509,12 @@ impl<L: LowerIo> ScaFile<L> {
             if later {
                 return Err(Fault::Stale(format!("unreadable bytes at {end} before later records")));
             }
-            tracing::warn!(
-                "{}: dropping {} bytes after the last whole record (an interrupted write)",
-                self.lower.describe(),
-                len - end
-            );
-            if self.lower.writable() {
+            if self.may_write() {
+                tracing::warn!(
+                    "{}: dropping {} bytes after the last whole record (an interrupted write)",
+                    self.lower.describe(),
+                    len - end
+                );
                 self.drop_prefetched();
                 self.lower.set_len(end)?;
             }
@@ -332,6 +551,11 @@ impl<L: LowerIo> ScaFile<L> {
     /// (the index in memory) or else the newest checkpoint found, become lost: EIO, not stale
     /// data.
     fn rebuild(&mut self, shift: u8, known: Option<&FileIndex>) -> Result<()> {
+        if self.read_locked {
+            // Other mounts may be reading too: the repair waits for the write lock.
+            self.needs_write_lock = true;
+            return Err(Error::Os(libc::EAGAIN));
+        }
         let len = self.lower.len()?;
         let mut found: Vec<(RecordHeader, u64, Vec<u8>, bool)> = Vec::new();
         self.scan(DATA_START, len, true, |off, h, payload, ok| {
@@ -735,6 +959,19 @@ impl<L: LowerIo> ScaFile<L> {
 
     /// Write `data` at `off`, extending the file with zeros if `off` is past its end.
     pub fn write(&mut self, off: u64, data: &[u8]) -> Result<usize> {
+        self.locked(LockKind::Exclusive, |f| f.write_now(off, data))
+    }
+
+    /// Append `data` at the end of the file as it is now, across mounts (`O_APPEND`); returns
+    /// where it went.
+    pub fn append(&mut self, data: &[u8]) -> Result<u64> {
+        self.locked(LockKind::Exclusive, |f| {
+            let at = f.ix.size;
+            f.write_now(at, data).map(|_| at)
+        })
+    }
+
+    fn write_now(&mut self, off: u64, data: &[u8]) -> Result<usize> {
         if data.is_empty() {
             return Ok(0);
         }
@@ -998,6 +1235,15 @@ impl<L: LowerIo> ScaFile<L> {
     /// Set the decoded size (§4.4): on a chunk boundary, inside a chunk, inside a fast tail,
     /// or past the end.
     pub fn truncate(&mut self, size: u64) -> Result<()> {
+        self.locked(LockKind::Exclusive, |f| f.truncate_now(size))
+    }
+
+    /// Grow the file to `size` if it is smaller, across mounts.
+    pub fn grow_to(&mut self, size: u64) -> Result<()> {
+        self.locked(LockKind::Exclusive, |f| if size > f.ix.size { f.truncate_now(size) } else { Ok(()) })
+    }
+
+    fn truncate_now(&mut self, size: u64) -> Result<()> {
         if size == self.ix.size {
             return Ok(());
         }
@@ -1006,7 +1252,14 @@ impl<L: LowerIo> ScaFile<L> {
             self.modified = true;
             self.drop_prefetched();
             self.lower.set_len(0)?;
+            let (next_seq, slot_seq) = (self.ix.next_seq, self.slot_seq);
             self.start_over(false);
+            if self.engine.shared.is_some() {
+                // Numbers keep growing, so that no other mount can take the new log for the
+                // continuation of the one it knew.
+                self.ix.next_seq = next_seq;
+                self.slot_seq = slot_seq;
+            }
             return Ok(());
         }
         let result = self.with_rebuild(|f| f.truncate_chunks(size));
@@ -1041,20 +1294,26 @@ impl<L: LowerIo> ScaFile<L> {
 
     /// Zero `off..off + len` inside the file (hole punching).
     pub fn zero_range(&mut self, off: u64, len: u64) -> Result<()> {
-        let end = (off + len).min(self.ix.size);
-        let mut at = off;
-        while at < end {
-            let n = (end - at).min(IO_WINDOW_BYTES);
-            self.write(at, &vec![0; n as usize])?;
-            at += n;
-        }
-        Ok(())
+        self.locked(LockKind::Exclusive, |f| {
+            let end = (off + len).min(f.ix.size);
+            let mut at = off;
+            while at < end {
+                let n = (end - at).min(IO_WINDOW_BYTES);
+                f.write_now(at, &vec![0; n as usize])?;
+                at += n;
+            }
+            Ok(())
+        })
     }
 
     // Persistence.
 
     /// Make everything written so far durable.
     pub fn sync(&mut self) -> Result<()> {
+        if self.engine.shared.is_some() {
+            // Every change was written out, slot included, before its lock was dropped.
+            return self.lower.sync();
+        }
         self.flush_pending()?;
         if self.slot_dirty {
             self.write_slot()?;
@@ -1065,6 +1324,17 @@ impl<L: LowerIo> ScaFile<L> {
     /// Called at the last close: leave a checkpoint if many records followed the last one,
     /// and the slot up to date, so the next open reads little.
     pub fn close(&mut self) -> Result<()> {
+        if self.engine.shared.is_some() {
+            self.drop_prefetched();
+            if !self.modified || self.ix.since_checkpoint < CHECKPOINT_EVERY_RECORDS {
+                return Ok(());
+            }
+            return self.locked(LockKind::Exclusive, |f| f.close_now());
+        }
+        self.close_now()
+    }
+
+    fn close_now(&mut self) -> Result<()> {
         self.drop_prefetched();
         self.flush_pending()?;
         if self.ix.since_checkpoint >= CHECKPOINT_EVERY_RECORDS {
@@ -1080,7 +1350,7 @@ impl<L: LowerIo> ScaFile<L> {
     /// Compact when dead space exceeds both the live bytes and the slack.
     fn compact_if_due(&mut self) -> Result<()> {
         if self.ix.dead_bytes() > self.ix.live_bytes().max(COMPACT_SLACK_BYTES) {
-            self.compact()?;
+            self.compact_now()?;
         }
         Ok(())
     }
@@ -1135,6 +1405,10 @@ impl<L: LowerIo> ScaFile<L> {
     /// Every live record thus exists intact somewhere at every moment, and the newest
     /// checkpoint is never overwritten before a newer one is durable.
     pub fn compact(&mut self) -> Result<Value> {
+        self.locked(LockKind::Exclusive, |f| f.compact_now())
+    }
+
+    fn compact_now(&mut self) -> Result<Value> {
         let before = self.lower.len()?;
         if !self.header_on_disk || !self.lower.writable() {
             return Ok(json!({ "before": before, "after": before }));
@@ -1220,6 +1494,10 @@ impl<L: LowerIo> ScaFile<L> {
     /// leaves the slot naming the checkpoint from before it) is rebuilt from the data, as any
     /// read would, and the check starts again; only what is wrong after that is a problem.
     pub fn verify(&mut self) -> Result<Value> {
+        self.locked(LockKind::Exclusive, |f| f.verify_now())
+    }
+
+    fn verify_now(&mut self) -> Result<Value> {
         let mut rebuilt = None;
         loop {
             let len = self.lower.len()?;
@@ -1261,6 +1539,10 @@ impl<L: LowerIo> ScaFile<L> {
 
     /// Rebuild the index from the data, whatever state it is in.
     pub fn recover_index(&mut self) -> Result<Value> {
+        self.locked(LockKind::Exclusive, |f| f.recover_index_now())
+    }
+
+    fn recover_index_now(&mut self) -> Result<Value> {
         self.flush_pending()?;
         let known = self.ix.clone();
         self.rebuild(self.ix.chunk_shift, Some(&known))?;
@@ -1277,7 +1559,11 @@ impl<L: LowerIo> ScaFile<L> {
         }
     }
 
-    pub fn stats(&self) -> Result<Value> {
+    pub fn stats(&mut self) -> Result<Value> {
+        self.locked(LockKind::Shared, |f| f.stats_now())
+    }
+
+    fn stats_now(&self) -> Result<Value> {
         let lower = self.lower.len()?;
         let ix = &self.ix;
         Ok(json!({

@@ -15,6 +15,7 @@ use plyfs_stack::{
     bypass, Attr, BuildArgs, Caller, DataPath, Error, ExtOpInfo, FileHandle, FileKind, Layer, Level, NodeId, Op, Opened,
     Reply, Result, SetAttr,
 };
+use plyfs_stack::shared::{LaterInvalidation, LockKind};
 use plyfs_stack::spec::{ParamSpec, Params};
 use serde_json::Value;
 
@@ -76,12 +77,14 @@ pub fn build_sca_layer(args: BuildArgs, kind: &'static str, codec: Arc<dyn Codec
     Ok(Arc::new(ScaLayer {
         ops,
         name: args.name,
-        engine: Arc::new(Engine::new(kind, codec, chunk_shift, fast_tails)),
+        engine: Arc::new(Engine::new(kind, codec, chunk_shift, fast_tails).sharing(plyfs_stack::shared::mode())),
         lower: [args.lower],
         open: Mutex::new(HashMap::new()),
         idle: Mutex::new(std::collections::VecDeque::new()),
         next_fh: AtomicU64::new(1),
         sizes: Mutex::new(HashMap::new()),
+        appenders: Mutex::new(std::collections::HashSet::new()),
+        invalidate: LaterInvalidation::default(),
     }))
 }
 
@@ -99,6 +102,11 @@ pub struct ScaLayer {
     next_fh: AtomicU64,
     /// Decoded sizes of closed files, valid while the lower attributes are unchanged.
     sizes: Mutex<HashMap<NodeId, CachedSize>>,
+    /// Handles opened with `O_APPEND` on a shared mount: their writes go to the end of the
+    /// file as it is under the lock, wherever the kernel (which may not know that end) put them.
+    appenders: Mutex<std::collections::HashSet<u64>>,
+    /// For files another mount changed: the kernel's pages and attributes are dropped.
+    invalidate: LaterInvalidation,
 }
 
 /// What identifies a version of a lower file's content: any write through this layer or from
@@ -206,6 +214,14 @@ impl LowerIo for LowerFile {
         self.writable
     }
 
+    fn lock(&self, kind: LockKind) -> Result<()> {
+        plyfs_stack::shared::lock(&self.level, self.node, kind)
+    }
+
+    fn unlock(&self, kind: LockKind) -> Result<()> {
+        plyfs_stack::shared::unlock(&self.level, self.node, kind)
+    }
+
     fn describe(&self) -> String {
         self.label
             .get_or_init(|| {
@@ -249,6 +265,9 @@ impl ScaLayer {
             let mut users = f.users.lock();
             let reusable = match users.idle {
                 None => true, // open, or being closed
+                // The content is checked below, under the lock; but the name may now be
+                // another file's, and this one gone.
+                Some(_) if self.engine.shared.is_some() => self.below().getattr(&internal(), node).is_ok_and(|a| a.nlink > 0),
                 Some(stamp) => self.below().getattr(&internal(), node).is_ok_and(|a| LowerStamp::of(&a) == stamp),
             };
             if reusable {
@@ -258,6 +277,15 @@ impl ScaLayer {
                 }
                 if let Some((extra, _)) = created {
                     self.release_lower(extra.node, extra.fh);
+                }
+                drop(users);
+                drop(open);
+                if self.engine.shared.is_some() {
+                    // Close-to-open: what other mounts wrote before this open is seen.
+                    if let Err(e) = self.checked(node, &mut f.file.write(), |file| file.revalidate()) {
+                        let _ = self.relinquish(node);
+                        return Err(e);
+                    }
                 }
                 return Ok(f.clone());
             }
@@ -285,6 +313,16 @@ impl ScaLayer {
         let f = Arc::new(OpenFile { users: Mutex::new(users), file: RwLock::new(file), lower_fh: fh });
         open.insert(node, f.clone());
         Ok(f)
+    }
+
+    /// Run `op` on an open file; if it found that another mount had changed the file, the
+    /// kernel's pages and attributes of it are dropped.
+    fn checked<T>(&self, node: NodeId, file: &mut ScaFile<LowerFile>, op: impl FnOnce(&mut ScaFile<LowerFile>) -> Result<T>) -> Result<T> {
+        let result = op(file);
+        if file.take_changed() {
+            self.invalidate.node(node);
+        }
+        result
     }
 
     /// Drop an idle file's state.
@@ -366,7 +404,7 @@ impl ScaLayer {
     /// Run `op` on the node's file, opening it for the duration if it is not open.
     fn with_file<T>(&self, node: NodeId, op: impl FnOnce(&mut ScaFile<LowerFile>) -> Result<T>) -> Result<T> {
         let f = self.acquire(node, None)?;
-        let result = op(&mut f.file.write());
+        let result = self.checked(node, &mut f.file.write(), op);
         let closed = self.relinquish(node);
         let value = result?;
         closed.map(|()| value)
@@ -380,6 +418,17 @@ impl ScaLayer {
         let open = self.open.lock().get(&node).cloned();
         if let Some(f) = open {
             let idle = f.users.lock().idle;
+            if self.engine.shared.is_some() && idle.is_none() {
+                let size = {
+                    let file = f.file.read();
+                    file.is_fresh().then(|| file.size())
+                };
+                match size.map_or_else(|| self.checked(node, &mut f.file.write(), |file| file.current_size()), Ok) {
+                    Ok(size) => attr.size = size,
+                    Err(e) => tracing::warn!("{}: inode {}: cannot tell the decoded size: {e}", self.name, node.0),
+                }
+                return;
+            }
             if idle.is_none_or(|stamp| stamp == LowerStamp::of(attr)) {
                 attr.size = f.file.read().size();
                 return;
@@ -465,12 +514,21 @@ impl ScaLayer {
             result = f.file.write().truncate(0);
         }
         match result {
-            Ok(()) => Ok(self.new_handle()),
+            Ok(()) => Ok(self.new_handle_for(flags)),
             Err(e) => {
                 let _ = self.relinquish(node);
                 Err(e)
             }
         }
+    }
+
+    /// A new handle; on a shared mount, an `O_APPEND` one is remembered.
+    fn new_handle_for(&self, flags: i32) -> Opened {
+        let opened = self.new_handle();
+        if self.engine.shared.is_some() && flags & libc::O_APPEND != 0 {
+            self.appenders.lock().insert(opened.fh.0);
+        }
+        opened
     }
 
     fn create(&self, cx: &Caller, parent: NodeId, name: &std::ffi::OsStr, mode: u32, flags: i32) -> Result<Reply> {
@@ -486,17 +544,44 @@ impl ScaLayer {
             }
         }
         entry.attr.size = f.file.read().size();
-        Ok(Reply::Created(entry, self.new_handle()))
+        Ok(Reply::Created(entry, self.new_handle_for(flags)))
     }
 
     fn read(&self, node: NodeId, offset: u64, size: u32) -> Result<Vec<u8>> {
         let f = self.file_of(node)?;
+        if self.engine.shared.is_some() {
+            // The state checked lately serves; anything else, a failure included (another
+            // mount may be moving records), is read again after checking.
+            let first = {
+                let file = f.file.read();
+                file.is_fresh().then(|| file.read(offset, size as usize))
+            };
+            return match first {
+                Some(Ok(data)) => Ok(data),
+                _ => self.checked(node, &mut f.file.write(), |file| file.read_current(offset, size as usize)),
+            };
+        }
         let first = f.file.read().read(offset, size as usize);
         match first {
             Ok(data) => Ok(data),
             Err(Fault::Fail(e)) => Err(e),
             Err(Fault::Stale(_)) => f.file.write().read_repairing(offset, size as usize),
         }
+    }
+
+    fn write(&self, node: NodeId, fh: FileHandle, offset: u64, data: &[u8]) -> Result<Reply> {
+        let f = self.file_of(node)?;
+        let mut file = f.file.write();
+        if self.engine.shared.is_some() && self.appenders.lock().contains(&fh.0) {
+            let at = self.checked(node, &mut file, |file| file.append(data))?;
+            if at != offset {
+                // The kernel wrote its copy of the data where it thought the end was.
+                self.invalidate.node(node);
+            }
+            return Ok(Reply::Written(data.len() as u32));
+        }
+        let n = self.checked(node, &mut file, |file| file.write(offset, data))?;
+        Ok(Reply::Written(n as u32))
     }
 
     fn setattr(&self, cx: &Caller, node: NodeId, set: &SetAttr) -> Result<Reply> {
@@ -529,15 +614,15 @@ impl ScaLayer {
         let keep_size = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
         match mode & !libc::FALLOC_FL_KEEP_SIZE {
             0 => {
-                if !keep_size && end > file.size() {
-                    file.truncate(end)?;
+                if !keep_size {
+                    self.checked(node, &mut file, |file| file.grow_to(end))?;
                 }
             }
-            libc::FALLOC_FL_PUNCH_HOLE if keep_size => file.zero_range(offset, length)?,
+            libc::FALLOC_FL_PUNCH_HOLE if keep_size => self.checked(node, &mut file, |file| file.zero_range(offset, length))?,
             libc::FALLOC_FL_ZERO_RANGE => {
-                file.zero_range(offset, length)?;
-                if !keep_size && end > file.size() {
-                    file.truncate(end)?;
+                self.checked(node, &mut file, |file| file.zero_range(offset, length))?;
+                if !keep_size {
+                    self.checked(node, &mut file, |file| file.grow_to(end))?;
                 }
             }
             _ => return Err(Error::Os(libc::EOPNOTSUPP)),
@@ -546,7 +631,8 @@ impl ScaLayer {
     }
 
     fn lseek(&self, node: NodeId, offset: i64, whence: i32) -> Result<Reply> {
-        let size = self.file_of(node)?.file.read().size();
+        let f = self.file_of(node)?;
+        let size = self.checked(node, &mut f.file.write(), |file| file.current_size())?;
         let offset = u64::try_from(offset).map_err(|_| Error::Os(libc::EINVAL))?;
         if offset >= size {
             return Err(Error::Os(libc::ENXIO));
@@ -616,14 +702,15 @@ impl Layer for ScaLayer {
             Op::Open { node, flags } => self.open(node, flags).map(Reply::Opened),
             Op::Create { parent, name, mode, flags } => self.create(cx, parent, name, mode, flags),
             Op::Read { node, offset, size, .. } => self.read(node, offset, size).map(Reply::Data),
-            Op::Write { node, offset, data, .. } => {
-                let f = self.file_of(node)?;
-                let n = f.file.write().write(offset, data)?;
-                Ok(Reply::Written(n as u32))
-            }
+            Op::Write { node, fh, offset, data } => self.write(node, fh, offset, data),
             Op::Flush { .. } => Ok(Reply::Empty),
             Op::Fsync { node, .. } => self.file_of(node)?.file.write().sync().map(|()| Reply::Empty),
-            Op::Release { node, .. } => self.relinquish(node).map(|()| Reply::Empty),
+            Op::Release { node, fh } => {
+                if self.engine.shared.is_some() {
+                    self.appenders.lock().remove(&fh.0);
+                }
+                self.relinquish(node).map(|()| Reply::Empty)
+            }
             Op::Forget { node, .. } => {
                 // The kernel no longer knows the file: keep no idle state for it.
                 let evicted = self.evict(&mut self.open.lock(), node);
@@ -637,6 +724,13 @@ impl Layer for ScaLayer {
             Op::Extended { node, name, .. } if self.ops.iter().any(|e| e.name == name) => self.extended(cx, op, node, name),
             _ => bypass(self, cx, op),
         }
+    }
+
+    fn set_invalidator(&self, inv: Arc<dyn plyfs_stack::Invalidator>) {
+        if self.engine.shared.is_some() {
+            self.invalidate.set(inv.clone());
+        }
+        self.below().layer().set_invalidator(inv);
     }
 
     fn shutdown(&self) {

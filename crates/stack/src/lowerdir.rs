@@ -29,10 +29,16 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::layer::{unsupported, ExtOpInfo, Layer, Level};
 use crate::op::{Op, Reply};
+use crate::shared::{LockFile, LockKind, LockTable};
 use crate::types::*;
 
 const EXT_OPS: &[ExtOpInfo] = &[
     ExtOpInfo { name: "lower-info", args: "", help: "where the object lives in the lower directory (path, device, inode)" },
+    ExtOpInfo {
+        name: crate::shared::LOCK_OP,
+        args: "[unlock] shared|exclusive",
+        help: "lock the lower file against other mounts sharing it (an OFD lock, counted per owner in this process)",
+    },
     ExtOpInfo {
         name: "lower-sync",
         args: "",
@@ -147,6 +153,61 @@ pub struct LowerDir {
     mount_fd: OwnedFd,
     /// Whether nodes get handles (the daemon may call `open_by_handle_at`).
     reopen_by_handle: bool,
+    /// Locks on lower files, for mounts that share them (`lower-lock`).
+    locks: LockTable,
+}
+
+/// The lock on a lower file: an open-file-description lock on a descriptor of its own.
+///
+/// On a network file system, taking the lock also makes the client's caches of the file
+/// current (the attributes are fetched again, which drops stale pages), and dropping a write
+/// lock first pushes what this client wrote to the servers. NFS does both by itself at locks;
+/// FUSE clients such as GlusterFS's do not.
+struct OfdLock {
+    fd: OwnedFd,
+    network: bool,
+}
+
+impl OfdLock {
+    fn fcntl(&self, l_type: libc::c_int) -> Result<()> {
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = l_type as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        loop {
+            match check(unsafe { libc::fcntl(self.fd.as_raw_fd(), libc::F_OFD_SETLKW, &fl) }) {
+                Err(Error::Os(libc::EINTR)) => continue,
+                other => return other.map(|_| ()),
+            }
+        }
+    }
+}
+
+impl LockFile for OfdLock {
+    fn take(&self, kind: LockKind) -> Result<()> {
+        self.fcntl(match kind {
+            LockKind::Shared => libc::F_RDLCK,
+            LockKind::Exclusive => libc::F_WRLCK,
+        })?;
+        if self.network {
+            let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+            let flags = libc::AT_EMPTY_PATH | libc::AT_STATX_FORCE_SYNC;
+            if let Err(e) = check(unsafe { libc::statx(self.fd.as_raw_fd(), c"".as_ptr(), flags, libc::STATX_BASIC_STATS, &mut stx) }) {
+                let _ = self.fcntl(libc::F_UNLCK);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    fn release(&self, held: LockKind) -> Result<()> {
+        let pushed = if self.network && held == LockKind::Exclusive {
+            check(unsafe { libc::fdatasync(self.fd.as_raw_fd()) }).map(|_| ())
+        } else {
+            Ok(())
+        };
+        let unlocked = self.fcntl(libc::F_UNLCK);
+        pushed.and(unlocked)
+    }
 }
 
 /// The node descriptors of every bottom layer of this process share one budget: a tree has a
@@ -317,7 +378,33 @@ impl LowerDir {
             out_of_descriptors: AtomicBool::new(false),
             mount_fd,
             reopen_by_handle: has_capability(CAP_DAC_READ_SEARCH),
+            locks: LockTable::default(),
         })
+    }
+
+    /// `lower-lock`: take or drop a lock on the node's lower file for the calling owner.
+    fn lower_lock(&self, node: NodeId, args: &[String]) -> Result<Reply> {
+        let (kind, take) = crate::shared::parse_lock_args(args)?;
+        if !take {
+            return self.locks.unlock(node, kind).map(|()| Reply::Extended(serde_json::Value::Null));
+        }
+        self.locks.lock(node, kind, || {
+            let n = self.node(node)?;
+            if n.kind != FileKind::File {
+                return Err(Error::Os(libc::EINVAL));
+            }
+            let path = proc_path(n.fd.as_raw_fd());
+            let open = |mode| check(unsafe { libc::open(path.as_ptr(), mode | libc::O_CLOEXEC | libc::O_NOCTTY) });
+            // A write lock needs a descriptor open for writing; a file this daemon may only read
+            // can still be read-locked.
+            let fd = open(libc::O_RDWR).or_else(|e| match e {
+                Error::Os(libc::EACCES | libc::EROFS | libc::EPERM) => open(libc::O_RDONLY),
+                e => Err(e),
+            })?;
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            Ok(Arc::new(OfdLock { fd, network: self.flush_on_close }) as Arc<dyn LockFile>)
+        })?;
+        Ok(Reply::Extended(serde_json::Value::Null))
     }
 
     /// Open `root` and make it the bottom level of a stack.
@@ -489,7 +576,8 @@ impl LowerDir {
         }
     }
 
-    fn forget(&self, id: NodeId, nlookup: u64) {
+    /// Drop `nlookup` references; whether the node is gone.
+    fn forget(&self, id: NodeId, nlookup: u64) -> bool {
         let mut table = self.nodes.lock();
         let gone = match table.by_id.get_mut(&id.0) {
             Some((_, count)) => {
@@ -505,6 +593,7 @@ impl LowerDir {
                 }
             }
         }
+        gone
     }
 
     /// Create an object as the caller, so it gets the caller's owner and group (and the
@@ -769,7 +858,9 @@ impl LowerDir {
                 self.lookup_at(&parent, name).map(Reply::Entry)
             }
             Op::Forget { node, nlookup } => {
-                self.forget(node, nlookup);
+                if self.forget(node, nlookup) {
+                    self.locks.forget(node);
+                }
                 Ok(Reply::Empty)
             }
             Op::GetAttr { node, fh } => {
@@ -998,6 +1089,7 @@ impl LowerDir {
                 Ok(Reply::Offset(pos as u64))
             }
             Op::Extended { node, name: "lower-info", .. } => self.lower_info(node).map(Reply::Extended),
+            Op::Extended { node, name: crate::shared::LOCK_OP, args } => self.lower_lock(node, args),
             Op::Extended { node, name: "lower-sync", .. } => {
                 let n = self.node(node)?;
                 let fd = check(unsafe { libc::open(proc_path(n.fd.as_raw_fd()).as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) })?;

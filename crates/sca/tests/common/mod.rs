@@ -1,0 +1,41 @@
+//! What the in-process tests of encoded files share.
+
+use plyfs_sca::Codec;
+
+/// Run-length encoding: output size depends on the data, which exercises size changes.
+pub struct Rle;
+
+impl Codec for Rle {
+    fn tag(&self) -> [u8; 4] {
+        *b"rle\0"
+    }
+
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        let mut i = 0;
+        while i < chunk.len() {
+            let b = chunk[i];
+            let mut n = 1;
+            while i + n < chunk.len() && chunk[i + n] == b && n < 255 {
+                n += 1;
+            }
+            out.push(n as u8);
+            out.push(b);
+            i += n;
+        }
+        Ok(())
+    }
+
+    fn decode(&self, encoded: &[u8], _len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        if encoded.len() % 2 != 0 {
+            return Err("odd length".into());
+        }
+        for pair in encoded.chunks(2) {
+            out.extend(std::iter::repeat_n(pair[1], pair[0] as usize));
+        }
+        Ok(())
+    }
+
+    fn store_raw_if_larger(&self) -> bool {
+        true
+    }
+}
