@@ -199,6 +199,34 @@ impl Ready {
     }
 }
 
+/// What a user sharing `dir` must know about the file system it lives on, if anything.
+///
+/// A GlusterFS client keeps the content of small files (`quick-read`) and attributes
+/// (`stat-prefetch`) for a second whatever locks say, so a mount on another client may update
+/// a file from a stale copy and lose another mount's writes.
+fn shared_lower_caveat(dir: &Path) -> Option<String> {
+    let m = plyfs_fuse::mountinfo::mount_containing(dir)?;
+    (m.fstype == "fuse.glusterfs").then(|| {
+        format!(
+            "-o shared over GlusterFS ({}): mounts on other clients see each other's changes only if the volume does not cache \
+             file contents and attributes on clients: `gluster volume set VOLUME performance.quick-read off` and \
+             `... performance.stat-prefetch off` (and `... cluster.post-op-delay-secs 0`, or every hand-over of a file between \
+             clients waits a second)",
+            m.source
+        )
+    })
+}
+
+/// A regular file of the lower directory to try passthrough with: one at its top, or else an
+/// unnamed one made for the purpose (`O_TMPFILE`, gone when closed).
+fn probe_file(dir: &Path) -> Option<File> {
+    let found = std::fs::read_dir(dir).ok()?.take(256).flatten().find(|e| e.file_type().is_ok_and(|t| t.is_file()));
+    if let Some(f) = found.and_then(|e| File::open(e.path()).ok()) {
+        return Some(f);
+    }
+    std::os::unix::fs::OpenOptionsExt::custom_flags(std::fs::OpenOptions::new().read(true).write(true), libc::O_TMPFILE).open(dir).ok()
+}
+
 fn serve(
     args: &MountArgs,
     specs: Vec<plyfs_stack::spec::LayerSpec>,
@@ -267,7 +295,20 @@ fn serve_inner(
         flags: opts.flags.clone(),
     };
     let mounted = Mounted::mount(stack.clone(), &request).map_err(|e| e.to_string())?;
+    if let Some(file) = lower.dir().and_then(probe_file) {
+        if let Err(why) = mounted.probe_passthrough(&file) {
+            tracing::warn!("{why}; every file uses FUSE I/O");
+        }
+    }
     let io_mode = mounted.io_mode();
+    let io_mode = if opts.shared {
+        let caveat = lower.dir().and_then(shared_lower_caveat).map(|c| format!("; note: {c}")).unwrap_or_default();
+        format!(
+            "{io_mode}; shared with other mounts (-o shared): encoded files change under a lock on the lower file, pages are dropped at each open{caveat}"
+        )
+    } else {
+        io_mode.to_string()
+    };
     let control = match ControlServer::start(stack.clone(), &mountpoint) {
         Ok(c) => Some(c),
         Err(e) => {

@@ -382,6 +382,11 @@ impl Layer for Exofs {
                 let attrs = self.fs.remove_range(self.ino(node), num(off)?, num(len)?)?;
                 self.moved(node, &attrs)
             }
+            // A volume's file system is served by one mount at a time: there is no other mount
+            // to keep out, and this one's requests on a file are already in order.
+            Op::Extended { name: plyfs_stack::shared::LOCK_OP, args, .. } => {
+                plyfs_stack::shared::parse_lock_args(args).map(|_| Reply::Extended(serde_json::Value::Null))
+            }
             Op::Extended { name, .. } => Err(Error::UnsupportedOp { op: name.to_owned(), layers: vec![self.name.clone()] }),
         }
     }

@@ -84,11 +84,19 @@ impl std::fmt::Display for IoMode {
 pub struct FrontStatus {
     io_mode: Mutex<Option<IoMode>>,
     passthrough_failed: AtomicBool,
+    /// The kernel refuses the lower file system's files for passthrough (found at mount).
+    passthrough_refused: AtomicBool,
 }
 
 impl FrontStatus {
     pub fn io_mode(&self) -> Option<IoMode> {
         self.io_mode.lock().clone()
+    }
+
+    /// Passthrough cannot serve this mount's files: every file uses FUSE I/O.
+    pub(crate) fn refuse_passthrough(&self, reason: String) {
+        self.passthrough_refused.store(true, Ordering::Relaxed);
+        *self.io_mode.lock() = Some(IoMode::Cached { reason });
     }
 }
 
@@ -205,7 +213,11 @@ fn have_cap_sys_admin() -> bool {
 
 impl FuseFs {
     pub fn new(stack: Arc<Stack>, options: FrontOptions) -> (FuseFs, Arc<FrontStatus>) {
-        let status = Arc::new(FrontStatus { io_mode: Mutex::new(None), passthrough_failed: AtomicBool::new(false) });
+        let status = Arc::new(FrontStatus {
+            io_mode: Mutex::new(None),
+            passthrough_failed: AtomicBool::new(false),
+            passthrough_refused: AtomicBool::new(false),
+        });
         let fs = FuseFs {
             stack,
             options,
@@ -336,7 +348,7 @@ impl FuseFs {
 
     /// The kernel passthrough reference for this open, if passthrough applies.
     fn backing_for(&self, ino: u64, opened: &Opened, open_backing: impl FnOnce(&std::os::fd::OwnedFd) -> std::io::Result<BackingId>) -> Option<Arc<BackingId>> {
-        if !self.passthrough {
+        if !self.passthrough || self.status.passthrough_refused.load(Ordering::Relaxed) {
             return None;
         }
         let fd = opened.backing.as_ref()?;

@@ -3,7 +3,7 @@
 
 use std::ffi::CString;
 use std::io::{self, IoSliceMut};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
@@ -144,6 +144,43 @@ impl Mounted {
             set_readahead(dev, kb);
         }
         Ok(Mounted { session, status, mountpoint, dev })
+    }
+
+    /// Check that the kernel takes the files of the lower file system for passthrough, with
+    /// `file`, one of them. A lower that is itself a stacked file system (a FUSE mount using
+    /// passthrough, overlayfs) may be one level too deep: then every file uses FUSE I/O, and
+    /// the error says why.
+    pub fn probe_passthrough(&self, file: &std::fs::File) -> Result<(), String> {
+        if !matches!(self.io_mode(), IoMode::Passthrough | IoMode::Mixed) {
+            return Ok(());
+        }
+        // FUSE_DEV_IOC_BACKING_OPEN and _CLOSE: _IOW(229, 1, struct fuse_backing_map) and
+        // _IOW(229, 2, uint32_t).
+        const BACKING_OPEN: libc::c_ulong = 0x4010_e501;
+        const BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
+        #[repr(C)]
+        struct BackingMap {
+            fd: i32,
+            flags: u32,
+            padding: u64,
+        }
+        let map = BackingMap { fd: file.as_raw_fd(), flags: 0, padding: 0 };
+        let dev = self.session.as_fd().as_raw_fd();
+        let id = unsafe { libc::ioctl(dev, BACKING_OPEN, &map) };
+        if id > 0 {
+            let id = id as u32;
+            unsafe { libc::ioctl(dev, BACKING_CLOSE, &id) };
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        let why = match e.raw_os_error() {
+            Some(libc::ELOOP) => format!(
+                "the kernel refuses passthrough to the lower files ({e}): the lower file system is itself stacked (a FUSE mount using passthrough, or overlayfs) and the kernel allows one level"
+            ),
+            _ => format!("the kernel refuses passthrough to the lower files ({e})"),
+        };
+        self.status.refuse_passthrough(why.clone());
+        Err(why)
     }
 
     pub fn io_mode(&self) -> IoMode {

@@ -112,6 +112,9 @@ struct FileState {
     /// Replaced by a re-encoded file under the same name: new uses get ESTALE, so that the
     /// kernel looks the name up again.
     superseded: bool,
+    /// On a shared lower: the chain is the default only because the file, still empty, had no
+    /// record when last asked; the mount that created it may not have recorded it yet.
+    provisional: bool,
 }
 
 struct DirState {
@@ -144,6 +147,8 @@ pub struct PolicyLayer {
     /// Opens take it shared; the moment a re-encoded file replaces the old one takes it
     /// exclusively, so that no open can slip between the last check and the switch.
     switch: RwLock<()>,
+    /// Other mounts share the lower tree (`-o shared`): they may record chains at any time.
+    shared: bool,
 }
 
 fn daemon() -> Caller {
@@ -167,7 +172,10 @@ impl PolicyLayer {
         let mut nodes = HashMap::new();
         nodes.insert(NodeId::ROOT, Known::Other);
         let op = Op::GetXattr { node: NodeId::ROOT, name: OsStr::new(RECORDS_XATTR), size: 64 };
+        let shared = plyfs_stack::shared::mode().is_some();
         let records = match lower.call(&daemon(), &op) {
+            // Another mount may record the first chain at any time.
+            _ if shared => true,
             Ok(_) => true,
             Err(Error::Os(libc::ENODATA | libc::ENOTSUP)) => false,
             // Unknown: read every file's record, to be safe.
@@ -189,6 +197,7 @@ impl PolicyLayer {
             warned_no_xattrs: std::sync::atomic::AtomicBool::new(false),
             records: std::sync::atomic::AtomicBool::new(records),
             switch: RwLock::new(()),
+            shared,
         }))
     }
 
@@ -225,19 +234,22 @@ impl PolicyLayer {
         let mut nodes = self.nodes.write();
         nodes.entry(e.node).or_insert_with(|| {
             if e.attr.kind == FileKind::File {
-                Known::File(FileState { chain: None, opens: 0, superseded: false })
+                Known::File(FileState { chain: None, opens: 0, superseded: false, provisional: false })
             } else {
                 Known::Other
             }
         });
     }
 
-    fn note_file(&self, node: NodeId, chain: ChainRef) {
+    fn note_file(&self, node: NodeId, chain: ChainRef, provisional: bool) {
         let mut nodes = self.nodes.write();
         match nodes.get_mut(&node) {
-            Some(Known::File(f)) => f.chain = Some(chain),
+            Some(Known::File(f)) => {
+                f.chain = Some(chain);
+                f.provisional = provisional;
+            }
             _ => {
-                nodes.insert(node, Known::File(FileState { chain: Some(chain), opens: 0, superseded: false }));
+                nodes.insert(node, Known::File(FileState { chain: Some(chain), opens: 0, superseded: false, provisional }));
             }
         }
     }
@@ -248,7 +260,10 @@ impl PolicyLayer {
         let known_file = match self.nodes.read().get(&node) {
             Some(Known::Other) => return Ok(self.none.clone()),
             Some(Known::File(FileState { superseded: true, .. })) => return Err(Error::Os(libc::ESTALE)),
-            Some(Known::File(FileState { chain: Some(c), .. })) => return Ok(c.clone()),
+            // A provisional chain is asked again, unless handles use it.
+            Some(Known::File(FileState { chain: Some(c), provisional, opens, .. })) if !*provisional || *opens > 0 => {
+                return Ok(c.clone())
+            }
             Some(Known::File(_)) => true,
             None => false,
         };
@@ -257,7 +272,10 @@ impl PolicyLayer {
             return Ok(self.none.clone());
         }
         let chain = self.recorded_chain(node)?;
-        self.note_file(node, chain.clone());
+        // Another mount that has just created an empty file may not have recorded its chain yet:
+        // no record on an empty file is not remembered.
+        let provisional = self.shared && Arc::ptr_eq(&chain, &self.default) && self.below().getattr(&daemon(), node)?.size == 0;
+        self.note_file(node, chain.clone(), provisional);
         Ok(chain)
     }
 
@@ -481,18 +499,73 @@ impl PolicyLayer {
         }
         // An existing file keeps its chain (open with O_CREAT but without O_EXCL).
         if flags & libc::O_EXCL == 0 {
-            if let Ok(e) = self.below().lookup(cx, parent, name) {
-                self.note_entry(&e);
-                let chain = self.chain_of(e.node);
-                self.below().forget(cx, e.node, 1);
-                let chain = chain?;
-                return self.finish_create(chain.top.call(cx, &Op::Create { parent, name, mode, flags }), &chain, false, parent, name);
+            if let Some(reply) = self.create_existing(cx, parent, name, mode, flags) {
+                return reply;
             }
         }
         let decided = self.decide_in(parent, name, 0)?;
         let chain = decided.chain;
+        if self.shared && (chain.transforms() || !Arc::ptr_eq(&chain, &self.default)) {
+            return self.create_recorded(cx, parent, name, mode, flags, &chain);
+        }
         let reply = chain.top.call(cx, &Op::Create { parent, name, mode, flags });
         self.finish_create(reply, &chain, true, parent, name)
+    }
+
+    /// `create` of a name that exists: the file opened through its own chain. `None` if the name
+    /// is free.
+    fn create_existing(&self, cx: &Caller, parent: NodeId, name: &OsStr, mode: u32, flags: i32) -> Option<Result<Reply>> {
+        let e = self.below().lookup(cx, parent, name).ok()?;
+        self.note_entry(&e);
+        let chain = self.chain_of(e.node);
+        self.below().forget(cx, e.node, 1);
+        Some(chain.and_then(|chain| {
+            self.finish_create(chain.top.call(cx, &Op::Create { parent, name, mode, flags }), &chain, false, parent, name)
+        }))
+    }
+
+    /// Give the file `node` named `tmp` in `parent` the name `name`, unless that name exists
+    /// (`EEXIST`): `renameat2(RENAME_NOREPLACE)`, or a link and an unlink where the lower file
+    /// system has no such rename (GlusterFS).
+    fn move_into_place(&self, cx: &Caller, node: NodeId, parent: NodeId, tmp: &OsStr, name: &OsStr) -> Result<()> {
+        let rename = Op::Rename { parent, name: tmp, new_parent: parent, new_name: name, flags: libc::RENAME_NOREPLACE };
+        match self.below().call(cx, &rename) {
+            Err(Error::Os(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => {
+                let linked = self.below().call(cx, &Op::Link { node, new_parent: parent, new_name: name })?;
+                if let Reply::Entry(e) = linked {
+                    self.below().forget(&daemon(), e.node, 1);
+                }
+                self.below().unlink(cx, parent, tmp)
+            }
+            other => other.map(|_| ()),
+        }
+    }
+
+    /// `create` on a shared lower of a file that needs a record: made under a temporary name,
+    /// recorded, then renamed into place, so that another mount never finds the file without
+    /// its record (it would take it for a plain file). If another mount made the name first, its
+    /// file is opened instead (or `EEXIST` under `O_EXCL`).
+    fn create_recorded(&self, cx: &Caller, parent: NodeId, name: &OsStr, mode: u32, flags: i32, chain: &ChainRef) -> Result<Reply> {
+        let n = self.temp_counter.fetch_add(1, Ordering::Relaxed);
+        let tmp = OsString::from(format!("{TEMP_PREFIX}{}.{n}", std::process::id()));
+        let reply = chain.top.call(cx, &Op::Create { parent, name: &tmp, mode, flags: flags | libc::O_EXCL });
+        let reply = self.finish_create(reply, chain, true, parent, &tmp)?;
+        let Reply::Created(e, opened) = &reply else { return Err(Error::Os(libc::EIO)) };
+        match self.move_into_place(cx, e.node, parent, &tmp, name) {
+            Ok(()) => Ok(reply),
+            Err(err) => {
+                let _ = chain.top.release(&daemon(), e.node, opened.fh);
+                self.count_open(e.node, -1);
+                let _ = self.below().unlink(&daemon(), parent, &tmp);
+                self.below().forget(&daemon(), e.node, 1);
+                match err {
+                    Error::Os(libc::EEXIST) if flags & libc::O_EXCL == 0 => {
+                        self.create_existing(cx, parent, name, mode, flags).unwrap_or(Err(Error::Os(libc::EEXIST)))
+                    }
+                    err => Err(err),
+                }
+            }
+        }
     }
 
     fn finish_create(&self, reply: Result<Reply>, chain: &ChainRef, new: bool, parent: NodeId, name: &OsStr) -> Result<Reply> {
@@ -522,7 +595,7 @@ impl PolicyLayer {
                 e.attr = chain.top.getattr(&daemon(), e.node)?;
             }
         }
-        self.note_file(e.node, chain.clone());
+        self.note_file(e.node, chain.clone(), false);
         self.count_open(e.node, 1);
         if e.attr.kind == FileKind::File && chain.transforms() && e.attr.size > 0 {
             e.attr = chain.top.getattr(&daemon(), e.node)?;
@@ -559,7 +632,7 @@ impl PolicyLayer {
                 self.record(node, &new.text)?;
                 // Drop what the old chain keeps about the file.
                 let _ = chain.top.call(&daemon(), &Op::Forget { node, nlookup: 0 });
-                self.note_file(node, new);
+                self.note_file(node, new, false);
             }
         }
         Ok(reply)

@@ -322,9 +322,23 @@ impl<L: LowerIo> ScaFile<L> {
         self.changed_outside |= !first_look;
         self.drop_prefetched();
         self.hot = None;
-        if !self.catch_up_by_appends(&now)? {
+        let before = (self.ix.log_end, self.ix.size, self.slot_seq);
+        let by_appends = self.catch_up_by_appends(&now)?;
+        if !by_appends {
             self.load()?;
         }
+        tracing::debug!(
+            "{}: caught up ({}): slot {:?}, length {}; was log end {} size {} slot {}; now log end {} size {}",
+            self.lower.describe(),
+            if by_appends { "appended records" } else { "reloaded" },
+            Slot::newest_in(&now.head).map(|s| (s.slot_seq, s.log_end, s.file_size)),
+            now.len,
+            before.0,
+            before.1,
+            before.2,
+            self.ix.log_end,
+            self.ix.size
+        );
         // Loading may have cut an interrupted append: look again.
         self.seen = Some(self.observe()?);
         Ok(())

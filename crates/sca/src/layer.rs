@@ -522,11 +522,14 @@ impl ScaLayer {
         }
     }
 
-    /// A new handle; on a shared mount, an `O_APPEND` one is remembered.
+    /// A new handle; on a shared mount, an `O_APPEND` one is remembered, and bypasses the
+    /// kernel's page cache: through the cache, the kernel splits a write that ends in a page it
+    /// does not hold whole, and another mount's append could land between the pieces.
     fn new_handle_for(&self, flags: i32) -> Opened {
-        let opened = self.new_handle();
+        let mut opened = self.new_handle();
         if self.engine.shared.is_some() && flags & libc::O_APPEND != 0 {
             self.appenders.lock().insert(opened.fh.0);
+            opened.direct_io = true;
         }
         opened
     }

@@ -18,6 +18,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use plyfs_stack::shared::{LockKind, LOCK_OP};
 use plyfs_stack::{Caller, Error, Level, NodeId, Op, Reply};
 
 use crate::stream::{spin_time, wait_readable, Control, Duplex, FrameRead};
@@ -99,6 +100,10 @@ struct Conn {
     nodes: Mutex<HashMap<u64, u64>>,
     /// Handles this connection opened: the node each is on, and whether it is a directory's.
     files: Mutex<HashMap<u64, (u64, bool)>>,
+    /// Whom the locks on lower files this connection takes (`lower-lock`) belong to, and how
+    /// many of each kind it holds per node: dropped when it goes, as a killed mount's are.
+    lock_owner: u64,
+    locks: Mutex<HashMap<(u64, LockKind), u32>>,
     closed: AtomicBool,
 }
 
@@ -164,6 +169,8 @@ impl Server {
             identity,
             nodes: Mutex::new(HashMap::new()),
             files: Mutex::new(HashMap::new()),
+            lock_owner: plyfs_stack::shared::new_lock_owner(),
+            locks: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
         });
         {
@@ -412,6 +419,9 @@ impl Server {
         }
         self.check_nodes(conn, op)?;
         self.check_handle(conn, op)?;
+        if let Op::Extended { node, name: LOCK_OP, args } = *op {
+            return self.lower_lock(conn, cx, node, args);
+        }
         if conn.identity != Identity::AsSent {
             if let Op::Access { node, mask } = *op {
                 return self.permit(cx, node, mask as u32).map(|()| Reply::Empty);
@@ -557,8 +567,38 @@ impl Server {
     }
 
     /// Release what a connection that ended still held: its open files, then its lookups.
+    /// `lower-lock` for a client: any client that may read the file may read-lock it, and one
+    /// that may write it write-lock it. The locks belong to the connection.
+    fn lower_lock(&self, conn: &Conn, cx: &Caller, node: NodeId, args: &[String]) -> Result<Reply, Error> {
+        const R: u32 = 4;
+        const W: u32 = 2;
+        let (kind, take) = plyfs_stack::shared::parse_lock_args(args)?;
+        if take && conn.identity != Identity::AsSent {
+            self.permit(cx, node, if kind == LockKind::Exclusive { W } else { R })?;
+        }
+        let op = Op::Extended { node, name: LOCK_OP, args };
+        let reply = plyfs_stack::shared::with_lock_owner(conn.lock_owner, || self.top.call(&Caller::daemon(), &op))?;
+        let mut locks = conn.locks.lock();
+        let held = locks.entry((node.0, kind)).or_default();
+        if take {
+            *held += 1;
+        } else {
+            *held = held.saturating_sub(1);
+            if *held == 0 {
+                locks.remove(&(node.0, kind));
+            }
+        }
+        Ok(reply)
+    }
+
     fn release_all(&self, conn: &Conn) {
         let cx = Caller::daemon();
+        let locks: Vec<((u64, LockKind), u32)> = conn.locks.lock().drain().collect();
+        for ((node, kind), n) in locks {
+            for _ in 0..n {
+                let _ = plyfs_stack::shared::with_lock_owner(conn.lock_owner, || plyfs_stack::shared::unlock(&self.top, NodeId(node), kind));
+            }
+        }
         let files: Vec<(u64, (u64, bool))> = conn.files.lock().drain().collect();
         for (fh, (node, dir)) in files {
             let (node, fh) = (NodeId(node), plyfs_stack::FileHandle(fh));

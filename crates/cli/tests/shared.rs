@@ -1,0 +1,386 @@
+//! Shared lowers (`-o shared`, issue #13): two mounts over one lower tree, on the local ext4 and
+//! on GlusterFS with one client per mount (as two machines would have), for `zstd`,
+//! `gzip:fast_tails=on`, `crypt` and a tree whose directories choose their own layers.
+//!
+//! After each workload every byte is accounted for, both mounts read the same bytes, `verify`
+//! finds every file sound through both, and `plyfs fsck` finds the lower tree sound.
+//!
+//! GlusterFS comes from `scripts/gluster.sh`: used if it is up, else brought up for this test
+//! binary and taken down when it exits.
+
+mod common;
+
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use common::{crypt_init, op_json, plyfs, run, Mount};
+
+/// Where the two mounts' lower directories are.
+#[derive(Clone, Copy, Debug)]
+enum Place {
+    /// One directory of the local file system (ext4 here), for both.
+    Local,
+    /// One directory of a GlusterFS volume, seen through a different client by each mount.
+    Gluster,
+}
+
+const STACKS: &[&str] = &["zstd", "gzip:fast_tails=on", "crypt", "mixed"];
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+}
+
+extern "C" fn gluster_down() {
+    let _ = std::process::Command::new(repo_root().join("scripts/gluster.sh")).arg("down").output();
+}
+
+/// The GlusterFS volume's two client mounts.
+fn gluster() -> &'static (PathBuf, PathBuf) {
+    static MOUNTS: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    MOUNTS.get_or_init(|| {
+        let script = repo_root().join("scripts/gluster.sh");
+        let status = run(std::process::Command::new(&script).arg("status"));
+        let up_before = status.status.success();
+        let out = run(std::process::Command::new(&script).arg("up"));
+        assert!(out.status.success(), "scripts/gluster.sh up: {}", String::from_utf8_lossy(&out.stderr));
+        if !up_before {
+            unsafe { libc::atexit(gluster_down) };
+        }
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let mounts: Vec<PathBuf> = text.lines().map(PathBuf::from).collect();
+        assert!(mounts.len() >= 2, "scripts/gluster.sh up gave {text:?}");
+        (mounts[0].clone(), mounts[1].clone())
+    })
+}
+
+/// Two mounts of one lower directory, with `-o shared`.
+struct Pair {
+    a: Mount,
+    b: Mount,
+    stack: &'static str,
+    /// The lower directory as the first mount sees it, and the arguments of `fsck`.
+    lower: PathBuf,
+    fsck_args: Vec<String>,
+}
+
+impl Pair {
+    fn new(place: Place, stack: &'static str) -> Pair {
+        let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let name = root.file_name().unwrap().to_owned();
+        let (lower_a, lower_b) = match place {
+            Place::Local => (root.join("lower"), root.join("lower")),
+            Place::Gluster => {
+                let (g1, g2) = gluster();
+                (g1.join(&name), g2.join(&name))
+            }
+        };
+        fs::create_dir_all(&lower_a).unwrap();
+        wait_for(|| lower_b.is_dir(), "the lower directory through the second client");
+        let (mnt_a, mnt_b) = (root.join("mnt-a"), root.join("mnt-b"));
+        fs::create_dir(&mnt_a).unwrap();
+        fs::create_dir(&mnt_b).unwrap();
+        let mut options = vec!["shared".to_owned()];
+        let mut fsck_args = vec!["--stack".to_owned(), mount_stack(stack).to_owned()];
+        if stack == "crypt" {
+            let passfile = crypt_init(&root, &lower_a, &[]);
+            options.push(format!("--passfile={}", passfile.display()));
+            fsck_args.push(format!("--passfile={}", passfile.display()));
+        }
+        let opts: Vec<&str> = options.iter().map(String::as_str).collect();
+        let a = Mount::start(dir, lower_a.clone(), mnt_a, mount_stack(stack), &opts);
+        if stack == "mixed" {
+            // Directories that choose their layers, set before the second mount looks.
+            for (d, layers) in [("z", "zstd"), ("g", "gzip:fast_tails=on"), ("p", "none")] {
+                fs::create_dir(a.path(d)).unwrap();
+                xattr_set(&a.path(d), "user.plyfs.layers", layers);
+            }
+        }
+        let b = Mount::start(tempfile::tempdir().unwrap(), lower_b, mnt_b, mount_stack(stack), &opts);
+        Pair { a, b, stack, lower: lower_a, fsck_args }
+    }
+
+    /// The directory files of a workload go in: for the mixed tree, one per chain in turn.
+    fn dir(&self, i: usize) -> &'static str {
+        if self.stack == "mixed" {
+            ["z", "g", "p"][i % 3]
+        } else {
+            "."
+        }
+    }
+
+    /// Every file sound through both mounts, then both unmounted and the lower tree checked.
+    fn finish(mut self, files: &[String]) {
+        for f in files {
+            let (pa, pb) = (self.a.path(f), self.b.path(f));
+            let (ca, cb) = (fs::read(&pa).unwrap(), read_settled(&pb, &fs::read(&pa).unwrap()));
+            assert!(ca == cb, "[{}] {f}: the mounts read different bytes ({} and {})", self.stack, ca.len(), cb.len());
+            if encoded(self.stack, f) {
+                for p in [&pa, &pb] {
+                    let v = op_json(p, &["verify"]);
+                    assert_eq!(v["ok"], true, "[{}] verify {}: {v}", self.stack, p.display());
+                }
+            }
+        }
+        self.b.unmount();
+        self.a.unmount();
+        let out = run(plyfs().arg("fsck").arg(&self.lower).args(&self.fsck_args));
+        assert!(
+            out.status.success(),
+            "[{}] plyfs fsck: {}{}",
+            self.stack,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+fn mount_stack(stack: &str) -> &str {
+    if stack == "mixed" {
+        "null"
+    } else {
+        stack
+    }
+}
+
+fn encoded(stack: &str, file: &str) -> bool {
+    stack != "mixed" || !file.starts_with("p/")
+}
+
+fn xattr_set(path: &Path, name: &str, value: &str) {
+    let (p, n) = (common::cpath(path), std::ffi::CString::new(name).unwrap());
+    let rc = unsafe { libc::setxattr(p.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+    assert_eq!(rc, 0, "setxattr {name} on {}: {}", path.display(), std::io::Error::last_os_error());
+}
+
+fn wait_for(mut ok: impl FnMut() -> bool, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ok() {
+        assert!(Instant::now() < deadline, "{what}: not there after 10 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The file's bytes through a mount, once they are `expected` (within the attribute timeout,
+/// for what the other mount wrote last).
+fn read_settled(path: &Path, expected: &[u8]) -> Vec<u8> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let got = fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+        if got == expected || Instant::now() > deadline {
+            return got;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Both mounts append lines to one file at once, each line by its own open, write and close
+/// (`echo line >> file`): every line arrives once, whole.
+fn appends(place: Place) {
+    for &stack in STACKS {
+        let pair = Pair::new(place, stack);
+        let mut files = Vec::new();
+        for round in 0..if stack == "mixed" { 3 } else { 1 } {
+            let rel = format!("{}/log", pair.dir(round));
+            let per_mount = 120;
+            std::thread::scope(|s| {
+                for (who, m) in [("a", &pair.a), ("b", &pair.b)] {
+                    let path = m.path(&rel);
+                    s.spawn(move || {
+                        for i in 0..per_mount {
+                            let mut f = OpenOptions::new().append(true).create(true).open(&path).unwrap();
+                            // Lines of varied length, so that appends cross chunk boundaries at
+                            // different places.
+                            // One write(2), as `echo` makes.
+                            f.write_all(format!("{who} {i} {}\n", "x".repeat(i % 50)).as_bytes()).unwrap();
+                        }
+                    });
+                }
+            });
+            let text = String::from_utf8(fs::read(pair.a.path(&rel)).unwrap()).unwrap();
+            let mut lines: Vec<&str> = text.lines().collect();
+            lines.sort();
+            let mut want: Vec<String> =
+                ["a", "b"].iter().flat_map(|w| (0..per_mount).map(move |i| format!("{w} {i} {}", "x".repeat(i % 50)))).collect();
+            want.sort();
+            let wrong: Vec<_> = lines.iter().zip(&want).filter(|(l, w)| *l != w).take(3).collect();
+            assert!(
+                lines == want,
+                "[{stack} on {place:?}] {rel}: {} lines for {} written; first differences: {wrong:?}",
+                lines.len(),
+                want.len()
+            );
+            files.push(rel);
+        }
+        pair.finish(&files);
+    }
+}
+
+/// Both mounts write blocks into one file at once, interleaved (blocks straddle chunk
+/// boundaries, so both rewrite the same chunks), and files of their own into one directory.
+fn chunks(place: Place) {
+    const BLOCK: usize = 6000;
+    const BLOCKS: usize = 48;
+    for &stack in STACKS {
+        let pair = Pair::new(place, stack);
+        let rel = format!("{}/blocks", pair.dir(0));
+        fs::write(pair.a.path(&rel), b"").unwrap();
+        wait_for(|| pair.b.path(&rel).exists(), "the file through the second mount");
+        let block = |i: usize| -> Vec<u8> { (0..BLOCK).map(|j| (i * 31 + j / 97) as u8).collect() };
+        std::thread::scope(|s| {
+            for (who, m) in [(0usize, &pair.a), (1, &pair.b)] {
+                let (path, block) = (m.path(&rel), &block);
+                s.spawn(move || {
+                    let f = OpenOptions::new().write(true).open(&path).unwrap();
+                    // Back to front, so the file grows by holes as well as by appends.
+                    for i in (0..BLOCKS).rev().filter(|i| i % 2 == who) {
+                        f.write_all_at(&block(i), (i * BLOCK) as u64).unwrap();
+                    }
+                });
+                for k in 0..8 {
+                    let path = m.path(&format!("{}/own-{who}-{k}", pair.dir(k)));
+                    s.spawn(move || fs::write(&path, format!("file {k} of mount {who}\n").repeat(300 + k)).unwrap());
+                }
+            }
+        });
+        let want: Vec<u8> = (0..BLOCKS).flat_map(block).collect();
+        let got = read_settled(&pair.a.path(&rel), &want);
+        assert!(got == want, "[{stack} on {place:?}] {rel}: {} bytes, not the {} written", got.len(), want.len());
+        let mut files = vec![rel];
+        for who in 0..2 {
+            for k in 0..8 {
+                let rel = format!("{}/own-{who}-{k}", pair.dir(k));
+                let want = format!("file {k} of mount {who}\n").repeat(300 + k);
+                for m in [&pair.a, &pair.b] {
+                    let got = read_settled(&m.path(&rel), want.as_bytes());
+                    assert!(got == want.as_bytes(), "[{stack} on {place:?}] {rel} through {}", m.mnt.display());
+                }
+                files.push(rel);
+            }
+        }
+        pair.finish(&files);
+    }
+}
+
+/// One mount appends records while the other reads the file in a loop: every read is a
+/// prefix of what is being written (never torn, never garbage), and the last read is all of it.
+fn writer_and_reader(place: Place) {
+    const RECORDS: usize = 150;
+    for &stack in STACKS {
+        let pair = Pair::new(place, stack);
+        let rel = format!("{}/journal", pair.dir(1));
+        let record = |i: usize| format!("record {i:05} {}\n", "=".repeat(i % 40));
+        let all: String = (0..RECORDS).map(record).collect();
+        fs::write(pair.a.path(&rel), b"").unwrap();
+        wait_for(|| pair.b.path(&rel).exists(), "the file through the second mount");
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let reads = std::thread::scope(|s| {
+            let (path, record, done) = (pair.a.path(&rel), &record, &done);
+            s.spawn(move || {
+                for i in 0..RECORDS {
+                    let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+                    f.write_all(record(i).as_bytes()).unwrap();
+                }
+                done.store(true, std::sync::atomic::Ordering::SeqCst);
+            });
+            let mut reads = 0;
+            let reader = pair.b.path(&rel);
+            loop {
+                let finished = done.load(std::sync::atomic::Ordering::SeqCst);
+                let got = fs::read(&reader).unwrap_or_else(|e| panic!("[{stack}] read {}: {e}", reader.display()));
+                assert!(
+                    all.as_bytes().starts_with(&got),
+                    "[{stack} on {place:?}] read {reads} of {} bytes is not a prefix of what was written",
+                    got.len()
+                );
+                reads += 1;
+                if finished {
+                    break reads;
+                }
+            }
+        });
+        assert!(reads > 1, "[{stack}] the reader never ran alongside the writer");
+        let got = read_settled(&pair.b.path(&rel), all.as_bytes());
+        assert!(got == all.as_bytes(), "[{stack} on {place:?}] the reader's last read has {} of {} bytes", got.len(), all.len());
+        pair.finish(&[rel]);
+    }
+}
+
+#[test]
+fn appends_from_two_mounts_all_arrive_local() {
+    appends(Place::Local);
+}
+
+#[test]
+fn appends_from_two_mounts_all_arrive_gluster() {
+    appends(Place::Gluster);
+}
+
+#[test]
+fn interleaved_chunk_writes_and_files_from_two_mounts_local() {
+    chunks(Place::Local);
+}
+
+#[test]
+fn interleaved_chunk_writes_and_files_from_two_mounts_gluster() {
+    chunks(Place::Gluster);
+}
+
+#[test]
+fn a_reader_sees_whole_prefixes_of_a_writer_on_the_other_mount_local() {
+    writer_and_reader(Place::Local);
+}
+
+#[test]
+fn a_reader_sees_whole_prefixes_of_a_writer_on_the_other_mount_gluster() {
+    writer_and_reader(Place::Gluster);
+}
+
+/// Whether some process holds a lock on `path` that would keep a writer out.
+fn locked(path: &Path) -> bool {
+    let f = OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    let rc = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_OFD_GETLK, &mut fl) };
+    assert_eq!(rc, 0, "F_OFD_GETLK {}: {}", path.display(), std::io::Error::last_os_error());
+    fl.l_type != libc::F_UNLCK as libc::c_short
+}
+
+/// A mount killed with SIGKILL in the middle of a change, its lock held: the other mount goes
+/// on at once, nothing stays locked, and nothing the other mount was told was written is lost.
+#[test]
+fn a_mount_killed_holding_the_lock_leaves_nothing_locked() {
+    let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let lower = root.join("lower");
+    fs::create_dir(&lower).unwrap();
+    let (mnt_a, mnt_b) = (root.join("mnt-a"), root.join("mnt-b"));
+    fs::create_dir(&mnt_a).unwrap();
+    fs::create_dir(&mnt_b).unwrap();
+    // The first mount's writes to the lower file stall, inside its lock, until it is killed.
+    let mut a = Mount::start(dir, lower.clone(), mnt_a, "zstd,fault", &["shared"]);
+    let b = Mount::start(tempfile::tempdir().unwrap(), lower.clone(), mnt_b, "zstd", &["shared"]);
+    fs::write(a.path("f"), "first line\n").unwrap();
+    op_json(&a.path("f"), &["fault-add", "op=write", "delay=60s"]);
+    let stalled = {
+        let path = a.path("f");
+        std::thread::spawn(move || OpenOptions::new().append(true).open(&path).and_then(|mut f| f.write_all(b"never acknowledged\n")))
+    };
+    wait_for(|| locked(&lower.join("f")), "the first mount's lock");
+    unsafe { libc::kill(a.pid(), libc::SIGKILL) };
+    a.wait_exit(Duration::from_secs(10)).expect("the killed daemon is gone");
+    let started = Instant::now();
+    let mut f = OpenOptions::new().append(true).open(b.path("f")).unwrap();
+    f.write_all(b"second line\n").unwrap();
+    drop(f);
+    assert!(started.elapsed() < Duration::from_secs(5), "the second mount waited {:?} for the lock", started.elapsed());
+    assert!(!locked(&lower.join("f")), "the lower file is still locked");
+    assert_eq!(fs::read_to_string(b.path("f")).unwrap(), "first line\nsecond line\n");
+    assert_eq!(op_json(&b.path("f"), &["verify"])["ok"], true);
+    assert!(stalled.join().unwrap().is_err(), "the write of the killed mount should have failed");
+}
