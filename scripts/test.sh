@@ -11,11 +11,14 @@ cleanup_mounts() {
   local m
   for m in $(awk '$3 == "fuse.plyfs" { print $2 }' /proc/mounts); do
     case $m in
-      /tmp/plyfs-test-*|/var/tmp/plyfs-pjd*) umount -l "$m" 2>/dev/null || fusermount3 -uz "$m" 2>/dev/null || true ;;
+      /tmp/plyfs-test-*|/tmp/plyfs-shared-*|/var/tmp/plyfs-pjd*|/var/tmp/plyfs-gluster/*)
+        umount -l "$m" 2>/dev/null || fusermount3 -uz "$m" 2>/dev/null || true ;;
     esac
   done
 }
-trap 'status=$?; cleanup_mounts; exit $status' EXIT
+# GlusterFS for the shared-lower tests (#13): a volume with two clients, up for the whole run.
+GLUSTER_STARTED=0
+trap 'status=$?; cleanup_mounts; [ "$GLUSTER_STARTED" = 0 ] || scripts/gluster.sh down >&2 || true; exit $status' EXIT
 trap 'exit 130' INT TERM
 
 # The Python package, in a virtual environment of its own: layers written in Python (py:script=)
@@ -24,6 +27,10 @@ echo "== python package (pip install ./python)" >&2
 [ -x target/pyenv/bin/python ] || python3 -m venv target/pyenv
 timeout 900 target/pyenv/bin/pip install -q --upgrade ./python pytest >&2
 export PLYFS_PYTHON=$PWD/target/pyenv/bin/python
+
+echo "== GlusterFS (scripts/gluster.sh up)" >&2
+if ! scripts/gluster.sh status >/dev/null 2>&1; then GLUSTER_STARTED=1; fi
+GLUSTER_MOUNTS=$(timeout 300 scripts/gluster.sh up)
 
 echo "== cargo test" >&2
 timeout 1800 cargo test --workspace --release 2>&1
@@ -34,4 +41,8 @@ PLYFS_BIN=$PWD/target/release/plyfs timeout 600 target/pyenv/bin/python -m pytes
 if [ -x tests/pjdfstest/run.sh ]; then
   echo "== pjdfstest" >&2
   timeout 1800 tests/pjdfstest/run.sh
+  echo "== pjdfstest over GlusterFS, two mounts' worth of sharing (-o shared)" >&2
+  gluster_work=$(echo "$GLUSTER_MOUNTS" | head -1)/pjd
+  mkdir -p "$gluster_work"
+  PJDFSTEST_WORKDIR=$gluster_work timeout 1800 tests/pjdfstest/run.sh --tolerate-native "zstd -o shared" "crypt -o shared"
 fi

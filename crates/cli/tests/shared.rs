@@ -384,3 +384,63 @@ fn a_mount_killed_holding_the_lock_leaves_nothing_locked() {
     assert_eq!(op_json(&b.path("f"), &["verify"])["ok"], true);
     assert!(stalled.join().unwrap().is_err(), "the write of the killed mount should have failed");
 }
+
+/// What a path reads as now, or the error's kind.
+fn content(path: &Path) -> Result<String, std::io::ErrorKind> {
+    fs::read_to_string(path).map_err(|e| e.kind())
+}
+
+/// Files added, removed, renamed and rewritten in the lower directory itself, or through the
+/// mount's view of a lower level (`MNT/.plyfs/NAME/`), show above within the attribute timeout
+/// (1 s), plain and encoded alike, whether or not the mount shares its lower.
+#[test]
+fn direct_changes_to_the_lower_show_within_the_timeout() {
+    const WITHIN: Duration = Duration::from_millis(1800);
+    for options in [&[][..], &["shared"][..]] {
+        // Plain files.
+        let m = Mount::with("null", options);
+        fs::write(m.path("f"), "one\n").unwrap();
+        assert_eq!(content(&m.path("f")), Ok("one\n".into()));
+        assert!(!m.path("new").exists(), "looked up (and remembered) as missing");
+        fs::write(m.lower_path("f"), "two, longer\n").unwrap();
+        fs::write(m.lower_path("new"), "added\n").unwrap();
+        let start = Instant::now();
+        wait_for(
+            || content(&m.path("f")) == Ok("two, longer\n".into()) && content(&m.path("new")) == Ok("added\n".into()),
+            "rewritten and added",
+        );
+        fs::rename(m.lower_path("f"), m.lower_path("g")).unwrap();
+        fs::remove_file(m.lower_path("new")).unwrap();
+        wait_for(
+            || !m.path("f").exists() && !m.path("new").exists() && content(&m.path("g")) == Ok("two, longer\n".into()),
+            "renamed and removed",
+        );
+        fs::write(m.path(".plyfs/null/h"), "through the view\n").unwrap();
+        wait_for(|| content(&m.path("h")) == Ok("through the view\n".into()), "written through .plyfs/null/");
+        assert!(start.elapsed() < 3 * WITHIN, "{options:?}: the changes took {:?} to show", start.elapsed());
+        drop(m);
+
+        // An encoded file replaced in the lower by another encoded file (as a restore from a
+        // backup would), and one replaced by bytes the layer cannot decode.
+        let m = Mount::with("zstd", options);
+        let other = Mount::with("zstd", &[]);
+        fs::write(m.path("e"), "the first version\n").unwrap();
+        assert_eq!(content(&m.path("e")), Ok("the first version\n".into()));
+        fs::write(other.path("e"), "the second version, from elsewhere\n").unwrap();
+        drop(other.path("e"));
+        let encoded = fs::read(other.lower_path("e")).unwrap();
+        fs::write(m.lower_path("e.tmp"), &encoded).unwrap();
+        fs::rename(m.lower_path("e.tmp"), m.lower_path("e")).unwrap();
+        wait_for(
+            || content(&m.path("e")) == Ok("the second version, from elsewhere\n".into()),
+            &format!("an encoded file replaced in the lower (reads {:?}; {})", content(&m.path("e")), m.daemon_log()),
+        );
+        fs::write(m.lower_path("e"), "not zstd at all").unwrap();
+        wait_for(
+            || content(&m.path("e")) == Err(std::io::ErrorKind::Other) || content(&m.path("e")).is_err(),
+            "undecodable bytes read as EIO",
+        );
+        let err = fs::read(m.path("e")).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{options:?}: {err}");
+    }
+}

@@ -174,8 +174,6 @@ impl PolicyLayer {
         let op = Op::GetXattr { node: NodeId::ROOT, name: OsStr::new(RECORDS_XATTR), size: 64 };
         let shared = plyfs_stack::shared::mode().is_some();
         let records = match lower.call(&daemon(), &op) {
-            // Another mount may record the first chain at any time.
-            _ if shared => true,
             Ok(_) => true,
             Err(Error::Os(libc::ENODATA | libc::ENOTSUP)) => false,
             // Unknown: read every file's record, to be safe.
@@ -281,7 +279,8 @@ impl PolicyLayer {
 
     /// The chain recorded with a regular file, or the default when it has no record.
     fn recorded_chain(&self, node: NodeId) -> Result<ChainRef> {
-        if !self.records.load(Ordering::Acquire) {
+        // On a shared lower, another mount may record the first chain at any time.
+        if !self.shared && !self.records.load(Ordering::Acquire) {
             return Ok(self.default.clone());
         }
         match self.read_xattr(node, CHAIN_XATTR)? {
@@ -481,7 +480,10 @@ impl PolicyLayer {
     fn fix_entry(&self, e: &mut Entry) -> Result<()> {
         // An empty lower file is an empty file whatever its chain; and while no file of the
         // tree has a record and the default encodes nothing, no file is encoded.
-        if e.attr.kind != FileKind::File || e.attr.size == 0 || !self.default.transforms() && !self.records.load(Ordering::Acquire) {
+        if e.attr.kind != FileKind::File
+            || e.attr.size == 0
+            || !self.default.transforms() && !self.shared && !self.records.load(Ordering::Acquire)
+        {
             return Ok(());
         }
         // A file whose chain cannot be read still has a name and attributes (the error is in the
@@ -552,7 +554,12 @@ impl PolicyLayer {
         let reply = self.finish_create(reply, chain, true, parent, &tmp)?;
         let Reply::Created(e, opened) = &reply else { return Err(Error::Os(libc::EIO)) };
         match self.move_into_place(cx, e.node, parent, &tmp, name) {
-            Ok(()) => Ok(reply),
+            Ok(()) => {
+                // The rename changed the file's ctime: reply with its attributes as they are.
+                let Reply::Created(mut e, opened) = reply else { unreachable!("matched above") };
+                e.attr = chain.top.getattr(&daemon(), e.node)?;
+                Ok(Reply::Created(e, opened))
+            }
             Err(err) => {
                 let _ = chain.top.release(&daemon(), e.node, opened.fh);
                 self.count_open(e.node, -1);

@@ -282,7 +282,8 @@ impl ScaLayer {
                 drop(open);
                 if self.engine.shared.is_some() {
                     // Close-to-open: what other mounts wrote before this open is seen.
-                    if let Err(e) = self.checked(node, &mut f.file.write(), |file| file.revalidate()) {
+                    let checked = self.checked(node, &mut f.file.write(), |file| file.revalidate());
+                    if let Err(e) = checked {
                         let _ = self.relinquish(node);
                         return Err(e);
                     }
@@ -541,7 +542,9 @@ impl ScaLayer {
         let lower = LowerFile { level: self.below().clone(), node: entry.node, fh: opened.fh, writable: true, label: OnceLock::new() };
         let f = self.acquire(entry.node, Some((lower, entry.attr.size == 0)))?;
         if flags & libc::O_TRUNC != 0 {
-            if let Err(e) = f.file.write().truncate(0) {
+            // The guard goes before `relinquish`, which takes it again.
+            let truncated = f.file.write().truncate(0);
+            if let Err(e) = truncated {
                 let _ = self.relinquish(entry.node);
                 return Err(e);
             }
