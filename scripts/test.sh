@@ -42,7 +42,7 @@ if [ -x tests/pjdfstest/run.sh ]; then
   echo "== pjdfstest" >&2
   timeout 1800 tests/pjdfstest/run.sh
   echo "== pjdfstest over GlusterFS, two mounts' worth of sharing (-o shared)" >&2
-  gluster_work=$(echo "$GLUSTER_MOUNTS" | head -1)/pjd
+  gluster_work=${GLUSTER_MOUNTS%%$'\n'*}/pjd
   mkdir -p "$gluster_work"
   PJDFSTEST_WORKDIR=$gluster_work timeout 1800 tests/pjdfstest/run.sh --tolerate-native "zstd -o shared" "crypt -o shared"
 fi

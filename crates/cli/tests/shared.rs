@@ -444,3 +444,101 @@ fn direct_changes_to_the_lower_show_within_the_timeout() {
         assert_eq!(err.raw_os_error(), Some(libc::EIO), "{options:?}: {err}");
     }
 }
+
+/// Two mounts that encode here and store through one `plyfs serve` (`zstd,remote`): the locks
+/// travel to the server, which holds them for each connection, so appends from both all arrive;
+/// and a client that goes away leaves nothing locked.
+#[test]
+fn appends_through_one_server_from_two_client_mounts_all_arrive() {
+    let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let lower = root.join("lower");
+    fs::create_dir(&lower).unwrap();
+    let addr = format!("unix:{}", root.join("s.sock").display());
+    let _server = common::Server::start(&lower, &addr, &[], &root.join("server.log"));
+    let (mnt_a, mnt_b) = (root.join("mnt-a"), root.join("mnt-b"));
+    fs::create_dir(&mnt_a).unwrap();
+    fs::create_dir(&mnt_b).unwrap();
+    let a = Mount::start(dir, PathBuf::from(&addr), mnt_a, "zstd,remote", &["shared"]);
+    let mut b = Mount::start(tempfile::tempdir().unwrap(), PathBuf::from(&addr), mnt_b, "zstd,remote", &["shared"]);
+    let per_mount = 100;
+    std::thread::scope(|s| {
+        for (who, m) in [("a", &a), ("b", &b)] {
+            let path = m.path("log");
+            s.spawn(move || {
+                for i in 0..per_mount {
+                    let mut f = OpenOptions::new().append(true).create(true).open(&path).unwrap();
+                    f.write_all(format!("{who} {i}\n").as_bytes()).unwrap();
+                }
+            });
+        }
+    });
+    let text = fs::read_to_string(a.path("log")).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines.sort();
+    let mut want: Vec<String> = ["a", "b"].iter().flat_map(|w| (0..per_mount).map(move |i| format!("{w} {i}"))).collect();
+    want.sort();
+    assert!(lines == want, "{} lines for {} written", lines.len(), want.len());
+    assert_eq!(op_json(&a.path("log"), &["verify"])["ok"], true);
+    // A client killed while it holds the lock (its connection drops): the other goes on.
+    op_json(&b.path("log"), &["verify"]);
+    let stalled = {
+        let path = b.path("log");
+        std::thread::spawn(move || {
+            // Holds the file's write lock on the server while the first append is being made.
+            OpenOptions::new().append(true).open(&path).and_then(|mut f| f.write_all(b"from the killed client\n"))
+        })
+    };
+    unsafe { libc::kill(b.pid(), libc::SIGKILL) };
+    let _ = stalled.join();
+    b.wait_exit(Duration::from_secs(10)).expect("the killed client is gone");
+    let started = Instant::now();
+    let mut f = OpenOptions::new().append(true).open(a.path("log")).unwrap();
+    f.write_all(b"after the kill\n").unwrap();
+    drop(f);
+    assert!(started.elapsed() < Duration::from_secs(5), "the surviving client waited {:?}", started.elapsed());
+    assert!(fs::read_to_string(a.path("log")).unwrap().ends_with("after the kill\n"));
+}
+
+/// On a shared mount over a local lower, changes made behind its back show at once, however
+/// long the timeouts: the lower directory is watched (fanotify), and the mount's own changes
+/// are not taken for outside ones.
+#[test]
+fn direct_changes_show_at_once_on_a_shared_mount_of_a_local_lower() {
+    let m = Mount::with("null", &["shared", "attr_timeout=60", "entry_timeout=60"]);
+    fs::create_dir(m.path("d")).unwrap();
+    fs::write(m.path("d/f"), "one\n").unwrap();
+    assert_eq!(content(&m.path("d/f")), Ok("one\n".into()));
+    assert!(!m.path("d/new").exists());
+    let quickly = |what: &str, ok: &dyn Fn() -> bool| {
+        let start = Instant::now();
+        while !ok() {
+            assert!(start.elapsed() < Duration::from_secs(3), "{what}: not seen after 3 s (the timeouts are 60 s)");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    fs::write(m.lower_path("d/f"), "two, longer\n").unwrap();
+    quickly("a file rewritten in the lower", &|| content(&m.path("d/f")) == Ok("two, longer\n".into()));
+    fs::write(m.lower_path("d/new"), "added\n").unwrap();
+    quickly("a file added in the lower", &|| content(&m.path("d/new")) == Ok("added\n".into()));
+    fs::rename(m.lower_path("d/new"), m.lower_path("d/moved")).unwrap();
+    quickly("a file renamed in the lower", &|| !m.path("d/new").exists() && m.path("d/moved").exists());
+    fs::remove_file(m.lower_path("d/moved")).unwrap();
+    quickly("a file removed in the lower", &|| !m.path("d/moved").exists());
+    let names = |p: &Path| -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(p).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&m.path("d")), ["f"]);
+    fs::write(m.lower_path("d/listed"), "").unwrap();
+    quickly("a listing after a file added in the lower", &|| names(&m.path("d")) == ["f", "listed"]);
+    // The mount's own work is not taken for outside changes: nothing in the log about it, and
+    // its files stay as written.
+    for i in 0..50 {
+        fs::write(m.path(&format!("d/own-{i}")), format!("{i}\n")).unwrap();
+    }
+    for i in 0..50 {
+        assert_eq!(content(&m.path(&format!("d/own-{i}"))), Ok(format!("{i}\n")));
+    }
+}

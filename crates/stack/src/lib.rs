@@ -23,6 +23,7 @@ pub mod shared;
 pub mod spec;
 mod stack;
 mod types;
+mod watch;
 
 pub use error::{Error, Result};
 pub use layer::{bypass, unsupported, DataPath, ExtOpInfo, Invalidator, Layer, Level};

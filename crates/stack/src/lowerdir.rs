@@ -30,6 +30,7 @@ use crate::error::{Error, Result};
 use crate::layer::{unsupported, ExtOpInfo, Layer, Level};
 use crate::op::{Op, Reply};
 use crate::shared::{LockFile, LockKind, LockTable};
+use crate::watch::Watch;
 use crate::types::*;
 
 const EXT_OPS: &[ExtOpInfo] = &[
@@ -155,6 +156,8 @@ pub struct LowerDir {
     reopen_by_handle: bool,
     /// Locks on lower files, for mounts that share them (`lower-lock`).
     locks: LockTable,
+    /// The watch for changes made behind the mount's back (`-o shared`, local lowers).
+    watch: std::sync::OnceLock<Arc<Watch>>,
 }
 
 /// The lock on a lower file: an open-file-description lock on a descriptor of its own.
@@ -379,7 +382,41 @@ impl LowerDir {
             mount_fd,
             reopen_by_handle: has_capability(CAP_DAC_READ_SEARCH),
             locks: LockTable::default(),
+            watch: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Start watching the lower directory for changes made behind the mount's back, told to
+    /// `inv` (see [`crate::watch`]). Only for a shared mount over a local file system, by a
+    /// daemon that may use fanotify.
+    fn start_watch(&self, inv: Arc<dyn crate::layer::Invalidator>) {
+        const CAP_SYS_ADMIN: u32 = 21;
+        if crate::shared::mode().is_none() || self.flush_on_close || !has_capability(CAP_SYS_ADMIN) {
+            return;
+        }
+        let watch = match Watch::new() {
+            Ok(w) => Arc::new(w),
+            Err(e) => {
+                tracing::warn!("{}: cannot watch for outside changes (fanotify: {e}); they show within the timeouts", self.root.display());
+                return;
+            }
+        };
+        let dirs: Vec<(NodeId, Option<Arc<OwnedFd>>)> = self
+            .nodes
+            .lock()
+            .by_id
+            .iter()
+            .filter(|(_, (n, _))| n.kind == FileKind::Dir)
+            .map(|(id, (n, _))| (NodeId(*id), n.fd.lock().clone()))
+            .collect();
+        for (id, fd) in dirs {
+            if let Some(fd) = fd {
+                watch.add(id, fd.as_raw_fd());
+            }
+        }
+        if self.watch.set(watch.clone()).is_ok() {
+            let _ = std::thread::Builder::new().name("lower-watch".into()).spawn(move || watch.run(inv));
+        }
     }
 
     /// `lower-lock`: take or drop a lock on the node's lower file for the calling owner.
@@ -518,6 +555,9 @@ impl LowerDir {
                 // handle fails with ESTALE here).
                 let reopenable = matches!(kind, FileKind::Dir | FileKind::File) && key.0 == self.root_key.0;
                 let handle = (self.reopen_by_handle && reopenable).then(|| handle_of(fd.as_raw_fd())).flatten();
+                if let (FileKind::Dir, Some(watch)) = (kind, self.watch.get()) {
+                    watch.add(NodeId(id), fd.as_raw_fd());
+                }
                 let node = LowerNode { key, kind, handle, fd: Mutex::new(Some(Arc::new(fd))), used: AtomicBool::new(true), pinned: AtomicBool::new(false) };
                 table.by_id.insert(id, (Arc::new(node), 1));
                 true
@@ -588,7 +628,11 @@ impl LowerDir {
         };
         if gone {
             if let Some((node, _)) = table.by_id.remove(&id.0) {
-                if node.fd.lock().is_some() {
+                let fd = node.fd.lock().clone();
+                if let (FileKind::Dir, Some(watch), Some(fd)) = (node.kind, self.watch.get(), &fd) {
+                    watch.remove(id, fd.as_raw_fd());
+                }
+                if fd.is_some() {
                     fd_budget().open.fetch_sub(1, Ordering::Relaxed);
                 }
             }
@@ -846,6 +890,10 @@ impl Layer for LowerDir {
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         self.dispatch(cx, op).inspect_err(|e| self.warn_if_out_of_descriptors(e))
+    }
+
+    fn set_invalidator(&self, inv: Arc<dyn crate::layer::Invalidator>) {
+        self.start_watch(inv);
     }
 }
 

@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# bench/shared.sh: the benchmarks of shared lowers (issue #13), every baseline in the same run.
+#
+#   bench/shared.sh [--quick] [--runs N] [--no-write-doc]
+#
+# Over GlusterFS (scripts/gluster.sh: one node, replica 2, set up for sharing), each configuration
+# in a directory of its own on the volume:
+#   gluster     the volume itself
+#   null        plyfs --stack null  -o shared
+#   zstd        plyfs --stack zstd  -o shared
+#   crypt       plyfs --stack crypt -o shared   (a volume made by `plyfs init --layer crypt`)
+#   gocryptfs   gocryptfs -sharedstorage        (`gocryptfs -init -scryptn 10`)
+# workloads: a sequential write of SIZE of incompressible data (dd, 1 MiB blocks, fsync before
+# the close), a cold sequential read of it (caches dropped), and the untar of /usr/include's
+# tarball (then sync).
+#
+# On the local disk (/var/tmp, ext4), the cost of the sharing mode: zstd and crypt mounted with
+# and without -o shared, for 2,000 appends of a line each (`echo line >> file`, an open, a write
+# and a close each) and the same untar.
+#
+# Each repetition runs the configurations in a rotated order; medians are reported. The report
+# replaces the section between <!-- shared:begin --> and <!-- shared:end --> in docs/benchmarks.md.
+#
+# Environment: PLYFS_BIN, BENCH_OUT (as the other scripts).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CMDLINE="bench/shared.sh${*:+ $*}"
+. "$REPO/bench/common.sh"
+exec 3>&2
+
+runs=3 size_mb=1024 write_doc=1
+while (($#)); do
+    case $1 in
+        --quick) runs=2 size_mb=256; shift ;;
+        --runs) runs=$2; shift 2 ;;
+        --no-write-doc) write_doc=0; shift ;;
+        -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "bench/shared.sh: unknown option $1" >&2; exit 2 ;;
+    esac
+done
+[[ $(id -u) -eq 0 ]] || { echo "bench/shared.sh: run as root (mounts, dropping caches, GlusterFS)" >&2; exit 1; }
+
+install_missing gocryptfs python3
+set_out_dir bench/shared.sh
+WORK=$(mktemp -d "$OUT/shared.XXXXXX")
+use_plyfs bench/shared.sh "$WORK/bin" 1
+RESULTS=$OUT/shared-results.csv
+echo "workload,config,run,seconds" >"$RESULTS"
+
+MOUNTS=()
+GLUSTER_STARTED=0
+cleanup() {
+    local m
+    for m in "${MOUNTS[@]}"; do
+        is_mounted "$m" && { "$PLYFS" umount "$m" 2>/dev/null || fusermount3 -uz "$m" 2>/dev/null || umount -l "$m"; }
+    done
+    rm -rf "${GDIR:-/nonexistent}" "$WORK" 2>/dev/null || true
+    ((GLUSTER_STARTED)) && "$REPO/scripts/gluster.sh" down >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+scripts_gluster=$REPO/scripts/gluster.sh
+"$scripts_gluster" status >/dev/null 2>&1 || GLUSTER_STARTED=1
+GMOUNTS=$("$scripts_gluster" up)
+G1=${GMOUNTS%%$'\n'*}
+GDIR=$G1/bench-shared-$$
+mkdir -p "$GDIR"
+
+# The inputs: incompressible data and the tarball.
+log "making $size_mb MiB of random data and the /usr/include tarball"
+head -c "$((size_mb << 20))" /dev/urandom >"$WORK/data"
+TARBALL=$WORK/include.tar
+tar -C /usr -cf "$TARBALL" include
+echo "benchmark" >"$WORK/pass"
+
+# mount_config NAME LOWER MNT: mount one configuration (plyfs stacks take -o shared, or not with
+# a -local suffix).
+mount_config() {
+    local name=$1 lower=$2 mnt=$3
+    mkdir -p "$lower" "$mnt"
+    MOUNTS+=("$mnt")
+    case $name in
+        gluster) ;;
+        gocryptfs)
+            gocryptfs -q -init -scryptn 10 -passfile "$WORK/pass" "$lower" >/dev/null
+            gocryptfs -q -sharedstorage -passfile "$WORK/pass" "$lower" "$mnt" ;;
+        crypt*)
+            "$PLYFS" init "$lower" --layer crypt --kdf-memory 1024 --passfile "$WORK/pass" >/dev/null 2>&1
+            "$PLYFS" mount "$lower" "$mnt" --stack crypt --passfile "$WORK/pass" $(opts "$name") >/dev/null ;;
+        *) "$PLYFS" mount "$lower" "$mnt" --stack "${name%%-*}" $(opts "$name") >/dev/null ;;
+    esac
+}
+opts() { [[ $1 == *-unshared ]] && echo "" || echo "-o shared"; }
+
+# where CONFIG: the directory to work in.
+where() { if [[ $1 == gluster ]]; then echo "$GDIR/gluster"; else echo "$WORK/mnt-$1"; fi; }
+
+record() { echo "$1,$2,$3,$ELAPSED" >>"$RESULTS"; log "$1 $2 run $3: ${ELAPSED}s"; }
+
+GLUSTER_CONFIGS=(gluster null zstd crypt gocryptfs)
+for c in "${GLUSTER_CONFIGS[@]}"; do
+    if [[ $c == gluster ]]; then mkdir -p "$GDIR/gluster"; else mount_config "$c" "$GDIR/lower-$c" "$WORK/mnt-$c"; fi
+done
+LOCAL_CONFIGS=(zstd-unshared zstd-shared crypt-unshared crypt-shared)
+for c in "${LOCAL_CONFIGS[@]}"; do mount_config "$c" "$WORK/lower-$c" "$WORK/mnt-$c"; done
+
+APPENDS='for i in $(seq 2000); do echo "line $i of the appends benchmark" >>"$1/appends"; done'
+UNTAR='tar -C "$1" -xf "$2" && sync'
+
+for run in $(seq "$runs"); do
+    # Rotate the order from one repetition to the next.
+    rot=$(((run - 1) % ${#GLUSTER_CONFIGS[@]}))
+    order=("${GLUSTER_CONFIGS[@]:rot}" "${GLUSTER_CONFIGS[@]:0:rot}")
+    for c in "${order[@]}"; do
+        d=$(where "$c")
+        run_timed 1800 dd if="$WORK/data" of="$d/big" bs=1M conv=fsync status=none; record write "$c" "$run"
+        drop_caches
+        run_timed 1800 dd if="$d/big" of=/dev/null bs=1M status=none; record read "$c" "$run"
+        rm -f "$d/big"
+        rm -rf "$d/tree"; mkdir "$d/tree"
+        run_timed 1800 bash -c "$UNTAR" _ "$d/tree" "$TARBALL"; record untar "$c" "$run"
+        rm -rf "$d/tree"
+    done
+    rot=$(((run - 1) % ${#LOCAL_CONFIGS[@]}))
+    order=("${LOCAL_CONFIGS[@]:rot}" "${LOCAL_CONFIGS[@]:0:rot}")
+    for c in "${order[@]}"; do
+        d=$(where "$c")
+        rm -f "$d/appends"
+        run_timed 600 bash -c "$APPENDS" _ "$d"; record appends-local "$c" "$run"
+        rm -rf "$d/tree"; mkdir "$d/tree"
+        run_timed 1800 bash -c "$UNTAR" _ "$d/tree" "$TARBALL"; record untar-local "$c" "$run"
+        rm -rf "$d/tree"
+    done
+done
+
+REPORT=$WORK/report.md
+python3 - "$RESULTS" "$size_mb" "$runs" "$PLYFS_REV" "$CMDLINE" >"$REPORT" <<'PY'
+import csv, statistics, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+size_mb, runs, rev, cmd = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+med = {}
+for w in {r["workload"] for r in rows}:
+    for c in {r["config"] for r in rows if r["workload"] == w}:
+        med[w, c] = statistics.median(float(r["seconds"]) for r in rows if r["workload"] == w and r["config"] == c)
+def cell(w, c, base, mbs=False):
+    if (w, c) not in med: return "—"
+    t = med[w, c]
+    v = f"{size_mb / t:.0f} MiB/s" if mbs else f"{t:.2f} s"
+    if base and (w, base) in med and c != base:
+        v += f" ({med[w, base] / t:.2f}×)"
+    return v
+print(f"`{cmd}` (plyfs {rev}; medians of {runs} runs; {size_mb} MiB files; GlusterFS 1 node, replica 2, two bricks on the same disk).\n")
+print("Over GlusterFS (speed relative to GlusterFS itself; for crypt, relative to gocryptfs -sharedstorage in the last column):\n")
+print("| workload | GlusterFS | plyfs null | plyfs zstd | plyfs crypt | gocryptfs -sharedstorage | crypt vs gocryptfs |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for w, label, mbs in [("write", "sequential write, fsync", True), ("read", "sequential read, cold", True), ("untar", "untar /usr/include, sync", False)]:
+    vs = f"{med[w, 'gocryptfs'] / med[w, 'crypt']:.2f}×" if (w, "crypt") in med and (w, "gocryptfs") in med else "—"
+    print(f"| {label} | " + " | ".join(cell(w, c, "gluster", mbs) for c in ["gluster", "null", "zstd", "crypt", "gocryptfs"]) + f" | {vs} |")
+print("\nThe cost of -o shared on the local disk (ext4), time with / time without:\n")
+print("| workload | zstd | zstd -o shared | cost | crypt | crypt -o shared | cost |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for w, label in [("appends-local", "2,000 appends (`echo >>`)"), ("untar-local", "untar /usr/include, sync")]:
+    out = [label]
+    for s in ["zstd", "crypt"]:
+        a, b = med.get((w, f"{s}-unshared")), med.get((w, f"{s}-shared"))
+        out += [f"{a:.2f} s", f"{b:.2f} s", f"{(b / a - 1) * 100:+.0f}%"] if a and b else ["—"] * 3
+    print("| " + " | ".join(out) + " |")
+PY
+cat "$REPORT"
+if ((write_doc)); then write_doc_section shared "Shared lowers (bench/shared.sh)" "$REPORT"; fi
