@@ -149,6 +149,8 @@ pub struct PolicyLayer {
     switch: RwLock<()>,
     /// Other mounts share the lower tree (`-o shared`): they may record chains at any time.
     shared: bool,
+    /// The lower file system refused `RENAME_NOREPLACE` once: files move into place by link.
+    no_rename_noreplace: std::sync::atomic::AtomicBool,
 }
 
 fn daemon() -> Caller {
@@ -196,6 +198,7 @@ impl PolicyLayer {
             records: std::sync::atomic::AtomicBool::new(records),
             switch: RwLock::new(()),
             shared,
+            no_rename_noreplace: false.into(),
         }))
     }
 
@@ -531,8 +534,14 @@ impl PolicyLayer {
     /// system has no such rename (GlusterFS).
     fn move_into_place(&self, cx: &Caller, node: NodeId, parent: NodeId, tmp: &OsStr, name: &OsStr) -> Result<()> {
         let rename = Op::Rename { parent, name: tmp, new_parent: parent, new_name: name, flags: libc::RENAME_NOREPLACE };
-        match self.below().call(cx, &rename) {
+        let renamed = if self.no_rename_noreplace.load(Ordering::Relaxed) {
+            Err(Error::Os(libc::EINVAL))
+        } else {
+            self.below().call(cx, &rename)
+        };
+        match renamed {
             Err(Error::Os(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => {
+                self.no_rename_noreplace.store(true, Ordering::Relaxed);
                 let linked = self.below().call(cx, &Op::Link { node, new_parent: parent, new_name: name })?;
                 if let Reply::Entry(e) = linked {
                     self.below().forget(&daemon(), e.node, 1);
@@ -602,12 +611,27 @@ impl PolicyLayer {
                 e.attr = chain.top.getattr(&daemon(), e.node)?;
             }
         }
-        self.note_file(e.node, chain.clone(), false);
-        self.count_open(e.node, 1);
+        self.note_open(e.node, chain);
         if e.attr.kind == FileKind::File && chain.transforms() && e.attr.size > 0 {
             e.attr = chain.top.getattr(&daemon(), e.node)?;
         }
         Ok(Reply::Created(e, opened))
+    }
+
+    /// One more handle open on `node` through `chain`. The node's state is made again if a
+    /// forget (of an earlier lookup) took it away meanwhile.
+    fn note_open(&self, node: NodeId, chain: &ChainRef) {
+        let mut nodes = self.nodes.write();
+        match nodes.get_mut(&node) {
+            Some(Known::File(f)) => {
+                f.chain = Some(chain.clone());
+                f.provisional = false;
+                f.opens += 1;
+            }
+            _ => {
+                nodes.insert(node, Known::File(FileState { chain: Some(chain.clone()), opens: 1, superseded: false, provisional: false }));
+            }
+        }
     }
 
     fn count_open(&self, node: NodeId, delta: i32) {
@@ -676,7 +700,19 @@ impl PolicyLayer {
     }
 
     fn forget(&self, cx: &Caller, node: NodeId, nlookup: u64) -> Result<Reply> {
-        let known = self.nodes.write().remove(&node);
+        // A forget may reach the daemon after the kernel looked the node up again and opened
+        // it (the kernel sends it on its own): a file with open handles keeps its state.
+        let known = {
+            let mut nodes = self.nodes.write();
+            match nodes.get(&node) {
+                Some(Known::File(FileState { opens, chain: Some(c), .. })) if *opens > 0 => {
+                    let chain = c.clone();
+                    drop(nodes);
+                    return chain.top.call(cx, &Op::Forget { node, nlookup });
+                }
+                _ => nodes.remove(&node),
+            }
+        };
         self.dirs.lock().remove(&node);
         let chain = match known {
             Some(Known::File(FileState { chain: Some(c), .. })) => c,
@@ -949,7 +985,7 @@ impl Layer for PolicyLayer {
                 let _switch = self.switch.read();
                 let chain = self.chain_of(node)?;
                 let reply = chain.top.call(cx, op)?;
-                self.count_open(node, 1);
+                self.note_open(node, &chain);
                 Ok(reply)
             }
             Op::Release { node, .. } => {

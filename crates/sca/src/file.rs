@@ -323,7 +323,17 @@ impl<L: LowerIo> ScaFile<L> {
         self.drop_prefetched();
         self.hot = None;
         let before = (self.ix.log_end, self.ix.size, self.slot_seq);
-        let by_appends = self.catch_up_by_appends(&now)?;
+        let by_appends = if now.len == 0 {
+            // Empty (a new file, or emptied): nothing to read. Numbers keep growing.
+            let (next_seq, slot_seq) = (self.ix.next_seq, self.slot_seq);
+            self.pending.clear();
+            self.start_over(false);
+            self.ix.next_seq = next_seq;
+            self.slot_seq = slot_seq;
+            true
+        } else {
+            self.catch_up_by_appends(&now)?
+        };
         if !by_appends {
             self.load()?;
         }

@@ -265,9 +265,9 @@ impl ScaLayer {
             let mut users = f.users.lock();
             let reusable = match users.idle {
                 None => true, // open, or being closed
-                // The content is checked below, under the lock; but the name may now be
-                // another file's, and this one gone.
-                Some(_) if self.engine.shared.is_some() => self.below().getattr(&internal(), node).is_ok_and(|a| a.nlink > 0),
+                // The content is checked below, under the lock; but the file kept may be gone,
+                // and its inode number given to another.
+                Some(_) if self.engine.shared.is_some() => self.same_file(node, f.lower_fh),
                 Some(stamp) => self.below().getattr(&internal(), node).is_ok_and(|a| LowerStamp::of(&a) == stamp),
             };
             if reusable {
@@ -324,6 +324,20 @@ impl ScaLayer {
             self.invalidate.node(node);
         }
         result
+    }
+
+    /// Whether the layer's handle `fh` on node `node`'s lower file is still on the file the node
+    /// names, and that file is not deleted.
+    fn same_file(&self, node: NodeId, fh: FileHandle) -> bool {
+        let below = self.below();
+        let by_handle = below.call(&internal(), &Op::GetAttr { node, fh: Some(fh) });
+        let by_node = below.getattr(&internal(), node);
+        match (by_handle, by_node) {
+            (Ok(Reply::Attr(h)), Ok(n)) => {
+                h.nlink > 0 && (h.size, h.mtime, h.ctime, h.nlink) == (n.size, n.mtime, n.ctime, n.nlink)
+            }
+            _ => false,
+        }
     }
 
     /// Drop an idle file's state.
