@@ -510,7 +510,8 @@ impl PolicyLayer {
         }
         let decided = self.decide_in(parent, name, 0)?;
         let chain = decided.chain;
-        if self.shared && (chain.transforms() || !Arc::ptr_eq(&chain, &self.default)) {
+        // A file of the default chain reads the same in every mount, recorded yet or not.
+        if self.shared && !Arc::ptr_eq(&chain, &self.default) {
             return self.create_recorded(cx, parent, name, mode, flags, &chain);
         }
         let reply = chain.top.call(cx, &Op::Create { parent, name, mode, flags });

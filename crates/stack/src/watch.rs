@@ -20,14 +20,14 @@ use crate::error::{Error, Result};
 use crate::layer::Invalidator;
 use crate::types::NodeId;
 
-/// Names made, removed and moved; files written (at their close: a write through passthrough
-/// carries the writer's process id, not the daemon's, and every one would count) and attributes
-/// changed.
+/// Names made, removed and moved, and files written (at their close: a write through
+/// passthrough carries the writer's process id, not the daemon's, and every one would count).
+/// Attribute changes (which the mount's own work makes several of per file, each an event to
+/// read) show within the attribute timeout.
 const MASK: u64 = libc::FAN_CREATE
     | libc::FAN_DELETE
     | libc::FAN_MOVED_FROM
     | libc::FAN_MOVED_TO
-    | libc::FAN_ATTRIB
     | libc::FAN_CLOSE_WRITE
     | libc::FAN_EVENT_ON_CHILD
     | libc::FAN_ONDIR;
