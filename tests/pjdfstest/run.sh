@@ -426,7 +426,7 @@ if [ "$RUN_NATIVE" = 1 ]; then
   fi
   TARGET_ERROR=""
   run_target native "$WORK/native" "$NATIVE_SEC" "$NATIVE_RO"
-  report_target native "native ext4 ($WORK/native)" 1
+  report_target native "native $(stat -f -c %T "$WORK") ($WORK/native)" 1
   if [ -n "$LOOP_MNT" ]; then
     umount "$LOOP_MNT" 2>/dev/null || umount -l "$LOOP_MNT" || true
     LOOP_MNT=""
