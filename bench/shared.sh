@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/shared.sh: the benchmarks of shared lowers (issue #13), every baseline in the same run.
 #
-#   bench/shared.sh [--quick] [--runs N] [--no-write-doc]
+#   bench/shared.sh [--quick] [--runs N] [--only gluster|local] [--no-write-doc]
 #
 # Over GlusterFS (scripts/gluster.sh: one node, replica 2, set up for sharing), each configuration
 # in a directory of its own on the volume:
@@ -29,12 +29,13 @@ CMDLINE="bench/shared.sh${*:+ $*}"
 . "$REPO/bench/common.sh"
 exec 3>&2
 
-runs=3 size_mb=1024 write_doc=1
+runs=3 size_mb=1024 write_doc=1 only=
 while (($#)); do
     case $1 in
         --quick) runs=2 size_mb=256; shift ;;
         --runs) runs=$2; shift 2 ;;
         --no-write-doc) write_doc=0; shift ;;
+        --only) only=$2; shift 2 ;;
         -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "bench/shared.sh: unknown option $1" >&2; exit 2 ;;
     esac
@@ -100,10 +101,12 @@ where() { if [[ $1 == gluster ]]; then echo "$GDIR/gluster"; else echo "$WORK/mn
 record() { echo "$1,$2,$3,$ELAPSED" >>"$RESULTS"; log "$1 $2 run $3: ${ELAPSED}s"; }
 
 GLUSTER_CONFIGS=(gluster null zstd crypt gocryptfs)
+LOCAL_CONFIGS=(zstd-unshared zstd-shared crypt-unshared crypt-shared)
+[[ $only == local ]] && GLUSTER_CONFIGS=()
+[[ $only == gluster ]] && LOCAL_CONFIGS=()
 for c in "${GLUSTER_CONFIGS[@]}"; do
     if [[ $c == gluster ]]; then mkdir -p "$GDIR/gluster"; else mount_config "$c" "$GDIR/lower-$c" "$WORK/mnt-$c"; fi
 done
-LOCAL_CONFIGS=(zstd-unshared zstd-shared crypt-unshared crypt-shared)
 for c in "${LOCAL_CONFIGS[@]}"; do mount_config "$c" "$WORK/lower-$c" "$WORK/mnt-$c"; done
 
 APPENDS='for i in $(seq 2000); do echo "line $i of the appends benchmark" >>"$1/appends"; done'
@@ -111,7 +114,7 @@ UNTAR='tar -C "$1" -xf "$2" && sync'
 
 for run in $(seq "$runs"); do
     # Rotate the order from one repetition to the next.
-    rot=$(((run - 1) % ${#GLUSTER_CONFIGS[@]}))
+    rot=$(((run - 1) % (${#GLUSTER_CONFIGS[@]} + 1)))
     order=("${GLUSTER_CONFIGS[@]:rot}" "${GLUSTER_CONFIGS[@]:0:rot}")
     for c in "${order[@]}"; do
         d=$(where "$c")
@@ -123,7 +126,7 @@ for run in $(seq "$runs"); do
         run_timed 1800 bash -c "$UNTAR" _ "$d/tree" "$TARBALL"; record untar "$c" "$run"
         rm -rf "$d/tree"
     done
-    rot=$(((run - 1) % ${#LOCAL_CONFIGS[@]}))
+    rot=$(((run - 1) % (${#LOCAL_CONFIGS[@]} + 1)))
     order=("${LOCAL_CONFIGS[@]:rot}" "${LOCAL_CONFIGS[@]:0:rot}")
     for c in "${order[@]}"; do
         d=$(where "$c")
