@@ -249,6 +249,18 @@ impl<L: LowerIo> ScaFile<L> {
         self.replace_index(FileIndex::new(self.engine.chunk_shift));
     }
 
+    /// Forget the content of a file that is now empty. On a shared file, record and slot numbers
+    /// keep growing, so that no other mount can take the new log for the continuation of the one
+    /// it knew.
+    fn start_empty(&mut self) {
+        let (next_seq, slot_seq) = (self.ix.next_seq, self.slot_seq);
+        self.start_over(false);
+        if self.engine.shared.is_some() {
+            self.ix.next_seq = next_seq;
+            self.slot_seq = slot_seq;
+        }
+    }
+
     /// Put a new index in place. What was remembered about records of the old one goes: an
     /// emptied file numbers its records from 1 again.
     fn replace_index(&mut self, ix: FileIndex) {
@@ -324,12 +336,8 @@ impl<L: LowerIo> ScaFile<L> {
         self.hot = None;
         let before = (self.ix.log_end, self.ix.size, self.slot_seq);
         let by_appends = if now.len == 0 {
-            // Empty (a new file, or emptied): nothing to read. Numbers keep growing.
-            let (next_seq, slot_seq) = (self.ix.next_seq, self.slot_seq);
-            self.pending.clear();
-            self.start_over(false);
-            self.ix.next_seq = next_seq;
-            self.slot_seq = slot_seq;
+            // Empty (a new file, or emptied): nothing to read.
+            self.start_empty();
             true
         } else {
             self.catch_up_by_appends(&now)?
@@ -1276,14 +1284,7 @@ impl<L: LowerIo> ScaFile<L> {
             self.modified = true;
             self.drop_prefetched();
             self.lower.set_len(0)?;
-            let (next_seq, slot_seq) = (self.ix.next_seq, self.slot_seq);
-            self.start_over(false);
-            if self.engine.shared.is_some() {
-                // Numbers keep growing, so that no other mount can take the new log for the
-                // continuation of the one it knew.
-                self.ix.next_seq = next_seq;
-                self.slot_seq = slot_seq;
-            }
+            self.start_empty();
             return Ok(());
         }
         let result = self.with_rebuild(|f| f.truncate_chunks(size));
