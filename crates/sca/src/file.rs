@@ -168,6 +168,8 @@ pub struct ScaFile<L: LowerIo> {
     needs_write_lock: bool,
     /// Another mount changed the file since this was last told (see [`Self::take_changed`]).
     changed_outside: bool,
+    /// The log said that the lower file cannot be locked.
+    told_no_locks: bool,
 }
 
 /// What a shared file looked like the last time this mount checked it under its lock: any
@@ -178,6 +180,26 @@ struct Seen {
     head: Vec<u8>,
     len: u64,
     at: std::time::Instant,
+}
+
+impl Seen {
+    /// This mount wrote `data` at `off` (under the write lock): the start of the file follows.
+    fn wrote(&mut self, off: u64, data: &[u8]) {
+        let end = (off + data.len() as u64).min(DATA_START) as usize;
+        if self.head.len() < end {
+            // The file grew: whatever lay between its old end and the write reads as zeros.
+            self.head.resize(end, 0);
+        }
+        if off < DATA_START {
+            let off = off as usize;
+            self.head[off..end].copy_from_slice(&data[..end - off]);
+        }
+    }
+
+    /// This mount set the file's length to `len`.
+    fn resized(&mut self, len: u64) {
+        self.head.resize(len.min(DATA_START) as usize, 0);
+    }
 }
 
 impl<L: LowerIo> ScaFile<L> {
@@ -216,9 +238,21 @@ impl<L: LowerIo> ScaFile<L> {
             read_locked: false,
             needs_write_lock: false,
             changed_outside: false,
+            told_no_locks: false,
         }
     }
 
+
+    /// The state of a file this mount just created, empty: on a shared file, as good as seen
+    /// under the lock now (an empty file has nothing to catch up with), so that the first
+    /// look at its size or content needs no lock.
+    pub fn created(engine: Arc<Engine>, lower: L) -> ScaFile<L> {
+        let mut f = ScaFile::new_empty(engine, lower);
+        if f.engine.shared.is_some() {
+            f.seen = Some(Seen { head: Vec::new(), len: 0, at: std::time::Instant::now() });
+        }
+        f
+    }
 
     fn load(&mut self) -> Result<()> {
         let first = self.lower.read_at(0, OPEN_READ_BYTES)?;
@@ -288,13 +322,9 @@ impl<L: LowerIo> ScaFile<L> {
     }
 
     fn locked_once<T>(&mut self, kind: LockKind, op: &mut impl FnMut(&mut Self) -> Result<T>) -> Result<T> {
-        self.lower.lock(kind).map_err(|e| match e {
-            Error::UnsupportedOp { .. } => Error::Config(format!(
-                "{}: the lower file cannot be locked, so it cannot be shared with other mounts (-o shared)",
-                self.lower.describe()
-            )),
-            e => e,
-        })?;
+        if let Err(e) = self.lower.lock(kind) {
+            return Err(self.lock_failed(e));
+        }
         self.read_locked = kind == LockKind::Shared;
         self.needs_write_lock = false;
         let result = self.catch_up().and_then(|()| op(self));
@@ -310,6 +340,21 @@ impl<L: LowerIo> ScaFile<L> {
         let unlocked = self.lower.unlock(kind);
         let value = result?;
         unlocked.map(|()| value)
+    }
+
+    /// The lower file could not be locked. Where locks are not to be had there, the caller gets
+    /// `ENOLCK`, as from a file system without them, and the log one line (once per file).
+    fn lock_failed(&mut self, e: Error) -> Error {
+        if !matches!(e, Error::UnsupportedOp { .. } | Error::Os(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS)) {
+            return e;
+        }
+        if !std::mem::replace(&mut self.told_no_locks, true) {
+            tracing::error!(
+                "{}: the lower file cannot be locked ({e}), so it cannot be shared with other mounts (-o shared): its reads and changes fail with ENOLCK",
+                self.lower.describe()
+            );
+        }
+        Error::Os(libc::ENOLCK)
     }
 
     /// The lower file's start and length as they are now.
@@ -402,7 +447,7 @@ impl<L: LowerIo> ScaFile<L> {
         }
         if end < now.len && self.may_write() {
             // An append interrupted by a mount that died: the next writer would overwrite it.
-            self.lower.set_len(end)?;
+            self.set_lower_len(end)?;
         }
         self.slot_seq = slot.slot_seq;
         Ok(true)
@@ -415,11 +460,35 @@ impl<L: LowerIo> ScaFile<L> {
         if self.slot_dirty {
             self.write_slot()?;
         }
-        // The length is what this mount left, not asked of the lower file: on a network file
-        // system that would wait for the writes still in the client's cache.
-        let head = self.lower.read_at(0, DATA_START as usize)?;
+        // The start and length are what this mount left, not asked of the lower file: on a
+        // network file system that would wait for the writes still in the client's cache. The
+        // start is the one seen under the lock with this mount's writes since applied.
+        let head = match self.seen.take() {
+            Some(seen) => seen.head,
+            None => self.lower.read_at(0, DATA_START as usize)?,
+        };
+        #[cfg(debug_assertions)]
+        debug_assert_eq!(head, self.lower.read_at(0, DATA_START as usize)?, "{}: the start of the file as tracked", self.lower.describe());
         let len = if self.header_on_disk { self.ix.log_end } else { 0 };
         self.seen = Some(Seen { head, len, at: std::time::Instant::now() });
+        Ok(())
+    }
+
+    /// Write to the lower file, keeping the start of it last seen in step.
+    fn write_lower(&mut self, off: u64, data: &[u8]) -> Result<()> {
+        self.lower.write_at(off, data)?;
+        if let Some(seen) = &mut self.seen {
+            seen.wrote(off, data);
+        }
+        Ok(())
+    }
+
+    /// Set the lower file's length, keeping the start of it last seen in step.
+    fn set_lower_len(&mut self, len: u64) -> Result<()> {
+        self.lower.set_len(len)?;
+        if let Some(seen) = &mut self.seen {
+            seen.resized(len);
+        }
         Ok(())
     }
 
@@ -548,7 +617,7 @@ impl<L: LowerIo> ScaFile<L> {
                     len - end
                 );
                 self.drop_prefetched();
-                self.lower.set_len(end)?;
+                self.set_lower_len(end)?;
             }
         }
         ix.log_end = ix.log_end.max(end);
@@ -684,11 +753,11 @@ impl<L: LowerIo> ScaFile<L> {
         if self.lower.writable() {
             self.drop_prefetched();
             if self.ix.log_end < len {
-                self.lower.set_len(self.ix.log_end)?;
+                self.set_lower_len(self.ix.log_end)?;
             }
             let file_id = (self.file_id != [0; 16]).then_some(self.file_id);
             let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: shift, file_id };
-            self.lower.write_at(0, &header.encode())?;
+            self.write_lower(0, &header.encode())?;
             // A cut log keeps the slot that vouches for what is gone, so that every open finds
             // the damage again (until the lost chunks are rewritten, which records the size).
             if cut.is_none() {
@@ -1238,6 +1307,9 @@ impl<L: LowerIo> ScaFile<L> {
         }
         self.drop_prefetched();
         let result = self.lower.write_at(self.pending_start, &self.pending);
+        if let (Ok(()), Some(seen)) = (&result, &mut self.seen) {
+            seen.wrote(self.pending_start, &self.pending);
+        }
         self.pending.clear();
         if self.pending.capacity() > KEEP_BUFFER_BYTES {
             self.pending = Vec::new();
@@ -1283,7 +1355,7 @@ impl<L: LowerIo> ScaFile<L> {
             self.pending.clear();
             self.modified = true;
             self.drop_prefetched();
-            self.lower.set_len(0)?;
+            self.set_lower_len(0)?;
             self.start_empty();
             return Ok(());
         }
@@ -1398,7 +1470,8 @@ impl<L: LowerIo> ScaFile<L> {
         self.flush_pending()?;
         self.drop_prefetched();
         self.slot_seq += 1;
-        self.lower.write_at(Slot::offset_for(self.slot_seq), &self.current_slot().encode())?;
+        let slot = self.current_slot().encode();
+        self.write_lower(Slot::offset_for(self.slot_seq), &slot)?;
         self.slot_dirty = false;
         Ok(())
     }
@@ -1479,7 +1552,7 @@ impl<L: LowerIo> ScaFile<L> {
         self.ix.checkpoint = None;
         self.write_checkpoint()?;
         self.lower.sync()?;
-        self.lower.set_len(self.ix.log_end)?;
+        self.set_lower_len(self.ix.log_end)?;
         let after = self.ix.log_end;
         tracing::debug!("{}: compacted from {before} to {after} bytes", self.lower.describe());
         Ok(json!({ "before": before, "after": after }))
@@ -1501,6 +1574,8 @@ impl<L: LowerIo> ScaFile<L> {
             if bytes.len() as u64 != end - start {
                 return Err(Error::Corrupt(format!("{}: the log is shorter than its index says", self.lower.describe())));
             }
+            // Records lie past the start of the file: what was seen of it stays true.
+            debug_assert!(to >= DATA_START);
             self.lower.write_at(to, &bytes)?;
             for r in &records[i..j] {
                 moved.insert(r.off, to + (r.off - start));

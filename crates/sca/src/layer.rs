@@ -303,7 +303,7 @@ impl ScaLayer {
         };
         let fh = lower.fh;
         let file = if empty {
-            ScaFile::new_empty(self.engine.clone(), lower)
+            ScaFile::created(self.engine.clone(), lower)
         } else {
             ScaFile::open(self.engine.clone(), lower).inspect_err(|e| {
                 tracing::error!("{}: {e}", self.name);

@@ -255,3 +255,69 @@ fn without_sharing_mounts_overwrite_each_other() {
     let composed = fresh.read(0, 100).is_ok_and(|c| c == b"from b, longermore from a\n");
     assert!(!composed, "without sharing the writes should not compose");
 }
+
+/// A lower file on a file system without locks (or a bottom layer without `lower-lock`).
+#[derive(Clone)]
+struct LockRefused {
+    bytes: MemLower,
+    error: fn() -> plyfs_stack::Error,
+}
+
+impl LowerIo for LockRefused {
+    fn read_at(&self, off: u64, len: usize) -> Result<Vec<u8>> {
+        self.bytes.read_at(off, len)
+    }
+    fn write_at(&self, off: u64, data: &[u8]) -> Result<()> {
+        self.bytes.write_at(off, data)
+    }
+    fn set_len(&self, len: u64) -> Result<()> {
+        self.bytes.set_len(len)
+    }
+    fn len(&self) -> Result<u64> {
+        self.bytes.len()
+    }
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
+    fn writable(&self) -> bool {
+        true
+    }
+    fn describe(&self) -> String {
+        "shared.file".into()
+    }
+    fn lock(&self, _kind: LockKind) -> Result<()> {
+        Err((self.error)())
+    }
+}
+
+/// Sharing a file that cannot be locked fails every access with `ENOLCK` (as a file system
+/// without locks would), and changes nothing below.
+#[test]
+fn a_lower_file_that_cannot_be_locked_is_refused_and_left_alone() {
+    let refusals: [fn() -> plyfs_stack::Error; 3] = [
+        || plyfs_stack::Error::Os(libc::ENOLCK),
+        || plyfs_stack::Error::Os(libc::EOPNOTSUPP),
+        || plyfs_stack::Error::UnsupportedOp { op: "lower-lock".into(), layers: vec!["below".into()] },
+    ];
+    let unshared = Arc::new(Engine::new("rle", Arc::new(Rle), 12, false));
+    let shared = Arc::new(Engine::new("rle", Arc::new(Rle), 12, false).sharing(Some(SharedMode { revalidate: Duration::ZERO })));
+    for error in refusals {
+        let bytes = MemLower::default();
+        let mut f = ScaFile::open(unshared.clone(), bytes.clone()).unwrap();
+        f.write(0, b"written before sharing\n").unwrap();
+        f.close().unwrap();
+        let before = bytes.read_at(0, 1 << 20).unwrap();
+        let lower = LockRefused { bytes: bytes.clone(), error };
+        let opened = ScaFile::open(shared.clone(), lower.clone());
+        assert_eq!(opened.err().map(|e| e.errno()), Some(libc::ENOLCK), "open of {:?}", error());
+
+        assert_eq!(bytes.read_at(0, 1 << 20).unwrap(), before, "nothing changed below");
+
+        // A new, empty file: writing to it is refused too.
+        let empty = MemLower::default();
+        let mut f = ScaFile::created(shared.clone(), LockRefused { bytes: empty.clone(), error });
+        assert_eq!(f.write(0, b"x").err().map(|e| e.errno()), Some(libc::ENOLCK), "write under {:?}", error());
+        assert_eq!(f.truncate(3).err().map(|e| e.errno()), Some(libc::ENOLCK), "truncate under {:?}", error());
+        assert_eq!(empty.len().unwrap(), 0, "nothing written below");
+    }
+}

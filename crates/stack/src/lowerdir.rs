@@ -166,12 +166,27 @@ pub struct LowerDir {
 /// current (the attributes are fetched again, which drops stale pages), and dropping a write
 /// lock first pushes what this client wrote to the servers. NFS does both by itself at locks;
 /// FUSE clients such as GlusterFS's do not.
+///
+/// Pushing is not syncing: other mounts need the writes on the servers, not on their disks. The
+/// kernel's dirty pages of the file are written back, then its attributes are fetched from the
+/// servers, which a client answers only after the writes it holds back reached them (GlusterFS's
+/// write-behind orders a stat after every pending write to the file, from any descriptor; NFS
+/// flushes at getattr). An `fdatasync` would also wait for the servers' disks (a millisecond
+/// per write on GlusterFS), and on GlusterFS it would not even wait for writes made through
+/// another descriptor than the lock's.
 struct OfdLock {
     fd: OwnedFd,
     network: bool,
 }
 
 impl OfdLock {
+    /// Fetch the file's attributes from the servers, not from the client's cache.
+    fn refresh(&self) -> Result<()> {
+        let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+        let flags = libc::AT_EMPTY_PATH | libc::AT_STATX_FORCE_SYNC;
+        check(unsafe { libc::statx(self.fd.as_raw_fd(), c"".as_ptr(), flags, libc::STATX_BASIC_STATS, &mut stx) }).map(|_| ())
+    }
+
     fn fcntl(&self, l_type: libc::c_int) -> Result<()> {
         let mut fl: libc::flock = unsafe { std::mem::zeroed() };
         fl.l_type = l_type as libc::c_short;
@@ -192,9 +207,7 @@ impl LockFile for OfdLock {
             LockKind::Exclusive => libc::F_WRLCK,
         })?;
         if self.network {
-            let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-            let flags = libc::AT_EMPTY_PATH | libc::AT_STATX_FORCE_SYNC;
-            if let Err(e) = check(unsafe { libc::statx(self.fd.as_raw_fd(), c"".as_ptr(), flags, libc::STATX_BASIC_STATS, &mut stx) }) {
+            if let Err(e) = self.refresh() {
                 let _ = self.fcntl(libc::F_UNLCK);
                 return Err(e);
             }
@@ -204,7 +217,8 @@ impl LockFile for OfdLock {
 
     fn release(&self, held: LockKind) -> Result<()> {
         let pushed = if self.network && held == LockKind::Exclusive {
-            check(unsafe { libc::fdatasync(self.fd.as_raw_fd()) }).map(|_| ())
+            let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+            check(unsafe { libc::sync_file_range(self.fd.as_raw_fd(), 0, 0, flags) }).and_then(|_| self.refresh())
         } else {
             Ok(())
         };
@@ -996,7 +1010,10 @@ impl LowerDir {
                     || Ok(unsafe { OwnedFd::from_raw_fd(check(libc::openat(pfd, c.as_ptr(), flags, mode))?) }),
                     |fd| fd.as_raw_fd(),
                 )?;
-                let path_fd = check(unsafe { libc::openat(pfd, c.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC) })?;
+                // The node's descriptor is opened through the new file's /proc link, not by
+                // name: the same file for sure, and no second lookup in the lower directory
+                // (a round trip to the servers on a network file system).
+                let path_fd = check(unsafe { libc::open(proc_path(file.as_raw_fd()).as_ptr(), libc::O_PATH | libc::O_CLOEXEC) })?;
                 let entry = self.remember(unsafe { OwnedFd::from_raw_fd(path_fd) })?;
                 Ok(Reply::Created(entry, self.register_file(file)))
             }
