@@ -65,6 +65,17 @@ struct Pair {
     /// The lower directory as the first mount sees it, and the arguments of `fsck`.
     lower: PathBuf,
     fsck_args: Vec<String>,
+    /// The lower directory on the GlusterFS volume, removed last (after both mounts went).
+    _on_volume: Option<RemoveOnDrop>,
+}
+
+/// A directory removed with everything in it when this goes.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
 }
 
 impl Pair {
@@ -80,6 +91,7 @@ impl Pair {
             }
         };
         fs::create_dir_all(&lower_a).unwrap();
+        let on_volume = matches!(place, Place::Gluster).then(|| RemoveOnDrop(lower_a.clone()));
         wait_for(|| lower_b.is_dir(), "the lower directory through the second client");
         let (mnt_a, mnt_b) = (root.join("mnt-a"), root.join("mnt-b"));
         fs::create_dir(&mnt_a).unwrap();
@@ -101,7 +113,7 @@ impl Pair {
             }
         }
         let b = Mount::start(tempfile::tempdir().unwrap(), lower_b, mnt_b, mount_stack(stack), &opts);
-        Pair { a, b, stack, lower: lower_a, fsck_args }
+        Pair { a, b, stack, lower: lower_a, fsck_args, _on_volume: on_volume }
     }
 
     /// The directory files of a workload go in: for the mixed tree, one per chain in turn.
@@ -541,4 +553,148 @@ fn direct_changes_show_at_once_on_a_shared_mount_of_a_local_lower() {
     for i in 0..50 {
         assert_eq!(content(&m.path(&format!("d/own-{i}"))), Ok(format!("{i}\n")));
     }
+}
+
+/// Two mounts, `-o shared`, of the local directory `lower` (made under `root`) with `stack` and
+/// the options `extra`.
+fn two_local(dir: tempfile::TempDir, lower: &Path, stack: &str, extra: &[&str]) -> (Mount, Mount) {
+    let root = dir.path().canonicalize().unwrap();
+    let (mnt_a, mnt_b) = (root.join("mnt-a"), root.join("mnt-b"));
+    fs::create_dir(&mnt_a).unwrap();
+    fs::create_dir(&mnt_b).unwrap();
+    let opts: Vec<&str> = std::iter::once("shared").chain(extra.iter().copied()).collect();
+    let a = Mount::start(dir, lower.to_owned(), mnt_a, stack, &opts);
+    let b = Mount::start(tempfile::tempdir().unwrap(), lower.to_owned(), mnt_b, stack, &opts);
+    (a, b)
+}
+
+/// Two mounts of a union over one upper branch and a read-only base write to the base's files
+/// at once, each line by its own open (so each mount copies every file up when it first writes
+/// it, unless it sees the other's copy). A copy-up never replaces the other mount's copy: every
+/// line arrives, and the base stays as it was.
+#[test]
+fn union_copy_ups_from_two_mounts_lose_nothing() {
+    const FILES: usize = 4;
+    const LINES: usize = 60;
+    let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (base, upper) = (root.join("base"), root.join("upper"));
+    fs::create_dir_all(base.join("d")).unwrap();
+    fs::create_dir(&upper).unwrap();
+    for k in 0..FILES {
+        fs::write(base.join(format!("d/f{k}")), "from the base\n").unwrap();
+    }
+    let branch = format!("--branch={}=ro", base.display());
+    let (b, a) = {
+        let (a, b) = two_local(dir, &upper, "union", &[&branch]);
+        (b, a)
+    };
+    std::thread::scope(|s| {
+        for (who, m) in [("a", &a), ("b", &b)] {
+            s.spawn(move || {
+                for i in 0..LINES {
+                    for k in 0..FILES {
+                        let mut f = OpenOptions::new().append(true).open(m.path(&format!("d/f{k}"))).unwrap();
+                        f.write_all(format!("{who} {i}\n").as_bytes()).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    let mut want: Vec<String> = ["a", "b"].iter().flat_map(|w| (0..LINES).map(move |i| format!("{w} {i}"))).collect();
+    want.push("from the base".into());
+    want.sort();
+    for k in 0..FILES {
+        let rel = format!("d/f{k}");
+        let text = String::from_utf8(fs::read(a.path(&rel)).unwrap()).unwrap();
+        assert_eq!(String::from_utf8(read_settled(&b.path(&rel), text.as_bytes())).unwrap(), text, "{rel}: the mounts differ");
+        let mut lines: Vec<&str> = text.lines().collect();
+        lines.sort();
+        assert!(lines == want, "{rel}: {} lines of the {} written", lines.len(), want.len());
+        assert!(text.starts_with("from the base\n"), "{rel}: the copy-up kept the base's content first");
+        assert_eq!(fs::read_to_string(base.join(&rel)).unwrap(), "from the base\n", "{rel} in the base");
+    }
+}
+
+/// Two mounts of a `version` stack rewrite one file at once (each open for writing keeps what
+/// the file held): every version is kept under a number of its own, none replacing another
+/// mount's. (The rewrites keep the length, so that no open finds the file empty, with nothing
+/// to keep.)
+#[test]
+fn versions_saved_by_two_mounts_at_once_are_all_kept() {
+    const ROUNDS: usize = 40;
+    let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
+    let lower = dir.path().canonicalize().unwrap().join("lower");
+    fs::create_dir(&lower).unwrap();
+    let (b, a) = {
+        let (a, b) = two_local(dir, &lower, "version:keep=0", &[]);
+        (b, a)
+    };
+    fs::write(a.path("f"), "first\n").unwrap();
+    wait_for(|| b.path("f").exists(), "the file through the second mount");
+    std::thread::scope(|s| {
+        for (who, m) in [("a", &a), ("b", &b)] {
+            s.spawn(move || {
+                for i in 0..ROUNDS {
+                    let f = OpenOptions::new().write(true).open(m.path("f")).unwrap();
+                    f.write_all_at(format!("{who} {i:03}\n").as_bytes(), 0).unwrap();
+                }
+            });
+        }
+    });
+    let versions = op_json(&a.path("f"), &["versions"]);
+    let list = versions.as_array().unwrap_or_else(|| panic!("versions: {versions}"));
+    assert_eq!(list.len(), 2 * ROUNDS, "one version per overwrite: {versions}");
+    let mut numbers: Vec<u64> = list.iter().map(|v| v["number"].as_u64().unwrap()).collect();
+    numbers.dedup();
+    assert_eq!(numbers.len(), 2 * ROUNDS, "distinct numbers: {versions}");
+}
+
+/// A file that another mount replaced (renaming a new file over it, as `plyfs policy apply`
+/// does) is stale to a mount that has it open: its writes fail with `ESTALE` rather than go to
+/// a file no name leads to any more. Opened again, it is the new file.
+#[test]
+fn writes_to_a_file_another_mount_replaced_are_refused_not_lost() {
+    let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
+    let lower = dir.path().canonicalize().unwrap().join("lower");
+    fs::create_dir(&lower).unwrap();
+    let (b, a) = {
+        let (a, b) = two_local(dir, &lower, "zstd", &[]);
+        (b, a)
+    };
+    fs::write(a.path("f"), "old\n").unwrap();
+    wait_for(|| b.path("f").exists(), "the file through the second mount");
+    let mut f = OpenOptions::new().append(true).open(b.path("f")).unwrap();
+    f.write_all(b"from b\n").unwrap();
+    fs::write(a.path("new"), "new\n").unwrap();
+    fs::rename(a.path("new"), a.path("f")).unwrap();
+    let err = f.write_all(b"lost?\n").expect_err("a write to the replaced file");
+    assert_eq!(err.raw_os_error(), Some(libc::ESTALE), "{err}");
+    drop(f);
+    assert_eq!(read_settled(&b.path("f"), b"new\n"), b"new\n");
+    // A file removed through the mount that has it open stays writable, as everywhere.
+    let mut g = OpenOptions::new().create(true).append(true).open(b.path("g")).unwrap();
+    g.write_all(b"one\n").unwrap();
+    fs::remove_file(b.path("g")).unwrap();
+    g.write_all(b"two\n").unwrap();
+}
+
+/// A mirror keeps one mount's write-intent log: sharing one is refused, in one line.
+#[test]
+fn a_mirror_is_not_shared() {
+    let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    for d in ["a", "b", "mnt"] {
+        fs::create_dir(root.join(d)).unwrap();
+    }
+    let out = run(plyfs()
+        .arg("mount")
+        .arg(root.join("a"))
+        .arg(root.join("mnt"))
+        .args(["--stack", "mirror", "-o", "shared"])
+        .arg(format!("--branch={}", root.join("b").display())));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "mounted: {err}");
+    assert!(err.contains("cannot be shared with other mounts"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
 }

@@ -11,7 +11,7 @@ use std::ffi::{OsStr, OsString};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use plyfs_stack::{Attr, Caller, Entry, Error, FileKind, Level, NodeId, Op, Opened, Reply, Result, SetAttr, TimeSet, XattrReply};
@@ -42,42 +42,121 @@ fn mode_bits(kind: FileKind) -> u32 {
     }
 }
 
-/// Temporary names for copies in progress: `PREFIX.PID.N`. Names with the prefix that no copy of
-/// this process is writing are leftovers of a crash.
+/// Temporary names for copies in progress: `PREFIX.PID.TOKEN.N`, the token random per process
+/// (mounts on other machines sharing the tree may have the same process ids). Names with the
+/// prefix that no copy is writing are leftovers of a crash.
 pub struct TempNames {
     prefix: &'static str,
+    /// `PREFIX.PID.TOKEN.`: this process's names.
+    mine: String,
     counter: AtomicU64,
     in_progress: Mutex<HashSet<OsString>>,
+    /// The level refused `RENAME_NOREPLACE` (GlusterFS does): [`Self::place_new`] links instead.
+    no_rename_noreplace: AtomicBool,
 }
+
+/// Another process's temporary name is left over (not a copy in progress in another mount of a
+/// shared tree) once unchanged for this long: a copy in progress writes its data or its metadata
+/// all along.
+pub const OTHERS_LEFTOVER_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
 
 impl TempNames {
     pub fn new(prefix: &'static str) -> TempNames {
-        TempNames { prefix, counter: AtomicU64::new(0), in_progress: Mutex::new(HashSet::new()) }
+        let mut token = [0u8; 4];
+        getrandom::getrandom(&mut token).expect("the system's random number generator failed");
+        let mine = format!("{prefix}{}.{:08x}.", std::process::id(), u32::from_le_bytes(token));
+        TempNames {
+            prefix,
+            mine,
+            counter: AtomicU64::new(0),
+            in_progress: Mutex::new(HashSet::new()),
+            no_rename_noreplace: AtomicBool::new(false),
+        }
     }
 
     pub fn is_temp(&self, name: &OsStr) -> bool {
         name.as_bytes().starts_with(self.prefix.as_bytes())
     }
 
-    /// A temporary name no copy of this process is writing now.
-    pub fn is_leftover(&self, name: &OsStr) -> bool {
-        self.is_temp(name) && !self.in_progress.lock().contains(name)
+    /// A temporary name no copy is writing now, judging by the name: one of this process's not
+    /// in progress, or, unless other mounts share the tree (`-o shared`), any other process's.
+    /// With sharing, another process's name is a leftover only once [`OTHERS_LEFTOVER_AFTER`]
+    /// passed since it last changed: `changed` gives that time, asked only then.
+    pub fn is_leftover(&self, name: &OsStr, changed: impl FnOnce() -> Option<std::time::SystemTime>) -> bool {
+        if !self.is_temp(name) {
+            return false;
+        }
+        if name.as_bytes().starts_with(self.mine.as_bytes()) {
+            return !self.in_progress.lock().contains(name);
+        }
+        plyfs_stack::shared::mode().is_none()
+            || changed().and_then(|t| t.elapsed().ok()).is_some_and(|age| age >= OTHERS_LEFTOVER_AFTER)
+    }
+
+    fn next_name(&self) -> OsString {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let temp = OsString::from(format!("{}{n}", self.mine));
+        self.in_progress.lock().insert(temp.clone());
+        temp
+    }
+
+    /// Like [`Self::place`], but the object only takes `name` if nothing has it: otherwise the
+    /// copy goes and the result is `EEXIST` (another mount sharing the tree was first).
+    /// `RENAME_NOREPLACE`, or where the level refuses it, a link and an unlink (a directory,
+    /// which cannot be linked, is renamed if the name is free a moment before).
+    pub fn place_new(&self, to: &Level, dir: NodeId, name: &OsStr, make: impl FnOnce(&OsStr) -> Result<Entry>) -> Result<Entry> {
+        self.place_by(to, dir, make, |temp, e| self.rename_new(to, (dir, temp), (dir, name), e.node, e.attr.kind))
+    }
+
+    /// Rename `from` (the object `node`, of kind `kind`) to `to`, unless `to` exists (`EEXIST`).
+    pub fn rename_new(&self, level: &Level, from: (NodeId, &OsStr), to: (NodeId, &OsStr), node: NodeId, kind: FileKind) -> Result<()> {
+        let cx = daemon();
+        if !self.no_rename_noreplace.load(Ordering::Relaxed) {
+            let rename = Op::Rename { parent: from.0, name: from.1, new_parent: to.0, new_name: to.1, flags: libc::RENAME_NOREPLACE };
+            match level.call(&cx, &rename) {
+                Err(Error::Os(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => {
+                    self.no_rename_noreplace.store(true, Ordering::Relaxed)
+                }
+                other => return other.map(|_| ()),
+            }
+        }
+        if kind == FileKind::Dir {
+            if let Ok(e) = level.lookup(&cx, to.0, to.1) {
+                level.forget(&cx, e.node, 1);
+                return Err(Error::Os(libc::EEXIST));
+            }
+            let rename = Op::Rename { parent: from.0, name: from.1, new_parent: to.0, new_name: to.1, flags: 0 };
+            return level.call(&cx, &rename).map(|_| ());
+        }
+        if let Reply::Entry(e) = level.call(&cx, &Op::Link { node, new_parent: to.0, new_name: to.1 })? {
+            level.forget(&cx, e.node, 1);
+        }
+        level.unlink(&cx, from.0, from.1)
     }
 
     /// Make an object under a fresh temporary name in `dir` of `to` with `make`, then rename it
     /// to `name` (replacing what is there). On failure nothing is left behind.
     pub fn place(&self, to: &Level, dir: NodeId, name: &OsStr, make: impl FnOnce(&OsStr) -> Result<Entry>) -> Result<Entry> {
-        let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        let temp = OsString::from(format!("{}{}.{n}", self.prefix, std::process::id()));
-        self.in_progress.lock().insert(temp.clone());
-        let result = make(&temp).and_then(|e| {
-            let rename = Op::Rename { parent: dir, name: &temp, new_parent: dir, new_name: name, flags: 0 };
-            match to.call(&daemon(), &rename) {
-                Ok(_) => Ok(e),
-                Err(err) => {
-                    to.forget(&daemon(), e.node, 1);
-                    Err(err)
-                }
+        self.place_by(to, dir, make, |temp, _| {
+            to.call(&daemon(), &Op::Rename { parent: dir, name: temp, new_parent: dir, new_name: name, flags: 0 }).map(|_| ())
+        })
+    }
+
+    /// `make` the object under a temporary name in `dir`, then `rename` it from there; on
+    /// failure nothing is left behind.
+    fn place_by(
+        &self,
+        to: &Level,
+        dir: NodeId,
+        make: impl FnOnce(&OsStr) -> Result<Entry>,
+        rename: impl FnOnce(&OsStr, &Entry) -> Result<()>,
+    ) -> Result<Entry> {
+        let temp = self.next_name();
+        let result = make(&temp).and_then(|e| match rename(&temp, &e) {
+            Ok(()) => Ok(e),
+            Err(err) => {
+                to.forget(&daemon(), e.node, 1);
+                Err(err)
             }
         });
         if result.is_err() {

@@ -149,7 +149,12 @@ impl Version {
                     below.forget(&cx, e.node, 1);
                     return Err(Error::Corrupt(format!("version '{}': {STORE}/{path} is not a directory", self.name)));
                 }
-                Err(Error::Os(libc::ENOENT)) if create => below.mkdir(&cx, at, name, 0o700)?.node,
+                Err(Error::Os(libc::ENOENT)) if create => match below.mkdir(&cx, at, name, 0o700) {
+                    Ok(e) => e.node,
+                    // Made meanwhile by another mount sharing the tree.
+                    Err(Error::Os(libc::EEXIST)) => below.lookup(&cx, at, name)?.node,
+                    Err(e) => return Err(e),
+                },
                 Err(Error::Os(libc::ENOENT)) => {
                     if let Some(h) = held {
                         below.forget(&cx, h, 1);
@@ -194,18 +199,26 @@ impl Version {
         let _one = self.saving.lock();
         let dir = self.store_dir(&path, true)?.ok_or(Error::Os(libc::EIO))?;
         let result = (|| {
-            let number = self.list_in(dir)?.last().map_or(1, |s| s.number + 1);
-            let vname = OsString::from(format!("{VERSION_MARK}{number}"));
             let below = self.below();
-            if moving {
-                below.call(&daemon(), &Op::Rename { parent, name, new_parent: dir, new_name: &vname, flags: 0 })?;
-            } else {
-                let copy = self.temps.place(below, dir, &vname, |temp| {
-                    let e = copy_object(below, node, attr, below, dir, temp, Data::Durable)?;
-                    copy_meta(below, node, below, e.node, attr, |_| true)?;
-                    Ok(e)
-                })?;
-                below.forget(&daemon(), copy.node, 1);
+            // The next number, never taking one that exists: another mount sharing the tree
+            // (`-o shared`) may save a version of the same file at the same time.
+            let mut number = self.list_in(dir)?.last().map_or(1, |s| s.number + 1);
+            loop {
+                let vname = OsString::from(format!("{VERSION_MARK}{number}"));
+                let placed = if moving {
+                    self.temps.rename_new(below, (parent, name), (dir, &vname), node, FileKind::File)
+                } else {
+                    let copy = self.temps.place_new(below, dir, &vname, |temp| {
+                        let e = copy_object(below, node, attr, below, dir, temp, Data::Durable)?;
+                        copy_meta(below, node, below, e.node, attr, |_| true)?;
+                        Ok(e)
+                    });
+                    copy.map(|c| below.forget(&daemon(), c.node, 1))
+                };
+                match placed {
+                    Err(Error::Os(libc::EEXIST)) => number += 1,
+                    other => break other?,
+                }
             }
             self.prune_dir(dir, &path)?;
             Ok(number)
@@ -503,7 +516,8 @@ impl Version {
         let result = (|| {
             let below = self.below();
             let v = below.lookup(&daemon(), store, OsStr::new(&format!("{VERSION_MARK}{}", latest.number)))?;
-            let made = self.temps.place(below, dir, name, |temp| {
+            // Never over a file of that name made meanwhile (by another mount, say).
+            let made = self.temps.place_new(below, dir, name, |temp| {
                 let e = copy_object(below, v.node, &v.attr, below, dir, temp, Data::Durable)?;
                 copy_meta(below, v.node, below, e.node, &v.attr, |_| true)?;
                 Ok(e)

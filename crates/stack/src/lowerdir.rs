@@ -455,6 +455,16 @@ impl LowerDir {
             let fd = unsafe { OwnedFd::from_raw_fd(fd) };
             Ok(Arc::new(OfdLock { fd, network: self.flush_on_close }) as Arc<dyn LockFile>)
         })?;
+        // Removed or replaced by another mount (a `policy apply` there renames the re-encoded
+        // file over this one): changes here would go to a file no name leads to any more, and
+        // be lost. Stale, as on NFS. (A file removed through this mount stays writable while
+        // open, as everywhere.)
+        let n = self.node(node)?;
+        let removed_here = self.nodes.lock().by_id.get(&node.0).is_some_and(|(l, _)| l.pinned.load(Ordering::Relaxed));
+        if !removed_here && fstat(n.fd.as_raw_fd())?.st_nlink == 0 {
+            let _ = self.locks.unlock(node, kind);
+            return Err(Error::Os(libc::ESTALE));
+        }
         Ok(Reply::Extended(serde_json::Value::Null))
     }
 

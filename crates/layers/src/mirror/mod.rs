@@ -858,6 +858,15 @@ impl Layer for Mirror {
 }
 
 fn build(args: FanOutArgs) -> Result<Arc<dyn Layer>> {
+    if plyfs_stack::shared::mode().is_some() {
+        // Its write-intent log and its branches' failed and stale state are one mount's: a
+        // second mount would rewrite the log under the first and follow another order of
+        // changes on the branches.
+        return Err(Error::Config(format!(
+            "mirror '{}': a mirror cannot be shared with other mounts (-o shared): its write-intent log and branch states belong to one mount",
+            args.name
+        )));
+    }
     Ok(Arc::new(Mirror::new(args)?))
 }
 

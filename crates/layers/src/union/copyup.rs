@@ -3,9 +3,9 @@
 //! copied the same way. A file opened with `O_TRUNC` is copied without its data. The copy
 //! records its union inode number (its origin), so the number does not change.
 
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 
-use plyfs_stack::{Error, FileKind, NodeId, Result};
+use plyfs_stack::{Entry, Error, FileKind, NodeId, Result};
 
 use super::{daemon, is_hidden_xattr, BranchState, Union, ORIGIN_XATTR};
 use crate::ids::Place;
@@ -59,7 +59,7 @@ impl Union {
         if logged {
             tracing::info!("union '{}': copying up {} ({} MiB)", self.name, name.to_string_lossy(), attr.size >> 20);
         }
-        let copy = self.temps.place(upper.top(), dir.node, &name, |temp| {
+        let copy = self.temps.place_new(upper.top(), dir.node, &name, |temp| {
             let e = copy_object(
                 from.top(),
                 src.node,
@@ -71,7 +71,11 @@ impl Union {
             )?;
             self.copy_meta(&from, src.node, &upper, e.node, &attr, id)?;
             Ok(e)
-        })?;
+        });
+        let copy = match copy {
+            Err(Error::Os(libc::EEXIST)) => self.made_meanwhile(&upper, dir.node, &name, kind)?,
+            other => other?,
+        };
         if logged {
             tracing::info!("union '{}': copy-up of {} done", self.name, name.to_string_lossy());
         }
@@ -83,6 +87,20 @@ impl Union {
         };
         self.forget_places(&old);
         Ok(place)
+    }
+
+    /// The copy-up found `name` taken on the upper branch: another mount sharing the tree (`-o
+    /// shared`) copied the object up first, or removed it (a whiteout), or put something else
+    /// there. Its copy is used, never replaced, so that nothing it wrote there is lost; an
+    /// object removed or replaced meanwhile is stale here (`ESTALE`, as on NFS).
+    fn made_meanwhile(&self, upper: &BranchState, dir: NodeId, name: &OsStr, kind: FileKind) -> Result<Entry> {
+        let e = upper.top().lookup(&daemon(), dir, name)?;
+        if e.attr.kind != kind || self.is_whiteout(upper, &e) {
+            upper.top().forget(&daemon(), e.node, 1);
+            return Err(Error::Os(libc::ESTALE));
+        }
+        tracing::debug!("union '{}': {} was copied up meanwhile by another mount", self.name, name.to_string_lossy());
+        Ok(e)
     }
 
     fn parent_of(&self, id: NodeId) -> Result<(NodeId, OsString)> {
@@ -106,11 +124,15 @@ impl Union {
         let dir = self.dir_on_upper(parent)?;
         let from = self.branch(src.branch)?;
         let attr = from.top().getattr(&daemon(), src.node)?;
-        let copy = self.temps.place(upper.top(), dir.node, &name, |temp| {
+        let copy = self.temps.place_new(upper.top(), dir.node, &name, |temp| {
             let e = copy_object(from.top(), src.node, &attr, upper.top(), dir.node, temp, Data::Durable)?;
             self.copy_meta(&from, src.node, &upper, e.node, &attr, id)?;
             Ok(e)
-        })?;
+        });
+        let copy = match copy {
+            Err(Error::Os(libc::EEXIST)) => self.made_meanwhile(&upper, dir.node, &name, FileKind::Dir)?,
+            other => other?,
+        };
         let place = Place { branch: upper.number, node: copy.node };
         let mut table = self.nodes.lock();
         if let Some(n) = table.nodes.get_mut(&id.0) {

@@ -65,9 +65,15 @@ impl Union {
         }
     }
 
-    /// A temporary name that no copy-up of this daemon is writing is left over from a crash.
+    /// A temporary name that no copy-up is writing is left over from a crash (see
+    /// [`crate::transfer::TempNames::is_leftover`]).
     fn remove_leftover(&self, b: &BranchState, dir: NodeId, name: &std::ffi::OsStr) {
-        if !b.writable() || !self.temps.is_leftover(name) {
+        let changed = || {
+            let e = b.top().lookup(&daemon(), dir, name).ok()?;
+            b.top().forget(&daemon(), e.node, 1);
+            Some(e.attr.mtime.max(e.attr.ctime))
+        };
+        if !b.writable() || !self.temps.is_leftover(name, changed) {
             return;
         }
         match b.top().unlink(&daemon(), dir, name) {
