@@ -60,6 +60,10 @@ struct LowerNode {
     /// forgotten, so the lower file system cannot give its inode number to a new object while
     /// the kernel still knows this one by that number.
     pinned: AtomicBool,
+    /// A descriptor of the file open for reading and writing by a handle, if one is: a lock
+    /// (`lower-lock`) is taken on a duplicate of it rather than on a new open, which costs a
+    /// round trip on a network file system and fails there once the file is removed.
+    open_rw: Mutex<std::sync::Weak<OwnedFd>>,
 }
 
 /// A node ready for use: its descriptor stays open while the reference lives.
@@ -373,6 +377,7 @@ impl LowerDir {
             fd: Mutex::new(Some(fd.clone())),
             used: AtomicBool::new(true),
             pinned: AtomicBool::new(true),
+            open_rw: Mutex::new(std::sync::Weak::new()),
         };
         let mut by_id = HashMap::new();
         // The root is never forgotten: give it a lookup count no forget can exhaust.
@@ -444,14 +449,20 @@ impl LowerDir {
             if n.kind != FileKind::File {
                 return Err(Error::Os(libc::EINVAL));
             }
-            let path = proc_path(n.fd.as_raw_fd());
-            let open = |mode| check(unsafe { libc::open(path.as_ptr(), mode | libc::O_CLOEXEC | libc::O_NOCTTY) });
-            // A write lock needs a descriptor open for writing; a file this daemon may only read
-            // can still be read-locked.
-            let fd = open(libc::O_RDWR).or_else(|e| match e {
-                Error::Os(libc::EACCES | libc::EROFS | libc::EPERM) => open(libc::O_RDONLY),
-                e => Err(e),
-            })?;
+            let open_rw = self.nodes.lock().by_id.get(&node.0).and_then(|(l, _)| l.open_rw.lock().upgrade());
+            let fd = match open_rw {
+                Some(file) => check(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) })?,
+                None => {
+                    let path = proc_path(n.fd.as_raw_fd());
+                    let open = |mode| check(unsafe { libc::open(path.as_ptr(), mode | libc::O_CLOEXEC | libc::O_NOCTTY) });
+                    // A write lock needs a descriptor open for writing; a file this daemon may
+                    // only read can still be read-locked.
+                    open(libc::O_RDWR).or_else(|e| match e {
+                        Error::Os(libc::EACCES | libc::EROFS | libc::EPERM) => open(libc::O_RDONLY),
+                        e => Err(e),
+                    })?
+                }
+            };
             let fd = unsafe { OwnedFd::from_raw_fd(fd) };
             Ok(Arc::new(OfdLock { fd, network: self.flush_on_close }) as Arc<dyn LockFile>)
         })?;
@@ -459,9 +470,10 @@ impl LowerDir {
         // file over this one): changes here would go to a file no name leads to any more, and
         // be lost. Stale, as on NFS. (A file removed through this mount stays writable while
         // open, as everywhere.)
-        let n = self.node(node)?;
         let removed_here = self.nodes.lock().by_id.get(&node.0).is_some_and(|(l, _)| l.pinned.load(Ordering::Relaxed));
-        if !removed_here && fstat(n.fd.as_raw_fd())?.st_nlink == 0 {
+        // (A network file system may not stat a removed file by its node at all.)
+        let gone = || self.node(node).and_then(|n| fstat(n.fd.as_raw_fd())).map_or(true, |st| st.st_nlink == 0);
+        if !removed_here && gone() {
             let _ = self.locks.unlock(node, kind);
             return Err(Error::Os(libc::ESTALE));
         }
@@ -582,7 +594,15 @@ impl LowerDir {
                 if let (FileKind::Dir, Some(watch)) = (kind, self.watch.get()) {
                     watch.add(NodeId(id), fd.as_raw_fd());
                 }
-                let node = LowerNode { key, kind, handle, fd: Mutex::new(Some(Arc::new(fd))), used: AtomicBool::new(true), pinned: AtomicBool::new(false) };
+                let node = LowerNode {
+                    key,
+                    kind,
+                    handle,
+                    fd: Mutex::new(Some(Arc::new(fd))),
+                    used: AtomicBool::new(true),
+                    pinned: AtomicBool::new(false),
+                    open_rw: Mutex::new(std::sync::Weak::new()),
+                };
                 table.by_id.insert(id, (Arc::new(node), 1));
                 true
             }
@@ -613,10 +633,16 @@ impl LowerDir {
         };
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         let Ok(st) = fstat(fd.as_raw_fd()) else { return };
-        let Some(id) = self.natural_id(st.st_dev, st.st_ino) else { return };
-        let node = match self.nodes.lock().by_id.get(&id) {
-            Some((node, _)) if node.key == (st.st_dev, st.st_ino) => node.clone(),
-            _ => return,
+        let key = (st.st_dev, st.st_ino);
+        let node = {
+            let table = self.nodes.lock();
+            // Synthetic ids are never given again, but a shared mount must still know that this
+            // file was removed here (see `lower_lock`).
+            let Some(id) = self.natural_id(key.0, key.1).or_else(|| table.synthetic.get(&key).copied()) else { return };
+            match table.by_id.get(&id) {
+                Some((node, _)) if node.key == key => node.clone(),
+                _ => return,
+            }
         };
         node.pinned.store(true, Ordering::Relaxed);
         let mut slot = node.fd.lock();
@@ -726,6 +752,17 @@ impl LowerDir {
 
     fn new_fh(&self) -> u64 {
         self.next_fh.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Remember a handle's descriptor of `node` open for reading and writing (see
+    /// [`LowerNode::open_rw`]).
+    fn note_open_rw(&self, node: NodeId, flags: i32, opened: &Opened) {
+        if flags & libc::O_ACCMODE != libc::O_RDWR {
+            return;
+        }
+        if let (Some((n, _)), Some(fd)) = (self.nodes.lock().by_id.get(&node.0), &opened.backing) {
+            *n.open_rw.lock() = Arc::downgrade(fd);
+        }
     }
 
     fn register_file(&self, fd: OwnedFd) -> Opened {
@@ -1007,7 +1044,9 @@ impl LowerDir {
                 // reopening through the /proc link with O_NOFOLLOW would fail with ELOOP.
                 let flags = (flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY | libc::O_DIRECT | libc::O_NOFOLLOW)) | libc::O_CLOEXEC;
                 let fd = check(unsafe { libc::open(proc_path(n.fd.as_raw_fd()).as_ptr(), flags) })?;
-                Ok(Reply::Opened(self.register_file(unsafe { OwnedFd::from_raw_fd(fd) })))
+                let opened = self.register_file(unsafe { OwnedFd::from_raw_fd(fd) });
+                self.note_open_rw(node, flags, &opened);
+                Ok(Reply::Opened(opened))
             }
             Op::Create { parent, name, mode, flags } => {
                 let p = self.node(parent)?;
@@ -1025,7 +1064,9 @@ impl LowerDir {
                 // (a round trip to the servers on a network file system).
                 let path_fd = check(unsafe { libc::open(proc_path(file.as_raw_fd()).as_ptr(), libc::O_PATH | libc::O_CLOEXEC) })?;
                 let entry = self.remember(unsafe { OwnedFd::from_raw_fd(path_fd) })?;
-                Ok(Reply::Created(entry, self.register_file(file)))
+                let opened = self.register_file(file);
+                self.note_open_rw(entry.node, flags, &opened);
+                Ok(Reply::Created(entry, opened))
             }
             Op::Read { fh, offset, size, .. } => {
                 let file = self.file(fh)?;
