@@ -650,8 +650,8 @@ fn versions_saved_by_two_mounts_at_once_are_all_kept() {
     assert_eq!(numbers.len(), 2 * ROUNDS, "distinct numbers: {versions}");
 }
 
-/// A file that another mount replaced (renaming a new file over it, as `plyfs policy apply`
-/// does) is stale to a mount that has it open: its writes fail with `ESTALE` rather than go to
+/// A file that another mount replaced (renaming a new file over it, or `plyfs policy apply`
+/// re-encoding it) is stale to a mount that has it open: its writes fail with `ESTALE` rather than go to
 /// a file no name leads to any more. Opened again, it is the new file.
 #[test]
 fn writes_to_a_file_another_mount_replaced_are_refused_not_lost() {
@@ -672,6 +672,19 @@ fn writes_to_a_file_another_mount_replaced_are_refused_not_lost() {
     assert_eq!(err.raw_os_error(), Some(libc::ESTALE), "{err}");
     drop(f);
     assert_eq!(read_settled(&b.path("f"), b"new\n"), b"new\n");
+    // The same when `policy apply` in the first mount re-encodes a file the second has open.
+    fs::write(a.path("p"), "zstd\n").unwrap();
+    wait_for(|| b.path("p").exists(), "the file through the second mount");
+    let mut f = OpenOptions::new().append(true).open(b.path("p")).unwrap();
+    f.write_all(b"from b\n").unwrap();
+    xattr_set(&a.path("p"), "user.plyfs.layers", "lz4");
+    let out = run(plyfs().args(["policy", "apply"]).arg(a.path("p")));
+    assert!(out.status.success(), "policy apply: {}", String::from_utf8_lossy(&out.stderr));
+    let err = f.write_all(b"lost?\n").expect_err("a write to the re-encoded file's old copy");
+    assert_eq!(err.raw_os_error(), Some(libc::ESTALE), "{err}");
+    drop(f);
+    assert_eq!(read_settled(&b.path("p"), b"zstd\nfrom b\n"), b"zstd\nfrom b\n");
+    assert!(String::from_utf8_lossy(&run(plyfs().args(["policy", "explain"]).arg(b.path("p"))).stdout).contains("encoded with:  lz4"));
     // A file removed through the mount that has it open stays writable, as everywhere.
     let mut g = OpenOptions::new().create(true).append(true).open(b.path("g")).unwrap();
     g.write_all(b"one\n").unwrap();
