@@ -204,17 +204,32 @@ impl Ready {
 /// A GlusterFS client keeps the content of small files (`quick-read`) and attributes
 /// (`stat-prefetch`) for a second whatever locks say, so a mount on another client may update
 /// a file from a stale copy and lose another mount's writes.
+///
+/// An NFS client mounted with `nolock` or `local_lock=all|posix` keeps locks to itself, so
+/// mounts on other machines do not wait for them.
 fn shared_lower_caveat(dir: &Path) -> Option<String> {
-    let m = plyfs_fuse::mountinfo::mount_containing(dir)?;
-    (m.fstype == "fuse.glusterfs").then(|| {
-        format!(
+    caveat_for(&plyfs_fuse::mountinfo::mount_containing(dir)?)
+}
+
+fn caveat_for(m: &plyfs_fuse::mountinfo::MountEntry) -> Option<String> {
+    if m.fstype == "fuse.glusterfs" {
+        return Some(format!(
             "-o shared over GlusterFS ({}): mounts on other clients see each other's changes only if the volume does not cache \
              file contents and attributes on clients: `gluster volume set VOLUME performance.quick-read off` and \
              `... performance.stat-prefetch off` (and `... cluster.post-op-delay-secs 0`, or every hand-over of a file between \
              clients waits a second)",
             m.source
-        )
-    })
+        ));
+    }
+    let local_locks = m.super_options.iter().find(|o| *o == "nolock" || *o == "local_lock=all" || *o == "local_lock=posix");
+    match (m.fstype.as_str(), local_locks) {
+        ("nfs" | "nfs4", Some(option)) => Some(format!(
+            "-o shared over NFS mounted with {option} ({}): locks stay on this machine, so mounts on other machines do not wait \
+             for them and may lose each other's writes; mount the export without it to share it between machines",
+            m.source
+        )),
+        _ => None,
+    }
 }
 
 /// A regular file of the lower directory to try passthrough with: one at its top, or else an
@@ -449,4 +464,23 @@ fn child_args(args: &MountArgs, ready_fd: i32, key_fd: Option<i32>) -> Vec<OsStr
         v.push(fd.to_string().into());
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::caveat_for;
+    use plyfs_fuse::mountinfo::parse_line;
+
+    #[test]
+    fn shared_lowers_that_need_a_word_get_one() {
+        let on = |fstype: &str, source: &str, opts: &str| {
+            parse_line(&format!("40 29 0:60 / /srv/vol rw,relatime shared:5 - {fstype} {source} {opts}")).unwrap()
+        };
+        assert!(caveat_for(&on("fuse.glusterfs", "host:/vol", "rw,user_id=0")).unwrap().contains("quick-read off"));
+        let nfs = caveat_for(&on("nfs", "host:/export", "rw,vers=3,nolock,proto=tcp")).unwrap();
+        assert!(nfs.contains("with nolock (host:/export)") && nfs.contains("locks stay on this machine"), "{nfs}");
+        assert!(caveat_for(&on("nfs4", "host:/e", "rw,vers=4.2,local_lock=posix")).is_some());
+        assert_eq!(caveat_for(&on("nfs4", "host:/e", "rw,vers=4.2,local_lock=none,addr=10.0.0.1")), None);
+        assert_eq!(caveat_for(&on("ext4", "/dev/vda1", "rw")), None);
+    }
 }

@@ -11,6 +11,8 @@ pub struct MountEntry {
     pub source: String,
     /// `user_id=` of a FUSE mount: the user the daemon runs as.
     pub user_id: Option<u32>,
+    /// The file system's own options (`nolock`, `local_lock=all`, ...).
+    pub super_options: Vec<String>,
 }
 
 impl MountEntry {
@@ -47,7 +49,8 @@ pub fn parse_line(line: &str) -> Option<MountEntry> {
     let source = unescape(right.next()?);
     let super_opts = right.next().unwrap_or("");
     let user_id = super_opts.split(',').find_map(|o| o.strip_prefix("user_id=")).and_then(|v| v.parse().ok());
-    Some(MountEntry { dev, mountpoint: PathBuf::from(mountpoint), fstype, source, user_id })
+    let super_options = super_opts.split(',').filter(|o| !o.is_empty()).map(str::to_owned).collect();
+    Some(MountEntry { dev, mountpoint: PathBuf::from(mountpoint), fstype, source, user_id, super_options })
 }
 
 pub fn mounts() -> Vec<MountEntry> {
@@ -83,6 +86,7 @@ mod tests {
         assert_eq!(m.source, "/data");
         assert_eq!(m.user_id, Some(1000));
         assert!(m.is_plyfs());
+        assert_eq!(m.super_options, ["rw", "user_id=1000", "group_id=1000", "default_permissions"]);
     }
 
     #[test]
