@@ -711,3 +711,30 @@ fn a_mirror_is_not_shared() {
     assert!(err.contains("cannot be shared with other mounts"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
+
+/// `lower-lock exclusive try` fails at once while another process holds the lower file's lock,
+/// and takes it once the lock is free.
+#[test]
+fn a_tried_lock_does_not_wait() {
+    let m = Mount::with("null", &["shared"]);
+    fs::write(m.path("f"), "x").unwrap();
+    let held = OpenOptions::new().read(true).write(true).open(m.lower_path("f")).unwrap();
+    let set = |l_type: i32| {
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = l_type as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        let rc = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&held), libc::F_OFD_SETLK, &fl) };
+        assert_eq!(rc, 0, "F_OFD_SETLK: {}", std::io::Error::last_os_error());
+    };
+    let tried = || run(plyfs().arg("op").arg(m.path("f")).args(["lower-lock", "exclusive", "try"]));
+    set(libc::F_WRLCK);
+    let started = Instant::now();
+    let out = tried();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success() && err.contains("temporarily unavailable"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5), "it waited {:?}", started.elapsed());
+    set(libc::F_UNLCK);
+    let out = tried();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(locked(&m.lower_path("f")), "taken");
+}

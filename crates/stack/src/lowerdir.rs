@@ -192,12 +192,19 @@ impl OfdLock {
     }
 
     fn fcntl(&self, l_type: libc::c_int) -> Result<()> {
+        self.fcntl_or_not(l_type, true)
+    }
+
+    /// Set the lock, waiting for other processes if `wait`, else failing with `EWOULDBLOCK`.
+    fn fcntl_or_not(&self, l_type: libc::c_int, wait: bool) -> Result<()> {
         let mut fl: libc::flock = unsafe { std::mem::zeroed() };
         fl.l_type = l_type as libc::c_short;
         fl.l_whence = libc::SEEK_SET as libc::c_short;
+        let cmd = if wait { libc::F_OFD_SETLKW } else { libc::F_OFD_SETLK };
         loop {
-            match check(unsafe { libc::fcntl(self.fd.as_raw_fd(), libc::F_OFD_SETLKW, &fl) }) {
+            match check(unsafe { libc::fcntl(self.fd.as_raw_fd(), cmd, &fl) }) {
                 Err(Error::Os(libc::EINTR)) => continue,
+                Err(Error::Os(libc::EAGAIN | libc::EACCES)) if !wait => return Err(Error::Os(libc::EWOULDBLOCK)),
                 other => return other.map(|_| ()),
             }
         }
@@ -205,11 +212,12 @@ impl OfdLock {
 }
 
 impl LockFile for OfdLock {
-    fn take(&self, kind: LockKind) -> Result<()> {
-        self.fcntl(match kind {
+    fn take(&self, kind: LockKind, wait: bool) -> Result<()> {
+        let l_type = match kind {
             LockKind::Shared => libc::F_RDLCK,
             LockKind::Exclusive => libc::F_WRLCK,
-        })?;
+        };
+        self.fcntl_or_not(l_type, wait)?;
         if self.network {
             if let Err(e) = self.refresh() {
                 let _ = self.fcntl(libc::F_UNLCK);
@@ -440,11 +448,11 @@ impl LowerDir {
 
     /// `lower-lock`: take or drop a lock on the node's lower file for the calling owner.
     fn lower_lock(&self, node: NodeId, args: &[String]) -> Result<Reply> {
-        let (kind, take) = crate::shared::parse_lock_args(args)?;
+        let crate::shared::LockRequest { kind, take, wait } = crate::shared::parse_lock_args(args)?;
         if !take {
             return self.locks.unlock(node, kind).map(|()| Reply::Extended(serde_json::Value::Null));
         }
-        self.locks.lock(node, kind, || {
+        self.locks.lock_or_not(node, kind, wait, || {
             let n = self.node(node)?;
             if n.kind != FileKind::File {
                 return Err(Error::Os(libc::EINVAL));

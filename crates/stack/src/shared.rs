@@ -74,20 +74,42 @@ impl LockKind {
     }
 }
 
-/// What `lower-lock` is asked: `[shared|exclusive]` to take, `[unlock, shared|exclusive]` to
-/// drop one hold.
-pub fn parse_lock_args(args: &[String]) -> Result<(LockKind, bool)> {
-    let bad = || Error::BadArgs(format!("{LOCK_OP}: expected [unlock] shared|exclusive, got {args:?}"));
-    match args {
-        [k] => LockKind::parse(k).map(|k| (k, true)).ok_or_else(bad),
-        [u, k] if u == "unlock" => LockKind::parse(k).map(|k| (k, false)).ok_or_else(bad),
-        _ => Err(bad()),
-    }
+/// What `lower-lock` is asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockRequest {
+    pub kind: LockKind,
+    /// Take a hold, or drop one.
+    pub take: bool,
+    /// Wait while someone else holds a conflicting lock, or fail at once (`EWOULDBLOCK`).
+    pub wait: bool,
+}
+
+/// Parse `lower-lock`'s arguments: `[shared|exclusive]` to take, waiting; `[shared|exclusive,
+/// try]` to take only if free at once; `[unlock, shared|exclusive]` to drop one hold.
+pub fn parse_lock_args(args: &[String]) -> Result<LockRequest> {
+    let bad = || Error::BadArgs(format!("{LOCK_OP}: expected shared|exclusive [try], or unlock shared|exclusive, got {args:?}"));
+    let (kind, take, wait) = match args {
+        [k] => (k, true, true),
+        [k, t] if t == "try" => (k, true, false),
+        [u, k] if u == "unlock" => (k, false, true),
+        _ => return Err(bad()),
+    };
+    LockKind::parse(kind).map(|kind| LockRequest { kind, take, wait }).ok_or_else(bad)
 }
 
 /// Take `kind` of lock on the lower file of `node` (waiting for other mounts).
 pub fn lock(level: &Level, node: NodeId, kind: LockKind) -> Result<()> {
     level.extended(&Caller::daemon(), node, LOCK_OP, &[kind.as_str().to_owned()]).map(|_| ())
+}
+
+/// Take `kind` of lock on the lower file of `node` if nobody else holds a conflicting one now:
+/// whether it was taken.
+pub fn try_lock(level: &Level, node: NodeId, kind: LockKind) -> Result<bool> {
+    match level.extended(&Caller::daemon(), node, LOCK_OP, &[kind.as_str().to_owned(), "try".to_owned()]) {
+        Ok(_) => Ok(true),
+        Err(Error::Os(libc::EWOULDBLOCK)) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// Drop one hold of `kind` taken by [`lock`].
@@ -133,9 +155,9 @@ pub fn with_lock_owner<R>(owner: u64, f: impl FnOnce() -> R) -> R {
 
 /// What a lock table does to the lower file itself.
 pub trait LockFile: Send + Sync {
-    /// Take the whole-file lock, waiting for other processes (or turn a read lock this file
-    /// holds into a write lock).
-    fn take(&self, kind: LockKind) -> Result<()>;
+    /// Take the whole-file lock (or turn a read lock this file holds into a write lock): waiting
+    /// for other processes if `wait`, else failing at once with `EWOULDBLOCK` if one holds it.
+    fn take(&self, kind: LockKind, wait: bool) -> Result<()>;
     /// Drop the lock, which was of kind `held`.
     fn release(&self, held: LockKind) -> Result<()>;
 }
@@ -171,6 +193,18 @@ impl LockTable {
     /// Take `kind` for the calling owner. `file` opens what the lower lock is taken on, the
     /// first time the node is locked.
     pub fn lock(&self, node: NodeId, kind: LockKind, file: impl FnOnce() -> Result<Arc<dyn LockFile>>) -> Result<()> {
+        self.lock_or_not(node, kind, true, file)
+    }
+
+    /// Like [`Self::lock`], but failing at once with `EWOULDBLOCK` where it would wait (for
+    /// another owner here or another process) unless `wait`.
+    pub fn lock_or_not(
+        &self,
+        node: NodeId,
+        kind: LockKind,
+        wait: bool,
+        file: impl FnOnce() -> Result<Arc<dyn LockFile>>,
+    ) -> Result<()> {
         let owner = lock_owner();
         let entry = self.nodes.lock().entry(node).or_default().clone();
         let mut st = entry.state.lock();
@@ -186,6 +220,9 @@ impl LockTable {
             if !blocked {
                 break;
             }
+            if !wait {
+                return Err(Error::Os(libc::EWOULDBLOCK));
+            }
             entry.changed.wait(&mut st);
         }
         let mine = st.holders.iter().position(|h| h.0 == owner);
@@ -200,7 +237,7 @@ impl LockTable {
             (k, _) => Some(k),
         };
         if let Some(k) = need {
-            st.file.as_ref().expect("opened above").take(k)?;
+            st.file.as_ref().expect("opened above").take(k, wait)?;
             st.held = Some(k);
         }
         match mine {
@@ -289,7 +326,7 @@ mod tests {
     }
 
     impl LockFile for Counted {
-        fn take(&self, kind: LockKind) -> Result<()> {
+        fn take(&self, kind: LockKind, _: bool) -> Result<()> {
             self.sets.lock().push(Some(kind));
             Ok(())
         }
@@ -353,6 +390,38 @@ mod tests {
         };
         t.join().unwrap();
         table.unlock(NodeId(3), LockKind::Shared).unwrap();
+    }
+
+    #[test]
+    fn a_lock_tried_while_another_owner_holds_it_is_refused_at_once() {
+        let table = Arc::new(LockTable::default());
+        let file = || Ok(Arc::new(Counted::default()) as Arc<dyn LockFile>);
+        table.lock(NodeId(4), LockKind::Shared, file).unwrap();
+        let other = |kind| {
+            let table = table.clone();
+            std::thread::spawn(move || {
+                let r = table.lock_or_not(NodeId(4), kind, false, || unreachable!());
+                if r.is_ok() {
+                    table.unlock(NodeId(4), kind).unwrap();
+                }
+                r
+            })
+            .join()
+            .unwrap()
+        };
+        assert!(matches!(other(LockKind::Exclusive), Err(Error::Os(libc::EWOULDBLOCK))));
+        assert!(other(LockKind::Shared).is_ok(), "readers share");
+        table.unlock(NodeId(4), LockKind::Shared).unwrap();
+        assert!(other(LockKind::Exclusive).is_ok(), "free again");
+        for args in [&["exclusive", "try"][..], &["shared"], &["unlock", "shared"]] {
+            let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+            assert!(parse_lock_args(&args).is_ok(), "{args:?}");
+        }
+        assert_eq!(
+            parse_lock_args(&["exclusive".into(), "try".into()]).unwrap(),
+            LockRequest { kind: LockKind::Exclusive, take: true, wait: false }
+        );
+        assert!(parse_lock_args(&["try".into(), "exclusive".into()]).is_err());
     }
 
     #[test]

@@ -572,7 +572,7 @@ impl Server {
     fn lower_lock(&self, conn: &Conn, cx: &Caller, node: NodeId, args: &[String]) -> Result<Reply, Error> {
         const R: u32 = 4;
         const W: u32 = 2;
-        let (kind, take) = plyfs_stack::shared::parse_lock_args(args)?;
+        let plyfs_stack::shared::LockRequest { kind, take, .. } = plyfs_stack::shared::parse_lock_args(args)?;
         if take && conn.identity != Identity::AsSent {
             self.permit(cx, node, if kind == LockKind::Exclusive { W } else { R })?;
         }
