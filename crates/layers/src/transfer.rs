@@ -11,9 +11,10 @@ use std::ffi::{OsStr, OsString};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
+use plyfs_stack::shared::NoReplace;
 use plyfs_stack::{Attr, Caller, Entry, Error, FileKind, Level, NodeId, Op, Opened, Reply, Result, SetAttr, TimeSet, XattrReply};
 
 /// Data is copied through the stacks in pieces of this size.
@@ -51,8 +52,8 @@ pub struct TempNames {
     mine: String,
     counter: AtomicU64,
     in_progress: Mutex<HashSet<OsString>>,
-    /// The level refused `RENAME_NOREPLACE` (GlusterFS does): [`Self::place_new`] links instead.
-    no_rename_noreplace: AtomicBool,
+    /// How [`Self::place_new`] renames.
+    no_replace: NoReplace,
 }
 
 /// Another process's temporary name is left over (not a copy in progress in another mount of a
@@ -70,7 +71,7 @@ impl TempNames {
             mine,
             counter: AtomicU64::new(0),
             in_progress: Mutex::new(HashSet::new()),
-            no_rename_noreplace: AtomicBool::new(false),
+            no_replace: NoReplace::default(),
         }
     }
 
@@ -102,36 +103,14 @@ impl TempNames {
 
     /// Like [`Self::place`], but the object only takes `name` if nothing has it: otherwise the
     /// copy goes and the result is `EEXIST` (another mount sharing the tree was first).
-    /// `RENAME_NOREPLACE`, or where the level refuses it, a link and an unlink (a directory,
-    /// which cannot be linked, is renamed if the name is free a moment before).
+    /// (See [`NoReplace`].)
     pub fn place_new(&self, to: &Level, dir: NodeId, name: &OsStr, make: impl FnOnce(&OsStr) -> Result<Entry>) -> Result<Entry> {
         self.place_by(to, dir, make, |temp, e| self.rename_new(to, (dir, temp), (dir, name), e.node, e.attr.kind))
     }
 
     /// Rename `from` (the object `node`, of kind `kind`) to `to`, unless `to` exists (`EEXIST`).
     pub fn rename_new(&self, level: &Level, from: (NodeId, &OsStr), to: (NodeId, &OsStr), node: NodeId, kind: FileKind) -> Result<()> {
-        let cx = daemon();
-        if !self.no_rename_noreplace.load(Ordering::Relaxed) {
-            let rename = Op::Rename { parent: from.0, name: from.1, new_parent: to.0, new_name: to.1, flags: libc::RENAME_NOREPLACE };
-            match level.call(&cx, &rename) {
-                Err(Error::Os(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => {
-                    self.no_rename_noreplace.store(true, Ordering::Relaxed)
-                }
-                other => return other.map(|_| ()),
-            }
-        }
-        if kind == FileKind::Dir {
-            if let Ok(e) = level.lookup(&cx, to.0, to.1) {
-                level.forget(&cx, e.node, 1);
-                return Err(Error::Os(libc::EEXIST));
-            }
-            let rename = Op::Rename { parent: from.0, name: from.1, new_parent: to.0, new_name: to.1, flags: 0 };
-            return level.call(&cx, &rename).map(|_| ());
-        }
-        if let Reply::Entry(e) = level.call(&cx, &Op::Link { node, new_parent: to.0, new_name: to.1 })? {
-            level.forget(&cx, e.node, 1);
-        }
-        level.unlink(&cx, from.0, from.1)
+        self.no_replace.rename(level, &daemon(), from, to, node, kind)
     }
 
     /// Make an object under a fresh temporary name in `dir` of `to` with `make`, then rename it

@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Mutex, RwLock};
+use plyfs_stack::shared::NoReplace;
 use plyfs_stack::spec::LayerSpec;
 use plyfs_stack::{
     bypass, Caller, DataPath, DirEntry, Entry, Error, ExtOpInfo, FileHandle, FileKind, Layer, LayerFactory, Level, NodeId, Op,
@@ -149,8 +150,8 @@ pub struct PolicyLayer {
     switch: RwLock<()>,
     /// Other mounts share the lower tree (`-o shared`): they may record chains at any time.
     shared: bool,
-    /// The lower file system refused `RENAME_NOREPLACE` once: files move into place by link.
-    no_rename_noreplace: std::sync::atomic::AtomicBool,
+    /// How files made under a temporary name move into place.
+    no_replace: NoReplace,
 }
 
 fn daemon() -> Caller {
@@ -198,7 +199,7 @@ impl PolicyLayer {
             records: std::sync::atomic::AtomicBool::new(records),
             switch: RwLock::new(()),
             shared,
-            no_rename_noreplace: false.into(),
+            no_replace: NoReplace::default(),
         }))
     }
 
@@ -531,26 +532,9 @@ impl PolicyLayer {
     }
 
     /// Give the file `node` named `tmp` in `parent` the name `name`, unless that name exists
-    /// (`EEXIST`): `renameat2(RENAME_NOREPLACE)`, or a link and an unlink where the lower file
-    /// system has no such rename (GlusterFS).
+    /// (`EEXIST`; see [`NoReplace`]).
     fn move_into_place(&self, cx: &Caller, node: NodeId, parent: NodeId, tmp: &OsStr, name: &OsStr) -> Result<()> {
-        let rename = Op::Rename { parent, name: tmp, new_parent: parent, new_name: name, flags: libc::RENAME_NOREPLACE };
-        let renamed = if self.no_rename_noreplace.load(Ordering::Relaxed) {
-            Err(Error::Os(libc::EINVAL))
-        } else {
-            self.below().call(cx, &rename)
-        };
-        match renamed {
-            Err(Error::Os(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => {
-                self.no_rename_noreplace.store(true, Ordering::Relaxed);
-                let linked = self.below().call(cx, &Op::Link { node, new_parent: parent, new_name: name })?;
-                if let Reply::Entry(e) = linked {
-                    self.below().forget(&daemon(), e.node, 1);
-                }
-                self.below().unlink(cx, parent, tmp)
-            }
-            other => other.map(|_| ()),
-        }
+        self.no_replace.rename(self.below(), cx, (parent, tmp), (parent, name), node, FileKind::File)
     }
 
     /// `create` on a shared lower of a file that needs a record: made under a temporary name,

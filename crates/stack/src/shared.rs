@@ -15,7 +15,8 @@
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::ffi::OsStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +24,8 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::error::{Error, Result};
 use crate::layer::{Invalidator, Level};
-use crate::types::{Caller, NodeId};
+use crate::op::{Op, Reply};
+use crate::types::{Caller, FileKind, NodeId};
 
 /// The extended operation that locks a lower file.
 pub const LOCK_OP: &str = "lower-lock";
@@ -115,6 +117,49 @@ pub fn try_lock(level: &Level, node: NodeId, kind: LockKind) -> Result<bool> {
 /// Drop one hold of `kind` taken by [`lock`].
 pub fn unlock(level: &Level, node: NodeId, kind: LockKind) -> Result<()> {
     level.extended(&Caller::daemon(), node, LOCK_OP, &["unlock".to_owned(), kind.as_str().to_owned()]).map(|_| ())
+}
+
+/// Renames that never replace what the new name holds (another mount sharing the tree may
+/// have made it meanwhile): `RENAME_NOREPLACE`, or where the level refuses it (GlusterFS does;
+/// remembered), a link and an unlink. A directory, which cannot be linked, is then renamed if
+/// the name is free a moment before.
+#[derive(Default)]
+pub struct NoReplace {
+    refused: AtomicBool,
+}
+
+impl NoReplace {
+    /// Rename `from` (the object `node`, of kind `kind`) to `to` for `cx`, unless `to` exists
+    /// (`EEXIST`).
+    pub fn rename(
+        &self,
+        level: &Level,
+        cx: &Caller,
+        from: (NodeId, &OsStr),
+        to: (NodeId, &OsStr),
+        node: NodeId,
+        kind: FileKind,
+    ) -> Result<()> {
+        if !self.refused.load(Ordering::Relaxed) {
+            let rename = Op::Rename { parent: from.0, name: from.1, new_parent: to.0, new_name: to.1, flags: libc::RENAME_NOREPLACE };
+            match level.call(cx, &rename) {
+                Err(Error::Os(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => self.refused.store(true, Ordering::Relaxed),
+                other => return other.map(|_| ()),
+            }
+        }
+        if kind == FileKind::Dir {
+            if let Ok(e) = level.lookup(cx, to.0, to.1) {
+                level.forget(cx, e.node, 1);
+                return Err(Error::Os(libc::EEXIST));
+            }
+            let rename = Op::Rename { parent: from.0, name: from.1, new_parent: to.0, new_name: to.1, flags: 0 };
+            return level.call(cx, &rename).map(|_| ());
+        }
+        if let Reply::Entry(e) = level.call(cx, &Op::Link { node, new_parent: to.0, new_name: to.1 })? {
+            level.forget(&Caller::daemon(), e.node, 1);
+        }
+        level.unlink(cx, from.0, from.1)
+    }
 }
 
 thread_local! {
