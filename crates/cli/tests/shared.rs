@@ -59,8 +59,9 @@ fn gluster() -> &'static (PathBuf, PathBuf) {
 
 /// Two mounts of one lower directory, with `-o shared`.
 struct Pair {
-    a: Mount,
+    // `b` goes first: `a` owns the directory both mount points are in.
     b: Mount,
+    a: Mount,
     stack: &'static str,
     /// The lower directory as the first mount sees it, and the arguments of `fsck`.
     lower: PathBuf,
@@ -556,7 +557,8 @@ fn direct_changes_show_at_once_on_a_shared_mount_of_a_local_lower() {
 }
 
 /// Two mounts, `-o shared`, of the local directory `lower` (made under `root`) with `stack` and
-/// the options `extra`.
+/// the options `extra`. Bound as `let (a, b)`, `b` goes first, as it must: `a` owns the
+/// directory both mount points are in.
 fn two_local(dir: tempfile::TempDir, lower: &Path, stack: &str, extra: &[&str]) -> (Mount, Mount) {
     let root = dir.path().canonicalize().unwrap();
     let (mnt_a, mnt_b) = (root.join("mnt-a"), root.join("mnt-b"));
@@ -585,10 +587,7 @@ fn union_copy_ups_from_two_mounts_lose_nothing() {
         fs::write(base.join(format!("d/f{k}")), "from the base\n").unwrap();
     }
     let branch = format!("--branch={}=ro", base.display());
-    let (b, a) = {
-        let (a, b) = two_local(dir, &upper, "union", &[&branch]);
-        (b, a)
-    };
+    let (a, b) = two_local(dir, &upper, "union", &[&branch]);
     std::thread::scope(|s| {
         for (who, m) in [("a", &a), ("b", &b)] {
             s.spawn(move || {
@@ -626,10 +625,7 @@ fn versions_saved_by_two_mounts_at_once_are_all_kept() {
     let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
     let lower = dir.path().canonicalize().unwrap().join("lower");
     fs::create_dir(&lower).unwrap();
-    let (b, a) = {
-        let (a, b) = two_local(dir, &lower, "version:keep=0", &[]);
-        (b, a)
-    };
+    let (a, b) = two_local(dir, &lower, "version:keep=0", &[]);
     fs::write(a.path("f"), "first\n").unwrap();
     wait_for(|| b.path("f").exists(), "the file through the second mount");
     std::thread::scope(|s| {
@@ -658,10 +654,7 @@ fn writes_to_a_file_another_mount_replaced_are_refused_not_lost() {
     let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
     let lower = dir.path().canonicalize().unwrap().join("lower");
     fs::create_dir(&lower).unwrap();
-    let (b, a) = {
-        let (a, b) = two_local(dir, &lower, "zstd", &[]);
-        (b, a)
-    };
+    let (a, b) = two_local(dir, &lower, "zstd", &[]);
     fs::write(a.path("f"), "old\n").unwrap();
     wait_for(|| b.path("f").exists(), "the file through the second mount");
     let mut f = OpenOptions::new().append(true).open(b.path("f")).unwrap();

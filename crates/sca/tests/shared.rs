@@ -29,6 +29,8 @@ struct MountLower {
     mount: usize,
     bytes: MemLower,
     holders: Holders,
+    /// The lower file cannot be locked: what locking it fails with.
+    refuse: Option<fn() -> plyfs_stack::Error>,
 }
 
 impl MountLower {
@@ -73,6 +75,9 @@ impl LowerIo for MountLower {
     }
 
     fn lock(&self, kind: LockKind) -> Result<()> {
+        if let Some(refuse) = self.refuse {
+            return Err(refuse());
+        }
         let mut holders = self.holders.lock();
         let others = holders.iter().filter(|h| h.0 != self.mount);
         let conflict = match kind {
@@ -158,7 +163,7 @@ fn run(steps: &[Step], shift: u8, fast_tails: bool) {
     let engine = Arc::new(Engine::new("rle", Arc::new(Rle), shift, fast_tails).sharing(Some(mode)));
     let bytes = MemLower::default();
     let holders = Holders::default();
-    let lower = |mount| MountLower { mount, bytes: bytes.clone(), holders: holders.clone() };
+    let lower = |mount| MountLower { mount, bytes: bytes.clone(), holders: holders.clone(), refuse: None };
     let open = |mount| ScaFile::open(engine.clone(), lower(mount)).unwrap_or_else(|e| panic!("mount {mount}: open: {e}"));
     let mut mounts: Vec<ScaFile<MountLower>> = (0..MOUNTS).map(open).collect();
     let mut model: Vec<u8> = Vec::new();
@@ -256,40 +261,6 @@ fn without_sharing_mounts_overwrite_each_other() {
     assert!(!composed, "without sharing the writes should not compose");
 }
 
-/// A lower file on a file system without locks (or a bottom layer without `lower-lock`).
-#[derive(Clone)]
-struct LockRefused {
-    bytes: MemLower,
-    error: fn() -> plyfs_stack::Error,
-}
-
-impl LowerIo for LockRefused {
-    fn read_at(&self, off: u64, len: usize) -> Result<Vec<u8>> {
-        self.bytes.read_at(off, len)
-    }
-    fn write_at(&self, off: u64, data: &[u8]) -> Result<()> {
-        self.bytes.write_at(off, data)
-    }
-    fn set_len(&self, len: u64) -> Result<()> {
-        self.bytes.set_len(len)
-    }
-    fn len(&self) -> Result<u64> {
-        self.bytes.len()
-    }
-    fn sync(&self) -> Result<()> {
-        Ok(())
-    }
-    fn writable(&self) -> bool {
-        true
-    }
-    fn describe(&self) -> String {
-        "shared.file".into()
-    }
-    fn lock(&self, _kind: LockKind) -> Result<()> {
-        Err((self.error)())
-    }
-}
-
 /// Sharing a file that cannot be locked fails every access with `ENOLCK` (as a file system
 /// without locks would), and changes nothing below.
 #[test]
@@ -307,7 +278,8 @@ fn a_lower_file_that_cannot_be_locked_is_refused_and_left_alone() {
         f.write(0, b"written before sharing\n").unwrap();
         f.close().unwrap();
         let before = bytes.read_at(0, 1 << 20).unwrap();
-        let lower = LockRefused { bytes: bytes.clone(), error };
+        // A file system without locks (or a bottom layer without `lower-lock`).
+        let lower = MountLower { mount: 0, bytes: bytes.clone(), holders: Holders::default(), refuse: Some(error) };
         let opened = ScaFile::open(shared.clone(), lower.clone());
         assert_eq!(opened.err().map(|e| e.errno()), Some(libc::ENOLCK), "open of {:?}", error());
 
@@ -315,7 +287,7 @@ fn a_lower_file_that_cannot_be_locked_is_refused_and_left_alone() {
 
         // A new, empty file: writing to it is refused too.
         let empty = MemLower::default();
-        let mut f = ScaFile::created(shared.clone(), LockRefused { bytes: empty.clone(), error });
+        let mut f = ScaFile::created(shared.clone(), MountLower { bytes: empty.clone(), ..lower });
         assert_eq!(f.write(0, b"x").err().map(|e| e.errno()), Some(libc::ENOLCK), "write under {:?}", error());
         assert_eq!(f.truncate(3).err().map(|e| e.errno()), Some(libc::ENOLCK), "truncate under {:?}", error());
         assert_eq!(empty.len().unwrap(), 0, "nothing written below");
