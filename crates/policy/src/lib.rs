@@ -142,6 +142,8 @@ pub struct PolicyLayer {
     /// decisions older than it are recomputed.
     generation: AtomicU64,
     temp_counter: AtomicU64,
+    /// `TEMP_PREFIX.PID.TOKEN.`: this process's temporary names.
+    temp_stem: String,
     warned_no_xattrs: std::sync::atomic::AtomicBool,
     /// Whether any file of the lower directory may carry a record ([`RECORDS_XATTR`]).
     records: std::sync::atomic::AtomicBool,
@@ -195,6 +197,13 @@ impl PolicyLayer {
             dirs: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(1),
             temp_counter: AtomicU64::new(0),
+            temp_stem: {
+                // Random per process: mounts on other machines sharing the lower may have the
+                // same process ids.
+                let mut token = [0u8; 4];
+                getrandom::getrandom(&mut token).expect("the system's random number generator failed");
+                format!("{TEMP_PREFIX}{}.{:08x}.", std::process::id(), u32::from_le_bytes(token))
+            },
             warned_no_xattrs: std::sync::atomic::AtomicBool::new(false),
             records: std::sync::atomic::AtomicBool::new(records),
             switch: RwLock::new(()),
@@ -543,7 +552,7 @@ impl PolicyLayer {
     /// file is opened instead (or `EEXIST` under `O_EXCL`).
     fn create_recorded(&self, cx: &Caller, parent: NodeId, name: &OsStr, mode: u32, flags: i32, chain: &ChainRef) -> Result<Reply> {
         let n = self.temp_counter.fetch_add(1, Ordering::Relaxed);
-        let tmp = OsString::from(format!("{TEMP_PREFIX}{}.{n}", std::process::id()));
+        let tmp = OsString::from(format!("{}{n}", self.temp_stem));
         let reply = chain.top.call(cx, &Op::Create { parent, name: &tmp, mode, flags: flags | libc::O_EXCL });
         let reply = self.finish_create(reply, chain, true, parent, &tmp)?;
         let Reply::Created(e, opened) = &reply else { return Err(Error::Os(libc::EIO)) };
@@ -796,7 +805,7 @@ impl PolicyLayer {
         // until it is complete.
         let (tmp, tmp_name, fh) = loop {
             let n = self.temp_counter.fetch_add(1, Ordering::Relaxed);
-            let tmp_name = OsString::from(format!("{TEMP_PREFIX}{}.{n}", std::process::id()));
+            let tmp_name = OsString::from(format!("{}{n}", self.temp_stem));
             let op = Op::Create { parent, name: &tmp_name, mode: 0o600, flags: libc::O_RDWR | libc::O_EXCL };
             match to.top.call(&cx, &op) {
                 Ok(Reply::Created(e, o)) => break (e.node, tmp_name, o.fh),

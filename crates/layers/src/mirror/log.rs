@@ -1,7 +1,10 @@
 //! The mirror's write-intent log (the role of md's write-intent bitmap, per path).
 //!
 //! Every in-sync branch keeps a copy, `.plyfs-mirror.log` at its root, written through the
-//! branch's stack. Lines are `SEQ KIND [BRANCH] [PATH]`:
+//! branch's stack. With `-o shared` every mount keeps a log of its own, `.plyfs-mirror.log.PID.TOKEN`.
+//! A mount holds a lock on its copies for as long as it runs (`lower-lock`), so a log whose lock
+//! can be taken is a stopped mount's, and the mirror takes it over ([`super::Mirror`]). Lines
+//! are `SEQ KIND [BRANCH] [PATH]`:
 //!
 //! - `W path` before a change to `path` reaches the branches, `C path` once every branch has it:
 //!   a `W` without its `C` is a change that was in flight when the daemon stopped;
@@ -15,12 +18,20 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
 
 use parking_lot::Mutex;
+use plyfs_stack::shared::{self, LockKind};
 use plyfs_stack::{Caller, Error, FileHandle, Level, NodeId, Op, Result, SetAttr};
 
-/// The log's name at the root of every branch (hidden from the mount).
+/// The log's name at the root of every branch (hidden from the mount); shared mounts add
+/// `.PID.TOKEN`.
 pub const LOG_NAME: &str = ".plyfs-mirror.log";
+
+/// Whether `name` (at a branch's root) is a mirror log, any mount's.
+pub fn is_log_name(name: &OsStr) -> bool {
+    name.as_bytes().starts_with(LOG_NAME.as_bytes())
+}
 /// Rewrite a copy once it is this large and nothing is in flight.
 const COMPACT_AT: u64 = 1 << 20;
 
@@ -111,6 +122,8 @@ struct LogFile {
     fh: FileHandle,
     size: u64,
     unsynced: bool,
+    /// This mount holds the copy's lock (a lower without locks gives none, unless shared).
+    locked: bool,
 }
 
 struct LogState {
@@ -125,53 +138,80 @@ pub struct IntentLog {
     names: Vec<String>,
     tops: Vec<Level>,
     state: Mutex<LogState>,
+    /// This mount's copies' name: [`LOG_NAME`], or with `-o shared` `LOG_NAME.PID.TOKEN`.
+    own: String,
+    shared: bool,
+    /// Who holds the locks on the copies, and takes again those the branches' own layers take
+    /// while writing them.
+    owner: u64,
 }
 
 /// Branches a log write could not reach: they have failed.
 pub type Unreached = Vec<(usize, Error)>;
 
+/// Read the copies of log `name` on every level that has one, and replay the one that went
+/// furthest.
+pub fn read_copies(tops: &[Level], name: &OsStr, names: &[String]) -> Result<Replayed> {
+    let mut best: Option<Replayed> = None;
+    for top in tops {
+        let text = match top.read_small_file(&daemon(), NodeId::ROOT, name, 64 << 20) {
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(Error::Os(libc::ENOENT)) => String::new(),
+            Err(e) => return Err(e),
+        };
+        let replayed = replay(&text, names);
+        if best.as_ref().is_none_or(|b| replayed.seq > b.seq) {
+            best = Some(replayed);
+        }
+    }
+    Ok(best.unwrap_or_else(|| replay("", names)))
+}
+
 impl IntentLog {
     /// Read every branch's copy, and continue from the one that went furthest. Returns the log
     /// and what it says.
-    pub fn open(names: Vec<String>, tops: Vec<Level>) -> Result<(IntentLog, Replayed)> {
+    /// With `shared`, the mount's log is a new one of its own (other mounts' are taken over by
+    /// the mirror), and what it says is nothing yet.
+    pub fn open(names: Vec<String>, tops: Vec<Level>, shared: bool) -> Result<(IntentLog, Replayed)> {
         let n = names.len();
-        let mut best: Option<Replayed> = None;
-        let mut files = Vec::with_capacity(n);
-        for top in &tops {
-            let text = match top.read_small_file(&daemon(), NodeId::ROOT, OsStr::new(LOG_NAME), 64 << 20) {
-                Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-                Err(Error::Os(libc::ENOENT)) => String::new(),
-                Err(e) => return Err(e),
-            };
-            let replayed = replay(&text, &names);
-            if best.as_ref().is_none_or(|b| replayed.seq > b.seq) {
-                best = Some(replayed);
-            }
-            files.push(None);
-        }
-        let replayed = best.unwrap_or_else(|| replay("", &names));
+        let own = if shared {
+            let mut token = [0u8; 4];
+            getrandom::getrandom(&mut token).expect("the system's random number generator failed");
+            format!("{LOG_NAME}.{}.{:08x}", std::process::id(), u32::from_le_bytes(token))
+        } else {
+            LOG_NAME.to_owned()
+        };
+        let replayed = if shared { replay("", &names) } else { read_copies(&tops, OsStr::new(LOG_NAME), &names)? };
         let state = LogState {
             seq: replayed.seq,
-            files,
-            in_flight: HashMap::new(),
+            files: (0..n).map(|_| None).collect(),
+            // Until recovered, they stay in flight (a crash meanwhile finds them again).
+            in_flight: replayed.in_flight.iter().map(|p| (p.clone(), 1)).collect(),
             stale: replayed.stale.clone(),
             failed: replayed.failed.clone(),
         };
-        let log = IntentLog { names, tops, state: Mutex::new(state) };
+        let log = IntentLog { names, tops, state: Mutex::new(state), own, shared, owner: shared::new_lock_owner() };
         // Start every in-sync copy afresh with what is still true.
-        let mut state = log.state.lock();
-        for b in 0..n {
-            if !state.failed[b] {
-                log.rewrite(&mut state, b)?;
-            }
-        }
-        drop(state);
+        log.owned(|| {
+            let mut state = log.state.lock();
+            (0..n).try_for_each(|b| if state.failed[b] { Ok(()) } else { log.rewrite(&mut state, b) })
+        })?;
         Ok((log, replayed))
+    }
+
+    /// The name of this mount's copies.
+    pub fn own_name(&self) -> &str {
+        &self.own
+    }
+
+    /// Run `f` with the log's lock owner holding what it locks.
+    fn owned<R>(&self, f: impl FnOnce() -> R) -> R {
+        shared::with_lock_owner(self.owner, f)
     }
 
     fn open_file(&self, b: usize) -> Result<LogFile> {
         let top = &self.tops[b];
-        let name = OsStr::new(LOG_NAME);
+        let name = OsStr::new(&self.own);
         let (node, fh) = match top.lookup(&daemon(), NodeId::ROOT, name) {
             Ok(e) => match top.open(&daemon(), e.node, libc::O_RDWR) {
                 Ok(o) => (e.node, o.fh),
@@ -186,7 +226,39 @@ impl IntentLog {
             }
             Err(e) => return Err(e),
         };
-        Ok(LogFile { node, fh, size: 0, unsynced: false })
+        let mut file = LogFile { node, fh, size: 0, unsynced: false, locked: false };
+        // Held while the mount runs: it says the log is in use.
+        let locked = if self.shared {
+            // Only a mount taking over stopped mounts' logs may hold it, for a moment.
+            shared::lock(top, node, LockKind::Exclusive).map(|()| true)
+        } else {
+            match shared::try_lock(top, node, LockKind::Exclusive) {
+                Ok(false) => Err(Error::config(format!(
+                    "mirror branch '{}': another mount is using this mirror (it holds the lock on {LOG_NAME}); a mirror mounted more than once needs -o shared on every mount",
+                    self.names[b]
+                ))),
+                Ok(true) => Ok(true),
+                Err(_) => Ok(false),
+            }
+        };
+        match locked {
+            Ok(l) => file.locked = l,
+            Err(e) => {
+                self.close_file(b, file);
+                return Err(e);
+            }
+        }
+        Ok(file)
+    }
+
+    /// Let go of branch `b`'s copy.
+    fn close_file(&self, b: usize, f: LogFile) {
+        let top = &self.tops[b];
+        if f.locked {
+            let _ = shared::unlock(top, f.node, LockKind::Exclusive);
+        }
+        let _ = top.release(&daemon(), f.node, f.fh);
+        top.forget(&daemon(), f.node, 1);
     }
 
     /// Truncate branch `b`'s copy and write the current state into it.
@@ -252,60 +324,67 @@ impl IntentLog {
 
     /// A change to `path` is about to reach the branches.
     pub fn begin(&self, path: &str) -> Unreached {
-        let mut state = self.state.lock();
-        *state.in_flight.entry(path.to_owned()).or_default() += 1;
-        self.append(&mut state, &format!("W {}", encode(path)))
+        self.owned(|| {
+            let mut state = self.state.lock();
+            *state.in_flight.entry(path.to_owned()).or_default() += 1;
+            self.append(&mut state, &format!("W {}", encode(path)))
+        })
     }
 
     /// Every branch has the change to `path`.
     pub fn end(&self, path: &str) -> Unreached {
-        let mut state = self.state.lock();
-        match state.in_flight.get_mut(path) {
-            Some(n) if *n > 1 => *n -= 1,
-            Some(_) => {
-                state.in_flight.remove(path);
+        self.owned(|| {
+            let mut state = self.state.lock();
+            match state.in_flight.get_mut(path) {
+                Some(n) if *n > 1 => *n -= 1,
+                Some(_) => {
+                    state.in_flight.remove(path);
+                }
+                None => return Vec::new(),
             }
-            None => return Vec::new(),
-        }
-        let mut unreached = self.append(&mut state, &format!("C {}", encode(path)));
-        let large = state.files.iter().flatten().any(|f| f.size > COMPACT_AT);
-        if large && state.in_flight.is_empty() {
-            for b in 0..self.tops.len() {
-                if !state.failed[b] {
-                    if let Err(e) = self.rewrite(&mut state, b) {
-                        unreached.push((b, e));
+            let mut unreached = self.append(&mut state, &format!("C {}", encode(path)));
+            let large = state.files.iter().flatten().any(|f| f.size > COMPACT_AT);
+            if large && state.in_flight.is_empty() {
+                for b in 0..self.tops.len() {
+                    if !state.failed[b] {
+                        if let Err(e) = self.rewrite(&mut state, b) {
+                            unreached.push((b, e));
+                        }
                     }
                 }
             }
-        }
-        unreached
+            unreached
+        })
     }
 
     /// Branch `b` failed: from now on every change is noted stale for it.
     pub fn failed(&self, b: usize) -> Unreached {
-        let mut state = self.state.lock();
-        if state.failed[b] {
-            return Vec::new();
-        }
-        state.failed[b] = true;
-        if let Some(f) = state.files[b].take() {
-            let _ = self.tops[b].release(&daemon(), f.node, f.fh);
-            self.tops[b].forget(&daemon(), f.node, 1);
-        }
-        self.append(&mut state, &format!("F {}", self.names[b]))
+        self.owned(|| {
+            let mut state = self.state.lock();
+            if state.failed[b] {
+                return Vec::new();
+            }
+            state.failed[b] = true;
+            if let Some(f) = state.files[b].take() {
+                self.close_file(b, f);
+            }
+            self.append(&mut state, &format!("F {}", self.names[b]))
+        })
     }
 
     /// `paths` changed while branch `b` is failed.
     pub fn stale(&self, b: usize, paths: &[String]) -> Unreached {
-        let mut state = self.state.lock();
-        let mut unreached = Vec::new();
-        for p in paths {
-            if state.stale[b].insert(p.clone()) {
-                let body = format!("S {} {}", self.names[b], encode(p));
-                unreached.extend(self.append(&mut state, &body));
+        self.owned(|| {
+            let mut state = self.state.lock();
+            let mut unreached = Vec::new();
+            for p in paths {
+                if state.stale[b].insert(p.clone()) {
+                    let body = format!("S {} {}", self.names[b], encode(p));
+                    unreached.extend(self.append(&mut state, &body));
+                }
             }
-        }
-        unreached
+            unreached
+        })
     }
 
     /// The next path branch `b` needs, in order (parents before what they hold).
@@ -327,40 +406,50 @@ impl IntentLog {
 
     /// Branch `b` is up to date again: its copy starts afresh and the others say so.
     pub fn resynced(&self, b: usize) -> Unreached {
-        let mut state = self.state.lock();
-        state.failed[b] = false;
-        state.stale[b].clear();
-        let mut unreached = self.append(&mut state, &format!("R {}", self.names[b]));
-        if let Err(e) = self.rewrite(&mut state, b) {
-            unreached.push((b, e));
-        }
-        unreached
+        self.owned(|| {
+            let mut state = self.state.lock();
+            state.failed[b] = false;
+            state.stale[b].clear();
+            let mut unreached = self.append(&mut state, &format!("R {}", self.names[b]));
+            if let Err(e) = self.rewrite(&mut state, b) {
+                unreached.push((b, e));
+            }
+            unreached
+        })
     }
 
     /// Make every copy durable (before a file's fsync returns).
     pub fn sync(&self) -> Unreached {
-        let mut state = self.state.lock();
-        let mut unreached = Vec::new();
-        for b in 0..self.tops.len() {
-            let Some(file) = state.files[b].as_mut().filter(|f| f.unsynced) else { continue };
-            match self.tops[b].call(&daemon(), &Op::Fsync { node: file.node, fh: file.fh, datasync: true }) {
-                Ok(_) => file.unsynced = false,
-                Err(e) => unreached.push((b, e)),
+        self.owned(|| {
+            let mut state = self.state.lock();
+            let mut unreached = Vec::new();
+            for b in 0..self.tops.len() {
+                let Some(file) = state.files[b].as_mut().filter(|f| f.unsynced) else { continue };
+                match self.tops[b].call(&daemon(), &Op::Fsync { node: file.node, fh: file.fh, datasync: true }) {
+                    Ok(_) => file.unsynced = false,
+                    Err(e) => unreached.push((b, e)),
+                }
             }
-        }
-        unreached
+            unreached
+        })
     }
 
-    /// Close every copy (at unmount).
+    /// Close every copy (at unmount). A shared mount's log goes too when it says nothing any
+    /// more: no branch failed, nothing in flight.
     pub fn close(&self) {
-        let mut state = self.state.lock();
-        for b in 0..self.tops.len() {
-            if let Some(f) = state.files[b].take() {
-                let _ = self.tops[b].call(&daemon(), &Op::Fsync { node: f.node, fh: f.fh, datasync: true });
-                let _ = self.tops[b].release(&daemon(), f.node, f.fh);
-                self.tops[b].forget(&daemon(), f.node, 1);
+        self.owned(|| {
+            let mut state = self.state.lock();
+            let done = self.shared && state.in_flight.is_empty() && !state.failed.iter().any(|f| *f);
+            for b in 0..self.tops.len() {
+                if let Some(f) = state.files[b].take() {
+                    let _ = self.tops[b].call(&daemon(), &Op::Fsync { node: f.node, fh: f.fh, datasync: true });
+                    self.close_file(b, f);
+                    if done {
+                        let _ = self.tops[b].unlink(&daemon(), NodeId::ROOT, OsStr::new(&self.own));
+                    }
+                }
             }
-        }
+        })
     }
 }
 

@@ -13,16 +13,28 @@
 //! - **A killed daemon** leaves `W` lines without their `C` in the log: at the next mount those
 //!   paths are made the same on every branch before anything is served.
 //! - **Files opened read-only** may use passthrough to the branch that serves reads.
+//! - **Shared (`-o shared`)**: several mounts, here or on other machines, may mirror the same
+//!   branches. Each change runs under a lock that every mount honours, so every branch sees the
+//!   changes in one order: a change to a file's data or attributes under the lock of that file
+//!   on the reading branch, a change of names under the lock of `.plyfs-mirror.lock` there.
+//!   Each mount keeps its own write-intent log and holds its lock while it runs; a log whose
+//!   lock can be taken is a stopped mount's, and a running mount takes it over within seconds
+//!   (at its own start at once): its changes in flight are made the same on every branch, its
+//!   failed branches and stale paths become this mount's. A branch one mount finds failed is
+//!   named in `.plyfs-mirror.failed` on the others, and every mount stops using it within a
+//!   second. `resync` and `scrub` run only where no other mount is running.
 
 mod log;
 mod sync;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::ffi::{OsStr, OsString};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, RwLock};
+use plyfs_stack::shared::{self, LockKind};
 use plyfs_stack::spec::BranchMode;
 use plyfs_stack::{
     Branch, Build, Caller, DataPath, DirEntry, Entry, Error, ExtOpInfo, FanOutArgs, FileHandle, FileKind, Layer, LayerFactory, Level,
@@ -32,10 +44,20 @@ use serde_json::{json, Value};
 
 use crate::ids::{NodeTable, Place};
 use crate::transfer::{Data, TempNames};
-use log::{IntentLog, Unreached, LOG_NAME};
+use log::{is_log_name, IntentLog, Unreached};
 
 /// Names of copies a resync is writing; never shown, removed when found left over.
 pub const TEMP_PREFIX: &str = ".plyfs-mirror-copy.";
+/// With `-o shared`: the file at each branch's root whose lock guards changes of names.
+const LOCK_NAME: &str = ".plyfs-mirror.lock";
+/// With `-o shared`: the names of branches a mount found failed, one per line, on the others.
+const FAILED_NAME: &str = ".plyfs-mirror.failed";
+/// How often a shared mount looks for branches other mounts found failed.
+const WATCH_EVERY: Duration = Duration::from_secs(1);
+/// ... and for the logs of stopped mounts, in turns of [`WATCH_EVERY`].
+const ADOPT_EVERY: u32 = 5;
+/// An empty log younger than this may be a mount's that is starting: it is left alone.
+const YOUNG: Duration = Duration::from_secs(60);
 /// Data writes at least this large reach the branches in parallel.
 const PARALLEL_FROM: usize = 256 << 10;
 
@@ -124,6 +146,45 @@ pub struct Mirror {
     temps: TempNames,
     /// One resync or scrub at a time.
     repairing: Mutex<()>,
+    /// With `-o shared`.
+    sharing: Option<Sharing>,
+}
+
+/// What sharing the branches with other mounts takes.
+struct Sharing {
+    /// Each branch's [`LOCK_NAME`], once looked up (the lookup is held).
+    lock_files: Mutex<Vec<Option<NodeId>>>,
+    /// The size of each branch's [`FAILED_NAME`] when last read.
+    failed_seen: Mutex<Vec<u64>>,
+    stop: Mutex<bool>,
+    wake: Condvar,
+    watcher: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// What a change must hold across mounts: nothing, the lock of changes of names, or the lock of
+/// one object (a file's own; other objects change under the names lock).
+#[derive(Clone, Copy)]
+enum Guard {
+    None,
+    Names,
+    Object(NodeId),
+}
+
+/// A lock on a branch's file, dropped with this.
+struct Locked<'a> {
+    level: &'a Level,
+    node: NodeId,
+    /// The lookup of `node` was taken for the lock, and goes with it.
+    forget: bool,
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let _ = shared::unlock(self.level, self.node, LockKind::Exclusive);
+        if self.forget {
+            self.level.forget(&daemon(), self.node, 1);
+        }
+    }
 }
 
 /// What a change did: the reading branch and its reply, then each other branch that followed.
@@ -149,7 +210,8 @@ impl Mirror {
         }
         let names: Vec<String> = args.branches.iter().map(|b| b.name.clone()).collect();
         let tops: Vec<Level> = args.branches.iter().map(|b| b.top().clone()).collect();
-        let (log, replayed) = IntentLog::open(names, tops)?;
+        let sharing = shared::mode().is_some();
+        let (log, replayed) = IntentLog::open(names, tops, sharing)?;
         let n = args.branches.len();
         let branches: Vec<MBranch> = args
             .branches
@@ -173,6 +235,13 @@ impl Mirror {
             log,
             temps: TempNames::new(TEMP_PREFIX),
             repairing: Mutex::new(()),
+            sharing: sharing.then(|| Sharing {
+                lock_files: Mutex::new(vec![None; n]),
+                failed_seen: Mutex::new(vec![0; n]),
+                stop: Mutex::new(false),
+                wake: Condvar::new(),
+                watcher: Mutex::new(None),
+            }),
         };
         for (i, b) in mirror.branches.iter().enumerate() {
             if b.failed.load(Ordering::Relaxed) {
@@ -186,11 +255,19 @@ impl Mirror {
             }
         }
         mirror.recover(&replayed.in_flight)?;
+        // Other mounts' logs: a stopped mount's is taken over; one that is running refuses an
+        // unshared mount. With sharing, branches other mounts found failed are left out.
+        {
+            let _names = mirror.lock_names()?;
+            mirror.watch_failed();
+            mirror.adopt()?;
+        }
         Ok(mirror)
     }
 
-    /// Make the changes that were in flight when the daemon stopped the same on every branch.
-    fn recover(&self, in_flight: &std::collections::BTreeSet<String>) -> Result<()> {
+    /// Make the changes that were in flight when a mount stopped (this one before, or another
+    /// sharing the branches) the same on every branch, from the reading one.
+    fn recover(&self, in_flight: &BTreeSet<String>) -> Result<()> {
         if in_flight.is_empty() {
             return Ok(());
         }
@@ -201,17 +278,337 @@ impl Mirror {
             in_flight.len(),
             self.branches[reader].branch.name
         );
-        for b in self.in_sync().into_iter().filter(|b| *b != reader) {
-            // Synced once at the end: the `W` lines stay until then, so a crash redoes it all.
-            let synced = in_flight.iter().try_for_each(|path| self.sync_path(reader, b, path, Data::Deferred).map(|_| ()));
-            if let Err(e) = synced.and_then(|()| self.sync_branch(b)) {
-                self.fail(b, &e);
+        {
+            let _names = self.lock_names()?;
+            for b in self.in_sync().into_iter().filter(|b| *b != reader) {
+                // Synced once at the end: the `W` lines stay until then, so a crash redoes it all.
+                let synced = in_flight.iter().try_for_each(|path| {
+                    let _file = self.lock_path(reader, path)?;
+                    self.sync_path(reader, b, path, Data::Deferred).map(|_| ())
+                });
+                if let Err(e) = synced.and_then(|()| self.sync_branch(b)) {
+                    self.fail(b, &e);
+                }
             }
         }
         for path in in_flight {
             self.note(self.log.end(path));
         }
         Ok(())
+    }
+
+    // --- Sharing with other mounts -------------------------------------------------------------
+
+    /// Take the lock of changes of names (on the reading branch), with `-o shared`.
+    fn lock_names(&self) -> Result<Option<Locked<'_>>> {
+        let Some(sharing) = &self.sharing else { return Ok(None) };
+        let r = self.reader()?;
+        let top = self.top(r);
+        let known = sharing.lock_files.lock()[r];
+        let node = match known {
+            Some(node) => node,
+            None => {
+                let name = OsStr::new(LOCK_NAME);
+                let e = match top.lookup(&daemon(), NodeId::ROOT, name) {
+                    Err(Error::Os(libc::ENOENT)) => match top.create(&daemon(), NodeId::ROOT, name, 0o600, libc::O_RDWR) {
+                        Ok((e, o)) => {
+                            let _ = top.release(&daemon(), e.node, o.fh);
+                            e
+                        }
+                        // Another mount made it meanwhile.
+                        Err(Error::Os(libc::EEXIST)) => top.lookup(&daemon(), NodeId::ROOT, name)?,
+                        Err(e) => return Err(e),
+                    },
+                    other => other?,
+                };
+                let mut files = sharing.lock_files.lock();
+                match files[r] {
+                    Some(node) => {
+                        top.forget(&daemon(), e.node, 1);
+                        node
+                    }
+                    None => *files[r].insert(e.node),
+                }
+            }
+        };
+        shared::lock(top, node, LockKind::Exclusive)?;
+        Ok(Some(Locked { level: top, node, forget: false }))
+    }
+
+    /// Take what `guard` says, with `-o shared`.
+    fn guard(&self, guard: Guard) -> Result<Option<Locked<'_>>> {
+        match guard {
+            _ if self.sharing.is_none() => Ok(None),
+            Guard::None => Ok(None),
+            Guard::Names => self.lock_names(),
+            Guard::Object(id) => {
+                let file = self.nodes.lock().nodes.get(&id.0).is_some_and(|n| n.kind == FileKind::File);
+                if !file {
+                    return self.lock_names();
+                }
+                let r = self.reader()?;
+                let node = self.resolve(id, r)?;
+                shared::lock(self.top(r), node, LockKind::Exclusive)?;
+                Ok(Some(Locked { level: self.top(r), node, forget: false }))
+            }
+        }
+    }
+
+    /// Lock the file at `path` on branch `r`, if it is one, with `-o shared`.
+    fn lock_path(&self, r: usize, path: &str) -> Result<Option<Locked<'_>>> {
+        if self.sharing.is_none() {
+            return Ok(None);
+        }
+        let top = self.top(r);
+        let Some(e) = sync::find(top, path)? else { return Ok(None) };
+        if e.attr.kind != FileKind::File {
+            top.forget(&daemon(), e.node, 1);
+            return Ok(None);
+        }
+        if let Err(err) = shared::lock(top, e.node, LockKind::Exclusive) {
+            top.forget(&daemon(), e.node, 1);
+            return Err(err);
+        }
+        Ok(Some(Locked { level: top, node: e.node, forget: true }))
+    }
+
+    /// Tell the other mounts that branch `b` failed: its name goes into [`FAILED_NAME`] on every
+    /// branch still in sync.
+    fn publish_failed(&self, b: usize) {
+        let line = format!("{}\n", self.branches[b].branch.name);
+        for c in self.in_sync() {
+            let top = self.top(c);
+            let name = OsStr::new(FAILED_NAME);
+            let appended = (|| {
+                let (e, fh) = match top.lookup(&daemon(), NodeId::ROOT, name) {
+                    Ok(e) => (e, top.open(&daemon(), e.node, libc::O_RDWR).inspect_err(|_| top.forget(&daemon(), e.node, 1))?.fh),
+                    Err(Error::Os(libc::ENOENT)) => {
+                        let (e, o) = top.create(&daemon(), NodeId::ROOT, name, 0o644, libc::O_RDWR)?;
+                        (e, o.fh)
+                    }
+                    Err(e) => return Err(e),
+                };
+                let result = shared::lock(top, e.node, LockKind::Exclusive).and_then(|()| {
+                    let written =
+                        top.getattr(&daemon(), e.node).and_then(|a| top.write(&daemon(), e.node, fh, a.size, line.as_bytes()));
+                    let _ = shared::unlock(top, e.node, LockKind::Exclusive);
+                    written
+                });
+                let _ = top.release(&daemon(), e.node, fh);
+                top.forget(&daemon(), e.node, 1);
+                result
+            })();
+            if let Err(e) = appended {
+                tracing::warn!(
+                    "mirror '{}': could not tell other mounts on branch '{}' that branch '{}' failed: {e}",
+                    self.name,
+                    self.branches[c].branch.name,
+                    self.branches[b].branch.name
+                );
+            }
+        }
+    }
+
+    /// Leave out the branches other mounts found failed (named in [`FAILED_NAME`] on a branch
+    /// in sync here).
+    fn watch_failed(&self) {
+        let Some(sharing) = &self.sharing else { return };
+        for c in self.in_sync() {
+            let top = self.top(c);
+            let name = OsStr::new(FAILED_NAME);
+            let size = match top.lookup(&daemon(), NodeId::ROOT, name) {
+                Ok(e) => {
+                    top.forget(&daemon(), e.node, 1);
+                    e.attr.size
+                }
+                Err(_) => 0,
+            };
+            if std::mem::replace(&mut sharing.failed_seen.lock()[c], size) == size || size == 0 {
+                continue;
+            }
+            let Ok(text) = top.read_small_file(&daemon(), NodeId::ROOT, name, 1 << 20) else { continue };
+            for line in String::from_utf8_lossy(&text).lines() {
+                if let Some(b) = self.branches.iter().position(|br| br.branch.name == line) {
+                    if !self.is_failed(b) {
+                        let why = Error::BadArgs(format!(
+                            "another mount found it failed (see {FAILED_NAME} on '{}')",
+                            self.branches[c].branch.name
+                        ));
+                        self.fail_as(b, &why, false);
+                    }
+                }
+            }
+        }
+    }
+
+    /// After a resync: [`FAILED_NAME`] names only the branches still failed, on every branch.
+    fn rewrite_failed(&self) -> Result<()> {
+        let text: String =
+            (0..self.branches.len()).filter(|b| self.is_failed(*b)).map(|b| format!("{}\n", self.branches[b].branch.name)).collect();
+        for c in self.in_sync() {
+            let top = self.top(c);
+            let e = match top.lookup(&daemon(), NodeId::ROOT, OsStr::new(FAILED_NAME)) {
+                Ok(e) => e,
+                Err(Error::Os(libc::ENOENT)) => continue,
+                Err(e) => return Err(e),
+            };
+            let result = (|| {
+                let o = top.open(&daemon(), e.node, libc::O_RDWR | libc::O_TRUNC)?;
+                let written = if text.is_empty() { Ok(0) } else { top.write(&daemon(), e.node, o.fh, 0, text.as_bytes()) };
+                let _ = top.release(&daemon(), e.node, o.fh);
+                written.map(|_| ())
+            })();
+            top.forget(&daemon(), e.node, 1);
+            result?;
+            if let Some(sharing) = &self.sharing {
+                sharing.failed_seen.lock()[c] = text.len() as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// Take over the logs of stopped mounts (their lock is free): what they had in flight is
+    /// made the same on every branch, what they found failed and stale is this mount's now,
+    /// and their logs go. Returns how many other mounts are running. An unshared mount refuses
+    /// to run beside a shared one.
+    fn adopt(&self) -> Result<usize> {
+        let own = OsStr::new(self.log.own_name());
+        let names: BTreeSet<OsString> = self
+            .in_sync()
+            .into_iter()
+            .filter_map(|b| self.top(b).list_dir(&daemon(), NodeId::ROOT).ok())
+            .flatten()
+            .map(|e| e.name)
+            .filter(|n| is_log_name(n) && n != own)
+            .collect();
+        let mut running = 0;
+        for name in names {
+            if !self.adopt_one(&name)? {
+                running += 1;
+            }
+        }
+        Ok(running)
+    }
+
+    /// Take over one other log if its mount stopped: whether it did (or the log needed nothing).
+    fn adopt_one(&self, name: &OsStr) -> Result<bool> {
+        let mut copies: Vec<(usize, Entry)> = Vec::new();
+        let mut locked: Vec<Locked<'_>> = Vec::new();
+        let mut running = false;
+        for b in self.in_sync() {
+            let top = self.top(b);
+            let Ok(e) = top.lookup(&daemon(), NodeId::ROOT, name) else { continue };
+            copies.push((b, e));
+            match shared::try_lock(top, e.node, LockKind::Exclusive) {
+                Ok(true) => locked.push(Locked { level: top, node: e.node, forget: false }),
+                Ok(false) => running = true,
+                // A lower without locks: nothing tells a running mount from a stopped one. A
+                // shared mount leaves the log be; an unshared one was told it is alone.
+                Err(_) => running = self.sharing.is_some(),
+            }
+        }
+        let result = (|| {
+            if running {
+                if self.sharing.is_none() {
+                    return Err(Error::config(format!(
+                        "mirror '{}': another mount is using this mirror with -o shared (its log {} is locked); mount with -o shared too",
+                        self.name,
+                        name.to_string_lossy()
+                    )));
+                }
+                return Ok(false);
+            }
+            let empty = copies.iter().all(|(_, e)| e.attr.size == 0);
+            let young = copies.iter().any(|(_, e)| e.attr.mtime.elapsed().map_or(true, |age| age < YOUNG));
+            if copies.is_empty() || (empty && young) {
+                return Ok(true);
+            }
+            let tops: Vec<Level> = copies.iter().map(|(b, _)| self.top(*b).clone()).collect();
+            let names: Vec<String> = self.branches.iter().map(|b| b.branch.name.clone()).collect();
+            let said = log::read_copies(&tops, name, &names)?;
+            tracing::warn!(
+                "mirror '{}': taking over the log {} of a mount that stopped: {} changes in flight, {} branches failed",
+                self.name,
+                name.to_string_lossy(),
+                said.in_flight.len(),
+                said.failed.iter().filter(|f| **f).count()
+            );
+            // Noted here before the log goes, so a crash meanwhile loses nothing.
+            for (b, failed) in said.failed.iter().enumerate() {
+                if *failed && !self.is_failed(b) {
+                    self.fail_as(
+                        b,
+                        &Error::BadArgs(format!("it failed in a mount that stopped (log {})", name.to_string_lossy())),
+                        true,
+                    );
+                }
+                if !said.stale[b].is_empty() {
+                    self.note(self.log.stale(b, &said.stale[b].iter().cloned().collect::<Vec<_>>()));
+                }
+            }
+            for p in &said.in_flight {
+                self.note(self.log.begin(p));
+            }
+            self.note(self.log.sync());
+            for (b, _) in &copies {
+                self.top(*b).unlink(&daemon(), NodeId::ROOT, name)?;
+            }
+            self.recover(&said.in_flight)?;
+            Ok(true)
+        })();
+        drop(locked);
+        for (b, e) in copies {
+            self.top(b).forget(&daemon(), e.node, 1);
+        }
+        result
+    }
+
+    /// With `-o shared`, a thread that looks every [`WATCH_EVERY`] for branches other mounts
+    /// found failed, and now and then for logs of stopped mounts.
+    fn start_watch(self: &Arc<Self>) {
+        let Some(sharing) = &self.sharing else { return };
+        let weak: Weak<Mirror> = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new().name("mirror-watch".into()).spawn(move || {
+            let mut turn = 0u32;
+            loop {
+                let Some(m) = weak.upgrade() else { return };
+                let Some(sharing) = &m.sharing else { return };
+                {
+                    let mut stop = sharing.stop.lock();
+                    if !*stop {
+                        sharing.wake.wait_for(&mut stop, WATCH_EVERY);
+                    }
+                    if *stop {
+                        return;
+                    }
+                }
+                m.watch_failed();
+                turn += 1;
+                if turn.is_multiple_of(ADOPT_EVERY) {
+                    if let Err(e) = m.adopt() {
+                        tracing::warn!("mirror '{}': taking over the logs of stopped mounts: {e}", m.name);
+                    }
+                }
+            }
+        });
+        match spawned {
+            Ok(handle) => *sharing.watcher.lock() = Some(handle),
+            Err(e) => tracing::warn!("mirror '{}': no thread to watch other mounts: {e}", self.name),
+        }
+    }
+
+    /// Whether this is the only mount running: `resync` and `scrub`, which compare and copy,
+    /// must not race other mounts' changes.
+    fn require_alone(&self, what: &str) -> Result<()> {
+        if self.sharing.is_none() {
+            return Ok(());
+        }
+        match self.adopt()? {
+            0 => Ok(()),
+            n => Err(Error::BadArgs(format!(
+                "{what}: {n} other mount(s) of this mirror are running; {what} compares and copies what they may be changing, so it runs only where no other mount does"
+            ))),
+        }
     }
 
     fn top(&self, b: usize) -> &Level {
@@ -233,6 +630,11 @@ impl Mirror {
 
     /// Take branch `b` out of the mirror.
     fn fail(&self, b: usize, why: &Error) {
+        self.fail_as(b, why, true)
+    }
+
+    /// Take branch `b` out of the mirror; with `-o shared` and `publish`, tell the other mounts.
+    fn fail_as(&self, b: usize, why: &Error, publish: bool) {
         if self.branches[b].failed.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -247,6 +649,9 @@ impl Mirror {
             self.branches[b].branch.dir.display()
         );
         self.note(self.log.failed(b));
+        if publish && self.sharing.is_some() {
+            self.publish_failed(b);
+        }
     }
 
     /// Fail the branches a log write could not reach.
@@ -285,8 +690,9 @@ impl Mirror {
     /// Run a change on every in-sync branch: the reading one first (its answer is the answer;
     /// an ordinary error stops there), then the others. A branch that cannot follow fails; for
     /// failed branches the change's `paths` are noted stale.
-    fn change(&self, paths: &dyn Fn() -> Vec<String>, f: impl Fn(usize) -> Result<Reply>) -> Result<Changed> {
+    fn change(&self, guard: Guard, paths: &dyn Fn() -> Vec<String>, f: impl Fn(usize) -> Result<Reply>) -> Result<Changed> {
         let _members = self.membership.read();
+        let _held = self.guard(guard)?;
         let path_list = paths();
         for p in &path_list {
             self.note(self.log.begin(p));
@@ -411,7 +817,7 @@ impl Mirror {
     }
 
     fn hidden(&self, parent: NodeId, name: &OsStr) -> bool {
-        (parent == NodeId::ROOT && name == LOG_NAME) || self.temps.is_temp(name)
+        (parent == NodeId::ROOT && (is_log_name(name) || name == LOCK_NAME || name == FAILED_NAME)) || self.temps.is_temp(name)
     }
 
     fn lookup(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Result<Entry> {
@@ -427,7 +833,8 @@ impl Mirror {
         if self.hidden(parent, name) {
             return Err(Error::Os(libc::EPERM));
         }
-        let (r, reply, others) = self.change(&|| vec![self.child_path(parent, name)], |b| f(b, self.resolve(parent, b)?))?;
+        let (r, reply, others) =
+            self.change(Guard::Names, &|| vec![self.child_path(parent, name)], |b| f(b, self.resolve(parent, b)?))?;
         let mut found: Vec<(usize, Entry)> = entry_of(&reply).map(|e| (r, e)).into_iter().collect();
         found.extend(others.iter().filter_map(|(b, rep)| entry_of(rep).map(|e| (*b, e))));
         let entry = self.remember(parent, name, r, &found);
@@ -511,7 +918,9 @@ impl Mirror {
         let path = self.path_of(id);
         let truncates = flags & libc::O_TRUNC != 0;
         let paths = || if truncates { vec![path.clone()] } else { Vec::new() };
-        let (r, reply, others) = self.change(&paths, |b| self.top(b).call(cx, &Op::Open { node: self.resolve(id, b)?, flags }))?;
+        let guard = if truncates { Guard::Object(id) } else { Guard::None };
+        let (r, reply, others) =
+            self.change(guard, &paths, |b| self.top(b).call(cx, &Op::Open { node: self.resolve(id, b)?, flags }))?;
         let mut handles = vec![None; n];
         let mut first: Option<Opened> = None;
         for (b, reply) in std::iter::once((r, reply)).chain(others) {
@@ -551,6 +960,7 @@ impl Mirror {
         f: impl Fn(usize, NodeId, FileHandle) -> Result<Reply> + Sync,
     ) -> Result<Reply> {
         let _members = self.membership.read();
+        let _held = self.guard(Guard::Object(file.node))?;
         if !file.in_flight.swap(true, Ordering::AcqRel) {
             self.note(self.log.begin(&file.path));
         }
@@ -652,7 +1062,7 @@ impl Mirror {
             let (p, np) = (self.resolve(parent, b)?, self.resolve(new_parent, b)?);
             self.top(b).call(cx, &Op::Rename { parent: p, name, new_parent: np, new_name, flags })
         };
-        let result = self.change(&paths, op);
+        let result = self.change(Guard::Names, &paths, op);
         if result.is_ok() {
             if let Some(n) = self.nodes.lock().nodes.get_mut(&moved.node.0) {
                 n.parent = Some((new_parent.0, new_name.to_owned()));
@@ -734,13 +1144,13 @@ impl Layer for Mirror {
                     }
                     None => self.top(b).call(cx, &op.at(self.resolve(node, b)?)),
                 };
-                self.change(&|| vec![self.path_of(node)], change).map(|(_, reply, _)| reply)
+                self.change(Guard::Object(node), &|| vec![self.path_of(node)], change).map(|(_, reply, _)| reply)
             }
             Op::ReadLink { node } | Op::Access { node, .. } | Op::GetXattr { node, .. } | Op::ListXattr { node, .. } => {
                 self.read_at(cx, op, node)
             }
             Op::SetXattr { node, .. } | Op::RemoveXattr { node, .. } => self
-                .change(&|| vec![self.path_of(node)], |b| self.top(b).call(cx, &op.at(self.resolve(node, b)?)))
+                .change(Guard::Object(node), &|| vec![self.path_of(node)], |b| self.top(b).call(cx, &op.at(self.resolve(node, b)?)))
                 .map(|(_, reply, _)| reply),
             Op::MkNod { parent, name, .. }
             | Op::MkDir { parent, name, .. }
@@ -751,7 +1161,7 @@ impl Layer for Mirror {
                     return Err(Error::Os(libc::EPERM));
                 }
                 let paths = || vec![self.child_path(new_parent, new_name)];
-                let (r, reply, others) = self.change(&paths, |b| {
+                let (r, reply, others) = self.change(Guard::Names, &paths, |b| {
                     self.top(b)
                         .call(cx, &Op::Link { node: self.resolve(node, b)?, new_parent: self.resolve(new_parent, b)?, new_name })
                 })?;
@@ -771,8 +1181,10 @@ impl Layer for Mirror {
                 if self.hidden(parent, name) {
                     return Err(Error::Os(libc::EPERM));
                 }
-                self.change(&|| vec![self.child_path(parent, name)], |b| self.top(b).call(cx, &op.at(self.resolve(parent, b)?)))
-                    .map(|(_, reply, _)| reply)
+                self.change(Guard::Names, &|| vec![self.child_path(parent, name)], |b| {
+                    self.top(b).call(cx, &op.at(self.resolve(parent, b)?))
+                })
+                .map(|(_, reply, _)| reply)
             }
             Op::Rename { parent, name, new_parent, new_name, flags } => self.rename(cx, parent, name, new_parent, new_name, flags),
             Op::Open { node, flags } => self.open(cx, node, flags),
@@ -850,6 +1262,21 @@ impl Layer for Mirror {
     }
 
     fn shutdown(&self) {
+        if let Some(sharing) = &self.sharing {
+            *sharing.stop.lock() = true;
+            sharing.wake.notify_all();
+            if let Some(h) = sharing.watcher.lock().take() {
+                if h.thread().id() != std::thread::current().id() {
+                    let _ = h.join();
+                }
+            }
+            let files = std::mem::take(&mut *sharing.lock_files.lock());
+            for (b, node) in files.into_iter().enumerate() {
+                if let Some(node) = node {
+                    self.top(b).forget(&daemon(), node, 1);
+                }
+            }
+        }
         self.log.close();
         for b in &self.branches {
             b.branch.stack.shutdown();
@@ -858,16 +1285,9 @@ impl Layer for Mirror {
 }
 
 fn build(args: FanOutArgs) -> Result<Arc<dyn Layer>> {
-    if plyfs_stack::shared::mode().is_some() {
-        // Its write-intent log and its branches' failed and stale state are one mount's: a
-        // second mount would rewrite the log under the first and follow another order of
-        // changes on the branches.
-        return Err(Error::Config(format!(
-            "mirror '{}': a mirror cannot be shared with other mounts (-o shared): its write-intent log and branch states belong to one mount",
-            args.name
-        )));
-    }
-    Ok(Arc::new(Mirror::new(args)?))
+    let mirror = Arc::new(Mirror::new(args)?);
+    mirror.start_watch();
+    Ok(mirror)
 }
 
 pub const FACTORY: LayerFactory = LayerFactory {

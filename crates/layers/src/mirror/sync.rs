@@ -11,7 +11,7 @@ use plyfs_stack::{progress, Attr, Caller, Entry, Error, FileKind, Level, NodeId,
 use serde_json::{json, Value};
 
 use super::Mirror;
-use crate::transfer::{copy_meta, copy_object, Data};
+use crate::transfer::{copy_data, copy_meta, copy_object, Data};
 
 fn daemon() -> Caller {
     Caller::daemon()
@@ -50,6 +50,23 @@ impl Drop for Held<'_> {
 
 fn components(path: &str) -> Vec<&OsStr> {
     path.split('/').filter(|c| !c.is_empty()).map(OsStr::new).collect()
+}
+
+/// The object at `path` on `level`, if there is one (its lookup is the caller's to forget).
+pub(super) fn find(level: &Level, path: &str) -> Result<Option<Entry>> {
+    let mut held = Held::new(level);
+    let mut at = NodeId::ROOT;
+    let parts = components(path);
+    let Some((name, dirs)) = parts.split_last() else { return Ok(None) };
+    for dir in dirs {
+        match held.lookup(at, dir)? {
+            Some(e) if e.attr.kind == FileKind::Dir => at = e.node,
+            _ => return Ok(None),
+        }
+    }
+    Ok(held.lookup(at, name)?.inspect(|_| {
+        held.nodes.pop();
+    }))
 }
 
 /// The names of a directory, without what the mirror keeps for itself.
@@ -170,6 +187,11 @@ impl Mirror {
                 }
                 0
             }
+            // Other mounts sharing the branches may hold the file open: its bytes are replaced,
+            // not the file.
+            (Some(ea), Some(eb)) if self.sharing.is_some() && ea.attr.kind == FileKind::File && eb.attr.kind == FileKind::File => {
+                rewrite_file(la, &ea, lb, &eb, data)?
+            }
             (Some(ea), eb) => {
                 if let Some(eb) = eb.filter(|e| e.attr.kind == FileKind::Dir) {
                     // A copy cannot be renamed over a directory.
@@ -240,6 +262,7 @@ impl Mirror {
     /// Bring failed branches (all, or the one named) up to date and back into the mirror.
     pub(super) fn resync(&self, args: &[String]) -> Result<Value> {
         let _one = self.repairing.lock();
+        self.require_alone("resync")?;
         let targets: Vec<usize> = match args {
             [] => (0..self.branches.len()).filter(|b| self.is_failed(*b)).collect(),
             [name] => {
@@ -286,11 +309,16 @@ impl Mirror {
                 // Let the branch back in with nothing changing meanwhile: what changed since is
                 // copied now, then every change reaches it again.
                 let _alone = self.membership.write();
+                // (With sharing, no other mount may have started meanwhile, and none may start
+                // until the branch is named in sync.)
+                let _names = self.lock_names()?;
+                self.require_alone("resync")?;
                 while step(self)? {}
                 self.sync_branch(b)?;
                 self.forget_places_on(b);
                 self.branches[b].failed.store(false, Ordering::Release);
                 self.note(self.log.resynced(b));
+                self.rewrite_failed()?;
             }
             tracing::info!(
                 "mirror '{}': branch '{name}' is in sync again: {paths} paths, {bytes} bytes copied in {:.1?}",
@@ -328,6 +356,7 @@ impl Mirror {
     /// Compare every object on every in-sync branch with the reading branch; repair.
     pub(super) fn scrub(&self) -> Result<Value> {
         let _one = self.repairing.lock();
+        self.require_alone("scrub")?;
         let a = self.reader()?;
         let meter = progress::start("scrub", "files", 0);
         let mut checked = 0u64;
@@ -397,6 +426,20 @@ impl Mirror {
         repaired.push(path);
         Ok(())
     }
+}
+
+/// Make file `eb` of `lb` hold what `ea` of `la` does, in place.
+fn rewrite_file(la: &Level, ea: &Entry, lb: &Level, eb: &Entry, data: Data) -> Result<u64> {
+    let cx = daemon();
+    let dst = lb.open(&cx, eb.node, libc::O_WRONLY | libc::O_TRUNC)?;
+    let copied = copy_data(la, ea.node, lb, eb.node, &dst, ea.attr.size).and_then(|()| match data {
+        Data::Durable => lb.call(&cx, &Op::Fsync { node: eb.node, fh: dst.fh, datasync: true }).map(|_| ()),
+        _ => Ok(()),
+    });
+    let _ = lb.release(&cx, eb.node, dst.fh);
+    copied?;
+    copy_meta(la, ea.node, lb, eb.node, &ea.attr, |_| true)?;
+    Ok(ea.attr.size)
 }
 
 fn readlink(level: &Level, node: NodeId) -> Result<Vec<u8>> {
