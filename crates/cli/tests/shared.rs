@@ -715,11 +715,10 @@ fn mirror_tree(root: &Path) -> std::collections::BTreeMap<String, String> {
 
 /// The logs of running or stopped shared mounts of a mirror in branch directory `dir`.
 fn mirror_logs(dir: &Path) -> Vec<String> {
-    let mut logs: Vec<String> = fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(".plyfs-mirror.log."))
-        .collect();
+    let mut logs: Vec<String> = match fs::read_dir(dir.join(".plyfs-mirror.logs")) {
+        Ok(entries) => entries.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect(),
+        Err(_) => Vec::new(),
+    };
     logs.sort();
     logs
 }

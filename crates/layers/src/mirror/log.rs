@@ -1,7 +1,8 @@
 //! The mirror's write-intent log (the role of md's write-intent bitmap, per path).
 //!
 //! Every in-sync branch keeps a copy, `.plyfs-mirror.log` at its root, written through the
-//! branch's stack. With `-o shared` every mount keeps a log of its own, `.plyfs-mirror.log.PID.TOKEN`.
+//! branch's stack. With `-o shared` every mount keeps a log of its own, `PID.TOKEN` in the
+//! directory `.plyfs-mirror.logs` at each branch's root.
 //! A mount holds a lock on its copies for as long as it runs (`lower-lock`), so a log whose lock
 //! can be taken is a stopped mount's, and the mirror takes it over ([`super::Mirror`]). Lines
 //! are `SEQ KIND [BRANCH] [PATH]`:
@@ -24,11 +25,12 @@ use parking_lot::Mutex;
 use plyfs_stack::shared::{self, LockKind};
 use plyfs_stack::{Caller, Error, FileHandle, Level, NodeId, Op, Result, SetAttr};
 
-/// The log's name at the root of every branch (hidden from the mount); shared mounts add
-/// `.PID.TOKEN`.
+/// The log's name at the root of every branch (hidden from the mount).
 pub const LOG_NAME: &str = ".plyfs-mirror.log";
+/// The directory at the root of every branch that holds shared mounts' logs.
+pub const LOGS_DIR: &str = ".plyfs-mirror.logs";
 
-/// Whether `name` (at a branch's root) is a mirror log, any mount's.
+/// Whether `name` (at a branch's root) is a mirror log or the directory of shared mounts' logs.
 pub fn is_log_name(name: &OsStr) -> bool {
     name.as_bytes().starts_with(LOG_NAME.as_bytes())
 }
@@ -138,8 +140,10 @@ pub struct IntentLog {
     names: Vec<String>,
     tops: Vec<Level>,
     state: Mutex<LogState>,
-    /// This mount's copies' name: [`LOG_NAME`], or with `-o shared` `LOG_NAME.PID.TOKEN`.
+    /// This mount's copies' name: [`LOG_NAME`], or with `-o shared` `PID.TOKEN` in [`LOGS_DIR`].
     own: String,
+    /// With `-o shared`, each branch's [`LOGS_DIR`] once looked up (the lookup is held).
+    dirs: Mutex<Vec<Option<NodeId>>>,
     shared: bool,
     /// Who holds the locks on the copies, and takes again those the branches' own layers take
     /// while writing them.
@@ -149,12 +153,12 @@ pub struct IntentLog {
 /// Branches a log write could not reach: they have failed.
 pub type Unreached = Vec<(usize, Error)>;
 
-/// Read the copies of log `name` on every level that has one, and replay the one that went
-/// furthest.
-pub fn read_copies(tops: &[Level], name: &OsStr, names: &[String]) -> Result<Replayed> {
+/// Read the copies of log `name` in each directory `(level, dir)` that has one, and replay the
+/// one that went furthest.
+pub fn read_copies(places: &[(Level, NodeId)], name: &OsStr, names: &[String]) -> Result<Replayed> {
     let mut best: Option<Replayed> = None;
-    for top in tops {
-        let text = match top.read_small_file(&daemon(), NodeId::ROOT, name, 64 << 20) {
+    for (top, dir) in places {
+        let text = match top.read_small_file(&daemon(), *dir, name, 64 << 20) {
             Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
             Err(Error::Os(libc::ENOENT)) => String::new(),
             Err(e) => return Err(e),
@@ -177,11 +181,16 @@ impl IntentLog {
         let own = if shared {
             let mut token = [0u8; 4];
             getrandom::getrandom(&mut token).expect("the system's random number generator failed");
-            format!("{LOG_NAME}.{}.{:08x}", std::process::id(), u32::from_le_bytes(token))
+            format!("{}.{:08x}", std::process::id(), u32::from_le_bytes(token))
         } else {
             LOG_NAME.to_owned()
         };
-        let replayed = if shared { replay("", &names) } else { read_copies(&tops, OsStr::new(LOG_NAME), &names)? };
+        let replayed = if shared {
+            replay("", &names)
+        } else {
+            let places: Vec<(Level, NodeId)> = tops.iter().map(|t| (t.clone(), NodeId::ROOT)).collect();
+            read_copies(&places, OsStr::new(LOG_NAME), &names)?
+        };
         let state = LogState {
             seq: replayed.seq,
             files: (0..n).map(|_| None).collect(),
@@ -190,7 +199,15 @@ impl IntentLog {
             stale: replayed.stale.clone(),
             failed: replayed.failed.clone(),
         };
-        let log = IntentLog { names, tops, state: Mutex::new(state), own, shared, owner: shared::new_lock_owner() };
+        let log = IntentLog {
+            names,
+            tops,
+            state: Mutex::new(state),
+            own,
+            dirs: Mutex::new(vec![None; n]),
+            shared,
+            owner: shared::new_lock_owner(),
+        };
         // Start every in-sync copy afresh with what is still true.
         log.owned(|| {
             let mut state = log.state.lock();
@@ -209,10 +226,38 @@ impl IntentLog {
         shared::with_lock_owner(self.owner, f)
     }
 
+    /// The directory of this mount's copy on branch `b`.
+    fn dir(&self, b: usize) -> Result<NodeId> {
+        if !self.shared {
+            return Ok(NodeId::ROOT);
+        }
+        if let Some(dir) = self.dirs.lock()[b] {
+            return Ok(dir);
+        }
+        let top = &self.tops[b];
+        let name = OsStr::new(LOGS_DIR);
+        let e = match top.lookup(&daemon(), NodeId::ROOT, name) {
+            Err(Error::Os(libc::ENOENT)) => match top.mkdir(&daemon(), NodeId::ROOT, name, 0o700) {
+                Err(Error::Os(libc::EEXIST)) => top.lookup(&daemon(), NodeId::ROOT, name)?,
+                other => other?,
+            },
+            other => other?,
+        };
+        let mut dirs = self.dirs.lock();
+        match dirs[b] {
+            Some(dir) => {
+                top.forget(&daemon(), e.node, 1);
+                Ok(dir)
+            }
+            None => Ok(*dirs[b].insert(e.node)),
+        }
+    }
+
     fn open_file(&self, b: usize) -> Result<LogFile> {
         let top = &self.tops[b];
         let name = OsStr::new(&self.own);
-        let (node, fh) = match top.lookup(&daemon(), NodeId::ROOT, name) {
+        let dir = self.dir(b)?;
+        let (node, fh) = match top.lookup(&daemon(), dir, name) {
             Ok(e) => match top.open(&daemon(), e.node, libc::O_RDWR) {
                 Ok(o) => (e.node, o.fh),
                 Err(err) => {
@@ -221,7 +266,7 @@ impl IntentLog {
                 }
             },
             Err(Error::Os(libc::ENOENT)) => {
-                let (e, o) = top.create(&daemon(), NodeId::ROOT, name, 0o600, libc::O_RDWR)?;
+                let (e, o) = top.create(&daemon(), dir, name, 0o600, libc::O_RDWR)?;
                 (e.node, o.fh)
             }
             Err(e) => return Err(e),
@@ -445,8 +490,15 @@ impl IntentLog {
                     let _ = self.tops[b].call(&daemon(), &Op::Fsync { node: f.node, fh: f.fh, datasync: true });
                     self.close_file(b, f);
                     if done {
-                        let _ = self.tops[b].unlink(&daemon(), NodeId::ROOT, OsStr::new(&self.own));
+                        if let Ok(dir) = self.dir(b) {
+                            let _ = self.tops[b].unlink(&daemon(), dir, OsStr::new(&self.own));
+                        }
                     }
+                }
+            }
+            for (b, dir) in std::mem::take(&mut *self.dirs.lock()).into_iter().enumerate() {
+                if let Some(dir) = dir {
+                    self.tops[b].forget(&daemon(), dir, 1);
                 }
             }
         })

@@ -17,7 +17,8 @@
 //!   branches. Each change runs under a lock that every mount honours, so every branch sees the
 //!   changes in one order: a change to a file's data or attributes under the lock of that file
 //!   on the reading branch, a change of names under the lock of `.plyfs-mirror.lock` there.
-//!   Each mount keeps its own write-intent log and holds its lock while it runs; a log whose
+//!   Each mount keeps its own write-intent log (in `.plyfs-mirror.logs`) and holds its lock
+//!   while it runs; a log whose
 //!   lock can be taken is a stopped mount's, and a running mount takes it over within seconds
 //!   (at its own start at once): its changes in flight are made the same on every branch, its
 //!   failed branches and stale paths become this mount's. A branch one mount finds failed is
@@ -44,7 +45,7 @@ use serde_json::{json, Value};
 
 use crate::ids::{NodeTable, Place};
 use crate::transfer::{Data, TempNames};
-use log::{is_log_name, IntentLog, Unreached};
+use log::{is_log_name, IntentLog, Unreached, LOGS_DIR, LOG_NAME};
 
 /// Names of copies a resync is writing; never shown, removed when found left over.
 pub const TEMP_PREFIX: &str = ".plyfs-mirror-copy.";
@@ -473,32 +474,50 @@ impl Mirror {
     /// to run beside a shared one.
     fn adopt(&self) -> Result<usize> {
         let own = OsStr::new(self.log.own_name());
-        let names: BTreeSet<OsString> = self
-            .in_sync()
-            .into_iter()
-            .filter_map(|b| self.top(b).list_dir(&daemon(), NodeId::ROOT).ok())
-            .flatten()
-            .map(|e| e.name)
-            .filter(|n| is_log_name(n) && n != own)
-            .collect();
+        // `(in LOGS_DIR, name)`; at the root, a mount's log from before it was shared.
+        let mut logs: BTreeSet<(bool, OsString)> = BTreeSet::new();
+        for b in self.in_sync() {
+            let top = self.top(b);
+            if self.sharing.is_some() {
+                if let Ok(e) = top.lookup(&daemon(), NodeId::ROOT, OsStr::new(LOG_NAME)) {
+                    top.forget(&daemon(), e.node, 1);
+                    logs.insert((false, LOG_NAME.into()));
+                }
+            }
+            let Ok(dir) = top.lookup(&daemon(), NodeId::ROOT, OsStr::new(LOGS_DIR)) else { continue };
+            if let Ok(entries) = top.list_dir(&daemon(), dir.node) {
+                logs.extend(entries.into_iter().filter(|e| e.name != own).map(|e| (true, e.name)));
+            }
+            top.forget(&daemon(), dir.node, 1);
+        }
         let mut running = 0;
-        for name in names {
-            if !self.adopt_one(&name)? {
+        for (in_dir, name) in logs {
+            if !self.adopt_one(in_dir, &name)? {
                 running += 1;
             }
         }
         Ok(running)
     }
 
-    /// Take over one other log if its mount stopped: whether it did (or the log needed nothing).
-    fn adopt_one(&self, name: &OsStr) -> Result<bool> {
-        let mut copies: Vec<(usize, Entry)> = Vec::new();
+    /// Take over one other log (in [`LOGS_DIR`] or at the root) if its mount stopped: whether it
+    /// did (or the log needed nothing).
+    fn adopt_one(&self, in_dir: bool, name: &OsStr) -> Result<bool> {
+        // `(branch, directory, the log there)`.
+        let mut copies: Vec<(usize, NodeId, Entry)> = Vec::new();
+        let mut dirs: Vec<(usize, NodeId)> = Vec::new();
         let mut locked: Vec<Locked<'_>> = Vec::new();
         let mut running = false;
         for b in self.in_sync() {
             let top = self.top(b);
-            let Ok(e) = top.lookup(&daemon(), NodeId::ROOT, name) else { continue };
-            copies.push((b, e));
+            let dir = if in_dir {
+                let Ok(d) = top.lookup(&daemon(), NodeId::ROOT, OsStr::new(LOGS_DIR)) else { continue };
+                dirs.push((b, d.node));
+                d.node
+            } else {
+                NodeId::ROOT
+            };
+            let Ok(e) = top.lookup(&daemon(), dir, name) else { continue };
+            copies.push((b, dir, e));
             match shared::try_lock(top, e.node, LockKind::Exclusive) {
                 Ok(true) => locked.push(Locked { level: top, node: e.node, forget: false }),
                 Ok(false) => running = true,
@@ -507,40 +526,37 @@ impl Mirror {
                 Err(_) => running = self.sharing.is_some(),
             }
         }
+        let shown = if in_dir { format!("{LOGS_DIR}/{}", name.to_string_lossy()) } else { name.to_string_lossy().into_owned() };
         let result = (|| {
             if running {
                 if self.sharing.is_none() {
                     return Err(Error::config(format!(
-                        "mirror '{}': another mount is using this mirror with -o shared (its log {} is locked); mount with -o shared too",
-                        self.name,
-                        name.to_string_lossy()
+                        "mirror '{}': another mount is using this mirror with -o shared (its log {shown} is locked); mount with -o shared too",
+                        self.name
                     )));
                 }
                 return Ok(false);
             }
-            let empty = copies.iter().all(|(_, e)| e.attr.size == 0);
-            let young = copies.iter().any(|(_, e)| e.attr.mtime.elapsed().map_or(true, |age| age < YOUNG));
+            let empty = copies.iter().all(|(_, _, e)| e.attr.size == 0);
+            let young = copies.iter().any(|(_, _, e)| e.attr.mtime.elapsed().map_or(true, |age| age < YOUNG));
             if copies.is_empty() || (empty && young) {
                 return Ok(true);
             }
-            let tops: Vec<Level> = copies.iter().map(|(b, _)| self.top(*b).clone()).collect();
+            let places: Vec<(Level, NodeId)> = copies.iter().map(|(b, dir, _)| (self.top(*b).clone(), *dir)).collect();
             let names: Vec<String> = self.branches.iter().map(|b| b.branch.name.clone()).collect();
-            let said = log::read_copies(&tops, name, &names)?;
-            tracing::warn!(
-                "mirror '{}': taking over the log {} of a mount that stopped: {} changes in flight, {} branches failed",
-                self.name,
-                name.to_string_lossy(),
-                said.in_flight.len(),
-                said.failed.iter().filter(|f| **f).count()
-            );
+            let said = log::read_copies(&places, name, &names)?;
+            let failed = said.failed.iter().filter(|f| **f).count();
+            if !said.in_flight.is_empty() || failed > 0 {
+                tracing::warn!(
+                    "mirror '{}': taking over the log {shown} of a mount that stopped: {} changes in flight, {failed} branches failed",
+                    self.name,
+                    said.in_flight.len(),
+                );
+            }
             // Noted here before the log goes, so a crash meanwhile loses nothing.
             for (b, failed) in said.failed.iter().enumerate() {
                 if *failed && !self.is_failed(b) {
-                    self.fail_as(
-                        b,
-                        &Error::BadArgs(format!("it failed in a mount that stopped (log {})", name.to_string_lossy())),
-                        true,
-                    );
+                    self.fail_as(b, &Error::BadArgs(format!("it failed in a mount that stopped (log {shown})")), true);
                 }
                 if !said.stale[b].is_empty() {
                     self.note(self.log.stale(b, &said.stale[b].iter().cloned().collect::<Vec<_>>()));
@@ -550,15 +566,18 @@ impl Mirror {
                 self.note(self.log.begin(p));
             }
             self.note(self.log.sync());
-            for (b, _) in &copies {
-                self.top(*b).unlink(&daemon(), NodeId::ROOT, name)?;
+            for (b, dir, _) in &copies {
+                self.top(*b).unlink(&daemon(), *dir, name)?;
             }
             self.recover(&said.in_flight)?;
             Ok(true)
         })();
         drop(locked);
-        for (b, e) in copies {
+        for (b, _, e) in copies {
             self.top(b).forget(&daemon(), e.node, 1);
+        }
+        for (b, dir) in dirs {
+            self.top(b).forget(&daemon(), dir, 1);
         }
         result
     }

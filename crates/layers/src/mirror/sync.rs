@@ -190,7 +190,11 @@ impl Mirror {
             // Other mounts sharing the branches may hold the file open: its bytes are replaced,
             // not the file.
             (Some(ea), Some(eb)) if self.sharing.is_some() && ea.attr.kind == FileKind::File && eb.attr.kind == FileKind::File => {
-                rewrite_file(la, &ea, lb, &eb, data)?
+                match rewrite_file(la, &ea, lb, &eb, data)? {
+                    Some(copied) => copied,
+                    // Not writable as it is: replaced after all.
+                    None => self.copy_tree(la, ea, lb, db, name, data)?,
+                }
             }
             (Some(ea), eb) => {
                 if let Some(eb) = eb.filter(|e| e.attr.kind == FileKind::Dir) {
@@ -428,10 +432,15 @@ impl Mirror {
     }
 }
 
-/// Make file `eb` of `lb` hold what `ea` of `la` does, in place.
-fn rewrite_file(la: &Level, ea: &Entry, lb: &Level, eb: &Entry, data: Data) -> Result<u64> {
+/// Make file `eb` of `lb` hold what `ea` of `la` does, in place: the bytes copied, or `None`
+/// if the file cannot be opened for writing as it is.
+fn rewrite_file(la: &Level, ea: &Entry, lb: &Level, eb: &Entry, data: Data) -> Result<Option<u64>> {
     let cx = daemon();
-    let dst = lb.open(&cx, eb.node, libc::O_WRONLY | libc::O_TRUNC)?;
+    let dst = match lb.open(&cx, eb.node, libc::O_WRONLY | libc::O_TRUNC) {
+        Ok(dst) => dst,
+        Err(Error::Os(libc::EACCES | libc::EPERM)) => return Ok(None),
+        Err(e) => return Err(e),
+    };
     let copied = copy_data(la, ea.node, lb, eb.node, &dst, ea.attr.size).and_then(|()| match data {
         Data::Durable => lb.call(&cx, &Op::Fsync { node: eb.node, fh: dst.fh, datasync: true }).map(|_| ()),
         _ => Ok(()),
@@ -439,7 +448,7 @@ fn rewrite_file(la: &Level, ea: &Entry, lb: &Level, eb: &Entry, data: Data) -> R
     let _ = lb.release(&cx, eb.node, dst.fh);
     copied?;
     copy_meta(la, ea.node, lb, eb.node, &ea.attr, |_| true)?;
-    Ok(ea.attr.size)
+    Ok(Some(ea.attr.size))
 }
 
 fn readlink(level: &Level, node: NodeId) -> Result<Vec<u8>> {
