@@ -7,7 +7,7 @@
 # STACK is a `--stack` spec, optionally followed by more mount arguments (default: `null`,
 # `trace`, `zstd`, `copy`, `null --rules mixed-rules.toml`,
 # `gzip:level=9:fast_tails=on`, `crypt`, `union` (a read-write branch over a read-only branch
-# holding files), `mirror` (two branches), `version`, and `remote` (a `plyfs serve` over a Unix
+# holding files), `mirror` (two branches) and `mirror -o shared`, `version`, and `remote` (a `plyfs serve` over a Unix
 # socket; `remote --tls` over TLS on loopback; `zstd,remote` compressing in the mount;
 # `crypt,remote` decrypting in the mount a volume served as stored), `exofs` and `zstd,exofs` (on an
 # exodisk volume of their own), and
@@ -59,7 +59,7 @@ REPO=$(cd "$HERE/../.." && pwd)
 PJDFSTEST_VERSION=0.2.2
 # An entry may add mount arguments after the spec, e.g. `null --rules FILE`: the last one mixes
 # compressed files (half of the names, by rule) with untouched ones.
-DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt union mirror version
+DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt union mirror "mirror -o shared" version
   remote "remote --tls" zstd,remote crypt,remote "zstd,ext:socket=@trace,null" exofs zstd,exofs)
 
 die() { echo "pjdfstest/run.sh: $*" >&2; exit 2; }

@@ -349,8 +349,14 @@ impl Mirror {
                 }
                 let r = self.reader()?;
                 let node = self.resolve(id, r)?;
-                shared::lock(self.top(r), node, LockKind::Exclusive)?;
-                Ok(Some(Locked { level: self.top(r), node, forget: false }))
+                match shared::lock(self.top(r), node, LockKind::Exclusive) {
+                    Ok(()) => Ok(Some(Locked { level: self.top(r), node, forget: false })),
+                    // A file the daemon may not open for writing (a write lock needs that): its
+                    // attributes change under the names lock instead, which every mount takes too
+                    // for such a file.
+                    Err(Error::Os(libc::EBADF | libc::EACCES | libc::EPERM)) => self.lock_names(),
+                    Err(e) => Err(e),
+                }
             }
         }
     }
