@@ -15,8 +15,9 @@
 # tarball (then sync).
 #
 # On a local lower (a tmpfs, so that the disk's own swings stay out), the cost of the sharing
-# mode: zstd and crypt mounted with and without -o shared, for 2,000 appends of a line each
-# (`echo line >> file`, an open, a write and a close each) and the same untar.
+# mode: zstd, crypt and a mirror of two directories mounted with and without -o shared, for
+# 2,000 appends of a line each (`echo line >> file`, an open, a write and a close each) and the
+# same untar.
 #
 # Each repetition runs the configurations in a rotated order; medians are reported. The report
 # replaces the section between <!-- shared:begin --> and <!-- shared:end --> in docs/benchmarks.md.
@@ -91,6 +92,9 @@ mount_config() {
         crypt*)
             "$PLYFS" init "$lower" --layer crypt --kdf-memory 1024 --passfile "$WORK/pass" >/dev/null 2>&1
             "$PLYFS" mount "$lower" "$mnt" --stack crypt --passfile "$WORK/pass" $(opts "$name") >/dev/null ;;
+        mirror*)
+            mkdir -p "$lower-b"
+            "$PLYFS" mount "$lower" "$mnt" --stack mirror --branch "$lower-b" $(opts "$name") >/dev/null ;;
         *) "$PLYFS" mount "$lower" "$mnt" --stack "${name%%-*}" $(opts "$name") >/dev/null ;;
     esac
 }
@@ -102,7 +106,7 @@ where() { if [[ $1 == gluster ]]; then echo "$GDIR/gluster"; else echo "$WORK/mn
 record() { echo "$1,$2,$3,$ELAPSED" >>"$RESULTS"; log "$1 $2 run $3: ${ELAPSED}s"; }
 
 GLUSTER_CONFIGS=(gluster null zstd crypt gocryptfs)
-LOCAL_CONFIGS=(zstd-unshared zstd-shared crypt-unshared crypt-shared)
+LOCAL_CONFIGS=(zstd-unshared zstd-shared crypt-unshared crypt-shared mirror-unshared mirror-shared)
 [[ $only == local ]] && GLUSTER_CONFIGS=()
 [[ $only == gluster ]] && LOCAL_CONFIGS=()
 for c in "${GLUSTER_CONFIGS[@]}"; do
@@ -168,11 +172,11 @@ for w, label, mbs in [("write", "sequential write, fsync", True), ("read", "sequ
     vs = f"{med[w, 'gocryptfs'] / med[w, 'crypt']:.2f}×" if (w, "crypt") in med and (w, "gocryptfs") in med else "—"
     print(f"| {label} | " + " | ".join(cell(w, c, "gluster", mbs) for c in ["gluster", "null", "zstd", "crypt", "gocryptfs"]) + f" | {vs} |")
 print("\nThe cost of -o shared on a local lower (tmpfs), time with / time without:\n")
-print("| workload | zstd | zstd -o shared | cost | crypt | crypt -o shared | cost |")
+print("| stack | 2,000 appends (`echo >>`) | with -o shared | cost | untar /usr/include, sync | with -o shared | cost |")
 print("| --- | --- | --- | --- | --- | --- | --- |")
-for w, label in [("appends-local", "2,000 appends (`echo >>`)"), ("untar-local", "untar /usr/include, sync")]:
+for s, label in [("zstd", "zstd"), ("crypt", "crypt"), ("mirror", "mirror (two branches)")]:
     out = [label]
-    for s in ["zstd", "crypt"]:
+    for w in ["appends-local", "untar-local"]:
         a, b = med.get((w, f"{s}-unshared")), med.get((w, f"{s}-shared"))
         out += [f"{a:.2f} s", f"{b:.2f} s", f"{(b / a - 1) * 100:+.0f}%"] if a and b else ["—"] * 3
     print("| " + " | ".join(out) + " |")

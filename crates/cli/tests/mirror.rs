@@ -141,12 +141,18 @@ fn a_failed_branch_stays_out_across_a_remount_until_resynced() {
 fn scrub_finds_and_repairs_what_differs() {
     let (m, b) = mirror("mirror");
     workload(&m, 0);
+    // Open for writing across the repair: what it writes after reaches the repaired copy.
+    let mut open = fs::OpenOptions::new().append(true).open(m.path("r0/f5")).unwrap();
+    open.write_all(b"before\n").unwrap();
     fs::write(b.join("r0/f5"), "rotten").unwrap();
     fs::remove_file(b.join("r0/f6")).unwrap();
     fs::write(b.join("r0/extra"), "not on a").unwrap();
     let report = op_json(&m.mnt, &["scrub"]);
     let repaired: Vec<&str> = report["repaired"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     assert_eq!(repaired, ["r0/extra", "r0/f6", "r0/f5"]);
+    open.write_all(b"after\n").unwrap();
+    drop(open);
+    assert!(fs::read_to_string(b.join("r0/f5")).unwrap().ends_with("before\nafter\n"));
     assert_eq!(tree(&m.lower), tree(&b));
     assert_eq!(op_json(&m.mnt, &["scrub"])["repaired"].as_array().unwrap().len(), 0);
 }

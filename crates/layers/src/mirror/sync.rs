@@ -427,6 +427,9 @@ impl Mirror {
     fn repair(&self, a: usize, b: usize, path: String, repaired: &mut Vec<String>) -> Result<()> {
         let _alone = self.membership.write();
         self.sync_path(a, b, &path, Data::Durable)?;
+        // A copy may have replaced objects this mount holds (an open file's handle would write
+        // to the replaced one): found again when next needed.
+        self.forget_places_on(b);
         repaired.push(path);
         Ok(())
     }
