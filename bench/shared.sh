@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/shared.sh: the benchmarks of shared lowers (issue #13), every baseline in the same run.
 #
-#   bench/shared.sh [--quick] [--runs N] [--only gluster|local] [--no-write-doc]
+#   bench/shared.sh [--quick] [--runs N] [--local-runs N] [--only gluster|local] [--no-write-doc]
 #
 # Over GlusterFS (scripts/gluster.sh: one node, replica 2, set up for sharing), each configuration
 # in a directory of its own on the volume:
@@ -19,7 +19,9 @@
 # 2,000 appends of a line each (`echo line >> file`, an open, a write and a close each) and the
 # same untar.
 #
-# Each repetition runs the configurations in a rotated order; medians are reported. The report
+# Each repetition over GlusterFS runs the configurations in a rotated order (--runs, 3 by
+# default); the local pairs run back to back, alternating which goes first (--local-runs, 7 by
+# default). Medians are reported. The report
 # replaces the section between <!-- shared:begin --> and <!-- shared:end --> in docs/benchmarks.md.
 #
 # Environment: PLYFS_BIN, BENCH_OUT (as the other scripts).
@@ -30,11 +32,12 @@ CMDLINE="bench/shared.sh${*:+ $*}"
 . "$REPO/bench/common.sh"
 exec 3>&2
 
-runs=3 size_mb=1024 write_doc=1 only=
+runs=3 local_runs=7 size_mb=1024 write_doc=1 only=
 while (($#)); do
     case $1 in
-        --quick) runs=2 size_mb=256; shift ;;
+        --quick) runs=2 local_runs=3 size_mb=256; shift ;;
         --runs) runs=$2; shift 2 ;;
+        --local-runs) local_runs=$2; shift 2 ;;
         --no-write-doc) write_doc=0; shift ;;
         --only) only=$2; shift 2 ;;
         -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -106,9 +109,11 @@ where() { if [[ $1 == gluster ]]; then echo "$GDIR/gluster"; else echo "$WORK/mn
 record() { echo "$1,$2,$3,$ELAPSED" >>"$RESULTS"; log "$1 $2 run $3: ${ELAPSED}s"; }
 
 GLUSTER_CONFIGS=(gluster null zstd crypt gocryptfs)
-LOCAL_CONFIGS=(zstd-unshared zstd-shared crypt-unshared crypt-shared mirror-unshared mirror-shared)
+LOCAL_STACKS=(zstd crypt mirror)
 [[ $only == local ]] && GLUSTER_CONFIGS=()
-[[ $only == gluster ]] && LOCAL_CONFIGS=()
+[[ $only == gluster ]] && LOCAL_STACKS=()
+LOCAL_CONFIGS=()
+for s in "${LOCAL_STACKS[@]}"; do LOCAL_CONFIGS+=("$s-unshared" "$s-shared"); done
 for c in "${GLUSTER_CONFIGS[@]}"; do
     if [[ $c == gluster ]]; then mkdir -p "$GDIR/gluster"; else mount_config "$c" "$GDIR/lower-$c" "$WORK/mnt-$c"; fi
 done
@@ -136,23 +141,30 @@ for run in $(seq "$runs"); do
         run_timed 1800 bash -c "$UNTAR" _ "$d/tree" "$TARBALL"; record untar "$c" "$run"
         rm -rf "$d/tree"
     done
-    rot=$(((run - 1) % (${#LOCAL_CONFIGS[@]} + 1)))
-    order=("${LOCAL_CONFIGS[@]:rot}" "${LOCAL_CONFIGS[@]:0:rot}")
-    for c in "${order[@]}"; do
-        d=$(where "$c")
-        rm -f "$d/appends"
-        run_timed 600 bash -c "$APPENDS" _ "$d"; record appends-local "$c" "$run"
-        rm -rf "$d/tree"; mkdir "$d/tree"
-        run_timed 1800 bash -c "$UNTAR" _ "$d/tree" "$TARBALL"; record untar-local "$c" "$run"
-        rm -rf "$d/tree"
+done
+
+# The local costs are differences of a few per cent between runs of a few seconds: each stack's
+# unshared and shared mounts run back to back (which goes first alternates), more times.
+for run in $(seq "$local_runs"); do
+    for s in "${LOCAL_STACKS[@]}"; do
+        pair=("$s-unshared" "$s-shared")
+        ((run % 2)) || pair=("$s-shared" "$s-unshared")
+        for c in "${pair[@]}"; do
+            d=$(where "$c")
+            rm -f "$d/appends"
+            run_timed 600 bash -c "$APPENDS" _ "$d"; record appends-local "$c" "$run"
+            rm -rf "$d/tree"; mkdir "$d/tree"
+            run_timed 1800 bash -c "$UNTAR" _ "$d/tree" "$TARBALL"; record untar-local "$c" "$run"
+            rm -rf "$d/tree"
+        done
     done
 done
 
 REPORT=$WORK/report.md
-python3 - "$RESULTS" "$size_mb" "$runs" "$PLYFS_REV" "$CMDLINE" >"$REPORT" <<'PY'
+python3 - "$RESULTS" "$size_mb" "$runs" "$PLYFS_REV" "$CMDLINE" "$local_runs" >"$REPORT" <<'PY'
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
-size_mb, runs, rev, cmd = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+size_mb, runs, rev, cmd, local_runs = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
 med = {}
 for w in {r["workload"] for r in rows}:
     for c in {r["config"] for r in rows if r["workload"] == w}:
@@ -164,14 +176,14 @@ def cell(w, c, base, mbs=False):
     if base and (w, base) in med and c != base:
         v += f" ({med[w, base] / t:.2f}×)"
     return v
-print(f"`{cmd}` (plyfs {rev}; medians of {runs} runs; {size_mb} MiB files; GlusterFS 1 node, replica 2, two bricks on the same disk).\n")
+print(f"`{cmd}` (plyfs {rev}; medians of {runs} runs over GlusterFS and {local_runs} on the local lower; {size_mb} MiB files; GlusterFS 1 node, replica 2, two bricks on the same disk).\n")
 print("Over GlusterFS (speed relative to GlusterFS itself; for crypt, relative to gocryptfs -sharedstorage in the last column):\n")
 print("| workload | GlusterFS | plyfs null | plyfs zstd | plyfs crypt | gocryptfs -sharedstorage | crypt vs gocryptfs |")
 print("| --- | --- | --- | --- | --- | --- | --- |")
 for w, label, mbs in [("write", "sequential write, fsync", True), ("read", "sequential read, cold", True), ("untar", "untar /usr/include, sync", False)]:
     vs = f"{med[w, 'gocryptfs'] / med[w, 'crypt']:.2f}×" if (w, "crypt") in med and (w, "gocryptfs") in med else "—"
     print(f"| {label} | " + " | ".join(cell(w, c, "gluster", mbs) for c in ["gluster", "null", "zstd", "crypt", "gocryptfs"]) + f" | {vs} |")
-print("\nThe cost of -o shared on a local lower (tmpfs), time with / time without:\n")
+print("\nThe cost of -o shared on a local lower (tmpfs), time with / time without (each pair run back to back):\n")
 print("| stack | 2,000 appends (`echo >>`) | with -o shared | cost | untar /usr/include, sync | with -o shared | cost |")
 print("| --- | --- | --- | --- | --- | --- | --- |")
 for s, label in [("zstd", "zstd"), ("crypt", "crypt"), ("mirror", "mirror (two branches)")]:
