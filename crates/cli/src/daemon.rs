@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use clap::Args;
 use plyfs_fuse::control::{self, ControlServer};
-use plyfs_fuse::{unmount, FrontOptions, MountRequest, Mounted, Unmounted};
+use plyfs_fuse::{unmount, FrontOptions, MountRequest, Mounted, Transport, Unmounted};
 use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
 use plyfs_stack::LowerDir;
 
@@ -308,8 +308,12 @@ fn serve_inner(
         allow_root: opts.allow_root,
         read_only: opts.read_only,
         flags: opts.flags.clone(),
+        io_uring: opts.io_uring,
     };
     let mounted = Mounted::mount(stack.clone(), &request).map_err(|e| e.to_string())?;
+    if let Some(why) = mounted.uring_refused() {
+        tracing::warn!("-o io_uring: {why}; requests go through /dev/fuse");
+    }
     if let Some(file) = lower.dir().and_then(probe_file) {
         if let Err(why) = mounted.probe_passthrough(&file) {
             tracing::warn!("{why}; every file uses FUSE I/O");
@@ -323,6 +327,10 @@ fn serve_inner(
         )
     } else {
         io_mode.to_string()
+    };
+    let io_mode = match mounted.transport() {
+        Transport::DevFuse => io_mode,
+        uring => format!("{io_mode}; requests over {uring}"),
     };
     let control = match ControlServer::start(stack.clone(), &mountpoint) {
         Ok(c) => Some(c),

@@ -206,7 +206,9 @@ fn umount(path: &Path, lazy: bool) -> Result<(), String> {
     if !entry.is_plyfs() {
         return Err(format!("{shown}: not a plyfs mount (it is {})", entry.fstype));
     }
-    let stale = matches!(std::fs::metadata(&mountpoint), Err(e) if e.raw_os_error() == Some(libc::ENOTCONN));
+    // A dead daemon's mount answers ENOTCONN, or ECONNABORTED when its requests went over
+    // io_uring.
+    let stale = matches!(std::fs::metadata(&mountpoint), Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED)));
     match unmount(&mountpoint, lazy).map_err(|e| format!("unmount {shown}: {e}"))? {
         Unmounted::Done => {}
         Unmounted::Lazily => eprintln!("plyfs: {shown} detached; its daemon exits when the last open file is closed"),

@@ -7,6 +7,8 @@ use plyfs_fuse::mount::KERNEL_FLAGS;
 #[derive(Clone, Debug, PartialEq)]
 pub struct MountOptions {
     pub passthrough: bool,
+    /// Carry requests over FUSE io_uring where the kernel allows it (`-o io_uring=on`).
+    pub io_uring: bool,
     pub entry_ttl: Duration,
     pub attr_ttl: Duration,
     pub threads: usize,
@@ -24,6 +26,7 @@ impl Default for MountOptions {
     fn default() -> Self {
         MountOptions {
             passthrough: true,
+            io_uring: false,
             entry_ttl: Duration::from_secs(1),
             attr_ttl: Duration::from_secs(1),
             threads: 4,
@@ -37,7 +40,7 @@ impl Default for MountOptions {
     }
 }
 
-pub const HELP: &str = "comma-separated: passthrough=on|off, entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
+pub const HELP: &str = "comma-separated: passthrough=on|off, io_uring=on|off, entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
 shared, allow_other, allow_root, ro, and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
 
 fn seconds(key: &str, v: &str) -> Result<Duration, String> {
@@ -60,6 +63,9 @@ pub fn parse(args: &[String]) -> Result<MountOptions, String> {
             ("passthrough", Some("on" | "true" | "yes")) => o.passthrough = true,
             ("passthrough", Some("off" | "false" | "no")) => o.passthrough = false,
             ("passthrough", v) => return Err(format!("-o passthrough={}: expected on or off", v.unwrap_or(""))),
+            ("io_uring", Some("on" | "true" | "yes")) => o.io_uring = true,
+            ("io_uring", Some("off" | "false" | "no")) => o.io_uring = false,
+            ("io_uring", v) => return Err(format!("-o io_uring={}: expected on or off", v.unwrap_or(""))),
             ("entry_timeout", Some(v)) => o.entry_ttl = seconds(key, v)?,
             ("attr_timeout", Some(v)) => o.attr_ttl = seconds(key, v)?,
             ("threads", Some(v)) => {

@@ -252,6 +252,21 @@ fn fsx_null_cached() {
 }
 
 #[test]
+fn fsx_null_cached_over_io_uring() {
+    run_fsx("null", &["passthrough=off", "io_uring=on"], 400);
+}
+
+#[test]
+fn fsx_zstd_over_io_uring() {
+    run_fsx("zstd:fast_tails=on", &["io_uring=on"], 250);
+}
+
+#[test]
+fn fsx_crypt_over_io_uring() {
+    run_fsx_on("[crypt] on a crypt volume, io_uring=on", || Mount::crypt("crypt", &[], &["io_uring=on"]), 250, &[]);
+}
+
+#[test]
 fn fsx_trace_observing_all_io() {
     run_fsx("trace:io=on,null", &[], 400);
 }

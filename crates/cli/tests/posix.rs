@@ -305,6 +305,8 @@ macro_rules! posix_tests {
 
 posix_tests!(null_passthrough, "null", &[]);
 posix_tests!(null_cached, "null", &["passthrough=off"]);
+posix_tests!(null_over_io_uring, "null", &["io_uring=on"]);
+posix_tests!(null_cached_over_io_uring, "null", &["passthrough=off", "io_uring=on"]);
 posix_tests!(trace_all_io, "trace:io=on,null", &[]);
 posix_tests!(eight_nulls, "null,null,null,null,null,null,null,null", &[]);
 posix_tests!(union_of_one, "union", &[]);

@@ -1,5 +1,9 @@
 //! The FUSE adapter: each kernel request becomes one [`Op`] entering the stack at the top (or at
-//! the level a `.plyfs/NAME` path selects), and the reply goes back to the kernel.
+//! the level a `.plyfs/NAME` path selects), and the answer goes back to the kernel.
+//!
+//! The handlers here know nothing of how requests arrive: they take plain arguments and return
+//! plain answers ([`NodeOut`], [`OpenOut`], ...). Two transports carry them: the classic
+//! `/dev/fuse` loop of fuser ([`crate::classic`]) and FUSE over io_uring ([`crate::uring`]).
 //!
 //! Inode numbers: FUSE node id and `st_ino` are one number here (fuser sends the same value for
 //! both). The top view uses the stack's node ids as they are; the view below layer `i` puts
@@ -8,21 +12,16 @@
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsStr;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use fuser::{
-    AccessFlags, BackingId, BsdFileFlags, Errno, FileAttr, FileHandle as FuseFh, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
-    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs,
-    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
-};
 use parking_lot::Mutex;
 use plyfs_stack::{
     Attr, Caller, DataPath, DirEntry, Error, FileHandle, FileKind, Level, NodeId, Op, Opened, Reply, SetAttr, Stack,
-    TimeSet, XattrReply,
+    StatFs, XattrReply,
 };
 
 /// The reserved name, at the root of the mount, of the directory that holds one view per level.
@@ -100,18 +99,92 @@ impl FrontStatus {
     }
 }
 
+/// `FOPEN_*` flags of an open's answer (`include/uapi/linux/fuse.h`).
+pub(crate) mod fopen {
+    pub const DIRECT_IO: u32 = 1 << 0;
+    pub const KEEP_CACHE: u32 = 1 << 1;
+    pub const CACHE_DIR: u32 = 1 << 3;
+    pub const NOFLUSH: u32 = 1 << 5;
+    pub const PASSTHROUGH: u32 = 1 << 7;
+}
+
+/// An errno, as the kernel gets it back.
+pub(crate) type Res<T> = Result<T, i32>;
+
+/// A kernel passthrough reference to a lower file (`FUSE_DEV_IOC_BACKING_OPEN`), closed when
+/// the last open of its inode is released.
+pub(crate) struct Backing {
+    dev: Arc<OwnedFd>,
+    pub(crate) id: u32,
+}
+
+// _IOW(229, 1, struct fuse_backing_map) and _IOW(229, 2, uint32_t).
+pub(crate) const BACKING_OPEN: libc::c_ulong = 0x4010_e501;
+pub(crate) const BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
+
+#[repr(C)]
+pub(crate) struct BackingMap {
+    pub fd: i32,
+    pub flags: u32,
+    pub padding: u64,
+}
+
+impl Backing {
+    fn open(dev: &Arc<OwnedFd>, file: &OwnedFd) -> std::io::Result<Backing> {
+        let map = BackingMap { fd: file.as_raw_fd(), flags: 0, padding: 0 };
+        let id = unsafe { libc::ioctl(dev.as_raw_fd(), BACKING_OPEN, &map) };
+        if id <= 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Backing { dev: dev.clone(), id: id as u32 })
+    }
+}
+
+impl Drop for Backing {
+    fn drop(&mut self) {
+        // Fails harmlessly once the connection is gone, which closes every backing file.
+        unsafe { libc::ioctl(self.dev.as_raw_fd(), BACKING_CLOSE, &self.id) };
+    }
+}
+
 /// Kernel passthrough references, one per inode while any open of it lives.
 #[derive(Default)]
 struct BackingTable {
-    by_inode: HashMap<u64, Weak<BackingId>>,
-    by_open: HashMap<(u64, u64), Arc<BackingId>>,
+    by_inode: HashMap<u64, Weak<Backing>>,
+    by_open: HashMap<(u64, u64), Arc<Backing>>,
 }
 
+/// A node as the kernel sees it. Inode number 0 is a negative entry: the kernel remembers that
+/// the name is absent.
+pub(crate) struct NodeOut {
+    pub ino: u64,
+    pub generation: u64,
+    pub attr: Attr,
+}
+
+/// The answer to `open`, `opendir` and the open half of `create`.
+pub(crate) struct OpenOut {
+    pub fh: u64,
+    /// `FOPEN_*` flags; [`fopen::PASSTHROUGH`] when `backing` is set.
+    pub flags: u32,
+    pub backing: Option<Arc<Backing>>,
+}
+
+/// Where `readdir` and `readdirplus` put their entries: the transport's reply buffer.
+pub(crate) trait DirSink {
+    /// Add one entry, with `node` and `ttl` for `readdirplus`. False when it does not fit (it
+    /// was not added).
+    fn push(&mut self, ino: u64, offset: u64, kind: FileKind, name: &OsStr, node: &NodeOut, ttl: Duration) -> bool;
+}
+
+/// The FUSE front end of a stack, shared by the transports that carry its requests.
 pub struct FuseFs {
     stack: Arc<Stack>,
-    options: FrontOptions,
-    passthrough: bool,
+    pub(crate) options: FrontOptions,
+    passthrough: AtomicBool,
     status: Arc<FrontStatus>,
+    /// `/dev/fuse`, for passthrough references.
+    dev: Arc<OwnedFd>,
     backing: Mutex<BackingTable>,
     /// Entries fetched for `readdirplus` that did not fit the kernel's buffer, kept (with their
     /// lookups) for the next call so no lookup is wasted.
@@ -119,76 +192,31 @@ pub struct FuseFs {
     started: SystemTime,
 }
 
-fn errno(e: &Error) -> Errno {
+fn errno(e: &Error) -> i32 {
     if let Error::Corrupt(msg) = e {
         tracing::error!("{msg}");
     }
-    Errno::from_i32(e.errno())
+    e.errno()
 }
 
-fn caller(req: &Request) -> Caller {
-    Caller { uid: req.uid(), gid: req.gid(), pid: req.pid() }
-}
-
-fn file_type(kind: FileKind) -> FileType {
-    match kind {
-        FileKind::File => FileType::RegularFile,
-        FileKind::Dir => FileType::Directory,
-        FileKind::Symlink => FileType::Symlink,
-        FileKind::Fifo => FileType::NamedPipe,
-        FileKind::Socket => FileType::Socket,
-        FileKind::CharDevice => FileType::CharDevice,
-        FileKind::BlockDevice => FileType::BlockDevice,
-    }
-}
-
-fn fuse_attr(ino: u64, a: &Attr) -> FileAttr {
-    FileAttr {
-        ino: INodeNo(ino),
-        size: a.size,
-        blocks: a.blocks,
-        atime: a.atime,
-        mtime: a.mtime,
-        ctime: a.ctime,
-        crtime: a.ctime,
-        kind: file_type(a.kind),
-        perm: a.perm,
-        nlink: a.nlink,
-        uid: a.uid,
-        gid: a.gid,
-        rdev: a.rdev,
-        blksize: a.blksize,
-        flags: 0,
-    }
-}
-
-/// Attributes for replies whose attributes the kernel ignores: negative entries, and `.` and
+/// Attributes for answers whose attributes the kernel ignores: negative entries, and `.` and
 /// `..` in `readdirplus`.
-fn blank_attr(ino: u64) -> FileAttr {
-    FileAttr {
-        ino: INodeNo(ino),
+fn blank(ino: u64) -> NodeOut {
+    let attr = Attr {
         size: 0,
         blocks: 0,
         atime: UNIX_EPOCH,
         mtime: UNIX_EPOCH,
         ctime: UNIX_EPOCH,
-        crtime: UNIX_EPOCH,
-        kind: FileType::Directory,
+        kind: FileKind::Dir,
         perm: 0,
         nlink: 1,
         uid: 0,
         gid: 0,
         rdev: 0,
         blksize: 4096,
-        flags: 0,
-    }
-}
-
-fn time_set(t: Option<TimeOrNow>) -> Option<TimeSet> {
-    t.map(|t| match t {
-        TimeOrNow::Now => TimeSet::Now,
-        TimeOrNow::SpecificTime(t) => TimeSet::At(t),
-    })
+    };
+    NodeOut { ino, generation: 0, attr }
 }
 
 /// Whether the caller belongs to `gid`, by its primary or a supplementary group.
@@ -211,8 +239,15 @@ fn have_cap_sys_admin() -> bool {
     plyfs_stack::has_capability(CAP_SYS_ADMIN)
 }
 
+fn expect<T>(r: plyfs_stack::Result<Reply>, pick: impl FnOnce(Reply) -> Option<T>) -> Res<T> {
+    match r {
+        Ok(reply) => pick(reply).ok_or(libc::EIO),
+        Err(e) => Err(errno(&e)),
+    }
+}
+
 impl FuseFs {
-    pub fn new(stack: Arc<Stack>, options: FrontOptions) -> (FuseFs, Arc<FrontStatus>) {
+    pub fn new(stack: Arc<Stack>, options: FrontOptions, dev: Arc<OwnedFd>) -> (FuseFs, Arc<FrontStatus>) {
         let status = Arc::new(FrontStatus {
             io_mode: Mutex::new(None),
             passthrough_failed: AtomicBool::new(false),
@@ -221,8 +256,9 @@ impl FuseFs {
         let fs = FuseFs {
             stack,
             options,
-            passthrough: false,
+            passthrough: AtomicBool::new(false),
             status: status.clone(),
+            dev,
             backing: Mutex::new(BackingTable::default()),
             dir_pending: Mutex::new(HashMap::new()),
             started: SystemTime::now(),
@@ -237,125 +273,117 @@ impl FuseFs {
     /// The level and node a FUSE inode number stands for. A view whose level is gone (a
     /// removed branch) answers ESTALE. The top view, which nearly every request names, is
     /// borrowed; the others are looked up in the stack's views.
-    fn decode(&self, ino: INodeNo) -> Result<(Cow<'_, Level>, usize, NodeId), Errno> {
-        let view = (ino.0 >> VIEW_SHIFT) as usize;
-        let node = NodeId(ino.0 & NodeId::MAX);
+    fn decode(&self, ino: u64) -> Res<(Cow<'_, Level>, usize, NodeId)> {
+        let view = (ino >> VIEW_SHIFT) as usize;
+        let node = NodeId(ino & NodeId::MAX);
         if view == 0 {
             return Ok((Cow::Borrowed(self.stack.top()), 0, node));
         }
         match self.stack.view(view) {
             Some(level) => Ok((Cow::Owned(level), view, node)),
-            None => Err(Errno::ESTALE),
+            None => Err(libc::ESTALE),
         }
     }
 
-    fn is_levels_dir_name(&self, parent: INodeNo, name: &OsStr) -> bool {
-        parent.0 == NodeId::ROOT.0 && name == LEVELS_DIR
+    fn is_levels_dir_name(&self, parent: u64, name: &OsStr) -> bool {
+        parent == NodeId::ROOT.0 && name == LEVELS_DIR
     }
 
-    fn levels_dir_attr(&self) -> FileAttr {
+    fn levels_dir_attr(&self) -> NodeOut {
         let root = self.stack.top().getattr(&Caller::daemon(), NodeId::ROOT).ok();
-        FileAttr {
-            ino: INodeNo(LEVELS_DIR_INO),
+        let attr = Attr {
             size: 0,
             blocks: 0,
             atime: self.started,
             mtime: self.started,
             ctime: self.started,
-            crtime: self.started,
-            kind: FileType::Directory,
+            kind: FileKind::Dir,
             perm: 0o555,
             nlink: 2,
             uid: root.map_or(0, |a| a.uid),
             gid: root.map_or(0, |a| a.gid),
             rdev: 0,
             blksize: 4096,
-            flags: 0,
-        }
-    }
-
-    fn reply_entry(&self, reply: ReplyEntry, view: usize, entry: plyfs_stack::Entry) {
-        let attr = fuse_attr(Self::encode(view, entry.node), &entry.attr);
-        reply.entry_with_ttls(&self.options.attr_ttl, &self.options.entry_ttl, &attr, Generation(entry.generation));
-    }
-
-    fn entry_op<'a>(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry, op: impl FnOnce(NodeId) -> Op<'a>) {
-        if self.is_levels_dir_name(parent, name) {
-            return reply.error(Errno::EEXIST);
-        }
-        let (level, view, node) = match self.decode(parent) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
         };
-        match level.call(&caller(req), &op(node)) {
-            Ok(Reply::Entry(e)) => self.reply_entry(reply, view, e),
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(errno(&e)),
-        }
+        NodeOut { ino: LEVELS_DIR_INO, generation: 0, attr }
     }
 
-    fn empty_op<'a>(&self, req: &Request, ino: INodeNo, reply: ReplyEmpty, op: impl FnOnce(NodeId) -> Op<'a>) {
-        match self.decode(ino) {
-            Ok((level, _, node)) => match level.call(&caller(req), &op(node)) {
-                Ok(_) => reply.ok(),
-                Err(e) => reply.error(errno(&e)),
-            },
-            Err(e) => reply.error(e),
-        }
+    fn node_out(view: usize, entry: plyfs_stack::Entry) -> NodeOut {
+        NodeOut { ino: Self::encode(view, entry.node), generation: entry.generation, attr: entry.attr }
     }
 
-    /// `getxattr` or `listxattr`: the reply is a value, or only its size.
-    fn xattr_op<'a>(&self, req: &Request, ino: INodeNo, reply: ReplyXattr, op: impl FnOnce(NodeId) -> Op<'a>) {
-        match self.decode(ino) {
-            Ok((level, _, node)) => match level.call(&caller(req), &op(node)) {
-                Ok(Reply::Xattr(XattrReply::Size(n))) => reply.size(n),
-                Ok(Reply::Xattr(XattrReply::Data(d))) => reply.data(&d),
-                Ok(_) => reply.error(Errno::EIO),
-                Err(e) => reply.error(errno(&e)),
-            },
-            Err(e) => reply.error(e),
+    fn entry_op<'a>(&self, cx: &Caller, parent: u64, name: &OsStr, op: impl FnOnce(NodeId) -> Op<'a>) -> Res<NodeOut> {
+        if self.is_levels_dir_name(parent, name) {
+            return Err(libc::EEXIST);
         }
+        let (level, view, node) = self.decode(parent)?;
+        expect(level.call(cx, &op(node)), |r| match r {
+            Reply::Entry(e) => Some(Self::node_out(view, e)),
+            _ => None,
+        })
+    }
+
+    fn empty_op<'a>(&self, cx: &Caller, ino: u64, op: impl FnOnce(NodeId) -> Op<'a>) -> Res<()> {
+        let (level, _, node) = self.decode(ino)?;
+        level.call(cx, &op(node)).map(drop).map_err(|e| errno(&e))
+    }
+
+    /// `getxattr` or `listxattr`: the answer is a value, or only its size.
+    fn xattr_op<'a>(&self, cx: &Caller, ino: u64, op: impl FnOnce(NodeId) -> Op<'a>) -> Res<XattrReply> {
+        let (level, _, node) = self.decode(ino)?;
+        expect(level.call(cx, &op(node)), |r| match r {
+            Reply::Xattr(x) => Some(x),
+            _ => None,
+        })
     }
 
     /// An operation on a name in a directory that answers nothing. The reserved `.plyfs` is busy,
     /// like a mount point.
-    fn name_op<'a>(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty, op: impl FnOnce(NodeId) -> Op<'a>) {
+    fn name_op<'a>(&self, cx: &Caller, parent: u64, name: &OsStr, op: impl FnOnce(NodeId) -> Op<'a>) -> Res<()> {
         if self.is_levels_dir_name(parent, name) {
-            return reply.error(Errno::EBUSY);
+            return Err(libc::EBUSY);
         }
-        self.empty_op(req, parent, reply, op)
+        self.empty_op(cx, parent, op)
     }
 
     /// Open flags for a file opened without passthrough.
-    fn cache_flags(&self, view: usize, opened: &Opened) -> FopenFlags {
+    fn cache_flags(&self, view: usize, opened: &Opened) -> u32 {
         let cache = if opened.direct_io {
-            FopenFlags::FOPEN_DIRECT_IO
+            fopen::DIRECT_IO
         } else if view == 0 && !self.options.shared {
             // The page cache stays valid across opens: all changes come through this mount,
             // and FUSE_AUTO_INVAL_DATA drops it when the attributes show an outside change.
-            FopenFlags::FOPEN_KEEP_CACHE
+            fopen::KEEP_CACHE
         } else {
             // Lower views share files with the top one; start each open from fresh pages.
-            FopenFlags::empty()
+            0
         };
         cache | Self::flush_flags(opened)
     }
 
     /// Spare the `flush` round trip at every close when nothing in the stack needs it.
-    fn flush_flags(opened: &Opened) -> FopenFlags {
-        if opened.flush_on_close { FopenFlags::empty() } else { FopenFlags::FOPEN_NOFLUSH }
+    fn flush_flags(opened: &Opened) -> u32 {
+        if opened.flush_on_close { 0 } else { fopen::NOFLUSH }
+    }
+
+    /// The answer to an open: passthrough where it applies, the page cache otherwise.
+    fn open_out(&self, ino: u64, view: usize, opened: &Opened) -> OpenOut {
+        match self.backing_for(ino, opened) {
+            Some(b) => OpenOut { fh: opened.fh.0, flags: Self::flush_flags(opened) | fopen::PASSTHROUGH, backing: Some(b) },
+            None => OpenOut { fh: opened.fh.0, flags: self.cache_flags(view, opened), backing: None },
+        }
     }
 
     /// The kernel passthrough reference for this open, if passthrough applies.
-    fn backing_for(&self, ino: u64, opened: &Opened, open_backing: impl FnOnce(&std::os::fd::OwnedFd) -> std::io::Result<BackingId>) -> Option<Arc<BackingId>> {
-        if !self.passthrough || self.status.passthrough_refused.load(Ordering::Relaxed) {
+    fn backing_for(&self, ino: u64, opened: &Opened) -> Option<Arc<Backing>> {
+        if !self.passthrough.load(Ordering::Relaxed) || self.status.passthrough_refused.load(Ordering::Relaxed) {
             return None;
         }
         let fd = opened.backing.as_ref()?;
         let mut table = self.backing.lock();
         let id = match table.by_inode.get(&ino).and_then(Weak::upgrade) {
             Some(id) => id,
-            None => match open_backing(fd) {
+            None => match Backing::open(&self.dev, fd) {
                 Ok(id) => {
                     let id = Arc::new(id);
                     table.by_inode.insert(ino, Arc::downgrade(&id));
@@ -409,7 +437,9 @@ impl FuseFs {
         Ok(())
     }
 
-    fn decide_io_mode(&self, kernel_has_passthrough: bool) -> IoMode {
+    /// How file data moves, given what the kernel offers. Passthrough is then asked for only
+    /// when the answer is [`IoMode::Passthrough`].
+    pub(crate) fn decide_io_mode(&self, kernel_has_passthrough: bool) -> IoMode {
         // Levels below a per-file router are not on every file's path: they strip passthrough
         // for their own files (see `Level::call`).
         let blocking = self.stack.shared_levels().iter().find(|l| l.layer().data_path() != DataPath::Transparent);
@@ -427,89 +457,11 @@ impl FuseFs {
         IoMode::Cached { reason }
     }
 
-    fn levels_dir_entries(&self) -> Vec<(u64, FileType, String)> {
-        let mut entries = vec![
-            (LEVELS_DIR_INO, FileType::Directory, ".".to_owned()),
-            (NodeId::ROOT.0, FileType::Directory, "..".to_owned()),
-        ];
-        self.stack.refresh_views();
-        for (view, name) in self.stack.views() {
-            entries.push((Self::encode(view, NodeId::ROOT), FileType::Directory, name));
-        }
-        entries
-    }
-
-    /// Fetch directory entries for the kernel, first from what the last call left over.
-    fn dir_batch(&self, req: &Request, ino: INodeNo, fh: FuseFh, offset: u64, plus: bool) -> Result<(usize, VecDeque<DirEntry>), Errno> {
-        let (level, view, node) = self.decode(ino)?;
-        if let Some(pending) = self.dir_pending.lock().remove(&(ino.0, fh.0)) {
-            let continues = match pending.front() {
-                Some(first) => offset == first.next_offset.saturating_sub(1) || offset == 0 && first.next_offset == 1,
-                None => false,
-            };
-            if continues {
-                return Ok((view, pending));
-            }
-            self.forget_entries(&level, pending);
-        }
-        let max_entries = if plus { 128 } else { 512 };
-        let op = Op::ReadDir { node, fh: FileHandle(fh.0), offset, max_entries, plus };
-        match level.call(&caller(req), &op) {
-            Ok(Reply::Dir(entries)) => Ok((view, entries.into())),
-            Ok(_) => Err(Errno::EIO),
-            Err(e) => Err(errno(&e)),
-        }
-    }
-
-    fn forget_entries(&self, level: &Level, entries: impl IntoIterator<Item = DirEntry>) {
-        let cx = Caller::daemon();
-        for e in entries {
-            if let Some(entry) = e.entry {
-                level.forget(&cx, entry.node, 1);
-            }
-        }
-    }
-
-    fn hides(&self, view: usize, dir: INodeNo, name: &OsStr) -> bool {
-        view == 0 && dir.0 == NodeId::ROOT.0 && name == LEVELS_DIR
-    }
-}
-
-impl Filesystem for FuseFs {
-    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        let caps = config.capabilities();
-        for flag in [
-            InitFlags::FUSE_DO_READDIRPLUS,
-            InitFlags::FUSE_READDIRPLUS_AUTO,
-            InitFlags::FUSE_PARALLEL_DIROPS,
-            // The daemon clears set-user/group-ID bits itself (see `kill_privileges`). In
-            // return the kernel stops asking for security.capability before every write and
-            // refreshing attributes before every chown (it may mark inodes S_NOSEC).
-            InitFlags::FUSE_HANDLE_KILLPRIV_V2,
-            InitFlags::FUSE_AUTO_INVAL_DATA,
-            InitFlags::FUSE_CACHE_SYMLINKS,
-            InitFlags::FUSE_ASYNC_DIO,
-        ] {
-            if caps.contains(flag) {
-                let _ = config.add_capabilities(flag);
-            }
-        }
-        // FUSE_ATOMIC_O_TRUNC is not requested: with it the kernel checks ETXTBSY only after the
-        // lower file was opened with O_TRUNC, so opening a running program O_RDONLY|O_TRUNC
-        // would fail and still destroy it. Without it the kernel checks first, then truncates
-        // with a separate setattr.
-        let _ = config.set_max_write(1 << 20);
-        let _ = config.set_max_background(64);
-        let _ = config.set_congestion_threshold(48);
-
-        let mode = self.decide_io_mode(caps.contains(InitFlags::FUSE_PASSTHROUGH));
-        if mode == IoMode::Passthrough {
-            // Passthrough and writeback caching exclude each other (the kernel drops
-            // passthrough silently); writeback caching is never requested here.
-            let ok = config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok() && config.set_max_stack_depth(1).is_ok();
-            self.passthrough = ok;
-        }
-        let mode = if self.passthrough || mode != IoMode::Passthrough {
+    /// Record what the kernel and the daemon agreed on: whether passthrough is on, and so how
+    /// file data moves.
+    pub(crate) fn settle_io_mode(&self, mode: IoMode, passthrough: bool) {
+        self.passthrough.store(passthrough, Ordering::Relaxed);
+        let mode = if passthrough || mode != IoMode::Passthrough {
             mode
         } else {
             IoMode::Cached { reason: "the kernel refused the passthrough settings".into() }
@@ -521,49 +473,84 @@ impl Filesystem for FuseFs {
         let mode = if mode == IoMode::Passthrough && per_file { IoMode::Mixed } else { mode };
         tracing::info!("file I/O: {mode}");
         *self.status.io_mode.lock() = Some(mode);
-        Ok(())
     }
 
-    fn destroy(&mut self) {
+    pub(crate) fn destroy(&self) {
         self.stack.shutdown();
     }
 
-    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        if self.is_levels_dir_name(parent, name) {
-            return reply.entry(&self.options.entry_ttl, &self.levels_dir_attr(), Generation(0));
+    fn levels_dir_entries(&self) -> Vec<(u64, String)> {
+        let mut entries = vec![(LEVELS_DIR_INO, ".".to_owned()), (NodeId::ROOT.0, "..".to_owned())];
+        self.stack.refresh_views();
+        for (view, name) in self.stack.views() {
+            entries.push((Self::encode(view, NodeId::ROOT), name));
         }
-        if parent.0 == LEVELS_DIR_INO {
-            let Some((view, level)) = name.to_str().and_then(|n| self.stack.view_named(n)).and_then(|v| Some((v, self.stack.view(v)?))) else {
-                return reply.error(Errno::ENOENT);
+        entries
+    }
+
+    /// Fetch directory entries for the kernel, first from what the last call left over.
+    fn dir_batch(&self, cx: &Caller, ino: u64, fh: u64, offset: u64, plus: bool) -> Res<(usize, VecDeque<DirEntry>)> {
+        let (level, view, node) = self.decode(ino)?;
+        if let Some(pending) = self.dir_pending.lock().remove(&(ino, fh)) {
+            let continues = match pending.front() {
+                Some(first) => offset == first.next_offset.saturating_sub(1) || offset == 0 && first.next_offset == 1,
+                None => false,
             };
-            let cx = caller(req);
-            // The kernel will forget this root like any looked-up node; take the lookup that
-            // forget will drop.
-            return match level.call(&cx, &Op::GetAttr { node: NodeId::ROOT, fh: None }) {
-                Ok(Reply::Attr(attr)) => {
-                    let entry = plyfs_stack::Entry { node: NodeId::ROOT, attr, generation: 0 };
-                    self.reply_entry(reply, view, entry)
-                }
-                Ok(_) => reply.error(Errno::EIO),
-                Err(e) => reply.error(errno(&e)),
-            };
-        }
-        let (level, view, node) = match self.decode(parent) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
-        };
-        match level.lookup(&caller(req), node, name) {
-            Ok(e) => self.reply_entry(reply, view, e),
-            Err(Error::Os(libc::ENOENT)) => {
-                // A negative entry: the kernel remembers the name is absent for the entry TTL.
-                reply.entry(&self.options.entry_ttl, &blank_attr(0), Generation(0));
+            if continues {
+                return Ok((view, pending));
             }
-            Err(e) => reply.error(errno(&e)),
+            self.forget_entries(&level, pending);
+        }
+        let max_entries = if plus { 128 } else { 512 };
+        let op = Op::ReadDir { node, fh: FileHandle(fh), offset, max_entries, plus };
+        expect(level.call(cx, &op), |r| match r {
+            Reply::Dir(entries) => Some((view, entries.into())),
+            _ => None,
+        })
+    }
+
+    fn forget_entries(&self, level: &Level, entries: impl IntoIterator<Item = DirEntry>) {
+        let cx = Caller::daemon();
+        for e in entries {
+            if let Some(entry) = e.entry {
+                level.forget(&cx, entry.node, 1);
+            }
         }
     }
 
-    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        if ino.0 == LEVELS_DIR_INO {
+    fn hides(&self, view: usize, dir: u64, name: &OsStr) -> bool {
+        view == 0 && dir == NodeId::ROOT.0 && name == LEVELS_DIR
+    }
+}
+
+/// The requests, one method each, as the transports call them.
+impl FuseFs {
+    pub(crate) fn lookup(&self, cx: &Caller, parent: u64, name: &OsStr) -> Res<NodeOut> {
+        if self.is_levels_dir_name(parent, name) {
+            return Ok(self.levels_dir_attr());
+        }
+        if parent == LEVELS_DIR_INO {
+            let Some((view, level)) = name.to_str().and_then(|n| self.stack.view_named(n)).and_then(|v| Some((v, self.stack.view(v)?))) else {
+                return Err(libc::ENOENT);
+            };
+            // The kernel will forget this root like any looked-up node; take the lookup that
+            // forget will drop.
+            return expect(level.call(cx, &Op::GetAttr { node: NodeId::ROOT, fh: None }), |r| match r {
+                Reply::Attr(attr) => Some(Self::node_out(view, plyfs_stack::Entry { node: NodeId::ROOT, attr, generation: 0 })),
+                _ => None,
+            });
+        }
+        let (level, view, node) = self.decode(parent)?;
+        match level.lookup(cx, node, name) {
+            Ok(e) => Ok(Self::node_out(view, e)),
+            // A negative entry: the kernel remembers the name is absent for the entry TTL.
+            Err(Error::Os(libc::ENOENT)) => Ok(blank(0)),
+            Err(e) => Err(errno(&e)),
+        }
+    }
+
+    pub(crate) fn forget(&self, ino: u64, nlookup: u64) {
+        if ino == LEVELS_DIR_INO {
             return;
         }
         if let Ok((level, _, node)) = self.decode(ino) {
@@ -572,416 +559,264 @@ impl Filesystem for FuseFs {
         }
     }
 
-    fn getattr(&self, req: &Request, ino: INodeNo, fh: Option<FuseFh>, reply: ReplyAttr) {
-        if ino.0 == LEVELS_DIR_INO {
-            return reply.attr(&self.options.attr_ttl, &self.levels_dir_attr());
+    pub(crate) fn getattr(&self, cx: &Caller, ino: u64, fh: Option<u64>) -> Res<NodeOut> {
+        if ino == LEVELS_DIR_INO {
+            return Ok(self.levels_dir_attr());
         }
-        let (level, _, node) = match self.decode(ino) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
-        };
-        match level.call(&caller(req), &Op::GetAttr { node, fh: fh.map(|f| FileHandle(f.0)) }) {
-            Ok(Reply::Attr(a)) => reply.attr(&self.options.attr_ttl, &fuse_attr(ino.0, &a)),
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(errno(&e)),
-        }
+        let (level, _, node) = self.decode(ino)?;
+        expect(level.call(cx, &Op::GetAttr { node, fh: fh.map(FileHandle) }), |r| match r {
+            Reply::Attr(attr) => Some(NodeOut { ino, generation: 0, attr }),
+            _ => None,
+        })
     }
 
-    fn setattr(
-        &self,
-        req: &Request,
-        ino: INodeNo,
-        mode: Option<u32>,
-        uid: Option<u32>,
-        gid: Option<u32>,
-        size: Option<u64>,
-        atime: Option<TimeOrNow>,
-        mtime: Option<TimeOrNow>,
-        _ctime: Option<SystemTime>,
-        fh: Option<FuseFh>,
-        _crtime: Option<SystemTime>,
-        _chgtime: Option<SystemTime>,
-        _bkuptime: Option<SystemTime>,
-        _flags: Option<BsdFileFlags>,
-        reply: ReplyAttr,
-    ) {
-        if ino.0 == LEVELS_DIR_INO {
-            return reply.error(Errno::EPERM);
+    pub(crate) fn setattr(&self, cx: &Caller, ino: u64, fh: Option<u64>, set: SetAttr) -> Res<NodeOut> {
+        if ino == LEVELS_DIR_INO {
+            return Err(libc::EPERM);
         }
-        let (level, _, node) = match self.decode(ino) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
-        };
-        let cx = caller(req);
-        let fh = fh.map(|f| FileHandle(f.0));
-        let set = SetAttr { mode, uid, gid, size, atime: time_set(atime), mtime: time_set(mtime) };
+        let (level, _, node) = self.decode(ino)?;
+        let fh = fh.map(FileHandle);
         let unprivileged = cx.uid != 0;
-        if set == SetAttr::default() || (size.is_some() && unprivileged) {
-            if let Err(e) = self.kill_privileges(&level, &cx, node, fh) {
-                return reply.error(errno(&e));
-            }
+        if set == SetAttr::default() || (set.size.is_some() && unprivileged) {
+            self.kill_privileges(&level, cx, node, fh).map_err(|e| errno(&e))?;
         }
-        match level.call(&cx, &Op::SetAttr { node, fh, set }) {
-            Ok(Reply::Attr(a)) => reply.attr(&self.options.attr_ttl, &fuse_attr(ino.0, &a)),
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(errno(&e)),
-        }
+        expect(level.call(cx, &Op::SetAttr { node, fh, set }), |r| match r {
+            Reply::Attr(attr) => Some(NodeOut { ino, generation: 0, attr }),
+            _ => None,
+        })
     }
 
-    fn readlink(&self, req: &Request, ino: INodeNo, reply: ReplyData) {
-        let (level, _, node) = match self.decode(ino) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
-        };
-        match level.call(&caller(req), &Op::ReadLink { node }) {
-            Ok(Reply::Data(d)) => reply.data(&d),
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(errno(&e)),
-        }
+    pub(crate) fn readlink(&self, cx: &Caller, ino: u64) -> Res<Vec<u8>> {
+        let (level, _, node) = self.decode(ino)?;
+        expect(level.call(cx, &Op::ReadLink { node }), |r| match r {
+            Reply::Data(d) => Some(d),
+            _ => None,
+        })
     }
 
-    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, rdev: u32, reply: ReplyEntry) {
-        self.entry_op(req, parent, name, reply, |parent| Op::MkNod { parent, name, mode, rdev })
+    pub(crate) fn mknod(&self, cx: &Caller, parent: u64, name: &OsStr, mode: u32, rdev: u32) -> Res<NodeOut> {
+        self.entry_op(cx, parent, name, |parent| Op::MkNod { parent, name, mode, rdev })
     }
 
-    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, reply: ReplyEntry) {
-        self.entry_op(req, parent, name, reply, |parent| Op::MkDir { parent, name, mode })
+    pub(crate) fn mkdir(&self, cx: &Caller, parent: u64, name: &OsStr, mode: u32) -> Res<NodeOut> {
+        self.entry_op(cx, parent, name, |parent| Op::MkDir { parent, name, mode })
     }
 
-    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.name_op(req, parent, name, reply, |parent| Op::Unlink { parent, name })
+    pub(crate) fn unlink(&self, cx: &Caller, parent: u64, name: &OsStr) -> Res<()> {
+        self.name_op(cx, parent, name, |parent| Op::Unlink { parent, name })
     }
 
-    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.name_op(req, parent, name, reply, |parent| Op::RmDir { parent, name })
+    pub(crate) fn rmdir(&self, cx: &Caller, parent: u64, name: &OsStr) -> Res<()> {
+        self.name_op(cx, parent, name, |parent| Op::RmDir { parent, name })
     }
 
-    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
-        self.entry_op(req, parent, link_name, reply, |parent| Op::SymLink { parent, name: link_name, target })
+    pub(crate) fn symlink(&self, cx: &Caller, parent: u64, name: &OsStr, target: &Path) -> Res<NodeOut> {
+        self.entry_op(cx, parent, name, |parent| Op::SymLink { parent, name, target })
     }
 
-    fn rename(
-        &self,
-        req: &Request,
-        parent: INodeNo,
-        name: &OsStr,
-        newparent: INodeNo,
-        newname: &OsStr,
-        flags: RenameFlags,
-        reply: ReplyEmpty,
-    ) {
+    pub(crate) fn rename(&self, cx: &Caller, parent: u64, name: &OsStr, newparent: u64, newname: &OsStr, flags: u32) -> Res<()> {
         if self.is_levels_dir_name(parent, name) || self.is_levels_dir_name(newparent, newname) {
-            return reply.error(Errno::EBUSY);
+            return Err(libc::EBUSY);
         }
-        let ((level, view, parent), (_, new_view, new_parent)) = match (self.decode(parent), self.decode(newparent)) {
-            (Ok(a), Ok(b)) => (a, b),
-            (Err(e), _) | (_, Err(e)) => return reply.error(e),
-        };
+        let (level, view, parent) = self.decode(parent)?;
+        let (_, new_view, new_parent) = self.decode(newparent)?;
         if view != new_view {
-            return reply.error(Errno::EXDEV);
+            return Err(libc::EXDEV);
         }
-        let op = Op::Rename { parent, name, new_parent, new_name: newname, flags: flags.bits() };
-        match level.call(&caller(req), &op) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        let op = Op::Rename { parent, name, new_parent, new_name: newname, flags };
+        level.call(cx, &op).map(drop).map_err(|e| errno(&e))
     }
 
-    fn link(&self, req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
-        let (node, view) = match self.decode(ino) {
-            Ok((_, view, node)) => (node, view),
-            Err(e) => return reply.error(e),
-        };
+    pub(crate) fn link(&self, cx: &Caller, ino: u64, newparent: u64, newname: &OsStr) -> Res<NodeOut> {
+        let (_, view, node) = self.decode(ino)?;
         match self.decode(newparent) {
-            Ok((_, new_view, _)) if new_view != view => return reply.error(Errno::EXDEV),
+            Ok((_, new_view, _)) if new_view != view => return Err(libc::EXDEV),
             _ => {}
         }
-        self.entry_op(req, newparent, newname, reply, |new_parent| Op::Link { node, new_parent, new_name: newname })
+        self.entry_op(cx, newparent, newname, |new_parent| Op::Link { node, new_parent, new_name: newname })
     }
 
-    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let (level, view, node) = match self.decode(ino) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
-        };
-        let opened = match level.open(&caller(req), node, flags.0) {
-            Ok(o) => o,
-            Err(e) => return reply.error(errno(&e)),
-        };
-        match self.backing_for(ino.0, &opened, |fd| reply.open_backing(fd)) {
-            Some(id) => reply.opened_passthrough(FuseFh(opened.fh.0), Self::flush_flags(&opened), &id),
-            None => reply.opened(FuseFh(opened.fh.0), self.cache_flags(view, &opened)),
-        }
+    pub(crate) fn open(&self, cx: &Caller, ino: u64, flags: i32) -> Res<OpenOut> {
+        let (level, view, node) = self.decode(ino)?;
+        let opened = level.open(cx, node, flags).map_err(|e| errno(&e))?;
+        Ok(self.open_out(ino, view, &opened))
     }
 
-    fn create(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, flags: i32, reply: ReplyCreate) {
+    pub(crate) fn create(&self, cx: &Caller, parent: u64, name: &OsStr, mode: u32, flags: i32) -> Res<(NodeOut, OpenOut)> {
         if self.is_levels_dir_name(parent, name) {
-            return reply.error(Errno::EEXIST);
+            return Err(libc::EEXIST);
         }
-        let (level, view, parent) = match self.decode(parent) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
-        };
-        let (entry, opened) = match level.create(&caller(req), parent, name, mode, flags) {
-            Ok(r) => r,
-            Err(e) => return reply.error(errno(&e)),
-        };
-        let ino = Self::encode(view, entry.node);
-        let attr = fuse_attr(ino, &entry.attr);
-        let generation = Generation(entry.generation);
-        match self.backing_for(ino, &opened, |fd| reply.open_backing(fd)) {
-            Some(id) => reply.created_passthrough(&self.options.entry_ttl, &attr, generation, FuseFh(opened.fh.0), Self::flush_flags(&opened), &id),
-            None => reply.created(&self.options.entry_ttl, &attr, generation, FuseFh(opened.fh.0), self.cache_flags(view, &opened)),
-        }
+        let (level, view, parent) = self.decode(parent)?;
+        let (entry, opened) = level.create(cx, parent, name, mode, flags).map_err(|e| errno(&e))?;
+        let node = Self::node_out(view, entry);
+        let open = self.open_out(node.ino, view, &opened);
+        Ok((node, open))
     }
 
-    fn read(&self, req: &Request, ino: INodeNo, fh: FuseFh, offset: u64, size: u32, _flags: OpenFlags, _lock: Option<LockOwner>, reply: ReplyData) {
-        let (level, _, node) = match self.decode(ino) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
-        };
-        match level.read(&caller(req), node, FileHandle(fh.0), offset, size) {
-            Ok(d) => reply.data(&d),
-            Err(e) => reply.error(errno(&e)),
+    pub(crate) fn read(&self, cx: &Caller, ino: u64, fh: u64, offset: u64, size: u32) -> Res<Vec<u8>> {
+        let (level, _, node) = self.decode(ino)?;
+        level.read(cx, node, FileHandle(fh), offset, size).map_err(|e| errno(&e))
+    }
+
+    pub(crate) fn write(&self, cx: &Caller, ino: u64, fh: u64, offset: u64, data: &[u8], kill_suidgid: bool) -> Res<u32> {
+        let (level, _, node) = self.decode(ino)?;
+        if kill_suidgid {
+            self.kill_privileges(&level, cx, node, Some(FileHandle(fh))).map_err(|e| errno(&e))?;
         }
+        level.write(cx, node, FileHandle(fh), offset, data).map_err(|e| errno(&e))
     }
 
-    fn write(
-        &self,
-        req: &Request,
-        ino: INodeNo,
-        fh: FuseFh,
-        offset: u64,
-        data: &[u8],
-        write_flags: WriteFlags,
-        _flags: OpenFlags,
-        _lock: Option<LockOwner>,
-        reply: ReplyWrite,
-    ) {
-        let (level, _, node) = match self.decode(ino) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
-        };
-        let cx = caller(req);
-        if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
-            if let Err(e) = self.kill_privileges(&level, &cx, node, Some(FileHandle(fh.0))) {
-                return reply.error(errno(&e));
-            }
+    pub(crate) fn flush(&self, cx: &Caller, ino: u64, fh: u64) -> Res<()> {
+        self.empty_op(cx, ino, |node| Op::Flush { node, fh: FileHandle(fh) })
+    }
+
+    pub(crate) fn release(&self, cx: &Caller, ino: u64, fh: u64) -> Res<()> {
+        self.release_backing(ino, fh);
+        self.empty_op(cx, ino, |node| Op::Release { node, fh: FileHandle(fh) })
+    }
+
+    pub(crate) fn fsync(&self, cx: &Caller, ino: u64, fh: u64, datasync: bool) -> Res<()> {
+        self.empty_op(cx, ino, |node| Op::Fsync { node, fh: FileHandle(fh), datasync })
+    }
+
+    pub(crate) fn opendir(&self, cx: &Caller, ino: u64) -> Res<OpenOut> {
+        if ino == LEVELS_DIR_INO {
+            return Ok(OpenOut { fh: 0, flags: 0, backing: None });
         }
-        match level.write(&cx, node, FileHandle(fh.0), offset, data) {
-            Ok(n) => reply.written(n),
-            Err(e) => reply.error(errno(&e)),
-        }
-    }
-
-    fn flush(&self, req: &Request, ino: INodeNo, fh: FuseFh, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        self.empty_op(req, ino, reply, |node| Op::Flush { node, fh: FileHandle(fh.0) })
-    }
-
-    fn release(&self, req: &Request, ino: INodeNo, fh: FuseFh, _flags: OpenFlags, _lock: Option<LockOwner>, _flush: bool, reply: ReplyEmpty) {
-        self.release_backing(ino.0, fh.0);
-        self.empty_op(req, ino, reply, |node| Op::Release { node, fh: FileHandle(fh.0) })
-    }
-
-    fn fsync(&self, req: &Request, ino: INodeNo, fh: FuseFh, datasync: bool, reply: ReplyEmpty) {
-        self.empty_op(req, ino, reply, |node| Op::Fsync { node, fh: FileHandle(fh.0), datasync })
-    }
-
-    fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        if ino.0 == LEVELS_DIR_INO {
-            return reply.opened(FuseFh(0), FopenFlags::empty());
-        }
-        let (level, view, node) = match self.decode(ino) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
-        };
-        match level.call(&caller(req), &Op::OpenDir { node }) {
-            Ok(Reply::Opened(o)) => {
+        let (level, view, node) = self.decode(ino)?;
+        expect(level.call(cx, &Op::OpenDir { node }), |r| match r {
+            Reply::Opened(o) => {
                 // The kernel may cache the listing; it drops it when the directory changes
                 // through this mount or its mtime moves.
-                let flags = if view == 0 { FopenFlags::FOPEN_CACHE_DIR } else { FopenFlags::empty() };
-                reply.opened(FuseFh(o.fh.0), flags)
+                let flags = if view == 0 { fopen::CACHE_DIR } else { 0 };
+                Some(OpenOut { fh: o.fh.0, flags, backing: None })
             }
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(errno(&e)),
-        }
+            _ => None,
+        })
     }
 
-    fn readdir(&self, req: &Request, ino: INodeNo, fh: FuseFh, offset: u64, mut reply: ReplyDirectory) {
-        if ino.0 == LEVELS_DIR_INO {
-            for (i, (ino, kind, name)) in self.levels_dir_entries().into_iter().enumerate().skip(offset as usize) {
-                if reply.add(INodeNo(ino), (i + 1) as u64, kind, name) {
-                    break;
-                }
-            }
-            return reply.ok();
-        }
-        let (view, mut batch) = match self.dir_batch(req, ino, fh, offset, false) {
-            Ok(b) => b,
-            Err(e) => return reply.error(e),
-        };
-        while let Some(e) = batch.pop_front() {
-            if self.hides(view, ino, &e.name) {
-                continue;
-            }
-            if reply.add(INodeNo(Self::encode(view, e.node)), e.next_offset, file_type(e.kind), &e.name) {
-                batch.push_front(e);
-                break;
-            }
-        }
-        if !batch.is_empty() {
-            self.dir_pending.lock().insert((ino.0, fh.0), batch);
-        }
-        reply.ok()
-    }
-
-    fn readdirplus(&self, req: &Request, ino: INodeNo, fh: FuseFh, offset: u64, mut reply: ReplyDirectoryPlus) {
-        if ino.0 == LEVELS_DIR_INO {
-            let cx = caller(req);
-            for (i, (ino, _, name)) in self.levels_dir_entries().into_iter().enumerate().skip(offset as usize) {
+    /// `readdir`, or `readdirplus` when `plus`: entries from `offset` on, as many as `sink`
+    /// takes. Entries fetched that do not fit are kept for the next call.
+    pub(crate) fn readdir(&self, cx: &Caller, ino: u64, fh: u64, offset: u64, plus: bool, sink: &mut dyn DirSink) -> Res<()> {
+        if ino == LEVELS_DIR_INO {
+            for (i, (ino, name)) in self.levels_dir_entries().into_iter().enumerate().skip(offset as usize) {
                 let view = (ino >> VIEW_SHIFT) as usize;
-                let attr = match self.stack.view(view).map(|l| l.getattr(&cx, NodeId::ROOT)) {
-                    Some(Ok(a)) if name != "." && name != ".." => fuse_attr(ino, &a),
-                    _ => blank_attr(ino),
+                let node = match plus.then(|| self.stack.view(view).map(|l| l.getattr(cx, NodeId::ROOT))).flatten() {
+                    Some(Ok(attr)) if name != "." && name != ".." => NodeOut { ino, generation: 0, attr },
+                    _ => blank(ino),
                 };
                 // Each level's root is counted by the kernel like a lookup; its forget reaches
                 // the root, which is never forgotten.
-                if reply.add(INodeNo(ino), (i + 1) as u64, name, &self.options.entry_ttl, &attr, Generation(0)) {
+                if !sink.push(ino, (i + 1) as u64, FileKind::Dir, OsStr::new(&name), &node, self.options.entry_ttl) {
                     break;
                 }
             }
-            return reply.ok();
+            return Ok(());
         }
-        let (view, mut batch) = match self.dir_batch(req, ino, fh, offset, true) {
-            Ok(b) => b,
-            Err(e) => return reply.error(e),
-        };
-        let Some(level) = self.stack.view(view) else {
-            return reply.error(Errno::ESTALE);
-        };
+        let (view, mut batch) = self.dir_batch(cx, ino, fh, offset, plus)?;
+        let level = if plus { Some(self.stack.view(view).ok_or(libc::ESTALE)?) } else { None };
         while let Some(e) = batch.pop_front() {
             if self.hides(view, ino, &e.name) {
-                self.forget_entries(&level, [e]);
+                if let Some(level) = &level {
+                    self.forget_entries(level, [e]);
+                }
                 continue;
             }
-            let full = match &e.entry {
+            let fits = match &e.entry {
                 Some(entry) => {
-                    let attr = fuse_attr(Self::encode(view, entry.node), &entry.attr);
-                    reply.add(attr.ino, e.next_offset, &e.name, &self.options.entry_ttl, &attr, Generation(entry.generation))
+                    let node = Self::node_out(view, *entry);
+                    sink.push(node.ino, e.next_offset, e.kind, &e.name, &node, self.options.entry_ttl)
                 }
+                // `.` and `..` (and every entry of a plain readdir): the kernel never links
+                // these, so no lookup is counted.
                 None => {
-                    // `.` and `..`: the kernel never links these, so no lookup is counted.
-                    let attr = blank_attr(Self::encode(view, e.node));
-                    reply.add(attr.ino, e.next_offset, &e.name, &Duration::ZERO, &attr, Generation(0))
+                    let ino = Self::encode(view, e.node);
+                    sink.push(ino, e.next_offset, e.kind, &e.name, &blank(ino), Duration::ZERO)
                 }
             };
-            if full {
+            if !fits {
                 batch.push_front(e);
                 break;
             }
         }
         if !batch.is_empty() {
-            self.dir_pending.lock().insert((ino.0, fh.0), batch);
+            self.dir_pending.lock().insert((ino, fh), batch);
         }
-        reply.ok()
+        Ok(())
     }
 
-    fn releasedir(&self, req: &Request, ino: INodeNo, fh: FuseFh, _flags: OpenFlags, reply: ReplyEmpty) {
-        if ino.0 == LEVELS_DIR_INO {
-            return reply.ok();
+    pub(crate) fn releasedir(&self, cx: &Caller, ino: u64, fh: u64) -> Res<()> {
+        if ino == LEVELS_DIR_INO {
+            return Ok(());
         }
-        if let Some(pending) = self.dir_pending.lock().remove(&(ino.0, fh.0)) {
+        if let Some(pending) = self.dir_pending.lock().remove(&(ino, fh)) {
             if let Ok((level, _, _)) = self.decode(ino) {
                 self.forget_entries(&level, pending);
             }
         }
-        self.empty_op(req, ino, reply, |node| Op::ReleaseDir { node, fh: FileHandle(fh.0) })
+        self.empty_op(cx, ino, |node| Op::ReleaseDir { node, fh: FileHandle(fh) })
     }
 
-    fn fsyncdir(&self, req: &Request, ino: INodeNo, fh: FuseFh, datasync: bool, reply: ReplyEmpty) {
-        if ino.0 == LEVELS_DIR_INO {
-            return reply.ok();
+    pub(crate) fn fsyncdir(&self, cx: &Caller, ino: u64, fh: u64, datasync: bool) -> Res<()> {
+        if ino == LEVELS_DIR_INO {
+            return Ok(());
         }
-        self.empty_op(req, ino, reply, |node| Op::FsyncDir { node, fh: FileHandle(fh.0), datasync })
+        self.empty_op(cx, ino, |node| Op::FsyncDir { node, fh: FileHandle(fh), datasync })
     }
 
-    fn statfs(&self, req: &Request, ino: INodeNo, reply: ReplyStatfs) {
-        let ino = if ino.0 == LEVELS_DIR_INO { INodeNo(NodeId::ROOT.0) } else { ino };
-        let (level, _, node) = match self.decode(ino) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
-        };
-        match level.call(&caller(req), &Op::StatFs { node }) {
-            Ok(Reply::StatFs(s)) => reply.statfs(s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize),
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(errno(&e)),
+    pub(crate) fn statfs(&self, cx: &Caller, ino: u64) -> Res<StatFs> {
+        let ino = if ino == LEVELS_DIR_INO { NodeId::ROOT.0 } else { ino };
+        let (level, _, node) = self.decode(ino)?;
+        expect(level.call(cx, &Op::StatFs { node }), |r| match r {
+            Reply::StatFs(s) => Some(s),
+            _ => None,
+        })
+    }
+
+    pub(crate) fn setxattr(&self, cx: &Caller, ino: u64, name: &OsStr, value: &[u8], flags: i32) -> Res<()> {
+        if ino == LEVELS_DIR_INO {
+            return Err(libc::EPERM);
         }
+        self.empty_op(cx, ino, |node| Op::SetXattr { node, name, value, flags })
     }
 
-    fn setxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, value: &[u8], flags: i32, _position: u32, reply: ReplyEmpty) {
-        if ino.0 == LEVELS_DIR_INO {
-            return reply.error(Errno::EPERM);
+    pub(crate) fn getxattr(&self, cx: &Caller, ino: u64, name: &OsStr, size: u32) -> Res<XattrReply> {
+        if ino == LEVELS_DIR_INO {
+            return Err(libc::ENODATA);
         }
-        self.empty_op(req, ino, reply, |node| Op::SetXattr { node, name, value, flags })
+        self.xattr_op(cx, ino, |node| Op::GetXattr { node, name, size })
     }
 
-    fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        if ino.0 == LEVELS_DIR_INO {
-            return reply.error(Errno::ENODATA);
+    pub(crate) fn listxattr(&self, cx: &Caller, ino: u64, size: u32) -> Res<XattrReply> {
+        if ino == LEVELS_DIR_INO {
+            return Ok(if size == 0 { XattrReply::Size(0) } else { XattrReply::Data(Vec::new()) });
         }
-        self.xattr_op(req, ino, reply, |node| Op::GetXattr { node, name, size })
+        self.xattr_op(cx, ino, |node| Op::ListXattr { node, size })
     }
 
-    fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        if ino.0 == LEVELS_DIR_INO {
-            return if size == 0 { reply.size(0) } else { reply.data(&[]) };
+    pub(crate) fn removexattr(&self, cx: &Caller, ino: u64, name: &OsStr) -> Res<()> {
+        if ino == LEVELS_DIR_INO {
+            return Err(libc::EPERM);
         }
-        self.xattr_op(req, ino, reply, |node| Op::ListXattr { node, size })
+        self.empty_op(cx, ino, |node| Op::RemoveXattr { node, name })
     }
 
-    fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        if ino.0 == LEVELS_DIR_INO {
-            return reply.error(Errno::EPERM);
+    pub(crate) fn access(&self, cx: &Caller, ino: u64, mask: i32) -> Res<()> {
+        if ino == LEVELS_DIR_INO {
+            return Ok(());
         }
-        self.empty_op(req, ino, reply, |node| Op::RemoveXattr { node, name })
+        self.empty_op(cx, ino, |node| Op::Access { node, mask })
     }
 
-    fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
-        if ino.0 == LEVELS_DIR_INO {
-            return reply.ok();
-        }
-        self.empty_op(req, ino, reply, |node| Op::Access { node, mask: mask.bits() })
+    pub(crate) fn fallocate(&self, cx: &Caller, ino: u64, fh: u64, offset: u64, length: u64, mode: i32) -> Res<()> {
+        self.empty_op(cx, ino, |node| Op::Fallocate { node, fh: FileHandle(fh), offset, length, mode })
     }
 
-    fn fallocate(&self, req: &Request, ino: INodeNo, fh: FuseFh, offset: u64, length: u64, mode: i32, reply: ReplyEmpty) {
-        self.empty_op(req, ino, reply, |node| Op::Fallocate { node, fh: FileHandle(fh.0), offset, length, mode })
-    }
-
-    /// No layer defines ioctls (extended operations travel through the control socket), so
-    /// answer as a file system without ioctls does.
-    fn ioctl(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FuseFh,
-        _flags: fuser::IoctlFlags,
-        _cmd: u32,
-        _in_data: &[u8],
-        _out_size: u32,
-        reply: fuser::ReplyIoctl,
-    ) {
-        reply.error(Errno::ENOTTY);
-    }
-
-    fn lseek(&self, req: &Request, ino: INodeNo, fh: FuseFh, offset: i64, whence: i32, reply: ReplyLseek) {
-        let (level, _, node) = match self.decode(ino) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e),
-        };
-        match level.call(&caller(req), &Op::Lseek { node, fh: FileHandle(fh.0), offset, whence }) {
-            Ok(Reply::Offset(o)) => reply.offset(o as i64),
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(errno(&e)),
-        }
+    pub(crate) fn lseek(&self, cx: &Caller, ino: u64, fh: u64, offset: i64, whence: i32) -> Res<u64> {
+        let (level, _, node) = self.decode(ino)?;
+        expect(level.call(cx, &Op::Lseek { node, fh: FileHandle(fh), offset, whence }), |r| match r {
+            Reply::Offset(o) => Some(o),
+            _ => None,
+        })
     }
 }

@@ -4,14 +4,18 @@
 //!
 //! - [`fs`] turns kernel requests into stack operations, chooses the passthrough fast path or
 //!   the cached path for each open, and exposes every level under `.plyfs/` (fan-in).
+//! - Two transports carry the requests: [`classic`] (fuser's `/dev/fuse` loop, which also
+//!   agrees on features with the kernel) and [`uring`] (FUSE over io_uring, one queue per CPU).
 //! - [`mount`] mounts and unmounts, directly or through `fusermount3`.
 //! - [`control`] is the socket that carries extended operations from `plyfs op` to the stack.
 //! - [`mountinfo`] finds the mount a path is on.
 
+pub mod classic;
 pub mod control;
 pub mod fs;
 pub mod mount;
 pub mod mountinfo;
+pub mod uring;
 
 pub use fs::{FrontOptions, IoMode, LEVELS_DIR};
-pub use mount::{check_mountpoint, unmount, MountError, MountRequest, Mounted, Unmounted};
+pub use mount::{check_mountpoint, unmount, MountError, MountRequest, Mounted, Transport, Unmounted};

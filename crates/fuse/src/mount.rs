@@ -14,8 +14,9 @@ use std::sync::Arc;
 use fuser::{Config, MountOption, Session, SessionACL};
 use plyfs_stack::Stack;
 
+use crate::classic::Classic;
 use crate::fs::{FrontOptions, FrontStatus, FuseFs, IoMode};
-use crate::mountinfo;
+use crate::{mountinfo, uring};
 
 /// Everything `plyfs mount` decides before mounting.
 #[derive(Clone, Debug)]
@@ -32,11 +33,34 @@ pub struct MountRequest {
     pub read_only: bool,
     /// Other kernel mount flags (`noexec`, `nosuid`, `noatime`, ...), by their usual names.
     pub flags: Vec<String>,
+    /// Carry requests over io_uring, one queue per CPU, where the kernel allows it.
+    pub io_uring: bool,
+}
+
+/// How requests reach the daemon.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// Read from `/dev/fuse` by a pool of threads.
+    DevFuse,
+    /// FUSE over io_uring, with this many queues (one per CPU).
+    IoUring { queues: usize },
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Transport::DevFuse => f.write_str("/dev/fuse"),
+            Transport::IoUring { queues } => write!(f, "io_uring ({queues} queues, one per CPU)"),
+        }
+    }
 }
 
 /// A mounted stack, ready to serve.
 pub struct Mounted {
-    session: Session<FuseFs>,
+    session: Session<Classic>,
+    rings: Option<uring::Rings>,
+    /// Why io_uring was asked for and not used.
+    uring_refused: Option<String>,
     status: Arc<FrontStatus>,
     mountpoint: PathBuf,
     /// The mount's `major:minor`, to tell it from a later mount at the same place.
@@ -133,17 +157,55 @@ impl Mounted {
             None => fusermount(&mountpoint, &config)?,
         };
         let top = stack.top().layer().clone();
-        let (fs, status) = FuseFs::new(stack, req.front.clone());
-        let session = Session::from_fd(fs, fd, config.acl, config.clone()).map_err(|e| {
+        let dev = Arc::new(fd.try_clone().map_err(|e| MountError(format!("/dev/fuse: {e}")))?);
+        let (fs, status) = FuseFs::new(stack, req.front.clone(), dev.clone());
+        let fs = Arc::new(fs);
+        // Once the kernel agrees to io_uring, requests wait for the rings: ask only when they
+        // can be made.
+        let mut uring_refused = None;
+        let want_uring = req.io_uring && {
+            match uring::kernel_allows().and_then(|()| uring::can_make_rings()) {
+                Ok(()) => true,
+                Err(why) => {
+                    uring_refused = Some(why);
+                    false
+                }
+            }
+        };
+        let uring_agreed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let classic = Classic { fs: fs.clone(), want_uring, uring_agreed: uring_agreed.clone() };
+        let session = Session::from_fd(classic, fd, config.acl, config.clone()).map_err(|e| {
             let _ = unmount(&mountpoint, true);
             MountError(format!("mount {}: FUSE handshake failed: {e}", mountpoint.display()))
         })?;
         top.set_invalidator(Arc::new(KernelCache(session.notifier())));
+        let mut rings = None;
+        if want_uring && !uring_agreed.load(std::sync::atomic::Ordering::Relaxed) {
+            uring_refused = Some("the kernel did not offer it at INIT".into());
+        } else if want_uring {
+            match uring::start(fs, dev, ring_payload_size()) {
+                Ok(r) => rings = Some(r),
+                Err(why) => uring_refused = Some(why),
+            }
+        }
         let dev = mountinfo::mount_at(&mountpoint).filter(|m| m.is_plyfs()).map(|m| m.dev);
         if let (Some(kb), Some(dev)) = (req.readahead_kb, &dev) {
             set_readahead(dev, kb);
         }
-        Ok(Mounted { session, status, mountpoint, dev })
+        Ok(Mounted { session, rings, uring_refused, status, mountpoint, dev })
+    }
+
+    /// How requests reach the daemon.
+    pub fn transport(&self) -> Transport {
+        match &self.rings {
+            Some(r) => Transport::IoUring { queues: r.queues },
+            None => Transport::DevFuse,
+        }
+    }
+
+    /// Why `-o io_uring` was asked for and requests still go through `/dev/fuse`.
+    pub fn uring_refused(&self) -> Option<&str> {
+        self.uring_refused.as_deref()
     }
 
     /// Check that the kernel takes the files of the lower file system for passthrough, with
@@ -198,8 +260,13 @@ impl Mounted {
     /// end too, told from an aborted connection (`/sys/fs/fuse/connections/N/abort`) by the
     /// mount being gone.
     pub fn run(self) -> io::Result<()> {
-        let (mountpoint, dev) = (self.mountpoint, self.dev);
-        match self.session.run() {
+        let (mountpoint, dev, rings) = (self.mountpoint, self.dev, self.rings);
+        let result = self.session.run();
+        if let Some(rings) = rings {
+            // The kernel hands every ring entry back when the connection ends.
+            rings.join(std::time::Duration::from_secs(5));
+        }
+        match result {
             Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => {
                 let still_mounted = dev.is_none_or(|dev| mountinfo::mounts().iter().any(|m| m.dev == dev));
                 if still_mounted {
@@ -214,6 +281,13 @@ impl Mounted {
             other => other,
         }
     }
+}
+
+/// The size of each ring entry's payload buffer: what the kernel may put in one request,
+/// `max(max_write, max_pages * PAGE_SIZE)` (fuser asks max_pages for 1 MiB).
+fn ring_payload_size() -> usize {
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+    ((1usize << 20).div_ceil(page) * page).max(8192)
 }
 
 /// Set the read-ahead of the mount's backing device (`/sys/class/bdi/MAJ:MIN`). FUSE caps what
