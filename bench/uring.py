@@ -82,7 +82,12 @@ class Target:
 
     def close(self):
         self.down()
-        sh("umount", self.lower)
+        # A FUSE daemon may still hold the lower for a moment after its unmount returns.
+        for _ in range(100):
+            if subprocess.run(["umount", self.lower], stderr=subprocess.DEVNULL).returncode == 0:
+                return
+            time.sleep(0.1)
+        sys.exit(f"bench/uring.py: {self.lower} stays busy after {self.cfg}")
 
 
 def timed(fn):

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use clap::Args;
 use plyfs_fuse::control::{self, ControlServer};
-use plyfs_fuse::{unmount, FrontOptions, MountRequest, Mounted, Transport, Unmounted};
+use plyfs_fuse::{unmount, FrontOptions, MountRequest, Mounted, Transport, Unmounted, UringChoice};
 use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
 use plyfs_stack::LowerDir;
 
@@ -311,8 +311,10 @@ fn serve_inner(
         io_uring: opts.io_uring,
     };
     let mounted = Mounted::mount(stack.clone(), &request).map_err(|e| e.to_string())?;
-    if let Some(why) = mounted.uring_refused() {
-        tracing::warn!("-o io_uring: {why}; requests go through /dev/fuse");
+    match (mounted.uring_refused(), opts.io_uring) {
+        (Some(why), UringChoice::On) => tracing::warn!("-o io_uring: {why}; requests go through /dev/fuse"),
+        (Some(why), _) => tracing::info!("FUSE over io_uring not used: {why}; requests go through /dev/fuse"),
+        (None, _) => {}
     }
     if let Some(file) = lower.dir().and_then(probe_file) {
         if let Err(why) = mounted.probe_passthrough(&file) {

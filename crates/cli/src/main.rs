@@ -206,9 +206,10 @@ fn umount(path: &Path, lazy: bool) -> Result<(), String> {
     if !entry.is_plyfs() {
         return Err(format!("{shown}: not a plyfs mount (it is {})", entry.fstype));
     }
-    // A dead daemon's mount answers ENOTCONN, or ECONNABORTED when its requests went over
-    // io_uring.
-    let stale = matches!(std::fs::metadata(&mountpoint), Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED)));
+    // A dead daemon's mount answers ENOTCONN; when its requests went over io_uring, ECONNABORTED,
+    // or ECANCELED while the kernel is still taking its rings down.
+    let stale = matches!(std::fs::metadata(&mountpoint),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)));
     match unmount(&mountpoint, lazy).map_err(|e| format!("unmount {shown}: {e}"))? {
         Unmounted::Done => {}
         Unmounted::Lazily => eprintln!("plyfs: {shown} detached; its daemon exits when the last open file is closed"),

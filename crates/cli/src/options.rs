@@ -3,12 +3,13 @@
 use std::time::Duration;
 
 use plyfs_fuse::mount::KERNEL_FLAGS;
+use plyfs_fuse::UringChoice;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct MountOptions {
     pub passthrough: bool,
-    /// Carry requests over FUSE io_uring where the kernel allows it (`-o io_uring=on`).
-    pub io_uring: bool,
+    /// Carry requests over FUSE io_uring (`-o io_uring=auto|on|off`).
+    pub io_uring: UringChoice,
     pub entry_ttl: Duration,
     pub attr_ttl: Duration,
     pub threads: usize,
@@ -26,7 +27,7 @@ impl Default for MountOptions {
     fn default() -> Self {
         MountOptions {
             passthrough: true,
-            io_uring: false,
+            io_uring: UringChoice::Auto,
             entry_ttl: Duration::from_secs(1),
             attr_ttl: Duration::from_secs(1),
             threads: 4,
@@ -40,7 +41,7 @@ impl Default for MountOptions {
     }
 }
 
-pub const HELP: &str = "comma-separated: passthrough=on|off, io_uring=on|off, entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
+pub const HELP: &str = "comma-separated: passthrough=on|off, io_uring=auto|on|off, entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
 shared, allow_other, allow_root, ro, and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
 
 fn seconds(key: &str, v: &str) -> Result<Duration, String> {
@@ -63,9 +64,10 @@ pub fn parse(args: &[String]) -> Result<MountOptions, String> {
             ("passthrough", Some("on" | "true" | "yes")) => o.passthrough = true,
             ("passthrough", Some("off" | "false" | "no")) => o.passthrough = false,
             ("passthrough", v) => return Err(format!("-o passthrough={}: expected on or off", v.unwrap_or(""))),
-            ("io_uring", Some("on" | "true" | "yes")) => o.io_uring = true,
-            ("io_uring", Some("off" | "false" | "no")) => o.io_uring = false,
-            ("io_uring", v) => return Err(format!("-o io_uring={}: expected on or off", v.unwrap_or(""))),
+            ("io_uring", Some("auto")) => o.io_uring = UringChoice::Auto,
+            ("io_uring", Some("on" | "true" | "yes")) => o.io_uring = UringChoice::On,
+            ("io_uring", Some("off" | "false" | "no")) => o.io_uring = UringChoice::Off,
+            ("io_uring", v) => return Err(format!("-o io_uring={}: expected auto, on or off", v.unwrap_or(""))),
             ("entry_timeout", Some(v)) => o.entry_ttl = seconds(key, v)?,
             ("attr_timeout", Some(v)) => o.attr_ttl = seconds(key, v)?,
             ("threads", Some(v)) => {
@@ -111,5 +113,9 @@ mod tests {
         assert!(parse(&["threads=0".into()]).is_err());
         assert!(parse(&["attr_timeout=abc".into()]).is_err());
         assert!(parse(&["passthrough=maybe".into()]).is_err());
+        assert_eq!(parse(&[]).unwrap().io_uring, UringChoice::Auto);
+        assert_eq!(parse(&["io_uring=on".into()]).unwrap().io_uring, UringChoice::On);
+        assert_eq!(parse(&["io_uring=off".into()]).unwrap().io_uring, UringChoice::Off);
+        assert!(parse(&["io_uring=maybe".into()]).unwrap_err().contains("expected auto, on or off"));
     }
 }

@@ -1,6 +1,7 @@
-//! FUSE over io_uring (`-o io_uring=on`): requests reach the daemon through per-CPU rings, and
-//! everything behaves as over `/dev/fuse`. The POSIX checks of `posix.rs`, the fsx-style tester
-//! and pjdfstest also run with io_uring on (see those files and `tests/pjdfstest/run.sh`).
+//! FUSE over io_uring (`-o io_uring=auto`, the default, or `on`): requests reach the daemon
+//! through per-CPU rings, and everything behaves as over `/dev/fuse`. Where the kernel allows it,
+//! the other tests, the fsx-style tester and pjdfstest run over io_uring too, and variants with
+//! `io_uring=off` keep the `/dev/fuse` loop covered.
 //!
 //! The rings need the kernel's permission (`/sys/module/fuse/parameters/enable_uring`), which
 //! `scripts/test.sh` gives. Without it these tests say so and pass, unless
@@ -61,6 +62,18 @@ fn requests_travel_over_the_rings() {
     }
     let served = ring_wakeups(m.pid()) - before;
     assert!(served >= 500, "the ring threads woke {served} times for 1000 requests");
+}
+
+#[test]
+fn the_default_uses_the_rings_where_allowed() {
+    if !uring_allowed() || !is_root() {
+        return;
+    }
+    let m = Mount::new("null");
+    assert!(m.daemon_log().contains("requests over io_uring"), "{}", m.daemon_log());
+    let m = Mount::with("null", &["io_uring=off"]);
+    assert!(!m.daemon_log().contains("requests over io_uring"), "{}", m.daemon_log());
+    assert_eq!(ring_wakeups(m.pid()), 0);
 }
 
 #[test]
@@ -130,9 +143,10 @@ fn a_killed_daemon_with_rings_leaves_a_mount_umount_cleans_up() {
     fs::write(m.path("f"), b"synced").unwrap();
     m.child().kill().unwrap();
     m.child().wait().unwrap();
-    // The kernel ends the requests of a ring whose daemon died with ECONNABORTED.
+    // The kernel ends the requests of a ring whose daemon died with ECONNABORTED, or with
+    // ECANCELED while it still takes the rings down.
     let e = fs::metadata(m.path("f")).unwrap_err().raw_os_error();
-    assert!(matches!(e, Some(libc::ENOTCONN | libc::ECONNABORTED)), "{e:?}");
+    assert!(matches!(e, Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)), "{e:?}");
     let out = run(plyfs().arg("umount").arg(&m.mnt));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
@@ -168,15 +182,21 @@ fn without_the_kernels_permission_requests_go_through_dev_fuse() {
     }
     let was = fs::read_to_string(PARAM).unwrap();
     fs::write(PARAM, "0").unwrap();
-    let m = std::panic::catch_unwind(|| {
-        let m = Mount::with("null", &["io_uring=on"]);
-        fs::write(m.path("f"), b"works").unwrap();
-        assert_eq!(fs::read(m.path("f")).unwrap(), b"works");
-        m.daemon_log()
+    let logs = std::panic::catch_unwind(|| {
+        ["io_uring=on", "io_uring=auto"].map(|o| {
+            let m = Mount::with("null", &[o]);
+            fs::write(m.path("f"), b"works").unwrap();
+            assert_eq!(fs::read(m.path("f")).unwrap(), b"works");
+            m.daemon_log()
+        })
     });
     fs::write(PARAM, if was.trim() == "Y" { "1" } else { "0" }).unwrap();
-    let log = m.unwrap();
-    assert!(log.contains("-o io_uring: the kernel has it turned off"), "{log}");
-    assert!(log.contains("echo 1 > /sys/module/fuse/parameters/enable_uring"), "{log}");
-    assert!(!log.contains("requests over io_uring"), "{log}");
+    let [on, auto] = logs.unwrap();
+    // Asked for: a warning that says how to allow it.
+    assert!(on.contains("WARN") && on.contains("-o io_uring: the kernel has it turned off"), "{on}");
+    assert!(on.contains("echo 1 > /sys/module/fuse/parameters/enable_uring"), "{on}");
+    assert!(!on.contains("requests over io_uring"), "{on}");
+    // The default: no warning.
+    assert!(!auto.contains("WARN") && auto.contains("FUSE over io_uring not used"), "{auto}");
+    assert!(!auto.contains("requests over io_uring"), "{auto}");
 }

@@ -18,4 +18,4 @@ pub mod mountinfo;
 pub mod uring;
 
 pub use fs::{FrontOptions, IoMode, LEVELS_DIR};
-pub use mount::{check_mountpoint, unmount, MountError, MountRequest, Mounted, Transport, Unmounted};
+pub use mount::{check_mountpoint, unmount, MountError, MountRequest, Mounted, Transport, Unmounted, UringChoice};

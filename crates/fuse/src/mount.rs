@@ -33,8 +33,21 @@ pub struct MountRequest {
     pub read_only: bool,
     /// Other kernel mount flags (`noexec`, `nosuid`, `noatime`, ...), by their usual names.
     pub flags: Vec<String>,
-    /// Carry requests over io_uring, one queue per CPU, where the kernel allows it.
-    pub io_uring: bool,
+    /// Whether requests travel over io_uring, one queue per CPU.
+    pub io_uring: UringChoice,
+}
+
+/// `-o io_uring=auto|on|off`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UringChoice {
+    /// Where the kernel allows it and the ring threads can yield their CPU to callers
+    /// (SCHED_IDLE, see `uring::Yielding`); without that it is slower than `/dev/fuse` on
+    /// machines with few CPUs.
+    #[default]
+    Auto,
+    /// Wherever the kernel allows it; the mount says why not otherwise.
+    On,
+    Off,
 }
 
 /// How requests reach the daemon.
@@ -163,8 +176,15 @@ impl Mounted {
         // Once the kernel agrees to io_uring, requests wait for the rings: ask only when they
         // can be made.
         let mut uring_refused = None;
-        let want_uring = req.io_uring && {
-            match uring::kernel_allows().and_then(|()| uring::can_make_rings()) {
+        let usable = || {
+            uring::kernel_allows().and_then(|()| uring::can_make_rings())?;
+            if req.io_uring == UringChoice::Auto && !uring::can_yield() {
+                return Err("its threads could not give their CPU to callers (SCHED_IDLE needs CAP_SYS_NICE here), which makes it slower than /dev/fuse".to_owned());
+            }
+            Ok(())
+        };
+        let want_uring = req.io_uring != UringChoice::Off && {
+            match usable() {
                 Ok(()) => true,
                 Err(why) => {
                     uring_refused = Some(why);

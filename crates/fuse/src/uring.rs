@@ -785,8 +785,7 @@ impl Yielding {
     /// `None` where a thread could not come back from SCHED_IDLE (no CAP_SYS_NICE and a low
     /// RLIMIT_NICE): then the threads stay SCHED_OTHER.
     fn start(threads: usize) -> Option<Arc<Yielding>> {
-        let allowed = std::thread::spawn(|| set_policy(0, libc::SCHED_IDLE) && set_policy(0, libc::SCHED_OTHER)).join().unwrap_or(false);
-        if !allowed {
+        if !can_yield() {
             tracing::debug!("ring threads stay SCHED_OTHER: this process may not leave SCHED_IDLE");
             return None;
         }
@@ -836,6 +835,12 @@ impl Yielding {
             set_policy(0, libc::SCHED_IDLE);
         }
     }
+}
+
+/// Whether ring threads may wait as SCHED_IDLE and come back to SCHED_OTHER (which needs
+/// CAP_SYS_NICE or a high RLIMIT_NICE), as [`Yielding`] has them do.
+pub fn can_yield() -> bool {
+    std::thread::spawn(|| set_policy(0, libc::SCHED_IDLE) && set_policy(0, libc::SCHED_OTHER)).join().unwrap_or(false)
 }
 
 /// The watchdog of [`Yielding`]: ends with the rings.
