@@ -115,7 +115,10 @@ fn a_killed_daemon_leaves_a_stale_mount_that_umount_cleans_up() {
     fs::write(m.path("f"), b"synced").unwrap();
     m.child().kill().unwrap();
     m.child().wait().unwrap();
-    assert_eq!(fs::metadata(m.path("f")).unwrap_err().raw_os_error(), Some(libc::ENOTCONN));
+    // ENOTCONN; over io_uring (the default where the kernel allows it) ECONNABORTED, or
+    // ECANCELED while the kernel takes the rings down.
+    let e = fs::metadata(m.path("f")).unwrap_err().raw_os_error();
+    assert!(matches!(e, Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)), "{e:?}");
     let out = run(plyfs().arg("umount").arg(&m.mnt));
     assert!(out.status.success(), "{}", stderr_of(&out));
     assert!(stderr_of(&out).contains("its daemon had died"), "{}", stderr_of(&out));

@@ -449,10 +449,18 @@ fn direct_changes_to_the_lower_show_within_the_timeout() {
             &format!("an encoded file replaced in the lower (reads {:?}; {})", content(&m.path("e")), m.daemon_log()),
         );
         fs::write(m.lower_path("e"), "not zstd at all").unwrap();
-        wait_for(
-            || content(&m.path("e")) == Err(std::io::ErrorKind::Other) || content(&m.path("e")).is_err(),
-            "undecodable bytes read as EIO",
-        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while content(&m.path("e")).is_ok() {
+            assert!(
+                Instant::now() < deadline,
+                "{options:?}: undecodable bytes do not read as EIO after 10 s (reads {:?}, stat {:?}; lower {:?}; {})",
+                content(&m.path("e")),
+                fs::metadata(m.path("e")).map(|m| (m.len(), m.modified().ok())),
+                fs::metadata(m.lower_path("e")).map(|m| (m.len(), m.modified().ok())),
+                m.daemon_log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let err = fs::read(m.path("e")).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EIO), "{options:?}: {err}");
     }
