@@ -778,8 +778,8 @@ struct Slot {
     boosted: AtomicBool,
 }
 
-const BOOST_AFTER: Duration = Duration::from_millis(2);
-const WATCH_EVERY: Duration = Duration::from_millis(2);
+const BOOST_AFTER: Duration = Duration::from_millis(10);
+const WATCH_EVERY: Duration = Duration::from_millis(10);
 
 impl Yielding {
     /// `None` where a thread could not come back from SCHED_IDLE (no CAP_SYS_NICE and a low
@@ -863,7 +863,7 @@ fn watch(weak: Weak<Yielding>) {
         }
         quiet = if any { 0 } else { quiet + 1 };
         // Nothing ran for a while: sleep until a ring thread takes a request.
-        if quiet > 500 {
+        if quiet > 100 {
             y.parked.store(true, Ordering::Relaxed);
             let busy = y.slots.iter().any(|s| s.busy_since.load(Ordering::Relaxed) != 0);
             drop(y);
