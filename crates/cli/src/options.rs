@@ -27,7 +27,7 @@ impl Default for MountOptions {
     fn default() -> Self {
         MountOptions {
             passthrough: true,
-            io_uring: UringChoice::Auto,
+            io_uring: UringChoice::Off,
             entry_ttl: Duration::from_secs(1),
             attr_ttl: Duration::from_secs(1),
             threads: 4,
@@ -113,7 +113,8 @@ mod tests {
         assert!(parse(&["threads=0".into()]).is_err());
         assert!(parse(&["attr_timeout=abc".into()]).is_err());
         assert!(parse(&["passthrough=maybe".into()]).is_err());
-        assert_eq!(parse(&[]).unwrap().io_uring, UringChoice::Auto);
+        assert_eq!(parse(&[]).unwrap().io_uring, UringChoice::Off);
+        assert_eq!(parse(&["io_uring=auto".into()]).unwrap().io_uring, UringChoice::Auto);
         assert_eq!(parse(&["io_uring=on".into()]).unwrap().io_uring, UringChoice::On);
         assert_eq!(parse(&["io_uring=off".into()]).unwrap().io_uring, UringChoice::Off);
         assert!(parse(&["io_uring=maybe".into()]).unwrap_err().contains("expected auto, on or off"));

@@ -305,10 +305,9 @@ macro_rules! posix_tests {
 
 posix_tests!(null_passthrough, "null", &[]);
 posix_tests!(null_cached, "null", &["passthrough=off"]);
-// io_uring=auto, the default, carries requests over io_uring where the kernel allows it (as
-// scripts/test.sh does); these keep the /dev/fuse loop covered.
-posix_tests!(null_over_dev_fuse, "null", &["io_uring=off"]);
-posix_tests!(null_cached_over_dev_fuse, "null", &["passthrough=off", "io_uring=off"]);
+// Requests over FUSE io_uring (scripts/test.sh gives the kernel's permission).
+posix_tests!(null_over_io_uring, "null", &["io_uring=on"]);
+posix_tests!(null_cached_over_io_uring, "null", &["passthrough=off", "io_uring=on"]);
 posix_tests!(trace_all_io, "trace:io=on,null", &[]);
 posix_tests!(eight_nulls, "null,null,null,null,null,null,null,null", &[]);
 posix_tests!(union_of_one, "union", &[]);

@@ -1,7 +1,7 @@
-//! FUSE over io_uring (`-o io_uring=auto`, the default, or `on`): requests reach the daemon
-//! through per-CPU rings, and everything behaves as over `/dev/fuse`. Where the kernel allows it,
-//! the other tests, the fsx-style tester and pjdfstest run over io_uring too, and variants with
-//! `io_uring=off` keep the `/dev/fuse` loop covered.
+//! FUSE over io_uring (`-o io_uring=on` or `auto`): requests reach the daemon through per-CPU
+//! rings, and everything behaves as over `/dev/fuse`. The POSIX checks of `posix.rs`, the
+//! fsx-style tester and pjdfstest also run with io_uring on (see those files and
+//! `tests/pjdfstest/run.sh`).
 //!
 //! The rings need the kernel's permission (`/sys/module/fuse/parameters/enable_uring`), which
 //! `scripts/test.sh` gives. Without it these tests say so and pass, unless
@@ -65,13 +65,13 @@ fn requests_travel_over_the_rings() {
 }
 
 #[test]
-fn the_default_uses_the_rings_where_allowed() {
+fn auto_uses_the_rings_where_allowed_and_the_default_does_not() {
     if !uring_allowed() || !is_root() {
         return;
     }
-    let m = Mount::new("null");
+    let m = Mount::with("null", &["io_uring=auto"]);
     assert!(m.daemon_log().contains("requests over io_uring"), "{}", m.daemon_log());
-    let m = Mount::with("null", &["io_uring=off"]);
+    let m = Mount::new("null");
     assert!(!m.daemon_log().contains("requests over io_uring"), "{}", m.daemon_log());
     assert_eq!(ring_wakeups(m.pid()), 0);
 }
@@ -196,7 +196,7 @@ fn without_the_kernels_permission_requests_go_through_dev_fuse() {
     assert!(on.contains("WARN") && on.contains("-o io_uring: the kernel has it turned off"), "{on}");
     assert!(on.contains("echo 1 > /sys/module/fuse/parameters/enable_uring"), "{on}");
     assert!(!on.contains("requests over io_uring"), "{on}");
-    // The default: no warning.
+    // auto: no warning.
     assert!(!auto.contains("WARN") && auto.contains("FUSE over io_uring not used"), "{auto}");
     assert!(!auto.contains("requests over io_uring"), "{auto}");
 }

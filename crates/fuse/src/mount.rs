@@ -43,10 +43,12 @@ pub enum UringChoice {
     /// Where the kernel allows it and the ring threads can yield their CPU to callers
     /// (SCHED_IDLE, see `uring::Yielding`); without that it is slower than `/dev/fuse` on
     /// machines with few CPUs.
-    #[default]
     Auto,
     /// Wherever the kernel allows it; the mount says why not otherwise.
     On,
+    /// `/dev/fuse` only: the default until the races io_uring's timing exposes in the
+    /// shared-lower tests are fixed (see issue #14's notes).
+    #[default]
     Off,
 }
 
