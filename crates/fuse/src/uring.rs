@@ -184,7 +184,7 @@ impl<'a> Out<'a> {
         self.u32(atn);
         self.u32(mtn);
         self.u32(ctn);
-        self.u32(type_bits(a.kind) | u32::from(a.perm));
+        self.u32(a.kind.mode_bits() | u32::from(a.perm));
         self.u32(a.nlink);
         self.u32(a.uid);
         self.u32(a.gid);
@@ -216,7 +216,7 @@ impl<'a> Out<'a> {
         self.u64(ino);
         self.u64(offset);
         self.u32(name.len() as u32);
-        self.u32(type_bits(kind) >> 12);
+        self.u32(kind.mode_bits() >> 12);
         self.bytes(name);
         self.zeros(dirent_pad(name.len()));
     }
@@ -227,18 +227,6 @@ const ENTRY_OUT_SIZE: usize = 128;
 
 fn dirent_pad(name_len: usize) -> usize {
     (8 - (DIRENT_SIZE + name_len) % 8) % 8
-}
-
-fn type_bits(kind: FileKind) -> u32 {
-    match kind {
-        FileKind::File => libc::S_IFREG,
-        FileKind::Dir => libc::S_IFDIR,
-        FileKind::Symlink => libc::S_IFLNK,
-        FileKind::Fifo => libc::S_IFIFO,
-        FileKind::Socket => libc::S_IFSOCK,
-        FileKind::CharDevice => libc::S_IFCHR,
-        FileKind::BlockDevice => libc::S_IFBLK,
-    }
 }
 
 /// Seconds and nanoseconds since the epoch, negative seconds before it.

@@ -31,18 +31,6 @@ pub fn entry_of(reply: Reply) -> Result<Entry> {
     }
 }
 
-fn mode_bits(kind: FileKind) -> u32 {
-    match kind {
-        FileKind::File => libc::S_IFREG,
-        FileKind::Dir => libc::S_IFDIR,
-        FileKind::Symlink => libc::S_IFLNK,
-        FileKind::Fifo => libc::S_IFIFO,
-        FileKind::Socket => libc::S_IFSOCK,
-        FileKind::CharDevice => libc::S_IFCHR,
-        FileKind::BlockDevice => libc::S_IFBLK,
-    }
-}
-
 /// Temporary names for copies in progress: `PREFIX.PID.TOKEN.N`, the token random per process
 /// (mounts on other machines sharing the tree may have the same process ids). Names with the
 /// prefix that no copy is writing are leftovers of a crash.
@@ -193,7 +181,7 @@ pub fn copy_object(from: &Level, src: NodeId, attr: &Attr, to: &Level, dir: Node
             };
             entry_of(to.call(&cx, &Op::SymLink { parent: dir, name, target: &target })?)
         }
-        other => entry_of(to.call(&cx, &Op::MkNod { parent: dir, name, mode: mode_bits(other) | 0o600, rdev: attr.rdev })?),
+        other => entry_of(to.call(&cx, &Op::MkNod { parent: dir, name, mode: other.mode_bits() | 0o600, rdev: attr.rdev })?),
     }
 }
 

@@ -57,6 +57,19 @@ pub enum FileKind {
 }
 
 impl FileKind {
+    /// The `S_IFMT` bits of a mode of this kind.
+    pub fn mode_bits(self) -> u32 {
+        match self {
+            FileKind::File => libc::S_IFREG,
+            FileKind::Dir => libc::S_IFDIR,
+            FileKind::Symlink => libc::S_IFLNK,
+            FileKind::Fifo => libc::S_IFIFO,
+            FileKind::Socket => libc::S_IFSOCK,
+            FileKind::CharDevice => libc::S_IFCHR,
+            FileKind::BlockDevice => libc::S_IFBLK,
+        }
+    }
+
     /// From the `S_IFMT` bits of a mode.
     pub fn from_mode(mode: u32) -> Option<FileKind> {
         Some(match mode & libc::S_IFMT {
