@@ -66,8 +66,9 @@ pub fn apply(path: &Path, recursive: bool) -> Result<(), String> {
                 bar.suspend(|| println!("{}: {from} -> {to}", f.display()));
             }
             Ok(_) => unchanged += 1,
-            // Removed meanwhile (a leftover the walk listed, a file deleted): nothing to do.
-            Err(e) if e.contains("No such file") => unchanged += 1,
+            // Removed meanwhile (a file deleted, or the temporary copy of a conversion the
+            // daemon was finishing when the walk listed it): nothing to do, and nothing to count.
+            Err(e) if e.contains("No such file") => {}
             Err(e) => {
                 bar.suspend(|| eprintln!("plyfs: {}: {e}", f.display()));
                 failed.push(f.clone());
