@@ -657,6 +657,8 @@ impl<L: LowerIo> ScaFile<L> {
             self.needs_write_lock = true;
             return Err(Error::Os(libc::EAGAIN));
         }
+        // From the file as it is now: the bytes read at open may be of a file since replaced.
+        self.drop_prefetched();
         let len = self.lower.len()?;
         let mut found: Vec<(RecordHeader, u64, Vec<u8>, bool)> = Vec::new();
         self.scan(DATA_START, len, true, |off, h, payload, ok| {
@@ -666,6 +668,17 @@ impl<L: LowerIo> ScaFile<L> {
             }
         })
         .map_err(fault_to_error)?;
+        let sound = found.iter().any(|(_, _, _, ok)| *ok);
+        if !sound && self.lower.read_at(0, DATA_START as usize).ok().and_then(|h| FileHeader::decode(&h)).is_none() {
+            // Neither a header nor a sound record: the file is no longer an encoded file
+            // (rewritten in place from outside the mount, say). Nothing to rebuild, and its
+            // bytes are not ours to overwrite.
+            return Err(Error::Corrupt(format!(
+                "{}: not a '{}' file any more (no plyfs header, no records): it was rewritten from outside the mount",
+                self.lower.describe(),
+                self.engine.kind
+            )));
+        }
         // Compaction may leave copies of a record: keep one, a sound one if there is one.
         found.sort_by_key(|(h, off, _, ok)| (h.seq, !*ok, *off));
         found.dedup_by_key(|(h, _, _, _)| h.seq);

@@ -422,3 +422,24 @@ fn emptying_a_file_forgets_the_chunk_kept_for_rewriting() {
     want[5000] = 1;
     assert_eq!(read_all(&f), want);
 }
+
+/// A file rewritten in place from outside while its state is in memory (a mount holding it
+/// open): a read finds the index stale, but nothing of the encoded file is left to rebuild
+/// from. It reads as an error, and the outside bytes are left as they are.
+#[test]
+fn a_file_rewritten_from_outside_is_never_rebuilt_over() {
+    for outside in [&b"not an encoded file at all"[..], &[0xAB; 5000][..]] {
+        // Larger than what an open reads ahead, so that reads far in go to the lower file.
+        let lower = MemLower::default();
+        let mut f = ScaFile::open(engine(12, false), lower.clone()).unwrap();
+        let model: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        f.write(0, &model).unwrap();
+        f.close().unwrap();
+        let mut f = ScaFile::open(engine(12, false), lower.clone()).unwrap();
+        assert_eq!(f.read(200_000, 4096).unwrap(), &model[200_000..204_096]);
+        *lower.0.lock() = outside.to_vec();
+        let repaired = f.read_repairing(250_000, 4096);
+        assert!(repaired.is_err(), "read {repaired:?} from a file that is not encoded any more");
+        assert_eq!(&*lower.0.lock(), outside, "the outside bytes were overwritten");
+    }
+}
