@@ -813,7 +813,13 @@ fn a_mirror_shared_by_two_mounts_keeps_its_branches_identical() {
     }
     let branch_a = mirror_tree(&da);
     let branch_b = mirror_tree(&db);
-    assert!(branch_a == branch_b, "the branches differ: {}", tree_difference(&branch_a, &branch_b));
+    if branch_a != branch_b {
+        let why: Vec<String> = [&a, &b]
+            .iter()
+            .flat_map(|m| m.daemon_log().lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).map(str::to_owned).collect::<Vec<_>>())
+            .collect();
+        panic!("the branches differ: {}\nthe daemons said:\n{}", tree_difference(&branch_a, &branch_b), why.join("\n"));
+    }
     assert_eq!(mirror_tree(&a.mnt), branch_a);
     assert_eq!(mirror_tree(&b.mnt), branch_a);
     assert_eq!(mirror_logs(&da).len(), 2, "one log per mount: {:?}", mirror_logs(&da));
@@ -822,7 +828,8 @@ fn a_mirror_shared_by_two_mounts_keeps_its_branches_identical() {
     assert!(!out.status.success() && err.contains("1 other mount(s) of this mirror are running"), "{err}");
     for m in [&a, &b] {
         let status = op_json(&m.mnt, &["mirror-status"]);
-        assert_eq!(status["degraded"], false, "{status}");
+        let said: Vec<String> = m.daemon_log().lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).map(str::to_owned).collect();
+        assert_eq!(status["degraded"], false, "{status}; the daemon said:\n{}", said.join("\n"));
     }
     // A mount without -o shared beside them is refused, in one line.
     let mnt_c = tempfile::tempdir().unwrap();

@@ -96,6 +96,11 @@ impl Mount {
                 cmd.arg("-o").arg(o);
             }
         }
+        // PLYFS_TEST_OPTIONS adds `-o` options to every test mount (e.g. `io_uring=on`, to run
+        // a whole test file over io_uring).
+        if let Ok(extra) = std::env::var("PLYFS_TEST_OPTIONS") {
+            cmd.arg("-o").arg(extra);
+        }
         let child = cmd.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap();
         let mut m = Mount {
             dir,
