@@ -369,3 +369,24 @@ fn open_append_close_loops_race_release_safely() {
         assert!(!m.daemon_log().contains("inconsistent"), "[{stack}] {}", m.daemon_log());
     }
 }
+
+/// A file rewritten in place in the lower directory while the mount still has it open: the
+/// next open sees the rewrite (here bytes that do not decode, so EIO), not the state the open
+/// one loaded, and the outside bytes stay as they are.
+#[test]
+fn a_rewrite_from_outside_shows_at_the_next_open_even_while_the_file_is_open() {
+    let m = Mount::new("zstd");
+    fs::write(m.path("e"), "the encoded version\n").unwrap();
+    // A fresh daemon loads the file at its first open, with the bytes it reads ahead.
+    let m = m.remount();
+    let held = fs::File::open(m.path("e")).unwrap();
+    assert_eq!(fs::read_to_string(m.path("e")).unwrap(), "the encoded version\n");
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    fs::write(m.lower_path("e"), "not zstd at all").unwrap();
+    // Past the attribute timeout, so that the kernel asks again.
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    let err = fs::read(m.path("e")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert_eq!(fs::read(m.lower_path("e")).unwrap(), b"not zstd at all");
+    drop(held);
+}

@@ -266,6 +266,13 @@ impl<L: LowerIo> ScaFile<L> {
         result
     }
 
+    /// Forget the state and load the lower file again, as an open would (it changed from
+    /// outside the mount).
+    pub fn reload(&mut self) -> Result<()> {
+        self.drop_prefetched();
+        self.load()
+    }
+
     /// Stop serving reads from the bytes read at open: the lower file is about to change.
     fn drop_prefetched(&mut self) {
         self.prefetched = Vec::new();

@@ -136,6 +136,14 @@ struct OpenFile {
     /// The layer's handle on the lower file (also inside `file`), to release it without
     /// taking the file's lock.
     lower_fh: FileHandle,
+    /// The lower file as the state last matched it (loaded, or closed); `None` for a file this
+    /// layer created. Without `-o shared`, an open that shares the state of an open not yet
+    /// released checks it, so a rewrite from outside is not hidden by a release still in
+    /// flight.
+    seen: Mutex<Option<LowerStamp>>,
+    /// Reloading after such a rewrite failed: the state serves nothing, and goes at the last
+    /// release.
+    broken: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -264,6 +272,7 @@ impl ScaLayer {
         if let Some(f) = open.get(&node).cloned() {
             let mut users = f.users.lock();
             let reusable = match users.idle {
+                _ if f.broken.load(Ordering::Relaxed) && users.idle.is_none() => return Err(Error::Os(libc::EIO)),
                 None => true, // open, or being closed
                 // The content is checked below, under the lock; but the file kept may be gone,
                 // and its inode number given to another.
@@ -271,6 +280,7 @@ impl ScaLayer {
                 Some(stamp) => self.below().getattr(&internal(), node).is_ok_and(|a| LowerStamp::of(&a) == stamp),
             };
             if reusable {
+                let was_in_use = users.idle.is_none();
                 users.count += 1;
                 if users.idle.take().is_some() {
                     self.idle.lock().retain(|n| *n != node);
@@ -280,6 +290,13 @@ impl ScaLayer {
                 }
                 drop(users);
                 drop(open);
+                if was_in_use && self.engine.shared.is_none() {
+                    if let Err(e) = self.recheck(node, &f) {
+                        f.broken.store(true, Ordering::Relaxed);
+                        let _ = self.relinquish(node);
+                        return Err(e);
+                    }
+                }
                 if self.engine.shared.is_some() {
                     // Close-to-open: what other mounts wrote before this open is seen.
                     let checked = self.checked(node, &mut f.file.write(), |file| file.revalidate());
@@ -311,9 +328,36 @@ impl ScaLayer {
             })?
         };
         let users = Users { count: 1, idle: None };
-        let f = Arc::new(OpenFile { users: Mutex::new(users), file: RwLock::new(file), lower_fh: fh });
+        let seen = if empty { None } else { self.below().getattr(&internal(), node).ok().map(|a| LowerStamp::of(&a)) };
+        let f = Arc::new(OpenFile {
+            users: Mutex::new(users),
+            file: RwLock::new(file),
+            lower_fh: fh,
+            seen: Mutex::new(seen),
+            broken: std::sync::atomic::AtomicBool::new(false),
+        });
         open.insert(node, f.clone());
         Ok(f)
+    }
+
+    /// A state shared with an open not yet released: if the lower file changed since the state
+    /// last matched it, and not by writes through this state, load it again (and drop the
+    /// kernel's pages of it).
+    fn recheck(&self, node: NodeId, f: &OpenFile) -> Result<()> {
+        let Some(last) = *f.seen.lock() else { return Ok(()) };
+        let now = LowerStamp::of(&self.below().getattr(&internal(), node)?);
+        if now == last {
+            return Ok(());
+        }
+        let mut file = f.file.write();
+        if file.modified() {
+            return Ok(());
+        }
+        *f.seen.lock() = Some(now);
+        let reloaded = file.reload();
+        drop(file);
+        self.invalidate.node(node);
+        reloaded.inspect_err(|e| tracing::error!("{}: {e}", self.name))
     }
 
     /// Run `op` on an open file; if it found that another mount had changed the file, the
@@ -383,7 +427,8 @@ impl ScaLayer {
             return result.map(|_| ());
         }
         match (&result, stamp) {
-            (Ok(modified), Ok(stamp)) => {
+            (Ok(modified), Ok(stamp)) if !f.broken.load(Ordering::Relaxed) => {
+                *f.seen.lock() = Some(stamp);
                 users.idle = Some(stamp);
                 drop(users);
                 if *modified {
@@ -413,7 +458,11 @@ impl ScaLayer {
 
     fn file_of(&self, node: NodeId) -> Result<Arc<OpenFile>> {
         let f = self.open.lock().get(&node).cloned();
-        f.filter(|f| f.users.lock().count > 0).ok_or(Error::Os(libc::EBADF))
+        let f = f.filter(|f| f.users.lock().count > 0).ok_or(Error::Os(libc::EBADF))?;
+        if f.broken.load(Ordering::Relaxed) {
+            return Err(Error::Os(libc::EIO));
+        }
+        Ok(f)
     }
 
     /// Run `op` on the node's file, opening it for the duration if it is not open.
