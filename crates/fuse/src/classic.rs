@@ -17,6 +17,10 @@ use plyfs_stack::{Attr, Caller, FileKind, SetAttr, TimeSet, XattrReply};
 
 use crate::fs::{DirSink, FuseFs, IoMode, NodeOut, OpenOut, Res};
 
+/// The largest write the kernel sends in one request (and so the size of a ring entry's
+/// payload buffer).
+pub(crate) const MAX_WRITE: u32 = 1 << 20;
+
 /// The fuser side of a mount.
 pub struct Classic {
     pub(crate) fs: Arc<FuseFs>,
@@ -106,12 +110,17 @@ impl Classic {
         }
     }
 
+    /// The open flags of `o` for fuser, which adds FOPEN_PASSTHROUGH itself.
+    fn fopen_flags(o: &OpenOut) -> FopenFlags {
+        FopenFlags::from_bits_retain(o.flags & !crate::fs::fopen::PASSTHROUGH)
+    }
+
     fn opened(reply: ReplyOpen, r: Res<OpenOut>) {
         let o = match r {
             Ok(o) => o,
             Err(e) => return reply.error(err(e)),
         };
-        let flags = FopenFlags::from_bits_retain(o.flags & !crate::fs::fopen::PASSTHROUGH);
+        let flags = Self::fopen_flags(&o);
         match &o.backing {
             Some(b) => {
                 // SAFETY: the reference stays open while `o.backing` lives; fuser gives it back
@@ -167,7 +176,7 @@ impl Filesystem for Classic {
         // lower file was opened with O_TRUNC, so opening a running program O_RDONLY|O_TRUNC
         // would fail and still destroy it. Without it the kernel checks first, then truncates
         // with a separate setattr.
-        let _ = config.set_max_write(1 << 20);
+        let _ = config.set_max_write(MAX_WRITE);
         let _ = config.set_max_background(64);
         let _ = config.set_congestion_threshold(48);
 
@@ -276,7 +285,7 @@ impl Filesystem for Classic {
         let ttl = &self.fs.options.entry_ttl;
         let attr = fuse_attr(node.ino, &node.attr);
         let generation = Generation(node.generation);
-        let flags = FopenFlags::from_bits_retain(o.flags & !crate::fs::fopen::PASSTHROUGH);
+        let flags = Self::fopen_flags(&o);
         match &o.backing {
             Some(b) => {
                 // SAFETY: as in `opened`.

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use fuser::{Config, MountOption, Session, SessionACL};
 use plyfs_stack::Stack;
 
-use crate::classic::Classic;
+use crate::classic::{Classic, MAX_WRITE};
 use crate::fs::{FrontOptions, FrontStatus, FuseFs, IoMode};
 use crate::{mountinfo, uring};
 
@@ -178,9 +178,11 @@ impl Mounted {
         // Once the kernel agrees to io_uring, requests wait for the rings: ask only when they
         // can be made.
         let mut uring_refused = None;
-        let usable = || {
+        let mut can_yield = false;
+        let mut usable = || {
             uring::kernel_allows().and_then(|()| uring::can_make_rings())?;
-            if req.io_uring == UringChoice::Auto && !uring::can_yield() {
+            can_yield = uring::can_yield();
+            if req.io_uring == UringChoice::Auto && !can_yield {
                 return Err("its threads could not give their CPU to callers (SCHED_IDLE needs CAP_SYS_NICE here), which makes it slower than /dev/fuse".to_owned());
             }
             Ok(())
@@ -205,7 +207,7 @@ impl Mounted {
         if want_uring && !uring_agreed.load(std::sync::atomic::Ordering::Relaxed) {
             uring_refused = Some("the kernel did not offer it at INIT".into());
         } else if want_uring {
-            match uring::start(fs, dev, ring_payload_size()) {
+            match uring::start(fs, dev, ring_payload_size(), can_yield) {
                 Ok(r) => rings = Some(r),
                 Err(why) => uring_refused = Some(why),
             }
@@ -306,10 +308,10 @@ impl Mounted {
 }
 
 /// The size of each ring entry's payload buffer: what the kernel may put in one request,
-/// `max(max_write, max_pages * PAGE_SIZE)` (fuser asks max_pages for 1 MiB).
+/// `max(max_write, max_pages * PAGE_SIZE)` (fuser asks max_pages for `MAX_WRITE`).
 fn ring_payload_size() -> usize {
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
-    ((1usize << 20).div_ceil(page) * page).max(8192)
+    (MAX_WRITE as usize).div_ceil(page) * page
 }
 
 /// Set the read-ahead of the mount's backing device (`/sys/class/bdi/MAJ:MIN`). FUSE caps what

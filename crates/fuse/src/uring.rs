@@ -105,10 +105,6 @@ struct QueueEntry {
     iov: Box<[libc::iovec; 2]>,
 }
 
-fn u16_at(b: &[u8], at: usize) -> u16 {
-    u16::from_ne_bytes(b[at..at + 2].try_into().unwrap())
-}
-
 fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_ne_bytes(b[at..at + 4].try_into().unwrap())
 }
@@ -127,7 +123,6 @@ struct InHeader {
 
 impl InHeader {
     fn parse(b: &[u8]) -> InHeader {
-        let _ = u16_at(b, 36); // total_extlen: no extensions are negotiated
         InHeader {
             opcode: u32_at(b, 4),
             unique: u64_at(b, 8),
@@ -522,17 +517,22 @@ pub fn kernel_allows() -> Result<(), String> {
     }
 }
 
-/// Start one queue per CPU on the connection `dev`, with buffers of `payload_size` bytes.
-/// Returns once every queue is registered, or the reason it could not be; then the kernel has
-/// gone back to `/dev/fuse` for this connection.
-pub fn start(fs: Arc<FuseFs>, dev: Arc<OwnedFd>, payload_size: usize) -> Result<Rings, String> {
+/// Start one queue per CPU on the connection `dev`, with buffers of `payload_size` bytes;
+/// the threads yield their CPU to callers when `can_yield` (see [`can_yield`]). Returns once
+/// every queue is registered, or the reason it could not be; then the kernel has gone back to
+/// `/dev/fuse` for this connection.
+pub fn start(fs: Arc<FuseFs>, dev: Arc<OwnedFd>, payload_size: usize, can_yield: bool) -> Result<Rings, String> {
     let queues = possible_cpus();
-    let per_queue: usize = THREADS_PER_QUEUE;
-    let yielding = Yielding::start(queues * per_queue);
+    let yielding = if can_yield {
+        Yielding::start(queues * THREADS_PER_QUEUE)
+    } else {
+        tracing::debug!("ring threads stay SCHED_OTHER: this process may not leave SCHED_IDLE");
+        None
+    };
     let (tx, rx) = mpsc::channel();
     let mut threads = Vec::new();
     for qid in 0..queues {
-        for n in 0..per_queue {
+        for n in 0..THREADS_PER_QUEUE {
             let (fs, ring_dev, tx, y) = (fs.clone(), dev.clone(), tx.clone(), yielding.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("plyfs-uring-{qid}.{n}"))
@@ -642,21 +642,13 @@ fn serve(
     yielding: Option<Arc<Yielding>>,
     registered: mpsc::Sender<Result<(), String>>,
 ) {
-    if std::env::var("PLYFS_URING_PIN").map_or(true, |v| v != "0") {
-        pin_to(usize::from(qid));
-    }
+    pin_to(usize::from(qid));
     let me = yielding.as_ref().map(|y| (y.clone(), y.enlist()));
-    let mut b = IoUring::<squeue::Entry128, cqueue::Entry>::builder();
-    match std::env::var("PLYFS_URING_MODE").as_deref() {
-        Ok("plain") => {}
-        Ok("coop") => {
-            b.setup_coop_taskrun();
-        }
-        _ => {
-            b.setup_single_issuer().setup_defer_taskrun().setup_coop_taskrun();
-        }
-    }
-    let built = b.build((ENTRIES_PER_THREAD * 2) as u32);
+    let built = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .setup_coop_taskrun()
+        .build((ENTRIES_PER_THREAD * 2) as u32);
     let mut ring = match built {
         Ok(r) => r,
         Err(e) => {
@@ -770,13 +762,8 @@ const BOOST_AFTER: Duration = Duration::from_millis(10);
 const WATCH_EVERY: Duration = Duration::from_millis(10);
 
 impl Yielding {
-    /// `None` where a thread could not come back from SCHED_IDLE (no CAP_SYS_NICE and a low
-    /// RLIMIT_NICE): then the threads stay SCHED_OTHER.
+    /// `None` where the watchdog cannot be started: then the threads stay SCHED_OTHER.
     fn start(threads: usize) -> Option<Arc<Yielding>> {
-        if !can_yield() {
-            tracing::debug!("ring threads stay SCHED_OTHER: this process may not leave SCHED_IDLE");
-            return None;
-        }
         let y = Arc::new(Yielding {
             slots: (0..threads).map(|_| Slot::default()).collect(),
             next: AtomicUsize::new(0),
