@@ -112,18 +112,7 @@ fn sigterm_and_sigint_unmount_cleanly() {
 #[test]
 fn a_killed_daemon_leaves_a_stale_mount_that_umount_cleans_up() {
     let mut m = Mount::new("null");
-    fs::write(m.path("f"), b"synced").unwrap();
-    m.child().kill().unwrap();
-    m.child().wait().unwrap();
-    // ENOTCONN; over io_uring (the default where the kernel allows it) ECONNABORTED, or
-    // ECANCELED while the kernel takes the rings down.
-    let e = fs::metadata(m.path("f")).unwrap_err().raw_os_error();
-    assert!(matches!(e, Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)), "{e:?}");
-    let out = run(plyfs().arg("umount").arg(&m.mnt));
-    assert!(out.status.success(), "{}", stderr_of(&out));
-    assert!(stderr_of(&out).contains("its daemon had died"), "{}", stderr_of(&out));
-    assert!(mounted_fstype(&m.mnt).is_none());
-    assert_eq!(fs::read(m.lower_path("f")).unwrap(), b"synced");
+    common::kill_daemon_and_clean_up(&mut m);
     // And it can be mounted again at once.
     let again = Mount::start(tempfile::tempdir().unwrap(), m.lower.clone(), m.mnt.clone(), "null", &[]);
     assert_eq!(fs::read(again.path("f")).unwrap(), b"synced");

@@ -140,19 +140,7 @@ fn a_killed_daemon_with_rings_leaves_a_mount_umount_cleans_up() {
         return;
     }
     let mut m = Mount::with("null", &["io_uring=on"]);
-    fs::write(m.path("f"), b"synced").unwrap();
-    m.child().kill().unwrap();
-    m.child().wait().unwrap();
-    // The kernel ends the requests of a ring whose daemon died with ECONNABORTED, or with
-    // ECANCELED while it still takes the rings down.
-    let e = fs::metadata(m.path("f")).unwrap_err().raw_os_error();
-    assert!(matches!(e, Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)), "{e:?}");
-    let out = run(plyfs().arg("umount").arg(&m.mnt));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert!(stderr.contains("its daemon had died"), "{stderr}");
-    assert!(mounted_fstype(&m.mnt).is_none());
-    assert_eq!(fs::read(m.lower_path("f")).unwrap(), b"synced");
+    kill_daemon_and_clean_up(&mut m);
 }
 
 #[test]

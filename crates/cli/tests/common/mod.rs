@@ -249,6 +249,23 @@ pub fn crypt_init(dir: &Path, lower: &Path, init_args: &[&str]) -> PathBuf {
 }
 
 /// `errno` of a failed libc call.
+/// Write `f` through `m`, then kill its daemon: the mount answers as a dead one (ENOTCONN; over
+/// io_uring ECONNABORTED, or ECANCELED while the kernel takes the rings down), `plyfs umount`
+/// cleans it up and says so, and what was written stays in the lower directory.
+pub fn kill_daemon_and_clean_up(m: &mut Mount) {
+    std::fs::write(m.path("f"), b"synced").unwrap();
+    m.child().kill().unwrap();
+    m.child().wait().unwrap();
+    let e = std::fs::metadata(m.path("f")).unwrap_err().raw_os_error();
+    assert!(matches!(e, Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)), "{e:?}");
+    let out = run(plyfs().arg("umount").arg(&m.mnt));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("its daemon had died"), "{stderr}");
+    assert!(mounted_fstype(&m.mnt).is_none());
+    assert_eq!(std::fs::read(m.lower_path("f")).unwrap(), b"synced");
+}
+
 pub fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
