@@ -795,8 +795,10 @@ impl Yielding {
     }
 
     fn busy(&self, slot: usize) {
-        self.slots[slot].busy_since.store(self.now(), Ordering::Relaxed);
-        if self.parked.load(Ordering::Relaxed) {
+        // SeqCst with the watchdog's `parked` store and `busy_since` loads: one of the two
+        // sides sees the other, so the watchdog never parks while a thread is busy.
+        self.slots[slot].busy_since.store(self.now(), Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) {
             if let Some(t) = self.watchdog.lock().as_ref() {
                 t.unpark();
             }
@@ -839,8 +841,8 @@ fn watch(weak: Weak<Yielding>) {
         quiet = if any { 0 } else { quiet + 1 };
         // Nothing ran for a while: sleep until a ring thread takes a request.
         if quiet > 100 {
-            y.parked.store(true, Ordering::Relaxed);
-            let busy = y.slots.iter().any(|s| s.busy_since.load(Ordering::Relaxed) != 0);
+            y.parked.store(true, Ordering::SeqCst);
+            let busy = y.slots.iter().any(|s| s.busy_since.load(Ordering::SeqCst) != 0);
             drop(y);
             if !busy {
                 std::thread::park_timeout(Duration::from_secs(5));
