@@ -390,3 +390,36 @@ fn a_rewrite_from_outside_shows_at_the_next_open_even_while_the_file_is_open() {
     assert_eq!(fs::read(m.lower_path("e")).unwrap(), b"not zstd at all");
     drop(held);
 }
+
+/// `tar`, `cp -p` and `rsync -t` set a file's times on the open file just before closing it.
+/// The last close writes the rest of the encoded file to the lower file, which moved its mtime
+/// past the one set: untarred files showed the time of the untar.
+#[test]
+fn times_set_on_an_open_file_just_before_closing_it_stay() {
+    use std::time::{Duration as D, SystemTime};
+    for (stack, init) in [("zstd", false), ("crypt", true), ("zstd,crypt", true)] {
+        let m = if init { Mount::crypt(stack, &[], &[]) } else { Mount::new(stack) };
+        let when = SystemTime::UNIX_EPOCH + D::from_secs(1_600_000_000);
+        let accessed = SystemTime::UNIX_EPOCH + D::from_secs(1_500_000_000);
+        for (i, len) in [10usize, 5000, 100_000, 3 << 20].into_iter().enumerate() {
+            let f = fs::File::create(m.path(&format!("f{i}"))).unwrap();
+            (&f).write_all(&text(len)).unwrap();
+            f.set_times(fs::FileTimes::new().set_modified(when).set_accessed(accessed)).unwrap();
+            drop(f);
+        }
+        // Written after its times were set: the write moves the mtime, as on any file system.
+        let f = fs::File::create(m.path("later")).unwrap();
+        f.set_modified(when).unwrap();
+        (&f).write_all(b"after").unwrap();
+        drop(f);
+        let m = m.remount();
+        for i in 0..4 {
+            let meta = fs::metadata(m.path(&format!("f{i}"))).unwrap();
+            assert_eq!(meta.modified().unwrap(), when, "{stack}: f{i}, through the mount");
+            assert_eq!(meta.accessed().unwrap(), accessed, "{stack}: f{i} atime, through the mount");
+            assert_eq!(fs::read(m.path(&format!("f{i}"))).unwrap().len(), [10usize, 5000, 100_000, 3 << 20][i]);
+        }
+        let later = fs::metadata(m.path("later")).unwrap().modified().unwrap();
+        assert!(later > when + D::from_secs(86400), "{stack}: a write after the times moves the mtime");
+    }
+}

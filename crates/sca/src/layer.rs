@@ -13,7 +13,7 @@ use std::time::SystemTime;
 use parking_lot::{Mutex, RwLock};
 use plyfs_stack::{
     bypass, Attr, BuildArgs, Caller, DataPath, Error, ExtOpInfo, FileHandle, FileKind, Layer, Level, NodeId, Op, Opened,
-    Reply, Result, SetAttr,
+    Reply, Result, SetAttr, TimeSet,
 };
 use plyfs_stack::shared::{LaterInvalidation, LockKind};
 use plyfs_stack::spec::{ParamSpec, Params};
@@ -144,6 +144,10 @@ struct OpenFile {
     /// Reloading after such a rewrite failed: the state serves nothing, and goes at the last
     /// release.
     broken: std::sync::atomic::AtomicBool,
+    /// Times set while the file is open and not written since (`tar`, `cp -p` and `rsync -t`
+    /// set them on the open file just before closing it). The last release writes to the lower
+    /// file, which moves its mtime, so it sets them again afterwards.
+    times: Mutex<Option<SetAttr>>,
 }
 
 #[derive(Default)]
@@ -335,6 +339,7 @@ impl ScaLayer {
             lower_fh: fh,
             seen: Mutex::new(seen),
             broken: std::sync::atomic::AtomicBool::new(false),
+            times: Mutex::new(None),
         });
         open.insert(node, f.clone());
         Ok(f)
@@ -420,6 +425,11 @@ impl ScaLayer {
         };
         let file = f.file.write();
         let result = file_close(file);
+        if let Some(set) = f.times.lock().take() {
+            if let Err(e) = self.below().call(&internal(), &Op::SetAttr { node, fh: None, set }) {
+                tracing::warn!("{}: inode {}: setting the times again after the last close: {e}", self.name, node.0);
+            }
+        }
         let stamp = self.below().getattr(&internal(), node).map(|a| LowerStamp::of(&a));
         let mut open = self.open.lock();
         let mut users = f.users.lock();
@@ -640,6 +650,7 @@ impl ScaLayer {
 
     fn write(&self, node: NodeId, fh: FileHandle, offset: u64, data: &[u8]) -> Result<Reply> {
         let f = self.file_of(node)?;
+        *f.times.lock() = None;
         let mut file = f.file.write();
         if self.engine.shared.is_some() && self.appenders.lock().contains(&fh.0) {
             let at = self.checked(node, &mut file, |file| file.append(data))?;
@@ -659,6 +670,17 @@ impl ScaLayer {
         }
         let rest = SetAttr { size: None, ..*set };
         let reply = self.below().call(cx, &Op::SetAttr { node, fh: None, set: rest })?;
+        if let Some(f) = self.open.lock().get(&node).filter(|f| f.users.lock().count > 0) {
+            let mut times = f.times.lock();
+            if set.size.is_some() {
+                *times = None;
+            }
+            if let (Reply::Attr(a), Some(_)) = (&reply, set.mtime) {
+                // As the lower file has them now (`TimeSet::Now` resolved).
+                let at = |t| Some(TimeSet::At(t));
+                *times = Some(SetAttr { atime: set.atime.and(at(a.atime)), mtime: at(a.mtime), ..Default::default() });
+            }
+        }
         if let (Reply::Attr(a), None) = (&reply, set.size) {
             // Only metadata changed: what is cached about the content still holds, under the
             // lower file's new stamp.
@@ -678,6 +700,7 @@ impl ScaLayer {
 
     fn fallocate(&self, node: NodeId, offset: u64, length: u64, mode: i32) -> Result<Reply> {
         let f = self.file_of(node)?;
+        *f.times.lock() = None;
         let mut file = f.file.write();
         let end = offset.checked_add(length).ok_or(Error::Os(libc::EFBIG))?;
         let keep_size = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
