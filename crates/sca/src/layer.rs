@@ -144,9 +144,9 @@ struct OpenFile {
     /// Reloading after such a rewrite failed: the state serves nothing, and goes at the last
     /// release.
     broken: std::sync::atomic::AtomicBool,
-    /// Times set while the file is open and not written since (`tar`, `cp -p` and `rsync -t`
-    /// set them on the open file just before closing it). The last release writes to the lower
-    /// file, which moves its mtime, so it sets them again afterwards.
+    /// Without `-o shared`: times set while the file is open and not written since (`tar`,
+    /// `cp -p` and `rsync -t` set them on the open file just before closing it). The last
+    /// release writes to the lower file, which moves its mtime, so it sets them again afterwards.
     times: Mutex<Option<SetAttr>>,
 }
 
@@ -670,7 +670,10 @@ impl ScaLayer {
         }
         let rest = SetAttr { size: None, ..*set };
         let reply = self.below().call(cx, &Op::SetAttr { node, fh: None, set: rest })?;
-        if let Some(f) = self.open.lock().get(&node).filter(|f| f.users.lock().count > 0) {
+        // Shared mounts write changes out before they let go of the file's lock, so the last
+        // release has nothing to write; setting the times then could undo another mount's.
+        let open = if self.engine.shared.is_none() { self.open.lock().get(&node).cloned() } else { None };
+        if let Some(f) = open.filter(|f| f.users.lock().count > 0) {
             let mut times = f.times.lock();
             if set.size.is_some() {
                 *times = None;
