@@ -846,6 +846,39 @@ fn a_mirror_shared_by_two_mounts_keeps_its_branches_identical() {
     assert_eq!(op_json(&a.mnt, &["scrub"])["repaired"].as_array().unwrap().len(), 0, "alone now, and nothing differs");
 }
 
+/// A name one mount is making is on the first branch before it is on the second. The other
+/// mount, finding it there and opening it for writing meanwhile, waits for it to be on every
+/// branch: it judged the second branch failed (the name missing there) and left it out.
+#[test]
+fn a_name_another_mount_is_making_is_on_every_branch_before_it_is_used() {
+    let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (da, db) = (root.join("a"), root.join("b"));
+    fs::create_dir(&da).unwrap();
+    fs::create_dir(&db).unwrap();
+    let branch = format!("--branch={}", db.display());
+    let (a, b) = two_local(dir, &da, "mirror[|fault]", &[&branch]);
+    let out = run(plyfs().arg("op").arg(&a.mnt).args(["fault-add@mirror.1.fault", "op=create", "path=slow*", "delay=1500ms"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::thread::scope(|s| {
+        s.spawn(|| drop(fs::File::create(a.path("slow")).unwrap()));
+        let started = std::time::Instant::now();
+        while !da.join("slow").exists() {
+            assert!(started.elapsed() < Duration::from_secs(5), "the create never reached the first branch");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(!db.join("slow").exists(), "the delay holds the create back from the second branch");
+        let f = OpenOptions::new().write(true).open(b.path("slow")).unwrap();
+        f.write_all_at(b"from b\n", 0).unwrap();
+    });
+    for m in [&a, &b] {
+        let status = op_json(&m.mnt, &["mirror-status"]);
+        assert_eq!(status["degraded"], false, "{status}; the daemon said:\n{}", m.daemon_log());
+    }
+    assert_eq!(fs::read_to_string(da.join("slow")).unwrap(), fs::read_to_string(db.join("slow")).unwrap());
+    assert_eq!(fs::read_to_string(b.path("slow")).unwrap(), "from b\n");
+}
+
 /// A mount of a shared mirror killed with a change in flight (its write reached the first
 /// branch; the second holds something else): the other mount takes its log over within
 /// seconds, makes the file the same on both branches, and removes the log.

@@ -175,13 +175,14 @@ enum Guard {
 struct Locked<'a> {
     level: &'a Level,
     node: NodeId,
+    kind: LockKind,
     /// The lookup of `node` was taken for the lock, and goes with it.
     forget: bool,
 }
 
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
-        let _ = shared::unlock(self.level, self.node, LockKind::Exclusive);
+        let _ = shared::unlock(self.level, self.node, self.kind);
         if self.forget {
             self.level.forget(&daemon(), self.node, 1);
         }
@@ -302,6 +303,12 @@ impl Mirror {
 
     /// Take the lock of changes of names (on the reading branch), with `-o shared`.
     fn lock_names(&self) -> Result<Option<Locked<'_>>> {
+        self.lock_names_as(LockKind::Exclusive)
+    }
+
+    /// The names lock as `kind`: shared to look names up on every branch while no other mount
+    /// is halfway through changing one.
+    fn lock_names_as(&self, kind: LockKind) -> Result<Option<Locked<'_>>> {
         let Some(sharing) = &self.sharing else { return Ok(None) };
         let r = self.reader()?;
         let top = self.top(r);
@@ -332,8 +339,33 @@ impl Mirror {
                 }
             }
         };
-        shared::lock(top, node, LockKind::Exclusive)?;
-        Ok(Some(Locked { level: top, node, forget: false }))
+        shared::lock(top, node, kind)?;
+        Ok(Some(Locked { level: top, node, kind, forget: false }))
+    }
+
+    /// With `-o shared`, find object `id` on every in-sync branch it is not known on yet, under
+    /// the names lock (shared). A name another mount is making may be on the reading branch
+    /// (where this mount looked it up) and not yet on the others: found by name in that moment,
+    /// it would be missing there, and the branch judged failed. Taken before any file's lock,
+    /// as every holder of the names lock takes file locks after it.
+    fn settle(&self, id: NodeId) -> Result<()> {
+        if self.sharing.is_none() {
+            return Ok(());
+        }
+        let in_sync = self.in_sync();
+        let missing = {
+            let table = self.nodes.lock();
+            table.nodes.get(&id.0).is_some_and(|n| in_sync.iter().any(|b| n.places[*b].is_none()))
+        };
+        if !missing {
+            return Ok(());
+        }
+        let _names = self.lock_names_as(LockKind::Shared)?;
+        for b in in_sync {
+            // One missing here is the change's to find, and fails the branch there.
+            let _ = self.resolve(id, b);
+        }
+        Ok(())
     }
 
     /// Take what `guard` says, with `-o shared`.
@@ -343,6 +375,7 @@ impl Mirror {
             Guard::None => Ok(None),
             Guard::Names => self.lock_names(),
             Guard::Object(id) => {
+                self.settle(id)?;
                 let file = self.nodes.lock().nodes.get(&id.0).is_some_and(|n| n.kind == FileKind::File);
                 if !file {
                     return self.lock_names();
@@ -350,7 +383,7 @@ impl Mirror {
                 let r = self.reader()?;
                 let node = self.resolve(id, r)?;
                 match shared::lock(self.top(r), node, LockKind::Exclusive) {
-                    Ok(()) => Ok(Some(Locked { level: self.top(r), node, forget: false })),
+                    Ok(()) => Ok(Some(Locked { level: self.top(r), node, kind: LockKind::Exclusive, forget: false })),
                     // A file the daemon may not open for writing (a write lock needs that): its
                     // attributes change under the names lock instead, which every mount takes too
                     // for such a file.
@@ -376,7 +409,7 @@ impl Mirror {
             top.forget(&daemon(), e.node, 1);
             return Err(err);
         }
-        Ok(Some(Locked { level: top, node: e.node, forget: true }))
+        Ok(Some(Locked { level: top, node: e.node, kind: LockKind::Exclusive, forget: true }))
     }
 
     /// Tell the other mounts that branch `b` failed: its name goes into [`FAILED_NAME`] on every
@@ -525,7 +558,7 @@ impl Mirror {
             let Ok(e) = top.lookup(&daemon(), dir, name) else { continue };
             copies.push((b, dir, e));
             match shared::try_lock(top, e.node, LockKind::Exclusive) {
-                Ok(true) => locked.push(Locked { level: top, node: e.node, forget: false }),
+                Ok(true) => locked.push(Locked { level: top, node: e.node, kind: LockKind::Exclusive, forget: false }),
                 Ok(false) => running = true,
                 // A lower without locks: nothing tells a running mount from a stopped one. A
                 // shared mount leaves the log be; an unshared one was told it is alone.
@@ -654,12 +687,12 @@ impl Mirror {
     }
 
     /// Take branch `b` out of the mirror.
-    fn fail(&self, b: usize, why: &Error) {
+    fn fail(&self, b: usize, why: &dyn std::fmt::Display) {
         self.fail_as(b, why, true)
     }
 
     /// Take branch `b` out of the mirror; with `-o shared` and `publish`, tell the other mounts.
-    fn fail_as(&self, b: usize, why: &Error, publish: bool) {
+    fn fail_as(&self, b: usize, why: &dyn std::fmt::Display, publish: bool) {
         if self.branches[b].failed.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -731,7 +764,8 @@ impl Mirror {
                 }
                 match f(b) {
                     Ok(reply) => others.push((b, reply)),
-                    Err(e) => self.fail(b, &e),
+                    Err(e) if path_list.is_empty() => self.fail(b, &e),
+                    Err(e) => self.fail(b, &format!("{}: {e}", path_list.join(" -> "))),
                 }
             }
         }
@@ -940,6 +974,7 @@ impl Mirror {
             };
             return Ok(Reply::Opened(Opened { fh: FileHandle(self.register(file)), ..opened }));
         }
+        self.settle(id)?;
         let path = self.path_of(id);
         let truncates = flags & libc::O_TRUNC != 0;
         let paths = || if truncates { vec![path.clone()] } else { Vec::new() };
@@ -1008,7 +1043,7 @@ impl Mirror {
         let Some(answer) = answer else {
             let (b, first) = results.into_iter().next().ok_or(Error::Os(libc::EIO))?;
             let err = first.err().unwrap_or(Error::Os(libc::EIO));
-            self.fail(b, &err);
+            self.fail(b, &format!("{}: {err}", file.path));
             return Err(err);
         };
         let summary = |r: &Result<Reply>| match r {
@@ -1023,7 +1058,7 @@ impl Mirror {
                     Err(e) => Error::Os(e.errno()),
                     Ok(_) => Error::Corrupt("it did not do what the reading branch did".into()),
                 };
-                self.fail(*b, &why);
+                self.fail(*b, &format!("{}: {why}", file.path));
             }
         }
         for b in (0..self.branches.len()).filter(|b| self.is_failed(*b)) {
@@ -1237,7 +1272,7 @@ impl Layer for Mirror {
                     let Some((node, bfh)) = handles[b] else { continue };
                     match self.top(b).call(cx, &op.on_open(node, bfh)) {
                         Ok(r) => answer = answer.or(Some(Ok(r))),
-                        Err(e) if self.in_sync().len() > 1 => self.fail(b, &e),
+                        Err(e) if self.in_sync().len() > 1 => self.fail(b, &format!("{}: {e}", file.path)),
                         Err(e) => answer = Some(Err(e)),
                     }
                 }
