@@ -55,6 +55,16 @@ pub struct Engine {
     zero_chunks: Mutex<HashMap<u8, Arc<EncodedChunk>>>,
 }
 
+/// Writes covering at least this much in whole chunks encode them on several threads.
+const PARALLEL_ENCODE_BYTES: u64 = 256 << 10;
+
+/// How many threads encode the whole chunks of one large write: one per CPU this process may
+/// run on, at most four.
+fn encoder_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(4)))
+}
+
 struct EncodedChunk {
     payload: Vec<u8>,
     raw: bool,
@@ -80,6 +90,10 @@ impl Engine {
     /// codec stores chunks it cannot shrink as they are; returns whether it did the latter
     /// (raw). On failure `out` is left as it was.
     fn encode_into(&self, place: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<bool> {
+        if self.codec.store_raw_if_larger() && crate::codec::looks_incompressible(chunk) {
+            out.extend_from_slice(chunk);
+            return Ok(true);
+        }
         let start = out.len();
         if let Err(e) = self.codec.encode_at(place, chunk, out) {
             out.truncate(start);
@@ -1109,6 +1123,7 @@ impl<L: LowerIo> ScaFile<L> {
         let end = off + data.len() as u64;
         let chunks = ((end - 1) >> shift) - (off >> shift) + 1;
         self.pending.reserve(DATA_START as usize + data.len() + chunks as usize * (RECORD_HEADER_BYTES as usize + 8));
+        let mut ready = self.encode_whole_chunks(off, data)?.into_iter();
         for chunk in (off >> shift)..=((end - 1) >> shift) {
             let start = chunk << shift;
             let s = (off.max(start) - start) as usize;
@@ -1122,7 +1137,10 @@ impl<L: LowerIo> ScaFile<L> {
                 self.append_tail(chunk, s as u32, piece, new_size)?;
             } else if s == 0 && e >= current {
                 self.lost.remove(&chunk);
-                self.store_chunk(chunk, piece, new_size)?;
+                match ready.next().filter(|(c, _)| *c == chunk) {
+                    Some((_, encoded)) => self.store_encoded(chunk, encoded, new_size)?,
+                    None => self.store_chunk(chunk, piece, new_size)?,
+                }
             } else {
                 // Read-modify-write, in a buffer kept for the purpose.
                 let mut content = std::mem::take(&mut self.scratch);
@@ -1198,6 +1216,47 @@ impl<L: LowerIo> ScaFile<L> {
             self.append_record(header, &z.payload)?;
             chunk += n;
         }
+        Ok(())
+    }
+
+    /// The chunks that `data`, written at `off`, covers whole, encoded on several threads when
+    /// there are enough of them to pay for the threads (`(chunk, encoding)`, in order; empty
+    /// otherwise, and then the loop of [`Self::write_chunks`] encodes each in turn).
+    fn encode_whole_chunks(&mut self, off: u64, data: &[u8]) -> Result<Vec<(u64, EncodedChunk)>> {
+        let cs = self.ix.chunk_bytes();
+        let first = off.div_ceil(cs);
+        let last = (off + data.len() as u64) / cs; // exclusive
+        let threads = encoder_threads();
+        if last <= first || threads < 2 || (last - first) * cs < PARALLEL_ENCODE_BYTES {
+            return Ok(Vec::new());
+        }
+        let place = self.place(first, 1);
+        let engine = &self.engine;
+        let chunk_of = |c: u64| &data[(c * cs - off) as usize..((c + 1) * cs - off) as usize];
+        let encode = |range: std::ops::Range<u64>| -> Result<Vec<(u64, EncodedChunk)>> {
+            range.map(|c| Ok((c, engine.encode(&Place { chunk: c, ..place }, chunk_of(c))?))).collect()
+        };
+        let per = (last - first).div_ceil(threads as u64);
+        let groups: Vec<std::ops::Range<u64>> =
+            (first..last).step_by(per as usize).map(|start| start..(start + per).min(last)).collect();
+        std::thread::scope(|s| {
+            let others: Vec<_> = groups[1..].iter().map(|g| s.spawn(|| encode(g.clone()))).collect();
+            let mut all = encode(groups[0].clone())?;
+            for h in others {
+                all.extend(h.join().map_err(|_| Error::Corrupt(format!("{}: an encoder thread panicked", engine.kind)))??);
+            }
+            Ok(all)
+        })
+    }
+
+    /// Store a whole chunk encoded ahead of time.
+    fn store_encoded(&mut self, chunk: u64, encoded: EncodedChunk, new_size: u64) -> std::result::Result<(), Fault> {
+        let header =
+            RecordHeader { kind: Kind::Data, count: 1, decoded_len: self.ix.chunk_bytes() as u32, ..self.header_for(chunk, new_size) };
+        self.append_with(header, |out| {
+            out.extend_from_slice(&encoded.payload);
+            Ok(if encoded.raw { FLAG_RAW } else { 0 })
+        })?;
         Ok(())
     }
 

@@ -47,6 +47,14 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
+/// Writes large enough that their whole chunks are encoded on several threads, among the rest.
+fn big_step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        3 => (0u64..600_000, 250_000usize..700_000, any::<u8>(), any::<bool>()).prop_map(|(off, len, byte, varied)| Step::Write { off, len, byte, varied }),
+        3 => step(),
+    ]
+}
+
 fn data(len: usize, byte: u8, varied: bool) -> Vec<u8> {
     (0..len).map(|i| if varied { byte.wrapping_add((i / 7) as u8) } else { byte }).collect()
 }
@@ -123,6 +131,19 @@ proptest! {
     #[test]
     fn matches_reference_64k_fast_tails(steps in proptest::collection::vec(step(), 1..40)) {
         run(&steps, 16, true);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 48,
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct("tests/file.proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn matches_reference_with_large_writes(steps in proptest::collection::vec(big_step(), 1..16), fast_tails in any::<bool>()) {
+        run(&steps, 12, fast_tails);
     }
 }
 

@@ -230,7 +230,9 @@ impl Codec for CryptCodec {
         let kind = match &self.inner {
             Some((kind, codec)) => {
                 out.reserve(chunk.len() + 1 + TAG_BYTES);
-                let compressed = codec.encode(chunk, out).is_ok() && out.len() - body < chunk.len();
+                let compressed = !plyfs_sca::codec::looks_incompressible(chunk)
+                    && codec.encode(chunk, out).is_ok()
+                    && out.len() - body < chunk.len();
                 if compressed {
                     *kind
                 } else {
