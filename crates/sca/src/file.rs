@@ -55,14 +55,51 @@ pub struct Engine {
     zero_chunks: Mutex<HashMap<u8, Arc<EncodedChunk>>>,
 }
 
-/// Writes covering at least this much in whole chunks encode them on several threads.
+/// Writes covering at least this much in whole chunks may encode them on several threads...
 const PARALLEL_ENCODE_BYTES: u64 = 256 << 10;
+/// ...when encoding them all on one would take at least this long. A cipher's chunks encode
+/// too fast for it: handing half of them over costs more than it saves.
+const PARALLEL_ENCODE_TIME: std::time::Duration = std::time::Duration::from_millis(1);
 
-/// How many threads encode the whole chunks of one large write: one per CPU this process may
-/// run on, at most four.
-fn encoder_threads() -> usize {
-    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(4)))
+/// Long-lived threads that encode chunks of large writes beside the thread that got the write,
+/// so that what codecs keep per thread (compression contexts, nonce pools) is made once.
+struct EncoderPool {
+    jobs: Mutex<std::sync::mpsc::Sender<Box<dyn FnOnce() + Send>>>,
+    threads: usize,
+}
+
+impl EncoderPool {
+    fn run(&self, job: Box<dyn FnOnce() + Send>) {
+        let _ = self.jobs.lock().send(job);
+    }
+}
+
+/// The pool: one thread fewer than the CPUs this process may run on, at most three; none on a
+/// single CPU.
+fn encoder_pool() -> Option<&'static EncoderPool> {
+    static POOL: std::sync::OnceLock<Option<EncoderPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(4) - 1;
+        if threads == 0 {
+            return None;
+        }
+        let (jobs, queue) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
+        let queue = Arc::new(Mutex::new(queue));
+        for i in 0..threads {
+            let queue = queue.clone();
+            let spawned = std::thread::Builder::new().name(format!("sca-encode-{i}")).spawn(move || loop {
+                let job = queue.lock().recv();
+                let Ok(job) = job else { return };
+                // A panicking codec loses its group (the write fails), not the thread.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+            });
+            if spawned.is_err() {
+                return None;
+            }
+        }
+        Some(EncoderPool { jobs: Mutex::new(jobs), threads })
+    })
+    .as_ref()
 }
 
 struct EncodedChunk {
@@ -1219,34 +1256,60 @@ impl<L: LowerIo> ScaFile<L> {
         Ok(())
     }
 
-    /// The chunks that `data`, written at `off`, covers whole, encoded on several threads when
-    /// there are enough of them to pay for the threads (`(chunk, encoding)`, in order; empty
-    /// otherwise, and then the loop of [`Self::write_chunks`] encodes each in turn).
+    /// The chunks that `data`, written at `off`, covers whole and that [`Self::write_chunks`]
+    /// need not encode itself: `(chunk, encoding)`, in order. For a large write of a codec slow
+    /// enough to pay for it (judged by the time its first chunk took), all of them, encoded
+    /// on this thread and the encoder pool's at once; otherwise the first one only, or none.
     fn encode_whole_chunks(&mut self, off: u64, data: &[u8]) -> Result<Vec<(u64, EncodedChunk)>> {
         let cs = self.ix.chunk_bytes();
         let first = off.div_ceil(cs);
         let last = (off + data.len() as u64) / cs; // exclusive
-        let threads = encoder_threads();
-        if last <= first || threads < 2 || (last - first) * cs < PARALLEL_ENCODE_BYTES {
+        let Some(pool) = encoder_pool() else { return Ok(Vec::new()) };
+        if last <= first || (last - first) * cs < PARALLEL_ENCODE_BYTES {
             return Ok(Vec::new());
         }
         let place = self.place(first, 1);
-        let engine = &self.engine;
-        let chunk_of = |c: u64| &data[(c * cs - off) as usize..((c + 1) * cs - off) as usize];
-        let encode = |range: std::ops::Range<u64>| -> Result<Vec<(u64, EncodedChunk)>> {
-            range.map(|c| Ok((c, engine.encode(&Place { chunk: c, ..place }, chunk_of(c))?))).collect()
-        };
-        let per = (last - first).div_ceil(threads as u64);
-        let groups: Vec<std::ops::Range<u64>> =
-            (first..last).step_by(per as usize).map(|start| start..(start + per).min(last)).collect();
-        std::thread::scope(|s| {
-            let others: Vec<_> = groups[1..].iter().map(|g| s.spawn(|| encode(g.clone()))).collect();
-            let mut all = encode(groups[0].clone())?;
-            for h in others {
-                all.extend(h.join().map_err(|_| Error::Corrupt(format!("{}: an encoder thread panicked", engine.kind)))??);
-            }
-            Ok(all)
-        })
+        let bytes_of = |c: u64| (c * cs - off) as usize..((c + 1) * cs - off) as usize;
+        let started = std::time::Instant::now();
+        let mut all = vec![(first, self.engine.encode(&place, &data[bytes_of(first)])?)];
+        if started.elapsed() * ((last - first) as u32) < PARALLEL_ENCODE_TIME {
+            return Ok(all);
+        }
+        // Contiguous groups: the first for this thread, one for each pool thread.
+        let rest = first + 1..last;
+        if rest.is_empty() {
+            return Ok(all);
+        }
+        let groups = pool.threads + 1;
+        let per = (rest.end - rest.start).div_ceil(groups as u64);
+        let ranges: Vec<std::ops::Range<u64>> =
+            rest.clone().step_by(per as usize).map(|start| start..(start + per).min(rest.end)).collect();
+        let (done, results) = std::sync::mpsc::channel();
+        for (i, range) in ranges.iter().enumerate().skip(1) {
+            let (engine, done, range) = (self.engine.clone(), done.clone(), range.clone());
+            let copy = data[bytes_of(range.start).start..bytes_of(range.end - 1).end].to_vec();
+            pool.run(Box::new(move || {
+                let encoded: Result<Vec<(u64, EncodedChunk)>> = range
+                    .clone()
+                    .zip(copy.chunks(cs as usize))
+                    .map(|(c, chunk)| Ok((c, engine.encode(&Place { chunk: c, ..place }, chunk)?)))
+                    .collect();
+                let _ = done.send((i, encoded));
+            }));
+        }
+        drop(done);
+        for c in ranges[0].clone() {
+            all.push((c, self.engine.encode(&Place { chunk: c, ..place }, &data[bytes_of(c)])?));
+        }
+        let mut theirs: Vec<(usize, Result<Vec<(u64, EncodedChunk)>>)> = results.iter().collect();
+        if theirs.len() != ranges.len() - 1 {
+            return Err(Error::Corrupt(format!("{}: an encoder thread failed", self.engine.kind)));
+        }
+        theirs.sort_by_key(|(i, _)| *i);
+        for (_, encoded) in theirs {
+            all.extend(encoded?);
+        }
+        Ok(all)
     }
 
     /// Store a whole chunk encoded ahead of time.

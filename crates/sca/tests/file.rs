@@ -13,7 +13,7 @@ use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 
 mod common;
-use common::Rle;
+use common::{Rle, SlowRle};
 
 fn engine(shift: u8, fast_tails: bool) -> Arc<Engine> {
     Arc::new(Engine::new("rle", Arc::new(Rle), shift, fast_tails))
@@ -60,8 +60,11 @@ fn data(len: usize, byte: u8, varied: bool) -> Vec<u8> {
 }
 
 fn run(steps: &[Step], shift: u8, fast_tails: bool) {
+    run_with(steps, engine(shift, fast_tails));
+}
+
+fn run_with(steps: &[Step], e: Arc<Engine>) {
     let lower = MemLower::default();
-    let e = engine(shift, fast_tails);
     let mut f = ScaFile::open(e.clone(), lower.clone()).unwrap();
     let mut model: Vec<u8> = Vec::new();
     for (i, s) in steps.iter().enumerate() {
@@ -143,7 +146,8 @@ proptest! {
 
     #[test]
     fn matches_reference_with_large_writes(steps in proptest::collection::vec(big_step(), 1..16), fast_tails in any::<bool>()) {
-        run(&steps, 12, fast_tails);
+        // Slow enough per chunk that their whole chunks are encoded on several threads.
+        run_with(&steps, Arc::new(Engine::new("rle", Arc::new(SlowRle), 12, fast_tails)));
     }
 }
 

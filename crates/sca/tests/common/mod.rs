@@ -39,3 +39,26 @@ impl Codec for Rle {
         true
     }
 }
+
+/// [`Rle`], slow enough (20 µs a chunk at least) that large writes encode on several threads.
+#[allow(dead_code)]
+pub struct SlowRle;
+
+impl Codec for SlowRle {
+    fn tag(&self) -> [u8; 4] {
+        Rle.tag()
+    }
+
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        std::thread::sleep(std::time::Duration::from_micros(20));
+        Rle.encode(chunk, out)
+    }
+
+    fn decode(&self, encoded: &[u8], len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        Rle.decode(encoded, len, out)
+    }
+
+    fn store_raw_if_larger(&self) -> bool {
+        true
+    }
+}
