@@ -32,8 +32,9 @@ echo "== GlusterFS (scripts/gluster.sh up)" >&2
 if ! scripts/gluster.sh status >/dev/null 2>&1; then GLUSTER_STARTED=1; fi
 GLUSTER_MOUNTS=$(timeout 300 scripts/gluster.sh up)
 
-# FUSE over io_uring (-o io_uring=on) needs the kernel's permission, given here for the run and
-# restored after it. Tests that ask for io_uring fail rather than skip without it.
+# FUSE over io_uring needs the kernel's permission, given here for the run and restored after it:
+# mounts then use it by default (tests that ask for /dev/fuse say -o io_uring=off), and tests that
+# ask for io_uring fail rather than skip without it.
 URING_PARAM=/sys/module/fuse/parameters/enable_uring
 URING_WAS=
 if [ -w "$URING_PARAM" ]; then
@@ -48,8 +49,8 @@ timeout 1800 cargo test --workspace --release 2>&1
 echo "== cargo test: io_uring refused by the kernel (alone: it turns the permission off)" >&2
 timeout 300 cargo test --release -p plyfs --test uring -- --ignored --test-threads=1 2>&1
 
-echo "== pytest python/tests" >&2
-PLYFS_BIN=$PWD/target/release/plyfs timeout 600 target/pyenv/bin/python -m pytest -q python/tests 2>&1
+echo "== pytest python/tests bench (the Python package, the benchmark harness)" >&2
+PLYFS_BIN=$PWD/target/release/plyfs timeout 600 target/pyenv/bin/python -m pytest -q python/tests bench/test_plyfsbench.py 2>&1
 
 if [ -x tests/pjdfstest/run.sh ]; then
   echo "== pjdfstest" >&2

@@ -8,7 +8,8 @@ use plyfs_fuse::UringChoice;
 #[derive(Clone, Debug, PartialEq)]
 pub struct MountOptions {
     pub passthrough: bool,
-    /// Carry requests over FUSE io_uring (`-o io_uring=auto|on|off`).
+    /// Carry requests over FUSE io_uring (`-o io_uring=auto|on|off`; `auto`, the default, where
+    /// the kernel allows it).
     pub io_uring: UringChoice,
     pub entry_ttl: Duration,
     pub attr_ttl: Duration,
@@ -27,7 +28,7 @@ impl Default for MountOptions {
     fn default() -> Self {
         MountOptions {
             passthrough: true,
-            io_uring: UringChoice::Off,
+            io_uring: UringChoice::Auto,
             entry_ttl: Duration::from_secs(1),
             attr_ttl: Duration::from_secs(1),
             threads: 4,
@@ -41,7 +42,7 @@ impl Default for MountOptions {
     }
 }
 
-pub const HELP: &str = "comma-separated: passthrough=on|off, io_uring=auto|on|off, entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
+pub const HELP: &str = "comma-separated: passthrough=on|off, io_uring=auto|on|off (auto: where the kernel allows it), entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
 shared, allow_other, allow_root, ro, and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
 
 fn seconds(key: &str, v: &str) -> Result<Duration, String> {
@@ -113,7 +114,7 @@ mod tests {
         assert!(parse(&["threads=0".into()]).is_err());
         assert!(parse(&["attr_timeout=abc".into()]).is_err());
         assert!(parse(&["passthrough=maybe".into()]).is_err());
-        assert_eq!(parse(&[]).unwrap().io_uring, UringChoice::Off);
+        assert_eq!(parse(&[]).unwrap().io_uring, UringChoice::Auto);
         assert_eq!(parse(&["io_uring=auto".into()]).unwrap().io_uring, UringChoice::Auto);
         assert_eq!(parse(&["io_uring=on".into()]).unwrap().io_uring, UringChoice::On);
         assert_eq!(parse(&["io_uring=off".into()]).unwrap().io_uring, UringChoice::Off);

@@ -65,13 +65,15 @@ fn requests_travel_over_the_rings() {
 }
 
 #[test]
-fn auto_uses_the_rings_where_allowed_and_the_default_does_not() {
+fn the_default_uses_the_rings_where_allowed_and_off_does_not() {
     if !uring_allowed() || !is_root() {
         return;
     }
-    let m = Mount::with("null", &["io_uring=auto"]);
-    assert!(m.daemon_log().contains("requests over io_uring"), "{}", m.daemon_log());
-    let m = Mount::new("null");
+    for opts in [&["io_uring=auto"][..], &[]] {
+        let m = Mount::with("null", opts);
+        assert!(m.daemon_log().contains("requests over io_uring"), "{opts:?}: {}", m.daemon_log());
+    }
+    let m = Mount::with("null", &["io_uring=off"]);
     assert!(!m.daemon_log().contains("requests over io_uring"), "{}", m.daemon_log());
     assert_eq!(ring_wakeups(m.pid()), 0);
 }
