@@ -1,6 +1,6 @@
 //! `plyfs exodisk bench`: the thesis's micro-benchmarks (Grimm, chapter 5) against a served
 //! volume, one group at a time. Each measurement is one line `group,config,metric,value` on
-//! standard output; `bench/exodisk.sh` runs them several times and reports medians.
+//! standard output; `bench/bench exodisk` runs them several times and reports medians.
 
 use std::ffi::OsStr;
 use std::path::Path;

@@ -45,7 +45,7 @@ enum Action {
     /// The volume behind a service: size, space, and the disk queue.
     Stat { socket: PathBuf },
     /// Run one group of the thesis's micro-benchmarks against the service (lines of
-    /// `group,config,metric,value`; `bench/exodisk.sh` runs them all).
+    /// `group,config,metric,value`; `bench/bench exodisk` runs them all).
     Bench {
         socket: PathBuf,
         /// small, large, two, insert, ddio or persist.

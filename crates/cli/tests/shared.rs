@@ -752,13 +752,18 @@ fn mirror_logs(dir: &Path) -> Vec<String> {
 
 /// A mirror of directories `a` and `b` under a new directory, mounted twice with `-o shared`.
 fn shared_mirror() -> (PathBuf, PathBuf, Mount, Mount) {
+    shared_mirror_of("mirror")
+}
+
+/// The same with `stack`, a spec whose top is the mirror.
+fn shared_mirror_of(stack: &str) -> (PathBuf, PathBuf, Mount, Mount) {
     let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
     let root = dir.path().canonicalize().unwrap();
     let (da, db) = (root.join("a"), root.join("b"));
     fs::create_dir(&da).unwrap();
     fs::create_dir(&db).unwrap();
     let branch = format!("--branch={}", db.display());
-    let (a, b) = two_local(dir, &da, "mirror", &[&branch]);
+    let (a, b) = two_local(dir, &da, stack, &[&branch]);
     (da, db, a, b)
 }
 
@@ -851,13 +856,7 @@ fn a_mirror_shared_by_two_mounts_keeps_its_branches_identical() {
 /// branch: it judged the second branch failed (the name missing there) and left it out.
 #[test]
 fn a_name_another_mount_is_making_is_on_every_branch_before_it_is_used() {
-    let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
-    let root = dir.path().canonicalize().unwrap();
-    let (da, db) = (root.join("a"), root.join("b"));
-    fs::create_dir(&da).unwrap();
-    fs::create_dir(&db).unwrap();
-    let branch = format!("--branch={}", db.display());
-    let (a, b) = two_local(dir, &da, "mirror[|fault]", &[&branch]);
+    let (da, db, a, b) = shared_mirror_of("mirror[|fault]");
     let out = run(plyfs().arg("op").arg(&a.mnt).args(["fault-add@mirror.1.fault", "op=create", "path=slow*", "delay=1500ms"]));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     std::thread::scope(|s| {

@@ -4,7 +4,7 @@
 //! `cargo run --release -p plyfs-layers --example layer_cost [-- ROUNDS]`
 //!
 //! Prints nanoseconds per operation for each depth and the added cost per layer, relative to
-//! the one-layer stack and to a FUSE round trip as measured by `bench/run.sh`.
+//! the one-layer stack and to a FUSE round trip as measured by `bench/bench core`.
 
 use std::ffi::OsStr;
 use std::time::Instant;

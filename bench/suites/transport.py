@@ -1,0 +1,198 @@
+"""The transport (issue #11): remote stacks over a Unix socket and TLS against a local stack and
+sshfs over loopback, and a layer written in Python against its Rust counterpart. Took over from
+bench/transport.sh."""
+import os
+import socket
+import subprocess
+import tempfile
+import time
+
+from plyfsbench import REPO, BenchError, Metric, Scenario, Suite, Target, custom, end_process, plyfs, sh
+import workloads as w
+
+NO_CACHE = "attr_timeout=0,entry_timeout=0"
+
+
+def wait_for(what, test):
+    for _ in range(200):
+        if test():
+            return
+        time.sleep(0.05)
+    raise BenchError(f"{what} did not come up")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def remote(name, kind, options=None):
+    """`plyfs serve LOWER` on a Unix socket or on TCP with TLS (a pre-shared key), and the mount
+    `--stack remote` of it."""
+    def start(m):
+        if kind == "unix":
+            addr = f"unix:{m.run.work}/serve.sock"
+            args = []
+        else:
+            psk = os.path.join(m.run.work, "psk")
+            if not os.path.exists(psk):
+                with open(psk, "wb") as f:
+                    f.write(os.urandom(32))
+                os.chmod(psk, 0o600)
+            port = free_port()
+            addr, args = f"tcp:127.0.0.1:{port}", ["--psk", psk, "--no-root-squash"]
+        if os.path.exists(f"{m.run.work}/serve.sock"):
+            os.unlink(f"{m.run.work}/serve.sock")
+        log = open(os.path.join(m.run.work, "server.log"), "a")
+        m.server = subprocess.Popen([m.run.plyfs, "serve", m.lower, "--listen", addr, "--stack", "null", *args],
+                                    stdout=subprocess.DEVNULL, stderr=log)
+        if kind == "unix":
+            wait_for("plyfs serve", lambda: os.path.exists(f"{m.run.work}/serve.sock"))
+        else:
+            wait_for("plyfs serve (TLS)", lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0)
+        opts = ["-o", options] if options else []
+        sh(m.run.plyfs, "mount", addr, m.mnt, "--stack", "remote", *opts, *args[:2], timeout=60)
+
+    def stop(m):
+        server = getattr(m, "server", None)
+        if server:
+            server.terminate()
+            server.wait(timeout=30)
+            m.server = None
+    return custom(name, f"`plyfs serve LOWER` over {'a Unix socket' if kind == 'unix' else 'TLS on loopback'}, "
+                  f"mounted with `--stack remote`{' -o ' + options if options else ''}", start, stop)
+
+
+SSHD = {}
+
+
+def sshd(work):
+    """One sshd on loopback for the run, with keys of its own."""
+    if SSHD.get("work") == work:
+        return SSHD
+    d = tempfile.mkdtemp(prefix="ssh-", dir=work)
+    for key in ("host_key", "id"):
+        sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", os.path.join(d, key))
+    os.makedirs("/run/sshd", exist_ok=True)
+    port = free_port()
+    with open(os.path.join(d, "sshd_config"), "w") as f:
+        f.write(f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d}/host_key\nPidFile {d}/sshd.pid\n"
+                f"AuthorizedKeysFile {d}/id.pub\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+                "StrictModes no\nUsePAM no\nSubsystem sftp internal-sftp\n")
+    sh("/usr/sbin/sshd", "-f", os.path.join(d, "sshd_config"))
+    wait_for("sshd", lambda: os.path.exists(os.path.join(d, "sshd.pid")))
+    SSHD.update(work=work, dir=d, port=port, pid=int(open(os.path.join(d, "sshd.pid")).read()))
+    return SSHD
+
+
+def stop_sshd():
+    if SSHD.get("pid"):
+        end_process(SSHD["pid"])
+    SSHD.clear()
+
+
+def sshfs_start(m):
+    s = sshd(m.run.work)
+    sh("sshfs", "-p", str(s["port"]), "-o", f"IdentityFile={s['dir']}/id,StrictHostKeyChecking=no,"
+       "UserKnownHostsFile=/dev/null,allow_other", f"root@127.0.0.1:{m.lower}", m.mnt, timeout=60)
+
+
+SSHFS = custom("sshfs", "sshfs over loopback (Debian's sshfs and openssh-server)", sshfs_start)
+
+
+def crossing(m, ctx):
+    """µs per fstat of an open file with attr_timeout=0: each one a getattr to the far side."""
+    with open(os.path.join(m.path, "f"), "w") as f:
+        f.write("x\n")
+    n = 10000 if ctx["quick"] else 50000
+    fd = os.open(os.path.join(m.path, "f"), os.O_RDONLY)
+    try:
+        for _ in range(1000):
+            os.fstat(fd)
+        t = time.perf_counter()
+        for _ in range(n):
+            os.fstat(fd)
+        return {"getattr": (time.perf_counter() - t) / n * 1e6}
+    finally:
+        os.close(fd)
+
+
+def size(ctx):
+    return (128 if ctx["quick"] else 512) << 20
+
+
+def seq(m, ctx):
+    """A sequential write with fsync (1 MiB blocks), then a cold read after a remount."""
+    r = w.write(m, ctx, "f", size(ctx), 1 << 20)
+    m.remount()
+    r["read_cold"] = w.fio(os.path.join(m.path, "f"), "read", "1M", size(ctx))
+    return r
+
+
+def text_round_trip(m, ctx):
+    """Text written with fsync, read back cold and compared."""
+    src = w.text_file(ctx, 64 << 20)
+    r = w.write(m, ctx, "f", size(ctx), 1 << 20, data="text")
+    m.remount()
+    r["read_cold"] = w.fio(os.path.join(m.path, "f"), "read", "1M", size(ctx))
+    if w.digest(os.path.join(m.path, "f")) != w.cycled_digest(src, size(ctx)):
+        raise BenchError(f"{m.cfg.name}: the text read back differs from what was written")
+    return r
+
+
+PY = os.environ.get("PLYFS_PYTHON") or os.path.join(REPO, "target/pyenv/bin/python")
+
+
+def python_env(run):
+    """The interpreter of Python layers, with the plyfs package (as scripts/test.sh makes it)."""
+    if not os.path.exists(PY) and "PLYFS_PYTHON" not in os.environ:
+        sh("python3", "-m", "venv", os.path.dirname(os.path.dirname(PY)), timeout=300)
+        sh(PY, "-m", "pip", "install", "-q", os.path.join(REPO, "python"), timeout=900)
+CROSSING = [plyfs("local", "null", NO_CACHE, about=f"`plyfs mount LOWER MNT --stack null -o {NO_CACHE}`"),
+            remote("unix", "unix", NO_CACHE), remote("tls", "tls", NO_CACHE)]
+
+SUITE = Suite(
+    name="transport",
+    title="Transport: remote stacks and Python layers (issue #11)",
+    intro="`bench/bench transport` measures the transport: one crossing over a Unix socket and over TLS against a "
+          "local stack, sequential I/O and metadata over TLS on loopback against sshfs, and a layer written in Python "
+          "against the Rust one. Environment: PLYFS_PYTHON, the interpreter with the plyfs package.",
+    needs=("sshfs", "sshd:openssh-server"),
+    scenarios=[
+        Scenario("crossing", "One crossing: fstat with attr_timeout=0", CROSSING, [Metric("getattr", "getattr", "µs")],
+                 run=crossing, baseline="local"),
+        Scenario("seq", "Sequential write and cold read (512 MiB, 1 MiB blocks)",
+                 [plyfs("local", "null"), remote("tls", "tls"), SSHFS],
+                 [Metric("write", "write + fsync", "MiB/s", "higher"), Metric("read_cold", "cold read", "MiB/s", "higher")],
+                 run=seq, baseline="sshfs", lower="ext4"),
+        Scenario("meta", "Source tree over TLS on loopback", [plyfs("local", "null"), remote("tls", "tls"), SSHFS],
+                 [Metric("untar", "untar", "s"), Metric("ls_cold", "ls -lR cold", "s"), Metric("ls_warm", "ls -lR warm", "s"),
+                  Metric("rm", "rm -rf", "s")],
+                 run=lambda m, ctx: w.tree(m, ctx, tar_ok=(0, 2) if m.cfg.name == "sshfs" else (0,)), baseline="sshfs"),
+        Scenario("python", "A codec in Python (zlib) against the Rust gzip layer, level 6 (512 MiB of text)",
+                 [plyfs("gzip", "gzip:level=6"), plyfs("gzip64", "gzip:level=6:chunk=64k"),
+                  plyfs("pyzlib", f"py:script={REPO}/examples/python/zlib_codec.py:level=6:python={PY}",
+                        about="`--stack py:script=examples/python/zlib_codec.py:level=6` (64 KiB chunks)")],
+                 [Metric("write", "write + fsync", "MiB/s", "higher"), Metric("read_cold", "cold read", "MiB/s", "higher")],
+                 run=text_round_trip, baseline="gzip", lower="ext4"),
+    ],
+    targets=[
+        Target("a crossing over a Unix socket costs ≤ 15 µs more than local", "crossing", "getattr", "", "", "<=", 15,
+               unit=" µs", derive=lambda v: (lambda a, b: (a - b, f"+{a - b:.1f} µs ({a:.1f} / {b:.1f} µs)") if a and b else None)(
+                   v("crossing", "unix", "getattr"), v("crossing", "local", "getattr"))),
+        Target("a crossing over TLS costs ≤ 30 µs more than local", "crossing", "getattr", "", "", "<=", 30,
+               unit=" µs", derive=lambda v: (lambda a, b: (a - b, f"+{a - b:.1f} µs ({a:.1f} / {b:.1f} µs)") if a and b else None)(
+                   v("crossing", "tls", "getattr"), v("crossing", "local", "getattr"))),
+        Target("TLS sequential write ≥ 2× sshfs", "seq", "write", "tls", "sshfs", ">=", 2),
+        Target("TLS cold read ≥ 2× sshfs", "seq", "read_cold", "tls", "sshfs", ">=", 2),
+        Target("TLS sequential write ≥ 0.5× local", "seq", "write", "tls", "local", ">=", 0.5),
+        Target("TLS cold read ≥ 0.5× local", "seq", "read_cold", "tls", "local", ">=", 0.5),
+        Target("TLS untar ≥ 2× faster than sshfs", "meta", "untar", "tls", "sshfs", "<=", 0.5),
+        Target("TLS ls -lR ≥ 2× faster than sshfs", "meta", "ls_cold", "tls", "sshfs", "<=", 0.5),
+        Target("Python codec write within 2× of gzip", "python", "write", "pyzlib", "gzip", ">=", 0.5),
+        Target("Python codec cold read within 2× of gzip", "python", "read_cold", "pyzlib", "gzip", ">=", 0.5),
+    ],
+    cleanup=stop_sshd,
+    prepare=python_env,
+)
