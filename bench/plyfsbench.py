@@ -623,7 +623,7 @@ class Report:
         ax.set_xticks(range(len(metrics)), [m.label for m in metrics])
         ax.set_ylabel(f"time relative to {sc.baseline} (lower is better)")
         ax.set_title(f"{sc.title} — {lower} lower, {self.date[:10]}", fontsize=10)
-        ax.legend(fontsize=8, ncol=2)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
         fig.tight_layout()
         name = f"{self.suite.name}-{sc.name}" + ("" if lower == self.run.lowers[0] else f"-{lower}") + ".png"
         os.makedirs(CHARTS, exist_ok=True)

@@ -64,13 +64,13 @@ SUITE = Suite(
                                      w.reads(m, ctx, "big", size(ctx)))[1]),
     ],
     targets=[
-        *[Target(f"`null` {t}: ≤ 5× native )", "tree", k, "null-uring", "native", "<=", 5, on=("tmpfs",))
+        *[Target(f"`null` {t}: ≤ 5× native (tmpfs)", "tree", k, "null-uring", "native", "<=", 5, on=("tmpfs",))
           for k, t in (("untar", "untar"), ("ls_cold", "ls -lR cold"), ("ls_warm", "ls -lR warm"), ("rm", "rm -rf"))],
-        *[Target(f"`null` {t} over /dev/fuse: ≤ 5× native )", "tree", k, "null", "native", "<=", 5, on=("tmpfs",))
+        *[Target(f"`null` {t} over /dev/fuse: ≤ 5× native (tmpfs)", "tree", k, "null", "native", "<=", 5, on=("tmpfs",))
           for k, t in (("untar", "untar"), ("ls_cold", "ls -lR cold"), ("rm", "rm -rf"))],
-        *[Target(f"`null` {t}: faster than bindfs )", "tree", k, "null-uring", "bindfs", "<=", 1, on=("ext4",))
+        *[Target(f"`null` {t}: faster than bindfs (ext4)", "tree", k, "null-uring", "bindfs", "<=", 1, on=("ext4",))
           for k, t in (("untar", "untar"), ("ls_cold", "ls -lR cold"), ("ls_warm", "ls -lR warm"), ("rm", "rm -rf"))],
-        *[Target(f"`null` {t} over /dev/fuse: faster than bindfs )", "tree", k, "null", "bindfs", "<=", 1, on=("ext4",))
+        *[Target(f"`null` {t} over /dev/fuse: faster than bindfs (ext4)", "tree", k, "null", "bindfs", "<=", 1, on=("ext4",))
           for k, t in (("untar", "untar"), ("ls_cold", "ls -lR cold"), ("ls_warm", "ls -lR warm"), ("rm", "rm -rf"))],
         Target("`crypt` untar: ≤ 0.5× gocryptfs", "tree", "untar", "crypt-uring", "gocryptfs", "<=", 0.5, on=("tmpfs",)),
         Target("`crypt` ls -lR warm: ≤ 0.5× gocryptfs", "tree", "ls_warm", "crypt-uring", "gocryptfs", "<=", 0.5, on=("tmpfs",)),
