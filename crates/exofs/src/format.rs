@@ -12,9 +12,9 @@
 use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
-use plyfs_stack::FileKind;
+use plyfs_stack::{from_unix_time, unix_time, FileKind};
 
 /// The attributes entry.
 pub const ATTRS: u32 = 0;
@@ -66,27 +66,9 @@ fn kind_of(c: u8) -> Option<FileKind> {
 }
 
 fn put_time(b: &mut Vec<u8>, t: SystemTime) {
-    let (secs, nanos) = match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => (d.as_secs() as i64, d.subsec_nanos()),
-        Err(e) => {
-            let d = e.duration();
-            if d.subsec_nanos() == 0 {
-                (-(d.as_secs() as i64), 0)
-            } else {
-                (-(d.as_secs() as i64) - 1, 1_000_000_000 - d.subsec_nanos())
-            }
-        }
-    };
+    let (secs, nanos) = unix_time(t);
     b.extend_from_slice(&secs.to_le_bytes());
     b.extend_from_slice(&nanos.to_le_bytes());
-}
-
-fn time(secs: i64, nanos: u32) -> SystemTime {
-    if secs >= 0 {
-        UNIX_EPOCH + Duration::new(secs as u64, nanos)
-    } else {
-        UNIX_EPOCH - Duration::from_secs(secs.unsigned_abs()) + Duration::from_nanos(nanos as u64)
-    }
 }
 
 /// Why stored bytes were refused.
@@ -143,7 +125,7 @@ impl Inode {
         }
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4"));
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8"));
-        let time_at = |i: usize| time(u64_at(i) as i64, u32_at(i + 8));
+        let time_at = |i: usize| from_unix_time(u64_at(i) as i64, u32_at(i + 8));
         let nanos_ok = [28usize, 40, 52].iter().all(|&i| u32_at(i + 8) < 1_000_000_000);
         if !nanos_ok {
             return Err(Corrupt("inode attributes: a time"));
@@ -309,7 +291,7 @@ mod tests {
     }
 
     fn times() -> impl Strategy<Value = SystemTime> {
-        (-4_000_000_000i64..4_000_000_000, 0u32..1_000_000_000).prop_map(|(s, n)| time(s, n))
+        (-4_000_000_000i64..4_000_000_000, 0u32..1_000_000_000).prop_map(|(s, n)| from_unix_time(s, n))
     }
 
     proptest! {

@@ -19,12 +19,12 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
-use plyfs_stack::{Attr, Caller, FileKind, SetAttr, TimeSet, XattrReply};
+use plyfs_stack::{from_unix_time, unix_time, Attr, Caller, FileKind, SetAttr, TimeSet, XattrReply};
 
 use crate::fs::{DirSink, FuseFs, NodeOut, OpenOut, Res};
 
@@ -224,29 +224,6 @@ fn dirent_pad(name_len: usize) -> usize {
     (8 - (DIRENT_SIZE + name_len) % 8) % 8
 }
 
-/// Seconds and nanoseconds since the epoch, negative seconds before it.
-fn unix_time(t: SystemTime) -> (i64, u32) {
-    match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => (d.as_secs() as i64, d.subsec_nanos()),
-        Err(e) => {
-            let d = e.duration();
-            match d.subsec_nanos() {
-                0 => (-(d.as_secs() as i64), 0),
-                n => (-(d.as_secs() as i64) - 1, 1_000_000_000 - n),
-            }
-        }
-    }
-}
-
-fn time_at(secs: u64, nsecs: u32) -> SystemTime {
-    let secs = secs as i64;
-    if secs >= 0 {
-        UNIX_EPOCH + Duration::new(secs as u64, nsecs)
-    } else {
-        UNIX_EPOCH - Duration::from_secs(secs.unsigned_abs()) + Duration::from_nanos(u64::from(nsecs))
-    }
-}
-
 /// The NUL-terminated name at the start of `b`, and what follows it.
 fn name(b: &[u8]) -> Res<(&OsStr, &[u8])> {
     let end = b.iter().position(|&c| c == 0).ok_or(libc::EINVAL)?;
@@ -328,7 +305,7 @@ fn dispatch(fs: &FuseFs, h: &InHeader, op_in: &[u8], payload: &mut [u8], in_len:
             let valid = u32_at(op_in, 0);
             let has = |bit: u32| valid & bit != 0;
             let time = |bit: u32, now: u32, secs_at: usize, nsecs_at: usize| {
-                has(bit).then(|| if has(now) { TimeSet::Now } else { TimeSet::At(time_at(u64_at(op_in, secs_at), u32_at(op_in, nsecs_at))) })
+                has(bit).then(|| if has(now) { TimeSet::Now } else { TimeSet::At(from_unix_time(u64_at(op_in, secs_at) as i64, u32_at(op_in, nsecs_at))) })
             };
             let set = SetAttr {
                 mode: has(FATTR_MODE).then(|| u32_at(op_in, 68)),

@@ -22,7 +22,6 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
@@ -312,30 +311,14 @@ fn fstat(fd: RawFd) -> Result<libc::stat> {
     Ok(st)
 }
 
-fn time(secs: i64, nsecs: i64) -> SystemTime {
-    if secs >= 0 {
-        UNIX_EPOCH + Duration::new(secs as u64, nsecs as u32)
-    } else {
-        UNIX_EPOCH - Duration::new(secs.unsigned_abs(), 0) + Duration::from_nanos(nsecs as u64)
-    }
-}
-
 fn timespec(t: Option<TimeSet>) -> libc::timespec {
     match t {
         None => libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT },
         Some(TimeSet::Now) => libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_NOW },
-        Some(TimeSet::At(t)) => match t.duration_since(UNIX_EPOCH) {
-            Ok(d) => libc::timespec { tv_sec: d.as_secs() as i64, tv_nsec: d.subsec_nanos() as i64 },
-            Err(e) => {
-                let d = e.duration();
-                let (mut s, mut ns) = (-(d.as_secs() as i64), -(d.subsec_nanos() as i64));
-                if ns < 0 {
-                    s -= 1;
-                    ns += 1_000_000_000;
-                }
-                libc::timespec { tv_sec: s, tv_nsec: ns }
-            }
-        },
+        Some(TimeSet::At(t)) => {
+            let (secs, nanos) = unix_time(t);
+            libc::timespec { tv_sec: secs, tv_nsec: i64::from(nanos) }
+        }
     }
 }
 
@@ -546,9 +529,9 @@ impl LowerDir {
         Attr {
             size: st.st_size as u64,
             blocks: st.st_blocks as u64,
-            atime: time(st.st_atime, st.st_atime_nsec),
-            mtime: time(st.st_mtime, st.st_mtime_nsec),
-            ctime: time(st.st_ctime, st.st_ctime_nsec),
+            atime: from_unix_time(st.st_atime, st.st_atime_nsec as u32),
+            mtime: from_unix_time(st.st_mtime, st.st_mtime_nsec as u32),
+            ctime: from_unix_time(st.st_ctime, st.st_ctime_nsec as u32),
             kind: FileKind::from_mode(st.st_mode).unwrap_or(FileKind::File),
             perm: (st.st_mode & 0o7777) as u16,
             nlink: st.st_nlink as u32,

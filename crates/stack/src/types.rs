@@ -3,7 +3,7 @@
 use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Identifies a file-system object at one level of the stack, and is the inode number users see
 /// (`st_ino`): the same for every hard link of a file, and stable for the life of the mount.
@@ -127,6 +127,35 @@ pub struct Entry {
     pub generation: u64,
 }
 
+/// `t` as seconds and nanoseconds since the epoch, as `struct timespec` has it: seconds are
+/// negative before the epoch, nanoseconds never.
+pub fn unix_time(t: SystemTime) -> (i64, u32) {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => (d.as_secs() as i64, d.subsec_nanos()),
+        Err(e) => {
+            let d = e.duration();
+            match d.subsec_nanos() {
+                0 => (-(d.as_secs() as i64), 0),
+                n => (-(d.as_secs() as i64) - 1, 1_000_000_000 - n),
+            }
+        }
+    }
+}
+
+/// The time `secs` seconds and `nanos` nanoseconds after the epoch (the inverse of
+/// [`unix_time`]). Values from outside the process (a lower file system, the wire, a volume)
+/// never panic: nanoseconds are held below a second and times past what the system can hold
+/// stop at its limit.
+pub fn from_unix_time(secs: i64, nanos: u32) -> SystemTime {
+    let nanos = Duration::from_nanos(u64::from(nanos.min(999_999_999)));
+    let whole = if secs >= 0 {
+        UNIX_EPOCH.checked_add(Duration::from_secs(secs as u64))
+    } else {
+        UNIX_EPOCH.checked_sub(Duration::from_secs(secs.unsigned_abs()))
+    };
+    whole.and_then(|t| t.checked_add(nanos)).or(whole).unwrap_or(UNIX_EPOCH)
+}
+
 /// A time to set with `setattr`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TimeSet {
@@ -193,4 +222,23 @@ pub struct StatFs {
 pub enum XattrReply {
     Data(Vec<u8>),
     Size(u32),
+}
+
+#[cfg(test)]
+mod time_tests {
+    use super::*;
+
+    #[test]
+    fn unix_times_round_trip_and_bad_ones_never_panic() {
+        for (secs, nanos) in [(0, 0), (1, 5), (1_700_000_000, 999_999_999), (-1, 0), (-1, 500_000_000), (-86_400 * 365, 1)] {
+            let t = from_unix_time(secs, nanos);
+            assert_eq!(unix_time(t), (secs, nanos), "{secs}.{nanos}");
+        }
+        // One nanosecond before the epoch is second -1 plus 999,999,999 ns, as in a timespec.
+        assert_eq!(unix_time(UNIX_EPOCH - Duration::from_nanos(1)), (-1, 999_999_999));
+        // From outside: nanoseconds past a second are held below it; the extremes do not panic.
+        assert_eq!(unix_time(from_unix_time(7, 2_000_000_000)), (7, 999_999_999));
+        from_unix_time(i64::MAX, u32::MAX);
+        from_unix_time(i64::MIN, u32::MAX);
+    }
 }

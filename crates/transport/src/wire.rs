@@ -16,10 +16,11 @@ use std::ffi::OsStr;
 use std::io::{self, IoSlice, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use plyfs_stack::{
-    Attr, Caller, DirEntry, Entry, Error, FileHandle, FileKind, NodeId, Op, Opened, Reply, SetAttr, StatFs, TimeSet, XattrReply,
+    from_unix_time, unix_time, Attr, Caller, DirEntry, Entry, Error, FileHandle, FileKind, NodeId, Op, Opened, Reply, SetAttr,
+    StatFs, TimeSet, XattrReply,
 };
 use serde::{Deserialize, Serialize};
 
@@ -58,27 +59,12 @@ pub struct WireTime(pub i64, pub u32);
 
 impl WireTime {
     pub fn from_system(t: SystemTime) -> WireTime {
-        match t.duration_since(UNIX_EPOCH) {
-            Ok(d) => WireTime(d.as_secs() as i64, d.subsec_nanos()),
-            Err(e) => {
-                let d = e.duration();
-                let (s, ns) = (d.as_secs() as i64, d.subsec_nanos());
-                if ns == 0 {
-                    WireTime(-s, 0)
-                } else {
-                    WireTime(-s - 1, 1_000_000_000 - ns)
-                }
-            }
-        }
+        let (secs, nanos) = unix_time(t);
+        WireTime(secs, nanos)
     }
 
     pub fn to_system(self) -> SystemTime {
-        let ns = Duration::from_nanos(u64::from(self.1.min(999_999_999)));
-        if self.0 >= 0 {
-            UNIX_EPOCH + Duration::from_secs(self.0 as u64) + ns
-        } else {
-            UNIX_EPOCH - Duration::from_secs(self.0.unsigned_abs()) + ns
-        }
+        from_unix_time(self.0, self.1)
     }
 }
 
