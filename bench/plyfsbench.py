@@ -476,11 +476,11 @@ def git_rev():
 def fmt(v, unit):
     if unit == "s":
         return f"{v:.3f}" if v < 10 else f"{v:.1f}"
-    if unit == "B":
+    if unit == "B" or v >= 1000:
         return f"{v:,.0f}"
-    if v >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    return f"{v:.3g}"
 
 
 def ratio_text(r):

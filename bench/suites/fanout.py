@@ -165,6 +165,12 @@ class XfsLower(Lower):
         sh("mount", "-o", "loop", self.image, self.top)
         self.work = self.top
 
+    def release(self):
+        super().release()
+        # XFS frees a removed file's blocks in the background; the next measurement must not
+        # pay for the last one's (syncfs waits for it).
+        os.sync()
+
     def close(self):
         if self.top and is_mounted(self.top):
             subprocess.run(["umount", self.top], capture_output=True)
