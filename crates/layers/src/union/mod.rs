@@ -803,6 +803,20 @@ impl Union {
         let [name] = args else {
             return Err(Error::BadArgs("usage: branch-remove NAME".into()));
         };
+        // The kernel sends a file's release after its last close has returned: a removal right
+        // after closing the last file waits a moment for releases in flight.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        while std::time::Instant::now() < deadline {
+            let busy = self
+                .branches
+                .read()
+                .iter()
+                .any(|b| (b.branch.name == *name || b.branch.dir.as_os_str() == name.as_str()) && b.opens.load(Ordering::Relaxed) > 0);
+            if !busy {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         let removed = {
             let mut branches = self.branches.write();
             let at = branches
