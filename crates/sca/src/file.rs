@@ -107,6 +107,9 @@ struct EncodedChunk {
     raw: bool,
 }
 
+/// Chunks encoded ahead of the loop that stores them: `(chunk, encoding)`, in order.
+type Encoded = Vec<(u64, EncodedChunk)>;
+
 impl Engine {
     pub fn new(kind: &'static str, codec: Arc<dyn Codec>, chunk_shift: u8, fast_tails: bool) -> Engine {
         Engine { kind, codec, chunk_shift, fast_tails, shared: None, zero_chunks: Mutex::new(HashMap::new()) }
@@ -1260,7 +1263,7 @@ impl<L: LowerIo> ScaFile<L> {
     /// need not encode itself: `(chunk, encoding)`, in order. For a large write of a codec slow
     /// enough to pay for it (judged by the time its first chunk took), all of them, encoded
     /// on this thread and the encoder pool's at once; otherwise the first one only, or none.
-    fn encode_whole_chunks(&mut self, off: u64, data: &[u8]) -> Result<Vec<(u64, EncodedChunk)>> {
+    fn encode_whole_chunks(&mut self, off: u64, data: &[u8]) -> Result<Encoded> {
         let cs = self.ix.chunk_bytes();
         let first = off.div_ceil(cs);
         let last = (off + data.len() as u64) / cs; // exclusive
@@ -1289,7 +1292,7 @@ impl<L: LowerIo> ScaFile<L> {
             let (engine, done, range) = (self.engine.clone(), done.clone(), range.clone());
             let copy = data[bytes_of(range.start).start..bytes_of(range.end - 1).end].to_vec();
             pool.run(Box::new(move || {
-                let encoded: Result<Vec<(u64, EncodedChunk)>> = range
+                let encoded: Result<Encoded> = range
                     .clone()
                     .zip(copy.chunks(cs as usize))
                     .map(|(c, chunk)| Ok((c, engine.encode(&Place { chunk: c, ..place }, chunk)?)))
@@ -1301,7 +1304,7 @@ impl<L: LowerIo> ScaFile<L> {
         for c in ranges[0].clone() {
             all.push((c, self.engine.encode(&Place { chunk: c, ..place }, &data[bytes_of(c)])?));
         }
-        let mut theirs: Vec<(usize, Result<Vec<(u64, EncodedChunk)>>)> = results.iter().collect();
+        let mut theirs: Vec<(usize, Result<Encoded>)> = results.iter().collect();
         if theirs.len() != ranges.len() - 1 {
             return Err(Error::Corrupt(format!("{}: an encoder thread failed", self.engine.kind)));
         }

@@ -670,10 +670,11 @@ impl ScaLayer {
         }
         let rest = SetAttr { size: None, ..*set };
         let reply = self.below().call(cx, &Op::SetAttr { node, fh: None, set: rest })?;
+        let state = self.open.lock().get(&node).cloned();
         // Shared mounts write changes out before they let go of the file's lock, so the last
         // release has nothing to write; setting the times then could undo another mount's.
-        let open = if self.engine.shared.is_none() { self.open.lock().get(&node).cloned() } else { None };
-        if let Some(f) = open.filter(|f| f.users.lock().count > 0) {
+        let in_use = state.as_ref().filter(|f| self.engine.shared.is_none() && f.users.lock().count > 0);
+        if let Some(f) = in_use {
             let mut times = f.times.lock();
             if set.size.is_some() {
                 *times = None;
@@ -690,8 +691,7 @@ impl ScaLayer {
             if let Some(c) = self.sizes.lock().get_mut(&node).filter(|c| c.stamp.size == a.size) {
                 c.stamp = LowerStamp::of(a);
             }
-            let idle = self.open.lock().get(&node).cloned();
-            if let Some(f) = idle {
+            if let Some(f) = &state {
                 let mut users = f.users.lock();
                 if let Some(stamp) = users.idle.as_mut().filter(|s| s.size == a.size) {
                     *stamp = LowerStamp::of(a);
