@@ -298,7 +298,8 @@ class Scenario:
 class Target:
     """`config`'s `metric` against `against` (a configuration), as a ratio of values (times or
     rates as they are), compared with `value` by `op` ("<=" or ">="). `derive`, if given,
-    computes the measured number from all medians instead, with `unit` naming it."""
+    measures instead: called with `v(scenario, config, metric)` (a median, or None), it returns
+    `(number, text)`, or None when not measured; `unit` names the number in the required column."""
 
     text: str
     scenario: str
@@ -327,6 +328,23 @@ class Suite:
     lowers: dict = field(default_factory=dict)  # more kinds of lower: name -> class like Lower
     cleanup: Optional[Callable] = None  # called once when the run ends, however it ends
     prepare: Optional[Callable] = None  # called with the run before anything is measured
+
+
+def ratio_of(scenario, a, b, unit):
+    """A `derive` for a target comparing two measurements of one scenario, each `(config,
+    metric)`: `a` over `b`."""
+    def derive(v):
+        x, y = v(scenario, *a), v(scenario, *b)
+        return (x / y, f"{ratio_text(x / y)} ({fmt(x, unit)} / {fmt(y, unit)} {unit})") if x is not None and y else None
+    return derive
+
+
+def excess_of(scenario, a, b, unit):
+    """The same, `a` minus `b`."""
+    def derive(v):
+        x, y = v(scenario, *a), v(scenario, *b)
+        return (x - y, f"{x - y:+.1f} {unit} ({fmt(x, unit)} / {fmt(y, unit)} {unit})") if x and y else None
+    return derive
 
 
 def per_layer(one, eight, scenarios):
@@ -501,18 +519,14 @@ class Report:
 
     def judge(self, t: Target, lower):
         """(measured text, number, passed) for target `t` on `lower`, or None if not measured."""
-        if t.derive:
-            got = t.derive(lambda sc, cfg, metric: self.value(lower, sc, cfg, metric))
-            if got is None:
-                return None
-            number, shown = got if isinstance(got, tuple) else (got, f"{got:.2f}{t.unit}")
-        else:
-            a, b = self.value(lower, t.scenario, t.config, t.metric), self.value(lower, t.scenario, t.against, t.metric)
-            if a is None or not b:
-                return None
-            number = a / b
+        derive = t.derive
+        if derive is None:
             unit = next((m.unit for s in self.suite.scenarios if s.name == t.scenario for m in s.metrics if m.key == t.metric), "")
-            shown = f"{ratio_text(number)} ({fmt(a, unit)} / {fmt(b, unit)} {unit})"
+            derive = ratio_of(t.scenario, (t.config, t.metric), (t.against, t.metric), unit)
+        got = derive(lambda sc, cfg, metric: self.value(lower, sc, cfg, metric))
+        if got is None:
+            return None
+        number, shown = got
         passed = number <= t.value if t.op == "<=" else number >= t.value
         return shown, number, passed
 

@@ -75,6 +75,21 @@ def tree(m, ctx, cold_ls=True, partial=False):
     return r
 
 
+def tree_and_reads(m, ctx):
+    """untar of /usr/include (the sync after it timed apart), every file read cold (after a
+    remount), `ls -lR` cold (after another) and warm, `rm -rf`."""
+    drop_caches()
+    r = {"untar": timed("tar", "xf", tarball(ctx), "-C", m.path)}
+    r["sync"] = timed("sync")
+    m.remount()
+    r["read_all"] = timed("find", m.path, "-type", "f", "-exec", "cat", "{}", "+")
+    m.remount()
+    r["ls_cold"] = timed("ls", "-lR", m.path)
+    r["ls_warm"] = timed("ls", "-lR", m.path)
+    r["rm"] = timed("rm", "-rf", os.path.join(m.path, "include"))
+    return r
+
+
 def check_tree(m, ctx):
     """Every file and symlink of the untarred tree reads back as in the tarball, through a fresh
     mount (`diff -r` against the tarball extracted once into the scratch directory)."""

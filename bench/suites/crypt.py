@@ -31,17 +31,9 @@ def io(m, ctx):
 
 
 def tree(m, ctx):
-    """untar (the sync after it timed apart), every file read cold, ls -lR cold and warm, rm -rf."""
-    w.drop_caches()
-    r = {"untar": w.timed("tar", "xf", w.tarball(ctx), "-C", m.path)}
-    r["untar_sync"] = r["untar"] + w.timed("sync")
-    m.remount()
-    r["read_all"] = w.timed("find", m.path, "-type", "f", "-exec", "cat", "{}", "+")
-    m.remount()
-    r["ls_cold"] = w.timed("ls", "-lR", m.path)
-    r["ls_warm"] = w.timed("ls", "-lR", m.path)
-    r["rm"] = w.timed("rm", "-rf", os.path.join(m.path, "include"))
-    return r
+    """The source tree's workloads, with the untar counted up to the end of the sync after it."""
+    r = w.tree_and_reads(m, ctx)
+    return r | {"untar_sync": r["untar"] + r["sync"]}
 
 
 def check_sealed(m, ctx):

@@ -8,7 +8,8 @@ import subprocess
 import tempfile
 import time
 
-from plyfsbench import BenchError, Lower, Metric, Scenario, Suite, Target, custom, end_process, is_mounted, plyfs, sh
+from plyfsbench import (BenchError, Lower, Metric, Scenario, Suite, Target, custom, end_process, is_mounted, plyfs,
+                        ratio_of, sh)
 import workloads as w
 
 SERVICE = {}
@@ -166,8 +167,7 @@ SUITE = Suite(
         *[Target(f"interleaved faster than partitioned (thesis: 7–45% better), {m.label}", "two", m.key, "interleaved",
                  "partitioned", "<=", 1) for m in TWO],
         Target("indexed insert constant: 1000 KB ≤ 1.5× 10 KB", "insert", "ms_1000kb", "", "", "<=", 1.5,
-               derive=lambda v: (lambda a, b: (a / b, f"{a / b:.2f}× ({a:.2f} / {b:.2f} ms)") if a and b else None)(
-                   v("insert", "indexed", "ms_1000kb"), v("insert", "indexed", "ms_10kb"))),
+               derive=ratio_of("insert", ("indexed", "ms_1000kb"), ("indexed", "ms_10kb"), "ms")),
         Target("indexed insert no worse than the copy at 10 KB", "insert", "ms_10kb", "indexed", "copy", "<=", 1),
         Target("disk-directed I/O: +24% at 32 outstanding", "ddio", "requests_per_s", "n32", "n1", ">=", 1.24),
         Target("disk-directed I/O: +39% at 128 outstanding", "ddio", "requests_per_s", "n128", "n1", ">=", 1.39),

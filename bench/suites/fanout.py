@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import tempfile
 
-from plyfsbench import BenchError, Lower, Metric, Scenario, Suite, Target, custom, is_mounted, native, plyfs, sh
+from plyfsbench import BenchError, Lower, Metric, Scenario, Suite, Target, custom, is_mounted, native, plyfs, ratio_of, sh
 import workloads as w
 
 
@@ -232,8 +232,7 @@ SUITE = Suite(
         Target("mirror write ≥ 0.45× one branch", "mirror", "write", "mirror2", "mirror1", ">=", 0.45),
         Target("mirror warm read ≥ 0.9× one branch", "mirror", "read_warm", "mirror2", "mirror1", ">=", 0.9),
         Target("resync ≤ 5% of a full scrub", "resync", "resync", "mirror", "mirror", "<=", 0.05,
-               derive=lambda v: (lambda a, b: a / b if a and b else None)(v("resync", "mirror", "resync"),
-                                                                            v("resync", "mirror", "scrub"))),
+               derive=ratio_of("resync", ("mirror", "resync"), ("mirror", "scrub"), "s")),
         Target("overwrite through version ≤ 1.1× null", "version", "overwrite", "version", "null", "<=", 1.1),
     ],
 )

@@ -39,19 +39,6 @@ MIXED_ARGS = ("--rules", "{work}/mixed.toml")
 PIN = 0
 
 
-def tree(m, ctx):
-    """untar (the sync after it timed apart), ls -lR cold and warm, every file read cold."""
-    w.drop_caches()
-    r = {"untar": w.timed("tar", "xf", w.tarball(ctx), "-C", m.path)}
-    r["sync"] = w.timed("sync")
-    m.remount()
-    r["ls_cold"] = w.timed("ls", "-lR", m.path)
-    r["ls_warm"] = w.timed("ls", "-lR", m.path)
-    m.remount()
-    r["read_all"] = w.timed("find", m.path, "-type", "f", "-exec", "cat", "{}", "+")
-    return r
-
-
 def check_routing(m, ctx):
     """The tree reads back; below `mixed`, exactly the files the rule matches are encoded and
     every other file is byte-identical to the source."""
@@ -127,7 +114,7 @@ SUITE = Suite(
                   plyfs("zstd-all", "zstd")],
                  [Metric("untar", "untar", "s"), Metric("sync", "sync after it", "s"), Metric("ls_cold", "ls -lR cold", "s"),
                   Metric("ls_warm", "ls -lR warm", "s"), Metric("read_all", "read every file, cold", "s")],
-                 run=tree, check=check_routing),
+                 run=w.tree_and_reads, check=check_routing),
         Scenario("untouched", "A large file no rule matches (1 GiB, 1 MiB blocks)",
                  [native(), plyfs("null", "null"), plyfs("mixed", "null", args=MIXED_ARGS)],
                  [Metric("write", "write + fsync", "MiB/s", "higher"), Metric("read_cold", "cold read", "MiB/s", "higher")],

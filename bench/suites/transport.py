@@ -7,7 +7,7 @@ import subprocess
 import tempfile
 import time
 
-from plyfsbench import REPO, BenchError, Metric, Scenario, Suite, Target, custom, end_process, plyfs, sh
+from plyfsbench import REPO, BenchError, Metric, Scenario, Suite, Target, custom, end_process, excess_of, plyfs, sh
 import workloads as w
 
 NO_CACHE = "attr_timeout=0,entry_timeout=0"
@@ -179,11 +179,9 @@ SUITE = Suite(
     ],
     targets=[
         Target("a crossing over a Unix socket costs ≤ 15 µs more than local", "crossing", "getattr", "", "", "<=", 15,
-               unit=" µs", derive=lambda v: (lambda a, b: (a - b, f"+{a - b:.1f} µs ({a:.1f} / {b:.1f} µs)") if a and b else None)(
-                   v("crossing", "unix", "getattr"), v("crossing", "local", "getattr"))),
+               unit=" µs", derive=excess_of("crossing", ("unix", "getattr"), ("local", "getattr"), "µs")),
         Target("a crossing over TLS costs ≤ 30 µs more than local", "crossing", "getattr", "", "", "<=", 30,
-               unit=" µs", derive=lambda v: (lambda a, b: (a - b, f"+{a - b:.1f} µs ({a:.1f} / {b:.1f} µs)") if a and b else None)(
-                   v("crossing", "tls", "getattr"), v("crossing", "local", "getattr"))),
+               unit=" µs", derive=excess_of("crossing", ("tls", "getattr"), ("local", "getattr"), "µs")),
         Target("TLS sequential write ≥ 2× sshfs", "seq", "write", "tls", "sshfs", ">=", 2),
         Target("TLS cold read ≥ 2× sshfs", "seq", "read_cold", "tls", "sshfs", ">=", 2),
         Target("TLS sequential write ≥ 0.5× local", "seq", "write", "tls", "local", ">=", 0.5),
