@@ -6,7 +6,7 @@
 #
 # STACK is a `--stack` spec, optionally followed by more mount arguments (default: `null`,
 # `trace`, `zstd`, `copy`, `null --rules mixed-rules.toml`,
-# `gzip:level=9:fast_tails=on`, `crypt`, `union` (a read-write branch over a read-only branch
+# `gzip:level=9:fast_tails=on`, `crypt`, `zstd,crypt`, `union` (a read-write branch over a read-only branch
 # holding files), `mirror` (two branches) and `mirror -o shared`, `version`, and `remote` (a `plyfs serve` over a Unix
 # socket; `remote --tls` over TLS on loopback; `zstd,remote` compressing in the mount;
 # `crypt,remote` decrypting in the mount a volume served as stored), `exofs` and `zstd,exofs` (on an
@@ -61,7 +61,7 @@ PJDFSTEST_VERSION=0.2.2
 # compressed files (half of the names, by rule) with untouched ones. Where the kernel allows FUSE
 # io_uring (scripts/test.sh gives its permission), mounts carry their requests over it by default;
 # the `-o io_uring=off` entries use /dev/fuse.
-DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt union mirror "mirror -o shared" version
+DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt zstd,crypt union mirror "mirror -o shared" version
   remote "remote --tls" zstd,remote crypt,remote "zstd,ext:socket=@trace,null" exofs zstd,exofs
   "null -o io_uring=off" "zstd -o io_uring=off" "crypt -o io_uring=off")
 

@@ -251,3 +251,119 @@ fn rules_see_plaintext_paths_on_a_volume_with_encrypted_names() {
     assert!(sealed_sizes[0] * 4 < sealed_sizes[1], "sub/a.txt is compressed before it is sealed: {sealed_sizes:?}");
     assert_eq!(fs::read_to_string(m.path("sub/a.txt")).unwrap(), text);
 }
+
+/// A path of exactly `len` bytes made of long directory names (as pjdfstest's `dirgen_max`).
+fn long_path(len: usize) -> String {
+    let mut p = String::new();
+    let mut i = 0;
+    while p.len() < len {
+        let room = len - p.len();
+        // Components of up to 255 bytes, never leaving a last one of fewer than 2 bytes.
+        let take = if room > 256 { (255).min(room - 2) } else { room };
+        if !p.is_empty() {
+            p.push('/');
+        }
+        let take = if p.is_empty() { take } else { take - 1 };
+        p.push_str(&long_name(take.max(1), i));
+        i += 1;
+    }
+    p.truncate(len);
+    p
+}
+
+/// pjdfstest's `symlink/03` (which the crates.io pjdfstest does not carry): a symlink whose
+/// target is PATH_MAX - 1 bytes, and one whose own path is; one byte more is ENAMETOOLONG.
+fn symlink_03(stack: &str) {
+    use std::os::unix::fs::symlink;
+    let m = Mount::crypt(stack, &[], &[]);
+    let nx = long_path(libc::PATH_MAX as usize - 1 - m.mnt.as_os_str().len() - 1);
+    let full_nx = format!("{}/{nx}", m.mnt.display());
+    assert_eq!(full_nx.len(), libc::PATH_MAX as usize - 1);
+    let target = "/".repeat(0) + &full_nx; // a PATH_MAX - 1 byte target
+    fs::create_dir_all(Path::new(&full_nx).parent().unwrap()).unwrap();
+    symlink(&target, m.path("n0")).unwrap();
+    assert_eq!(fs::read_link(m.path("n0")).unwrap().as_os_str().len(), target.len());
+    assert_eq!(fs::read_link(m.path("n0")).unwrap().to_str().unwrap(), target);
+    assert_eq!(fs::symlink_metadata(m.path("n0")).unwrap().len(), target.len() as u64);
+    fs::remove_file(m.path("n0")).unwrap();
+    symlink("n0", &full_nx).unwrap();
+    assert_eq!(fs::read_link(&full_nx).unwrap().to_str().unwrap(), "n0");
+    fs::remove_file(&full_nx).unwrap();
+    let nxx = format!("{full_nx}x");
+    assert_eq!(std::os::unix::fs::symlink("n0", &nxx).unwrap_err().raw_os_error(), Some(libc::ENAMETOOLONG));
+    assert_eq!(std::os::unix::fs::symlink(&nxx, m.path("n0")).unwrap_err().raw_os_error(), Some(libc::ENAMETOOLONG));
+    let top = nx.split('/').next().unwrap();
+    fs::remove_dir_all(m.path(top)).unwrap();
+    assert_eq!(listing(&m.lower), [".plyfs-crypt.conf".to_owned()].into_iter().collect());
+}
+
+#[test]
+fn symlink_03_targets_of_path_max_minus_one_on_crypt() {
+    symlink_03("crypt");
+}
+
+#[test]
+fn symlink_03_targets_of_path_max_minus_one_on_zstd_crypt() {
+    symlink_03("zstd,crypt");
+}
+
+/// Symlinks with long targets (their sealed form kept in a companion file) renamed within and
+/// across directories, hard-linked, replaced and removed: each reads back, shows its length,
+/// survives a remount, and nothing is left below once all are gone.
+#[test]
+fn long_symlink_targets_follow_renames_links_and_removal() {
+    use std::os::unix::fs::symlink;
+    let m = Mount::crypt("crypt", &[], &[]);
+    let target = |i: usize| format!("/{}", "t".repeat(3100 + i * 200)) + &format!("/{i}");
+    let (a, b) = (m.path("a"), m.path("b"));
+    fs::create_dir(&a).unwrap();
+    fs::create_dir(&b).unwrap();
+    for i in 0..5 {
+        symlink(target(i), a.join(format!("s{i}"))).unwrap();
+    }
+    let check = |p: &Path, i: usize| {
+        assert_eq!(fs::read_link(p).unwrap().to_str().unwrap(), target(i), "{}", p.display());
+        assert_eq!(fs::symlink_metadata(p).unwrap().len(), target(i).len() as u64, "{}", p.display());
+    };
+    for i in 0..5 {
+        check(&a.join(format!("s{i}")), i);
+    }
+    // A short target beside them shows its length from the moment it is made.
+    symlink("short/target", a.join("short")).unwrap();
+    assert_eq!(fs::symlink_metadata(a.join("short")).unwrap().len(), 12);
+    fs::remove_file(a.join("short")).unwrap();
+    // Within a directory, across directories, hard-linked across, and over another one.
+    fs::rename(a.join("s0"), a.join("renamed")).unwrap();
+    fs::rename(a.join("s1"), b.join("moved")).unwrap();
+    fs::hard_link(a.join("s2"), b.join("linked")).unwrap();
+    fs::rename(a.join("s3"), a.join("s4")).unwrap();
+    let m = m.remount();
+    let (a, b) = (m.path("a"), m.path("b"));
+    check(&a.join("renamed"), 0);
+    check(&b.join("moved"), 1);
+    check(&a.join("s2"), 2);
+    check(&b.join("linked"), 2);
+    check(&a.join("s4"), 3);
+    assert_eq!(listing(&a), ["renamed", "s2", "s4"].map(String::from).into_iter().collect());
+    assert_eq!(listing(&b), ["linked", "moved"].map(String::from).into_iter().collect());
+    // Each directory holds one companion per symlink with a long target named in it.
+    let companions = |dir: &str| {
+        let id = m.lower.join(fs::read_dir(&m.lower).unwrap().map(|e| e.unwrap().file_name()).find(|n| n != ".plyfs-crypt.conf" && {
+            let d = m.lower.join(n);
+            fs::symlink_metadata(&d).unwrap().is_dir() && dir_holds(&d, dir, &m)
+        }).unwrap());
+        fs::read_dir(id).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_str().unwrap().starts_with("T.")).count()
+    };
+    assert_eq!((companions("a"), companions("b")), (3, 2), "{}", String::from_utf8_lossy(&Command::new("ls").arg("-laR").arg(&m.lower).output().unwrap().stdout));
+    assert_eq!(companions("b"), 2);
+    fs::remove_file(a.join("s2")).unwrap();
+    check(&b.join("linked"), 2);
+    fs::remove_dir_all(&a).unwrap();
+    fs::remove_dir_all(&b).unwrap();
+    assert_eq!(listing(&m.lower), [".plyfs-crypt.conf".to_owned()].into_iter().collect());
+}
+
+/// Whether the lower directory `lower_dir` is the one the mount shows as `name` (by inode).
+fn dir_holds(lower_dir: &Path, name: &str, m: &Mount) -> bool {
+    fs::metadata(lower_dir).unwrap().ino() == fs::metadata(m.path(name)).unwrap().ino()
+}

@@ -12,7 +12,17 @@
 //!   `L.<base64url(SHA-256(encrypted name))>`, with the encrypted name itself in a companion
 //!   file `L.<hash>.name` beside it (as gocryptfs does). Neither form can be a short encrypted
 //!   name, which never contains a dot.
-//! - **Symlink targets** are sealed with AES-256-GCM under a random nonce.
+//! - **Symlink targets** are sealed with AES-256-GCM under a random nonce. A sealed target too
+//!   long for a lower symlink (a plaintext target of more than about 3,000 bytes, up to
+//!   PATH_MAX - 1) is stored in a companion file `T.<base64url(SHA-256(sealed))>` beside the
+//!   symlink, whose own target is then a 53-byte marker: the companion's name, a dot and the
+//!   plaintext length in seven digits. No sealed target is 53 bytes long (unpadded base64 is
+//!   never one byte longer than a multiple of four), so the lower size tells a marker apart.
+//!   Every directory holding a name of such a symlink holds its companion; the companion goes
+//!   with the symlink's last name.
+//! - **Directory ids** are read from `user.plyfs.dirid`, or else from a file `.plyfs-dirid` in the
+//!   directory (what a reverse view shows, and what survives a copy that drops extended
+//!   attributes).
 //! - Lower names that do not decrypt (the volume configuration, strays) are not shown.
 //!
 //! With `plaintext_names` the layer changes no name; it only hides the volume configuration.
@@ -47,7 +57,16 @@ const NAME_MAX: usize = 255;
 /// The longest symlink target the lower file system stores (ext4: a block less one byte).
 const LOWER_LINK_MAX: usize = 4095;
 const LINK_NONCE: usize = 12;
-const LINK_OVERHEAD: usize = LINK_NONCE + 16;
+pub const LINK_OVERHEAD: usize = LINK_NONCE + 16;
+/// The prefix of a long target's companion file.
+const TARGET_PREFIX: &str = "T.";
+/// `T.` and 43 characters of hash: a long target's companion file's name.
+const TARGET_COMPANION_LEN: usize = 45;
+/// The companion's name, a dot and seven digits: what a symlink with a long target points to.
+pub const MARKER_LEN: usize = 53;
+/// The file that holds a directory's id where the extended attribute cannot (reverse views,
+/// copies that drop extended attributes).
+pub const DIRID_FILE: &str = ".plyfs-dirid";
 
 /// A name as stored below.
 enum LowerName {
@@ -76,6 +95,91 @@ pub struct CryptNames {
     /// Directory ids by node. A directory made here always (re)sets its entry, so a reused
     /// inode number cannot keep an old id.
     dirs: RwLock<HashMap<NodeId, [u8; 16]>>,
+    /// Symlinks with long targets this mount has seen, and where.
+    long_targets: RwLock<LongTargets>,
+}
+
+/// Where the companions of long symlink targets are: by node (a directory holding one of its
+/// names, and so its companion), and by lower name. Such symlinks are rare; entries go when
+/// their names do.
+#[derive(Default)]
+struct LongTargets {
+    nodes: HashMap<NodeId, LongTarget>,
+    names: HashMap<(NodeId, OsString), NodeId>,
+}
+
+#[derive(Clone)]
+struct LongTarget {
+    dir: NodeId,
+    companion: OsString,
+    len: u64,
+}
+
+/// A symlink target as stored below.
+pub enum SealedTarget {
+    /// The lower symlink's target.
+    Inline(OsString),
+    /// Too long for a lower symlink: the marker it points to, and the companion holding `blob`.
+    Long { marker: OsString, companion: OsString, blob: Vec<u8> },
+}
+
+impl SealedTarget {
+    /// How `blob` (nonce, sealed target and tag) of a target `len` bytes long is stored.
+    pub fn of(blob: Vec<u8>, len: usize) -> SealedTarget {
+        let text = B64.encode(&blob);
+        if text.len() <= LOWER_LINK_MAX {
+            return SealedTarget::Inline(text.into());
+        }
+        let companion = format!("{TARGET_PREFIX}{}", B64.encode(sha2::Sha256::digest(&blob)));
+        debug_assert_eq!(companion.len(), TARGET_COMPANION_LEN);
+        let marker = format!("{companion}.{len:07}");
+        debug_assert_eq!(marker.len(), MARKER_LEN);
+        SealedTarget::Long { marker: marker.into(), companion: companion.into(), blob }
+    }
+}
+
+/// Seal a symlink target: nonce || AES-256-GCM(target) || tag.
+pub fn seal_link(key: &Aes256Gcm, nonce: &[u8; LINK_NONCE], target: &[u8]) -> Result<Vec<u8>> {
+    let sealed = key
+        .encrypt(nonce.into(), Payload { msg: target, aad: b"plyfs symlink" })
+        .map_err(|_| Error::Corrupt("symlink encryption failed".into()))?;
+    let mut blob = nonce.to_vec();
+    blob.extend_from_slice(&sealed);
+    Ok(blob)
+}
+
+fn open_link(key: &Aes256Gcm, blob: &[u8]) -> Option<Vec<u8>> {
+    if blob.len() < LINK_OVERHEAD {
+        return None;
+    }
+    key.decrypt(blob[..LINK_NONCE].into(), Payload { msg: &blob[LINK_NONCE..], aad: b"plyfs symlink" }).ok()
+}
+
+/// The symlink key of a volume.
+pub fn link_key(volume: &Volume) -> Aes256Gcm {
+    Aes256Gcm::new_from_slice(&volume.key.subkey::<32>("symlinks aes-256-gcm")[..]).expect("32-byte key")
+}
+
+/// The companion name and plaintext length in a marker, if `stored` is one.
+fn parse_marker(stored: &[u8]) -> Option<(OsString, u64)> {
+    if stored.len() != MARKER_LEN || !stored.starts_with(TARGET_PREFIX.as_bytes()) || stored[TARGET_COMPANION_LEN] != b'.' {
+        return None;
+    }
+    let len = std::str::from_utf8(&stored[TARGET_COMPANION_LEN + 1..]).ok()?.parse().ok()?;
+    Some((OsStr::from_bytes(&stored[..TARGET_COMPANION_LEN]).to_owned(), len))
+}
+
+/// The plaintext length of a target whose sealed form is `lower` bytes of base64.
+fn sealed_target_len(lower: u64) -> u64 {
+    (lower * 3 / 4).saturating_sub(LINK_OVERHEAD as u64)
+}
+
+/// Names of this layer's own files, which the user never sees: a directory's id and the
+/// companions of long names and long targets.
+fn is_aux(name: &[u8]) -> bool {
+    name == DIRID_FILE.as_bytes()
+        || (name.starts_with(LONG_PREFIX.as_bytes()) && name.ends_with(COMPANION_SUFFIX.as_bytes()))
+        || (name.len() == TARGET_COMPANION_LEN && name.starts_with(TARGET_PREFIX.as_bytes()))
 }
 
 fn internal() -> Caller {
@@ -90,9 +194,10 @@ impl CryptNames {
             lower: [lower],
             plaintext: volume.plaintext_names,
             siv_key: volume.key.subkey::<64>("names aes-siv"),
-            links: Aes256Gcm::new_from_slice(&volume.key.subkey::<32>("symlinks aes-256-gcm")[..]).expect("32-byte key"),
+            links: link_key(volume),
             root_id: *root,
             dirs: RwLock::new(HashMap::new()),
+            long_targets: RwLock::new(LongTargets::default()),
         }
     }
 
@@ -113,11 +218,16 @@ impl CryptNames {
         let id = match self.below().call(&internal(), &op) {
             Ok(Reply::Xattr(XattrReply::Data(d))) if d.len() == 16 => d.try_into().expect("16 bytes"),
             Ok(_) => return Err(Error::Corrupt(format!("directory {}: its {DIRID_XATTR} is damaged", dir.0))),
-            Err(Error::Os(libc::ENODATA)) => {
-                // A directory made without one (by hand, below): give it one now.
-                tracing::warn!("directory {}: no {DIRID_XATTR}; giving it a new one", dir.0);
-                self.set_dir_id(dir, libc::XATTR_CREATE)?
-            }
+            Err(Error::Os(libc::ENODATA | libc::ENOTSUP)) => match self.below().read_small_file(&internal(), dir, OsStr::new(DIRID_FILE), 64) {
+                Ok(d) if d.len() == 16 => d.try_into().expect("16 bytes"),
+                Ok(_) => return Err(Error::Corrupt(format!("directory {}: its {DIRID_FILE} is damaged", dir.0))),
+                Err(Error::Os(libc::ENOENT)) => {
+                    // A directory made without one (by hand, below): give it one now.
+                    tracing::warn!("directory {}: no {DIRID_XATTR}; giving it a new one", dir.0);
+                    self.set_dir_id(dir, libc::XATTR_CREATE)?
+                }
+                Err(e) => return Err(e),
+            },
             Err(e) => return Err(e),
         };
         self.dirs.write().insert(dir, id);
@@ -135,6 +245,12 @@ impl CryptNames {
             Err(Error::Os(libc::EEXIST)) if flags == libc::XATTR_CREATE => {
                 self.dirs.write().remove(&dir);
                 self.dir_id(dir)
+            }
+            Err(Error::Os(libc::EROFS)) if flags == libc::XATTR_CREATE => {
+                // A read-only mount: nothing in the directory can decrypt under a new id
+                // anyway, and it cannot be given one; keep it for this mount only.
+                self.dirs.write().insert(dir, id);
+                Ok(id)
             }
             Err(e) => Err(e),
         }
@@ -224,19 +340,25 @@ impl CryptNames {
         let LowerName::Long { hashed, full } = name else { return Ok(false) };
         let mut companion = hashed.clone();
         companion.push(COMPANION_SUFFIX);
+        self.write_aux(cx, dir, &companion, full.as_bytes())
+    }
+
+    /// Make the small file `name` in `dir` holding `content`, unless it exists (every companion's
+    /// name is a hash of its content). Returns whether this call made it.
+    fn write_aux(&self, cx: &Caller, dir: NodeId, name: &OsStr, content: &[u8]) -> Result<bool> {
         let lower = self.below();
-        let op = Op::Create { parent: dir, name: &companion, mode: 0o400, flags: libc::O_WRONLY | libc::O_EXCL };
+        let op = Op::Create { parent: dir, name, mode: 0o400, flags: libc::O_WRONLY | libc::O_EXCL };
         let (entry, opened) = match lower.call(cx, &op) {
             Ok(Reply::Created(e, o)) => (e, o),
             Ok(_) => return Err(Error::Os(libc::EIO)),
             Err(Error::Os(libc::EEXIST)) => return Ok(false),
             Err(e) => return Err(e),
         };
-        let written = lower.write(cx, entry.node, opened.fh, 0, full.as_bytes());
+        let written = lower.write(cx, entry.node, opened.fh, 0, content);
         let _ = lower.release(cx, entry.node, opened.fh);
         lower.forget(cx, entry.node, 1);
         if let Err(e) = written {
-            let _ = lower.unlink(cx, dir, &companion);
+            let _ = lower.unlink(cx, dir, name);
             return Err(e);
         }
         Ok(true)
@@ -262,65 +384,268 @@ impl CryptNames {
         if reply.is_err() && made {
             self.remove_companion(cx, dir, name);
         }
-        reply.map(|r| self.fix_reply(r))
+        reply.map(|r| self.fix_reply_at(dir, name.name(), r))
     }
 
     // Symlink targets.
 
-    fn seal_target(&self, target: &[u8]) -> Result<OsString> {
-        if self.plaintext {
-            return Ok(OsStr::from_bytes(target).to_owned());
-        }
-        let nonce: [u8; LINK_NONCE] = random_bytes();
-        let sealed = self
-            .links
-            .encrypt((&nonce).into(), Payload { msg: target, aad: b"plyfs symlink" })
-            .map_err(|_| Error::Corrupt("symlink encryption failed".into()))?;
-        let mut blob = nonce.to_vec();
-        blob.extend_from_slice(&sealed);
-        let text = B64.encode(blob);
-        if text.len() > LOWER_LINK_MAX {
+    fn seal_target(&self, target: &[u8]) -> Result<SealedTarget> {
+        if target.len() >= libc::PATH_MAX as usize {
             return Err(Error::Os(libc::ENAMETOOLONG));
         }
-        Ok(text.into())
+        if self.plaintext {
+            return Ok(SealedTarget::Inline(OsStr::from_bytes(target).to_owned()));
+        }
+        let nonce: [u8; LINK_NONCE] = random_bytes();
+        Ok(SealedTarget::of(seal_link(&self.links, &nonce, target)?, target.len()))
     }
 
     fn open_target(&self, node: NodeId, stored: &[u8]) -> Result<Vec<u8>> {
         if self.plaintext {
             return Ok(stored.to_vec());
         }
-        let bad = || {
-            tracing::error!("symlink {}: its target does not decrypt (altered, or not this volume's)", node.0);
+        let bad = |why: &str| {
+            tracing::error!("symlink {}: its target {why}", node.0);
             Error::Os(libc::EIO)
         };
-        let blob = B64.decode(stored).map_err(|_| bad())?;
-        if blob.len() < LINK_OVERHEAD {
-            return Err(bad());
+        let blob = match parse_marker(stored) {
+            Some((companion, _)) => {
+                let dir = self.long_targets.read().nodes.get(&node).map(|l| l.dir);
+                let dir = dir.ok_or_else(|| bad("is stored beside it, in a directory this mount has not seen it in"))?;
+                let blob = self.below().read_small_file(&internal(), dir, &companion, 8192).map_err(|e| match e {
+                    Error::Os(libc::ENOENT) => bad(&format!("is lost: its file {} is missing", companion.to_string_lossy())),
+                    e => e,
+                })?;
+                if B64.encode(sha2::Sha256::digest(&blob)).as_bytes() != &companion.as_bytes()[TARGET_PREFIX.len()..] {
+                    return Err(bad(&format!("is damaged: {} does not match its name", companion.to_string_lossy())));
+                }
+                blob
+            }
+            None => B64.decode(stored).map_err(|_| bad("does not decrypt (altered, or not this volume's)"))?,
+        };
+        open_link(&self.links, &blob).ok_or_else(|| bad("does not decrypt (altered, or not this volume's)"))
+    }
+
+    /// Remember where the companion of a symlink with a long target lies (`entry` was found or
+    /// made as `name` in `dir`), and give back the attributes to show.
+    fn note_entry(&self, dir: NodeId, name: &OsStr, mut entry: Entry) -> Entry {
+        if self.plaintext || entry.attr.kind != FileKind::Symlink {
+            return entry;
         }
-        self.links
-            .decrypt(blob[..LINK_NONCE].into(), Payload { msg: &blob[LINK_NONCE..], aad: b"plyfs symlink" })
-            .map_err(|_| bad())
+        if entry.attr.size as usize != MARKER_LEN {
+            entry.attr = self.fix_attr(entry.attr);
+            return entry;
+        }
+        match self.marker_of(entry.node) {
+            Some((companion, len)) => {
+                entry.attr.size = len;
+                let mut t = self.long_targets.write();
+                t.nodes.insert(entry.node, LongTarget { dir, companion, len });
+                t.names.insert((dir, name.to_owned()), entry.node);
+            }
+            None => entry.attr = self.fix_attr(entry.attr),
+        }
+        entry
+    }
+
+    /// The companion name and plaintext length a lower symlink's marker gives.
+    fn marker_of(&self, node: NodeId) -> Option<(OsString, u64)> {
+        match self.below().call(&internal(), &Op::ReadLink { node }) {
+            Ok(Reply::Data(stored)) => parse_marker(&stored),
+            _ => None,
+        }
+    }
+
+    /// The symlink with a long target `name` in `dir` names, if this mount saw it there.
+    fn long_target_at(&self, dir: NodeId, name: &OsStr) -> Option<(NodeId, OsString)> {
+        let t = self.long_targets.read();
+        let node = *t.names.get(&(dir, name.to_owned()))?;
+        t.nodes.get(&node).map(|l| (node, l.companion.clone()))
+    }
+
+    /// Give the directory `to` the companion of the long target of `node` (a new name of it is
+    /// about to be made there). Returns whether a new companion name was made.
+    fn copy_target_companion(&self, cx: &Caller, node: NodeId, to: NodeId) -> Result<bool> {
+        let Some(l) = self.long_targets.read().nodes.get(&node).cloned() else { return Ok(false) };
+        if l.dir == to {
+            return Ok(false);
+        }
+        let below = self.below();
+        let src = below.lookup(&internal(), l.dir, &l.companion)?;
+        let linked = below.call(cx, &Op::Link { node: src.node, new_parent: to, new_name: &l.companion });
+        below.forget(&internal(), src.node, 1);
+        match linked {
+            Ok(Reply::Entry(e)) => {
+                below.forget(&internal(), e.node, 1);
+                Ok(true)
+            }
+            Ok(_) => Ok(true),
+            Err(Error::Os(libc::EEXIST)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The name `name` of `node` (a symlink with a long target) left `dir`: its companion goes
+    /// too when that was the symlink's last name (`nlink` before it went).
+    fn drop_target_name(&self, cx: &Caller, dir: NodeId, name: &OsStr, node: NodeId, companion: &OsStr, nlink: u32) {
+        {
+            let mut t = self.long_targets.write();
+            t.names.remove(&(dir, name.to_owned()));
+            if nlink <= 1 {
+                t.nodes.remove(&node);
+            }
+        }
+        if nlink <= 1 {
+            if let Err(e) = self.below().unlink(cx, dir, companion) {
+                if !matches!(e, Error::Os(libc::ENOENT)) {
+                    tracing::warn!("directory {}: removing {}: {e}", dir.0, companion.to_string_lossy());
+                }
+            }
+        }
+    }
+
+    fn nlink(&self, node: NodeId) -> u32 {
+        self.below().getattr(&internal(), node).map_or(1, |a| a.nlink)
+    }
+
+    fn symlink(&self, cx: &Caller, parent: NodeId, name: &OsStr, target: &[u8]) -> Result<Reply> {
+        let n = self.encrypt(parent, name)?;
+        let (stored, companion) = match self.seal_target(target)? {
+            SealedTarget::Inline(t) => (t, None),
+            SealedTarget::Long { marker, companion, blob } => {
+                let made = self.write_aux(cx, parent, &companion, &blob)?;
+                (marker, Some((companion, made)))
+            }
+        };
+        let reply = self.make(cx, parent, &n, &Op::SymLink { parent, name: n.name(), target: std::path::Path::new(&stored) });
+        match (reply, companion) {
+            (Err(e), Some((companion, true))) => {
+                let _ = self.below().unlink(cx, parent, &companion);
+                Err(e)
+            }
+            (reply, _) => reply,
+        }
+    }
+
+    /// Remove `name` from `parent` below (`rmdir` when `dir`), with what goes with it.
+    fn remove(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Result<Reply> {
+        let n = self.encrypt(parent, name)?;
+        let long = self.long_target_at(parent, n.name());
+        let nlink = long.as_ref().map(|(node, _)| self.nlink(*node));
+        self.below().call(cx, &Op::Unlink { parent, name: n.name() })?;
+        if let (Some((node, companion)), Some(nlink)) = (long, nlink) {
+            self.drop_target_name(cx, parent, n.name(), node, &companion, nlink);
+        }
+        self.remove_companion(cx, parent, &n);
+        Ok(Reply::Empty)
+    }
+
+    /// `rmdir` below; a directory that holds nothing but this layer's own files (a directory id,
+    /// companions left behind) is empty to the user, so those go and the removal is tried again.
+    fn rmdir_below(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Result<Reply> {
+        let below = self.below();
+        match below.call(cx, &Op::RmDir { parent, name }) {
+            Err(Error::Os(libc::ENOTEMPTY)) => {}
+            other => return other,
+        }
+        let dir = below.lookup(&internal(), parent, name)?;
+        let swept = (|| {
+            let entries = below.list_dir(&internal(), dir.node)?;
+            if entries.is_empty() || !entries.iter().all(|e| is_aux(e.name.as_bytes())) {
+                return Err(Error::Os(libc::ENOTEMPTY));
+            }
+            for e in &entries {
+                below.unlink(cx, dir.node, &e.name)?;
+            }
+            Ok(())
+        })();
+        below.forget(&internal(), dir.node, 1);
+        swept?;
+        below.call(cx, &Op::RmDir { parent, name })
+    }
+
+    /// Take back the companions copied for a rename that did not happen.
+    fn undo_copied(&self, cx: &Caller, copied: &[(NodeId, NodeId)]) {
+        for (dir, node) in copied {
+            if let Some(l) = self.long_targets.read().nodes.get(node).cloned() {
+                let _ = self.below().unlink(cx, *dir, &l.companion);
+            }
+        }
+    }
+
+    /// After a rename: where the companions of long targets among the two names now belong.
+    #[allow(clippy::too_many_arguments)]
+    fn renamed_targets(
+        &self,
+        cx: &Caller,
+        (from_dir, from): (NodeId, &OsStr),
+        (to_dir, to): (NodeId, &OsStr),
+        moving: Option<(NodeId, OsString)>,
+        moving_nlink: Option<u32>,
+        victim: Option<(NodeId, OsString)>,
+        victim_nlink: Option<u32>,
+        exchanged: bool,
+    ) {
+        if exchanged {
+            let mut t = self.long_targets.write();
+            t.names.remove(&(from_dir, from.to_owned()));
+            t.names.remove(&(to_dir, to.to_owned()));
+            if let Some((node, _)) = &victim {
+                t.names.insert((from_dir, from.to_owned()), *node);
+            }
+            if let Some((node, _)) = &moving {
+                t.names.insert((to_dir, to.to_owned()), *node);
+            }
+            return;
+        }
+        if let (Some((node, companion)), Some(nlink)) = (&victim, victim_nlink) {
+            if moving.as_ref().map(|(n, _)| n) != Some(node) {
+                self.drop_target_name(cx, to_dir, to, *node, companion, nlink);
+            }
+        }
+        if let (Some((node, companion)), Some(nlink)) = (moving, moving_nlink) {
+            let mut t = self.long_targets.write();
+            t.names.remove(&(from_dir, from.to_owned()));
+            t.names.insert((to_dir, to.to_owned()), node);
+            if let Some(l) = t.nodes.get_mut(&node) {
+                l.dir = to_dir;
+            }
+            drop(t);
+            if from_dir != to_dir && nlink <= 1 {
+                if let Err(e) = self.below().unlink(cx, from_dir, &companion) {
+                    tracing::warn!("directory {}: removing {}: {e}", from_dir.0, companion.to_string_lossy());
+                }
+            }
+        }
     }
 
     // Attributes: a symlink's size is its target's length.
 
     fn fix_attr(&self, mut attr: Attr) -> Attr {
         if !self.plaintext && attr.kind == FileKind::Symlink {
-            attr.size = (attr.size * 3 / 4).saturating_sub(LINK_OVERHEAD as u64);
+            attr.size = sealed_target_len(attr.size);
         }
         attr
     }
 
-    fn fix_entry(&self, mut e: Entry) -> Entry {
-        e.attr = self.fix_attr(e.attr);
-        e
+    /// The attributes of `node` to show: a symlink with a long target shows its length.
+    fn fix_node_attr(&self, node: NodeId, mut attr: Attr) -> Attr {
+        if self.plaintext || attr.kind != FileKind::Symlink || attr.size as usize != MARKER_LEN {
+            return self.fix_attr(attr);
+        }
+        let known = self.long_targets.read().nodes.get(&node).map(|l| l.len);
+        match known.or_else(|| self.marker_of(node).map(|(_, len)| len)) {
+            Some(len) => attr.size = len,
+            None => attr = self.fix_attr(attr),
+        }
+        attr
     }
 
-    fn fix_reply(&self, reply: Reply) -> Reply {
+    /// A reply to an operation that found or made `name` in `dir` (a lower name).
+    fn fix_reply_at(&self, dir: NodeId, name: &OsStr, reply: Reply) -> Reply {
         match reply {
-            Reply::Entry(e) => Reply::Entry(self.fix_entry(e)),
-            Reply::Attr(a) => Reply::Attr(self.fix_attr(a)),
-            Reply::Created(e, o) => Reply::Created(self.fix_entry(e), o),
+            Reply::Entry(e) => Reply::Entry(self.note_entry(dir, name, e)),
+            Reply::Created(e, o) => Reply::Created(self.note_entry(dir, name, e), o),
             other => other,
         }
     }
@@ -334,7 +659,7 @@ impl CryptNames {
         let mut shown = Vec::with_capacity(entries.len());
         for e in entries {
             match self.shown_name(dir, &id, &e.name) {
-                Some(name) => shown.push(DirEntry { name, entry: e.entry.map(|x| self.fix_entry(x)), ..e }),
+                Some(name) => shown.push(DirEntry { name, entry: e.entry.map(|x| self.note_entry(dir, &e.name, x)), ..e }),
                 None => {
                     // A hidden entry looked up for readdirplus: give the lookup back.
                     if let Some(x) = e.entry {
@@ -449,7 +774,7 @@ impl Layer for CryptNames {
                     Error::Os(libc::EPERM) => Error::Os(libc::ENOENT),
                     e => e,
                 })?;
-                below.call(cx, &Op::Lookup { parent, name: n.name() }).map(|r| self.fix_reply(r))
+                below.call(cx, &Op::Lookup { parent, name: n.name() }).map(|r| self.fix_reply_at(parent, n.name(), r))
             }
             Op::Create { parent, name, mode, flags } => {
                 let n = self.encrypt(parent, name)?;
@@ -459,14 +784,17 @@ impl Layer for CryptNames {
                 let n = self.encrypt(parent, name)?;
                 self.make(cx, parent, &n, &Op::MkNod { parent, name: n.name(), mode, rdev })
             }
-            Op::SymLink { parent, name, target } => {
-                let n = self.encrypt(parent, name)?;
-                let sealed = self.seal_target(target.as_os_str().as_bytes())?;
-                self.make(cx, parent, &n, &Op::SymLink { parent, name: n.name(), target: std::path::Path::new(&sealed) })
-            }
+            Op::SymLink { parent, name, target } => self.symlink(cx, parent, name, target.as_os_str().as_bytes()),
             Op::Link { node, new_parent, new_name } => {
                 let n = self.encrypt(new_parent, new_name)?;
-                self.make(cx, new_parent, &n, &Op::Link { node, new_parent, new_name: n.name() })
+                let copied = self.copy_target_companion(cx, node, new_parent)?;
+                let reply = self.make(cx, new_parent, &n, &Op::Link { node, new_parent, new_name: n.name() });
+                if reply.is_err() && copied {
+                    if let Some(l) = self.long_targets.read().nodes.get(&node) {
+                        let _ = below.unlink(cx, new_parent, &l.companion);
+                    }
+                }
+                reply
             }
             Op::MkDir { parent, name, mode } => {
                 let n = self.encrypt(parent, name)?;
@@ -481,16 +809,11 @@ impl Layer for CryptNames {
                 }
                 Ok(reply)
             }
-            Op::Unlink { parent, name } => {
-                let n = self.encrypt(parent, name)?;
-                below.call(cx, &Op::Unlink { parent, name: n.name() })?;
-                self.remove_companion(cx, parent, &n);
-                Ok(Reply::Empty)
-            }
+            Op::Unlink { parent, name } => self.remove(cx, parent, name),
             Op::RmDir { parent, name } => {
                 let n = self.encrypt(parent, name)?;
                 let node = below.lookup(&internal(), parent, n.name()).ok().map(|e| e.node);
-                let result = below.call(cx, &Op::RmDir { parent, name: n.name() });
+                let result = self.rmdir_below(cx, parent, n.name());
                 if let Some(node) = node {
                     if result.is_ok() {
                         self.dirs.write().remove(&node);
@@ -504,15 +827,41 @@ impl Layer for CryptNames {
             Op::Rename { parent, name, new_parent, new_name, flags } => {
                 let from = self.encrypt(parent, name)?;
                 let to = self.encrypt(new_parent, new_name)?;
-                let made = self.write_companion(cx, new_parent, &to)?;
+                let exchanged = flags & libc::RENAME_EXCHANGE != 0;
+                let same = parent == new_parent && from.name() == to.name();
+                // Symlinks with long targets among the two names: their companions must be
+                // where their names will be.
+                let moving = self.long_target_at(parent, from.name());
+                let victim = if same { None } else { self.long_target_at(new_parent, to.name()) };
+                let moving_nlink = moving.as_ref().map(|(node, _)| self.nlink(*node));
+                let victim_nlink = victim.as_ref().map(|(node, _)| self.nlink(*node));
+                let mut copied = Vec::new();
+                if let Some((node, _)) = &moving {
+                    if self.copy_target_companion(cx, *node, new_parent)? {
+                        copied.push((new_parent, *node));
+                    }
+                }
+                if let (true, Some((node, _))) = (exchanged, &victim) {
+                    if self.copy_target_companion(cx, *node, parent)? {
+                        copied.push((parent, *node));
+                    }
+                }
+                let made = match self.write_companion(cx, new_parent, &to) {
+                    Ok(made) => made,
+                    Err(e) => {
+                        self.undo_copied(cx, &copied);
+                        return Err(e);
+                    }
+                };
                 let result = below.call(cx, &Op::Rename { parent, name: from.name(), new_parent, new_name: to.name(), flags });
                 match result {
                     Ok(r) => {
                         // After an exchange both names still exist; otherwise the old one is gone.
-                        let exchanged = flags & libc::RENAME_EXCHANGE != 0;
-                        let same = parent == new_parent && from.name() == to.name();
                         if !exchanged && !same {
                             self.remove_companion(cx, parent, &from);
+                        }
+                        if !same {
+                            self.renamed_targets(cx, (parent, from.name()), (new_parent, to.name()), moving, moving_nlink, victim, victim_nlink, exchanged);
                         }
                         Ok(r)
                     }
@@ -520,6 +869,7 @@ impl Layer for CryptNames {
                         if made {
                             self.remove_companion(cx, new_parent, &to);
                         }
+                        self.undo_copied(cx, &copied);
                         Err(e)
                     }
                 }
@@ -529,7 +879,10 @@ impl Layer for CryptNames {
                 other => Ok(other),
             },
             Op::ReadDir { node, .. } => self.readdir(cx, op, node),
-            Op::GetAttr { .. } | Op::SetAttr { .. } => below.call(cx, op).map(|r| self.fix_reply(r)),
+            Op::GetAttr { node, .. } | Op::SetAttr { node, .. } => match below.call(cx, op)? {
+                Reply::Attr(a) => Ok(Reply::Attr(self.fix_node_attr(node, a))),
+                other => Ok(other),
+            },
             Op::Forget { node, .. } => {
                 self.dirs.write().remove(&node);
                 below.call(cx, op)
