@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use clap::Args;
-use plyfs_layers::crypt::keys::{self, CipherKind, Secret, Volume, VolumeConfig, VolumeSettings};
+use plyfs_layers::crypt::keys::{self, CipherKind, MasterKey, Secret, Volume, VolumeConfig, VolumeSettings};
 use zeroize::Zeroizing;
 
 /// Where the secret of a crypt volume comes from; without any of these, a prompt.
@@ -20,8 +20,15 @@ pub struct SecretArgs {
     #[arg(long, value_name = "CMD", conflicts_with = "keyfile")]
     pub extpass: Option<String>,
     /// Use the contents of FILE (at least 32 random bytes) instead of a password.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["masterkey", "masterkey_file"])]
     pub keyfile: Option<PathBuf>,
+    /// Unlock with the master key `plyfs init` showed, typed at a prompt (when the password is
+    /// lost).
+    #[arg(long, conflicts_with_all = ["passfile", "extpass", "masterkey_file"])]
+    pub masterkey: bool,
+    /// Unlock with the master key written in FILE (`-` for standard input).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["passfile", "extpass"])]
+    pub masterkey_file: Option<PathBuf>,
 }
 
 /// The new secret for `plyfs passwd`.
@@ -40,7 +47,12 @@ pub struct NewSecretArgs {
 
 impl NewSecretArgs {
     fn as_secret_args(&self) -> SecretArgs {
-        SecretArgs { passfile: self.new_passfile.clone(), extpass: self.new_extpass.clone(), keyfile: self.new_keyfile.clone() }
+        SecretArgs {
+            passfile: self.new_passfile.clone(),
+            extpass: self.new_extpass.clone(),
+            keyfile: self.new_keyfile.clone(),
+            ..SecretArgs::default()
+        }
     }
 }
 
@@ -56,11 +68,26 @@ fn first_line(bytes: &[u8], from: &str) -> Result<Zeroizing<String>, String> {
 
 impl SecretArgs {
     pub fn given(&self) -> bool {
-        self.passfile.is_some() || self.extpass.is_some() || self.keyfile.is_some()
+        self.passfile.is_some() || self.extpass.is_some() || self.keyfile.is_some() || self.masterkey || self.masterkey_file.is_some()
     }
 
     /// The secret, from the source given, or else from a prompt (twice when `confirm`).
     pub fn get(&self, what: &str, confirm: bool) -> Result<Secret, String> {
+        if let Some(path) = &self.masterkey_file {
+            let text = if path.as_os_str() == "-" {
+                let mut t = Zeroizing::new(String::new());
+                std::io::stdin().read_to_string(&mut t).map_err(|e| format!("master key from standard input: {e}"))?;
+                t
+            } else {
+                Zeroizing::new(std::fs::read_to_string(path).map_err(|e| format!("master key file {}: {e}", path.display()))?)
+            };
+            let shown = if path.as_os_str() == "-" { "standard input".to_owned() } else { path.display().to_string() };
+            return MasterKey::from_recovery_text(&text).map(Secret::MasterKey).map_err(|e| format!("master key file {shown}: {e}"));
+        }
+        if self.masterkey {
+            let text = prompt_for("Master key (nine groups of eight hex digits): ", "master key", "--masterkey-file FILE")?;
+            return MasterKey::from_recovery_text(&text).map(Secret::MasterKey);
+        }
         if let Some(path) = &self.keyfile {
             let bytes = std::fs::read(path).map_err(|e| format!("key file {}: {e}", path.display()))?;
             return Ok(Secret::KeyFile(Zeroizing::new(bytes)));
@@ -96,7 +123,13 @@ impl SecretArgs {
 
 /// Read a password from the terminal without echoing it.
 fn prompt(text: &str) -> Result<Zeroizing<String>, String> {
-    let no_tty = || "no password given and no terminal to ask on: use --passfile FILE, --extpass CMD or --keyfile FILE".to_owned();
+    prompt_for(text, "password", "--passfile FILE, --extpass CMD or --keyfile FILE")
+}
+
+/// Read a secret (`what`) from the terminal without echoing it; `instead` says how else to give
+/// it.
+fn prompt_for(text: &str, what: &str, instead: &str) -> Result<Zeroizing<String>, String> {
+    let no_tty = || format!("no {what} given and no terminal to ask on: use {instead}");
     let mut tty = std::fs::OpenOptions::new().read(true).write(true).open("/dev/tty").map_err(|_| no_tty())?;
     let fd = tty.as_raw_fd();
     let mut saved: libc::termios = unsafe { std::mem::zeroed() };
@@ -112,10 +145,10 @@ fn prompt(text: &str) -> Result<Zeroizing<String>, String> {
     let mut line = Zeroizing::new(String::new());
     let read = std::io::BufReader::new(&mut tty).read_line(&mut line);
     unsafe { libc::tcsetattr(fd, libc::TCSANOW, &saved) };
-    read.map_err(|e| format!("reading the password: {e}"))?;
+    read.map_err(|e| format!("reading the {what}: {e}"))?;
     let trimmed = Zeroizing::new(line.trim_end_matches(['\n', '\r']).to_owned());
     if trimmed.is_empty() {
-        return Err("the password is empty".into());
+        return Err(format!("the {what} is empty"));
     }
     Ok(trimmed)
 }
@@ -234,8 +267,11 @@ pub fn init(args: &InitArgs) -> Result<(), String> {
         plaintext_names: args.plaintext_names,
         kdf_memory_kib: args.kdf_memory.unwrap_or(keys::DEFAULT_KDF_MEMORY_KIB),
     };
+    if args.secret.masterkey || args.secret.masterkey_file.is_some() {
+        return Err("a new volume gets a new master key: give a password (prompt, --passfile, --extpass) or --keyfile".into());
+    }
     let secret = args.secret.get("New password", true)?;
-    keys::init(&args.lower, &settings, &secret)?;
+    let (_, key) = keys::init(&args.lower, &settings, &secret)?;
     eprintln!(
         "plyfs: {} is now a crypt volume ({}, {} names); keep {} safe: without it nothing can be decrypted",
         args.lower.display(),
@@ -243,7 +279,19 @@ pub fn init(args: &InitArgs) -> Result<(), String> {
         if settings.plaintext_names { "plaintext" } else { "encrypted" },
         keys::config_path(&args.lower).display()
     );
+    show_master_key(&key);
     Ok(())
+}
+
+/// Show a new volume's master key, once: on standard output, which a script may keep, with the
+/// explanation on standard error.
+fn show_master_key(key: &MasterKey) {
+    eprintln!(
+        "plyfs: the volume's master key follows. It unlocks the volume if the password is lost \
+         (`plyfs mount --masterkey`, `plyfs passwd --masterkey`). Write it down and keep it apart from the volume; \
+         it is not shown again."
+    );
+    println!("{}", &*key.recovery_text());
 }
 
 #[derive(Args, Debug)]
@@ -262,7 +310,12 @@ pub fn passwd(args: &PasswdArgs) -> Result<(), String> {
     VolumeConfig::load(&args.lower)?;
     let old = args.secret.get("Current password", false)?;
     let new = args.new.as_secret_args().get("New password", true)?;
+    let recovered = matches!(old, Secret::MasterKey(_));
     keys::change_secret(&args.lower, &old, &new)?;
-    eprintln!("plyfs: {}: the master key is re-wrapped for the new secret; no data was re-encrypted", args.lower.display());
+    if recovered {
+        eprintln!("plyfs: {}: recovered: the master key is wrapped for the new secret; the old password no longer opens it", args.lower.display());
+    } else {
+        eprintln!("plyfs: {}: the master key is re-wrapped for the new secret; no data was re-encrypted", args.lower.display());
+    }
     Ok(())
 }

@@ -367,3 +367,73 @@ fn long_symlink_targets_follow_renames_links_and_removal() {
 fn dir_holds(lower_dir: &Path, name: &str, m: &Mount) -> bool {
     fs::metadata(lower_dir).unwrap().ino() == fs::metadata(m.path(name)).unwrap().ino()
 }
+
+/// `init` shows the master key once; after the password wrap is replaced by one nobody knows,
+/// the key (from a file, or typed at the prompt) still mounts the volume and `passwd` wraps it
+/// under a new password. A wrong key is one line of error and mounts nothing, and the key never
+/// reaches the daemon's log.
+#[test]
+fn the_recovery_key_opens_a_volume_whose_password_is_lost() {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (lower, mnt) = (root.join("lower"), root.join("mnt"));
+    fs::create_dir(&lower).unwrap();
+    fs::create_dir(&mnt).unwrap();
+    let passfile = crypt_passfile(&root);
+    let out = run(plyfs().arg("init").arg(&lower).args(["--kdf-memory", "1024", "--passfile"]).arg(&passfile));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let key = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    assert_eq!(key.len(), 80, "nine groups of eight hex digits: {key}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("master key"), "init explains what it shows");
+    let m = Mount::start(dir, lower.clone(), mnt.clone(), "crypt", &[&format!("--passfile={}", passfile.display())]);
+    fs::write(m.path("kept"), b"still here").unwrap();
+    let dir = unmount_keeping_dir(m);
+
+    // The password is replaced by one that is then forgotten.
+    let unknown = root.join("unknown");
+    fs::write(&unknown, format!("{:x}\n", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos())).unwrap();
+    let out = run(plyfs().arg("passwd").arg(&lower).arg("--passfile").arg(&passfile).arg("--new-passfile").arg(&unknown));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    fs::remove_file(&unknown).unwrap();
+    let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).args(["--stack", "crypt", "--passfile"]).arg(&passfile));
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("wrong password"));
+
+    // A wrong key (another volume's), and a mistyped one: one line each, nothing mounted.
+    let wrong = root.join("wrong-key");
+    fs::write(&wrong, format!("{}\n", "0123abcd-".repeat(8) + "00000000")).unwrap();
+    let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).args(["--stack", "crypt", "--masterkey-file"]).arg(&wrong));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("mistyped") && err.trim().lines().count() == 1, "{err}");
+    let other = tempfile::tempdir().unwrap();
+    let out = run(plyfs().arg("init").arg(other.path()).args(["--kdf-memory", "1024", "--passfile"]).arg(&passfile));
+    fs::write(&wrong, String::from_utf8(out.stdout).unwrap()).unwrap();
+    let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).args(["--stack", "crypt", "--masterkey-file"]).arg(&wrong));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("wrong master key") && err.trim().lines().count() == 1, "{err}");
+    assert!(mounted_fstype(&mnt).is_none());
+
+    // The right key, from a file, mounts it.
+    let keyfile = root.join("written-down");
+    fs::write(&keyfile, format!("{}\n", key.to_uppercase().replace('-', " "))).unwrap();
+    let m = Mount::start(dir, lower.clone(), mnt.clone(), "crypt", &[&format!("--masterkey-file={}", keyfile.display())]);
+    assert_eq!(fs::read(m.path("kept")).unwrap(), b"still here");
+    let digits = key.replace('-', "");
+    assert!(!m.daemon_log().to_lowercase().contains(&digits[..16]), "the key reached the log");
+    let dir = unmount_keeping_dir(m);
+
+    // Typed at the prompt, it lets `passwd` set a new password.
+    let (status, shown) = on_terminal(
+        &format!("passwd {} --masterkey --new-passfile {}", lower.display(), passfile.display()),
+        &[("Master key", &key)],
+    );
+    assert!(status.success(), "{shown}");
+    assert!(!shown.contains(&key), "the key was echoed: {shown}");
+    let m = Mount::start(dir, lower, mnt, "crypt", &[&format!("--passfile={}", passfile.display())]);
+    assert_eq!(fs::read(m.path("kept")).unwrap(), b"still here");
+}
+
+/// Unmount `m` and give back its test directory.
+fn unmount_keeping_dir(mut m: Mount) -> tempfile::TempDir {
+    m.unmount();
+    std::mem::replace(&mut m.dir, tempfile::tempdir().unwrap())
+}

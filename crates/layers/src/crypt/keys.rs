@@ -8,6 +8,12 @@
 //! re-wraps the same master key: no data is re-encrypted.
 //!
 //! Keys in memory are zeroized when dropped and never logged; `Debug` prints no key bytes.
+//!
+//! **Recovery.** `init` shows the master key once, as 64 hex digits in groups of eight and a
+//! ninth group checking them ([`MasterKey::recovery_text`]). Given back (`--masterkey`), it
+//! unlocks the volume without the password, and `passwd` can wrap it under a new one. The
+//! configuration holds `key_check`, a one-way digest of the master key (HKDF), so a wrong key
+//! is refused before anything is mounted.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -62,6 +68,8 @@ impl CipherKind {
 pub enum Secret {
     Password(Zeroizing<String>),
     KeyFile(Zeroizing<Vec<u8>>),
+    /// The master key itself (recovery).
+    MasterKey(MasterKey),
 }
 
 impl Secret {
@@ -69,6 +77,7 @@ impl Secret {
         match self {
             Secret::Password(_) => "password",
             Secret::KeyFile(_) => "key file",
+            Secret::MasterKey(_) => "master key",
         }
     }
 }
@@ -90,6 +99,42 @@ impl MasterKey {
 
     pub fn bytes(&self) -> &[u8; 32] {
         &self.0
+    }
+
+    /// The key as a person writes it down: 64 hex digits in eight groups, and a ninth group of
+    /// eight checking them (SHA-256), which catches a mistyped digit.
+    pub fn recovery_text(&self) -> Zeroizing<String> {
+        let mut digits = Zeroizing::new(hex(&self.0[..]));
+        digits.push_str(&hex(&recovery_check(&self.0)));
+        let groups: Vec<&str> = (0..digits.len()).step_by(8).map(|i| &digits[i..i + 8]).collect();
+        Zeroizing::new(groups.join("-"))
+    }
+
+    /// Read a key written as [`MasterKey::recovery_text`] shows it; dashes, spaces and case do
+    /// not matter, and the check group may be left out.
+    pub fn from_recovery_text(text: &str) -> Result<MasterKey, String> {
+        let digits: Zeroizing<String> =
+            Zeroizing::new(text.chars().filter(|c| !c.is_whitespace() && *c != '-').map(|c| c.to_ascii_lowercase()).collect());
+        if digits.is_empty() {
+            return Err("the master key is empty".into());
+        }
+        if let Some(bad) = digits.chars().find(|c| !c.is_ascii_hexdigit()) {
+            return Err(format!("the master key holds '{bad}', which is not a hex digit"));
+        }
+        if digits.len() != 64 && digits.len() != 72 {
+            return Err(format!("the master key has {} hex digits, not 72 (nine groups of eight)", digits.len()));
+        }
+        let key: [u8; 32] = unhex(&digits[..64]).ok_or("the master key is not hex")?;
+        let key = MasterKey::from_bytes(key);
+        if digits.len() == 72 && digits[64..] != hex(&recovery_check(&key.0)) {
+            return Err("the master key is mistyped: its last group does not match the others".into());
+        }
+        Ok(key)
+    }
+
+    /// What the configuration keeps to recognise the key: a one-way digest of it.
+    fn check_value(&self) -> String {
+        hex(&self.subkey::<16>("master key check")[..])
     }
 
     /// A key for one purpose, derived with HKDF-SHA256, so that no two uses share a key.
@@ -123,6 +168,10 @@ pub struct VolumeConfig {
     pub kdf: Kdf,
     /// base64 of nonce (12) || sealed master key (32) || tag (16).
     pub wrapped_key: String,
+    /// A one-way digest of the master key, to recognise it when it is given for recovery.
+    /// Volumes made before recovery keys have none until their password is next changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_check: Option<String>,
 }
 
 /// Settings chosen when a volume is created.
@@ -154,6 +203,12 @@ pub fn random_bytes<const N: usize>() -> [u8; N] {
     b
 }
 
+fn recovery_check(key: &[u8; 32]) -> [u8; 4] {
+    use sha2::Digest;
+    let d = sha2::Sha256::new().chain_update(b"plyfs recovery key").chain_update(key).finalize();
+    d[..4].try_into().expect("4 bytes")
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -178,15 +233,18 @@ impl VolumeConfig {
     /// read, and the KDF (so its cost cannot be lowered behind the owner's back).
     fn associated_data(&self) -> Vec<u8> {
         let kdf = toml::to_string(&self.kdf).unwrap_or_default();
-        format!(
+        let mut ad = format!(
             "plyfs-crypt-config|{}|{}|{}|{}|{}",
             self.version,
             self.volume_id,
             self.cipher.name(),
             self.plaintext_names,
             kdf
-        )
-        .into_bytes()
+        );
+        if let Some(check) = &self.key_check {
+            ad.push_str(&format!("|{check}"));
+        }
+        ad.into_bytes()
     }
 
     fn derive_kek(&self, secret: &Secret) -> Result<Zeroizing<[u8; 32]>, String> {
@@ -205,6 +263,7 @@ impl VolumeConfig {
                     .expand(b"plyfs crypt key file", &mut kek[..])
                     .expect("HKDF output length is small");
             }
+            (_, Secret::MasterKey(_)) => return Err("a master key is not wrapped: it is the key".into()),
             (Kdf::Argon2id { .. }, s) => return Err(format!("this volume is unlocked with a password, not a {}", s.kind())),
             (Kdf::Keyfile { .. }, s) => return Err(format!("this volume is unlocked with a key file, not a {}", s.kind())),
         }
@@ -225,6 +284,16 @@ impl VolumeConfig {
     }
 
     fn unwrap_key(&self, secret: &Secret, shown: &str) -> Result<MasterKey, String> {
+        if let Secret::MasterKey(key) = secret {
+            return match &self.key_check {
+                Some(check) if *check == key.check_value() => Ok(key.clone()),
+                Some(_) => Err(format!("{shown}: wrong master key: it is not this volume's")),
+                None => Err(format!(
+                    "{shown}: this volume was made before master keys could be checked, so it cannot be unlocked with one; \
+                     unlock it with its password or key file"
+                )),
+            };
+        }
         let kek = self.derive_kek(secret).map_err(|e| format!("{shown}: {e}"))?;
         let blob = B64.decode(&self.wrapped_key).map_err(|e| format!("{shown}: corrupt: wrapped_key: {e}"))?;
         if blob.len() != 12 + 32 + 16 {
@@ -236,6 +305,7 @@ impl VolumeConfig {
             .map_err(|_| match secret {
                 Secret::Password(_) => format!("{shown}: wrong password (or the file was altered)"),
                 Secret::KeyFile(_) => format!("{shown}: wrong key file (or the file was altered)"),
+                Secret::MasterKey(_) => unreachable!("handled above"),
             })?;
         let mut bytes = [0u8; 32];
         bytes.copy_from_slice(&opened);
@@ -333,11 +403,13 @@ fn new_kdf(secret: &Secret, memory_kib: u32) -> Result<Kdf, String> {
             }
             Kdf::Keyfile { salt }
         }
+        Secret::MasterKey(_) => return Err("the new secret must be a password or a key file, not a master key".into()),
     })
 }
 
-/// Create a volume at `lower`: a new random master key, wrapped with `secret`.
-pub fn init(lower: &Path, settings: &VolumeSettings, secret: &Secret) -> Result<VolumeConfig, String> {
+/// Create a volume at `lower`: a new random master key, wrapped with `secret`. Returns the
+/// configuration and the master key (for the owner to write down).
+pub fn init(lower: &Path, settings: &VolumeSettings, secret: &Secret) -> Result<(VolumeConfig, MasterKey), String> {
     let path = config_path(lower);
     if path.exists() {
         return Err(format!("{}: already a crypt volume ({CONFIG_NAME} exists)", lower.display()));
@@ -358,11 +430,13 @@ pub fn init(lower: &Path, settings: &VolumeSettings, secret: &Secret) -> Result<
         plaintext_names: settings.plaintext_names,
         kdf: new_kdf(secret, settings.kdf_memory_kib)?,
         wrapped_key: String::new(),
+        key_check: None,
     };
     let key = MasterKey::from_bytes(random_bytes());
+    config.key_check = Some(key.check_value());
     config.wrap(&key, secret)?;
     config.store(lower)?;
-    Ok(config)
+    Ok((config, key))
 }
 
 /// Unlock the volume at `lower` with `secret`.
@@ -387,6 +461,8 @@ pub fn change_secret(lower: &Path, old: &Secret, new: &Secret) -> Result<(), Str
         Kdf::Keyfile { .. } => DEFAULT_KDF_MEMORY_KIB,
     };
     config.kdf = new_kdf(new, memory_kib)?;
+    // The key was checked (by its wrap, or against the check value): keep its check value.
+    config.key_check = Some(key.check_value());
     config.wrap(&key, new)?;
     config.store(lower)
 }
@@ -465,6 +541,37 @@ mod tests {
         let short = Secret::KeyFile(Zeroizing::new(vec![1; 8]));
         let other = tempfile::tempdir().unwrap();
         assert!(init(other.path(), &fast(), &short).unwrap_err().contains("at least 32"));
+    }
+
+    #[test]
+    fn the_recovery_key_unlocks_and_rewraps_and_a_wrong_one_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, key) = init(dir.path(), &fast(), &pw("lost")).unwrap();
+        let text = key.recovery_text();
+        assert_eq!(text.len(), 9 * 8 + 8, "nine groups of eight, dashes between: {}", &*text);
+        let again = MasterKey::from_recovery_text(&text.to_uppercase().replace('-', " ")).unwrap();
+        assert_eq!(again.bytes(), key.bytes());
+        let v = unlock(dir.path(), &Secret::MasterKey(again)).unwrap();
+        assert_eq!(v.key.bytes(), key.bytes());
+        // A typo is caught by the check group; another key by the configuration.
+        let mut typo = text.to_string();
+        typo.replace_range(0..1, if typo.starts_with('0') { "1" } else { "0" });
+        assert!(MasterKey::from_recovery_text(&typo).unwrap_err().contains("mistyped"));
+        let other = MasterKey::from_bytes(random_bytes());
+        assert!(unlock(dir.path(), &Secret::MasterKey(other.clone())).unwrap_err().contains("wrong master key"));
+        assert!(MasterKey::from_recovery_text("12-zz").unwrap_err().contains("not a hex digit"));
+        // The key wraps under a new password; the lost one no longer opens it.
+        change_secret(dir.path(), &Secret::MasterKey(key.clone()), &pw("found")).unwrap();
+        assert_eq!(unlock(dir.path(), &pw("found")).unwrap().key.bytes(), key.bytes());
+        assert!(unlock(dir.path(), &pw("lost")).is_err());
+        assert!(change_secret(dir.path(), &pw("found"), &Secret::MasterKey(other)).unwrap_err().contains("not a master key"));
+        // The check value is bound to the wrap: editing it makes the password fail.
+        let path = config_path(dir.path());
+        let t = std::fs::read_to_string(&path).unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        let check = VolumeConfig::load(dir.path()).unwrap().key_check.unwrap();
+        std::fs::write(&path, t.replace(&check, &"0".repeat(32))).unwrap();
+        assert!(unlock(dir.path(), &pw("found")).unwrap_err().contains("altered"));
     }
 
     #[test]
