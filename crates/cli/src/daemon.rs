@@ -275,6 +275,7 @@ fn serve_inner(
     if opts.shared {
         plyfs_stack::shared::set_mode(Some(plyfs_stack::shared::SharedMode { revalidate: opts.attr_ttl }));
     }
+    plyfs_stack::readonly::set_read_only(opts.read_only);
     let stack = crate::tree::build_stack(&specs, &lower, &args.tree.branches, args.tree.rules.as_deref(), Some(&mountpoint))?;
     let stack = Arc::new(stack);
     // Every level by name, branches included (a tree's trunk may have no layer of its own).
@@ -363,12 +364,48 @@ fn serve_inner(
         })
         .map_err(|e| e.to_string())?;
 
+    if let Some(idle) = opts.idle {
+        watch_idle(mounted.status(), mountpoint.clone(), idle)?;
+    }
     // Do not keep any directory busy.
     let _ = std::env::set_current_dir("/");
     let result = mounted.run();
     drop(control);
     tracing::info!("{} unmounted", mountpoint.display());
     result.map_err(|e| format!("serving {}: {e}", mountpoint.display()))
+}
+
+/// `-o idle`: unmount once no request came for `idle` and nothing is open, as gocryptfs
+/// `-idle` does. A mount still in use (a shell's working directory in it) refuses, and the watch
+/// tries again later.
+fn watch_idle(status: Arc<plyfs_fuse::FrontStatus>, mountpoint: PathBuf, idle: std::time::Duration) -> Result<(), String> {
+    let every = (idle / 4).clamp(std::time::Duration::from_millis(100), std::time::Duration::from_secs(10));
+    tracing::info!("-o idle: unmounting after {idle:?} without use");
+    std::thread::Builder::new()
+        .name("idle".into())
+        .spawn(move || {
+            let mut since = std::time::Instant::now();
+            loop {
+                std::thread::sleep(every);
+                if status.take_active() || status.open_count() > 0 {
+                    since = std::time::Instant::now();
+                    continue;
+                }
+                if since.elapsed() < idle {
+                    continue;
+                }
+                tracing::info!("unused for {:?}: unmounting {} (-o idle)", since.elapsed(), mountpoint.display());
+                match unmount(&mountpoint, false) {
+                    Ok(_) => break,
+                    Err(e) => {
+                        tracing::info!("-o idle: {} is still in use ({e}); trying again later", mountpoint.display());
+                        since = std::time::Instant::now();
+                    }
+                }
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_layers::crypt::keys::Volume>>) -> Result<(), String> {

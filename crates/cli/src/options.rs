@@ -21,6 +21,8 @@ pub struct MountOptions {
     pub read_only: bool,
     /// Other mounts share the lower tree (`-o shared`).
     pub shared: bool,
+    /// Unmount after this long without a request and with nothing open (`-o idle=DURATION`).
+    pub idle: Option<Duration>,
     pub flags: Vec<String>,
 }
 
@@ -37,13 +39,14 @@ impl Default for MountOptions {
             allow_root: false,
             read_only: false,
             shared: false,
+            idle: None,
             flags: Vec::new(),
         }
     }
 }
 
 pub const HELP: &str = "comma-separated: passthrough=on|off, io_uring=auto|on|off (auto: where the kernel allows it), entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
-shared, allow_other, allow_root, ro, and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
+idle=DURATION (unmount after that long unused: 90s, 10m, 1h30m), shared, allow_other, allow_root, ro, and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
 
 fn seconds(key: &str, v: &str) -> Result<Duration, String> {
     let s: f64 = v.parse().map_err(|_| format!("-o {key}={v}: not a number of seconds"))?;
@@ -51,6 +54,36 @@ fn seconds(key: &str, v: &str) -> Result<Duration, String> {
         return Err(format!("-o {key}={v}: must be between 0 and 86400 seconds"));
     }
     Ok(Duration::from_secs_f64(s))
+}
+
+/// A duration as people write it: `90`, `90s`, `10m`, `2h`, `1h30m`, `500ms`.
+pub fn duration(key: &str, v: &str) -> Result<Duration, String> {
+    let bad = || format!("-o {key}={v}: not a duration (e.g. 90s, 10m, 1h30m)");
+    let mut total = Duration::ZERO;
+    let mut rest = v.trim();
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(rest.len());
+        let n: f64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
+        let secs = match &rest[..unit] {
+            "" | "s" => 1.0,
+            "ms" => 0.001,
+            "m" | "min" => 60.0,
+            "h" => 3600.0,
+            "d" => 86400.0,
+            _ => return Err(bad()),
+        };
+        rest = &rest[unit..];
+        total += Duration::try_from_secs_f64(n * secs).map_err(|_| bad())?;
+    }
+    if total.is_zero() {
+        return Err(format!("-o {key}={v}: must be longer than nothing"));
+    }
+    Ok(total)
 }
 
 /// Parse every `-o` argument given, in order.
@@ -85,6 +118,8 @@ pub fn parse(args: &[String]) -> Result<MountOptions, String> {
             ("allow_other", None) => o.allow_other = true,
             ("allow_root", None) => o.allow_root = true,
             ("ro", None) => o.read_only = true,
+            ("rw", None) => o.read_only = false,
+            ("idle", Some(v)) => o.idle = Some(duration(key, v)?),
             ("shared", None) => o.shared = true,
             ("default_permissions", None) => {} // always on
             (flag, None) if KERNEL_FLAGS.contains(&flag) => o.flags.push(flag.to_owned()),
@@ -119,5 +154,19 @@ mod tests {
         assert_eq!(parse(&["io_uring=on".into()]).unwrap().io_uring, UringChoice::On);
         assert_eq!(parse(&["io_uring=off".into()]).unwrap().io_uring, UringChoice::Off);
         assert!(parse(&["io_uring=maybe".into()]).unwrap_err().contains("expected auto, on or off"));
+    }
+
+    #[test]
+    fn parses_idle_durations() {
+        let idle = |v: &str| parse(&[format!("idle={v}")]).map(|o| o.idle.unwrap());
+        assert_eq!(idle("90").unwrap(), Duration::from_secs(90));
+        assert_eq!(idle("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(idle("10m").unwrap(), Duration::from_secs(600));
+        assert_eq!(idle("1h30m").unwrap(), Duration::from_secs(5400));
+        assert_eq!(idle("1.5s").unwrap(), Duration::from_millis(1500));
+        assert!(idle("soon").unwrap_err().contains("not a duration"));
+        assert!(idle("5x").is_err());
+        assert!(idle("0s").unwrap_err().contains("longer than nothing"));
+        assert_eq!(parse(&[]).unwrap().idle, None);
     }
 }

@@ -19,6 +19,8 @@ use crate::format::Inode;
 use crate::fs::Fs;
 
 pub struct Exofs {
+    /// A read-only mount: changes are refused here (see [`plyfs_stack::readonly`]).
+    read_only: bool,
     name: String,
     fs: std::sync::Arc<Fs>,
     next_fh: AtomicU64,
@@ -60,7 +62,14 @@ impl Exofs {
                 tracing::error!("exofs: write-back: {e:?}");
             }
         });
-        Exofs { name: name.to_owned(), fs, next_fh: AtomicU64::new(1), listings: Default::default(), invalidator: Default::default() }
+        Exofs {
+            name: name.to_owned(),
+            fs,
+            next_fh: AtomicU64::new(1),
+            listings: Default::default(),
+            invalidator: Default::default(),
+            read_only: plyfs_stack::readonly::read_only(),
+        }
     }
 
     pub fn level(self) -> Level {
@@ -193,6 +202,7 @@ impl Layer for Exofs {
     }
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        plyfs_stack::readonly::check(self.read_only, op)?;
         match *op {
             Op::Lookup { parent, name } => {
                 if name.len() > 255 {

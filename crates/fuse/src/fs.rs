@@ -85,9 +85,27 @@ pub struct FrontStatus {
     passthrough_failed: AtomicBool,
     /// The kernel refuses the lower file system's files for passthrough (found at mount).
     passthrough_refused: AtomicBool,
+    /// A request was served since [`FrontStatus::take_active`] last looked.
+    active: AtomicBool,
+    /// Files and directories open now.
+    open: std::sync::atomic::AtomicI64,
 }
 
 impl FrontStatus {
+    /// Whether any request was served since the last call (for `-o idle`).
+    pub fn take_active(&self) -> bool {
+        self.active.swap(false, Ordering::Relaxed)
+    }
+
+    /// How many files and directories are open through the mount.
+    pub fn open_count(&self) -> i64 {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    fn opened(&self, by: i64) {
+        self.open.fetch_add(by, Ordering::Relaxed);
+    }
+
     pub fn io_mode(&self) -> Option<IoMode> {
         self.io_mode.lock().clone()
     }
@@ -252,6 +270,8 @@ impl FuseFs {
             io_mode: Mutex::new(None),
             passthrough_failed: AtomicBool::new(false),
             passthrough_refused: AtomicBool::new(false),
+            active: AtomicBool::new(true),
+            open: std::sync::atomic::AtomicI64::new(0),
         });
         let fs = FuseFs {
             stack,
@@ -274,6 +294,11 @@ impl FuseFs {
     /// removed branch) answers ESTALE. The top view, which nearly every request names, is
     /// borrowed; the others are looked up in the stack's views.
     fn decode(&self, ino: u64) -> Res<(Cow<'_, Level>, usize, NodeId)> {
+        // Nearly every request names an inode: it counts as use of the mount. Written only
+        // when the flag was cleared, so requests on several CPUs do not fight over it.
+        if !self.status.active.load(Ordering::Relaxed) {
+            self.status.active.store(true, Ordering::Relaxed);
+        }
         let view = (ino >> VIEW_SHIFT) as usize;
         let node = NodeId(ino & NodeId::MAX);
         if view == 0 {
@@ -639,6 +664,7 @@ impl FuseFs {
     pub(crate) fn open(&self, cx: &Caller, ino: u64, flags: i32) -> Res<OpenOut> {
         let (level, view, node) = self.decode(ino)?;
         let opened = level.open(cx, node, flags).map_err(|e| errno(&e))?;
+        self.status.opened(1);
         Ok(self.open_out(ino, view, &opened))
     }
 
@@ -648,6 +674,7 @@ impl FuseFs {
         }
         let (level, view, parent) = self.decode(parent)?;
         let (entry, opened) = level.create(cx, parent, name, mode, flags).map_err(|e| errno(&e))?;
+        self.status.opened(1);
         let node = Self::node_out(view, entry);
         let open = self.open_out(node.ino, view, &opened);
         Ok((node, open))
@@ -671,6 +698,7 @@ impl FuseFs {
     }
 
     pub(crate) fn release(&self, cx: &Caller, ino: u64, fh: u64) -> Res<()> {
+        self.status.opened(-1);
         self.release_backing(ino, fh);
         self.empty_op(cx, ino, |node| Op::Release { node, fh: FileHandle(fh) })
     }
@@ -689,6 +717,7 @@ impl FuseFs {
                 // The kernel may cache the listing; it drops it when the directory changes
                 // through this mount or its mtime moves.
                 let flags = if view == 0 { fopen::CACHE_DIR } else { 0 };
+                self.status.opened(1);
                 Some(OpenOut { fh: o.fh.0, flags, backing: None })
             }
             _ => None,
@@ -749,6 +778,7 @@ impl FuseFs {
         if ino == LEVELS_DIR_INO {
             return Ok(());
         }
+        self.status.opened(-1);
         if let Some(pending) = self.dir_pending.lock().remove(&(ino, fh)) {
             if let Ok((level, _, _)) = self.decode(ino) {
                 self.forget_entries(&level, pending);

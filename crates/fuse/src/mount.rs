@@ -277,6 +277,11 @@ impl Mounted {
         &self.mountpoint
     }
 
+    /// What the front end tells about its use: requests served, files open.
+    pub fn status(&self) -> Arc<FrontStatus> {
+        self.status.clone()
+    }
+
     /// Serve requests until the file system is unmounted.
     ///
     /// When the last user of a lazily detached mount goes, the kernel tears the connection

@@ -1578,6 +1578,11 @@ impl<L: LowerIo> ScaFile<L> {
 
     fn close_now(&mut self) -> Result<()> {
         self.drop_prefetched();
+        if !self.lower.writable() {
+            // Opened read-only (a read-only mount): nothing was written, and an index rebuilt
+            // in memory stays there.
+            return Ok(());
+        }
         self.flush_pending()?;
         if self.ix.since_checkpoint >= CHECKPOINT_EVERY_RECORDS {
             // The new checkpoint leaves the old one dead, which may be the byte too many.
@@ -1648,6 +1653,10 @@ impl<L: LowerIo> ScaFile<L> {
     /// Every live record thus exists intact somewhere at every moment, and the newest
     /// checkpoint is never overwritten before a newer one is durable.
     pub fn compact(&mut self) -> Result<Value> {
+        if !self.lower.writable() {
+            // A read-only mount, or a lower file this daemon may not write.
+            return Err(Error::Os(libc::EROFS));
+        }
         self.locked(LockKind::Exclusive, |f| f.compact_now())
     }
 

@@ -19,6 +19,7 @@ mod layer;
 mod lowerdir;
 mod op;
 pub mod progress;
+pub mod readonly;
 pub mod shared;
 pub mod spec;
 mod stack;

@@ -176,7 +176,8 @@ impl IntentLog {
     /// and what it says.
     /// With `shared`, the mount's log is a new one of its own (other mounts' are taken over by
     /// the mirror), and what it says is nothing yet.
-    pub fn open(names: Vec<String>, tops: Vec<Level>, shared: bool) -> Result<(IntentLog, Replayed)> {
+    /// With `read_only`, the copies are read and left as they are.
+    pub fn open(names: Vec<String>, tops: Vec<Level>, shared: bool, read_only: bool) -> Result<(IntentLog, Replayed)> {
         let n = names.len();
         let own = if shared {
             let mut token = [0u8; 4];
@@ -208,6 +209,9 @@ impl IntentLog {
             shared,
             owner: shared::new_lock_owner(),
         };
+        if read_only {
+            return Ok((log, replayed));
+        }
         // Start every in-sync copy afresh with what is still true.
         log.owned(|| {
             let mut state = log.state.lock();

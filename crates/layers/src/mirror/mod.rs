@@ -212,8 +212,11 @@ impl Mirror {
         }
         let names: Vec<String> = args.branches.iter().map(|b| b.name.clone()).collect();
         let tops: Vec<Level> = args.branches.iter().map(|b| b.top().clone()).collect();
-        let sharing = shared::mode().is_some();
-        let (log, replayed) = IntentLog::open(names, tops, sharing)?;
+        // A read-only mount changes nothing, so it takes no lock and writes no log: it serves
+        // the branches as they are.
+        let read_only = plyfs_stack::readonly::read_only();
+        let sharing = shared::mode().is_some() && !read_only;
+        let (log, replayed) = IntentLog::open(names, tops, sharing, read_only)?;
         let n = args.branches.len();
         let branches: Vec<MBranch> = args
             .branches
@@ -255,6 +258,17 @@ impl Mirror {
                     replayed.stale[i].len()
                 );
             }
+        }
+        if read_only {
+            if !replayed.in_flight.is_empty() {
+                tracing::warn!(
+                    "mirror '{}': {} changes were in flight when the daemon stopped, and a read-only mount cannot make the branches the same; it serves them from '{}'. Mount it read-write to repair them",
+                    mirror.name,
+                    replayed.in_flight.len(),
+                    mirror.branches[mirror.reader()?].branch.name
+                );
+            }
+            return Ok(mirror);
         }
         mirror.recover(&replayed.in_flight)?;
         // Other mounts' logs: a stopped mount's is taken over; one that is running refuses an

@@ -1,0 +1,54 @@
+//! Read-only mounts (`-o ro`). The kernel refuses every write a user makes on a read-only
+//! mount, but layers also write on their own: a rebuilt index, a repaired mirror branch, a
+//! directory given an id. Each bottom layer (the lower directory, a remote stack, exofs)
+//! refuses those with `EROFS` when the process serves a read-only mount, so no layer above can
+//! change what is stored, whatever it tries; layers treat `EROFS` as "not now" and carry on
+//! reading.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::op::Op;
+use crate::{Error, Result};
+
+static READ_ONLY: AtomicBool = AtomicBool::new(false);
+
+/// Make the bottom layers built after this refuse every change. A daemon serves one mount and
+/// sets this before building its stack.
+pub fn set_read_only(on: bool) {
+    READ_ONLY.store(on, Ordering::SeqCst);
+}
+
+/// Whether bottom layers built now refuse changes.
+pub fn read_only() -> bool {
+    READ_ONLY.load(Ordering::SeqCst)
+}
+
+/// Whether `op` would change what is stored: anything that writes, makes, removes or renames,
+/// sets attributes or extended attributes, or opens a file for writing.
+pub fn changes_storage(op: &Op<'_>) -> bool {
+    match *op {
+        Op::SetAttr { .. }
+        | Op::MkNod { .. }
+        | Op::MkDir { .. }
+        | Op::Unlink { .. }
+        | Op::RmDir { .. }
+        | Op::SymLink { .. }
+        | Op::Rename { .. }
+        | Op::Link { .. }
+        | Op::Create { .. }
+        | Op::Write { .. }
+        | Op::SetXattr { .. }
+        | Op::RemoveXattr { .. }
+        | Op::Fallocate { .. } => true,
+        Op::Open { flags, .. } => flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0,
+        _ => false,
+    }
+}
+
+/// `EROFS` for an operation a read-only bottom layer must refuse.
+pub fn check(read_only: bool, op: &Op<'_>) -> Result<()> {
+    if read_only && changes_storage(op) {
+        return Err(Error::Os(libc::EROFS));
+    }
+    Ok(())
+}
