@@ -19,6 +19,7 @@ pub mod format;
 pub mod index;
 pub mod layer;
 pub mod mem;
+pub mod synth;
 
 pub use codec::{Codec, FileFacts, Place};
 pub use file::{Engine, LowerIo, ScaFile};

@@ -1,0 +1,320 @@
+//! A lower file as a writer would leave it after writing a file front to back in one go, made
+//! up on demand: header, one `Data` record per chunk, a checkpoint, and the slot naming it.
+//! Every record's place follows from the decoded size alone, so any byte range of the file can
+//! be produced from the chunks it covers, without the rest. A reverse view (plaintext below,
+//! encoded file shown) serves its files this way; what it shows is read by an ordinary
+//! [`crate::ScaFile`].
+//!
+//! Each payload is its chunk plus a fixed number of bytes (a cipher's nonce, kind byte and
+//! tag), so payload lengths are known before any chunk is encoded.
+
+use crate::format::*;
+
+/// The layout of one file written sequentially.
+#[derive(Clone, Copy, Debug)]
+pub struct Sequential {
+    /// The decoded size.
+    pub size: u64,
+    pub chunk_shift: u8,
+    /// Bytes each payload has beyond its chunk.
+    pub overhead: u32,
+    pub codec: [u8; 4],
+    pub file_id: Option<[u8; 16]>,
+}
+
+fn varint_len(v: u64) -> u64 {
+    (64 - v.max(1).leading_zeros() as u64).div_ceil(7)
+}
+
+impl Sequential {
+    pub fn chunk_bytes(&self) -> u64 {
+        1 << self.chunk_shift
+    }
+
+    pub fn chunks(&self) -> u64 {
+        self.size.div_ceil(self.chunk_bytes())
+    }
+
+    /// The decoded length of chunk `i`.
+    pub fn chunk_len(&self, i: u64) -> u64 {
+        self.size.saturating_sub(i << self.chunk_shift).min(self.chunk_bytes())
+    }
+
+    fn payload_len(&self, i: u64) -> u64 {
+        self.chunk_len(i) + u64::from(self.overhead)
+    }
+
+    fn full_record(&self) -> u64 {
+        record_bytes((self.chunk_bytes() + u64::from(self.overhead)) as u32)
+    }
+
+    /// Where chunk `i`'s record starts.
+    pub fn record_off(&self, i: u64) -> u64 {
+        DATA_START + i * self.full_record()
+    }
+
+    /// Where the checkpoint record starts.
+    pub fn index_off(&self) -> u64 {
+        match self.chunks() {
+            0 => DATA_START,
+            n => self.record_off(n - 1) + record_bytes(self.payload_len(n - 1) as u32),
+        }
+    }
+
+    /// The length of the checkpoint's payload (see [`crate::index::FileIndex::checkpoint_payload`]):
+    /// version, size, extent count, five bytes and two lengths per chunk, and "no tail".
+    fn index_payload_len(&self) -> u64 {
+        let n = self.chunks();
+        let mut len = 1 + varint_len(self.size) + varint_len(n) + 1;
+        if n > 0 {
+            let full = 5 + varint_len(self.payload_len(0)) + varint_len(self.chunk_len(0));
+            let last = 5 + varint_len(self.payload_len(n - 1)) + varint_len(self.chunk_len(n - 1));
+            len += (n - 1) * full + last;
+        }
+        len
+    }
+
+    /// The length of the whole file: nothing at all for an empty file.
+    pub fn len(&self) -> u64 {
+        if self.size == 0 {
+            return 0;
+        }
+        self.index_off() + record_bytes(self.index_payload_len() as u32)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.size == 0
+    }
+
+    fn index_seq(&self) -> u64 {
+        self.chunks() + 1
+    }
+
+    /// The file header and the slot in force ([`DATA_START`] bytes).
+    fn head(&self) -> Vec<u8> {
+        let mut b = vec![0u8; DATA_START as usize];
+        let header = FileHeader { codec: self.codec, chunk_shift: self.chunk_shift, file_id: self.file_id };
+        b[..FILE_HEADER_BYTES as usize].copy_from_slice(&header.encode());
+        let slot = Slot {
+            slot_seq: 1,
+            file_size: self.size,
+            covered_seq: self.index_seq(),
+            log_end: self.len(),
+            checkpoint_off: self.index_off(),
+            checkpoint_seq: self.index_seq(),
+        };
+        let at = Slot::offset_for(1) as usize;
+        b[at..at + SLOT_BYTES as usize].copy_from_slice(&slot.encode());
+        b
+    }
+
+    fn record_header(&self, i: u64) -> RecordHeader {
+        RecordHeader {
+            kind: Kind::Data,
+            flags: 0,
+            chunk_shift: self.chunk_shift,
+            seq: i + 1,
+            chunk: i,
+            count: 1,
+            decoded_len: self.chunk_len(i) as u32,
+            payload_len: 0,
+            payload_crc: 0,
+            file_size: ((i + 1) << self.chunk_shift).min(self.size),
+        }
+    }
+
+    /// The checkpoint record, whole.
+    fn index_record(&self) -> Vec<u8> {
+        let n = self.chunks();
+        let mut payload = Vec::with_capacity(self.index_payload_len() as usize);
+        varint::put(&mut payload, 1);
+        varint::put(&mut payload, self.size);
+        varint::put(&mut payload, n);
+        let entry = |payload: &mut Vec<u8>, i: u64| {
+            // No gap before the extent, one chunk, a Data record where the one before ended, one
+            // sequence number on.
+            payload.extend_from_slice(&[0, 1, Kind::Data as u8, 0, 2]);
+            varint::put(payload, self.payload_len(i));
+            varint::put(payload, self.chunk_len(i));
+        };
+        if n > 0 {
+            let mut full = Vec::new();
+            entry(&mut full, 0);
+            for _ in 0..n - 1 {
+                payload.extend_from_slice(&full);
+            }
+            entry(&mut payload, n - 1);
+        }
+        payload.push(0);
+        debug_assert_eq!(payload.len() as u64, self.index_payload_len());
+        let header = RecordHeader {
+            kind: Kind::Index,
+            chunk: 0,
+            count: 0,
+            decoded_len: 0,
+            seq: self.index_seq(),
+            file_size: self.size,
+            ..self.record_header(0)
+        };
+        let mut out = Vec::new();
+        build_record(header, &payload, &mut out);
+        out
+    }
+
+    /// The chunks whose records overlap `off..off + len`.
+    pub fn chunks_overlapping(&self, off: u64, len: u64) -> std::ops::Range<u64> {
+        let n = self.chunks();
+        let end = (off + len).min(self.index_off());
+        if len == 0 || off >= end {
+            return 0..0;
+        }
+        let first = off.saturating_sub(DATA_START) / self.full_record();
+        let last = (end - 1).saturating_sub(DATA_START) / self.full_record();
+        first.min(n)..(last + 1).min(n)
+    }
+
+    /// The bytes at `off..off + len` (fewer at the end). `payload` appends the payload of the
+    /// chunk it is given to its buffer; it is called for the chunks of
+    /// [`Sequential::chunks_overlapping`], in order.
+    pub fn read_at(&self, off: u64, len: u64, mut payload: impl FnMut(u64, &mut Vec<u8>) -> Result<(), String>) -> Result<Vec<u8>, String> {
+        let total = self.len();
+        let end = (off + len).min(total);
+        let mut out = Vec::with_capacity(end.saturating_sub(off) as usize);
+        if off >= end {
+            return Ok(out);
+        }
+        let mut copy = |at: u64, bytes: &[u8]| {
+            let (s, e) = (at.max(off), (at + bytes.len() as u64).min(end));
+            if s < e {
+                debug_assert_eq!(out.len() as u64, s - off, "pieces come in order");
+                out.extend_from_slice(&bytes[(s - at) as usize..(e - at) as usize]);
+            }
+        };
+        if off < DATA_START {
+            copy(0, &self.head());
+        }
+        let mut record = Vec::new();
+        for i in self.chunks_overlapping(off, end - off) {
+            record.clear();
+            let start = begin_record(&mut record);
+            payload(i, &mut record)?;
+            let got = record.len() - start - RECORD_HEADER_BYTES as usize;
+            if got as u64 != self.payload_len(i) {
+                return Err(format!("chunk {i} encoded to {got} bytes, not {}", self.payload_len(i)));
+            }
+            finish_record(self.record_header(i), &mut record, start);
+            copy(self.record_off(i), &record);
+        }
+        if end > self.index_off() {
+            copy(self.index_off(), &self.index_record());
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{Codec, Place};
+    use crate::file::{Engine, ScaFile};
+    use crate::index::FileIndex;
+    use crate::mem::MemLower;
+    use std::sync::Arc;
+
+    /// A codec whose payload is a fixed prefix, the chunk reversed, and a suffix.
+    struct Framed;
+
+    impl Codec for Framed {
+        fn tag(&self) -> [u8; 4] {
+            *b"test"
+        }
+        fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
+            out.extend_from_slice(b"<<");
+            out.extend(chunk.iter().rev());
+            out.extend_from_slice(b">>>");
+            Ok(())
+        }
+        fn decode(&self, e: &[u8], n: usize, out: &mut Vec<u8>) -> Result<(), String> {
+            if e.len() != n + 5 || !e.starts_with(b"<<") || !e.ends_with(b">>>") {
+                return Err("not framed".into());
+            }
+            out.extend(e[2..e.len() - 3].iter().rev());
+            Ok(())
+        }
+        fn plaintext_safe(&self) -> bool {
+            false
+        }
+        fn deterministic(&self) -> bool {
+            false
+        }
+        fn new_file_id(&self) -> Option<[u8; 16]> {
+            Some([7; 16])
+        }
+        fn encode_at(&self, p: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
+            assert_eq!(p.file_id, [7; 16]);
+            self.encode(chunk, out)
+        }
+    }
+
+    fn data(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 7 + i / 4096) as u8).collect()
+    }
+
+    fn layout(size: u64) -> Sequential {
+        Sequential { size, chunk_shift: 12, overhead: 5, codec: *b"test", file_id: Some([7; 16]) }
+    }
+
+    fn whole(s: &Sequential, d: &[u8]) -> Vec<u8> {
+        s.read_at(0, s.len(), |i, out| {
+            let c = &d[(i << 12) as usize..][..s.chunk_len(i) as usize];
+            Framed.encode(c, out)
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_made_up_file_opens_with_its_checkpoint_and_reads_back() {
+        for size in [1u64, 100, 4095, 4096, 4097, 8192, 70_000, 1 << 20, (1 << 20) + 3] {
+            let d = data(size as usize);
+            let s = layout(size);
+            let bytes = whole(&s, &d);
+            assert_eq!(bytes.len() as u64, s.len(), "size {size}");
+            // The checkpoint is what the index code itself would write for these records.
+            let mut ix = FileIndex::new(12);
+            for i in 0..s.chunks() {
+                let h = RecordHeader { payload_len: s.payload_len(i) as u32, ..s.record_header(i) };
+                ix.apply(s.record_off(i), &h, &[]).unwrap();
+            }
+            let idx = RecordHeader::decode(&bytes[s.index_off() as usize..]).unwrap();
+            let at = (s.index_off() + RECORD_HEADER_BYTES) as usize;
+            assert_eq!(&bytes[at..at + idx.payload_len as usize], &ix.checkpoint_payload()[..], "size {size}");
+            let engine = Arc::new(Engine::new("test", Arc::new(Framed), 12, false));
+            let lower = MemLower::default();
+            *lower.0.lock() = bytes.clone();
+            let f = ScaFile::open(engine, lower.clone()).unwrap();
+            assert_eq!(f.size(), size);
+            assert!(f.read(0, size as usize).map_err(|_| ()).unwrap() == d, "size {size}");
+            assert_eq!(*lower.0.lock(), bytes, "opening and reading wrote nothing");
+        }
+    }
+
+    #[test]
+    fn any_range_matches_the_whole() {
+        let d = data(50_000);
+        let s = layout(50_000);
+        let all = whole(&s, &d);
+        for (off, len) in [(0, 1), (0, 300), (255, 2), (256, 4200), (4000, 9000), (s.index_off() - 3, 10), (s.len() - 1, 100), (s.len(), 5)] {
+            let part = s
+                .read_at(off, len, |i, out| Framed.encode(&d[(i << 12) as usize..][..s.chunk_len(i) as usize], out))
+                .unwrap();
+            let want = &all[(off as usize).min(all.len())..((off + len) as usize).min(all.len())];
+            assert_eq!(part, want, "{off}+{len}");
+        }
+        assert!(layout(0).is_empty() && layout(0).len() == 0);
+        let short = s.read_at(0, 10_000, |_, out| {
+            out.push(1);
+            Ok(())
+        });
+        assert!(short.unwrap_err().contains("encoded to 1 bytes"));
+    }
+}
