@@ -56,6 +56,32 @@ pub struct MountArgs {
     /// The password or key file of a crypt volume.
     #[command(flatten)]
     secret: crate::secret::SecretArgs,
+    /// Show LOWER, a plaintext tree, as a read-only crypt volume (set up with `plyfs init LOWER
+    /// --reverse`), for encrypted backups; copied anywhere, the view mounts with --stack crypt.
+    #[arg(long, conflicts_with_all = ["stack", "config", "branches", "rules", "psk"])]
+    reverse: bool,
+    /// With --reverse: leave out what GLOB matches (a plaintext path relative to LOWER; without
+    /// a slash, a name at any depth). Repeatable.
+    #[arg(long, value_name = "GLOB", requires = "reverse")]
+    exclude: Vec<String>,
+    /// With --reverse: leave out the globs listed in FILE, one per line (# starts a comment).
+    #[arg(long, value_name = "FILE", requires = "reverse")]
+    exclude_from: Option<PathBuf>,
+}
+
+impl MountArgs {
+    /// The exclusions of a reverse view: --exclude, then the lines of --exclude-from.
+    fn excludes(&self) -> Result<Vec<String>, String> {
+        let mut all = self.exclude.clone();
+        if let Some(path) = &self.exclude_from {
+            let text = std::fs::read_to_string(path).map_err(|e| format!("--exclude-from {}: {e}", path.display()))?;
+            all.extend(text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(str::to_owned));
+        }
+        for g in &all {
+            plyfs_stack::glob::Glob::new(g).map_err(|e| format!("--exclude {g}: {e}"))?;
+        }
+        Ok(all)
+    }
 }
 
 /// The stack a command builds over LOWER, as `mount` and `serve` take it.
@@ -89,6 +115,9 @@ impl StackArgs {
 }
 
 pub fn mount(args: MountArgs) -> Result<(), String> {
+    if args.reverse {
+        return mount_reverse(args);
+    }
     // Check what can be checked before going to the background, so mistakes are reported here.
     let mut specs = args.tree.specs()?;
     let opts = options::parse(&args.options)?;
@@ -242,6 +271,40 @@ fn probe_file(dir: &Path) -> Option<File> {
     std::os::unix::fs::OpenOptionsExt::custom_flags(std::fs::OpenOptions::new().read(true).write(true), libc::O_TMPFILE).open(dir).ok()
 }
 
+/// `mount --reverse`: the encrypted view of a plaintext tree, always read-only.
+fn mount_reverse(args: MountArgs) -> Result<(), String> {
+    let mut opts = options::parse(&args.options)?;
+    opts.read_only = true;
+    let plain = existing_dir("plaintext directory", &args.lower)?;
+    args.excludes()?;
+    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
+    let found = [crate::secret::reverse_volume(&plain)?];
+    let volumes = match args.key_fd {
+        Some(fd) => {
+            crate::secret::register_configs_from_fd(&found, fd)?;
+            Vec::new()
+        }
+        None => crate::secret::unlock_configs(&found, &args.secret)?,
+    };
+    if args.foreground {
+        return serve(&args, Vec::new(), opts, crate::tree::Lower::Dir(plain), mountpoint);
+    }
+    spawn_background(&args, &mountpoint, volumes)
+}
+
+/// The stack of a reverse view over the plaintext tree `plain`: the view over the directory.
+fn reverse_stack(args: &MountArgs, plain: &Path) -> Result<plyfs_stack::Stack, String> {
+    use plyfs_layers::crypt::{keys, reverse};
+    let config_path = plain.join(reverse::REVERSE_CONFIG_NAME);
+    let config = keys::VolumeConfig::load_file(plain, &config_path, " --reverse")?;
+    let volume = keys::registered(&config.id()?).ok_or("the reverse view's volume is locked")?;
+    // What the view shows as its configuration: the file as it is (a volume configuration).
+    let shown = std::fs::read(&config_path).map_err(|e| format!("{}: {e}", config_path.display()))?;
+    let bottom = LowerDir::level(plain).map_err(|e| format!("plaintext directory {}: {e}", plain.display()))?;
+    let view = reverse::ReverseView::new(&volume, bottom.clone(), shown, &args.excludes()?).map_err(|e| e.to_string())?;
+    plyfs_stack::Stack::build_over(&[], plyfs_layers::registry(), vec![view.level(), bottom]).map_err(|e| e.to_string())
+}
+
 fn serve(
     args: &MountArgs,
     specs: Vec<plyfs_stack::spec::LayerSpec>,
@@ -276,7 +339,10 @@ fn serve_inner(
         plyfs_stack::shared::set_mode(Some(plyfs_stack::shared::SharedMode { revalidate: opts.attr_ttl }));
     }
     plyfs_stack::readonly::set_read_only(opts.read_only);
-    let stack = crate::tree::build_stack(&specs, &lower, &args.tree.branches, args.tree.rules.as_deref(), Some(&mountpoint))?;
+    let stack = match (args.reverse, lower.dir()) {
+        (true, Some(plain)) => reverse_stack(args, plain)?,
+        _ => crate::tree::build_stack(&specs, &lower, &args.tree.branches, args.tree.rules.as_deref(), Some(&mountpoint))?,
+    };
     let stack = Arc::new(stack);
     // Every level by name, branches included (a tree's trunk may have no layer of its own).
     let names: Vec<String> = stack
@@ -499,6 +565,17 @@ fn child_args(args: &MountArgs, ready_fd: i32, key_fd: Option<i32>) -> Vec<OsStr
     for o in &args.options {
         v.push("-o".into());
         v.push(o.into());
+    }
+    if args.reverse {
+        v.push("--reverse".into());
+    }
+    for g in &args.exclude {
+        v.push("--exclude".into());
+        v.push(g.into());
+    }
+    if let Some(f) = &args.exclude_from {
+        v.push("--exclude-from".into());
+        v.push(f.canonicalize().unwrap_or_else(|_| f.clone()).into());
     }
     for _ in 0..args.verbose {
         v.push("-v".into());

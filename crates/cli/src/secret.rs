@@ -8,6 +8,7 @@ use std::process::{Command, Stdio};
 
 use clap::Args;
 use plyfs_layers::crypt::keys::{self, CipherKind, MasterKey, Secret, Volume, VolumeConfig, VolumeSettings};
+use plyfs_layers::crypt::reverse::REVERSE_CONFIG_NAME;
 use zeroize::Zeroizing;
 
 /// Where the secret of a crypt volume comes from; without any of these, a prompt.
@@ -211,6 +212,13 @@ pub fn unlock_configs(configs: &[FoundVolume], secret: &SecretArgs) -> Result<Ve
         .collect()
 }
 
+/// The volume of the reverse view of `plain`.
+pub fn reverse_volume(plain: &Path) -> Result<FoundVolume, String> {
+    let path = plain.join(REVERSE_CONFIG_NAME);
+    let config = VolumeConfig::load_file(plain, &path, " --reverse")?;
+    Ok((plain.display().to_string(), path.display().to_string(), config))
+}
+
 /// Register the master keys the parent process handed over on a pipe: one for each crypt
 /// volume among `dirs`, in order.
 pub fn register_keys_from_fd(dirs: &[std::path::PathBuf], fd: i32) -> Result<(), String> {
@@ -247,6 +255,10 @@ pub struct InitArgs {
     /// Leave file names unencrypted.
     #[arg(long)]
     plaintext_names: bool,
+    /// Set up a reverse view of LOWER, a plaintext tree (`plyfs mount LOWER MNT --reverse`):
+    /// the configuration goes in LOWER/.plyfs-crypt.reverse.conf.
+    #[arg(long, conflicts_with = "plaintext_names")]
+    reverse: bool,
     #[command(flatten)]
     secret: SecretArgs,
     /// Argon2id memory cost in KiB (default 65536). Lower only for tests.
@@ -271,6 +283,19 @@ pub fn init(args: &InitArgs) -> Result<(), String> {
         return Err("a new volume gets a new master key: give a password (prompt, --passfile, --extpass) or --keyfile".into());
     }
     let secret = args.secret.get("New password", true)?;
+    if args.reverse {
+        let path = args.lower.join(REVERSE_CONFIG_NAME);
+        let (_, key) = keys::init_file(&args.lower, &path, &settings, &secret, false)?;
+        eprintln!(
+            "plyfs: {} has a reverse view now ({}): `plyfs mount {} MNT --reverse` shows it encrypted; keep {} safe: the view carries a copy, but without one nothing can be decrypted",
+            args.lower.display(),
+            settings.cipher.name(),
+            args.lower.display(),
+            path.display()
+        );
+        show_master_key(&key);
+        return Ok(());
+    }
     let (_, key) = keys::init(&args.lower, &settings, &secret)?;
     eprintln!(
         "plyfs: {} is now a crypt volume ({}, {} names); keep {} safe: without it nothing can be decrypted",
@@ -298,6 +323,9 @@ fn show_master_key(key: &MasterKey) {
 pub struct PasswdArgs {
     /// The crypt volume.
     lower: PathBuf,
+    /// The volume is LOWER's reverse view (LOWER/.plyfs-crypt.reverse.conf).
+    #[arg(long)]
+    reverse: bool,
     /// The current secret.
     #[command(flatten)]
     secret: SecretArgs,
@@ -307,11 +335,12 @@ pub struct PasswdArgs {
 
 pub fn passwd(args: &PasswdArgs) -> Result<(), String> {
     // Check it is a volume before asking anything.
-    VolumeConfig::load(&args.lower)?;
+    let path = if args.reverse { args.lower.join(REVERSE_CONFIG_NAME) } else { keys::config_path(&args.lower) };
+    VolumeConfig::load_file(&args.lower, &path, if args.reverse { " --reverse" } else { " --layer crypt" })?;
     let old = args.secret.get("Current password", false)?;
     let new = args.new.as_secret_args().get("New password", true)?;
     let recovered = matches!(old, Secret::MasterKey(_));
-    keys::change_secret(&args.lower, &old, &new)?;
+    keys::change_secret_file(&args.lower, &path, &old, &new)?;
     if recovered {
         eprintln!("plyfs: {}: recovered: the master key is wrapped for the new secret; the old password no longer opens it", args.lower.display());
     } else {

@@ -144,11 +144,57 @@ impl CryptCodec {
         self
     }
 
-    fn nonce_len(&self) -> usize {
+    /// Seal `chunk` for `place` under `nonce` (of [`CryptCodec::nonce_len`] bytes), appending
+    /// the payload to `out`. A nonce must never seal two different chunks of a file: callers
+    /// take it fresh and random, or derive it from the chunk itself (a reverse view).
+    pub fn seal_chunk(&self, place: &Place, nonce: &[u8], chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
+        let start = out.len();
+        out.extend_from_slice(nonce);
+        let body = out.len();
+        let kind = match &self.inner {
+            Some((kind, codec)) => {
+                out.reserve(chunk.len() + 1 + TAG_BYTES);
+                let compressed = !plyfs_sca::codec::looks_incompressible(chunk)
+                    && codec.encode(chunk, out).is_ok()
+                    && out.len() - body < chunk.len();
+                if compressed {
+                    *kind
+                } else {
+                    out.truncate(body);
+                    out.extend_from_slice(chunk);
+                    KIND_STORED
+                }
+            }
+            None => {
+                out.reserve(chunk.len() + 1 + TAG_BYTES);
+                out.extend_from_slice(chunk);
+                KIND_STORED
+            }
+        };
+        out.push(kind);
+        match self.seal(place, nonce, &Self::associated_data(place), &mut out[body..]) {
+            Ok(tag) => {
+                out.extend_from_slice(&tag);
+                Ok(())
+            }
+            Err(e) => {
+                out.truncate(start);
+                Err(e)
+            }
+        }
+    }
+
+    /// Bytes of nonce in every payload.
+    pub fn nonce_len(&self) -> usize {
         match self.sealer {
             Sealer::Gcm { .. } => 12,
             Sealer::XChaCha(_) => 24,
         }
+    }
+
+    /// Bytes a stored (uncompressed) chunk's payload has beyond the chunk: nonce, kind, tag.
+    pub fn overhead(&self) -> u32 {
+        (self.nonce_len() + 1 + TAG_BYTES) as u32
     }
 
     /// The AES-256-GCM key of one file: HKDF-SHA256(salt "plyfs crypt v1 file", data key,
@@ -221,43 +267,10 @@ impl Codec for CryptCodec {
     }
 
     fn encode_at(&self, place: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
-        let start = out.len();
         let mut nonce = [0u8; 24];
         let nonce = &mut nonce[..self.nonce_len()];
         self.nonces.fill(nonce);
-        out.extend_from_slice(nonce);
-        let body = out.len();
-        let kind = match &self.inner {
-            Some((kind, codec)) => {
-                out.reserve(chunk.len() + 1 + TAG_BYTES);
-                let compressed = !plyfs_sca::codec::looks_incompressible(chunk)
-                    && codec.encode(chunk, out).is_ok()
-                    && out.len() - body < chunk.len();
-                if compressed {
-                    *kind
-                } else {
-                    out.truncate(body);
-                    out.extend_from_slice(chunk);
-                    KIND_STORED
-                }
-            }
-            None => {
-                out.reserve(chunk.len() + 1 + TAG_BYTES);
-                out.extend_from_slice(chunk);
-                KIND_STORED
-            }
-        };
-        out.push(kind);
-        match self.seal(place, nonce, &Self::associated_data(place), &mut out[body..]) {
-            Ok(tag) => {
-                out.extend_from_slice(&tag);
-                Ok(())
-            }
-            Err(e) => {
-                out.truncate(start);
-                Err(e)
-            }
-        }
+        self.seal_chunk(place, nonce, chunk, out)
     }
 
     fn decode_at(&self, place: &Place, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> Result<(), String> {

@@ -333,16 +333,22 @@ impl VolumeConfig {
 
     /// Read the configuration of the volume at `lower`.
     pub fn load(lower: &Path) -> Result<VolumeConfig, String> {
-        let path = config_path(lower);
+        Self::load_file(lower, &config_path(lower), " --layer crypt")
+    }
+
+    /// Read the configuration in `path`, of the volume at `lower`; `init_flag` is what
+    /// `plyfs init` takes to make one (for the message when it is missing).
+    pub fn load_file(lower: &Path, path: &Path, init_flag: &str) -> Result<VolumeConfig, String> {
         let shown = path.display().to_string();
-        let text = match std::fs::read(&path) {
+        let text = match std::fs::read(path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
                 return Err(format!(
-                    "{}: not a crypt volume ({CONFIG_NAME} is missing); create one with `plyfs init {} --layer crypt`",
+                    "{}: not a crypt volume ({file} is missing); create one with `plyfs init {}{init_flag}`",
                     lower.display(),
                     lower.display()
-                ))
+                ));
             }
             Err(e) => return Err(format!("{shown}: {e}")),
         };
@@ -352,9 +358,11 @@ impl VolumeConfig {
 
     /// Write the configuration atomically: a temporary file, fsynced, renamed over the old
     /// one, and the directory fsynced. A crash leaves the old file or the new one.
-    fn store(&self, lower: &Path) -> Result<(), String> {
-        let path = config_path(lower);
-        let tmp = lower.join(format!("{CONFIG_NAME}.tmp"));
+    fn store(&self, path: &Path) -> Result<(), String> {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
         let text = format!(
             "# plyfs crypt volume: the settings and the wrapped master key. Without this file the\n\
              # data cannot be decrypted: back it up. Editing it makes unlocking fail.\n{}",
@@ -364,8 +372,8 @@ impl VolumeConfig {
             let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode_0400().open(&tmp)?;
             f.write_all(text.as_bytes())?;
             f.sync_all()?;
-            std::fs::rename(&tmp, &path)?;
-            std::fs::File::open(lower)?.sync_all()
+            std::fs::rename(&tmp, path)?;
+            std::fs::File::open(dir)?.sync_all()
         };
         write().map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
@@ -410,11 +418,17 @@ fn new_kdf(secret: &Secret, memory_kib: u32) -> Result<Kdf, String> {
 /// Create a volume at `lower`: a new random master key, wrapped with `secret`. Returns the
 /// configuration and the master key (for the owner to write down).
 pub fn init(lower: &Path, settings: &VolumeSettings, secret: &Secret) -> Result<(VolumeConfig, MasterKey), String> {
-    let path = config_path(lower);
+    init_file(lower, &config_path(lower), settings, secret, true)
+}
+
+/// Create a volume whose configuration is the file `path` (for a directory `lower` that
+/// holds the data; `empty`: it must hold nothing yet, unless names stay plaintext).
+pub fn init_file(lower: &Path, path: &Path, settings: &VolumeSettings, secret: &Secret, empty: bool) -> Result<(VolumeConfig, MasterKey), String> {
     if path.exists() {
-        return Err(format!("{}: already a crypt volume ({CONFIG_NAME} exists)", lower.display()));
+        let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        return Err(format!("{}: already a crypt volume ({file} exists)", lower.display()));
     }
-    if !settings.plaintext_names {
+    if empty && !settings.plaintext_names {
         let mut entries = std::fs::read_dir(lower).map_err(|e| format!("{}: {e}", lower.display()))?;
         if entries.next().is_some() {
             return Err(format!(
@@ -435,7 +449,7 @@ pub fn init(lower: &Path, settings: &VolumeSettings, secret: &Secret) -> Result<
     let key = MasterKey::from_bytes(random_bytes());
     config.key_check = Some(key.check_value());
     config.wrap(&key, secret)?;
-    config.store(lower)?;
+    config.store(path)?;
     Ok((config, key))
 }
 
@@ -453,8 +467,13 @@ pub fn unlock_config(config: &VolumeConfig, shown: &str, secret: &Secret) -> Res
 
 /// Re-wrap the master key of the volume at `lower` for `new`, after unlocking it with `old`.
 pub fn change_secret(lower: &Path, old: &Secret, new: &Secret) -> Result<(), String> {
-    let mut config = VolumeConfig::load(lower)?;
-    let shown = config_path(lower).display().to_string();
+    change_secret_file(lower, &config_path(lower), old, new)
+}
+
+/// [`change_secret`] of the volume configured in the file `path`.
+pub fn change_secret_file(lower: &Path, path: &Path, old: &Secret, new: &Secret) -> Result<(), String> {
+    let mut config = VolumeConfig::load_file(lower, path, " --layer crypt")?;
+    let shown = path.display().to_string();
     let key = config.unwrap_key(old, &shown)?;
     let memory_kib = match &config.kdf {
         Kdf::Argon2id { memory_kib, .. } => *memory_kib,
@@ -464,7 +483,7 @@ pub fn change_secret(lower: &Path, old: &Secret, new: &Secret) -> Result<(), Str
     // The key was checked (by its wrap, or against the check value): keep its check value.
     config.key_check = Some(key.check_value());
     config.wrap(&key, new)?;
-    config.store(lower)
+    config.store(path)
 }
 
 /// Unlocked volumes by id, for crypt layers to find their key when they are built.

@@ -8,6 +8,7 @@
 pub mod codec;
 pub mod keys;
 pub mod names;
+pub mod reverse;
 
 use std::ffi::OsStr;
 use std::sync::Arc;

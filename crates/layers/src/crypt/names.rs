@@ -69,7 +69,7 @@ pub const MARKER_LEN: usize = 53;
 pub const DIRID_FILE: &str = ".plyfs-dirid";
 
 /// A name as stored below.
-enum LowerName {
+pub enum LowerName {
     /// The whole name.
     Short(OsString),
     /// The hashed name, and the full encrypted name for its companion file.
@@ -77,7 +77,7 @@ enum LowerName {
 }
 
 impl LowerName {
-    fn name(&self) -> &OsStr {
+    pub fn name(&self) -> &OsStr {
         match self {
             LowerName::Short(n) => n,
             LowerName::Long { hashed, .. } => hashed,
@@ -138,6 +138,37 @@ impl SealedTarget {
     }
 }
 
+/// Seal the name `bytes` (neither empty, `.` nor `..`, at most 255 bytes) of an entry of the
+/// directory whose id is `id`: padded to a multiple of 16 bytes, AES-SIV with the id as
+/// associated data, base64url; hashed, with a companion, when that passes 255 bytes.
+pub fn seal_name(siv_key: &[u8; 64], id: &[u8; 16], bytes: &[u8]) -> Result<LowerName> {
+    let pad = 16 - bytes.len() % 16;
+    let mut padded = Zeroizing::new(Vec::with_capacity(bytes.len() + pad));
+    padded.extend_from_slice(bytes);
+    padded.resize(bytes.len() + pad, pad as u8);
+    let sealed = Aes256Siv::new(siv_key.into())
+        .encrypt([&id[..]], &padded)
+        .map_err(|_| Error::Corrupt("name encryption failed".into()))?;
+    let full = B64.encode(sealed);
+    if full.len() <= NAME_MAX {
+        return Ok(LowerName::Short(full.into()));
+    }
+    let hash = B64.encode(sha2::Sha256::digest(full.as_bytes()));
+    Ok(LowerName::Long { hashed: format!("{LONG_PREFIX}{hash}").into(), full })
+}
+
+/// The keys of a volume's names: AES-SIV for names, and the root directory's id.
+pub fn name_keys(volume: &Volume) -> (Zeroizing<[u8; 64]>, [u8; 16]) {
+    (volume.key.subkey::<64>("names aes-siv"), *volume.key.subkey::<16>("names root directory id"))
+}
+
+/// The companion file of a long name.
+pub fn long_name_companion(hashed: &OsStr) -> OsString {
+    let mut c = hashed.to_owned();
+    c.push(COMPANION_SUFFIX);
+    c
+}
+
 /// Seal a symlink target: nonce || AES-256-GCM(target) || tag.
 pub fn seal_link(key: &Aes256Gcm, nonce: &[u8; LINK_NONCE], target: &[u8]) -> Result<Vec<u8>> {
     let sealed = key
@@ -188,14 +219,14 @@ fn internal() -> Caller {
 
 impl CryptNames {
     pub fn new(name: &str, volume: &Volume, lower: Level) -> CryptNames {
-        let root = volume.key.subkey::<16>("names root directory id");
+        let (siv_key, root_id) = name_keys(volume);
         CryptNames {
             name: name.to_owned(),
             lower: [lower],
             plaintext: volume.plaintext_names,
-            siv_key: volume.key.subkey::<64>("names aes-siv"),
+            siv_key,
             links: link_key(volume),
-            root_id: *root,
+            root_id,
             dirs: RwLock::new(HashMap::new()),
             long_targets: RwLock::new(LongTargets::default()),
         }
@@ -273,19 +304,7 @@ impl CryptNames {
             return Err(Error::Os(libc::ENAMETOOLONG));
         }
         let id = self.dir_id(dir)?;
-        let pad = 16 - bytes.len() % 16;
-        let mut padded = Zeroizing::new(Vec::with_capacity(bytes.len() + pad));
-        padded.extend_from_slice(bytes);
-        padded.resize(bytes.len() + pad, pad as u8);
-        let sealed = Aes256Siv::new((&self.siv_key[..]).into())
-            .encrypt([&id[..]], &padded)
-            .map_err(|_| Error::Corrupt("name encryption failed".into()))?;
-        let full = B64.encode(sealed);
-        if full.len() <= NAME_MAX {
-            return Ok(LowerName::Short(full.into()));
-        }
-        let hash = B64.encode(sha2::Sha256::digest(full.as_bytes()));
-        Ok(LowerName::Long { hashed: format!("{LONG_PREFIX}{hash}").into(), full })
+        seal_name(&self.siv_key, &id, bytes)
     }
 
     fn decrypt(&self, id: &[u8; 16], stored: &str) -> Option<Vec<u8>> {
@@ -338,9 +357,7 @@ impl CryptNames {
     /// exists is already right). Returns whether this call made it.
     fn write_companion(&self, cx: &Caller, dir: NodeId, name: &LowerName) -> Result<bool> {
         let LowerName::Long { hashed, full } = name else { return Ok(false) };
-        let mut companion = hashed.clone();
-        companion.push(COMPANION_SUFFIX);
-        self.write_aux(cx, dir, &companion, full.as_bytes())
+        self.write_aux(cx, dir, &long_name_companion(hashed), full.as_bytes())
     }
 
     /// Make the small file `name` in `dir` holding `content`, unless it exists (every companion's
