@@ -302,7 +302,8 @@ fn reverse_stack(args: &MountArgs, plain: &Path) -> Result<plyfs_stack::Stack, S
     let shown = std::fs::read(&config_path).map_err(|e| format!("{}: {e}", config_path.display()))?;
     let bottom = LowerDir::level(plain).map_err(|e| format!("plaintext directory {}: {e}", plain.display()))?;
     let view = reverse::ReverseView::new(&volume, bottom.clone(), shown, &args.excludes()?).map_err(|e| e.to_string())?;
-    plyfs_stack::Stack::build_over(&[], plyfs_layers::registry(), vec![view.level(), bottom]).map_err(|e| e.to_string())
+    // The view alone: the plaintext below is not offered as a level (`MNT/.plyfs/...`).
+    plyfs_stack::Stack::build_over(&[], plyfs_layers::registry(), vec![view.level()]).map_err(|e| e.to_string())
 }
 
 fn serve(

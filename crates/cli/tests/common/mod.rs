@@ -87,7 +87,11 @@ impl Mount {
         let daemon_log = dir.path().join(format!("daemon-{}.log", std::process::id()));
         let log = std::fs::File::create(&daemon_log).unwrap();
         let mut cmd = plyfs();
-        cmd.arg("mount").arg(&lower).arg(&mnt).arg("--stack").arg(stack).arg("--foreground");
+        cmd.arg("mount").arg(&lower).arg(&mnt).arg("--foreground");
+        // An empty stack names none (`--reverse` views).
+        if !stack.is_empty() {
+            cmd.arg("--stack").arg(stack);
+        }
         for o in options {
             // `--flag=value` goes as it is (e.g. `--rules=FILE`); anything else is a `-o` option.
             if o.starts_with("--") {
