@@ -907,3 +907,60 @@ fn fsck_and_decode_with_a_password() {
     assert!(!damage.is_empty() && damage.iter().all(|l| l.starts_with("plyfs: sub/b:")), "only sub/b is damaged:\n{stderr}");
     assert!(stderr.contains("1 of 3 files have damaged data"), "{stderr}");
 }
+
+/// `crypt:pad=padme`: what is stored below is padded to the PADMÉ length of each file's size
+/// (and its 16-byte trailer), with the padding written as data; `stat` shows the real size;
+/// data reads back, through a mount without the setting too (the files say they are padded);
+/// compression and padding are refused together.
+#[test]
+fn padded_sizes_round_up_as_padme_says_and_stat_shows_the_real_size() {
+    use plyfs_sca::format::{padme, FileHeader, Slot, HEADER_PADDED};
+    let mut m = Mount::crypt("crypt:pad=padme", &[], &[]);
+    let sizes = [1usize, 100, 1000, 4096, 5000, 100_000, 1_000_003];
+    let content = |n: usize| -> Vec<u8> { (0..n).map(|i| (i * 7 + n) as u8).collect() };
+    for n in sizes {
+        fs::write(m.path(&format!("f{n}")), content(n)).unwrap();
+        assert_eq!(fs::metadata(m.path(&format!("f{n}"))).unwrap().len(), n as u64);
+    }
+    // Grown and cut while open, then closed: padded again to the new size.
+    let mut f = fs::OpenOptions::new().append(true).open(m.path("f1000")).unwrap();
+    f.write_all(&[9; 3000]).unwrap();
+    f.set_len(2500).unwrap();
+    drop(f);
+    m.unmount();
+    let mut want: std::collections::BTreeMap<u64, Vec<u8>> = sizes.iter().map(|n| (*n as u64, content(*n))).collect();
+    let mut f1000 = content(1000);
+    f1000.resize(2500, 9);
+    want.remove(&1000);
+    want.insert(2500, f1000);
+    let mut stored = Vec::new();
+    for e in fs::read_dir(&m.lower).unwrap() {
+        let p = e.unwrap().path();
+        if p.file_name().unwrap() == ".plyfs-crypt.conf" {
+            continue;
+        }
+        let bytes = fs::read(&p).unwrap();
+        let header = FileHeader::decode(&bytes).unwrap();
+        assert_eq!(header.flags & HEADER_PADDED, HEADER_PADDED, "{}", p.display());
+        stored.push(Slot::newest_in(&bytes).unwrap().file_size);
+    }
+    stored.sort();
+    let expected: Vec<u64> = want.keys().map(|n| padme(n + 16)).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+    assert_eq!(stored, expected, "stored sizes are the PADMÉ lengths of the sizes and their trailers");
+    for (n, s) in want.keys().zip(&expected) {
+        assert!((*s - n) as f64 <= 0.12 * (*n + 16) as f64 + 16.0, "{n} -> {s}");
+    }
+    // Read back through a mount that does not pad: the files say they are padded.
+    let passfile = format!("--passfile={}", crypt_passfile(m.dir.path()).display());
+    let dir = std::mem::replace(&mut m.dir, tempfile::tempdir().unwrap());
+    let m = Mount::start(dir, m.lower.clone(), m.mnt.clone(), "crypt", &[&passfile]);
+    for (n, data) in &want {
+        let name = if *n == 2500 { "f1000".to_owned() } else { format!("f{n}") };
+        assert_eq!(fs::metadata(m.path(&name)).unwrap().len(), *n);
+        assert!(fs::read(m.path(&name)).unwrap() == *data, "{name} reads back");
+    }
+    let elsewhere = tempfile::tempdir().unwrap();
+    let out = run(plyfs().arg("mount").arg(&m.lower).arg(elsewhere.path()).args(["--stack", "zstd,crypt:pad=padme"]).arg(&passfile));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("would hide nothing"), "{}", String::from_utf8_lossy(&out.stderr));
+}

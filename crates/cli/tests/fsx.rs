@@ -318,6 +318,11 @@ fn fsx_crypt_4k() {
 }
 
 #[test]
+fn fsx_crypt_padded() {
+    run_fsx_crypt("crypt:pad=padme", &[], 250);
+}
+
+#[test]
 fn fsx_crypt_xchacha_64k() {
     run_fsx_crypt("crypt:chunk=64k", &["--cipher", "xchacha20-poly1305"], 250);
 }

@@ -4,6 +4,16 @@
 //! record and the old one becomes dead space (the "decoupled order" of Fast Indexing §9), so a
 //! write in the middle costs one chunk of work however long the file is. [`ScaFile::compact`]
 //! reclaims the dead space; it runs by itself once the dead space outgrows the live data.
+//!
+//! **Padded files** (an engine with `pad`, for ciphers: `crypt:pad=padme`) hide their size from
+//! whoever reads the lower file. Everything stored in the clear (record headers, slots, the
+//! checkpoint, the number of records) describes the *stored* content: the file's bytes, zeros,
+//! and a 16-byte trailer holding the real size, sealed like any other data. At the last close
+//! (and at `fsync`) the stored content is brought to `padme(size + 16)` bytes with zeros
+//! written as data, not as holes, so nothing below tells the real size to less than what
+//! PADMÉ leaves (O(log log size) bits). While a file is open and growing, its stored size is
+//! its size plus the trailer. A padded file says so in its header and is read as one whatever
+//! the mount's setting.
 
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
@@ -52,6 +62,8 @@ pub struct Engine {
     /// Other mounts may change the files (`-o shared`): every change is made under the lower
     /// file's lock, after catching up with theirs.
     pub shared: Option<SharedMode>,
+    /// New files are padded (see the module documentation).
+    pub pad: bool,
     zero_chunks: Mutex<HashMap<u8, Arc<EncodedChunk>>>,
 }
 
@@ -112,7 +124,12 @@ type Encoded = Vec<(u64, EncodedChunk)>;
 
 impl Engine {
     pub fn new(kind: &'static str, codec: Arc<dyn Codec>, chunk_shift: u8, fast_tails: bool) -> Engine {
-        Engine { kind, codec, chunk_shift, fast_tails, shared: None, zero_chunks: Mutex::new(HashMap::new()) }
+        Engine { kind, codec, chunk_shift, fast_tails, shared: None, pad: false, zero_chunks: Mutex::new(HashMap::new()) }
+    }
+
+    /// The same engine, padding the size of new files (PADMÉ).
+    pub fn padding(self, pad: bool) -> Engine {
+        Engine { pad, ..self }
     }
 
     /// The same engine for files other mounts share.
@@ -224,7 +241,14 @@ pub struct ScaFile<L: LowerIo> {
     changed_outside: bool,
     /// The log said that the lower file cannot be locked.
     told_no_locks: bool,
+    /// The file is padded: its real size is in the trailer.
+    padded: bool,
+    /// The real size of a padded file, once read from its trailer ([`NOT_KNOWN`] before).
+    real_size: std::sync::atomic::AtomicU64,
 }
+
+/// [`ScaFile::real_size`] not read yet.
+const NOT_KNOWN: u64 = u64::MAX;
 
 /// What a shared file looked like the last time this mount checked it under its lock: any
 /// change by another mount changes the slot in force (its sequence number only grows) or the
@@ -274,7 +298,6 @@ impl<L: LowerIo> ScaFile<L> {
     pub fn new_empty(engine: Arc<Engine>, lower: L) -> ScaFile<L> {
         ScaFile {
             ix: FileIndex::new(engine.chunk_shift),
-            engine,
             lower,
             header_on_disk: false,
             file_id: [0; 16],
@@ -293,6 +316,25 @@ impl<L: LowerIo> ScaFile<L> {
             needs_write_lock: false,
             changed_outside: false,
             told_no_locks: false,
+            padded: false,
+            real_size: std::sync::atomic::AtomicU64::new(0),
+            engine,
+        }
+        .new_file_padding()
+    }
+
+    /// A file with nothing stored yet is padded if the engine pads new files.
+    fn new_file_padding(mut self) -> Self {
+        self.padded = self.engine.pad;
+        self.real_size = std::sync::atomic::AtomicU64::new(0);
+        self
+    }
+
+    fn header_flags(&self) -> u8 {
+        if self.padded {
+            HEADER_PADDED
+        } else {
+            0
         }
     }
 
@@ -342,6 +384,9 @@ impl<L: LowerIo> ScaFile<L> {
         self.slot_seq = 0;
         self.slot_dirty = false;
         self.replace_index(FileIndex::new(self.engine.chunk_shift));
+        // Until a header says otherwise: as a new file.
+        self.padded = self.engine.pad;
+        self.real_size.store(0, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Forget the content of a file that is now empty. On a shared file, record and slot numbers
@@ -361,6 +406,12 @@ impl<L: LowerIo> ScaFile<L> {
     fn replace_index(&mut self, ix: FileIndex) {
         self.ix = ix;
         self.hot = None;
+        self.forget_real_size();
+    }
+
+    fn forget_real_size(&self) {
+        let v = if self.padded && self.ix.size > 0 { NOT_KNOWN } else { 0 };
+        self.real_size.store(v, std::sync::atomic::Ordering::Relaxed);
     }
 
     // Sharing the file with other mounts.
@@ -463,6 +514,7 @@ impl<L: LowerIo> ScaFile<L> {
             self.ix.log_end,
             self.ix.size
         );
+        self.forget_real_size();
         // Loading may have cut an interrupted append: look again.
         self.seen = Some(self.observe()?);
         Ok(())
@@ -609,6 +661,14 @@ impl<L: LowerIo> ScaFile<L> {
                 self.engine.kind
             )));
         }
+        if header.flags & !KNOWN_HEADER_FLAGS != 0 {
+            return Err(Error::Corrupt(format!(
+                "{}: its header has flags {:#04x} this plyfs does not know (written by a newer one?)",
+                self.lower.describe(),
+                header.flags
+            )));
+        }
+        self.padded = header.flags & HEADER_PADDED != 0;
         self.replace_index(FileIndex::new(header.chunk_shift));
         self.file_id = header.file_id.unwrap_or_default();
         let slot = Slot::newest_in(&head);
@@ -698,7 +758,24 @@ impl<L: LowerIo> ScaFile<L> {
         match shift {
             Some(shift) => {
                 tracing::warn!("{}: the file header is damaged; rebuilding it and the index from the data", self.lower.describe());
-                self.rebuild(shift, None)
+                // Whether the file was padded went with the header: its trailer tells.
+                self.padded = false;
+                self.rebuild(shift, None)?;
+                let n = self.ix.size;
+                if n >= PAD_TRAILER_BYTES {
+                    if let Ok(t) = self.read_stored(n - PAD_TRAILER_BYTES, PAD_TRAILER_BYTES as usize) {
+                        if t[8..] == PAD_MAGIC && u64::from_le_bytes(t[..8].try_into().expect("8 bytes")) <= n - PAD_TRAILER_BYTES {
+                            self.padded = true;
+                            self.forget_real_size();
+                            if self.lower.writable() {
+                                let file_id = (self.file_id != [0; 16]).then_some(self.file_id);
+                                let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: shift, file_id, flags: HEADER_PADDED };
+                                self.write_lower(0, &header.encode())?;
+                            }
+                        }
+                    }
+                }
+                Ok(())
             }
             None => Err(Error::Corrupt(format!(
                 "{}: not a '{}' file (no plyfs header); convert existing files with `plyfs encode`",
@@ -830,7 +907,7 @@ impl<L: LowerIo> ScaFile<L> {
                 self.set_lower_len(self.ix.log_end)?;
             }
             let file_id = (self.file_id != [0; 16]).then_some(self.file_id);
-            let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: shift, file_id };
+            let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: shift, file_id, flags: self.header_flags() };
             self.write_lower(0, &header.encode())?;
             // A cut log keeps the slot that vouches for what is gone, so that every open finds
             // the damage again (until the lost chunks are rewritten, which records the size).
@@ -910,8 +987,64 @@ impl<L: LowerIo> ScaFile<L> {
 
     // Reading.
 
+    /// The decoded size, as `stat` shows it.
     pub fn size(&self) -> u64 {
-        self.ix.size
+        if !self.padded {
+            return self.ix.size;
+        }
+        let known = self.real_size.load(std::sync::atomic::Ordering::Relaxed);
+        if known != NOT_KNOWN {
+            return known;
+        }
+        let n = self.read_trailer();
+        self.real_size.store(n, std::sync::atomic::Ordering::Relaxed);
+        n
+    }
+
+    /// Whether the file's size is padded below.
+    pub fn is_padded(&self) -> bool {
+        self.padded
+    }
+
+    /// The real size of a padded file, from the last bytes stored. A trailer that does not
+    /// read as one (a crash in the middle of a size change) leaves all that is stored visible,
+    /// padding included: nothing is hidden that may be the owner's.
+    fn read_trailer(&self) -> u64 {
+        let stored = self.ix.size;
+        if stored == 0 {
+            return 0;
+        }
+        let bad = |why: &str| {
+            tracing::error!("{}: the size of this padded file cannot be read ({why}); showing all {stored} bytes stored", self.lower.describe());
+            stored
+        };
+        if stored < PAD_TRAILER_BYTES {
+            return bad("shorter than its trailer");
+        }
+        match self.read_stored(stored - PAD_TRAILER_BYTES, PAD_TRAILER_BYTES as usize) {
+            Ok(t) if t.len() == PAD_TRAILER_BYTES as usize && t[8..] == PAD_MAGIC => {
+                let n = u64::from_le_bytes(t[..8].try_into().expect("8 bytes"));
+                if n <= stored - PAD_TRAILER_BYTES {
+                    n
+                } else {
+                    bad("the size it names is past the end")
+                }
+            }
+            Ok(_) => bad("no trailer at the end"),
+            Err(Fault::Fail(e)) => bad(&e.to_string()),
+            Err(Fault::Stale(why)) => bad(&why),
+        }
+    }
+
+    fn trailer(size: u64) -> [u8; PAD_TRAILER_BYTES as usize] {
+        let mut t = [0u8; PAD_TRAILER_BYTES as usize];
+        t[..8].copy_from_slice(&size.to_le_bytes());
+        t[8..].copy_from_slice(&PAD_MAGIC);
+        t
+    }
+
+    fn set_real_size(&self, n: u64) {
+        self.real_size.store(n, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn index(&self) -> &FileIndex {
@@ -924,6 +1057,12 @@ impl<L: LowerIo> ScaFile<L> {
 
     /// Decoded bytes `off..off + len`, clipped to the file size.
     pub fn read(&self, off: u64, len: usize) -> std::result::Result<Vec<u8>, Fault> {
+        let len = if self.padded { (self.size().saturating_sub(off)).min(len as u64) as usize } else { len };
+        self.read_stored(off, len)
+    }
+
+    /// Stored bytes `off..off + len` (a padded file's padding and trailer included).
+    fn read_stored(&self, off: u64, len: usize) -> std::result::Result<Vec<u8>, Fault> {
         let end = (off + len as u64).min(self.ix.size);
         if off >= end {
             return Ok(Vec::new());
@@ -1100,7 +1239,7 @@ impl<L: LowerIo> ScaFile<L> {
                 out.extend_from_slice(&content[..len.min(content.len())]);
                 out.resize(len, 0);
             }
-            _ => *out = self.read(start, len)?,
+            _ => *out = self.read_stored(start, len)?,
         }
         Ok(())
     }
@@ -1141,7 +1280,7 @@ impl<L: LowerIo> ScaFile<L> {
     /// where it went.
     pub fn append(&mut self, data: &[u8]) -> Result<u64> {
         self.locked(LockKind::Exclusive, |f| {
-            let at = f.ix.size;
+            let at = f.size();
             f.write_now(at, data).map(|_| at)
         })
     }
@@ -1150,8 +1289,92 @@ impl<L: LowerIo> ScaFile<L> {
         if data.is_empty() {
             return Ok(0);
         }
-        let result = self.with_rebuild(|f| f.write_chunks(off, data));
+        let result = if self.padded {
+            self.with_rebuild(|f| f.write_padded(off, data))
+        } else {
+            self.with_rebuild(|f| f.write_chunks(off, data))
+        };
         self.finish(result.map(|()| data.len()))
+    }
+
+    /// Write to a padded file: the bytes between its end and `off` become zeros, and the
+    /// trailer follows the new end, or stays at the end of the padding the new end is still in.
+    fn write_padded(&mut self, off: u64, data: &[u8]) -> std::result::Result<(), Fault> {
+        let n = self.size();
+        let end = off + data.len() as u64;
+        if end <= n {
+            return self.write_chunks(off, data);
+        }
+        let stored = self.ix.size;
+        // What goes from the old end on: zeros up to `off`, then the data.
+        let from = off.min(n);
+        let mut buf = vec![0u8; (end - from) as usize];
+        buf[(off - from) as usize..].copy_from_slice(data);
+        if end + PAD_TRAILER_BYTES <= stored {
+            // Still inside the padding: the trailer stays where it is, and says more. (The
+            // records go out first: the trailer's chunk may be one just written.)
+            self.write_chunks(from, &buf)?;
+            self.flush_pending()?;
+            self.write_chunks(stored - PAD_TRAILER_BYTES, &Self::trailer(end))?;
+        } else {
+            buf.extend_from_slice(&Self::trailer(end));
+            self.write_chunks(from, &buf)?;
+        }
+        self.set_real_size(end);
+        Ok(())
+    }
+
+    /// Set a padded file's size: what lay past the new size goes, and the trailer follows it.
+    fn truncate_padded(&mut self, size: u64) -> std::result::Result<(), Fault> {
+        let n = self.size();
+        // The trailer is written first, so that the last bytes stored always name the size.
+        if size < n {
+            self.write_chunks(size, &Self::trailer(size))?;
+            self.flush_pending()?;
+            self.truncate_chunks(size + PAD_TRAILER_BYTES)?;
+        } else {
+            self.write_padded(size - 1, &[0])?;
+        }
+        self.set_real_size(size);
+        Ok(())
+    }
+
+    /// Bring a padded file's stored size to `padme(size + 16)`, the padding written as data.
+    fn pad_out(&mut self) -> std::result::Result<(), Fault> {
+        let n = self.size();
+        let stored = self.ix.size;
+        if n == 0 && stored == 0 {
+            return Ok(());
+        }
+        let target = padme(n + PAD_TRAILER_BYTES);
+        if stored == target {
+            return Ok(());
+        }
+        // The trailer first, at the padded end; then zeros over everything between.
+        self.write_chunks(target - PAD_TRAILER_BYTES, &Self::trailer(n))?;
+        self.flush_pending()?;
+        if stored > target {
+            self.truncate_chunks(target)?;
+            self.flush_pending()?;
+        }
+        let mut at = n;
+        while at < target - PAD_TRAILER_BYTES {
+            let len = (target - PAD_TRAILER_BYTES - at).min(IO_WINDOW_BYTES);
+            self.write_chunks(at, &vec![0u8; len as usize])?;
+            self.flush_pending()?;
+            at += len;
+        }
+        self.set_real_size(n);
+        Ok(())
+    }
+
+    /// [`Self::pad_out`] before the file is left or synced, when this open changed it.
+    fn pad_if_changed(&mut self) -> Result<()> {
+        if !self.padded || !self.modified || !self.lower.writable() {
+            return Ok(());
+        }
+        let result = self.with_rebuild(|f| f.pad_out());
+        self.finish(result)
     }
 
     fn write_chunks(&mut self, off: u64, data: &[u8]) -> std::result::Result<(), Fault> {
@@ -1377,7 +1600,7 @@ impl<L: LowerIo> ScaFile<L> {
         self.pending.clear();
         let file_id = self.engine.codec.new_file_id();
         self.file_id = file_id.unwrap_or_default();
-        let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: self.ix.chunk_shift, file_id };
+        let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: self.ix.chunk_shift, file_id, flags: self.header_flags() };
         self.pending.extend_from_slice(&header.encode());
         self.pending.resize(DATA_START as usize, 0);
         self.header_on_disk = true;
@@ -1489,11 +1712,11 @@ impl<L: LowerIo> ScaFile<L> {
 
     /// Grow the file to `size` if it is smaller, across mounts.
     pub fn grow_to(&mut self, size: u64) -> Result<()> {
-        self.locked(LockKind::Exclusive, |f| if size > f.ix.size { f.truncate_now(size) } else { Ok(()) })
+        self.locked(LockKind::Exclusive, |f| if size > f.size() { f.truncate_now(size) } else { Ok(()) })
     }
 
     fn truncate_now(&mut self, size: u64) -> Result<()> {
-        if size == self.ix.size {
+        if size == self.size() {
             return Ok(());
         }
         if size == 0 {
@@ -1504,7 +1727,11 @@ impl<L: LowerIo> ScaFile<L> {
             self.start_empty();
             return Ok(());
         }
-        let result = self.with_rebuild(|f| f.truncate_chunks(size));
+        let result = if self.padded {
+            self.with_rebuild(|f| f.truncate_padded(size))
+        } else {
+            self.with_rebuild(|f| f.truncate_chunks(size))
+        };
         self.finish(result)
     }
 
@@ -1537,7 +1764,7 @@ impl<L: LowerIo> ScaFile<L> {
     /// Zero `off..off + len` inside the file (hole punching).
     pub fn zero_range(&mut self, off: u64, len: u64) -> Result<()> {
         self.locked(LockKind::Exclusive, |f| {
-            let end = (off + len).min(f.ix.size);
+            let end = (off + len).min(f.size());
             let mut at = off;
             while at < end {
                 let n = (end - at).min(IO_WINDOW_BYTES);
@@ -1553,9 +1780,13 @@ impl<L: LowerIo> ScaFile<L> {
     /// Make everything written so far durable.
     pub fn sync(&mut self) -> Result<()> {
         if self.engine.shared.is_some() {
+            if self.padded && self.modified {
+                self.locked(LockKind::Exclusive, |f| f.pad_if_changed())?;
+            }
             // Every change was written out, slot included, before its lock was dropped.
             return self.lower.sync();
         }
+        self.pad_if_changed()?;
         self.flush_pending()?;
         if self.slot_dirty {
             self.write_slot()?;
@@ -1568,7 +1799,8 @@ impl<L: LowerIo> ScaFile<L> {
     pub fn close(&mut self) -> Result<()> {
         if self.engine.shared.is_some() {
             self.drop_prefetched();
-            if !self.modified || self.ix.since_checkpoint < CHECKPOINT_EVERY_RECORDS {
+            let pad = self.padded && self.modified;
+            if !self.modified || (self.ix.since_checkpoint < CHECKPOINT_EVERY_RECORDS && !pad) {
                 return Ok(());
             }
             return self.locked(LockKind::Exclusive, |f| f.close_now());
@@ -1583,6 +1815,7 @@ impl<L: LowerIo> ScaFile<L> {
             // in memory stays there.
             return Ok(());
         }
+        self.pad_if_changed()?;
         self.flush_pending()?;
         if self.ix.since_checkpoint >= CHECKPOINT_EVERY_RECORDS {
             // The new checkpoint leaves the old one dead, which may be the byte too many.
@@ -1762,7 +1995,7 @@ impl<L: LowerIo> ScaFile<L> {
             let cs = self.ix.chunk_bytes();
             let mut chunk = 0;
             while stale.is_none() && chunk < self.ix.chunks() {
-                match self.read(chunk * cs, cs as usize) {
+                match self.read_stored(chunk * cs, cs as usize) {
                     Ok(_) => {}
                     Err(Fault::Stale(why)) => stale = Some(why),
                     Err(Fault::Fail(e)) => problems.push(json!({ "offset": chunk * cs, "error": e.to_string() })),
@@ -1809,7 +2042,7 @@ impl<L: LowerIo> ScaFile<L> {
             file_id: (self.file_id != [0; 16]).then_some(self.file_id),
             chunk_bytes: self.ix.chunk_bytes(),
             chunks: self.ix.chunks(),
-            size: self.ix.size,
+            size: self.size(),
         }
     }
 
@@ -1823,9 +2056,10 @@ impl<L: LowerIo> ScaFile<L> {
         Ok(json!({
             "codec": self.engine.kind,
             "chunk_bytes": ix.chunk_bytes(),
-            "decoded_size": ix.size,
+            "decoded_size": self.size(),
+            "padded_size": self.padded.then_some(ix.size),
             "encoded_size": lower,
-            "ratio": if ix.size == 0 { Value::Null } else { json!((lower as f64) / (ix.size as f64)) },
+            "ratio": if ix.size == 0 { Value::Null } else { json!((lower as f64) / (self.size().max(1) as f64)) },
             "live_bytes": if lower == 0 { 0 } else { ix.live_bytes() },
             "dead_bytes": ix.dead_bytes(),
             "chunks": ix.chunks(),

@@ -92,6 +92,7 @@ pub fn record_bytes(payload_len: u32) -> u64 {
 /// ```text
 /// 0   magic (8)   8  codec tag (4)   12 chunk shift   13 format version   16 CRC of 0..16
 /// 20  file id (16), for codecs that bind payloads to their file   36 CRC of 20..36
+/// 14  flags (HEADER_PADDED)
 /// ```
 ///
 /// Files of codecs without a file id leave bytes 20..40 zero.
@@ -100,6 +101,30 @@ pub struct FileHeader {
     pub codec: [u8; 4],
     pub chunk_shift: u8,
     pub file_id: Option<[u8; 16]>,
+    /// [`HEADER_PADDED`], and any flag a newer writer set.
+    pub flags: u8,
+}
+
+/// Header flag: the file's size is padded; its last [`PAD_TRAILER_BYTES`] decoded bytes hold
+/// the real size (see [`crate::file`]).
+pub const HEADER_PADDED: u8 = 1;
+pub const KNOWN_HEADER_FLAGS: u8 = HEADER_PADDED;
+/// The trailer of a padded file: the real size (u64 LE) and [`PAD_MAGIC`].
+pub const PAD_TRAILER_BYTES: u64 = 16;
+pub const PAD_MAGIC: [u8; 8] = *b"PLYSIZE\x01";
+
+/// PADMÉ (Nikitin et al., *Reducing Metadata Leakage from Encrypted Files and Communication
+/// with PURBs*, PETS 2019): round `len` up so that only its top `floor(log2 E) + 1` bits may
+/// be set, where `E = floor(log2 len)`. At most 12% more, and a padded length tells
+/// O(log log len) bits about the length.
+pub fn padme(len: u64) -> u64 {
+    if len < 2 {
+        return len;
+    }
+    let e = 63 - u64::from(len.leading_zeros());
+    let s = 64 - u64::from(e.leading_zeros());
+    let mask = (1u64 << (e - s)) - 1;
+    (len + mask) & !mask
 }
 
 impl FileHeader {
@@ -109,6 +134,7 @@ impl FileHeader {
         b[8..12].copy_from_slice(&self.codec);
         b[12] = self.chunk_shift;
         b[13] = FORMAT_VERSION;
+        b[14] = self.flags;
         let c = crc(&b[0..16]);
         b[16..20].copy_from_slice(&c.to_le_bytes());
         if let Some(id) = &self.file_id {
@@ -130,7 +156,7 @@ impl FileHeader {
             return None;
         }
         let file_id = (b[20..40] != [0; 20] && u32_at(b, 36) == crc(&b[20..36])).then(|| b[20..36].try_into().expect("16 bytes"));
-        Some(FileHeader { codec: b[8..12].try_into().expect("4 bytes"), chunk_shift, file_id })
+        Some(FileHeader { codec: b[8..12].try_into().expect("4 bytes"), chunk_shift, file_id, flags: b[14] })
     }
 }
 
@@ -416,6 +442,25 @@ mod tests {
         eb[9] ^= 1;
         assert_eq!(Slot::newest(Slot::decode(&ea), Slot::decode(&eb)).unwrap().file_size, 10);
         assert_eq!(Slot::decode(&[0u8; 64]), None);
+    }
+
+    #[test]
+    fn padme_rounds_as_the_paper_says() {
+        // Table 2 of the paper's examples and the 12% bound.
+        assert_eq!((0..=8).map(padme).collect::<Vec<_>>(), [0, 1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(padme(9), 10);
+        assert_eq!(padme(100), 104);
+        assert_eq!(padme(1000), 1024);
+        assert_eq!(padme(4104), 4352);
+        assert_eq!(padme((1 << 20) + 1), (1 << 20) + (1 << 15));
+        for len in (1u64..1 << 24).step_by(997).chain([u64::MAX >> 8]) {
+            let p = padme(len);
+            assert!(p >= len && (p - len) as f64 <= 0.12 * len as f64 + 1.0, "{len} -> {p}");
+            assert_eq!(padme(p), p, "padding is idempotent");
+            let e = 63 - len.leading_zeros();
+            let s = 32 - e.leading_zeros();
+            assert_eq!(p.trailing_zeros().min(e - s), e - s, "{len} -> {p}: the low bits are zero");
+        }
     }
 
     #[test]

@@ -61,6 +61,12 @@ pub fn parse_chunk_size(params: &Params, value: &str) -> Result<u8> {
 /// Build a size-changing layer of kind `kind` around `codec`, reading the framework's own
 /// parameters (`chunk`, `fast_tails`) from `args`.
 pub fn build_sca_layer(args: BuildArgs, kind: &'static str, codec: Arc<dyn Codec>) -> Result<Arc<dyn Layer>> {
+    build_sca_layer_padded(args, kind, codec, false)
+}
+
+/// [`build_sca_layer`], padding the size of new files with PADMÉ when `pad` (see
+/// [`crate::file`]).
+pub fn build_sca_layer_padded(args: BuildArgs, kind: &'static str, codec: Arc<dyn Codec>, pad: bool) -> Result<Arc<dyn Layer>> {
     let chunk_shift = match args.params.get(CHUNK_PARAM.name) {
         Some(v) => parse_chunk_size(&args.params, v)?,
         None => MIN_CHUNK_SHIFT,
@@ -77,7 +83,7 @@ pub fn build_sca_layer(args: BuildArgs, kind: &'static str, codec: Arc<dyn Codec
     Ok(Arc::new(ScaLayer {
         ops,
         name: args.name,
-        engine: Arc::new(Engine::new(kind, codec, chunk_shift, fast_tails).sharing(plyfs_stack::shared::mode())),
+        engine: Arc::new(Engine::new(kind, codec, chunk_shift, fast_tails).sharing(plyfs_stack::shared::mode()).padding(pad)),
         lower: [args.lower],
         open: Mutex::new(HashMap::new()),
         idle: Mutex::new(std::collections::VecDeque::new()),
@@ -542,7 +548,10 @@ impl ScaLayer {
         self.release_lower(lower.node, lower.fh);
         let head = head?;
         let unclean = || Error::Corrupt("not closed cleanly".into());
-        FileHeader::decode(&head).filter(|h| h.codec == self.engine.codec.tag()).ok_or_else(unclean)?;
+        // A padded file's size is sealed in its data: its slots hold the padded size.
+        FileHeader::decode(&head)
+            .filter(|h| h.codec == self.engine.codec.tag() && h.flags & crate::format::HEADER_PADDED == 0)
+            .ok_or_else(unclean)?;
         match Slot::newest_in(&head) {
             Some(s) if s.log_end == lower_size => Ok(s.file_size),
             _ => Err(unclean()),

@@ -23,4 +23,4 @@ pub mod synth;
 
 pub use codec::{Codec, FileFacts, Place};
 pub use file::{Engine, LowerIo, ScaFile};
-pub use layer::{build_sca_layer, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
+pub use layer::{build_sca_layer, build_sca_layer_padded, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};

@@ -93,7 +93,7 @@ impl Sequential {
     /// The file header and the slot in force ([`DATA_START`] bytes).
     fn head(&self) -> Vec<u8> {
         let mut b = vec![0u8; DATA_START as usize];
-        let header = FileHeader { codec: self.codec, chunk_shift: self.chunk_shift, file_id: self.file_id };
+        let header = FileHeader { codec: self.codec, chunk_shift: self.chunk_shift, file_id: self.file_id, flags: 0 };
         b[..FILE_HEADER_BYTES as usize].copy_from_slice(&header.encode());
         let slot = Slot {
             slot_seq: 1,

@@ -89,7 +89,13 @@ fn run_with(steps: &[Step], e: Arc<Engine>) {
             }
             Step::Reopen => {
                 f.close().unwrap();
+                if e.pad {
+                    // Closed, a padded file stores exactly PADMÉ(size + trailer) bytes.
+                    let want = if model.is_empty() { 0 } else { plyfs_sca::format::padme(model.len() as u64 + 16) };
+                    assert_eq!(f.index().size, want, "step {i}: stored size of a padded file of {} bytes", model.len());
+                }
                 f = ScaFile::open(e.clone(), lower.clone()).unwrap();
+                assert_eq!(f.is_padded(), e.pad || f.is_padded() && f.size() == 0);
             }
             Step::Compact => {
                 f.compact().unwrap();
@@ -134,6 +140,21 @@ proptest! {
     #[test]
     fn matches_reference_64k_fast_tails(steps in proptest::collection::vec(step(), 1..40)) {
         run(&steps, 16, true);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 1024,
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct("tests/file.proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
+
+    /// Padded files (`crypt:pad=padme`): the real size is sealed in a trailer, and what is
+    /// stored is padded at every close.
+    #[test]
+    fn matches_reference_padded(steps in proptest::collection::vec(step(), 1..60)) {
+        run_with(&steps, Arc::new(Engine::new("rle", Arc::new(Rle), 12, false).padding(true)));
     }
 }
 

@@ -13,7 +13,7 @@ pub mod reverse;
 use std::ffi::OsStr;
 use std::sync::Arc;
 
-use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
+use plyfs_sca::{build_sca_layer_padded, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
 use plyfs_stack::spec::ParamSpec;
 use plyfs_stack::{Build, BuildArgs, Caller, Error, ExtOpInfo, Layer, LayerFactory, Level, NodeId, Result, COLLAPSE_PARAM};
 
@@ -69,6 +69,17 @@ pub fn with_names(lower: Level) -> Result<Level> {
 /// layer kind and codec.
 pub fn build_crypt(args: BuildArgs, kind: &'static str, inner: Option<(&str, Arc<dyn Codec>)>) -> Result<Arc<dyn Layer>> {
     let volume = volume_below(&args.lower, &args.name)?;
+    let pad = match args.params.get(PAD.name) {
+        None | Some("none") => false,
+        Some("padme") => true,
+        Some(other) => return Err(args.params.bad(PAD.name, other, "expected padme or none")),
+    };
+    if pad && inner.is_some() {
+        return Err(Error::config(format!(
+            "layer '{}': pad=padme with compression would hide nothing: each compressed chunk's length shows below; pad plain crypt",
+            args.name
+        )));
+    }
     let inner = match inner {
         None => None,
         Some((k, c)) => Some((
@@ -76,7 +87,7 @@ pub fn build_crypt(args: BuildArgs, kind: &'static str, inner: Option<(&str, Arc
             c,
         )),
     };
-    build_sca_layer(args, kind, Arc::new(CryptCodec::new(volume.cipher, &volume.key, inner)))
+    build_sca_layer_padded(args, kind, Arc::new(CryptCodec::new(volume.cipher, &volume.key, inner)), pad)
 }
 
 fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
@@ -108,12 +119,18 @@ const COLLAPSE: ParamSpec = ParamSpec {
 
 const LEVEL: ParamSpec = ParamSpec { name: "level", help: "level of the collapsed compressor", default: None };
 
+const PAD: ParamSpec = ParamSpec {
+    name: "pad",
+    help: "hide file sizes below: padme pads what is stored to the PADMÉ length of the size (at most 12% more), none does not",
+    default: Some("none"),
+};
+
 pub const CRYPT_OPS: [ExtOpInfo; 5] = [EXT_OPS[0], EXT_OPS[1], EXT_OPS[2], EXT_OPS[3], codec::INFO_OP];
 
 pub const FACTORY: LayerFactory = LayerFactory {
     kind: "crypt",
     summary: "authenticated encryption (AES-256-GCM or XChaCha20-Poly1305), chunk by chunk",
-    params: &[CHUNK_PARAM, FAST_TAILS_PARAM, COLLAPSE, LEVEL],
+    params: &[CHUNK_PARAM, FAST_TAILS_PARAM, COLLAPSE, LEVEL, PAD],
     ext_ops: &CRYPT_OPS,
     build: Build::Linear(build),
     absorbs: &["zstd", "gzip", "lz4"],
