@@ -236,6 +236,7 @@ pub fn register_configs_from_fd(configs: &[FoundVolume], fd: i32) -> Result<(), 
             id: config.id()?,
             cipher: config.cipher,
             plaintext_names: config.plaintext_names,
+            pad: config.pads()?,
             key: keys::MasterKey::from_bytes(*key),
         });
     }
@@ -255,6 +256,9 @@ pub struct InitArgs {
     /// Leave file names unencrypted.
     #[arg(long)]
     plaintext_names: bool,
+    /// Hide file sizes below: `padme` pads every new file (the default of `crypt:pad=`).
+    #[arg(long, value_name = "SCHEME", value_parser = ["padme", "none"], default_value = "none")]
+    pad: String,
     /// Set up a reverse view of LOWER, a plaintext tree (`plyfs mount LOWER MNT --reverse`):
     /// the configuration goes in LOWER/.plyfs-crypt.reverse.conf.
     #[arg(long, conflicts_with = "plaintext_names")]
@@ -278,7 +282,11 @@ pub fn init(args: &InitArgs) -> Result<(), String> {
         cipher: CipherKind::parse(&args.cipher)?,
         plaintext_names: args.plaintext_names,
         kdf_memory_kib: args.kdf_memory.unwrap_or(keys::DEFAULT_KDF_MEMORY_KIB),
+        pad: args.pad == "padme",
     };
+    if settings.pad && args.reverse {
+        return Err("--pad: a reverse view shows files at their own sizes; pad the volume a backup is restored into instead".into());
+    }
     if args.secret.masterkey || args.secret.masterkey_file.is_some() {
         return Err("a new volume gets a new master key: give a password (prompt, --passfile, --extpass) or --keyfile".into());
     }
@@ -298,10 +306,11 @@ pub fn init(args: &InitArgs) -> Result<(), String> {
     }
     let (_, key) = keys::init(&args.lower, &settings, &secret)?;
     eprintln!(
-        "plyfs: {} is now a crypt volume ({}, {} names); keep {} safe: without it nothing can be decrypted",
+        "plyfs: {} is now a crypt volume ({}, {} names{}); keep {} safe: without it nothing can be decrypted",
         args.lower.display(),
         settings.cipher.name(),
         if settings.plaintext_names { "plaintext" } else { "encrypted" },
+        if settings.pad { ", sizes padded with PADMÉ" } else { "" },
         keys::config_path(&args.lower).display()
     );
     show_master_key(&key);

@@ -964,3 +964,25 @@ fn padded_sizes_round_up_as_padme_says_and_stat_shows_the_real_size() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("would hide nothing"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// A volume made with `plyfs init --pad padme` pads without being told at mount; the setting
+/// is bound to the configuration like the others.
+#[test]
+fn a_volume_made_to_pad_pads_by_default() {
+    use plyfs_sca::format::{FileHeader, HEADER_PADDED};
+    let mut m = Mount::crypt("crypt", &["--pad", "padme"], &[]);
+    fs::write(m.path("f"), b"how long am I?").unwrap();
+    assert_eq!(fs::metadata(m.path("f")).unwrap().len(), 14);
+    m.unmount();
+    let config = fs::read_to_string(m.lower.join(".plyfs-crypt.conf")).unwrap();
+    assert!(config.contains("pad = \"padme\""), "{config}");
+    let below = fs::read_dir(&m.lower).unwrap().map(|e| e.unwrap().path()).find(|p| !p.ends_with(".plyfs-crypt.conf")).unwrap();
+    let header = FileHeader::decode(&fs::read(&below).unwrap()).unwrap();
+    assert_eq!(header.flags & HEADER_PADDED, HEADER_PADDED);
+    // Editing the setting out makes the password fail rather than stop the padding silently.
+    let path = m.lower.join(".plyfs-crypt.conf");
+    fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    fs::write(&path, config.replace("pad = \"padme\"\n", "")).unwrap();
+    let out = run(plyfs().arg("mount").arg(&m.lower).arg(&m.mnt).args(["--stack", "crypt"]).arg(format!("--passfile={}", crypt_passfile(m.dir.path()).display())));
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("altered"), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -172,6 +172,10 @@ pub struct VolumeConfig {
     /// Volumes made before recovery keys have none until their password is next changed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_check: Option<String>,
+    /// How new files' sizes are padded (`padme`); none when absent. The default of every
+    /// crypt layer over the volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pad: Option<String>,
 }
 
 /// Settings chosen when a volume is created.
@@ -180,11 +184,13 @@ pub struct VolumeSettings {
     pub cipher: CipherKind,
     pub plaintext_names: bool,
     pub kdf_memory_kib: u32,
+    /// Pad new files' sizes (PADMÉ).
+    pub pad: bool,
 }
 
 impl Default for VolumeSettings {
     fn default() -> Self {
-        VolumeSettings { cipher: CipherKind::Aes256Gcm, plaintext_names: false, kdf_memory_kib: DEFAULT_KDF_MEMORY_KIB }
+        VolumeSettings { cipher: CipherKind::Aes256Gcm, plaintext_names: false, kdf_memory_kib: DEFAULT_KDF_MEMORY_KIB, pad: false }
     }
 }
 
@@ -194,6 +200,8 @@ pub struct Volume {
     pub id: [u8; 16],
     pub cipher: CipherKind,
     pub plaintext_names: bool,
+    /// New files are padded (the volume was made with `--pad padme`).
+    pub pad: bool,
     pub key: MasterKey,
 }
 
@@ -243,6 +251,9 @@ impl VolumeConfig {
         );
         if let Some(check) = &self.key_check {
             ad.push_str(&format!("|{check}"));
+        }
+        if let Some(pad) = &self.pad {
+            ad.push_str(&format!("|pad={pad}"));
         }
         ad.into_bytes()
     }
@@ -315,6 +326,15 @@ impl VolumeConfig {
 
     pub fn id(&self) -> Result<[u8; 16], String> {
         unhex(&self.volume_id).ok_or_else(|| format!("corrupt: volume_id '{}' is not 32 hex digits", self.volume_id))
+    }
+
+    /// Whether new files are padded, as the configuration says.
+    pub fn pads(&self) -> Result<bool, String> {
+        match self.pad.as_deref() {
+            None | Some("none") => Ok(false),
+            Some("padme") => Ok(true),
+            Some(other) => Err(format!("pad = \"{other}\" is not known to this plyfs (it knows padme)")),
+        }
     }
 
     pub fn uses_password(&self) -> bool {
@@ -445,6 +465,7 @@ pub fn init_file(lower: &Path, path: &Path, settings: &VolumeSettings, secret: &
         kdf: new_kdf(secret, settings.kdf_memory_kib)?,
         wrapped_key: String::new(),
         key_check: None,
+        pad: settings.pad.then(|| "padme".to_owned()),
     };
     let key = MasterKey::from_bytes(random_bytes());
     config.key_check = Some(key.check_value());
@@ -462,7 +483,7 @@ pub fn unlock(lower: &Path, secret: &Secret) -> Result<Volume, String> {
 /// Unlock the volume of `config` (read from `shown`) with `secret`.
 pub fn unlock_config(config: &VolumeConfig, shown: &str, secret: &Secret) -> Result<Volume, String> {
     let key = config.unwrap_key(secret, shown)?;
-    Ok(Volume { id: config.id()?, cipher: config.cipher, plaintext_names: config.plaintext_names, key })
+    Ok(Volume { id: config.id()?, cipher: config.cipher, plaintext_names: config.plaintext_names, pad: config.pads()?, key })
 }
 
 /// Re-wrap the master key of the volume at `lower` for `new`, after unlocking it with `old`.

@@ -70,15 +70,24 @@ pub fn with_names(lower: Level) -> Result<Level> {
 pub fn build_crypt(args: BuildArgs, kind: &'static str, inner: Option<(&str, Arc<dyn Codec>)>) -> Result<Arc<dyn Layer>> {
     let volume = volume_below(&args.lower, &args.name)?;
     let pad = match args.params.get(PAD.name) {
-        None | Some("none") => false,
+        // The volume's setting; a pipeline that compresses does not pad (below).
+        None => volume.pad && inner.is_none(),
+        Some("none") => false,
+        Some("padme") if inner.is_some() => {
+            return Err(Error::config(format!(
+                "layer '{}': pad=padme with compression would hide nothing: each compressed chunk's length shows below; pad plain crypt",
+                args.name
+            )))
+        }
         Some("padme") => true,
         Some(other) => return Err(args.params.bad(PAD.name, other, "expected padme or none")),
     };
-    if pad && inner.is_some() {
-        return Err(Error::config(format!(
-            "layer '{}': pad=padme with compression would hide nothing: each compressed chunk's length shows below; pad plain crypt",
-            args.name
-        )));
+    if volume.pad && !pad {
+        tracing::warn!(
+            "layer '{}': this volume pads file sizes, but the files this layer writes are not padded ({}): their sizes show below",
+            args.name,
+            if inner.is_some() { "compressed chunks show their lengths anyway" } else { "pad=none" }
+        );
     }
     let inner = match inner {
         None => None,
@@ -122,7 +131,7 @@ const LEVEL: ParamSpec = ParamSpec { name: "level", help: "level of the collapse
 const PAD: ParamSpec = ParamSpec {
     name: "pad",
     help: "hide file sizes below: padme pads what is stored to the PADMÉ length of the size (at most 12% more), none does not",
-    default: Some("none"),
+    default: Some("the volume's (plyfs init --pad)"),
 };
 
 pub const CRYPT_OPS: [ExtOpInfo; 5] = [EXT_OPS[0], EXT_OPS[1], EXT_OPS[2], EXT_OPS[3], codec::INFO_OP];
