@@ -141,7 +141,8 @@ def gocryptfs(name="gocryptfs"):
 
 def plyfs(name, stack, *options, about="", args=(), pin=None):
     """A plyfs stack; a stack with `crypt` in it mounts a volume made by `plyfs init`."""
-    return Config(name, "plyfs", stack, tuple(options), init="crypt" in stack.split(","), about=about, args=tuple(args),
+    crypt = any(s.split(":")[0] == "crypt" for s in stack.split(","))
+    return Config(name, "plyfs", stack, tuple(options), init=crypt, about=about, args=tuple(args),
                   pin=pin)
 
 

@@ -1,9 +1,10 @@
 """The crypt layer (issue #5) against gocryptfs and the plain directory: large files, a source
-tree, and zstd,crypt on compressible text. Took over from bench/crypt.sh."""
+tree, and zstd,crypt on compressible text (took over from bench/crypt.sh); reverse views against
+`gocryptfs -reverse`, and what size padding costs (issue #15)."""
 import os
 import subprocess
 
-from plyfsbench import BenchError, Metric, Scenario, Suite, Target, gocryptfs, native, plyfs
+from plyfsbench import BenchError, Metric, Scenario, Suite, Target, custom, gocryptfs, native, plyfs, sh, timed
 import workloads as w
 
 GiB = 1 << 30
@@ -62,6 +63,89 @@ def comp(m, ctx):
     return r
 
 
+# --- Reverse views (issue #15) -------------------------------------------------------------------
+
+
+def plaintext(m):
+    """The plaintext tree a reverse view shows: /usr/include, untarred into the fresh lower."""
+    if not os.path.isdir(os.path.join(m.lower, "include")):
+        sh("tar", "xf", w.tarball(m.run.ctx), "-C", m.lower)
+
+
+def plyfs_reverse_start(m):
+    plaintext(m)
+    if not os.path.exists(os.path.join(m.lower, ".plyfs-crypt.reverse.conf")):
+        sh(m.run.plyfs, "init", m.lower, "--reverse", "--passfile", m.run.passfile, "--kdf-memory", "1024", timeout=120)
+    sh(m.run.plyfs, "mount", m.lower, m.mnt, "--reverse", "--passfile", m.run.passfile, timeout=60)
+
+
+def gocryptfs_reverse_start(m):
+    plaintext(m)
+    if not os.path.exists(os.path.join(m.lower, ".gocryptfs.reverse.conf")):
+        sh("gocryptfs", "-init", "-reverse", "-q", "-extpass", f"cat {m.run.passfile}", "-scryptn", "10", m.lower, timeout=120)
+    sh("gocryptfs", "-reverse", "-q", "-extpass", f"cat {m.run.passfile}", m.lower, m.mnt, timeout=60)
+
+
+REVERSE = [
+    custom("plain", "the plaintext tree itself (what a backup of it reads unencrypted)", lambda m: plaintext(m), path_is_lower=True),
+    custom("gocryptfs-reverse", "`gocryptfs -init -reverse -scryptn 10`, mounted with `gocryptfs -reverse` (AES-SIV)",
+           gocryptfs_reverse_start),
+    custom("plyfs-reverse", "`plyfs init PLAIN --reverse`, mounted with `plyfs mount PLAIN MNT --reverse`", plyfs_reverse_start),
+]
+
+
+def reverse(m, ctx):
+    """What a backup of the encrypted view does: `ls -lR` cold and warm, then every file read
+    cold (after a remount), and read again warm (an incremental backup that compares contents)."""
+    m.remount()
+    r = {"ls_cold": timed("ls", "-lR", m.path)}
+    r["ls_warm"] = timed("ls", "-lR", m.path)
+    m.remount()
+    r["read_all"] = timed("find", m.path, "-type", "f", "-exec", "cat", "{}", "+")
+    r["read_all_warm"] = timed("find", m.path, "-type", "f", "-exec", "cat", "{}", "+")
+    return r
+
+
+def check_reverse(m, ctx):
+    """The view, copied out, mounts as a crypt volume and reads back the tree."""
+    if m.cfg.name != "plyfs-reverse":
+        return
+    copy, back = os.path.join(ctx["work"], "reverse-copy"), os.path.join(ctx["work"], "reverse-back")
+    sh("rm", "-rf", copy)
+    os.makedirs(copy)
+    os.makedirs(back, exist_ok=True)
+    sh("cp", "-a", m.path + "/.", copy)
+    sh(ctx["plyfs"], "mount", copy, back, "--stack", "crypt", "-o", "ro", "--passfile", m.run.passfile, timeout=60)
+    try:
+        out = subprocess.run(["diff", "-r", "--no-dereference", "-q", os.path.join(m.lower, "include"), os.path.join(back, "include")],
+                             capture_output=True, text=True)
+    finally:
+        sh(ctx["plyfs"], "umount", back, ok=(0, 1))
+        sh("rm", "-rf", copy)
+    if out.returncode != 0:
+        raise BenchError(f"plyfs-reverse: the copied view reads back differently: {(out.stdout + out.stderr).strip().splitlines()[:1]}")
+
+
+# --- Size padding (issue #15) ---------------------------------------------------------------------
+
+PADDING = [plyfs("crypt", "crypt"), plyfs("crypt-padme", "crypt:pad=padme"), gocryptfs()]
+
+
+def padding(m, ctx):
+    """The source tree untarred (with the sync after it) and the space it takes below; then 1 GiB
+    of random data written in 1 MiB blocks, and its space below."""
+    r = {"untar": timed("tar", "xf", w.tarball(ctx), "-C", m.path)}
+    r["untar_sync"] = r["untar"] + timed("sync")
+    r["tree_space"] = float(sh("du", "-sb", m.lower).split()[0])
+    sh("rm", "-rf", os.path.join(m.path, "include"))
+    n = size(ctx, GiB)
+    r |= w.write(m, ctx, "big", n, 1 << 20, fsync=True, key="write_fsync")
+    os.sync()
+    r["big_space"] = float(sh("du", "-sb", m.lower).split()[0])
+    os.unlink(os.path.join(m.path, "big"))
+    return r
+
+
 def vs(text, sc, metric, cfg, against, op, value):
     return Target(text, sc, metric, cfg, against, op, value)
 
@@ -72,7 +156,9 @@ SUITE = Suite(
     intro="`bench/bench crypt` measures the crypt layer against gocryptfs and the plain directory, all in the same run: "
           "large-file I/O on the disk, a source tree on a tmpfs, and `zstd,crypt` on compressible text. Volumes are made "
           "by `plyfs init --layer crypt --kdf-memory 1024` and `gocryptfs -init -scryptn 10`; both use AES-256-GCM and "
-          "encrypted names.",
+          "encrypted names. Reverse views (`plyfs mount --reverse`, `gocryptfs -reverse`) show an untarred /usr/include "
+          "encrypted, and are read as a backup reads them; the padding scenario compares `crypt:pad=padme` with `crypt` "
+          "(and gocryptfs) on the disk.",
     scenarios=[
         Scenario("io", "Large files (1 GiB of random data, 1 MiB blocks)", CONFIGS,
                  [Metric("write", "write", "MiB/s", "higher"), Metric("write_fsync", "write + fsync", "MiB/s", "higher"),
@@ -89,6 +175,16 @@ SUITE = Suite(
                  [Metric("write", "write", "MiB/s", "higher"), Metric("read_cold", "cold read", "MiB/s", "higher"),
                   Metric("read_warm", "warm read", "MiB/s", "higher"), Metric("space", "space below", "B")],
                  run=comp, lower="ext4"),
+        Scenario("reverse", "Reverse views of a source tree (/usr/include), read as a backup reads them", REVERSE,
+                 [Metric("ls_cold", "ls -lR cold", "s"), Metric("ls_warm", "ls -lR warm", "s"),
+                  Metric("read_all", "read every file, cold", "s"), Metric("read_all_warm", "read every file, warm", "s")],
+                 run=reverse, check=check_reverse, baseline="plain"),
+        Scenario("padding", "Size padding: `crypt:pad=padme` against `crypt`", PADDING,
+                 [Metric("untar", "untar", "s"), Metric("untar_sync", "untar + sync", "s"),
+                  Metric("tree_space", "source tree, space below", "B"),
+                  Metric("write_fsync", "1 GiB write + fsync", "MiB/s", "higher"),
+                  Metric("big_space", "1 GiB file, space below", "B")],
+                 run=padding, baseline="crypt", lower="ext4"),
     ],
     targets=[
         vs("sequential write ≥ 2× gocryptfs", "io", "write", "crypt", "gocryptfs", ">=", 2),
@@ -102,5 +198,13 @@ SUITE = Suite(
         vs("`zstd,crypt` untar ≤ 0.6× gocryptfs", "tree", "untar", "zstd-crypt", "gocryptfs", "<=", 0.6),
         vs("`zstd,crypt` write of random data ≥ 2× gocryptfs", "io", "write", "zstd-crypt", "gocryptfs", ">=", 2),
         vs("`zstd,crypt` space of compressible text ≤ 0.5× crypt", "comp", "space", "zstd-crypt", "crypt", "<=", 0.5),
+        vs("reverse view: cold `ls -lR` faster than `gocryptfs -reverse`", "reverse", "ls_cold", "plyfs-reverse", "gocryptfs-reverse", "<=", 1),
+        vs("reverse view: warm `ls -lR` faster than `gocryptfs -reverse`", "reverse", "ls_warm", "plyfs-reverse", "gocryptfs-reverse", "<=", 1),
+        vs("reverse view: full cold read faster than `gocryptfs -reverse`", "reverse", "read_all", "plyfs-reverse", "gocryptfs-reverse", "<=", 1),
+        vs("reverse view: full warm read faster than `gocryptfs -reverse`", "reverse", "read_all_warm", "plyfs-reverse", "gocryptfs-reverse", "<=", 1),
+        vs("padding: source tree takes ≤ 1.12× the space of `crypt`", "padding", "tree_space", "crypt-padme", "crypt", "<=", 1.12),
+        vs("padding: 1 GiB file takes ≤ 1.12× the space of `crypt`", "padding", "big_space", "crypt-padme", "crypt", "<=", 1.12),
+        vs("padding: untar + sync ≤ 1.25× `crypt`", "padding", "untar_sync", "crypt-padme", "crypt", "<=", 1.25),
+        vs("padding: 1 GiB write + fsync ≥ 0.85× `crypt`", "padding", "write_fsync", "crypt-padme", "crypt", ">=", 0.85),
     ],
 )

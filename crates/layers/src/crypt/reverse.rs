@@ -47,6 +47,8 @@ pub const CHUNK_SHIFT: u8 = 12;
 /// Virtual nodes (configuration, directory ids, companions) count down from the top of the
 /// node range; the lower directory's synthetic ids count up from far below.
 const VIRTUAL_TOP: u64 = NodeId::MAX;
+/// The inode number a plain `readdir` shows for the view's own files.
+const VIRTUAL_INO: NodeId = NodeId(VIRTUAL_TOP);
 /// Plaintext symlink targets longer than this may need a companion.
 const INLINE_TARGET_MAX: u64 = 3000;
 
@@ -71,6 +73,9 @@ struct Shown {
     name: OsString,
     kind: FileKind,
     what: Target,
+    /// The inode number a plain `readdir` shows (the plaintext object's; virtual files share
+    /// one). Never 0, which would hide the entry.
+    ino: NodeId,
 }
 
 /// What a name of the view stands for.
@@ -238,19 +243,20 @@ impl ReverseView {
         let below = self.below();
         let mut out = Vec::new();
         if dir == NodeId::ROOT {
-            out.push(Shown { name: CONFIG_NAME.into(), kind: FileKind::File, what: Target::Made(self.config.clone()) });
+            out.push(Shown { name: CONFIG_NAME.into(), kind: FileKind::File, what: Target::Made(self.config.clone()), ino: VIRTUAL_INO });
         } else {
-            out.push(Shown { name: DIRID_FILE.into(), kind: FileKind::File, what: Target::Made(self.dir_id(dir).to_vec()) });
+            out.push(Shown { name: DIRID_FILE.into(), kind: FileKind::File, what: Target::Made(self.dir_id(dir).to_vec()), ino: VIRTUAL_INO });
         }
         for e in below.list_dir(cx, dir)? {
             if self.excluded(dir, &e.name) {
                 continue;
             }
             match self.seal(dir, &e.name)? {
-                LowerName::Short(n) => out.push(Shown { name: n, kind: e.kind, what: Target::Plain(e.name.clone()) }),
+                LowerName::Short(n) => out.push(Shown { name: n, kind: e.kind, what: Target::Plain(e.name.clone()), ino: e.node }),
                 LowerName::Long { hashed, full } => {
-                    out.push(Shown { name: long_name_companion(&hashed), kind: FileKind::File, what: Target::Made(full.into_bytes()) });
-                    out.push(Shown { name: hashed, kind: e.kind, what: Target::Plain(e.name.clone()) });
+                    let companion = long_name_companion(&hashed);
+                    out.push(Shown { name: companion, kind: FileKind::File, what: Target::Made(full.into_bytes()), ino: VIRTUAL_INO });
+                    out.push(Shown { name: hashed, kind: e.kind, what: Target::Plain(e.name.clone()), ino: e.node });
                 }
             }
             if e.kind == FileKind::Symlink {
@@ -275,7 +281,9 @@ impl ReverseView {
                 _ => return Err(Error::Os(libc::EIO)),
             };
             Ok(match self.sealed_target(e.node, &target)? {
-                SealedTarget::Long { companion, blob, .. } => Some(Shown { name: companion, kind: FileKind::File, what: Target::Made(blob) }),
+                SealedTarget::Long { companion, blob, .. } => {
+                    Some(Shown { name: companion, kind: FileKind::File, what: Target::Made(blob), ino: VIRTUAL_INO })
+                }
                 SealedTarget::Inline(_) => None,
             })
         })();
@@ -287,10 +295,10 @@ impl ReverseView {
     fn resolve(&self, cx: &Caller, dir: NodeId, name: &OsStr) -> Result<Shown> {
         let bytes = name.as_bytes();
         if dir == NodeId::ROOT && bytes == CONFIG_NAME.as_bytes() {
-            return Ok(Shown { name: name.to_owned(), kind: FileKind::File, what: Target::Made(self.config.clone()) });
+            return Ok(Shown { name: name.to_owned(), kind: FileKind::File, what: Target::Made(self.config.clone()), ino: VIRTUAL_INO });
         }
         if dir != NodeId::ROOT && bytes == DIRID_FILE.as_bytes() {
-            return Ok(Shown { name: name.to_owned(), kind: FileKind::File, what: Target::Made(self.dir_id(dir).to_vec()) });
+            return Ok(Shown { name: name.to_owned(), kind: FileKind::File, what: Target::Made(self.dir_id(dir).to_vec()), ino: VIRTUAL_INO });
         }
         if !bytes.contains(&b'.') {
             let plain = self.open_name(dir, name).ok_or(Error::Os(libc::ENOENT))?;
@@ -298,7 +306,7 @@ impl ReverseView {
                 return Err(Error::Os(libc::ENOENT));
             }
             // The kind is the lookup's to tell.
-            return Ok(Shown { name: name.to_owned(), kind: FileKind::File, what: Target::Plain(plain) });
+            return Ok(Shown { name: name.to_owned(), kind: FileKind::File, what: Target::Plain(plain), ino: VIRTUAL_INO });
         }
         // A long name, its companion, or a long target's companion: found by listing.
         self.listing(cx, dir)?.into_iter().find(|s| s.name == name).ok_or(Error::Os(libc::ENOENT))
@@ -551,7 +559,7 @@ impl ReverseView {
             };
             let (node_id, kind) = match &entry {
                 Some(e) => (e.node, e.attr.kind),
-                None => (NodeId(0), s.kind),
+                None => (s.ino, s.kind),
             };
             out.push(DirEntry { name: s.name.clone(), node: node_id, kind, next_offset, entry });
         }
