@@ -249,6 +249,8 @@ pub struct ScaFile<L: LowerIo> {
 
 /// [`ScaFile::real_size`] not read yet.
 const NOT_KNOWN: u64 = u64::MAX;
+/// A padded file's first write, from its start, up to this far is padded at once.
+const EAGER_PAD_BYTES: u64 = 1 << 20;
 
 /// What a shared file looked like the last time this mount checked it under its lock: any
 /// change by another mount changes the slot in force (its sequence number only grows) or the
@@ -1310,12 +1312,25 @@ impl<L: LowerIo> ScaFile<L> {
         let from = off.min(n);
         let mut buf = vec![0u8; (end - from) as usize];
         buf[(off - from) as usize..].copy_from_slice(data);
-        if end + PAD_TRAILER_BYTES <= stored {
+        let cs = self.ix.chunk_bytes();
+        if end + PAD_TRAILER_BYTES <= stored && stored - end <= cs {
+            // Inside the padding, near its end: data, zeros and the trailer in one write.
+            buf.resize((stored - PAD_TRAILER_BYTES - from) as usize, 0);
+            buf.extend_from_slice(&Self::trailer(end));
+            self.write_chunks(from, &buf)?;
+        } else if end + PAD_TRAILER_BYTES <= stored {
             // Still inside the padding: the trailer stays where it is, and says more. (The
             // records go out first: the trailer's chunk may be one just written.)
             self.write_chunks(from, &buf)?;
             self.flush_pending()?;
             self.write_chunks(stored - PAD_TRAILER_BYTES, &Self::trailer(end))?;
+        } else if stored == 0 && end <= EAGER_PAD_BYTES {
+            // A new file written from the start, as most small files are: padded at once, so
+            // that closing it writes nothing more.
+            let target = padme(end + PAD_TRAILER_BYTES);
+            buf.resize((target - PAD_TRAILER_BYTES - from) as usize, 0);
+            buf.extend_from_slice(&Self::trailer(end));
+            self.write_chunks(from, &buf)?;
         } else {
             buf.extend_from_slice(&Self::trailer(end));
             self.write_chunks(from, &buf)?;
@@ -1348,6 +1363,14 @@ impl<L: LowerIo> ScaFile<L> {
         }
         let target = padme(n + PAD_TRAILER_BYTES);
         if stored == target {
+            return Ok(());
+        }
+        if stored < target && target - n <= self.ix.chunk_bytes() {
+            // Little to add: the zeros and the trailer in one write.
+            let mut buf = vec![0u8; (target - n) as usize];
+            buf[(target - n - PAD_TRAILER_BYTES) as usize..].copy_from_slice(&Self::trailer(n));
+            self.write_chunks(n, &buf)?;
+            self.set_real_size(n);
             return Ok(());
         }
         // The trailer first, at the padded end; then zeros over everything between.
