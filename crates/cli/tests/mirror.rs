@@ -12,17 +12,6 @@ use std::time::Duration;
 
 use common::*;
 
-/// A mirror of LOWER and a second directory, with `stack` (e.g. `mirror[|fault]`).
-fn mirror(stack: &str) -> (Mount, PathBuf) {
-    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
-    let root = dir.path().canonicalize().unwrap();
-    let (a, b, mnt) = (root.join("a"), root.join("b"), root.join("mnt"));
-    for d in [&a, &b, &mnt] {
-        fs::create_dir(d).unwrap();
-    }
-    let branch = format!("--branch={}", b.display());
-    (Mount::start(dir, a, mnt, stack, &[&branch]), b)
-}
 
 /// Every object under `root` (but the mirror's log) with what identifies its content.
 fn tree(root: &Path) -> BTreeMap<String, String> {

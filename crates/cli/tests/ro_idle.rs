@@ -168,14 +168,9 @@ fn a_read_only_crypt_mount_gives_no_directory_an_id() {
 /// mount would make the branches the same; read-only, it serves them as they are and says why.
 #[test]
 fn a_read_only_mirror_takes_no_lock_writes_no_log_and_repairs_nothing() {
-    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
-    let root = dir.path().canonicalize().unwrap();
-    let (a, b, mnt) = (root.join("a"), root.join("b"), root.join("mnt"));
-    for d in [&a, &b, &mnt] {
-        fs::create_dir(d).unwrap();
-    }
+    let (mut m, b) = mirror("mirror");
+    let (a, mnt) = (m.lower.clone(), m.mnt.clone());
     let branch = format!("--branch={}", b.display());
-    let mut m = Mount::start(dir, a.clone(), mnt.clone(), "mirror", &[&branch]);
     fs::write(m.path("kept"), b"on both").unwrap();
     let mut f = fs::File::create(m.path("open")).unwrap();
     f.write_all(&vec![7u8; 1 << 20]).unwrap();

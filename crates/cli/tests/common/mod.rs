@@ -225,6 +225,19 @@ impl Drop for Mount {
     }
 }
 
+/// A mirror of LOWER and a second directory, with `stack` (e.g. `mirror[|fault]`); returns the
+/// mount and the second directory.
+pub fn mirror(stack: &str) -> (Mount, PathBuf) {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (a, b, mnt) = (root.join("a"), root.join("b"), root.join("mnt"));
+    for d in [&a, &b, &mnt] {
+        std::fs::create_dir(d).unwrap();
+    }
+    let branch = format!("--branch={}", b.display());
+    (Mount::start(dir, a, mnt, stack, &[&branch]), b)
+}
+
 /// The password of the crypt volumes tests make.
 pub const CRYPT_PASSWORD: &str = "correct horse battery staple";
 
