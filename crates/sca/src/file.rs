@@ -1308,6 +1308,18 @@ impl<L: LowerIo> ScaFile<L> {
             return self.write_chunks(off, data);
         }
         let stored = self.ix.size;
+        if off > n + EAGER_PAD_BYTES {
+            // A far jump (a sparse file): the padding and trailer go, and the gap becomes a hole,
+            // as in any file; the data and its trailer follow.
+            self.truncate_chunks(n)?;
+            self.flush_pending()?;
+            let mut buf = Vec::with_capacity(data.len() + PAD_TRAILER_BYTES as usize);
+            buf.extend_from_slice(data);
+            buf.extend_from_slice(&Self::trailer(end));
+            self.write_chunks(off, &buf)?;
+            self.set_real_size(end);
+            return Ok(());
+        }
         // What goes from the old end on: zeros up to `off`, then the data.
         let from = off.min(n);
         let mut buf = vec![0u8; (end - from) as usize];
@@ -1379,6 +1391,15 @@ impl<L: LowerIo> ScaFile<L> {
         if stored > target {
             self.truncate_chunks(target)?;
             self.flush_pending()?;
+        }
+        // A file that ends in a hole (but for its last chunk) shows no end of data for the
+        // padding to hide: its padding joins the hole (a sparse image of a terabyte is not to be followed by gigabytes of
+        // sealed zeros).
+        let last = (n - 1) >> self.ix.chunk_shift;
+        let is_hole = |c: u64| self.ix.map.get(c).is_some_and(|r| r.kind == Kind::Run);
+        if is_hole(last) || (last > 0 && is_hole(last - 1)) {
+            self.set_real_size(n);
+            return Ok(());
         }
         let mut at = n;
         while at < target - PAD_TRAILER_BYTES {

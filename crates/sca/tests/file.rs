@@ -489,3 +489,24 @@ fn a_file_rewritten_from_outside_is_never_rebuilt_over() {
         assert_eq!(&*lower.0.lock(), outside, "the outside bytes were overwritten");
     }
 }
+
+/// A padded file made sparse (a far write, a truncate upwards) keeps its holes as holes: no
+/// buffer of the gap's size, and it reads back as zeros with the data after it.
+#[test]
+fn a_padded_file_grows_sparse_without_filling_the_gap() {
+    let e = Arc::new(Engine::new("rle", Arc::new(Rle), 12, false).padding(true));
+    let lower = MemLower::default();
+    let mut f = ScaFile::open(e.clone(), lower.clone()).unwrap();
+    f.write(0, b"head").unwrap();
+    f.write(5 << 30, b"tail").unwrap();
+    assert_eq!(f.size(), (5 << 30) + 4);
+    f.truncate(40 << 30).unwrap();
+    assert_eq!(f.size(), 40 << 30);
+    f.close().unwrap();
+    assert!(lower.0.lock().len() < 1 << 20, "the holes are stored as holes: {} bytes", lower.0.lock().len());
+    let f = ScaFile::open(e, lower).unwrap();
+    assert_eq!(f.size(), 40 << 30);
+    assert_eq!(f.read(0, 8).map_err(|_| ()).unwrap(), b"head\0\0\0\0");
+    assert_eq!(f.read((5 << 30) - 2, 8).map_err(|_| ()).unwrap(), b"\0\0tail\0\0");
+    assert_eq!(f.read((40 << 30) - 4, 100).map_err(|_| ()).unwrap(), [0; 4]);
+}
