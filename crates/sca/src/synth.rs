@@ -123,30 +123,41 @@ impl Sequential {
         }
     }
 
-    /// The checkpoint record, whole.
-    fn index_record(&self) -> Vec<u8> {
+    /// The checkpoint's payload in pieces: the start, one entry per full chunk (all alike), the
+    /// last chunk's entry, and the end (see [`crate::index::FileIndex::checkpoint_payload`]).
+    fn index_parts(&self) -> (Vec<u8>, Vec<u8>, u64, Vec<u8>) {
         let n = self.chunks();
-        let mut payload = Vec::with_capacity(self.index_payload_len() as usize);
-        varint::put(&mut payload, 1);
-        varint::put(&mut payload, self.size);
-        varint::put(&mut payload, n);
-        let entry = |payload: &mut Vec<u8>, i: u64| {
+        let mut head = Vec::new();
+        varint::put(&mut head, 1);
+        varint::put(&mut head, self.size);
+        varint::put(&mut head, n);
+        let entry = |i: u64| {
             // No gap before the extent, one chunk, a Data record where the one before ended, one
             // sequence number on.
-            payload.extend_from_slice(&[0, 1, Kind::Data as u8, 0, 2]);
-            varint::put(payload, self.payload_len(i));
-            varint::put(payload, self.chunk_len(i));
+            let mut e = vec![0, 1, Kind::Data as u8, 0, 2];
+            varint::put(&mut e, self.payload_len(i));
+            varint::put(&mut e, self.chunk_len(i));
+            e
         };
-        if n > 0 {
-            let mut full = Vec::new();
-            entry(&mut full, 0);
-            for _ in 0..n - 1 {
-                payload.extend_from_slice(&full);
-            }
-            entry(&mut payload, n - 1);
-        }
-        payload.push(0);
-        debug_assert_eq!(payload.len() as u64, self.index_payload_len());
+        let (full, last) = if n == 0 { (Vec::new(), Vec::new()) } else { (entry(0), entry(n - 1)) };
+        let mut tail = last;
+        tail.push(0); // no fast tail
+        (head, full, n.saturating_sub(1), tail)
+    }
+
+    /// The bytes `from..to` of the checkpoint record, made without the rest of it: a file of a
+    /// terabyte has a checkpoint of gigabytes.
+    fn index_record_range(&self, from: u64, to: u64) -> Vec<u8> {
+        let (head, full, repeats, tail) = self.index_parts();
+        let f = full.len() as u64;
+        let payload_len = head.len() as u64 + f * repeats + tail.len() as u64;
+        debug_assert_eq!(payload_len, self.index_payload_len());
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&head);
+        crc.combine(&repeated_crc(&full, repeats));
+        let mut t = crc32fast::Hasher::new();
+        t.update(&tail);
+        crc.combine(&t);
         let header = RecordHeader {
             kind: Kind::Index,
             chunk: 0,
@@ -154,11 +165,29 @@ impl Sequential {
             decoded_len: 0,
             seq: self.index_seq(),
             file_size: self.size,
+            payload_len: payload_len as u32,
+            payload_crc: crc.finalize(),
             ..self.record_header(0)
         };
-        let mut out = Vec::new();
-        build_record(header, &payload, &mut out);
-        out
+        let header = header.encode();
+        let total = record_bytes(payload_len as u32);
+        let byte = |k: u64| -> u8 {
+            if k < RECORD_HEADER_BYTES {
+                return header[k as usize];
+            }
+            let p = k - RECORD_HEADER_BYTES;
+            let h = head.len() as u64;
+            if p < h {
+                head[p as usize]
+            } else if p < h + f * repeats {
+                full[((p - h) % f) as usize]
+            } else if p < payload_len {
+                tail[(p - h - f * repeats) as usize]
+            } else {
+                0 // alignment
+            }
+        };
+        (from..to.min(total)).map(byte).collect()
     }
 
     /// The chunks whose records overlap `off..off + len`.
@@ -205,11 +234,30 @@ impl Sequential {
             finish_record(self.record_header(i), &mut record, start);
             copy(self.record_off(i), &record);
         }
-        if end > self.index_off() {
-            copy(self.index_off(), &self.index_record());
+        let index = self.index_off();
+        if end > index {
+            let from = off.max(index);
+            copy(from, &self.index_record_range(from - index, end - index));
         }
         Ok(out)
     }
+}
+
+/// The CRC-32 state of `block` repeated `times` times, by doubling: O(log times) combines.
+fn repeated_crc(block: &[u8], times: u64) -> crc32fast::Hasher {
+    let mut result = crc32fast::Hasher::new();
+    let mut power = crc32fast::Hasher::new();
+    power.update(block);
+    let mut t = times;
+    while t > 0 {
+        if t & 1 == 1 {
+            result.combine(&power);
+        }
+        let p = power.clone();
+        power.combine(&p);
+        t >>= 1;
+    }
+    result
 }
 
 #[cfg(test)]
@@ -296,6 +344,31 @@ mod tests {
             assert!(f.read(0, size as usize).map_err(|_| ()).unwrap() == d, "size {size}");
             assert_eq!(*lower.0.lock(), bytes, "opening and reading wrote nothing");
         }
+    }
+
+    #[test]
+    fn the_checkpoint_is_made_piecewise_as_it_would_be_whole() {
+        for size in [1u64, 4096, 4097, 1 << 20, (7 << 20) + 5] {
+            let s = layout(size);
+            let (head, full, repeats, tail) = s.index_parts();
+            let mut payload = head.clone();
+            for _ in 0..repeats {
+                payload.extend_from_slice(&full);
+            }
+            payload.extend_from_slice(&tail);
+            let whole = {
+                let h = RecordHeader { kind: Kind::Index, chunk: 0, count: 0, decoded_len: 0, seq: s.index_seq(), file_size: size, ..s.record_header(0) };
+                let mut out = Vec::new();
+                build_record(h, &payload, &mut out);
+                out
+            };
+            assert_eq!(s.index_record_range(0, whole.len() as u64), whole, "size {size}");
+            assert_eq!(s.index_record_range(7, 300), whole[7..300.min(whole.len())], "size {size}");
+        }
+        // A terabyte's checkpoint (2.4 GB) is never made whole: its last bytes come alone.
+        let big = layout(1 << 40);
+        let end = big.len() - big.index_off();
+        assert_eq!(big.index_record_range(end - 8, end + 8).len(), 8);
     }
 
     #[test]
