@@ -383,7 +383,8 @@ mod tests {
             let want = &all[(off as usize).min(all.len())..((off + len) as usize).min(all.len())];
             assert_eq!(part, want, "{off}+{len}");
         }
-        assert!(layout(0).is_empty() && layout(0).len() == 0);
+        assert!(layout(0).is_empty());
+        assert_eq!(layout(0).len(), 0);
         let short = s.read_at(0, 10_000, |_, out| {
             out.push(1);
             Ok(())
