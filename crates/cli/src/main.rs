@@ -3,6 +3,7 @@
 mod daemon;
 mod exobench;
 mod exodisk;
+mod helper;
 mod offline;
 mod options;
 mod policy;
@@ -13,7 +14,7 @@ mod tree;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use plyfs_fuse::{control, mountinfo, unmount, Unmounted};
 
 #[derive(Parser)]
@@ -131,6 +132,12 @@ enum PolicyAction {
 }
 
 fn main() -> ExitCode {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let subcommands: Vec<String> = Cli::command().get_subcommands().map(|c| c.get_name().to_owned()).chain(["help".to_owned()]).collect();
+    let names: Vec<&str> = subcommands.iter().map(String::as_str).collect();
+    if helper::is_helper_form(&argv, &names) {
+        return finish(as_mount_helper(&argv));
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Mount(args) => daemon::mount(args),
@@ -166,11 +173,30 @@ fn main() -> ExitCode {
         Command::Policy { action: PolicyAction::Explain { path } } => policy::explain(&path),
         Command::Policy { action: PolicyAction::Apply { path, recursive } } => policy::apply(&path, recursive),
     };
+    finish(result)
+}
+
+fn finish(result: Result<(), String>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(msg) => {
             eprintln!("plyfs: {msg}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// `plyfs LOWER MNT -o stack=SPEC,...`, as mount(8) (through mount.fuse3) and fstab call it.
+fn as_mount_helper(argv: &[std::ffi::OsString]) -> Result<(), String> {
+    let kinds: Vec<&str> = plyfs_layers::registry().iter().map(|f| f.kind).collect();
+    match helper::translate(helper::parse(argv)?, &kinds)? {
+        helper::Action::Remount { mountpoint, options } => helper::remount(&mountpoint, &options),
+        helper::Action::Mount(args) => {
+            let full = ["plyfs".into(), "mount".into()].into_iter().chain(args);
+            match Cli::try_parse_from(full).map_err(|e| e.to_string().trim().to_owned())?.command {
+                Command::Mount(m) => daemon::mount(m),
+                _ => unreachable!("the helper only mounts"),
+            }
         }
     }
 }

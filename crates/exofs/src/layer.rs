@@ -19,8 +19,6 @@ use crate::format::Inode;
 use crate::fs::Fs;
 
 pub struct Exofs {
-    /// A read-only mount: changes are refused here (see [`plyfs_stack::readonly`]).
-    read_only: bool,
     name: String,
     fs: std::sync::Arc<Fs>,
     next_fh: AtomicU64,
@@ -68,7 +66,6 @@ impl Exofs {
             next_fh: AtomicU64::new(1),
             listings: Default::default(),
             invalidator: Default::default(),
-            read_only: plyfs_stack::readonly::read_only(),
         }
     }
 
@@ -202,7 +199,7 @@ impl Layer for Exofs {
     }
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
-        plyfs_stack::readonly::check(self.read_only, op)?;
+        plyfs_stack::readonly::check(op)?;
         match *op {
             Op::Lookup { parent, name } => {
                 if name.len() > 255 {

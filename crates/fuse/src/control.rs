@@ -207,6 +207,17 @@ fn handle(stack: &Stack, cx: &Caller, line: &str) -> Result<Value, String> {
     }
     let level = &level;
 
+    if op == plyfs_stack::readonly::READ_ONLY_OP {
+        // `mount -o remount,ro|rw`: the whole mount, whatever the path.
+        let on = match args.first().map(String::as_str) {
+            Some("on") => true,
+            Some("off") => false,
+            _ => return Err(format!("{op}: expected on or off")),
+        };
+        plyfs_stack::readonly::set_read_only(on);
+        tracing::info!("remounted {}", if on { "read-only: nothing below changes from now on" } else { "read-write" });
+        return Ok(json!({ "read_only": on }));
+    }
     if op == "--list" {
         let ops = stack.extended_ops_from(level);
         return Ok(Value::Array(ops.into_iter().map(|(layer, o)| json!({ "layer": layer, "op": o.name, "args": o.args, "help": o.help })).collect()));

@@ -161,8 +161,6 @@ pub struct LowerDir {
     locks: LockTable,
     /// The watch for changes made behind the mount's back (`-o shared`, local lowers).
     watch: std::sync::OnceLock<Arc<Watch>>,
-    /// A read-only mount: every change is refused (see [`crate::readonly`]).
-    read_only: bool,
 }
 
 /// The lock on a lower file: an open-file-description lock on a descriptor of its own.
@@ -395,7 +393,6 @@ impl LowerDir {
             reopen_by_handle: has_capability(CAP_DAC_READ_SEARCH),
             locks: LockTable::default(),
             watch: std::sync::OnceLock::new(),
-            read_only: crate::readonly::read_only(),
         })
     }
 
@@ -954,7 +951,7 @@ impl Layer for LowerDir {
 
 impl LowerDir {
     fn dispatch(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
-        crate::readonly::check(self.read_only, op)?;
+        crate::readonly::check(op)?;
         let empty = c"";
         match *op {
             Op::Lookup { parent, name } => {

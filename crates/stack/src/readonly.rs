@@ -3,7 +3,8 @@
 //! directory given an id. Each bottom layer (the lower directory, a remote stack, exofs)
 //! refuses those with `EROFS` when the process serves a read-only mount, so no layer above can
 //! change what is stored, whatever it tries; layers treat `EROFS` as "not now" and carry on
-//! reading.
+//! reading. `mount -o remount,ro` (and `rw`) switches it while the mount runs, through the
+//! control socket's [`READ_ONLY_OP`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -12,15 +13,19 @@ use crate::{Error, Result};
 
 static READ_ONLY: AtomicBool = AtomicBool::new(false);
 
-/// Make the bottom layers built after this refuse every change. A daemon serves one mount and
-/// sets this before building its stack.
+/// The control socket's operation that switches a running mount (`on` or `off`), which
+/// `mount -o remount,ro|rw` sends.
+pub const READ_ONLY_OP: &str = "mount-read-only";
+
+/// Make the bottom layers refuse every change from now on (or accept them again). A daemon
+/// serves one mount and sets this before building its stack, and again at a remount.
 pub fn set_read_only(on: bool) {
     READ_ONLY.store(on, Ordering::SeqCst);
 }
 
-/// Whether bottom layers built now refuse changes.
+/// Whether the process serves a read-only mount now.
 pub fn read_only() -> bool {
-    READ_ONLY.load(Ordering::SeqCst)
+    READ_ONLY.load(Ordering::Relaxed)
 }
 
 /// Whether `op` would change what is stored: anything that writes, makes, removes or renames,
@@ -45,9 +50,9 @@ pub fn changes_storage(op: &Op<'_>) -> bool {
     }
 }
 
-/// `EROFS` for an operation a read-only bottom layer must refuse.
-pub fn check(read_only: bool, op: &Op<'_>) -> Result<()> {
-    if read_only && changes_storage(op) {
+/// `EROFS` for an operation a bottom layer must refuse because the mount is read-only now.
+pub fn check(op: &Op<'_>) -> Result<()> {
+    if read_only() && changes_storage(op) {
         return Err(Error::Os(libc::EROFS));
     }
     Ok(())

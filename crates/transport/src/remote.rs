@@ -91,8 +91,6 @@ const SEND_AHEAD_MIN: usize = 64 << 10;
 const ABSENT_XATTR_TTL: Duration = Duration::from_secs(1);
 
 struct Inner {
-    /// A read-only mount: changes are refused here (see [`plyfs_stack::readonly`]).
-    read_only: bool,
     /// Extended attributes known to be absent (`ENODATA`), and nodes known to have none (an
     /// empty `listxattr`, name empty): `ls -l` asks for them for every file.
     absent_xattrs: Mutex<HashMap<(u64, Vec<u8>), Instant>>,
@@ -135,7 +133,6 @@ impl Remote {
         );
         let (notices, notices_rx) = std::sync::mpsc::channel();
         let inner = Arc::new(Inner {
-            read_only: plyfs_stack::readonly::read_only(),
             absent_xattrs: Mutex::new(HashMap::new()),
             name: name.to_owned(),
             connector,
@@ -976,7 +973,7 @@ impl Layer for Remote {
     }
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
-        plyfs_stack::readonly::check(self.0.read_only, op)?;
+        plyfs_stack::readonly::check(op)?;
         self.0.call(cx, op)
     }
 

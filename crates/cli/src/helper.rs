@@ -1,0 +1,239 @@
+//! The form mount(8) uses: `mount -t fuse.plyfs LOWER MNT -o stack=SPEC,passfile=F,...` (and
+//! `/etc/fstab` lines of type `fuse.plyfs`) reach plyfs through mount.fuse3, which runs
+//! `plyfs LOWER MNT -o OPTIONS`; a `mount.fuse.plyfs` link to plyfs is called the same way.
+//! Options that name plyfs's own arguments (`stack=`, `passfile=`, `branch=`, ...) become them,
+//! the rest stay mount options, and what only mount(8) and systemd read is dropped.
+//! `-o remount,...` (from `mount -o remount,ro MNT`) changes the mounted file system's flags.
+
+use std::ffi::OsString;
+
+/// Options that become arguments of `plyfs mount`, with the argument each becomes (`None`: a
+/// flag without a value).
+const ARGUMENTS: &[(&str, &str)] = &[
+    ("stack", "--stack"),
+    ("config", "--config"),
+    ("branch", "--branch"),
+    ("rules", "--rules"),
+    ("passfile", "--passfile"),
+    ("extpass", "--extpass"),
+    ("keyfile", "--keyfile"),
+    ("masterkey_file", "--masterkey-file"),
+    ("masterkey-file", "--masterkey-file"),
+    ("psk", "--psk"),
+    ("log", "--log"),
+    ("exclude", "--exclude"),
+    ("exclude_from", "--exclude-from"),
+    ("exclude-from", "--exclude-from"),
+];
+
+/// Options that become flags of `plyfs mount`.
+const FLAGS: &[(&str, &str)] = &[("reverse", "--reverse"), ("foreground", "--foreground")];
+
+/// What mount(8), mount.fuse3 and systemd read and plyfs has no use for.
+fn ignored(opt: &str) -> bool {
+    const IGNORED: &[&str] =
+        &["defaults", "auto", "noauto", "user", "users", "nouser", "owner", "group", "nofail", "_netdev", "relatime", "strictatime", "lazytime", "nolazytime"];
+    IGNORED.contains(&opt)
+        || opt.starts_with("x-")
+        || opt.starts_with("comment=")
+        || opt.starts_with("user_id=")
+        || opt.starts_with("group_id=")
+        || opt.starts_with("fsname=")
+        || opt.starts_with("subtype=")
+}
+
+/// Whether `argv` (the whole command line) is the helper form: no subcommand, a source and a
+/// mount point.
+pub fn is_helper_form(argv: &[OsString], subcommands: &[&str]) -> bool {
+    let called_as_helper = argv.first().and_then(|a| std::path::Path::new(a).file_name()).is_some_and(|n| n.to_string_lossy().starts_with("mount."));
+    let first = argv.get(1).map(|a| a.to_string_lossy().into_owned()).unwrap_or_default();
+    called_as_helper || (argv.len() >= 3 && !first.starts_with('-') && !subcommands.contains(&first.as_str()))
+}
+
+/// The helper's command line: `SOURCE MOUNTPOINT [-o OPTIONS]... [-n] [-s] [-f] [-v] [-t TYPE]`.
+pub struct HelperCall {
+    pub source: OsString,
+    pub mountpoint: OsString,
+    pub options: Vec<String>,
+}
+
+pub fn parse(argv: &[OsString]) -> Result<HelperCall, String> {
+    let mut positional = Vec::new();
+    let mut options = Vec::new();
+    let mut args = argv.iter().skip(1);
+    while let Some(a) = args.next() {
+        let s = a.to_string_lossy();
+        match s.as_ref() {
+            "-o" => options.push(args.next().ok_or("-o needs a value")?.to_string_lossy().into_owned()),
+            "-t" => {
+                args.next();
+            }
+            // mount(8)'s own: no mtab, sloppy, fake, verbose.
+            "-n" | "-s" | "-f" | "-v" => {}
+            o if o.starts_with("-o") => options.push(o[2..].to_owned()),
+            _ => positional.push(a.clone()),
+        }
+    }
+    match <[OsString; 2]>::try_from(positional) {
+        Ok([source, mountpoint]) => Ok(HelperCall { source, mountpoint, options }),
+        Err(p) => Err(format!(
+            "expected `plyfs LOWER MOUNTPOINT -o stack=SPEC[,OPTIONS]` (the form mount(8) uses), got {} operand(s); see `plyfs --help`",
+            p.len()
+        )),
+    }
+}
+
+/// Split the comma-separated options, keeping a stack spec's own commas: after `stack=`, what
+/// follows belongs to the stack while brackets are open or while it names a layer.
+pub fn split_options(options: &[String], layer_kinds: &[&str]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut in_stack = false;
+    let mut depth = 0i32;
+    for part in options.iter().flat_map(|o| o.split(',')) {
+        let is_layer = {
+            let kind = part.split([':', '[', '#']).next().unwrap_or("");
+            layer_kinds.contains(&kind)
+        };
+        if in_stack && (depth > 0 || is_layer) {
+            let last = out.last_mut().expect("the stack option came first");
+            last.push(',');
+            last.push_str(part);
+        } else {
+            in_stack = part.starts_with("stack=");
+            depth = 0;
+            out.push(part.to_owned());
+        }
+        if in_stack {
+            depth += part.matches('[').count() as i32 - part.matches(']').count() as i32;
+        }
+    }
+    out.retain(|o| !o.is_empty());
+    out
+}
+
+/// What the helper does.
+#[derive(Debug)]
+pub enum Action {
+    /// `plyfs mount` with these arguments (after `plyfs mount`).
+    Mount(Vec<OsString>),
+    /// Change the flags of the file system mounted there.
+    Remount { mountpoint: OsString, options: Vec<String> },
+}
+
+pub fn translate(call: HelperCall, layer_kinds: &[&str]) -> Result<Action, String> {
+    let options = split_options(&call.options, layer_kinds);
+    if options.iter().any(|o| o == "remount") {
+        return Ok(Action::Remount { mountpoint: call.mountpoint, options });
+    }
+    let mut args: Vec<OsString> = vec![call.source, call.mountpoint];
+    let mut rest: Vec<String> = Vec::new();
+    for o in options {
+        let (key, value) = match o.split_once('=') {
+            Some((k, v)) => (k, Some(v)),
+            None => (o.as_str(), None),
+        };
+        if let Some((_, arg)) = ARGUMENTS.iter().find(|(k, _)| *k == key) {
+            let v = value.ok_or_else(|| format!("-o {key}: needs a value ({key}=...)"))?;
+            args.push(arg.into());
+            args.push(v.into());
+        } else if let Some((_, flag)) = FLAGS.iter().find(|(k, _)| *k == key) {
+            args.push(flag.into());
+        } else if !ignored(&o) {
+            rest.push(o.clone());
+        }
+    }
+    if !rest.is_empty() {
+        args.push("-o".into());
+        args.push(rest.join(",").into());
+    }
+    Ok(Action::Mount(args))
+}
+
+/// `mount -o remount,...`: set the mount's flags (read-only or not, nosuid, nodev, noexec,
+/// noatime) with mount(2), and tell the daemon whether it may write.
+pub fn remount(mountpoint: &OsString, options: &[String]) -> Result<(), String> {
+    use nix::mount::MsFlags;
+    let mut flags = MsFlags::MS_REMOUNT;
+    let mut data = Vec::new();
+    let mut read_only = false;
+    for o in options {
+        match o.as_str() {
+            "remount" => {}
+            "ro" => {
+                flags |= MsFlags::MS_RDONLY;
+                read_only = true;
+            }
+            "rw" => read_only = false,
+            "nosuid" => flags |= MsFlags::MS_NOSUID,
+            "nodev" => flags |= MsFlags::MS_NODEV,
+            "noexec" => flags |= MsFlags::MS_NOEXEC,
+            "noatime" => flags |= MsFlags::MS_NOATIME,
+            "nodiratime" => flags |= MsFlags::MS_NODIRATIME,
+            "sync" => flags |= MsFlags::MS_SYNCHRONOUS,
+            "dirsync" => flags |= MsFlags::MS_DIRSYNC,
+            o if o.starts_with("user_id=") || o.starts_with("group_id=") || o == "default_permissions" || o == "allow_other" => {
+                data.push(o.to_owned())
+            }
+            _ => {}
+        }
+    }
+    let shown = std::path::Path::new(mountpoint).display().to_string();
+    let mnt = std::path::Path::new(mountpoint);
+    // The daemon first, when it is to stop writing: nothing of its own may land after the
+    // kernel's flag; when it may write again, after.
+    if read_only {
+        tell_daemon(mnt, true)?;
+    }
+    let data = data.join(",");
+    nix::mount::mount(None::<&str>, mnt, None::<&str>, flags, Some(data.as_str())).map_err(|e| {
+        if read_only {
+            let _ = tell_daemon(mnt, false);
+        }
+        format!("remount {shown}: {e}")
+    })?;
+    if !read_only {
+        tell_daemon(mnt, false)?;
+    }
+    Ok(())
+}
+
+fn tell_daemon(mnt: &std::path::Path, read_only: bool) -> Result<(), String> {
+    let arg = if read_only { "on" } else { "off" };
+    plyfs_fuse::control::call_op(mnt, plyfs_stack::readonly::READ_ONLY_OP, &[arg.to_owned()])
+        .map(|_| ())
+        .map_err(|e| format!("remount {}: telling the daemon: {e}", mnt.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KINDS: &[&str] = &["null", "zstd", "crypt", "union", "mirror", "trace"];
+
+    fn args(a: &[&str]) -> Vec<OsString> {
+        a.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn stack_specs_keep_their_commas() {
+        let o = |s: &str| split_options(&[s.to_owned()], KINDS);
+        assert_eq!(o("stack=zstd,crypt,allow_other"), ["stack=zstd,crypt", "allow_other"]);
+        assert_eq!(o("ro,stack=trace:log=/t,null,passfile=/p"), ["ro", "stack=trace:log=/t,null", "passfile=/p"]);
+        assert_eq!(o("stack=union[zstd,crypt|null],branch=/b=ro"), ["stack=union[zstd,crypt|null]", "branch=/b=ro"]);
+        assert_eq!(o("noexec,stack=null"), ["noexec", "stack=null"]);
+    }
+
+    #[test]
+    fn mount_fuse3_calls_become_plyfs_mount() {
+        let call = parse(&args(&["plyfs", "/l", "/m", "-o", "rw,stack=zstd,crypt,passfile=/p,allow_other,nofail,x-systemd.automount,dev,suid,idle=5m"])).unwrap();
+        let Action::Mount(a) = translate(call, KINDS).unwrap() else { panic!() };
+        assert_eq!(a, args(&["/l", "/m", "--stack", "zstd,crypt", "--passfile", "/p", "-o", "rw,allow_other,dev,suid,idle=5m"]));
+        let call = parse(&args(&["mount.fuse.plyfs", "/l", "/m", "-o", "ro,remount,nosuid,user_id=0"])).unwrap();
+        assert!(matches!(translate(call, KINDS).unwrap(), Action::Remount { .. }));
+        assert!(parse(&args(&["plyfs", "/l"])).is_err());
+        assert!(translate(parse(&args(&["plyfs", "/l", "/m", "-o", "passfile"])).unwrap(), KINDS).unwrap_err().contains("needs a value"));
+        assert!(is_helper_form(&args(&["plyfs", "/l", "/m", "-o", "stack=null"]), &["mount"]));
+        assert!(!is_helper_form(&args(&["plyfs", "mount", "/l", "/m"]), &["mount"]));
+        assert!(is_helper_form(&args(&["/sbin/mount.fuse.plyfs", "/l", "/m"]), &["mount"]));
+    }
+}

@@ -1,0 +1,122 @@
+//! plyfs as mount(8) and /etc/fstab reach it: `mount -t fuse.plyfs LOWER MNT -o stack=...` and
+//! fstab lines (through mount.fuse3, which runs `plyfs LOWER MNT -o OPTIONS` from the PATH),
+//! `mount -o remount,ro|rw`, and `umount`. Each test runs in a private mount namespace
+//! (`unshare -m`) in which plyfs is put on the PATH and a test fstab over /etc/fstab, so nothing
+//! of the machine's changes; the namespace unmounts whatever is left when its shell exits.
+
+mod common;
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+
+/// Run `script` with `sh -e` in a private mount namespace where `plyfs` is on the PATH (in
+/// /usr/local/bin) and `fstab` is /etc/fstab; returns stdout, panicking with both streams if it
+/// fails.
+fn in_namespace(dir: &Path, fstab: &str, script: &str) -> String {
+    if !is_root() || Command::new("unshare").arg("--help").output().is_err() || !Path::new("/sbin/mount.fuse3").exists() {
+        panic!("this test needs root, unshare and mount.fuse3 (fuse3)");
+    }
+    let bin = dir.join("bin");
+    fs::create_dir_all(&bin).unwrap();
+    let _ = fs::remove_file(bin.join("plyfs"));
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_plyfs"), bin.join("plyfs")).unwrap();
+    fs::write(dir.join("fstab"), fstab).unwrap();
+    let full = format!(
+        "set -e\nmount --make-rprivate /\nmount --bind {bin} /usr/local/bin\nmount --bind {tab} /etc/fstab\n\
+         trap 'for m in $(awk \"\\$3 == \\\"fuse.plyfs\\\" {{print \\$2}}\" /proc/self/mounts); do umount -l \"$m\"; done' EXIT\n{script}\n",
+        bin = bin.display(),
+        tab = dir.join("fstab").display()
+    );
+    let out = Command::new("timeout").args(["120", "unshare", "-m", "sh", "-c", &full]).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+    assert!(out.status.success(), "the script failed ({}):\n{stdout}\n{stderr}", out.status);
+    stdout
+}
+
+#[test]
+fn an_fstab_line_mounts_remounts_read_only_and_unmounts() {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (lower, mnt, other) = (root.join("lower"), root.join("mnt"), root.join("other"));
+    for d in [&lower, &mnt, &other] {
+        fs::create_dir(d).unwrap();
+    }
+    let passfile = crypt_init(&root, &lower, &[]);
+    // A stack with commas in it, a password file, kernel flags, a plyfs option, what only
+    // systemd reads, and a second line whose lower is missing (nofail: mount -a goes on).
+    let fstab = format!(
+        "# plyfs test\n{} {} fuse.plyfs stack=zstd,crypt,passfile={},allow_other,noexec,idle=1h,nofail,x-systemd.automount 0 0\n\
+         {}/missing {} fuse.plyfs stack=null,nofail 0 0\n",
+        lower.display(),
+        mnt.display(),
+        passfile.display(),
+        root.display(),
+        other.display()
+    );
+    let m = mnt.display();
+    let out = in_namespace(
+        &root,
+        &fstab,
+        &format!(
+            "mount -a -t fuse.plyfs || true\n\
+             grep \" {m} \" /proc/self/mountinfo\n\
+             echo 'through fstab' > {m}/f\n\
+             cat {m}/f\n\
+             mount -o remount,ro {m}\n\
+             if (echo no > {m}/g) 2>/tmp/plyfs-erofs.$$; then echo 'WROTE ON A READ-ONLY MOUNT'; fi\n\
+             cat /tmp/plyfs-erofs.$$; rm -f /tmp/plyfs-erofs.$$\n\
+             grep \" {m} \" /proc/self/mountinfo\n\
+             mount -o remount,rw {m}\n\
+             echo yes > {m}/g\n\
+             umount {m}\n\
+             grep -c \" {m} \" /proc/self/mountinfo || true\n"
+        ),
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].contains(" - fuse.plyfs ") && lines[0].contains("noexec"), "{out}");
+    assert_eq!(lines[1], "through fstab", "{out}");
+    assert!(!out.contains("WROTE ON A READ-ONLY MOUNT"), "{out}");
+    assert!(lines[2].contains("Read-only file system"), "{out}");
+    assert!(lines[3].split_whitespace().nth(5).unwrap().starts_with("ro"), "{out}");
+    assert_eq!(lines[4], "0", "still mounted after umount: {out}");
+    // What was written went through zstd,crypt: sealed names below, and it reads back.
+    assert!(!fs::read_dir(&lower).unwrap().any(|e| e.unwrap().file_name() == "f"));
+    let m = Mount::start(dir, lower, mnt, "zstd,crypt", &[&format!("--passfile={}", passfile.display())]);
+    assert_eq!(fs::read_to_string(m.path("f")).unwrap(), "through fstab\n");
+    assert_eq!(fs::read_to_string(m.path("g")).unwrap(), "yes\n");
+}
+
+#[test]
+fn mount_t_fuse_plyfs_takes_every_plyfs_option_and_says_what_is_wrong() {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (a, b, mnt) = (root.join("a"), root.join("b"), root.join("mnt"));
+    for d in [&a, &b, &mnt] {
+        fs::create_dir(d).unwrap();
+    }
+    fs::write(b.join("from-b"), b"lower branch").unwrap();
+    let m = mnt.display();
+    let out = in_namespace(
+        &root,
+        "",
+        &format!(
+            "mount -t fuse.plyfs {a} {m} -o 'stack=union,branch={b}=ro,threads=2'\n\
+             cat {m}/from-b; echo\n\
+             echo up > {m}/new\n\
+             umount {m}\n\
+             if mount -t fuse.plyfs {a} {m} -o stack=nosuchlayer 2>/tmp/plyfs-err.$$; then echo MOUNTED; fi\n\
+             cat /tmp/plyfs-err.$$; rm -f /tmp/plyfs-err.$$\n",
+            a = a.display(),
+            b = b.display()
+        ),
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "lower branch", "{out}");
+    assert!(!out.contains("MOUNTED"), "{out}");
+    assert!(out.contains("nosuchlayer"), "one line naming the unknown layer: {out}");
+    assert_eq!(fs::read_to_string(a.join("new")).unwrap(), "up\n");
+    assert!(!b.join("new").exists());
+}
