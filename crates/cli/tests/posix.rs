@@ -195,6 +195,32 @@ fn xattrs(m: &Mount) {
     assert_eq!(unsafe { libc::removexattr(p.as_ptr(), name.as_ptr()) }, 0);
     assert_eq!(unsafe { libc::getxattr(p.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) }, -1);
     assert_eq!(errno(), libc::ENODATA);
+    symlink_xattrs(m);
+}
+
+/// Extended attributes on a symlink itself, where the kernel allows them (`trusted.*` for
+/// root), as on ext4; `user.*` is refused there by the kernel.
+fn symlink_xattrs(m: &Mount) {
+    if !is_root() {
+        return;
+    }
+    std::os::unix::fs::symlink("xa", m.path("xl")).unwrap();
+    let (link, name) = (cpath(&m.path("xl")), c"trusted.plyfs.test");
+    assert_eq!(unsafe { libc::lsetxattr(link.as_ptr(), name.as_ptr(), b"on the link".as_ptr().cast(), 11, 0) }, 0, "lsetxattr: errno {}", errno());
+    let mut buf = [0u8; 64];
+    let n = unsafe { libc::lgetxattr(link.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    assert_eq!(&buf[..n.max(0) as usize], b"on the link");
+    let n = unsafe { libc::llistxattr(link.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    assert!(buf[..n.max(0) as usize].split(|b| *b == 0).any(|s| s == b"trusted.plyfs.test"));
+    // The target has none of it.
+    let target = cpath(&m.path("xa"));
+    assert_eq!(unsafe { libc::getxattr(target.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) }, -1);
+    assert_eq!(unsafe { libc::lsetxattr(link.as_ptr(), c"user.plyfs.test".as_ptr(), b"x".as_ptr().cast(), 1, 0) }, -1);
+    assert_eq!(errno(), libc::EPERM);
+    assert_eq!(unsafe { libc::lremovexattr(link.as_ptr(), name.as_ptr()) }, 0);
+    assert_eq!(unsafe { libc::lgetxattr(link.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) }, -1);
+    assert_eq!(errno(), libc::ENODATA);
+    fs::remove_file(m.path("xl")).unwrap();
 }
 
 fn deleted_while_open(m: &Mount) {
