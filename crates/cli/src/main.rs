@@ -18,7 +18,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 use plyfs_fuse::{control, mountinfo, unmount, Unmounted};
 
 #[derive(Parser)]
-#[command(name = "plyfs", version, about = "A user-space stackable file system", propagate_version = true)]
+#[command(name = "plyfs", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("PLYFS_COMMIT"), ")"), about = "A user-space stackable file system", propagate_version = true)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

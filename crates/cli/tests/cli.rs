@@ -529,3 +529,16 @@ fn the_daemon_outgrows_its_open_files_limit_and_reports_running_out() {
     assert!(out.status.success(), "{}", stderr_of(&out));
     drop(guard);
 }
+
+/// `plyfs --version` names the commit it was built from.
+#[test]
+fn the_version_names_the_commit() {
+    let out = run(plyfs().arg("--version"));
+    let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(shown.starts_with(&format!("plyfs {} (", env!("CARGO_PKG_VERSION"))), "{shown}");
+    let head = std::process::Command::new("git").args(["rev-parse", "--short=12", "HEAD"]).current_dir(env!("CARGO_MANIFEST_DIR")).output();
+    if let Some(head) = head.ok().filter(|h| h.status.success()) {
+        let head = String::from_utf8_lossy(&head.stdout).trim().to_owned();
+        assert!(shown.contains(&head), "{shown} does not name {head}");
+    }
+}
