@@ -60,3 +60,13 @@ if [ -x tests/pjdfstest/run.sh ]; then
   mkdir -p "$gluster_work"
   PJDFSTEST_WORKDIR=$gluster_work timeout 1800 tests/pjdfstest/run.sh --tolerate-native "zstd -o shared" "crypt -o shared"
 fi
+
+# The Debian package (#16): built with cargo-deb, installed as a user would install it, its manual
+# page and completions checked, and removed again (so that nothing installed outlives the run).
+echo "== the Debian package (scripts/deb.sh, apt-get install, man, completions)" >&2
+deb=$(timeout 1800 scripts/deb.sh | tail -1)
+command -v man >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq man-db >/dev/null
+trap 'status=$?; cleanup_mounts; dpkg -s plyfs >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get remove -y -qq plyfs >/dev/null 2>&1; [ -z "$URING_WAS" ] || { [ "$URING_WAS" = Y ] && echo 1 || echo 0; } > "$URING_PARAM"; [ "$GLUSTER_STARTED" = 0 ] || scripts/gluster.sh down >&2 || true; exit $status' EXIT
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "./$deb" >/dev/null
+scripts/check-deb.sh
+DEBIAN_FRONTEND=noninteractive apt-get remove -y -qq plyfs >/dev/null

@@ -42,12 +42,14 @@ fn ignored(opt: &str) -> bool {
         || opt.starts_with("subtype=")
 }
 
-/// Whether `argv` (the whole command line) is the helper form: no subcommand, a source and a
-/// mount point.
+/// Whether `argv` (the whole command line) is the helper form: no subcommand, but a source (a
+/// directory, or an address such as `unix:PATH`) and a mount point. Anything else, a mistyped
+/// subcommand included, is left to the ordinary parser and its messages.
 pub fn is_helper_form(argv: &[OsString], subcommands: &[&str]) -> bool {
     let called_as_helper = argv.first().and_then(|a| std::path::Path::new(a).file_name()).is_some_and(|n| n.to_string_lossy().starts_with("mount."));
     let first = argv.get(1).map(|a| a.to_string_lossy().into_owned()).unwrap_or_default();
-    called_as_helper || (argv.len() >= 3 && !first.starts_with('-') && !subcommands.contains(&first.as_str()))
+    let source_like = first.contains(':') || std::path::Path::new(&first).exists();
+    called_as_helper || (argv.len() >= 3 && !first.starts_with('-') && !subcommands.contains(&first.as_str()) && source_like)
 }
 
 /// The helper's command line: `SOURCE MOUNTPOINT [-o OPTIONS]... [-n] [-s] [-f] [-v] [-t TYPE]`.
@@ -232,7 +234,9 @@ mod tests {
         assert!(matches!(translate(call, KINDS).unwrap(), Action::Remount { .. }));
         assert!(parse(&args(&["plyfs", "/l"])).is_err());
         assert!(translate(parse(&args(&["plyfs", "/l", "/m", "-o", "passfile"])).unwrap(), KINDS).unwrap_err().contains("needs a value"));
-        assert!(is_helper_form(&args(&["plyfs", "/l", "/m", "-o", "stack=null"]), &["mount"]));
+        assert!(is_helper_form(&args(&["plyfs", "/tmp", "/m", "-o", "stack=null"]), &["mount"]));
+        assert!(is_helper_form(&args(&["plyfs", "unix:/run/s", "/m"]), &["mount"]));
+        assert!(!is_helper_form(&args(&["plyfs", "mout", "/tmp", "/m"]), &["mount"]), "a typo is not a source");
         assert!(!is_helper_form(&args(&["plyfs", "mount", "/l", "/m"]), &["mount"]));
         assert!(is_helper_form(&args(&["/sbin/mount.fuse.plyfs", "/l", "/m"]), &["mount"]));
     }

@@ -114,6 +114,11 @@ enum Command {
         #[command(subcommand)]
         action: PolicyAction,
     },
+    /// Print the shell completion script for SHELL (bash, zsh, fish, elvish, powershell).
+    Completions { shell: clap_complete::Shell },
+    /// Write the manual pages (plyfs.1, plyfs-mount.1, ...) into DIR.
+    #[command(hide = true)]
+    Manpages { dir: PathBuf },
 }
 
 #[derive(Subcommand)]
@@ -172,9 +177,68 @@ fn main() -> ExitCode {
         Command::Passwd(args) => secret::passwd(&args),
         Command::Policy { action: PolicyAction::Explain { path } } => policy::explain(&path),
         Command::Policy { action: PolicyAction::Apply { path, recursive } } => policy::apply(&path, recursive),
+        Command::Completions { shell } => {
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "plyfs", &mut script);
+            // A closed pipe (`| head`) is the reader's choice, not an error.
+            match std::io::Write::write_all(&mut std::io::stdout(), &script) {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(format!("writing the script: {e}")),
+                _ => Ok(()),
+            }
+        }
+        Command::Manpages { dir } => manpages(&dir),
     };
     finish(result)
 }
+
+/// The manual pages: `plyfs.1` and one per subcommand (`plyfs-mount.1`, ...), from the same
+/// definitions as `--help`.
+fn manpages(dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut cli = Cli::command().version(env!("CARGO_PKG_VERSION"));
+    cli.build();
+    let mut pages = vec![("plyfs".to_owned(), cli.clone())];
+    for sub in cli.get_subcommands().filter(|s| !s.is_hide_set() && s.get_name() != "help") {
+        let name: &'static str = Box::leak(format!("plyfs-{}", sub.get_name()).into_boxed_str());
+        pages.push((name.to_owned(), sub.clone().name(name)));
+    }
+    for (name, cmd) in pages {
+        let path = dir.join(format!("{name}.1"));
+        let mut out = Vec::new();
+        clap_mangen::Man::new(cmd).render(&mut out).map_err(|e| format!("{}: {e}", path.display()))?;
+        if name == "plyfs" {
+            out.extend_from_slice(MAN_EXTRA.as_bytes());
+        }
+        std::fs::write(&path, out).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// What `plyfs.1` says beyond the options: the mount(8) form, files, where to read more.
+const MAN_EXTRA: &str = r#".SH "MOUNT(8) AND FSTAB"
+mount \-t fuse.plyfs LOWER MNT \-o stack=SPEC[,OPTIONS] runs
+.B plyfs LOWER MNT \-o OPTIONS
+through mount.fuse3. Options that name plyfs mount arguments become them (stack=, passfile=, branch=, rules=,
+keyfile=, config=, reverse, exclude=); a stack's own commas stay with it. An /etc/fstab line:
+.PP
+.nf
+/srv/data /mnt/data fuse.plyfs stack=zstd,crypt,passfile=/etc/plyfs/data.pw,nofail 0 0
+.fi
+.PP
+mount \-o remount,ro MNT makes the mount read-only, for the daemon too; umount MNT unmounts it.
+.SH FILES
+.TP
+LOWER/.plyfs\-crypt.conf
+A crypt volume's settings and wrapped master key.
+.TP
+PLAIN/.plyfs\-crypt.reverse.conf
+The configuration of a reverse view.
+.TP
+/run/plyfs/
+Control sockets and logs of root's mounts (/tmp/plyfs\-UID/ for other users).
+.SH "SEE ALSO"
+mount(8), fstab(5), fusermount3(1), and the README of plyfs.
+"#;
 
 fn finish(result: Result<(), String>) -> ExitCode {
     match result {

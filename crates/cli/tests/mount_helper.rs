@@ -24,8 +24,12 @@ fn in_namespace(dir: &Path, fstab: &str, script: &str) -> String {
     let _ = fs::remove_file(bin.join("plyfs"));
     std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_plyfs"), bin.join("plyfs")).unwrap();
     fs::write(dir.join("fstab"), fstab).unwrap();
+    // An installed package's helper would run its own plyfs: this one stands in for it.
+    fs::write(bin.join("mount.fuse.plyfs"), format!("#!/bin/sh\nexec {} \"$@\"\n", env!("CARGO_BIN_EXE_plyfs"))).unwrap();
+    fs::set_permissions(bin.join("mount.fuse.plyfs"), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let full = format!(
         "set -e\nmount --make-rprivate /\nmount --bind {bin} /usr/local/bin\nmount --bind {tab} /etc/fstab\n\
+         for h in /sbin/mount.fuse.plyfs /usr/sbin/mount.fuse.plyfs; do [ ! -e $h ] || mount --bind {bin}/mount.fuse.plyfs $h; done\n\
          trap 'for m in $(awk \"\\$3 == \\\"fuse.plyfs\\\" {{print \\$2}}\" /proc/self/mounts); do umount -l \"$m\"; done' EXIT\n{script}\n",
         bin = bin.display(),
         tab = dir.join("fstab").display()

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Build the Debian package of plyfs with cargo-deb: target/debian/plyfs_VERSION_ARCH.deb, with the
+# binary, the mount(8) helper /usr/sbin/mount.fuse.plyfs, the manual pages and the bash, zsh and
+# fish completions (made by the binary just built). Installs cargo-deb if it is missing.
+#
+#   scripts/deb.sh            # then: apt-get install ./target/debian/plyfs_*.deb
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
+if ! command -v cargo-deb >/dev/null; then
+  echo "plyfs: installing cargo-deb" >&2
+  timeout 1200 cargo install cargo-deb --locked --quiet >&2
+fi
+# The commit goes into `plyfs --version` (the build script asks git; a tarball has none).
+cargo build --release -p plyfs >&2
+assets=target/release/deb-assets
+rm -rf "$assets"
+mkdir -p "$assets/man" "$assets/completions"
+target/release/plyfs manpages "$assets/man"
+gzip -9n "$assets"/man/*.1
+target/release/plyfs completions bash > "$assets/completions/plyfs"
+target/release/plyfs completions zsh > "$assets/completions/_plyfs"
+target/release/plyfs completions fish > "$assets/completions/plyfs.fish"
+cat > "$assets/mount.fuse.plyfs" <<'SH'
+#!/bin/sh
+# mount(8) helper for file systems of type fuse.plyfs: `mount -t fuse.plyfs LOWER MNT -o
+# stack=SPEC,...` and /etc/fstab lines run it as `mount.fuse.plyfs LOWER MNT -o OPTIONS`.
+exec /usr/bin/plyfs "$@"
+SH
+chmod 755 "$assets/mount.fuse.plyfs"
+cargo deb -p plyfs --no-build >&2
+ls target/debian/plyfs_*.deb
