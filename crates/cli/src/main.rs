@@ -9,6 +9,7 @@ mod options;
 mod policy;
 mod secret;
 mod serve;
+mod stats;
 mod tree;
 
 use std::path::{Path, PathBuf};
@@ -319,6 +320,11 @@ fn umount(path: &Path, lazy: bool) -> Result<(), String> {
 }
 
 fn op(path: &Path, name: &str, args: &[String]) -> Result<(), String> {
+    // `stats`: latency histograms drawn for people on a terminal (or who ask), JSON for scripts.
+    let is_stats = name == "stats" || name.starts_with("stats@");
+    let draw = is_stats && (args.iter().any(|a| a == "--histogram") || std::io::IsTerminal::is_terminal(&std::io::stdout()));
+    let args: Vec<String> = args.iter().filter(|a| !(is_stats && *a == "--histogram")).cloned().collect();
+    let args = &args[..];
     // Long operations (a resync, a scrub) report progress: draw it on a terminal.
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut show = |p: &serde_json::Value| {
@@ -341,6 +347,10 @@ fn op(path: &Path, name: &str, args: &[String]) -> Result<(), String> {
         bar.finish_and_clear();
     }
     let value = result.map_err(|e| if name == "--list" { e } else { format!("op '{name}' on {}: {e}", path.display()) })?;
+    if draw && value["ops"].is_object() {
+        print!("{}", stats::draw(&value));
+        return Ok(());
+    }
     match value {
         serde_json::Value::String(s) => println!("{s}"),
         v => println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default()),

@@ -154,6 +154,14 @@ fn trace_logs_every_operation_and_keeps_statistics() {
     for key in ["mean_us", "p50_us", "p99_us", "max_us"] {
         assert!(stats["ops"]["lookup"][key].is_number(), "{key} in {stats}");
     }
+    // The histogram: [below µs, count] pairs adding up to the count; drawn as bars on request
+    // (and on a terminal).
+    let hist = stats["ops"]["lookup"]["histogram_us"].as_array().unwrap();
+    let total: u64 = hist.iter().map(|p| p[1].as_u64().unwrap()).sum();
+    assert_eq!(total, stats["ops"]["lookup"]["count"].as_u64().unwrap(), "{stats}");
+    let drawn = run(plyfs().args(["op"]).arg(m.path("")).args(["stats", "--histogram"]));
+    let drawn = String::from_utf8_lossy(&drawn.stdout);
+    assert!(drawn.contains("lookup: ") && drawn.contains("█") && drawn.contains("µs"), "{drawn}");
     assert_eq!(op_json(&m.path(""), &["stats@trace"])["layer"], "trace");
     op_json(&m.path(""), &["stats-reset"]);
     assert!(op_json(&m.path(""), &["stats"])["ops"].get("write").is_none());

@@ -66,6 +66,8 @@ impl OpStats {
             "p50_us": percentile_us(&buckets, count, 0.50),
             "p99_us": percentile_us(&buckets, count, 0.99),
             "max_us": self.max_ns.load(Ordering::Relaxed) as f64 / 1000.0,
+            // [below this many µs, how many], from the first bucket used to the last.
+            "histogram_us": histogram(&buckets),
         }))
     }
 }
@@ -74,6 +76,13 @@ impl OpStats {
 fn bucket_of(ns: u64) -> usize {
     let us = ns / 1000;
     ((u64::BITS - us.leading_zeros()) as usize).min(BUCKETS - 1)
+}
+
+/// The buckets from the first used to the last used, as `[upper bound in µs, count]` pairs.
+fn histogram(buckets: &[u64]) -> Vec<[u64; 2]> {
+    let first = buckets.iter().position(|n| *n > 0).unwrap_or(0);
+    let last = buckets.iter().rposition(|n| *n > 0).unwrap_or(0);
+    (first..=last).map(|i| [1u64 << i, buckets[i]]).collect()
 }
 
 /// The upper bound, in microseconds, of the bucket holding the `q` quantile.
@@ -149,7 +158,11 @@ pub struct Trace {
 }
 
 const EXT_OPS: &[ExtOpInfo] = &[
-    ExtOpInfo { name: "stats", args: "", help: "per-operation counts, errors and latency (mean, p50, p99, max)" },
+    ExtOpInfo {
+        name: "stats",
+        args: "[--histogram]",
+        help: "per-operation counts, errors and latency (mean, p50, p99, max, histogram); drawn as bars on a terminal or with --histogram",
+    },
     ExtOpInfo { name: "stats-reset", args: "", help: "zero the statistics" },
 ];
 
