@@ -198,6 +198,35 @@ fn xattrs(m: &Mount) {
     symlink_xattrs(m);
 }
 
+/// `lsattr`/`chattr` (FS_IOC_GETFLAGS/SETFLAGS) pass to the lower file, and the flags hold
+/// there: an immutable file refuses writes. Skipped where the lower file system has no flags.
+fn file_flags(m: &Mount) {
+    const FS_IOC_GETFLAGS: libc::c_ulong = 0x8008_6601;
+    const FS_IOC_SETFLAGS: libc::c_ulong = 0x4008_6602;
+    const NOATIME: libc::c_int = 0x80;
+    const IMMUTABLE: libc::c_int = 0x10;
+    fs::write(m.path("flagged"), b"x").unwrap();
+    let get = |p: &Path| -> Option<libc::c_int> {
+        let f = File::open(p).ok()?;
+        let mut flags: libc::c_int = 0;
+        (unsafe { libc::ioctl(f.as_raw_fd(), FS_IOC_GETFLAGS, &mut flags) } == 0).then_some(flags)
+    };
+    let set = |p: &Path, flags: libc::c_int| -> i32 {
+        let f = File::open(p).unwrap();
+        if unsafe { libc::ioctl(f.as_raw_fd(), FS_IOC_SETFLAGS, &flags) } == 0 { 0 } else { errno() }
+    };
+    let Some(flags) = get(&m.lower_path("flagged")) else { return };
+    assert_eq!(get(&m.path("flagged")), Some(flags), "the flags read through the mount are the lower file's");
+    assert_eq!(set(&m.path("flagged"), flags | NOATIME), 0);
+    assert_eq!(get(&m.lower_path("flagged")).unwrap() & NOATIME, NOATIME, "set on the lower file");
+    if is_root() && set(&m.path("flagged"), flags | IMMUTABLE) == 0 {
+        let e = OpenOptions::new().append(true).open(m.path("flagged")).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "an immutable file refuses writes");
+        assert_eq!(set(&m.path("flagged"), flags), 0);
+    }
+    fs::remove_file(m.path("flagged")).unwrap();
+}
+
 /// Extended attributes on a symlink itself, where the kernel allows them (`trusted.*` for
 /// root), as on ext4; `user.*` is refused there by the kernel.
 fn symlink_xattrs(m: &Mount) {
@@ -314,7 +343,7 @@ macro_rules! posix_tests {
         mod $config {
             use super::*;
             posix_tests!(@each $stack, $opts; file_data, mmap_read_write, directories, symlinks, hard_links, renames,
-                special_files, attributes, xattrs, deleted_while_open, statfs_fallocate_and_holes,
+                special_files, attributes, xattrs, file_flags, deleted_while_open, statfs_fallocate_and_holes,
                 inode_numbers_survive_kernel_forgets, running_programs_are_not_truncated);
         }
     };

@@ -377,6 +377,8 @@ impl Layer for Exofs {
             Op::RemoveXattr { node, name } => self.fs.set_xattr(self.ino(node), name.as_bytes(), None, 0).map(|()| Reply::Empty),
             Op::Fallocate { .. } => Err(Error::Os(libc::EOPNOTSUPP)),
             Op::Lseek { .. } => Err(Error::Os(libc::ENOSYS)),
+            // No file-attribute flags in exofs.
+            Op::Ioctl { .. } => Err(Error::Os(libc::ENOTTY)),
             Op::Extended { node, name: "insert", args } => {
                 let [off, data] = args else { return Err(Error::BadArgs("usage: insert OFFSET DATA".into())) };
                 let off = off.parse().map_err(|_| Error::BadArgs(format!("insert: offset {off:?} is not a number")))?;

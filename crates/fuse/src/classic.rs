@@ -392,20 +392,22 @@ impl Filesystem for Classic {
         Self::empty(reply, self.fs.fallocate(&caller(req), ino.0, fh.0, offset, length, mode))
     }
 
-    /// No layer defines ioctls (extended operations travel through the control socket), so
-    /// answer as a file system without ioctls does.
+    /// The file-attribute flags (`lsattr`, `chattr`); other ioctls are not a file system's.
     fn ioctl(
         &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FuseFh,
+        req: &Request,
+        ino: INodeNo,
+        fh: FuseFh,
         _flags: fuser::IoctlFlags,
-        _cmd: u32,
-        _in_data: &[u8],
-        _out_size: u32,
+        cmd: u32,
+        in_data: &[u8],
+        out_size: u32,
         reply: fuser::ReplyIoctl,
     ) {
-        reply.error(Errno::ENOTTY);
+        match self.fs.ioctl(&caller(req), ino.0, fh.0, cmd, in_data, out_size) {
+            Ok(out) => reply.ioctl(0, &out),
+            Err(e) => reply.error(err(e)),
+        }
     }
 
     fn lseek(&self, req: &Request, ino: INodeNo, fh: FuseFh, offset: i64, whence: i32, reply: ReplyLseek) {

@@ -842,6 +842,19 @@ impl FuseFs {
         self.empty_op(cx, ino, |node| Op::Fallocate { node, fh: FileHandle(fh), offset, length, mode })
     }
 
+    /// The file-attribute ioctls the kernel sends for `lsattr`/`chattr` ([`plyfs_stack::ioctl`]);
+    /// any other is not a file system's (`ENOTTY`).
+    pub(crate) fn ioctl(&self, cx: &Caller, ino: u64, fh: u64, cmd: u32, data: &[u8], out_size: u32) -> Res<Vec<u8>> {
+        if !plyfs_stack::ioctl::known(cmd) || out_size > 64 || data.len() > 64 {
+            return Err(libc::ENOTTY);
+        }
+        let (level, _, node) = self.decode(ino)?;
+        expect(level.call(cx, &Op::Ioctl { node, fh: FileHandle(fh), cmd, data, out_size }), |r| match r {
+            Reply::Data(d) => Some(d),
+            _ => None,
+        })
+    }
+
     pub(crate) fn lseek(&self, cx: &Caller, ino: u64, fh: u64, offset: i64, whence: i32) -> Res<u64> {
         let (level, _, node) = self.decode(ino)?;
         expect(level.call(cx, &Op::Lseek { node, fh: FileHandle(fh), offset, whence }), |r| match r {

@@ -436,8 +436,20 @@ fn dispatch(fs: &FuseFs, h: &InHeader, op_in: &[u8], payload: &mut [u8], in_len:
         }
         // Only fuseblk mounts are sent DESTROY; fuser's session ends the stack either way.
         op::DESTROY => Ok(0),
-        // No layer defines ioctls (extended operations travel through the control socket).
-        op::IOCTL => Err(libc::ENOTTY),
+        // struct fuse_ioctl_in: fh, flags, cmd, arg, in_size, out_size; the input follows.
+        op::IOCTL => {
+            let (fh, cmd, in_size, out_size) = (u64_at(op_in, 0), u32_at(op_in, 12), u32_at(op_in, 24), u32_at(op_in, 28));
+            let data = payload.get(..(in_size as usize).min(in_len)).ok_or(libc::EINVAL)?.to_vec();
+            let out_data = fs.ioctl(cx, ino, fh, cmd, &data, out_size)?;
+            // struct fuse_ioctl_out: result, flags, in_iovs, out_iovs; then the output.
+            let mut out = Out::new(payload);
+            out.u32(0);
+            out.u32(0);
+            out.u32(0);
+            out.u32(0);
+            out.bytes(&out_data);
+            Ok(out.len)
+        }
         _ => Err(libc::ENOSYS),
     }
 }

@@ -1001,7 +1001,8 @@ impl Layer for PolicyLayer {
             | Op::Flush { node, .. }
             | Op::Fsync { node, .. }
             | Op::Fallocate { node, .. }
-            | Op::Lseek { node, .. } => self.chain_of_open(node).top.call(cx, op),
+            | Op::Lseek { node, .. }
+            | Op::Ioctl { node, .. } => self.chain_of_open(node).top.call(cx, op),
             Op::GetXattr { name, .. } if hidden(name) => Err(Error::Os(libc::ENODATA)),
             Op::SetXattr { name, .. } | Op::RemoveXattr { name, .. } if hidden(name) => Err(Error::Os(libc::EPERM)),
             Op::SetXattr { node, name, value, .. } if name == POLICY_XATTR => self.set_policy_attr(cx, op, node, value),

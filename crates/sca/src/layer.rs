@@ -825,6 +825,12 @@ impl Layer for ScaLayer {
             }
             Op::Fallocate { node, offset, length, mode, .. } => self.fallocate(node, offset, length, mode),
             Op::Lseek { node, offset, whence, .. } => self.lseek(node, offset, whence),
+            // The lower file's flags are not this file's: an encoded file refuses them (the
+            // kernel tells `lsattr` and `chattr` "Operation not supported"). Directories pass.
+            Op::Ioctl { node, .. } if self.open.lock().contains_key(&node) => {
+                tracing::debug!("{}: inode {}: file-attribute flags refused on an encoded file", self.name, node.0);
+                Err(Error::Os(libc::ENOTTY))
+            }
             Op::Extended { node, name, .. } if self.ops.iter().any(|e| e.name == name) => self.extended(cx, op, node, name),
             _ => bypass(self, cx, op),
         }

@@ -15,6 +15,7 @@
 
 mod error;
 pub mod glob;
+pub mod ioctl;
 mod layer;
 mod lowerdir;
 mod op;

@@ -795,6 +795,28 @@ impl LowerDir {
         Ok(Self::attr(&fstat(fd)?))
     }
 
+    /// The file-attribute ioctls ([`crate::ioctl`]) on the lower file or directory, through a
+    /// descriptor of its own (the node's is `O_PATH`, which ioctl refuses).
+    fn ioctl(&self, node: NodeId, cmd: u32, data: &[u8], out_size: u32) -> Result<Vec<u8>> {
+        if !crate::ioctl::known(cmd) {
+            return Err(Error::Os(libc::ENOTTY));
+        }
+        let n = self.node(node)?;
+        if !matches!(n.kind, FileKind::File | FileKind::Dir) {
+            return Err(Error::Os(libc::ENOTTY));
+        }
+        let fd = check(unsafe {
+            libc::open(proc_path(n.fd.as_raw_fd()).as_ptr(), libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+        })?;
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // Large enough for either form; the kernel reads or writes what the command says.
+        let mut buf = [0u8; 64];
+        let len = data.len().min(buf.len());
+        buf[..len].copy_from_slice(&data[..len]);
+        check(unsafe { libc::ioctl(fd.as_raw_fd(), cmd as _, buf.as_mut_ptr()) })?;
+        Ok(buf[..(out_size as usize).min(buf.len())].to_vec())
+    }
+
     fn read_dir_snapshot(&self, node: &NodeRef) -> Result<Vec<(OsString, u64, FileKind)>> {
         let fd = check(unsafe {
             libc::openat(node.fd.as_raw_fd(), c".".as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC)
@@ -1179,6 +1201,7 @@ impl LowerDir {
                 check(unsafe { libc::fallocate(file.as_raw_fd(), mode, offset as i64, length as i64) })?;
                 Ok(Reply::Empty)
             }
+            Op::Ioctl { node, cmd, data, out_size, .. } => self.ioctl(node, cmd, data, out_size).map(Reply::Data),
             Op::Lseek { fh, offset, whence, .. } => {
                 let file = self.file(fh)?;
                 let pos = unsafe { libc::lseek(file.as_raw_fd(), offset, whence) };

@@ -55,6 +55,10 @@ pub enum Op<'a> {
     Fallocate { node: NodeId, fh: FileHandle, offset: u64, length: u64, mode: i32 },
     /// `whence` is `SEEK_DATA` or `SEEK_HOLE` (the kernel answers the others itself).
     Lseek { node: NodeId, fh: FileHandle, offset: i64, whence: i32 },
+    /// An ioctl on an open file: `cmd` with its input `data`; the reply is `out_size` bytes of
+    /// output ([`Reply::Data`]). The front end lets through only the file-attribute flags
+    /// (`FS_IOC_GETFLAGS`, `FS_IOC_SETFLAGS`, `FS_IOC_FSGETXATTR`, `FS_IOC_FSSETXATTR`).
+    Ioctl { node: NodeId, fh: FileHandle, cmd: u32, data: &'a [u8], out_size: u32 },
     /// An operation defined by some layer (`stats`, `verify`, ...). It travels down the stack
     /// like any other until a layer that knows `name` answers it.
     Extended { node: NodeId, name: &'a str, args: &'a [String] },
@@ -116,7 +120,7 @@ op_kinds! {
     Release => "release", OpenDir => "opendir", ReadDir => "readdir", ReleaseDir => "releasedir",
     FsyncDir => "fsyncdir", StatFs => "statfs", Access => "access", GetXattr => "getxattr",
     SetXattr => "setxattr", ListXattr => "listxattr", RemoveXattr => "removexattr",
-    Fallocate => "fallocate", Lseek => "lseek", Extended => "extended",
+    Fallocate => "fallocate", Lseek => "lseek", Ioctl => "ioctl", Extended => "extended",
 }
 
 fn name_arg(name: &OsStr) -> Arg<'_> {
@@ -146,7 +150,7 @@ impl<'a> Op<'a> {
             | ReleaseDir { node, .. } | FsyncDir { node, .. } | StatFs { node }
             | Access { node, .. } | GetXattr { node, .. } | SetXattr { node, .. }
             | ListXattr { node, .. } | RemoveXattr { node, .. } | Fallocate { node, .. }
-            | Lseek { node, .. } | Extended { node, .. } => node,
+            | Lseek { node, .. } | Ioctl { node, .. } | Extended { node, .. } => node,
         }
     }
 
@@ -198,6 +202,7 @@ impl<'a> Op<'a> {
             RemoveXattr { name, .. } => RemoveXattr { node: to, name },
             Fallocate { fh, offset, length, mode, .. } => Fallocate { node: to, fh: keep(fh), offset, length, mode },
             Lseek { fh, offset, whence, .. } => Lseek { node: to, fh: keep(fh), offset, whence },
+            Ioctl { fh, cmd, data, out_size, .. } => Ioctl { node: to, fh: keep(fh), cmd, data, out_size },
             Extended { name, args, .. } => Extended { node: to, name, args },
         }
     }
@@ -310,6 +315,13 @@ impl<'a> Op<'a> {
             Lseek { fh, offset, whence, .. } => {
                 vec![node, ("fh", U64(fh.0)), ("offset", I64(*offset)), ("whence", I64((*whence).into()))]
             }
+            Ioctl { fh, cmd, data, out_size, .. } => vec![
+                node,
+                ("fh", U64(fh.0)),
+                ("cmd", Str(format!("{cmd:#x}").into())),
+                ("data", Bytes(data.len())),
+                ("out_size", U64((*out_size).into())),
+            ],
             Extended { name, args, .. } => vec![node, ("op", Str((*name).into())), ("args", Strs(args))],
         }
     }

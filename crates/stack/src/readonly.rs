@@ -46,6 +46,7 @@ pub fn changes_storage(op: &Op<'_>) -> bool {
         | Op::RemoveXattr { .. }
         | Op::Fallocate { .. } => true,
         Op::Open { flags, .. } => flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0,
+        Op::Ioctl { cmd, .. } => crate::ioctl::sets(cmd),
         _ => false,
     }
 }

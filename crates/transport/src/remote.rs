@@ -542,7 +542,8 @@ impl Inner {
             | ReleaseDir { node: n, fh: h }
             | FsyncDir { node: n, fh: h, .. }
             | Fallocate { node: n, fh: h, .. }
-            | Lseek { node: n, fh: h, .. } => {
+            | Lseek { node: n, fh: h, .. }
+            | Ioctl { node: n, fh: h, .. } => {
                 fh(h)?;
                 node(n)
             }

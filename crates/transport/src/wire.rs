@@ -273,6 +273,13 @@ pub enum WireOp {
         chunk: u64,
         decoded_len: u64,
     },
+    /// A file-attribute ioctl ([`plyfs_stack::ioctl`]); its input is the payload.
+    Ioctl {
+        node: u64,
+        fh: u64,
+        cmd: u32,
+        out_size: u32,
+    },
 }
 
 impl WireOp {
@@ -334,6 +341,7 @@ impl WireOp {
             Create { parent, name, mode, flags } => WireOp::Create { parent: parent.0, name: n(name), mode, flags },
             Read { node, fh, offset, size } => WireOp::Read { node: node.0, fh: fh.0, offset, size },
             Write { node, fh, offset, data } => return (WireOp::Write { node: node.0, fh: fh.0, offset }, data),
+            Ioctl { node, fh, cmd, data, out_size } => return (WireOp::Ioctl { node: node.0, fh: fh.0, cmd, out_size }, data),
             Flush { node, fh } => WireOp::Flush { node: node.0, fh: fh.0 },
             Fsync { node, fh, datasync } => WireOp::Fsync { node: node.0, fh: fh.0, datasync },
             Release { node, fh } => WireOp::Release { node: node.0, fh: fh.0 },
@@ -390,7 +398,7 @@ impl WireOp {
                 Err(Error::BadArgs(format!("{op} takes no payload")))
             }
         };
-        if !matches!(self, WireOp::Write { .. } | WireOp::SetXattr { .. } | WireOp::Encode { .. } | WireOp::Decode { .. }) {
+        if !matches!(self, WireOp::Write { .. } | WireOp::SetXattr { .. } | WireOp::Encode { .. } | WireOp::Decode { .. } | WireOp::Ioctl { .. }) {
             no_payload("this operation")?;
         }
         Ok(match self {
@@ -473,6 +481,12 @@ impl WireOp {
             }
             WireOp::Lseek { node: n, fh: h, offset, whence } => {
                 Op::Lseek { node: node(*n), fh: fh(*h), offset: *offset, whence: *whence }
+            }
+            WireOp::Ioctl { node: n, fh: h, cmd, out_size } => {
+                if !plyfs_stack::ioctl::known(*cmd) || payload.len() > 64 || *out_size > 64 {
+                    return Err(Error::BadArgs(format!("ioctl {cmd:#x}: not one a stack answers")));
+                }
+                Op::Ioctl { node: node(*n), fh: fh(*h), cmd: *cmd, data: payload, out_size: *out_size }
             }
             WireOp::Encode { .. } | WireOp::Decode { .. } => {
                 return Err(Error::BadArgs(format!("'{}' is for a hosted codec, not a stack", self.name())))

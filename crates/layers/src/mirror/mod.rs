@@ -1263,6 +1263,12 @@ impl Layer for Mirror {
             Op::Rename { parent, name, new_parent, new_name, flags } => self.rename(cx, parent, name, new_parent, new_name, flags),
             Op::Open { node, flags } => self.open(cx, node, flags),
             Op::Read { fh, .. } | Op::Lseek { fh, .. } => self.read_open(cx, op, &*self.file(fh)?),
+            // Flags are read from the reading branch and set on every branch, as a write.
+            Op::Ioctl { fh, cmd, .. } if !plyfs_stack::ioctl::sets(cmd) => self.read_open(cx, op, &*self.file(fh)?),
+            Op::Ioctl { fh, .. } => {
+                let file = self.file(fh)?;
+                self.file_change(&file, false, |b, node, bfh| self.top(b).call(cx, &op.on_open(node, bfh)))
+            }
             Op::Write { fh, data, .. } => {
                 let file = self.file(fh)?;
                 self.file_change(&file, data.len() >= PARALLEL_FROM, |b, node, bfh| self.top(b).call(cx, &op.on_open(node, bfh)))

@@ -917,6 +917,16 @@ impl Layer for Union {
                 let (of, b) = self.open_file(fh)?;
                 b.top().call(cx, &op.on_open(of.place.node, of.fh))
             }
+            // Flags are read where the file is, and set there when that branch is writable;
+            // setting them on a read-only branch's file would need a copy-up of a file the
+            // kernel opened only for reading: not supported there.
+            Op::Ioctl { fh, cmd, .. } => {
+                let (of, b) = self.open_file(fh)?;
+                if plyfs_stack::ioctl::sets(cmd) && !b.writable() {
+                    return Err(Error::Os(libc::ENOTTY));
+                }
+                b.top().call(cx, &op.on_open(of.place.node, of.fh))
+            }
             Op::GetAttr { node, fh: None } | Op::ReadLink { node } | Op::Access { node, .. } => self.on_top(cx, op, node),
             Op::GetXattr { name, .. } if is_hidden_xattr(name) => Err(Error::Os(libc::ENODATA)),
             Op::GetXattr { node, .. } => self.on_top(cx, op, node),
