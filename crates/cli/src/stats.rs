@@ -25,7 +25,7 @@ fn bar(n: u64, max: u64) -> String {
     }
     let eighths = ((n as f64 / max as f64) * WIDTH * 8.0).round().max(1.0) as usize;
     let mut s = "█".repeat(eighths / 8);
-    if eighths % 8 != 0 {
+    if !eighths.is_multiple_of(8) {
         s.push(PARTS[eighths % 8 - 1]);
     }
     s
