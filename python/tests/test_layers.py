@@ -3,6 +3,7 @@ PLYFS_BIN, or target/release/plyfs of this checkout)."""
 
 import errno
 import json
+import socket
 import os
 import signal
 import subprocess
@@ -150,10 +151,16 @@ def test_a_layer_on_a_socket_reached_with_ext(mount, tmp_path):
     sock = tmp_path / "words.sock"
     server = subprocess.Popen([sys.executable, str(EXAMPLES / "hello_op.py"), "--socket", str(sock)])
     try:
+        # Ready once it accepts a connection: the socket file appears at bind(), before listen().
         deadline = time.time() + 10
-        while not sock.exists():
+        while True:
             assert time.time() < deadline and server.poll() is None
-            time.sleep(0.02)
+            try:
+                with socket.socket(socket.AF_UNIX) as probe:
+                    probe.connect(str(sock))
+                break
+            except OSError:
+                time.sleep(0.02)
         m = mount(f"ext:socket={sock},zstd")
         (m.mnt / "doc").write_text("a b c")
         out = subprocess.run([PLYFS, "op", str(m.mnt / "doc"), "words"], capture_output=True, text=True)

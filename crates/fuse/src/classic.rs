@@ -169,6 +169,13 @@ impl Filesystem for Classic {
                 let _ = config.add_capabilities(flag);
             }
         }
+        // POSIX ACLs enforced by the kernel, as on a local file system: it caches them from
+        // the lower files' system.posix_acl_* attributes and leaves the umask to the daemon.
+        // FUSE_DONT_MASK with it: the kernel would otherwise apply the umask even where a
+        // default ACL must rule instead.
+        let acl = caps.contains(InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK)
+            && config.add_capabilities(InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK).is_ok();
+        self.fs.set_posix_acl(acl);
         if self.want_uring && config.add_capabilities(InitFlags::FUSE_OVER_IO_URING).is_ok() {
             self.uring_agreed.store(true, std::sync::atomic::Ordering::Relaxed);
         }
@@ -236,12 +243,12 @@ impl Filesystem for Classic {
         }
     }
 
-    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, rdev: u32, reply: ReplyEntry) {
-        self.entry(reply, self.fs.mknod(&caller(req), parent.0, name, mode, rdev))
+    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
+        self.entry(reply, self.fs.mknod(&caller(req), parent.0, name, mode, umask, rdev))
     }
 
-    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, reply: ReplyEntry) {
-        self.entry(reply, self.fs.mkdir(&caller(req), parent.0, name, mode))
+    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+        self.entry(reply, self.fs.mkdir(&caller(req), parent.0, name, mode, umask))
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -277,8 +284,8 @@ impl Filesystem for Classic {
         Self::opened(reply, self.fs.open(&caller(req), ino.0, flags.0))
     }
 
-    fn create(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, flags: i32, reply: ReplyCreate) {
-        let (node, o) = match self.fs.create(&caller(req), parent.0, name, mode, flags) {
+    fn create(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, flags: i32, reply: ReplyCreate) {
+        let (node, o) = match self.fs.create(&caller(req), parent.0, name, mode, umask, flags) {
             Ok(r) => r,
             Err(e) => return reply.error(err(e)),
         };

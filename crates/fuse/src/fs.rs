@@ -208,6 +208,8 @@ pub struct FuseFs {
     /// lookups) for the next call so no lookup is wasted.
     dir_pending: Mutex<HashMap<(u64, u64), VecDeque<DirEntry>>>,
     started: SystemTime,
+    /// POSIX ACLs negotiated (see [`FuseFs::new_mode`]).
+    posix_acl: AtomicBool,
 }
 
 fn errno(e: &Error) -> i32 {
@@ -282,6 +284,7 @@ impl FuseFs {
             backing: Mutex::new(BackingTable::default()),
             dir_pending: Mutex::new(HashMap::new()),
             started: SystemTime::now(),
+            posix_acl: AtomicBool::new(false),
         };
         (fs, status)
     }
@@ -619,12 +622,37 @@ impl FuseFs {
         })
     }
 
-    pub(crate) fn mknod(&self, cx: &Caller, parent: u64, name: &OsStr, mode: u32, rdev: u32) -> Res<NodeOut> {
+    pub(crate) fn mknod(&self, cx: &Caller, parent: u64, name: &OsStr, mode: u32, umask: u32, rdev: u32) -> Res<NodeOut> {
+        let mode = self.new_mode(cx, parent, mode, umask);
         self.entry_op(cx, parent, name, |parent| Op::MkNod { parent, name, mode, rdev })
     }
 
-    pub(crate) fn mkdir(&self, cx: &Caller, parent: u64, name: &OsStr, mode: u32) -> Res<NodeOut> {
+    pub(crate) fn mkdir(&self, cx: &Caller, parent: u64, name: &OsStr, mode: u32, umask: u32) -> Res<NodeOut> {
+        let mode = self.new_mode(cx, parent, mode, umask);
         self.entry_op(cx, parent, name, |parent| Op::MkDir { parent, name, mode })
+    }
+
+    /// The mode a new object is made with. With POSIX ACLs negotiated the kernel leaves the
+    /// caller's umask to the file system, as a local one does: a directory with a default ACL
+    /// gives its new objects that ACL (the lower file system applies it to the mode it is
+    /// given, the daemon's own umask being 0), and any other applies the umask. Without them
+    /// the kernel has masked the mode already, and masking again changes nothing.
+    fn new_mode(&self, cx: &Caller, parent: u64, mode: u32, umask: u32) -> u32 {
+        if self.posix_acl.load(Ordering::Relaxed) && self.has_default_acl(cx, parent) {
+            return mode;
+        }
+        mode & !(umask & 0o777)
+    }
+
+    fn has_default_acl(&self, cx: &Caller, parent: u64) -> bool {
+        let Ok((level, _, node)) = self.decode(parent) else { return false };
+        let op = Op::GetXattr { node, name: OsStr::new("system.posix_acl_default"), size: 0 };
+        matches!(level.call(cx, &op), Ok(Reply::Xattr(XattrReply::Size(n))) if n > 0)
+    }
+
+    /// POSIX ACLs were negotiated with the kernel (`FUSE_POSIX_ACL`): it enforces them.
+    pub(crate) fn set_posix_acl(&self, on: bool) {
+        self.posix_acl.store(on, Ordering::Relaxed);
     }
 
     pub(crate) fn unlink(&self, cx: &Caller, parent: u64, name: &OsStr) -> Res<()> {
@@ -668,10 +696,11 @@ impl FuseFs {
         Ok(self.open_out(ino, view, &opened))
     }
 
-    pub(crate) fn create(&self, cx: &Caller, parent: u64, name: &OsStr, mode: u32, flags: i32) -> Res<(NodeOut, OpenOut)> {
+    pub(crate) fn create(&self, cx: &Caller, parent: u64, name: &OsStr, mode: u32, umask: u32, flags: i32) -> Res<(NodeOut, OpenOut)> {
         if self.is_levels_dir_name(parent, name) {
             return Err(libc::EEXIST);
         }
+        let mode = self.new_mode(cx, parent, mode, umask);
         let (level, view, parent) = self.decode(parent)?;
         let (entry, opened) = level.create(cx, parent, name, mode, flags).map_err(|e| errno(&e))?;
         self.status.opened(1);

@@ -336,11 +336,13 @@ fn dispatch(fs: &FuseFs, h: &InHeader, op_in: &[u8], payload: &mut [u8], in_len:
             entry(payload, n)
         }
         op::MKNOD => {
-            let n = fs.mknod(cx, ino, name(&payload[..in_len])?.0, u32_at(op_in, 0), u32_at(op_in, 4));
+            // struct fuse_mknod_in: mode, rdev, umask.
+            let n = fs.mknod(cx, ino, name(&payload[..in_len])?.0, u32_at(op_in, 0), u32_at(op_in, 8), u32_at(op_in, 4));
             entry(payload, n)
         }
         op::MKDIR => {
-            let n = fs.mkdir(cx, ino, name(&payload[..in_len])?.0, u32_at(op_in, 0));
+            // struct fuse_mkdir_in: mode, umask.
+            let n = fs.mkdir(cx, ino, name(&payload[..in_len])?.0, u32_at(op_in, 0), u32_at(op_in, 4));
             entry(payload, n)
         }
         op::UNLINK => empty(fs.unlink(cx, ino, name(&payload[..in_len])?.0)),
@@ -362,8 +364,9 @@ fn dispatch(fs: &FuseFs, h: &InHeader, op_in: &[u8], payload: &mut [u8], in_len:
             Ok(out.len)
         }
         op::CREATE => {
-            let (flags, mode) = (u32_at(op_in, 0) as i32, u32_at(op_in, 4));
-            let (n, o) = fs.create(cx, ino, name(&payload[..in_len])?.0, mode, flags)?;
+            // struct fuse_create_in: flags, mode, umask, open_flags.
+            let (flags, mode, umask) = (u32_at(op_in, 0) as i32, u32_at(op_in, 4), u32_at(op_in, 8));
+            let (n, o) = fs.create(cx, ino, name(&payload[..in_len])?.0, mode, umask, flags)?;
             let mut out = Out::new(payload);
             out.entry(&n, entry_ttl, attr_ttl);
             out.open(&o);
