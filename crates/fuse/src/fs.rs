@@ -239,6 +239,11 @@ fn blank(ino: u64) -> NodeOut {
     NodeOut { ino, generation: 0, attr }
 }
 
+/// The attributes that hold POSIX ACLs.
+fn is_acl_xattr(name: &OsStr) -> bool {
+    name == "system.posix_acl_access" || name == "system.posix_acl_default"
+}
+
 /// Whether the caller belongs to `gid`, by its primary or a supplementary group.
 fn in_group(cx: &Caller, gid: u32) -> bool {
     if cx.gid == gid || cx.uid == 0 {
@@ -843,7 +848,14 @@ impl FuseFs {
         if ino == LEVELS_DIR_INO {
             return Err(libc::ENODATA);
         }
-        self.xattr_op(cx, ino, |node| Op::GetXattr { node, name, size })
+        let reply = self.xattr_op(cx, ino, |node| Op::GetXattr { node, name, size });
+        // With POSIX ACLs negotiated the kernel asks for them at every permission check; a
+        // lower file system without ACLs (GlusterFS mounted without `acl`) says EOPNOTSUPP,
+        // which the kernel would return from that check. It means "no ACL".
+        match reply {
+            Err(libc::EOPNOTSUPP) if self.posix_acl.load(Ordering::Relaxed) && is_acl_xattr(name) => Err(libc::ENODATA),
+            other => other,
+        }
     }
 
     pub(crate) fn listxattr(&self, cx: &Caller, ino: u64, size: u32) -> Res<XattrReply> {
