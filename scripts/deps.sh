@@ -12,6 +12,8 @@ need_pkgs=()
 command -v fusermount3 >/dev/null || need_pkgs+=(fuse3)
 command -v setfattr >/dev/null || need_pkgs+=(attr)
 command -v setfacl >/dev/null || need_pkgs+=(acl)
+# The reflink test makes an XFS file system on a loop device.
+command -v mkfs.xfs >/dev/null || need_pkgs+=(xfsprogs)
 command -v cc >/dev/null || need_pkgs+=(build-essential)
 command -v curl >/dev/null || need_pkgs+=(curl ca-certificates)
 # The Python package builds in a virtual environment.

@@ -399,6 +399,26 @@ impl Filesystem for Classic {
         Self::empty(reply, self.fs.fallocate(&caller(req), ino.0, fh.0, offset, length, mode))
     }
 
+    #[allow(clippy::too_many_arguments)]
+    fn copy_file_range(
+        &self,
+        _req: &Request,
+        ino_in: INodeNo,
+        fh_in: FuseFh,
+        offset_in: u64,
+        ino_out: INodeNo,
+        fh_out: FuseFh,
+        offset_out: u64,
+        len: u64,
+        _flags: fuser::CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        match self.fs.copy_file_range(ino_in.0, fh_in.0, offset_in, ino_out.0, fh_out.0, offset_out, len) {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
     /// The file-attribute flags (`lsattr`, `chattr`); other ioctls are not a file system's.
     fn ioctl(
         &self,

@@ -170,6 +170,8 @@ impl Drop for Backing {
 struct BackingTable {
     by_inode: HashMap<u64, Weak<Backing>>,
     by_open: HashMap<(u64, u64), Arc<Backing>>,
+    /// The lower file of each open that goes through passthrough, for `copy_file_range`.
+    files: HashMap<(u64, u64), Arc<OwnedFd>>,
 }
 
 /// A node as the kernel sees it. Inode number 0 is a negative entry: the kernel remembers that
@@ -431,11 +433,13 @@ impl FuseFs {
             },
         };
         table.by_open.insert((ino, opened.fh.0), id.clone());
+        table.files.insert((ino, opened.fh.0), fd.clone());
         Some(id)
     }
 
     fn release_backing(&self, ino: u64, fh: u64) {
         let mut table = self.backing.lock();
+        table.files.remove(&(ino, fh));
         if table.by_open.remove(&(ino, fh)).is_some()
             && table.by_inode.get(&ino).is_some_and(|w| w.strong_count() == 0)
         {
@@ -881,6 +885,28 @@ impl FuseFs {
 
     pub(crate) fn fallocate(&self, cx: &Caller, ino: u64, fh: u64, offset: u64, length: u64, mode: i32) -> Res<()> {
         self.empty_op(cx, ino, |node| Op::Fallocate { node, fh: FileHandle(fh), offset, length, mode })
+    }
+
+    /// `copy_file_range` between two files the kernel reads and writes directly (passthrough:
+    /// no layer changes or watches their data), done between their lower files, so that a
+    /// lower file system that shares extents (XFS, btrfs) makes a reflink of a plain `cp`.
+    /// Anything else is `EOPNOTSUPP`, and the kernel copies through reads and writes.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn copy_file_range(&self, ino_in: u64, fh_in: u64, off_in: u64, ino_out: u64, fh_out: u64, off_out: u64, len: u64) -> Res<u32> {
+        let (src, dst) = {
+            let table = self.backing.lock();
+            match (table.files.get(&(ino_in, fh_in)), table.files.get(&(ino_out, fh_out))) {
+                (Some(a), Some(b)) => (a.clone(), b.clone()),
+                _ => return Err(libc::EOPNOTSUPP),
+            }
+        };
+        let (mut a, mut b) = (off_in as i64, off_out as i64);
+        let len = len.min(u64::from(u32::MAX) & !0xfff) as usize;
+        let n = unsafe { libc::copy_file_range(src.as_raw_fd(), &mut a, dst.as_raw_fd(), &mut b, len, 0) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO));
+        }
+        Ok(n as u32)
     }
 
     /// The file-attribute ioctls the kernel sends for `lsattr`/`chattr` ([`plyfs_stack::ioctl`]);

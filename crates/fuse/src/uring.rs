@@ -72,6 +72,7 @@ mod op {
     pub const READDIRPLUS: u32 = 44;
     pub const RENAME2: u32 = 45;
     pub const LSEEK: u32 = 46;
+    pub const COPY_FILE_RANGE: u32 = 47;
 }
 
 // FATTR_* bits of fuse_setattr_in.valid.
@@ -439,6 +440,16 @@ fn dispatch(fs: &FuseFs, h: &InHeader, op_in: &[u8], payload: &mut [u8], in_len:
         }
         // Only fuseblk mounts are sent DESTROY; fuser's session ends the stack either way.
         op::DESTROY => Ok(0),
+        // struct fuse_copy_file_range_in: fh_in, off_in, nodeid_out, fh_out, off_out, len, flags.
+        op::COPY_FILE_RANGE => {
+            let (fh_in, off_in, ino_out, fh_out, off_out, len) =
+                (u64_at(op_in, 0), u64_at(op_in, 8), u64_at(op_in, 16), u64_at(op_in, 24), u64_at(op_in, 32), u64_at(op_in, 40));
+            let n = fs.copy_file_range(ino, fh_in, off_in, ino_out, fh_out, off_out, len)?;
+            let mut out = Out::new(payload);
+            out.u32(n);
+            out.u32(0);
+            Ok(out.len)
+        }
         // struct fuse_ioctl_in: fh, flags, cmd, arg, in_size, out_size; the input follows.
         op::IOCTL => {
             let (fh, cmd, in_size, out_size) = (u64_at(op_in, 0), u32_at(op_in, 12), u32_at(op_in, 24), u32_at(op_in, 28));
