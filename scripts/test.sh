@@ -61,6 +61,13 @@ if [ -x tests/pjdfstest/run.sh ]; then
   PJDFSTEST_WORKDIR=$gluster_work timeout 1800 tests/pjdfstest/run.sh --tolerate-native "zstd -o shared" "crypt -o shared"
 fi
 
+# `cargo install --path crates/cli` (#16): installs a plyfs that runs (sharing the build above).
+echo "== cargo install --path crates/cli" >&2
+rm -rf target/install
+CARGO_TARGET_DIR=$PWD/target timeout 900 cargo install --path crates/cli --root target/install --locked --quiet >&2
+target/install/bin/plyfs --version >&2
+target/install/bin/plyfs layers | grep -q '^crypt ' || { echo "cargo install: the installed plyfs does not list its layers" >&2; exit 1; }
+
 # The Debian package (#16): built with cargo-deb, installed as a user would install it, its manual
 # page and completions checked, and removed again (so that nothing installed outlives the run).
 echo "== the Debian package (scripts/deb.sh, apt-get install, man, completions)" >&2
