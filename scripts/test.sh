@@ -66,7 +66,8 @@ echo "== cargo install --path crates/cli" >&2
 rm -rf target/install
 CARGO_TARGET_DIR=$PWD/target timeout 900 cargo install --path crates/cli --root target/install --locked --quiet >&2
 target/install/bin/plyfs --version >&2
-target/install/bin/plyfs layers | grep -q '^crypt ' || { echo "cargo install: the installed plyfs does not list its layers" >&2; exit 1; }
+installed_layers=$(target/install/bin/plyfs layers)
+grep -q '^crypt ' <<< "$installed_layers" || { echo "cargo install: the installed plyfs does not list its layers" >&2; exit 1; }
 
 # The Debian package (#16): built with cargo-deb, installed as a user would install it, its manual
 # page and completions checked, and removed again (so that nothing installed outlives the run).
