@@ -157,6 +157,20 @@ pub fn seal_name(siv_key: &[u8; 64], id: &[u8; 16], bytes: &[u8]) -> Result<Lowe
     Ok(LowerName::Long { hashed: format!("{LONG_PREFIX}{hash}").into(), full })
 }
 
+/// The name sealed as `stored` (a short lower name) in the directory whose id is `id`, if it
+/// is one: authentic, well padded, and a name (not empty, `.` or `..`, no `/` or NUL).
+pub fn open_name(siv_key: &[u8; 64], id: &[u8; 16], stored: &[u8]) -> Option<Vec<u8>> {
+    let sealed = B64.decode(stored).ok()?;
+    let mut padded = Aes256Siv::new(siv_key.into()).decrypt([&id[..]], &sealed).ok()?;
+    let pad = *padded.last()? as usize;
+    if pad == 0 || pad > 16 || pad > padded.len() || !padded[padded.len() - pad..].iter().all(|b| *b as usize == pad) {
+        return None;
+    }
+    padded.truncate(padded.len() - pad);
+    let ok = !padded.is_empty() && !padded.contains(&b'/') && !padded.contains(&0) && padded != b"." && padded != b"..";
+    ok.then_some(padded)
+}
+
 /// The keys of a volume's names: AES-SIV for names, and the root directory's id.
 pub fn name_keys(volume: &Volume) -> (Zeroizing<[u8; 64]>, [u8; 16]) {
     (volume.key.subkey::<64>("names aes-siv"), *volume.key.subkey::<16>("names root directory id"))
@@ -308,15 +322,7 @@ impl CryptNames {
     }
 
     fn decrypt(&self, id: &[u8; 16], stored: &str) -> Option<Vec<u8>> {
-        let sealed = B64.decode(stored).ok()?;
-        let mut padded = Aes256Siv::new((&self.siv_key[..]).into()).decrypt([&id[..]], &sealed).ok()?;
-        let pad = *padded.last()? as usize;
-        if pad == 0 || pad > 16 || pad > padded.len() || !padded[padded.len() - pad..].iter().all(|b| *b as usize == pad) {
-            return None;
-        }
-        padded.truncate(padded.len() - pad);
-        let ok = !padded.is_empty() && !padded.contains(&b'/') && !padded.contains(&0) && padded != b"." && padded != b"..";
-        ok.then_some(padded)
+        open_name(&self.siv_key, id, stored.as_bytes())
     }
 
     /// The plaintext name of a lower entry of `dir`, or `None` to hide it.

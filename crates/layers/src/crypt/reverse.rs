@@ -21,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -218,17 +218,7 @@ impl ReverseView {
 
     /// The plaintext name of `name` in `dir` (a sealed short name), if it is one.
     fn open_name(&self, dir: NodeId, name: &OsStr) -> Option<OsString> {
-        use aes_siv::siv::Aes256Siv;
-        use aes_siv::KeyInit;
-        use base64::Engine as _;
-        let sealed = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(name.as_bytes()).ok()?;
-        let mut padded = Aes256Siv::new((&self.siv_key[..]).into()).decrypt([&self.dir_id(dir)[..]], &sealed).ok()?;
-        let pad = *padded.last()? as usize;
-        if pad == 0 || pad > 16 || pad > padded.len() {
-            return None;
-        }
-        padded.truncate(padded.len() - pad);
-        Some(OsStr::from_bytes(&padded).to_owned())
+        super::names::open_name(&self.siv_key, &self.dir_id(dir), name.as_bytes()).map(OsString::from_vec)
     }
 
     /// The sealed target of the symlink `node` whose plaintext target is `target`.
