@@ -64,7 +64,8 @@ struct Virtual {
 enum Handle {
     File { below: FileHandle, layout: Sequential, file_id: [u8; 16] },
     Virtual,
-    Dir { below: Option<FileHandle>, listing: Option<Vec<Shown>> },
+    /// The listing is made at offset 0 and shared by the calls that page through it.
+    Dir { below: Option<FileHandle>, listing: Option<Arc<Vec<Shown>>> },
 }
 
 /// One entry of a directory of the view.
@@ -517,7 +518,7 @@ impl ReverseView {
         let listing = match cached {
             Some(l) => l,
             None => {
-                let l = self.listing(cx, node)?;
+                let l = Arc::new(self.listing(cx, node)?);
                 if let Some(Handle::Dir { listing, .. }) = self.state.lock().handles.get_mut(&fh.0) {
                     *listing = Some(l.clone());
                 }
