@@ -49,6 +49,13 @@ fn every_kind_of_overwrite_keeps_the_previous_content() {
     fs::OpenOptions::new().append(true).open(m.path("log")).unwrap().write_all(b"b\n").unwrap();
     drop(fs::OpenOptions::new().write(true).open(m.path("log")).unwrap());
     assert!(versions(&m, "log").is_empty());
+    // While such an open is held, its version is the file as it is, and not listed; once it
+    // writes, the version holds the earlier content.
+    let held = fs::OpenOptions::new().write(true).open(m.path("log")).unwrap();
+    assert!(versions(&m, "log").is_empty());
+    held.write_at(b"A", 0).unwrap();
+    assert_eq!(versions(&m, "log"), ["a\nb\n"]);
+    drop(held);
     // Versions never show in listings, and survive a remount.
     let names: Vec<String> = fs::read_dir(&m.mnt).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(names, ["log"]);

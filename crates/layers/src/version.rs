@@ -422,9 +422,21 @@ impl Version {
 
     fn versions(&self, node: NodeId) -> Result<Value> {
         let path = self.file_path(node)?;
+        // A version taken at an open that has changed nothing yet is the file as it is, and goes
+        // at release; not shown, so a listing right after a close (whose release the kernel
+        // sends later) does not name a version about to vanish.
+        let now = self.below().getattr(&daemon(), node).ok();
+        let unchanged: HashSet<u32> = self
+            .pending
+            .lock()
+            .iter()
+            .filter(|((n, _), p)| *n == node && now.as_ref().is_some_and(|a| a.size == p.size && a.mtime == p.mtime))
+            .map(|(_, p)| p.number)
+            .collect();
         let list: Vec<Value> = self
             .list(&path)?
             .into_iter()
+            .filter(|s| !unchanged.contains(&s.number))
             .map(|s| {
                 let secs = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
                 json!({ "number": s.number, "saved": secs(s.attr.ctime), "modified": secs(s.attr.mtime), "size": s.attr.size,
