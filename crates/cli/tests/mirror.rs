@@ -65,6 +65,22 @@ fn every_change_reaches_both_branches() {
     assert!(!tree(&m.mnt).contains_key(".plyfs-mirror.log") && !m.path(".plyfs-mirror.log").exists());
 }
 
+/// `chattr` on a file or a directory sets its flags on both branches.
+#[test]
+fn file_attribute_flags_are_set_on_both_branches() {
+    let (m, b) = mirror("mirror");
+    fs::write(m.path("f"), "x").unwrap();
+    fs::create_dir(m.path("d")).unwrap();
+    for name in ["f", "d"] {
+        let Ok(flags) = get_file_flags(&m.lower_path(name)) else { return };
+        assert_eq!(get_file_flags(&m.path(name)), Ok(flags));
+        assert_eq!(set_file_flags(&m.path(name), flags | FS_NOATIME_FL), 0, "{name}");
+        for branch in [m.lower_path(name), b.join(name)] {
+            assert_eq!(get_file_flags(&branch), Ok(flags | FS_NOATIME_FL), "{}", branch.display());
+        }
+    }
+}
+
 #[test]
 fn a_branch_failed_mid_workload_costs_the_application_nothing_and_resync_restores_it() {
     let (m, b) = mirror("mirror[|fault]");

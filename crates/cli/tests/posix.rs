@@ -9,7 +9,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirEntryExt, FileExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 
-use common::{cpath, errno, is_root, Mount};
+use common::{cpath, errno, get_file_flags, is_root, set_file_flags, Mount, FS_IMMUTABLE_FL, FS_NOATIME_FL};
 
 fn file_data(m: &Mount) {
     let p = m.path("data.bin");
@@ -201,30 +201,25 @@ fn xattrs(m: &Mount) {
 /// `lsattr`/`chattr` (FS_IOC_GETFLAGS/SETFLAGS) pass to the lower file, and the flags hold
 /// there: an immutable file refuses writes. Skipped where the lower file system has no flags.
 fn file_flags(m: &Mount) {
-    const FS_IOC_GETFLAGS: libc::c_ulong = 0x8008_6601;
-    const FS_IOC_SETFLAGS: libc::c_ulong = 0x4008_6602;
-    const NOATIME: libc::c_int = 0x80;
-    const IMMUTABLE: libc::c_int = 0x10;
     fs::write(m.path("flagged"), b"x").unwrap();
-    let get = |p: &Path| -> Option<libc::c_int> {
-        let f = File::open(p).ok()?;
-        let mut flags: libc::c_int = 0;
-        (unsafe { libc::ioctl(f.as_raw_fd(), FS_IOC_GETFLAGS, &mut flags) } == 0).then_some(flags)
-    };
-    let set = |p: &Path, flags: libc::c_int| -> i32 {
-        let f = File::open(p).unwrap();
-        if unsafe { libc::ioctl(f.as_raw_fd(), FS_IOC_SETFLAGS, &flags) } == 0 { 0 } else { errno() }
-    };
+    let get = |p: &Path| get_file_flags(p).ok();
     let Some(flags) = get(&m.lower_path("flagged")) else { return };
     assert_eq!(get(&m.path("flagged")), Some(flags), "the flags read through the mount are the lower file's");
-    assert_eq!(set(&m.path("flagged"), flags | NOATIME), 0);
-    assert_eq!(get(&m.lower_path("flagged")).unwrap() & NOATIME, NOATIME, "set on the lower file");
-    if is_root() && set(&m.path("flagged"), flags | IMMUTABLE) == 0 {
+    assert_eq!(set_file_flags(&m.path("flagged"), flags | FS_NOATIME_FL), 0);
+    assert_eq!(get(&m.lower_path("flagged")).unwrap() & FS_NOATIME_FL, FS_NOATIME_FL, "set on the lower file");
+    if is_root() && set_file_flags(&m.path("flagged"), flags | FS_IMMUTABLE_FL) == 0 {
         let e = OpenOptions::new().append(true).open(m.path("flagged")).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EPERM), "an immutable file refuses writes");
-        assert_eq!(set(&m.path("flagged"), flags), 0);
+        assert_eq!(set_file_flags(&m.path("flagged"), flags), 0);
     }
     fs::remove_file(m.path("flagged")).unwrap();
+    // A directory's flags, through the handle the kernel opens on it (`lsattr -d`, `chattr`).
+    fs::create_dir(m.path("flagdir")).unwrap();
+    let flags = get(&m.lower_path("flagdir")).unwrap();
+    assert_eq!(get(&m.path("flagdir")), Some(flags), "the flags read through the mount are the lower directory's");
+    assert_eq!(set_file_flags(&m.path("flagdir"), flags | FS_NOATIME_FL), 0);
+    assert_eq!(get(&m.lower_path("flagdir")).unwrap() & FS_NOATIME_FL, FS_NOATIME_FL, "set on the lower directory");
+    fs::remove_dir(m.path("flagdir")).unwrap();
 }
 
 /// Extended attributes on a symlink itself, where the kernel allows them (`trusted.*` for

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{cpath, crypt_passfile, plyfs, run, Mount};
+use common::{cpath, crypt_passfile, get_file_flags, plyfs, run, set_file_flags, Mount};
 use serde_json::Value;
 
 fn text(len: usize) -> Vec<u8> {
@@ -428,20 +428,12 @@ fn times_set_on_an_open_file_just_before_closing_it_stay() {
 /// file's), while a directory beside it takes them.
 #[test]
 fn file_attribute_flags_are_refused_on_encoded_files() {
-    const FS_IOC_GETFLAGS: libc::c_ulong = 0x8008_6601;
     let m = Mount::new("zstd");
     fs::write(m.path("f"), b"encoded").unwrap();
     fs::create_dir(m.path("d")).unwrap();
-    let mut flags: libc::c_int = 0;
-    let f = fs::File::open(m.path("f")).unwrap();
-    assert_eq!(unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&f), FS_IOC_GETFLAGS, &mut flags) }, -1);
-    assert_eq!(std::io::Error::last_os_error().raw_os_error(), Some(libc::ENOTTY), "refused (lsattr says \"Operation not supported\")");
-    let d = fs::File::open(m.path("d")).unwrap();
-    let lower_has_flags = {
-        let l = fs::File::open(m.lower_path("d")).unwrap();
-        unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&l), FS_IOC_GETFLAGS, &mut flags) == 0 }
-    };
-    if lower_has_flags {
-        assert_eq!(unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&d), FS_IOC_GETFLAGS, &mut flags) }, 0, "a directory passes");
+    assert_eq!(get_file_flags(&m.path("f")), Err(libc::ENOTTY), "refused (lsattr says \"Operation not supported\")");
+    assert_eq!(set_file_flags(&m.path("f"), 0), libc::ENOTTY);
+    if let Ok(flags) = get_file_flags(&m.lower_path("d")) {
+        assert_eq!(get_file_flags(&m.path("d")), Ok(flags), "a directory passes");
     }
 }

@@ -113,6 +113,27 @@ fn copy_up_keeps_data_metadata_and_inode_and_leaves_the_lower_branch_alone() {
     assert_eq!(fs::read_to_string(ro.join("lower-only")).unwrap(), "lower only");
 }
 
+/// `chattr` on a file or directory of the read-only branch copies it up, as any change does;
+/// `lsattr` reads where the object shows from.
+#[test]
+fn file_attribute_flags_set_on_a_lower_branch_object_copy_it_up() {
+    let (m, ro) = union_over("union", sample_tree);
+    let Ok(flags) = get_file_flags(&ro.join("dir/a")) else { return };
+    assert_eq!(get_file_flags(&m.path("dir/a")), Ok(flags));
+    assert_eq!(get_file_flags(&m.path("dir/sub")), get_file_flags(&ro.join("dir/sub")));
+    assert!(!m.lower_path("dir/a").exists());
+    assert_eq!(set_file_flags(&m.path("dir/a"), flags | FS_NOATIME_FL), 0);
+    assert_eq!(get_file_flags(&m.lower_path("dir/a")), Ok(flags | FS_NOATIME_FL), "set on the copy");
+    assert_eq!(get_file_flags(&m.path("dir/a")), Ok(flags | FS_NOATIME_FL));
+    assert_eq!(get_file_flags(&ro.join("dir/a")), Ok(flags), "the read-only branch untouched");
+    assert_eq!(fs::read_to_string(m.path("dir/a")).unwrap(), "a");
+    let dflags = get_file_flags(&ro.join("dir/sub")).unwrap();
+    assert_eq!(set_file_flags(&m.path("dir/sub"), dflags | FS_NOATIME_FL), 0);
+    assert_eq!(get_file_flags(&m.lower_path("dir/sub")), Ok(dflags | FS_NOATIME_FL));
+    assert_eq!(get_file_flags(&ro.join("dir/sub")), Ok(dflags));
+    assert_eq!(names(&m.path("dir/sub")), ["deep"]);
+}
+
 #[test]
 fn whiteouts_and_opaque_directories_hide_what_lies_below() {
     let (m, ro) = union_over("union", sample_tree);

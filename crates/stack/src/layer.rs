@@ -221,6 +221,25 @@ impl Level {
         self.call(cx, &Op::Release { node, fh }).map(|_| ())
     }
 
+    /// `op`, an [`Op::Ioctl`], sent to object `node` (a file or a directory of `kind`) through a
+    /// handle opened for it and let go again: for a layer that holds no handle of its own there
+    /// (a directory, or a file copied up since it was opened).
+    pub fn ioctl_opened(&self, cx: &Caller, op: &Op<'_>, node: NodeId, kind: FileKind) -> Result<Reply> {
+        if kind == FileKind::Dir {
+            let fh = match self.call(cx, &Op::OpenDir { node })? {
+                Reply::Opened(o) => o.fh,
+                other => return Err(mismatch("opendir", &other)),
+            };
+            let reply = self.call(cx, &op.on_open(node, fh));
+            let _ = self.call(cx, &Op::ReleaseDir { node, fh });
+            return reply;
+        }
+        let opened = self.open(cx, node, libc::O_RDONLY | libc::O_NONBLOCK)?;
+        let reply = self.call(cx, &op.on_open(node, opened.fh));
+        let _ = self.release(cx, node, opened.fh);
+        reply
+    }
+
     /// The first `max` bytes of the file `name` in `dir`, looked up, opened, read and let go
     /// again: for small files a layer keeps for itself (a configuration, a companion).
     pub fn read_small_file(&self, cx: &Caller, dir: NodeId, name: &OsStr, max: u32) -> Result<Vec<u8>> {

@@ -291,6 +291,27 @@ pub fn cpath(p: &Path) -> CString {
     CString::new(p.as_os_str().as_bytes()).unwrap()
 }
 
+pub const FS_NOATIME_FL: libc::c_int = 0x80;
+pub const FS_IMMUTABLE_FL: libc::c_int = 0x10;
+
+/// The file-attribute flags of a file or directory (`lsattr`), or the errno that refused them.
+pub fn get_file_flags(p: &Path) -> Result<libc::c_int, i32> {
+    const FS_IOC_GETFLAGS: libc::c_ulong = 0x8008_6601;
+    let f = std::fs::File::open(p).map_err(|e| e.raw_os_error().unwrap_or(0))?;
+    let mut flags: libc::c_int = 0;
+    match unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&f), FS_IOC_GETFLAGS, &mut flags) } {
+        0 => Ok(flags),
+        _ => Err(errno()),
+    }
+}
+
+/// Set the file-attribute flags of a file or directory (`chattr`): 0, or the errno.
+pub fn set_file_flags(p: &Path, flags: libc::c_int) -> i32 {
+    const FS_IOC_SETFLAGS: libc::c_ulong = 0x4008_6602;
+    let f = std::fs::File::open(p).unwrap();
+    if unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&f), FS_IOC_SETFLAGS, &flags) } == 0 { 0 } else { errno() }
+}
+
 /// Run `plyfs op PATH ARGS...`, which must succeed, and return its JSON answer.
 pub fn op_json(path: &Path, args: &[&str]) -> serde_json::Value {
     let out = run(plyfs().arg("op").arg(path).args(args));

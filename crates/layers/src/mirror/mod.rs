@@ -1264,6 +1264,18 @@ impl Layer for Mirror {
             Op::Open { node, flags } => self.open(cx, node, flags),
             Op::Read { fh, .. } | Op::Lseek { fh, .. } => self.read_open(cx, op, &*self.file(fh)?),
             // Flags are read from the reading branch and set on every branch, as a write.
+            // A directory's flags: read through the branch its handle was opened on, set on every
+            // branch through a handle opened there for the purpose.
+            Op::Ioctl { node, fh, cmd, .. } if self.dirs.lock().contains_key(&fh.0) => {
+                if !plyfs_stack::ioctl::sets(cmd) {
+                    let (r, bnode, bfh) = *self.dirs.lock().get(&fh.0).ok_or(Error::Os(libc::EBADF))?;
+                    return self.top(r).call(cx, &op.on_open(bnode, bfh));
+                }
+                self.change(Guard::Object(node), &|| vec![self.path_of(node)], |b| {
+                    self.top(b).ioctl_opened(cx, op, self.resolve(node, b)?, FileKind::Dir)
+                })
+                .map(|(_, reply, _)| reply)
+            }
             Op::Ioctl { fh, cmd, .. } if !plyfs_stack::ioctl::sets(cmd) => self.read_open(cx, op, &*self.file(fh)?),
             Op::Ioctl { fh, .. } => {
                 let file = self.file(fh)?;

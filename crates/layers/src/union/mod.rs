@@ -920,12 +920,19 @@ impl Layer for Union {
             // Flags are read where the file is, and set there when that branch is writable;
             // setting them on a read-only branch's file would need a copy-up of a file the
             // kernel opened only for reading: not supported there.
-            Op::Ioctl { fh, cmd, .. } => {
-                let (of, b) = self.open_file(fh)?;
-                if plyfs_stack::ioctl::sets(cmd) && !b.writable() {
-                    return Err(Error::Os(libc::ENOTTY));
+            Op::Ioctl { node, fh, cmd, .. } => {
+                let sets = plyfs_stack::ioctl::sets(cmd);
+                match self.open_file(fh) {
+                    Ok((of, b)) if b.writable() || !sets => b.top().call(cx, &op.on_open(of.place.node, of.fh)),
+                    // A directory (its handle is the union's own), or flags set on a file open
+                    // on a read-only branch: they go to the object's copy on a writable branch,
+                    // as any change does, through a handle opened there for the purpose.
+                    _ => {
+                        let (kind, _) = self.node(node)?;
+                        let place = if sets { self.writable_place(node, false)? } else { self.top_place(node)? };
+                        self.branch(place.branch)?.top().ioctl_opened(cx, op, place.node, kind)
+                    }
                 }
-                b.top().call(cx, &op.on_open(of.place.node, of.fh))
             }
             Op::GetAttr { node, fh: None } | Op::ReadLink { node } | Op::Access { node, .. } => self.on_top(cx, op, node),
             Op::GetXattr { name, .. } if is_hidden_xattr(name) => Err(Error::Os(libc::ENODATA)),
