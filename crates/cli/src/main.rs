@@ -145,6 +145,15 @@ fn main() -> ExitCode {
         return finish(as_mount_helper(&argv));
     }
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Layers | Command::Op { .. } | Command::Du { .. } | Command::Policy { action: PolicyAction::Explain { .. } } | Command::Completions { .. }
+    ) {
+        // Commands that only report end quietly when their reader does (`plyfs layers | head`),
+        // as other command-line tools do. Daemons and commands that change things keep SIGPIPE
+        // ignored: a closed socket or pipe is an error they handle.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let result = match cli.command {
         Command::Mount(args) => daemon::mount(args),
         Command::Serve(args) => serve::serve(args),
@@ -181,11 +190,7 @@ fn main() -> ExitCode {
         Command::Completions { shell } => {
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "plyfs", &mut script);
-            // A closed pipe (`| head`) is the reader's choice, not an error.
-            match std::io::Write::write_all(&mut std::io::stdout(), &script) {
-                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(format!("writing the script: {e}")),
-                _ => Ok(()),
-            }
+            std::io::Write::write_all(&mut std::io::stdout(), &script).map_err(|e| format!("writing the script: {e}"))
         }
         Command::Manpages { dir } => manpages(&dir),
     };

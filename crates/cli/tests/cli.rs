@@ -70,6 +70,22 @@ fn bad_input_gets_one_clear_line_and_mounts_nothing() {
     assert_eq!(fs::read_dir(&lower).unwrap().count(), 1);
 }
 
+/// A reader that goes away (`plyfs layers | head -1`) ends a reporting command as it ends `ls`:
+/// by SIGPIPE, without a panic on standard error.
+#[test]
+fn a_closed_output_pipe_ends_a_report_quietly() {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::process::ExitStatusExt;
+    for args in [&["layers"][..], &["completions", "bash"]] {
+        let mut fds = [0; 2];
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        unsafe { libc::close(fds[0]) };
+        let out = plyfs().args(args).stdout(unsafe { std::process::Stdio::from_raw_fd(fds[1]) }).output().unwrap();
+        assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{args:?}: {}", stderr_of(&out));
+        assert!(out.stderr.is_empty(), "{args:?}: {}", stderr_of(&out));
+    }
+}
+
 #[test]
 fn a_busy_mount_point_is_refused() {
     let m = Mount::new("null");
