@@ -47,10 +47,12 @@
 # opens), so in one combined run every EROFS test after that one fails, on plain ext4 too. The
 # main pass therefore runs with allow_remount=false, and a second pass runs only the EROFS tests
 # with allow_remount=true. pjdfstest remounts with `mount -o remount,ro`; for a fuse.plyfs mount
-# mount(8) would hand that to the mount.fuse3 helper, which runs a `plyfs` command plyfs's CLI
-# does not have, so the EROFS pass puts a `mount` wrapper that adds `-i` (no helpers) first in
-# PATH. The root file system cannot be remounted, so the native EROFS pass uses a loop-mounted
-# ext4 image (skipped if that cannot be made).
+# mount(8) hands that to the mount.fuse3 helper, which runs `plyfs` from a fixed PATH
+# (/usr/local/bin, /usr/bin, ...) where the plyfs under test need not be, so the EROFS pass puts
+# a `mount` wrapper that adds `-i` (no helpers: the kernel's flag alone) first in PATH. The
+# helper's own remount (kernel flag and daemon) is tested in crates/cli/tests/mount_helper.rs.
+# The root file system cannot be remounted, so the native EROFS pass uses a loop-mounted ext4
+# image (skipped if that cannot be made).
 
 set -euo pipefail
 
