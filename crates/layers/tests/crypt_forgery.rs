@@ -74,3 +74,37 @@ fn a_record_forged_as_stored_unencoded_reads_as_an_error() {
     let chunk = f.read_repairing(8192, 100);
     assert!(chunk.is_err(), "ciphertext was served as data");
 }
+
+/// A padded file whose trailer (its real size, sealed in the last chunk) is damaged: the size
+/// cannot be read, so all that is stored shows, and the damaged chunk reads as an error, never
+/// as data; the chunks before it read as they were.
+#[test]
+fn a_damaged_size_trailer_shows_the_stored_size_and_its_chunk_reads_as_an_error() {
+    let padded = Arc::new(Engine::new("crypt", engine().codec.clone(), 12, false).padding(true));
+    let lower = Mem::default();
+    let content: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+    let mut f = ScaFile::open(padded.clone(), lower.clone()).unwrap();
+    f.write(0, &content).unwrap();
+    f.close().unwrap();
+    let f = ScaFile::open(padded.clone(), lower.clone()).unwrap();
+    assert_eq!(f.size(), 10_000);
+    let stored = plyfs_sca::format::padme(10_000 + 16);
+    assert!(stored > 10_016, "{stored}");
+    drop(f);
+    // Flip a byte in the sealed payload of the last chunk's newest record.
+    let bytes = lower.0.lock().clone();
+    let mut last = None;
+    let mut at = DATA_START as usize;
+    while let Some(h) = bytes.get(at..).and_then(RecordHeader::decode) {
+        if h.kind == Kind::Data && h.chunk == (stored - 1) >> 12 {
+            last = Some(at);
+        }
+        at += h.bytes() as usize;
+    }
+    let at = last.expect("a record holding the trailer") + RECORD_HEADER_BYTES as usize + 4;
+    lower.write_at(at as u64, &[bytes[at] ^ 0x40]).unwrap();
+    let mut f = ScaFile::open(padded, lower).unwrap();
+    assert_eq!(f.size(), stored, "the stored size shows when the real one cannot be read");
+    assert_eq!(f.read_repairing(0, 8192).unwrap(), &content[..8192]);
+    assert!(f.read_repairing(stored - 100, 100).is_err(), "a damaged chunk was served as data");
+}
