@@ -1,6 +1,7 @@
 """The crypt layer (issue #5) against gocryptfs and the plain directory: large files, a source
 tree, and zstd,crypt on compressible text (took over from bench/crypt.sh); reverse views against
-`gocryptfs -reverse`, and what size padding costs (issue #15)."""
+`gocryptfs -reverse` (a source tree, and a directory of long names), and what size padding costs
+(issue #15)."""
 import os
 import subprocess
 
@@ -72,15 +73,29 @@ def plaintext(m):
         sh("tar", "xf", w.tarball(m.run.ctx), "-C", m.lower)
 
 
-def plyfs_reverse_start(m):
-    plaintext(m)
+def long_names(m):
+    """A plaintext directory of LONG_NAMES files whose names (205 bytes) are too long to seal
+    within NAME_MAX, so both views show them hashed, with a companion each."""
+    d = os.path.join(m.lower, "long")
+    if not os.path.isdir(d):
+        os.makedirs(d)
+        for i in range(LONG_NAMES):
+            with open(os.path.join(d, "n" * 200 + f"{i:05}"), "w") as f:
+                f.write("x")
+
+
+LONG_NAMES = 1000
+
+
+def plyfs_reverse_start(m, fill=plaintext):
+    fill(m)
     if not os.path.exists(os.path.join(m.lower, ".plyfs-crypt.reverse.conf")):
         sh(m.run.plyfs, "init", m.lower, "--reverse", "--passfile", m.run.passfile, "--kdf-memory", "1024", timeout=120)
     sh(m.run.plyfs, "mount", m.lower, m.mnt, "--reverse", "--passfile", m.run.passfile, timeout=60)
 
 
-def gocryptfs_reverse_start(m):
-    plaintext(m)
+def gocryptfs_reverse_start(m, fill=plaintext):
+    fill(m)
     if not os.path.exists(os.path.join(m.lower, ".gocryptfs.reverse.conf")):
         sh("gocryptfs", "-init", "-reverse", "-q", "-extpass", f"cat {m.run.passfile}", "-scryptn", "10", m.lower, timeout=120)
     sh("gocryptfs", "-reverse", "-q", "-extpass", f"cat {m.run.passfile}", m.lower, m.mnt, timeout=60)
@@ -92,6 +107,22 @@ REVERSE = [
            gocryptfs_reverse_start),
     custom("plyfs-reverse", "`plyfs init PLAIN --reverse`, mounted with `plyfs mount PLAIN MNT --reverse`", plyfs_reverse_start),
 ]
+
+
+REVERSE_LONG = [
+    custom("plain", f"a plaintext directory of {LONG_NAMES} files with 205-byte names", long_names, path_is_lower=True),
+    custom("gocryptfs-reverse", "`gocryptfs -reverse` of it", lambda m: gocryptfs_reverse_start(m, long_names)),
+    custom("plyfs-reverse", "`plyfs mount --reverse` of it", lambda m: plyfs_reverse_start(m, long_names)),
+]
+
+
+def reverse_long(m, ctx):
+    """`ls -lR` of the view of a directory of long names, cold and warm: each hashed name is
+    looked up after the listing."""
+    m.remount()
+    r = {"ls_cold": timed("ls", "-lR", m.path)}
+    r["ls_warm"] = timed("ls", "-lR", m.path)
+    return r
 
 
 def reverse(m, ctx):
@@ -157,7 +188,7 @@ SUITE = Suite(
           "large-file I/O on the disk, a source tree on a tmpfs, and `zstd,crypt` on compressible text. Volumes are made "
           "by `plyfs init --layer crypt --kdf-memory 1024` and `gocryptfs -init -scryptn 10`; both use AES-256-GCM and "
           "encrypted names. Reverse views (`plyfs mount --reverse`, `gocryptfs -reverse`) show an untarred /usr/include "
-          "encrypted, and are read as a backup reads them; the padding scenario compares `crypt:pad=padme` with `crypt` "
+          "encrypted, and are read as a backup reads them (and a directory of long names, which both show hashed, is listed); the padding scenario compares `crypt:pad=padme` with `crypt` "
           "(and gocryptfs) on the disk.",
     scenarios=[
         Scenario("io", "Large files (1 GiB of random data, 1 MiB blocks)", CONFIGS,
@@ -179,6 +210,9 @@ SUITE = Suite(
                  [Metric("ls_cold", "ls -lR cold", "s"), Metric("ls_warm", "ls -lR warm", "s"),
                   Metric("read_all", "read every file, cold", "s"), Metric("read_all_warm", "read every file, warm", "s")],
                  run=reverse, check=check_reverse, baseline="plain"),
+        Scenario("reverse_long", f"Reverse views of a directory of {LONG_NAMES} long names (hashed in the view)", REVERSE_LONG,
+                 [Metric("ls_cold", "ls -lR cold", "s"), Metric("ls_warm", "ls -lR warm", "s")],
+                 run=reverse_long, baseline="plain"),
         Scenario("padding", "Size padding: `crypt:pad=padme` against `crypt`", PADDING,
                  [Metric("untar", "untar", "s"), Metric("untar_sync", "untar + sync", "s"),
                   Metric("tree_space", "source tree, space below", "B"),
@@ -202,6 +236,8 @@ SUITE = Suite(
         vs("reverse view: warm `ls -lR` faster than `gocryptfs -reverse`", "reverse", "ls_warm", "plyfs-reverse", "gocryptfs-reverse", "<=", 1),
         vs("reverse view: full cold read faster than `gocryptfs -reverse`", "reverse", "read_all", "plyfs-reverse", "gocryptfs-reverse", "<=", 1),
         vs("reverse view: full warm read faster than `gocryptfs -reverse`", "reverse", "read_all_warm", "plyfs-reverse", "gocryptfs-reverse", "<=", 1),
+        vs("reverse view of long names: cold `ls -lR` faster than `gocryptfs -reverse`", "reverse_long", "ls_cold", "plyfs-reverse", "gocryptfs-reverse", "<=", 1),
+        vs("reverse view of long names: warm `ls -lR` faster than `gocryptfs -reverse`", "reverse_long", "ls_warm", "plyfs-reverse", "gocryptfs-reverse", "<=", 1),
         vs("padding: source tree takes ≤ 1.12× the space of `crypt`", "padding", "tree_space", "crypt-padme", "crypt", "<=", 1.12),
         vs("padding: 1 GiB file takes ≤ 1.12× the space of `crypt`", "padding", "big_space", "crypt-padme", "crypt", "<=", 1.12),
         vs("padding: untar + sync ≤ 1.25× `crypt`", "padding", "untar_sync", "crypt-padme", "crypt", "<=", 1.25),

@@ -96,7 +96,15 @@ struct State {
     /// Plaintext paths of the directories seen (relative, no leading slash; the root is "").
     dirs: HashMap<NodeId, String>,
     handles: HashMap<u64, Handle>,
+    /// The plaintext entry each hashed name of the view (a long name, its companion, a long
+    /// target's companion) stands for, learnt from listings. The name is a function of the
+    /// directory's id and the entry, so this never goes wrong; whether the entry still exists
+    /// is asked below at each lookup.
+    hashed: HashMap<(NodeId, OsString), OsString>,
 }
+
+/// Hashed names remembered at most; past it the memory starts again.
+const HASHED_NAMES_MAX: usize = 200_000;
 
 pub struct ReverseView {
     name: String,
@@ -238,25 +246,62 @@ impl ReverseView {
         } else {
             out.push(Shown { name: DIRID_FILE.into(), kind: FileKind::File, what: Target::Made(self.dir_id(dir).to_vec()), ino: VIRTUAL_INO });
         }
+        let mut learnt = Vec::new();
         for e in below.list_dir(cx, dir)? {
             if self.excluded(dir, &e.name) {
                 continue;
             }
-            match self.seal(dir, &e.name)? {
-                LowerName::Short(n) => out.push(Shown { name: n, kind: e.kind, what: Target::Plain(e.name.clone()), ino: e.node }),
-                LowerName::Long { hashed, full } => {
-                    let companion = long_name_companion(&hashed);
-                    out.push(Shown { name: companion, kind: FileKind::File, what: Target::Made(full.into_bytes()), ino: VIRTUAL_INO });
-                    out.push(Shown { name: hashed, kind: e.kind, what: Target::Plain(e.name.clone()), ino: e.node });
-                }
-            }
-            if e.kind == FileKind::Symlink {
-                if let Some(companion) = self.target_companion(cx, dir, &e.name)? {
-                    out.push(companion);
-                }
+            let from = out.len();
+            self.shown_of(cx, dir, &e.name, e.kind, e.node, &mut out)?;
+            for s in out[from..].iter().filter(|s| s.name.as_bytes().contains(&b'.')) {
+                learnt.push(((dir, s.name.clone()), e.name.clone()));
             }
         }
+        if !learnt.is_empty() {
+            let mut st = self.state.lock();
+            if st.hashed.len() + learnt.len() > HASHED_NAMES_MAX {
+                st.hashed.clear();
+            }
+            st.hashed.extend(learnt);
+        }
         Ok(out)
+    }
+
+    /// The entries the view shows for the plaintext entry `plain` of `dir` (of `kind`, inode
+    /// `ino`): its sealed name, and the companions of a long name or a long target.
+    fn shown_of(&self, cx: &Caller, dir: NodeId, plain: &OsStr, kind: FileKind, ino: NodeId, out: &mut Vec<Shown>) -> Result<()> {
+        match self.seal(dir, plain)? {
+            LowerName::Short(n) => out.push(Shown { name: n, kind, what: Target::Plain(plain.to_owned()), ino }),
+            LowerName::Long { hashed, full } => {
+                let companion = long_name_companion(&hashed);
+                out.push(Shown { name: companion, kind: FileKind::File, what: Target::Made(full.into_bytes()), ino: VIRTUAL_INO });
+                out.push(Shown { name: hashed, kind, what: Target::Plain(plain.to_owned()), ino });
+            }
+        }
+        if kind == FileKind::Symlink {
+            if let Some(companion) = self.target_companion(cx, dir, plain)? {
+                out.push(companion);
+            }
+        }
+        Ok(())
+    }
+
+    /// A hashed name of `dir` whose plaintext entry a listing showed: what it stands for now,
+    /// if that entry is still there and still shows it.
+    fn resolve_known(&self, cx: &Caller, dir: NodeId, name: &OsStr) -> Result<Option<Shown>> {
+        let Some(plain) = self.state.lock().hashed.get(&(dir, name.to_owned())).cloned() else { return Ok(None) };
+        if self.excluded(dir, &plain) {
+            return Ok(None);
+        }
+        let e = match self.below().lookup(cx, dir, &plain) {
+            Ok(e) => e,
+            Err(Error::Os(libc::ENOENT)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        self.below().forget(cx, e.node, 1);
+        let mut shown = Vec::new();
+        self.shown_of(cx, dir, &plain, e.attr.kind, e.node, &mut shown)?;
+        Ok(shown.into_iter().find(|s| s.name == name))
     }
 
     /// The companion file of the symlink `name` in `dir`, if its target is long.
@@ -299,7 +344,11 @@ impl ReverseView {
             // The kind is the lookup's to tell.
             return Ok(Shown { name: name.to_owned(), kind: FileKind::File, what: Target::Plain(plain), ino: VIRTUAL_INO });
         }
-        // A long name, its companion, or a long target's companion: found by listing.
+        // A long name, its companion, or a long target's companion: known from a listing
+        // (`ls` lists before it looks up), else found by listing.
+        if let Some(s) = self.resolve_known(cx, dir, name)? {
+            return Ok(s);
+        }
         self.listing(cx, dir)?.into_iter().find(|s| s.name == name).ok_or(Error::Os(libc::ENOENT))
     }
 
