@@ -134,6 +134,35 @@ fn file_attribute_flags_set_on_a_lower_branch_object_copy_it_up() {
     assert_eq!(names(&m.path("dir/sub")), ["deep"]);
 }
 
+/// A copy-up carries `noatime` (`chattr +A`) and `sync` (`+S`) as overlayfs does; the read-only
+/// branch's other flags stay below.
+#[test]
+fn a_copy_up_keeps_the_noatime_and_sync_flags() {
+    const FS_SYNC_FL: libc::c_int = 0x08;
+    const FS_NODUMP_FL: libc::c_int = 0x40;
+    let mut below = None;
+    let (m, ro) = union_over("union", |ro| {
+        sample_tree(ro);
+        let Ok(flags) = get_file_flags(&ro.join("dir/a")) else { return };
+        for (path, extra) in [("dir/a", FS_NOATIME_FL | FS_NODUMP_FL), ("dir/sub", FS_SYNC_FL), ("shared", 0)] {
+            assert_eq!(set_file_flags(&ro.join(path), get_file_flags(&ro.join(path)).unwrap() | extra), 0, "{path}");
+        }
+        below = Some(flags);
+    });
+    let Some(plain) = below else { return };
+    // A write copies dir/a up, and dir/sub (its parent's copy is made for dir/sub/deep).
+    fs::OpenOptions::new().append(true).open(m.path("dir/a")).unwrap().write_all(b"+").unwrap();
+    fs::OpenOptions::new().append(true).open(m.path("dir/sub/deep")).unwrap().write_all(b"+").unwrap();
+    fs::OpenOptions::new().append(true).open(m.path("shared")).unwrap().write_all(b"+").unwrap();
+    let up = |p: &str| get_file_flags(&m.lower_path(p)).unwrap();
+    assert_eq!(up("dir/a") & (FS_NOATIME_FL | FS_NODUMP_FL), FS_NOATIME_FL, "noatime kept, nodump not");
+    assert_eq!(up("dir/sub") & FS_SYNC_FL, FS_SYNC_FL, "sync kept on a directory");
+    assert_eq!(up("shared") & (FS_NOATIME_FL | FS_SYNC_FL), plain & (FS_NOATIME_FL | FS_SYNC_FL), "nothing added");
+    assert_eq!(get_file_flags(&m.path("dir/a")).unwrap() & FS_NOATIME_FL, FS_NOATIME_FL);
+    assert_eq!(fs::read_to_string(m.path("dir/a")).unwrap(), "a+");
+    assert_eq!(fs::read_to_string(ro.join("dir/a")).unwrap(), "a");
+}
+
 #[test]
 fn whiteouts_and_opaque_directories_hide_what_lies_below() {
     let (m, ro) = union_over("union", sample_tree);

@@ -797,7 +797,7 @@ impl LowerDir {
 
     /// The file-attribute ioctls ([`crate::ioctl`]) on the lower file or directory, through a
     /// descriptor of its own (the node's is `O_PATH`, which ioctl refuses).
-    fn ioctl(&self, node: NodeId, cmd: u32, data: &[u8], out_size: u32) -> Result<Vec<u8>> {
+    fn ioctl(&self, node: NodeId, fh: FileHandle, cmd: u32, data: &[u8], out_size: u32) -> Result<Vec<u8>> {
         if !crate::ioctl::known(cmd) {
             return Err(Error::Os(libc::ENOTTY));
         }
@@ -805,10 +805,17 @@ impl LowerDir {
         if !matches!(n.kind, FileKind::File | FileKind::Dir) {
             return Err(Error::Os(libc::ENOTTY));
         }
-        let fd = check(unsafe {
-            libc::open(proc_path(n.fd.as_raw_fd()).as_ptr(), libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
-        })?;
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // The file's open descriptor serves (the flag calls check no access mode); a directory
+        // handle has none, so the directory is opened for the call.
+        let fd = match self.files.lock().get(&fh.0).cloned() {
+            Some(fd) => fd,
+            None => {
+                let fd = check(unsafe {
+                    libc::open(proc_path(n.fd.as_raw_fd()).as_ptr(), libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+                })?;
+                Arc::new(unsafe { OwnedFd::from_raw_fd(fd) })
+            }
+        };
         // Large enough for either form; the kernel reads or writes what the command says.
         let mut buf = [0u8; 64];
         let len = data.len().min(buf.len());
@@ -1201,7 +1208,7 @@ impl LowerDir {
                 check(unsafe { libc::fallocate(file.as_raw_fd(), mode, offset as i64, length as i64) })?;
                 Ok(Reply::Empty)
             }
-            Op::Ioctl { node, cmd, data, out_size, .. } => self.ioctl(node, cmd, data, out_size).map(Reply::Data),
+            Op::Ioctl { node, fh, cmd, data, out_size } => self.ioctl(node, fh, cmd, data, out_size).map(Reply::Data),
             Op::Lseek { fh, offset, whence, .. } => {
                 let file = self.file(fh)?;
                 let pos = unsafe { libc::lseek(file.as_raw_fd(), offset, whence) };

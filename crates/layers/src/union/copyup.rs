@@ -5,7 +5,7 @@
 
 use std::ffi::{OsStr, OsString};
 
-use plyfs_stack::{Entry, Error, FileKind, NodeId, Result};
+use plyfs_stack::{Entry, Error, FileHandle, FileKind, NodeId, Op, Reply, Result};
 
 use super::{daemon, is_hidden_xattr, BranchState, Union, ORIGIN_XATTR};
 use crate::ids::Place;
@@ -156,6 +156,35 @@ impl Union {
         if attr.kind != FileKind::Symlink {
             self.set_flag(upper, dst, ORIGIN_XATTR, id.0.to_string().as_bytes())?;
         }
+        copy_file_flags(from, src, upper, dst, attr.kind);
         Ok(())
+    }
+}
+
+/// The file-attribute flags a copy-up carries, as overlayfs's do: `noatime` (`chattr +A`) and
+/// `sync` (`+S`). Immutable and append-only would stop the copy being changed, which is what it
+/// is made for; the others belong to the object's place on its file system.
+const COPIED_FLAGS: u32 = 0x80 | 0x08;
+
+/// Give the copy `dst` the [`COPIED_FLAGS`] of `src`, where both branches have flags; a branch
+/// without them (an encoding layer, a file system without flags) leaves the copy as it is.
+fn copy_file_flags(from: &BranchState, src: NodeId, upper: &BranchState, dst: NodeId, kind: FileKind) {
+    use plyfs_stack::ioctl::{FS_IOC_GETFLAGS, FS_IOC_SETFLAGS};
+    if !matches!(kind, FileKind::File | FileKind::Dir) {
+        return;
+    }
+    let flags_of = |b: &BranchState, node: NodeId| {
+        let get = Op::Ioctl { node, fh: FileHandle(0), cmd: FS_IOC_GETFLAGS, data: &[], out_size: 4 };
+        match b.top().ioctl_opened(&daemon(), &get, node, kind) {
+            Ok(Reply::Data(d)) if d.len() >= 4 => Some(u32::from_le_bytes([d[0], d[1], d[2], d[3]])),
+            _ => None,
+        }
+    };
+    let Some(wanted) = flags_of(from, src).map(|f| f & COPIED_FLAGS).filter(|f| *f != 0) else { return };
+    let Some(now) = flags_of(upper, dst) else { return };
+    let flags = ((now & !COPIED_FLAGS) | wanted).to_le_bytes();
+    let set = Op::Ioctl { node: dst, fh: FileHandle(0), cmd: FS_IOC_SETFLAGS, data: &flags, out_size: 0 };
+    if let Err(e) = upper.top().ioctl_opened(&daemon(), &set, dst, kind) {
+        tracing::debug!("copy-up: the copy keeps its own file-attribute flags ({e})");
     }
 }
