@@ -7,8 +7,8 @@
 
 use std::ffi::OsString;
 
-/// Options that become arguments of `plyfs mount`, with the argument each becomes (`None`: a
-/// flag without a value).
+/// Options that become arguments of `plyfs mount` (with their value), and the argument each
+/// becomes.
 const ARGUMENTS: &[(&str, &str)] = &[
     ("stack", "--stack"),
     ("config", "--config"),
@@ -179,7 +179,6 @@ pub fn remount(mountpoint: &OsString, options: &[String]) -> Result<(), String> 
             _ => {}
         }
     }
-    let shown = std::path::Path::new(mountpoint).display().to_string();
     let mnt = std::path::Path::new(mountpoint);
     // The daemon first, when it is to stop writing: nothing of its own may land after the
     // kernel's flag; when it may write again, after.
@@ -191,7 +190,7 @@ pub fn remount(mountpoint: &OsString, options: &[String]) -> Result<(), String> 
         if read_only {
             let _ = tell_daemon(mnt, false);
         }
-        format!("remount {shown}: {e}")
+        format!("remount {}: {e}", mnt.display())
     })?;
     if !read_only {
         tell_daemon(mnt, false)?;

@@ -1263,8 +1263,8 @@ impl Layer for Mirror {
             Op::Rename { parent, name, new_parent, new_name, flags } => self.rename(cx, parent, name, new_parent, new_name, flags),
             Op::Open { node, flags } => self.open(cx, node, flags),
             Op::Read { fh, .. } | Op::Lseek { fh, .. } => self.read_open(cx, op, &*self.file(fh)?),
-            // Flags are read from the reading branch and set on every branch, as a write.
-            // A directory's flags: read through the branch its handle was opened on, set on every
+            // Flags are read from the reading branch and set on every branch, as a write. A
+            // directory's are read through the branch its handle was opened on, and set on every
             // branch through a handle opened there for the purpose.
             Op::Ioctl { node, fh, cmd, .. } if self.dirs.lock().contains_key(&fh.0) => {
                 if !plyfs_stack::ioctl::sets(cmd) {

@@ -917,9 +917,7 @@ impl Layer for Union {
                 let (of, b) = self.open_file(fh)?;
                 b.top().call(cx, &op.on_open(of.place.node, of.fh))
             }
-            // Flags are read where the file is, and set there when that branch is writable;
-            // setting them on a read-only branch's file would need a copy-up of a file the
-            // kernel opened only for reading: not supported there.
+            // Flags are read where the object is, and set where it is writable.
             Op::Ioctl { node, fh, cmd, .. } => {
                 let sets = plyfs_stack::ioctl::sets(cmd);
                 match self.open_file(fh) {
