@@ -96,6 +96,13 @@ struct Pending {
     mtime: SystemTime,
 }
 
+impl Pending {
+    /// The file (now `attr`) is still what the version holds.
+    fn unchanged(&self, attr: &Attr) -> bool {
+        attr.size == self.size && attr.mtime == self.mtime
+    }
+}
+
 pub struct Version {
     name: String,
     lower: [Level; 1],
@@ -384,8 +391,7 @@ impl Version {
         let pending = self.pending.lock().remove(&(node, fh));
         let reply = bypass(self, cx, op);
         if let Some(p) = pending {
-            let unchanged = self.below().getattr(&daemon(), node).is_ok_and(|a| a.size == p.size && a.mtime == p.mtime);
-            if unchanged {
+            if self.below().getattr(&daemon(), node).is_ok_and(|a| p.unchanged(&a)) {
                 self.drop_version(&p.path, p.number);
             }
         }
@@ -430,7 +436,7 @@ impl Version {
             .pending
             .lock()
             .iter()
-            .filter(|((n, _), p)| *n == node && now.as_ref().is_some_and(|a| a.size == p.size && a.mtime == p.mtime))
+            .filter(|((n, _), p)| *n == node && now.as_ref().is_some_and(|a| p.unchanged(a)))
             .map(|(_, p)| p.number)
             .collect();
         let list: Vec<Value> = self
