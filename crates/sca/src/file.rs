@@ -318,18 +318,11 @@ impl<L: LowerIo> ScaFile<L> {
             needs_write_lock: false,
             changed_outside: false,
             told_no_locks: false,
-            padded: false,
+            // A file with nothing stored yet is padded if the engine pads new files.
+            padded: engine.pad,
             real_size: std::sync::atomic::AtomicU64::new(0),
             engine,
         }
-        .new_file_padding()
-    }
-
-    /// A file with nothing stored yet is padded if the engine pads new files.
-    fn new_file_padding(mut self) -> Self {
-        self.padded = self.engine.pad;
-        self.real_size = std::sync::atomic::AtomicU64::new(0);
-        self
     }
 
     fn header_flags(&self) -> u8 {
@@ -338,6 +331,12 @@ impl<L: LowerIo> ScaFile<L> {
         } else {
             0
         }
+    }
+
+    /// The header of this file as it stands, for `chunk_shift`.
+    fn header(&self, chunk_shift: u8) -> FileHeader {
+        let file_id = (self.file_id != [0; 16]).then_some(self.file_id);
+        FileHeader { codec: self.engine.codec.tag(), chunk_shift, file_id, flags: self.header_flags() }
     }
 
 
@@ -765,15 +764,12 @@ impl<L: LowerIo> ScaFile<L> {
                 self.rebuild(shift, None)?;
                 let n = self.ix.size;
                 if n >= PAD_TRAILER_BYTES {
-                    if let Ok(t) = self.read_stored(n - PAD_TRAILER_BYTES, PAD_TRAILER_BYTES as usize) {
-                        if t[8..] == PAD_MAGIC && u64::from_le_bytes(t[..8].try_into().expect("8 bytes")) <= n - PAD_TRAILER_BYTES {
-                            self.padded = true;
-                            self.forget_real_size();
-                            if self.lower.writable() {
-                                let file_id = (self.file_id != [0; 16]).then_some(self.file_id);
-                                let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: shift, file_id, flags: HEADER_PADDED };
-                                self.write_lower(0, &header.encode())?;
-                            }
+                    let trailer = self.read_stored(n - PAD_TRAILER_BYTES, PAD_TRAILER_BYTES as usize);
+                    if trailer.is_ok_and(|t| parse_trailer(&t, n).is_ok()) {
+                        self.padded = true;
+                        self.forget_real_size();
+                        if self.lower.writable() {
+                            self.write_lower(0, &self.header(shift).encode())?;
                         }
                     }
                 }
@@ -908,9 +904,7 @@ impl<L: LowerIo> ScaFile<L> {
             if self.ix.log_end < len {
                 self.set_lower_len(self.ix.log_end)?;
             }
-            let file_id = (self.file_id != [0; 16]).then_some(self.file_id);
-            let header = FileHeader { codec: self.engine.codec.tag(), chunk_shift: shift, file_id, flags: self.header_flags() };
-            self.write_lower(0, &header.encode())?;
+            self.write_lower(0, &self.header(shift).encode())?;
             // A cut log keeps the slot that vouches for what is gone, so that every open finds
             // the damage again (until the lost chunks are rewritten, which records the size).
             if cut.is_none() {
@@ -1024,15 +1018,7 @@ impl<L: LowerIo> ScaFile<L> {
             return bad("shorter than its trailer");
         }
         match self.read_stored(stored - PAD_TRAILER_BYTES, PAD_TRAILER_BYTES as usize) {
-            Ok(t) if t.len() == PAD_TRAILER_BYTES as usize && t[8..] == PAD_MAGIC => {
-                let n = u64::from_le_bytes(t[..8].try_into().expect("8 bytes"));
-                if n <= stored - PAD_TRAILER_BYTES {
-                    n
-                } else {
-                    bad("the size it names is past the end")
-                }
-            }
-            Ok(_) => bad("no trailer at the end"),
+            Ok(t) => parse_trailer(&t, stored).unwrap_or_else(|why| bad(why)),
             Err(Fault::Fail(e)) => bad(&e.to_string()),
             Err(Fault::Stale(why)) => bad(&why),
         }
@@ -2128,6 +2114,19 @@ fn newest_seq(ix: &FileIndex, chunk: u64) -> u64 {
         return t.fragments.iter().map(|f| f.seq).max().unwrap_or(0);
     }
     ix.map.get(chunk).map_or(0, |r| r.seq)
+}
+
+/// The real size a padded file's trailer `t` (its last stored bytes, of `stored`) names, or why
+/// it names none.
+fn parse_trailer(t: &[u8], stored: u64) -> std::result::Result<u64, &'static str> {
+    if t.len() != PAD_TRAILER_BYTES as usize || t[8..] != PAD_MAGIC {
+        return Err("no trailer at the end");
+    }
+    let n = u64::from_le_bytes(t[..8].try_into().expect("8 bytes"));
+    if n > stored - PAD_TRAILER_BYTES {
+        return Err("the size it names is past the end");
+    }
+    Ok(n)
 }
 
 /// Append `content[s..e]` to `out`, with zeros for whatever `content` lacks.

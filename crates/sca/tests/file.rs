@@ -220,6 +220,27 @@ fn lost_or_scribbled_index_is_rebuilt() {
     }
 }
 
+/// A padded file whose header (which says it is padded) is destroyed: the rebuild finds its
+/// size trailer, shows the real size again, and writes the flag back into the new header.
+#[test]
+fn a_padded_file_with_a_destroyed_header_is_rebuilt_padded() {
+    let e = Arc::new(Engine::new("rle", Arc::new(Rle), 12, false).padding(true));
+    let lower = MemLower::default();
+    let model = data(10_000, 3, true);
+    let mut f = ScaFile::open(e.clone(), lower.clone()).unwrap();
+    f.write(0, &model).unwrap();
+    f.close().unwrap();
+    lower.0.lock()[0..256].fill(0xAA);
+    let f = ScaFile::open(e.clone(), lower.clone()).unwrap();
+    assert!(f.is_padded(), "the trailer tells the rebuild the file was padded");
+    assert_eq!(f.size(), 10_000);
+    assert_eq!(read_all(&f), model);
+    // Repaired: an engine that does not pad reads it as padded from the new header.
+    let plain = ScaFile::open(engine(12, false), lower).unwrap();
+    assert!(plain.is_padded());
+    assert_eq!(read_all(&plain), model);
+}
+
 #[test]
 fn a_corrupt_chunk_reads_as_an_error_never_as_garbage() {
     let (lower, model) = sample_file(false);
