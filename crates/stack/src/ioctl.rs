@@ -14,6 +14,11 @@ pub const FS_IOC_FSGETXATTR: u32 = 0x801c_581f;
 /// `_IOW('X', 32, struct fsxattr)`.
 pub const FS_IOC_FSSETXATTR: u32 = 0x401c_5820;
 
+/// Synchronous updates (`chattr +S`), one of the flags `FS_IOC_GETFLAGS` reads.
+pub const FS_SYNC_FL: u32 = 0x08;
+/// No access times (`chattr +A`).
+pub const FS_NOATIME_FL: u32 = 0x80;
+
 /// Whether the stack answers `cmd` at all.
 pub fn known(cmd: u32) -> bool {
     matches!(cmd, FS_IOC_GETFLAGS | FS_IOC_SETFLAGS | FS_IOC_FSGETXATTR | FS_IOC_FSSETXATTR)

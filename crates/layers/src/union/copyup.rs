@@ -164,7 +164,7 @@ impl Union {
 /// The file-attribute flags a copy-up carries, as overlayfs's do: `noatime` (`chattr +A`) and
 /// `sync` (`+S`). Immutable and append-only would stop the copy being changed, which is what it
 /// is made for; the others belong to the object's place on its file system.
-const COPIED_FLAGS: u32 = 0x80 | 0x08;
+const COPIED_FLAGS: u32 = plyfs_stack::ioctl::FS_NOATIME_FL | plyfs_stack::ioctl::FS_SYNC_FL;
 
 /// Give the copy `dst` the [`COPIED_FLAGS`] of `src`, where both branches have flags; a branch
 /// without them (an encoding layer, a file system without flags) leaves the copy as it is.
