@@ -42,12 +42,7 @@ fn in_namespace(dir: &Path, fstab: &str, script: &str) -> String {
 
 #[test]
 fn an_fstab_line_mounts_remounts_read_only_and_unmounts() {
-    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
-    let root = dir.path().canonicalize().unwrap();
-    let (lower, mnt, other) = (root.join("lower"), root.join("mnt"), root.join("other"));
-    for d in [&lower, &mnt, &other] {
-        fs::create_dir(d).unwrap();
-    }
+    let (dir, root, [lower, mnt, other]) = scratch_dirs(["lower", "mnt", "other"]);
     let passfile = crypt_init(&root, &lower, &[]);
     // A stack with commas in it, a password file, kernel flags, a plyfs option, what only
     // systemd reads, and a second line whose lower is missing (nofail: mount -a goes on).
@@ -95,12 +90,7 @@ fn an_fstab_line_mounts_remounts_read_only_and_unmounts() {
 
 #[test]
 fn mount_t_fuse_plyfs_takes_every_plyfs_option_and_says_what_is_wrong() {
-    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
-    let root = dir.path().canonicalize().unwrap();
-    let (a, b, mnt) = (root.join("a"), root.join("b"), root.join("mnt"));
-    for d in [&a, &b, &mnt] {
-        fs::create_dir(d).unwrap();
-    }
+    let (_dir, root, [a, b, mnt]) = scratch_dirs(["a", "b", "mnt"]);
     fs::write(b.join("from-b"), b"lower branch").unwrap();
     let m = mnt.display();
     let out = in_namespace(

@@ -80,22 +80,17 @@ fn view(root: &Path, plain: &Path, mnt: &Path, extra: &[&str]) -> Mount {
     Mount::start(logs, plain.to_owned(), mnt.to_owned(), "", &args)
 }
 
-/// The test's directory (removed when dropped) and its canonical path, with `plain`, `view`,
-/// `copy` and `back` made in it.
-fn dirs() -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
-    let root = dir.path().canonicalize().unwrap();
-    for d in ["plain", "view", "copy", "back"] {
-        fs::create_dir(root.join(d)).unwrap();
-    }
-    (dir, root)
+/// The test's directory (removed when dropped), its canonical path, and the plaintext tree
+/// made in its `plain`; `view`, `copy` and `back` are made beside it.
+fn dirs() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let (dir, root, [plain, ..]) = scratch_dirs(["plain", "view", "copy", "back"]);
+    plaintext(&plain);
+    (dir, root, plain)
 }
 
 #[test]
 fn the_view_copied_out_mounts_as_a_crypt_volume_and_reads_back_the_tree() {
-    let (_dir, root) = dirs();
-    let plain = root.join("plain");
-    plaintext(&plain);
+    let (_dir, root, plain) = dirs();
     init_reverse(&root, &plain);
     let v = view(&root, &plain, &root.join("view"), &["--exclude=*.tmp", "--exclude=/cache"]);
     // What a backup sees: no plaintext name, the configuration at the root.
@@ -129,22 +124,15 @@ fn the_view_copied_out_mounts_as_a_crypt_volume_and_reads_back_the_tree() {
     fs::remove_dir(back.path("empty")).unwrap();
 }
 
-/// Everything a view shows, read through it.
-fn view_bytes(m: &Mount) -> BTreeMap<PathBuf, (String, Vec<u8>)> {
-    tree(&m.mnt)
-}
-
 #[test]
 fn views_of_an_unchanged_tree_are_identical_and_a_change_shows_only_in_its_own_objects() {
-    let (_dir, root) = dirs();
-    let plain = root.join("plain");
-    plaintext(&plain);
+    let (_dir, root, plain) = dirs();
     init_reverse(&root, &plain);
     let mut v = view(&root, &plain, &root.join("view"), &[]);
-    let first = view_bytes(&v);
+    let first = tree(&v.mnt);
     v.unmount();
     let mut v = view(&root, &plain, &root.join("view"), &[]);
-    assert!(view_bytes(&v) == first, "a second view of the same tree differs");
+    assert!(tree(&v.mnt) == first, "a second view of the same tree differs");
     v.unmount();
 
     // One byte changed in the middle of the 1 MiB file, in place.
@@ -153,7 +141,7 @@ fn views_of_an_unchanged_tree_are_identical_and_a_change_shows_only_in_its_own_o
     f.write_all_at(&[0xee], 500_000).unwrap();
     drop(f);
     let v = view(&root, &plain, &root.join("view"), &[]);
-    let second = view_bytes(&v);
+    let second = tree(&v.mnt);
     let changed: Vec<&PathBuf> = first.keys().filter(|p| first[*p] != second[*p]).collect();
     assert_eq!(changed.len(), 1, "only the changed file's object differs: {changed:?}");
     assert_eq!(first.keys().collect::<Vec<_>>(), second.keys().collect::<Vec<_>>());
@@ -168,9 +156,7 @@ fn views_of_an_unchanged_tree_are_identical_and_a_change_shows_only_in_its_own_o
 
 #[test]
 fn the_view_refuses_every_change_and_wrong_passwords() {
-    let (_dir, root) = dirs();
-    let plain = root.join("plain");
-    plaintext(&plain);
+    let (_dir, root, plain) = dirs();
     // Not set up yet: one line saying how.
     let out = run(plyfs().arg("mount").arg(&plain).arg(root.join("view")).args(["--reverse", "--passfile"]).arg(crypt_passfile(&root)));
     let err = String::from_utf8_lossy(&out.stderr);

@@ -14,12 +14,7 @@ use common::*;
 
 /// A union of a fresh upper directory (LOWER) over `ro`, which `fill` populates first.
 fn union_over(stack: &str, fill: impl FnOnce(&Path)) -> (Mount, PathBuf) {
-    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
-    let root = dir.path().canonicalize().unwrap();
-    let (upper, ro, mnt) = (root.join("upper"), root.join("ro"), root.join("mnt"));
-    for d in [&upper, &ro, &mnt] {
-        fs::create_dir(d).unwrap();
-    }
+    let (dir, _, [upper, ro, mnt]) = scratch_dirs(["upper", "ro", "mnt"]);
     fill(&ro);
     let branch = format!("--branch={}=ro", ro.display());
     (Mount::start(dir, upper, mnt, stack, &[&branch]), ro)

@@ -283,6 +283,19 @@ pub fn kill_daemon_and_clean_up(m: &mut Mount) {
     assert_eq!(std::fs::read(m.lower_path("f")).unwrap(), b"synced");
 }
 
+/// A test directory under /tmp (removed when dropped), its canonical path, and the
+/// subdirectories `names` made in it.
+pub fn scratch_dirs<const N: usize>(names: [&str; N]) -> (tempfile::TempDir, PathBuf, [PathBuf; N]) {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let paths = names.map(|n| {
+        let p = root.join(n);
+        std::fs::create_dir(&p).unwrap();
+        p
+    });
+    (dir, root, paths)
+}
+
 pub fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
