@@ -1018,7 +1018,7 @@ impl<L: LowerIo> ScaFile<L> {
             return bad("shorter than its trailer");
         }
         match self.read_stored(stored - PAD_TRAILER_BYTES, PAD_TRAILER_BYTES as usize) {
-            Ok(t) => parse_trailer(&t, stored).unwrap_or_else(|why| bad(why)),
+            Ok(t) => parse_trailer(&t, stored).unwrap_or_else(bad),
             Err(Fault::Fail(e)) => bad(&e.to_string()),
             Err(Fault::Stale(why)) => bad(&why),
         }
