@@ -44,6 +44,9 @@ if [ -w "$URING_PARAM" ]; then
   trap 'status=$?; cleanup_mounts; [ -z "$URING_WAS" ] || { [ "$URING_WAS" = Y ] && echo 1 || echo 0; } > "$URING_PARAM"; [ "$GLUSTER_STARTED" = 0 ] || scripts/gluster.sh down >&2 || true; exit $status' EXIT
 fi
 
+echo "== dependency advisories (scripts/audit.sh: cargo audit, RustSec)" >&2
+scripts/audit.sh
+
 echo "== cargo test" >&2
 timeout 1800 cargo test --workspace --release 2>&1
 echo "== cargo test: io_uring refused by the kernel (alone: it turns the permission off)" >&2
