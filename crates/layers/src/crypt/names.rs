@@ -111,11 +111,13 @@ struct Binding {
     /// above hold them (the entry goes when they are all forgotten).
     places: RwLock<HashMap<NodeId, FilePlace>>,
     /// Refusals already logged, so that a file retried in a loop is one line.
-    reported: Mutex<HashSet<(NodeId, NodeId, OsString)>>,
+    reported: Mutex<HashSet<(NodeId, [u8; 16], OsString)>>,
 }
 
+/// Where a file is: its directory's id (not the directory's node, which a lookup above may
+/// already have let go of) and its lower name.
 struct FilePlace {
-    dir: NodeId,
+    dir_id: [u8; 16],
     lower_name: OsString,
     lookups: u64,
 }
@@ -778,9 +780,10 @@ impl CryptNames {
         if entry.attr.kind != FileKind::File {
             return;
         }
+        let Ok(dir_id) = self.dir_id(dir) else { return };
         let mut places = b.places.write();
-        let p = places.entry(entry.node).or_insert_with(|| FilePlace { dir, lower_name: OsString::new(), lookups: 0 });
-        p.dir = dir;
+        let p = places.entry(entry.node).or_insert_with(|| FilePlace { dir_id, lower_name: OsString::new(), lookups: 0 });
+        p.dir_id = dir_id;
         p.lower_name = lower_name.to_owned();
         p.lookups += 1;
     }
@@ -796,9 +799,9 @@ impl CryptNames {
         }
     }
 
-    fn place_of(&self, node: NodeId) -> Option<(NodeId, OsString)> {
+    fn place_of(&self, node: NodeId) -> Option<([u8; 16], OsString)> {
         let b = self.bind.as_ref()?;
-        b.places.read().get(&node).map(|p| (p.dir, p.lower_name.clone()))
+        b.places.read().get(&node).map(|p| (p.dir_id, p.lower_name.clone()))
     }
 
     /// What the first bytes of the lower file `node` say about its identity.
@@ -826,34 +829,34 @@ impl CryptNames {
         self.below().call(&internal(), &Op::SetXattr { node, name: OsStr::new(BIND_XATTR), value: &value, flags: 0 }).map(|_| ())
     }
 
-    fn place_tag(&self, key: &BindKey, file_id: &[u8; 16], dir: NodeId, lower_name: &OsStr) -> Result<bind::Tag> {
-        Ok(key.place_tag(file_id, &self.dir_id(dir)?, lower_name.as_bytes()))
+    fn place_tag(&self, key: &BindKey, file_id: &[u8; 16], dir_id: &[u8; 16], lower_name: &OsStr) -> bind::Tag {
+        key.place_tag(file_id, dir_id, lower_name.as_bytes())
     }
 
     /// Refuse to open `node` unless its content is bound to the place it was found at.
     fn check_binding(&self, node: NodeId) -> Result<()> {
         let Some(b) = &self.bind else { return Ok(()) };
         let Head::Id(file_id) = self.head_of(node)? else { return Ok(()) };
-        let Some((dir, lower_name)) = self.place_of(node) else {
+        let Some((dir_id, lower_name)) = self.place_of(node) else {
             return Err(self.refuse(node, None, "this mount does not know where it is, so its place cannot be checked"));
         };
-        let here = self.place_tag(&b.key, &file_id, dir, &lower_name)?;
+        let here = self.place_tag(&b.key, &file_id, &dir_id, &lower_name);
         match bind::verdict(&b.key, self.stored_tags(node)?.as_ref(), &file_id, &here) {
             Verdict::Here | Verdict::Linked => Ok(()),
-            Verdict::Missing => Err(self.refuse(node, Some((dir, lower_name)), "its place tag is missing (removed below, or lost by a copy that dropped extended attributes)")),
+            Verdict::Missing => Err(self.refuse(node, Some((dir_id, lower_name)), "its place tag is missing (removed below, or lost by a copy that dropped extended attributes)")),
             Verdict::Elsewhere => Err(self.refuse(
                 node,
-                Some((dir, lower_name)),
+                Some((dir_id, lower_name)),
                 "its content is bound to another place: the file was moved or swapped in the storage, not renamed through plyfs",
             )),
         }
     }
 
     /// Log a refusal to open `node` once (naming the file), and give the error to return.
-    fn refuse(&self, node: NodeId, place: Option<(NodeId, OsString)>, why: &str) -> Error {
+    fn refuse(&self, node: NodeId, place: Option<([u8; 16], OsString)>, why: &str) -> Error {
         let b = self.bind.as_ref().expect("binding is on");
-        let (dir, lower_name) = place.unwrap_or((NodeId(0), OsString::new()));
-        if b.reported.lock().insert((node, dir, lower_name.clone())) {
+        let (dir_id, lower_name) = place.unwrap_or(([0; 16], OsString::new()));
+        if b.reported.lock().insert((node, dir_id, lower_name)) {
             let path = self
                 .below()
                 .extended(&internal(), node, "lower-info", &[])
@@ -876,8 +879,8 @@ impl CryptNames {
         let Head::Id(file_id) = Head::of(data) else { return Ok(()) };
         let stored = self.stored_tags(node)?;
         let place = self.place_of(node);
-        if let Some((dir, lower_name)) = &place {
-            let here = self.place_tag(&b.key, &file_id, *dir, lower_name)?;
+        if let Some((dir_id, lower_name)) = &place {
+            let here = self.place_tag(&b.key, &file_id, dir_id, lower_name);
             if matches!(bind::verdict(&b.key, stored.as_ref(), &file_id, &here), Verdict::Here | Verdict::Linked) {
                 return Ok(());
             }
@@ -886,7 +889,7 @@ impl CryptNames {
         }
         // A file with several names (or none known here) is bound to its id only.
         let tag = match place {
-            Some((dir, lower_name)) if self.nlink(node) <= 1 => self.place_tag(&b.key, &file_id, dir, &lower_name)?,
+            Some((dir_id, lower_name)) if self.nlink(node) <= 1 => self.place_tag(&b.key, &file_id, &dir_id, &lower_name),
             _ => b.key.linked_tag(&file_id),
         };
         self.store_tags(node, &Stored { current: tag, previous: None })
@@ -899,14 +902,14 @@ impl CryptNames {
     fn bind_new_place(&self, node: NodeId, (dir, lower_name): (NodeId, &OsStr), (new_dir, new_name): (NodeId, &OsStr)) -> Result<()> {
         let Some(b) = &self.bind else { return Ok(()) };
         let Head::Id(file_id) = self.head_of(node)? else { return Ok(()) };
-        let old = self.place_tag(&b.key, &file_id, dir, lower_name)?;
+        let old = self.place_tag(&b.key, &file_id, &self.dir_id(dir)?, lower_name);
         let stored = self.stored_tags(node)?;
         let Some(Stored { current, previous }) = stored else { return Ok(()) };
         let valid_here = current == old || previous == Some(old);
         if !valid_here {
             return Ok(());
         }
-        let new = self.place_tag(&b.key, &file_id, new_dir, new_name)?;
+        let new = self.place_tag(&b.key, &file_id, &self.dir_id(new_dir)?, new_name);
         self.store_tags(node, &Stored { current: new, previous: Some(old) })
     }
 
@@ -919,7 +922,7 @@ impl CryptNames {
             Some(s) if s.current == linked => Ok(()),
             // A file not valid where it is does not become valid everywhere.
             Some(s) => match self.place_of(node) {
-                Some((dir, lower_name)) if bind::verdict(&b.key, Some(&s), &file_id, &self.place_tag(&b.key, &file_id, dir, &lower_name)?) == Verdict::Here => {
+                Some((dir_id, lower_name)) if bind::verdict(&b.key, Some(&s), &file_id, &self.place_tag(&b.key, &file_id, &dir_id, &lower_name)) == Verdict::Here => {
                     self.store_tags(node, &Stored { current: linked, previous: None })
                 }
                 _ => Ok(()),
@@ -939,8 +942,9 @@ impl CryptNames {
 
     fn moved_place(&self, node: NodeId, dir: NodeId, lower_name: &OsStr) {
         let Some(b) = &self.bind else { return };
+        let Ok(dir_id) = self.dir_id(dir) else { return };
         if let Some(p) = b.places.write().get_mut(&node) {
-            p.dir = dir;
+            p.dir_id = dir_id;
             p.lower_name = lower_name.to_owned();
         }
     }
