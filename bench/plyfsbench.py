@@ -217,6 +217,8 @@ def unmount(plyfs_bin, mnt, kind):
     tries = [[plyfs_bin, "umount", mnt]] if kind == "plyfs" else [["fusermount3", "-u", mnt], ["umount", mnt]]
     tries += [["fusermount3", "-uz", mnt], ["umount", "-l", mnt]]
     for cmd in tries:
+        if shutil.which(cmd[0]) is None:  # e.g. no fusermount3 where only FUSE 2's tools are installed
+            continue
         if subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0 and not is_mounted(mnt):
             break
     if kind != "plyfs":

@@ -201,13 +201,16 @@ def rename_all(root):
 def bind(m, ctx):
     """What binding costs where it works: the source tree untarred (each new file bound when its
     header is first written), every file renamed in place and then across directories (a tag
-    written before each rename), every file read cold (a check at each open), `rm -rf`; then
+    written before each rename), `ls -lR` cold (a decoded size not yet known opens the file), every
+    file read cold (a check at each open), `rm -rf`; then
     1 GiB of random data written in 1 MiB blocks with an fsync."""
     r = {"untar": timed("tar", "xf", w.tarball(ctx), "-C", m.path)}
     r["untar_sync"] = r["untar"] + timed("sync")
     m.remount()
     r["mv_same"], r["mv_across"] = rename_all(os.path.join(m.path, "include"))
     os.sync()
+    m.remount()
+    r["ls_cold"] = timed("ls", "-lR", m.path)
     m.remount()
     r["read_all"] = timed("find", m.path, "-type", "f", "-exec", "cat", "{}", "+")
     r["rm"] = timed("rm", "-rf", os.path.join(m.path, "include"), os.path.join(m.path, "include.moved"))
@@ -263,8 +266,8 @@ SUITE = Suite(
                  [Metric("untar", "untar", "s"), Metric("untar_sync", "untar + sync", "s"),
                   Metric("mv_same", "rename every file in its directory (cold)", "s"),
                   Metric("mv_across", "rename every file into another directory", "s"),
-                  Metric("read_all", "read every file, cold", "s"), Metric("rm", "rm -rf", "s"),
-                  Metric("write_fsync", "1 GiB write + fsync", "MiB/s", "higher")],
+                  Metric("ls_cold", "ls -lR cold", "s"), Metric("read_all", "read every file, cold", "s"),
+                  Metric("rm", "rm -rf", "s"), Metric("write_fsync", "1 GiB write + fsync", "MiB/s", "higher")],
                  run=bind, baseline="crypt"),
     ],
     targets=[

@@ -931,6 +931,29 @@ impl CryptNames {
         }
     }
 
+    /// `crypt-rebind`: bind `node` to the place it was found at, whatever its tags say (for
+    /// `plyfs fsck --rebind`, after a copy that dropped extended attributes). Answers whether a
+    /// tag was written.
+    fn rebind(&self, node: NodeId) -> Result<Reply> {
+        let Some(b) = &self.bind else {
+            return Err(Error::config("this crypt volume does not bind files to their places (it was made without --bind-paths)"));
+        };
+        let rebound = match self.head_of(node)? {
+            Head::Id(file_id) => {
+                let (dir_id, lower_name) = self.place_of(node).ok_or(Error::Os(libc::ESTALE))?;
+                let tag = if self.nlink(node) > 1 { b.key.linked_tag(&file_id) } else { self.place_tag(&b.key, &file_id, &dir_id, &lower_name) };
+                let stored = self.stored_tags(node)?;
+                let fits = stored.is_some_and(|s| s.current == tag && s.previous.is_none());
+                if !fits {
+                    self.store_tags(node, &Stored { current: tag, previous: None })?;
+                }
+                !fits
+            }
+            Head::None | Head::Damaged => false,
+        };
+        Ok(Reply::Extended(serde_json::json!({ "rebound": rebound })))
+    }
+
     /// For a rename of `name` in `parent` (lower names): the file that moves, if binding is on
     /// and it is a regular file.
     fn bound_file_at(&self, parent: NodeId, lower_name: &OsStr) -> Option<NodeId> {
@@ -967,6 +990,9 @@ impl CryptNames {
         }
     }
 }
+
+/// The extended operation that binds a file to where it is now (`plyfs fsck --rebind`).
+pub const REBIND_OP: &str = "crypt-rebind";
 
 /// For tests of crash safety: `PLYFS_CRYPT_CRASH_AT=NAME` makes the process die at the point
 /// `NAME` (as `kill -9` would, with nothing cleaned up).
@@ -1172,6 +1198,7 @@ impl Layer for CryptNames {
             Op::SetXattr { name, .. } | Op::RemoveXattr { name, .. } if self.xattr_hidden(name) => Err(Error::Os(libc::EPERM)),
             Op::ListXattr { node, size } if !self.plaintext => self.list_xattrs(cx, node, size),
             Op::Extended { name: "lower-info", .. } if !self.plaintext => self.lower_info(cx, op),
+            Op::Extended { node, name: REBIND_OP, .. } => self.rebind(node),
             _ => bypass(self, cx, op),
         }
     }
