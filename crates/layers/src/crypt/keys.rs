@@ -31,8 +31,10 @@ use zeroize::{Zeroize, Zeroizing};
 /// The configuration file's name in the lower directory's root.
 pub const CONFIG_NAME: &str = ".plyfs-crypt.conf";
 const CONFIG_VERSION: u32 = 1;
-/// The version of a volume whose files are bound to their places (`bind_paths`): a plyfs that
-/// knows only version 1 refuses it, instead of reading files without checking their places.
+/// The version of a volume whose files are bound to their places (`plyfs init --bind-paths`):
+/// the version is the setting, with no field of its own, so a plyfs that knows only version 1
+/// refuses it in so many words ("version 2 is not supported") instead of reading files without
+/// checking their places (a new field would make it say "unknown field").
 const CONFIG_VERSION_BOUND: u32 = 2;
 /// Argon2id memory cost for new volumes, in KiB (64 MiB, as gocryptfs' scrypt).
 pub const DEFAULT_KDF_MEMORY_KIB: u32 = 64 << 10;
@@ -180,8 +182,8 @@ pub struct VolumeConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pad: Option<String>,
     /// Each file's content is bound to its place (directory id and name) by a MAC that is
-    /// checked at open (see [`super::bind`]). Only in version 2.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    /// checked at open (see [`super::bind`]): version 2.
+    #[serde(skip)]
     pub bind_paths: bool,
 }
 
@@ -363,17 +365,20 @@ impl VolumeConfig {
 
     /// Parse and check a configuration file's text.
     pub fn parse(text: &str, shown: &str) -> Result<VolumeConfig, String> {
-        let c: VolumeConfig = toml::from_str(text).map_err(|e| format!("{shown}: corrupt: {}", e.message()))?;
-        match (c.version, c.bind_paths) {
-            (CONFIG_VERSION, false) | (CONFIG_VERSION_BOUND, true) => {}
-            (CONFIG_VERSION_BOUND, false) => return Err(format!("{shown}: corrupt: version {CONFIG_VERSION_BOUND} without bind_paths")),
-            (CONFIG_VERSION, true) => return Err(format!("{shown}: corrupt: bind_paths needs version {CONFIG_VERSION_BOUND}")),
-            (v, _) => {
-                return Err(format!(
-                    "{shown}: version {v} is not supported by this plyfs (it knows versions {CONFIG_VERSION} and {CONFIG_VERSION_BOUND})"
-                ))
-            }
+        /// The version alone, read first: a newer file's other fields are not this plyfs's to judge.
+        #[derive(Deserialize)]
+        struct Version {
+            version: u32,
         }
+        let v: Version = toml::from_str(text).map_err(|e| format!("{shown}: corrupt: {}", e.message()))?;
+        if v.version != CONFIG_VERSION && v.version != CONFIG_VERSION_BOUND {
+            return Err(format!(
+                "{shown}: version {} is not supported by this plyfs (it knows versions {CONFIG_VERSION} and {CONFIG_VERSION_BOUND})",
+                v.version
+            ));
+        }
+        let mut c: VolumeConfig = toml::from_str(text).map_err(|e| format!("{shown}: corrupt: {}", e.message()))?;
+        c.bind_paths = c.version == CONFIG_VERSION_BOUND;
         c.id().map_err(|e| format!("{shown}: {e}"))?;
         Ok(c)
     }
@@ -650,6 +655,24 @@ mod tests {
         let check = VolumeConfig::load(dir.path()).unwrap().key_check.unwrap();
         std::fs::write(&path, t.replace(&check, &"0".repeat(32))).unwrap();
         assert!(unlock(dir.path(), &pw("found")).unwrap_err().contains("altered"));
+    }
+
+    #[test]
+    fn binding_is_version_2_and_a_later_version_is_refused_by_its_number() {
+        let dir = tempfile::tempdir().unwrap();
+        init(dir.path(), &VolumeSettings { bind_paths: true, ..fast() }, &pw("p")).unwrap();
+        let text = std::fs::read_to_string(config_path(dir.path())).unwrap();
+        assert!(text.contains("version = 2") && !text.contains("bind_paths"), "{text}");
+        assert!(unlock(dir.path(), &pw("p")).unwrap().bind_paths);
+        // Made version 1 by an edit: binding off, and the key no longer unwraps.
+        let edited = text.replace("version = 2", "version = 1");
+        let c = VolumeConfig::parse(&edited, "c").unwrap();
+        assert!(!c.bind_paths);
+        assert!(unlock_config(&c, "c", &pw("p")).unwrap_err().contains("wrong password"));
+        let later = text.replace("version = 2", "version = 3").replace("cipher =", "new_setting = 1\ncipher =");
+        assert!(VolumeConfig::parse(&later, "c").unwrap_err().contains("version 3 is not supported"));
+        let with_names = VolumeSettings { bind_paths: true, plaintext_names: true, ..fast() };
+        assert!(init(tempfile::tempdir().unwrap().path(), &with_names, &pw("p")).unwrap_err().contains("--bind-paths"));
     }
 
     #[test]
