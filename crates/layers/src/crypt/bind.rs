@@ -9,7 +9,8 @@
 //! ```text
 //! place tag  = HMAC-SHA256(bind key, "plyfs bind place" || file id (16) || directory id (16) || lower name)
 //! linked tag = HMAC-SHA256(bind key, "plyfs bind linked" || file id (16))
-//! stored     = current tag (32) [ || previous tag (32) ]        in the lower xattr user.plyfs.bind
+//! stored     = kind (1: placed, 2: linked) [ || current tag (32) [ || previous tag (32) ] ]
+//!              in the lower xattr user.plyfs.bind
 //! ```
 //!
 //! The bind key is HKDF of the master key (purpose "bind paths hmac-sha256"). The tag covers the
@@ -22,7 +23,9 @@
 //!   tag is dropped at the next rename). A directory's rename changes nothing below it: its
 //!   children are bound to its id, which moves with it.
 //! - **Hard links**: a file given a second name through the mount gets the linked tag, which
-//!   binds it to its file id only, from then on: it has no single place.
+//!   binds it to its file id only, from then on: it has no single place. The kind byte keeps
+//!   that when the file has no header yet, and when its content is written anew (a new file id)
+//!   under a name the mount may not have seen last.
 //! - **Files without a header** (empty, never written) have no file id and nothing to bind.
 //!
 //! The tag is not in the file header: the header belongs to the size-changing layer above,
@@ -34,6 +37,8 @@ use super::keys::MasterKey;
 /// The lower extended attribute holding a file's tags.
 pub const BIND_XATTR: &str = "user.plyfs.bind";
 pub const TAG_BYTES: usize = 32;
+/// The longest value of [`BIND_XATTR`]: the kind and two tags.
+pub const STORED_MAX_BYTES: usize = 1 + 2 * TAG_BYTES;
 /// Bytes of a lower file that hold its file id.
 pub const HEAD_BYTES: usize = 40;
 
@@ -91,25 +96,51 @@ impl Head {
 /// The tags stored for a file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Stored {
-    pub current: Tag,
+    /// The file was hard-linked through the mount: it is bound to its file id only, for good.
+    pub linked: bool,
+    /// None: a linked file with no header yet.
+    pub current: Option<Tag>,
     pub previous: Option<Tag>,
 }
 
+const KIND_PLACED: u8 = 1;
+const KIND_LINKED: u8 = 2;
+
 impl Stored {
+    pub fn placed(current: Tag, previous: Option<Tag>) -> Stored {
+        Stored { linked: false, current: Some(current), previous }
+    }
+
+    pub fn linked(current: Option<Tag>) -> Stored {
+        Stored { linked: true, current, previous: None }
+    }
+
+    /// What a damaged value stands for: tags that match no place.
+    pub fn damaged() -> Stored {
+        Stored::placed([0; TAG_BYTES], None)
+    }
+
     pub fn decode(bytes: &[u8]) -> Option<Stored> {
-        match bytes.len() {
-            TAG_BYTES => Some(Stored { current: bytes.try_into().ok()?, previous: None }),
-            n if n == 2 * TAG_BYTES => {
-                Some(Stored { current: bytes[..TAG_BYTES].try_into().ok()?, previous: Some(bytes[TAG_BYTES..].try_into().ok()?) })
-            }
-            _ => None,
-        }
+        let (&kind, tags) = bytes.split_first()?;
+        let linked = match kind {
+            KIND_PLACED => false,
+            KIND_LINKED => true,
+            _ => return None,
+        };
+        let tag = |i: usize| -> Option<Tag> { tags[i * TAG_BYTES..(i + 1) * TAG_BYTES].try_into().ok() };
+        let (current, previous) = match tags.len() {
+            0 if linked => (None, None),
+            TAG_BYTES => (tag(0), None),
+            n if n == 2 * TAG_BYTES && !linked => (tag(0), tag(1)),
+            _ => return None,
+        };
+        Some(Stored { linked, current, previous })
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = self.current.to_vec();
-        if let Some(p) = &self.previous {
-            v.extend_from_slice(p);
+        let mut v = vec![if self.linked { KIND_LINKED } else { KIND_PLACED }];
+        for t in self.current.iter().chain(&self.previous) {
+            v.extend_from_slice(t);
         }
         v
     }
@@ -131,10 +162,10 @@ pub enum Verdict {
 }
 
 pub fn verdict(key: &BindKey, stored: Option<&Stored>, file_id: &[u8; 16], here: &Tag) -> Verdict {
-    let Some(s) = stored else { return Verdict::Missing };
-    if s.current == *here || s.previous.as_ref() == Some(here) {
+    let Some(s @ Stored { current: Some(current), .. }) = stored else { return Verdict::Missing };
+    if current == here || s.previous.as_ref() == Some(here) {
         Verdict::Here
-    } else if s.current == key.linked_tag(file_id) {
+    } else if *current == key.linked_tag(file_id) {
         Verdict::Linked
     } else {
         Verdict::Elsewhere
@@ -154,7 +185,7 @@ mod tests {
         let k = key(1);
         let (f1, f2, d1, d2) = ([1; 16], [2; 16], [3; 16], [4; 16]);
         let here = k.place_tag(&f1, &d1, b"a");
-        let stored = Stored { current: here, previous: None };
+        let stored = Stored::placed(here, None);
         assert_eq!(verdict(&k, Some(&stored), &f1, &here), Verdict::Here);
         // Another name, another directory, another file, another key: elsewhere.
         for other in [k.place_tag(&f1, &d1, b"b"), k.place_tag(&f1, &d2, b"a"), k.place_tag(&f2, &d1, b"a"), key(2).place_tag(&f1, &d1, b"a")] {
@@ -169,15 +200,22 @@ mod tests {
     fn a_rename_keeps_both_places_and_a_linked_file_is_anywhere() {
         let k = key(1);
         let (old, new) = (k.place_tag(&[1; 16], &[3; 16], b"a"), k.place_tag(&[1; 16], &[3; 16], b"b"));
-        let s = Stored { current: new, previous: Some(old) };
+        let s = Stored::placed(new, Some(old));
         assert_eq!(Stored::decode(&s.encode()), Some(s));
         assert_eq!(verdict(&k, Some(&s), &[1; 16], &old), Verdict::Here);
         assert_eq!(verdict(&k, Some(&s), &[1; 16], &new), Verdict::Here);
-        let linked = Stored { current: k.linked_tag(&[1; 16]), previous: None };
+        let linked = Stored::linked(Some(k.linked_tag(&[1; 16])));
+        assert_eq!(Stored::decode(&linked.encode()), Some(linked));
         assert_eq!(verdict(&k, Some(&linked), &[1; 16], &old), Verdict::Linked);
         // A linked tag is its own file's only.
         assert_eq!(verdict(&k, Some(&linked), &[2; 16], &k.place_tag(&[2; 16], &[3; 16], b"a")), Verdict::Elsewhere);
-        assert_eq!(Stored::decode(&[0; 31]), None);
+        // A linked file without a header yet has no tag: once it has a header, that is missing.
+        let marker = Stored::linked(None);
+        assert_eq!(Stored::decode(&marker.encode()), Some(marker));
+        assert_eq!(verdict(&k, Some(&marker), &[1; 16], &old), Verdict::Missing);
+        for bad in [&[][..], &[0; 33], &[1; 31], &[1][..], &[3; 33]] {
+            assert_eq!(Stored::decode(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

@@ -804,21 +804,25 @@ impl CryptNames {
         b.places.read().get(&node).map(|p| (p.dir_id, p.lower_name.clone()))
     }
 
-    /// What the first bytes of the lower file `node` say about its identity.
+    /// What the first bytes of the lower file `node` say about its identity. Only a regular file
+    /// has any: a FIFO or a device is never opened here (an open could block, or act).
     fn head_of(&self, node: NodeId) -> Result<Head> {
         let below = self.below();
-        let opened = below.open(&internal(), node, libc::O_RDONLY)?;
+        if below.getattr(&internal(), node)?.kind != FileKind::File {
+            return Ok(Head::None);
+        }
+        let opened = below.open(&internal(), node, libc::O_RDONLY | libc::O_NONBLOCK)?;
         let head = below.read(&internal(), node, opened.fh, 0, HEAD_BYTES as u32);
         let _ = below.release(&internal(), node, opened.fh);
         Ok(Head::of(&head?))
     }
 
     fn stored_tags(&self, node: NodeId) -> Result<Option<Stored>> {
-        let op = Op::GetXattr { node, name: OsStr::new(BIND_XATTR), size: 2 * bind::TAG_BYTES as u32 };
+        let op = Op::GetXattr { node, name: OsStr::new(BIND_XATTR), size: bind::STORED_MAX_BYTES as u32 };
         match self.below().call(&internal(), &op) {
             // Tags that do not decode match no place.
-            Ok(Reply::Xattr(XattrReply::Data(d))) => Ok(Some(Stored::decode(&d).unwrap_or(Stored { current: [0; 32], previous: None }))),
-            Ok(_) | Err(Error::Os(libc::ERANGE)) => Ok(Some(Stored { current: [0; 32], previous: None })),
+            Ok(Reply::Xattr(XattrReply::Data(d))) => Ok(Some(Stored::decode(&d).unwrap_or_else(Stored::damaged))),
+            Ok(_) | Err(Error::Os(libc::ERANGE)) => Ok(Some(Stored::damaged())),
             Err(Error::Os(libc::ENODATA)) => Ok(None),
             Err(e) => Err(e),
         }
@@ -834,9 +838,9 @@ impl CryptNames {
     }
 
     /// Refuse to open `node` unless its content is bound to the place it was found at.
-    fn check_binding(&self, node: NodeId) -> Result<()> {
+    fn check_binding(&self, node: NodeId, head: Head) -> Result<()> {
         let Some(b) = &self.bind else { return Ok(()) };
-        let Head::Id(file_id) = self.head_of(node)? else { return Ok(()) };
+        let Head::Id(file_id) = head else { return Ok(()) };
         let Some((dir_id, lower_name)) = self.place_of(node) else {
             return Err(self.refuse(node, None, "this mount does not know where it is, so its place cannot be checked"));
         };
@@ -879,55 +883,60 @@ impl CryptNames {
         let Head::Id(file_id) = Head::of(data) else { return Ok(()) };
         let stored = self.stored_tags(node)?;
         let place = self.place_of(node);
-        if let Some((dir_id, lower_name)) = &place {
-            let here = self.place_tag(&b.key, &file_id, dir_id, lower_name);
-            if matches!(bind::verdict(&b.key, stored.as_ref(), &file_id, &here), Verdict::Here | Verdict::Linked) {
-                return Ok(());
-            }
-        } else if stored.is_some_and(|s| s.current == b.key.linked_tag(&file_id)) {
+        let here = place.as_ref().map(|(dir_id, lower_name)| self.place_tag(&b.key, &file_id, dir_id, lower_name));
+        let verdict = bind::verdict(&b.key, stored.as_ref(), &file_id, &here.unwrap_or([0; 32]));
+        if verdict == Verdict::Linked || (verdict == Verdict::Here && here.is_some()) {
             return Ok(());
         }
-        // A file with several names (or none known here) is bound to its id only.
-        let tag = match place {
-            Some((dir_id, lower_name)) if self.nlink(node) <= 1 => self.place_tag(&b.key, &file_id, &dir_id, &lower_name),
-            _ => b.key.linked_tag(&file_id),
-        };
-        self.store_tags(node, &Stored { current: tag, previous: None })
+        // A file with several names (or none known here) is bound to its id only, and so is one
+        // that ever had several: the name this mount saw last may be one that is gone.
+        let linked = stored.is_some_and(|s| s.linked) || self.nlink(node) > 1;
+        match here {
+            Some(tag) if !linked => self.store_tags(node, &Stored::placed(tag, None)),
+            _ => self.store_tags(node, &Stored::linked(Some(b.key.linked_tag(&file_id)))),
+        }
     }
 
     /// Before `node`, now `lower_name` in `dir`, becomes `new_name` in `new_dir`: add the tag of
     /// the new place, keeping the old one, so the file is valid at either until the next
     /// rename (a crash between the two steps loses nothing). A file not valid where it is
-    /// stays invalid.
+    /// stays invalid; a linked file has no place to change.
     fn bind_new_place(&self, node: NodeId, (dir, lower_name): (NodeId, &OsStr), (new_dir, new_name): (NodeId, &OsStr)) -> Result<()> {
         let Some(b) = &self.bind else { return Ok(()) };
         let Head::Id(file_id) = self.head_of(node)? else { return Ok(()) };
+        let Some(Stored { linked: false, current: Some(current), previous }) = self.stored_tags(node)? else { return Ok(()) };
         let old = self.place_tag(&b.key, &file_id, &self.dir_id(dir)?, lower_name);
-        let stored = self.stored_tags(node)?;
-        let Some(Stored { current, previous }) = stored else { return Ok(()) };
-        let valid_here = current == old || previous == Some(old);
-        if !valid_here {
+        if current != old && previous != Some(old) {
             return Ok(());
         }
         let new = self.place_tag(&b.key, &file_id, &self.dir_id(new_dir)?, new_name);
-        self.store_tags(node, &Stored { current: new, previous: Some(old) })
+        self.store_tags(node, &Stored::placed(new, Some(old)))
     }
 
-    /// Before `node` gets a second name: bind it to its file id only.
+    /// Before `node` gets a second name: bind it to its file id only, for good.
     fn bind_linked(&self, node: NodeId) -> Result<()> {
         let Some(b) = &self.bind else { return Ok(()) };
-        let Head::Id(file_id) = self.head_of(node)? else { return Ok(()) };
-        let linked = b.key.linked_tag(&file_id);
-        match self.stored_tags(node)? {
-            Some(s) if s.current == linked => Ok(()),
-            // A file not valid where it is does not become valid everywhere.
-            Some(s) => match self.place_of(node) {
-                Some((dir_id, lower_name)) if bind::verdict(&b.key, Some(&s), &file_id, &self.place_tag(&b.key, &file_id, &dir_id, &lower_name)) == Verdict::Here => {
-                    self.store_tags(node, &Stored { current: linked, previous: None })
+        if self.below().getattr(&internal(), node)?.kind != FileKind::File {
+            return Ok(());
+        }
+        let stored = self.stored_tags(node)?;
+        if stored.is_some_and(|s| s.linked) {
+            return Ok(());
+        }
+        match self.head_of(node)? {
+            // No content yet: only the mark, which the first header's tag will follow.
+            Head::None => self.store_tags(node, &Stored::linked(None)),
+            Head::Damaged => Ok(()),
+            Head::Id(file_id) => {
+                // A file not valid where it is does not become valid everywhere.
+                let here = self.place_of(node).map(|(dir_id, lower_name)| self.place_tag(&b.key, &file_id, &dir_id, &lower_name));
+                match here {
+                    Some(here) if bind::verdict(&b.key, stored.as_ref(), &file_id, &here) == Verdict::Here => {
+                        self.store_tags(node, &Stored::linked(Some(b.key.linked_tag(&file_id))))
+                    }
+                    _ => Ok(()),
                 }
-                _ => Ok(()),
-            },
-            None => Ok(()),
+            }
         }
     }
 
@@ -941,11 +950,15 @@ impl CryptNames {
         let rebound = match self.head_of(node)? {
             Head::Id(file_id) => {
                 let (dir_id, lower_name) = self.place_of(node).ok_or(Error::Os(libc::ESTALE))?;
-                let tag = if self.nlink(node) > 1 { b.key.linked_tag(&file_id) } else { self.place_tag(&b.key, &file_id, &dir_id, &lower_name) };
                 let stored = self.stored_tags(node)?;
-                let fits = stored.is_some_and(|s| s.current == tag && s.previous.is_none());
+                let want = if stored.is_some_and(|s| s.linked) || self.nlink(node) > 1 {
+                    Stored::linked(Some(b.key.linked_tag(&file_id)))
+                } else {
+                    Stored::placed(self.place_tag(&b.key, &file_id, &dir_id, &lower_name), None)
+                };
+                let fits = stored == Some(want);
                 if !fits {
-                    self.store_tags(node, &Stored { current: tag, previous: None })?;
+                    self.store_tags(node, &want)?;
                 }
                 !fits
             }
@@ -955,12 +968,15 @@ impl CryptNames {
     }
 
     /// For a rename of `name` in `parent` (lower names): the file that moves, if binding is on
-    /// and it is a regular file.
+    /// and it is a regular file; the caller forgets the lookup when the rename is done.
     fn bound_file_at(&self, parent: NodeId, lower_name: &OsStr) -> Option<NodeId> {
         self.bind.as_ref()?;
         let e = self.below().lookup(&internal(), parent, lower_name).ok()?;
-        self.below().forget(&internal(), e.node, 1);
-        (e.attr.kind == FileKind::File).then_some(e.node)
+        if e.attr.kind != FileKind::File {
+            self.below().forget(&internal(), e.node, 1);
+            return None;
+        }
+        Some(e.node)
     }
 
     fn moved_place(&self, node: NodeId, dir: NodeId, lower_name: &OsStr) {
@@ -1186,9 +1202,22 @@ impl Layer for CryptNames {
                 self.forget_place(node, nlookup);
                 below.call(cx, op)
             }
-            Op::Open { node, .. } if self.bind.is_some() => {
-                self.check_binding(node)?;
-                below.call(cx, op)
+            Op::Open { node, flags } if self.bind.is_some() => {
+                if flags & libc::O_ACCMODE == libc::O_WRONLY {
+                    self.check_binding(node, self.head_of(node)?)?;
+                    return below.call(cx, op);
+                }
+                // Checked through the handle just opened: one lower open, not two.
+                let reply = below.call(cx, op)?;
+                let Reply::Opened(opened) = &reply else { return Ok(reply) };
+                let checked = below
+                    .read(&internal(), node, opened.fh, 0, HEAD_BYTES as u32)
+                    .and_then(|head| self.check_binding(node, Head::of(&head)));
+                if let Err(e) = checked {
+                    let _ = below.release(&internal(), node, opened.fh);
+                    return Err(e);
+                }
+                Ok(reply)
             }
             Op::Write { node, offset: 0, data, .. } if self.bind.is_some() && data.len() >= HEAD_BYTES => {
                 self.bind_header(node, data)?;
