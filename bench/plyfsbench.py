@@ -94,7 +94,8 @@ class Config:
 
     kind: `native` (the lower itself), `bindfs`, `gocryptfs`, `plyfs` (with `stack`, `options`
     given as `-o` values, `args` added to `plyfs mount` with `{work}` standing for the run's
-    scratch directory, and `init` true for a volume made by `plyfs init --layer crypt`), or
+    scratch directory, and `init` true for a volume made by `plyfs init --layer crypt`, with
+    `init_args` added to that command), or
     `custom`, mounted by `start(m)` and unmounted by `stop(m)` (after which a FUSE mount at
     `m.mnt`, if any, is unmounted). `pin`: a CPU the daemon is started on (`taskset`)."""
 
@@ -103,6 +104,7 @@ class Config:
     stack: str = ""
     options: tuple = ()
     init: bool = False
+    init_args: tuple = ()
     about: str = ""
     args: tuple = ()
     pin: Optional[int] = None
@@ -123,7 +125,7 @@ class Config:
         if self.kind == "gocryptfs":
             return "`gocryptfs -init -scryptn 10`, mounted with its defaults (AES-256-GCM, encrypted names)"
         opts = "".join(f" -o {o}" for o in self.options)
-        made = " (a volume made by `plyfs init --layer crypt`)" if self.init else ""
+        made = f" (a volume made by `plyfs init --layer crypt{''.join(' ' + a for a in self.init_args)}`)" if self.init else ""
         return f"`plyfs mount LOWER MNT --stack {self.stack}{opts}`{made}"
 
 
@@ -139,11 +141,12 @@ def gocryptfs(name="gocryptfs"):
     return Config(name, "gocryptfs")
 
 
-def plyfs(name, stack, *options, about="", args=(), pin=None):
-    """A plyfs stack; a stack with `crypt` in it mounts a volume made by `plyfs init`."""
+def plyfs(name, stack, *options, about="", args=(), pin=None, init_args=()):
+    """A plyfs stack; a stack with `crypt` in it mounts a volume made by `plyfs init` (with
+    `init_args`)."""
     crypt = any(s.split(":")[0] == "crypt" for s in stack.split(","))
-    return Config(name, "plyfs", stack, tuple(options), init=crypt, about=about, args=tuple(args),
-                  pin=pin)
+    return Config(name, "plyfs", stack, tuple(options), init=crypt, init_args=tuple(init_args), about=about,
+                  args=tuple(args), pin=pin)
 
 
 def custom(name, about, start, stop=None, path_is_lower=False):
@@ -160,7 +163,8 @@ class Mounted:
         os.makedirs(mnt, exist_ok=True)
         pw = run.passfile
         if cfg.init:
-            sh(run.plyfs, "init", lower, "--layer", "crypt", "--passfile", pw, "--kdf-memory", "1024", timeout=120)
+            sh(run.plyfs, "init", lower, "--layer", "crypt", "--passfile", pw, "--kdf-memory", "1024", *cfg.init_args,
+               timeout=120)
         elif cfg.kind == "gocryptfs":
             sh("gocryptfs", "-init", "-q", "-extpass", f"cat {pw}", "-scryptn", "10", lower, timeout=120)
         self.up()
@@ -213,6 +217,8 @@ def unmount(plyfs_bin, mnt, kind):
     tries = [[plyfs_bin, "umount", mnt]] if kind == "plyfs" else [["fusermount3", "-u", mnt], ["umount", mnt]]
     tries += [["fusermount3", "-uz", mnt], ["umount", "-l", mnt]]
     for cmd in tries:
+        if shutil.which(cmd[0]) is None:  # e.g. no fusermount3 where only FUSE 2's tools are installed
+            continue
         if subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0 and not is_mounted(mnt):
             break
     if kind != "plyfs":

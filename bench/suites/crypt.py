@@ -1,9 +1,10 @@
 """The crypt layer (issue #5) against gocryptfs and the plain directory: large files, a source
 tree, and zstd,crypt on compressible text (took over from bench/crypt.sh); reverse views against
 `gocryptfs -reverse` (a source tree, and a directory of long names), and what size padding costs
-(issue #15)."""
+(issue #15); and what binding files to their places costs (issue #28)."""
 import os
 import subprocess
+import time
 
 from plyfsbench import BenchError, Metric, Scenario, Suite, Target, custom, gocryptfs, native, plyfs, sh, timed
 import workloads as w
@@ -177,6 +178,48 @@ def padding(m, ctx):
     return r
 
 
+# --- Files bound to their places (issue #28) -------------------------------------------------------
+
+BIND = [plyfs("crypt", "crypt"), plyfs("crypt-bound", "crypt", init_args=("--bind-paths",)), gocryptfs()]
+
+
+def rename_all(root):
+    """Rename every file under `root` within its directory, then into a sibling directory made
+    for it (each a rename(2), as `mv` makes); returns (seconds same-directory, seconds across)."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+    t = time.perf_counter()
+    for f in files:
+        os.rename(f, f + ".mv")
+    same = time.perf_counter() - t
+    os.makedirs(root + ".moved")
+    t = time.perf_counter()
+    for i, f in enumerate(files):
+        os.rename(f + ".mv", os.path.join(root + ".moved", f"{i}"))
+    return same, time.perf_counter() - t
+
+
+def bind(m, ctx):
+    """What binding costs where it works: the source tree untarred (each new file bound when its
+    header is first written), every file renamed in place and then across directories (a tag
+    written before each rename), `ls -lR` cold (a decoded size not yet known opens the file), every
+    file read cold (a check at each open), `rm -rf`; then
+    1 GiB of random data written in 1 MiB blocks with an fsync."""
+    r = {"untar": timed("tar", "xf", w.tarball(ctx), "-C", m.path)}
+    r["untar_sync"] = r["untar"] + timed("sync")
+    m.remount()
+    r["mv_same"], r["mv_across"] = rename_all(os.path.join(m.path, "include"))
+    os.sync()
+    m.remount()
+    r["ls_cold"] = timed("ls", "-lR", m.path)
+    m.remount()
+    r["read_all"] = timed("find", m.path, "-type", "f", "-exec", "cat", "{}", "+")
+    r["rm"] = timed("rm", "-rf", os.path.join(m.path, "include"), os.path.join(m.path, "include.moved"))
+    n = size(ctx, GiB)
+    r |= w.write(m, ctx, "big", n, 1 << 20, fsync=True, key="write_fsync")
+    os.unlink(os.path.join(m.path, "big"))
+    return r
+
+
 def vs(text, sc, metric, cfg, against, op, value):
     return Target(text, sc, metric, cfg, against, op, value)
 
@@ -219,6 +262,13 @@ SUITE = Suite(
                   Metric("write_fsync", "1 GiB write + fsync", "MiB/s", "higher"),
                   Metric("big_space", "1 GiB file, space below", "B")],
                  run=padding, baseline="crypt", lower="ext4"),
+        Scenario("bind", "Files bound to their places: `plyfs init --bind-paths` against `crypt`", BIND,
+                 [Metric("untar", "untar", "s"), Metric("untar_sync", "untar + sync", "s"),
+                  Metric("mv_same", "rename every file in its directory (cold)", "s"),
+                  Metric("mv_across", "rename every file into another directory", "s"),
+                  Metric("ls_cold", "ls -lR cold", "s"), Metric("read_all", "read every file, cold", "s"),
+                  Metric("rm", "rm -rf", "s"), Metric("write_fsync", "1 GiB write + fsync", "MiB/s", "higher")],
+                 run=bind, baseline="crypt"),
     ],
     targets=[
         vs("sequential write ≥ 2× gocryptfs", "io", "write", "crypt", "gocryptfs", ">=", 2),

@@ -6,7 +6,8 @@
 #
 # STACK is a `--stack` spec, optionally followed by more mount arguments (default: `null`,
 # `trace`, `zstd`, `copy`, `null --rules mixed-rules.toml`,
-# `gzip:level=9:fast_tails=on`, `crypt`, `zstd,crypt`, `union` (a read-write branch over a read-only branch
+# `gzip:level=9:fast_tails=on`, `crypt`, `zstd,crypt`, `crypt --bind-paths` (a volume made with `plyfs init
+# --bind-paths`), `union` (a read-write branch over a read-only branch
 # holding files), `mirror` (two branches) and `mirror -o shared`, `version`, and `remote` (a `plyfs serve` over a Unix
 # socket; `remote --tls` over TLS on loopback; `zstd,remote` compressing in the mount;
 # `crypt,remote` decrypting in the mount a volume served as stored), `exofs` and `zstd,exofs` (on an
@@ -64,7 +65,7 @@ PJDFSTEST_VERSION=0.2.2
 # io_uring (scripts/test.sh gives its permission), mounts carry their requests over it by default;
 # the `-o io_uring=off` entries use /dev/fuse.
 DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt zstd,crypt union mirror "mirror -o shared" version
-  remote "remote --tls" zstd,remote crypt,remote "zstd,ext:socket=@trace,null" exofs zstd,exofs
+  "crypt --bind-paths" remote "remote --tls" zstd,remote crypt,remote "zstd,ext:socket=@trace,null" exofs zstd,exofs
   "null -o io_uring=off" "zstd -o io_uring=off" "crypt -o io_uring=off")
 
 die() { echo "pjdfstest/run.sh: $*" >&2; exit 2; }
@@ -465,7 +466,9 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
     passfile=$WORK/$i-passfile
     printf 'pjdfstest password %s\n' "$i" >"$passfile"
     chmod 600 "$passfile"
-    out=$("$PLYFS" init "$lower" --layer crypt --passfile "$passfile" 2>&1) || {
+    # `--bind-paths` among a crypt stack's arguments is a setting of its volume, for `init`.
+    init_args=() && [[ " ${extra[*]-} " == *" --bind-paths "* ]] && init_args=(--bind-paths) && read -r -a extra <<<"${extra[*]/--bind-paths/}"
+    out=$("$PLYFS" init "$lower" --layer crypt --passfile "$passfile" ${init_args[@]+"${init_args[@]}"} 2>&1) || {
       {
         echo
         echo "### plyfs stack '$spec': plyfs init FAILED"

@@ -87,6 +87,11 @@ enum Command {
         lower: PathBuf,
         #[arg(long)]
         stack: String,
+        /// On a volume made with --bind-paths: bind every file to the place it is at now, before
+        /// checking it (after a copy that dropped extended attributes). A file moved or swapped
+        /// below is then accepted where it is: use it only on a tree you trust.
+        #[arg(long)]
+        rebind: bool,
         /// A further branch of the stack's fan-out layer, as for `mount`.
         #[arg(long = "branch", value_name = "DIR[=ro|rw]")]
         branches: Vec<String>,
@@ -173,9 +178,9 @@ fn main() -> ExitCode {
             unlock_tree(&lower, &stack, &branches, &secret)?;
             offline::decode(&lower, &dest, &stack, &branches, path.as_deref())
         }),
-        Command::Fsck { lower, stack, branches, secret } => offline_run(|| {
+        Command::Fsck { lower, stack, rebind, branches, secret } => offline_run(|| {
             unlock_tree(&lower, &stack, &branches, &secret)?;
-            offline::fsck(&lower, &stack, &branches)
+            offline::fsck(&lower, &stack, &branches, rebind)
         }),
         Command::Du { path, stack, branches, secret } => offline_run(|| {
             if let Some(stack) = &stack {

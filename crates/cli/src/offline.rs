@@ -383,8 +383,10 @@ fn decode_one(top: &Level, e: &Entry, out: &Path, bar: &ProgressBar) -> Res<()> 
 }
 
 /// Verify every file of `lower` through the stack. Opening a file rebuilds a damaged index
-/// (logged); files whose data is damaged are listed and make the result an error.
-pub fn fsck(lower: &Path, spec: &str, branches: &[String]) -> Res<()> {
+/// (logged); files whose data is damaged are listed and make the result an error. With
+/// `rebind`, each file of a crypt volume that binds files to their places is first bound to
+/// where it is.
+pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool) -> Res<()> {
     let stack = Arc::new(open_stack(lower, spec, branches)?);
     let top = stack.top().clone();
     let mut files = Vec::new();
@@ -398,8 +400,22 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String]) -> Res<()> {
     let mut damaged = Vec::new();
     let mut plain = 0usize;
     let mut repaired = 0usize;
+    let mut rebound = 0usize;
     for (rel, size) in &files {
         let outcome = resolve(&top, rel).and_then(|e| {
+            if rebind {
+                match top.extended(&cx(), e.node, plyfs_layers::crypt::names::REBIND_OP, &[]) {
+                    Ok(v) if v["rebound"] == true => {
+                        bar.suspend(|| eprintln!("plyfs: {}: bound to where it is now", rel.display()));
+                        rebound += 1;
+                    }
+                    Ok(_) => {}
+                    Err(err) => {
+                        top.forget(&cx(), e.node, 1);
+                        return Err(format!("--rebind: {}", stack.explain(err)));
+                    }
+                }
+            }
             let v = top.extended(&cx(), e.node, "verify", &[]).map_err(|err| stack.explain(err).to_string());
             top.forget(&cx(), e.node, 1);
             v
@@ -432,6 +448,9 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String]) -> Res<()> {
     bar.finish_and_clear();
     let checked = files.len() - plain;
     let plain_note = if plain > 0 { format!(" ({plain} plain files, which no layer encodes, need no check)") } else { String::new() };
+    if rebind {
+        eprintln!("plyfs: fsck: {rebound} files bound anew to where they are");
+    }
     if damaged.is_empty() {
         let repaired_note = if repaired > 0 { format!(", {repaired} of them after rebuilding the index") } else { String::new() };
         eprintln!("plyfs: fsck: {checked} files checked, all sound{repaired_note}{plain_note}");

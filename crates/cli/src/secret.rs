@@ -237,6 +237,7 @@ pub fn register_configs_from_fd(configs: &[FoundVolume], fd: i32) -> Result<(), 
             cipher: config.cipher,
             plaintext_names: config.plaintext_names,
             pad: config.pads()?,
+            bind_paths: config.bind_paths,
             key: keys::MasterKey::from_bytes(*key),
         });
     }
@@ -263,6 +264,11 @@ pub struct InitArgs {
     /// the configuration goes in LOWER/.plyfs-crypt.reverse.conf.
     #[arg(long, conflicts_with = "plaintext_names")]
     reverse: bool,
+    /// Bind each file's content to its place (directory and name), so that a file moved or
+    /// swapped in the storage fails to open (EIO) instead of reading as another file. Recorded
+    /// in the volume configuration; needs encrypted names, and xattrs kept by copies.
+    #[arg(long, conflicts_with_all = ["plaintext_names", "reverse"])]
+    bind_paths: bool,
     #[command(flatten)]
     secret: SecretArgs,
     /// Argon2id memory cost in KiB (default 65536). Lower only for tests.
@@ -283,6 +289,7 @@ pub fn init(args: &InitArgs) -> Result<(), String> {
         plaintext_names: args.plaintext_names,
         kdf_memory_kib: args.kdf_memory.unwrap_or(keys::DEFAULT_KDF_MEMORY_KIB),
         pad: args.pad == "padme",
+        bind_paths: args.bind_paths,
     };
     if settings.pad && args.reverse {
         return Err("--pad: a reverse view shows files at their own sizes; pad the volume a backup is restored into instead".into());
@@ -306,11 +313,12 @@ pub fn init(args: &InitArgs) -> Result<(), String> {
     }
     let (_, key) = keys::init(&args.lower, &settings, &secret)?;
     eprintln!(
-        "plyfs: {} is now a crypt volume ({}, {} names{}); keep {} safe: without it nothing can be decrypted",
+        "plyfs: {} is now a crypt volume ({}, {} names{}{}); keep {} safe: without it nothing can be decrypted",
         args.lower.display(),
         settings.cipher.name(),
         if settings.plaintext_names { "plaintext" } else { "encrypted" },
         if settings.pad { ", sizes padded with PADMÉ" } else { "" },
+        if settings.bind_paths { ", files bound to their places" } else { "" },
         keys::config_path(&args.lower).display()
     );
     show_master_key(&key);

@@ -31,6 +31,11 @@ use zeroize::{Zeroize, Zeroizing};
 /// The configuration file's name in the lower directory's root.
 pub const CONFIG_NAME: &str = ".plyfs-crypt.conf";
 const CONFIG_VERSION: u32 = 1;
+/// The version of a volume whose files are bound to their places (`plyfs init --bind-paths`):
+/// the version is the setting, with no field of its own, so a plyfs that knows only version 1
+/// refuses it in so many words ("version 2 is not supported") instead of reading files without
+/// checking their places (a new field would make it say "unknown field").
+const CONFIG_VERSION_BOUND: u32 = 2;
 /// Argon2id memory cost for new volumes, in KiB (64 MiB, as gocryptfs' scrypt).
 pub const DEFAULT_KDF_MEMORY_KIB: u32 = 64 << 10;
 const KDF_ITERATIONS: u32 = 3;
@@ -176,6 +181,10 @@ pub struct VolumeConfig {
     /// crypt layer over the volume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pad: Option<String>,
+    /// Each file's content is bound to its place (directory id and name) by a MAC that is
+    /// checked at open (see [`super::bind`]): version 2.
+    #[serde(skip)]
+    pub bind_paths: bool,
 }
 
 /// Settings chosen when a volume is created.
@@ -186,11 +195,19 @@ pub struct VolumeSettings {
     pub kdf_memory_kib: u32,
     /// Pad new files' sizes (PADMÉ).
     pub pad: bool,
+    /// Bind each file's content to its place (`plyfs init --bind-paths`).
+    pub bind_paths: bool,
 }
 
 impl Default for VolumeSettings {
     fn default() -> Self {
-        VolumeSettings { cipher: CipherKind::Aes256Gcm, plaintext_names: false, kdf_memory_kib: DEFAULT_KDF_MEMORY_KIB, pad: false }
+        VolumeSettings {
+            cipher: CipherKind::Aes256Gcm,
+            plaintext_names: false,
+            kdf_memory_kib: DEFAULT_KDF_MEMORY_KIB,
+            pad: false,
+            bind_paths: false,
+        }
     }
 }
 
@@ -202,6 +219,8 @@ pub struct Volume {
     pub plaintext_names: bool,
     /// New files are padded (the volume was made with `--pad padme`).
     pub pad: bool,
+    /// Files are bound to their places (the volume was made with `--bind-paths`).
+    pub bind_paths: bool,
     pub key: MasterKey,
 }
 
@@ -254,6 +273,9 @@ impl VolumeConfig {
         }
         if let Some(pad) = &self.pad {
             ad.push_str(&format!("|pad={pad}"));
+        }
+        if self.bind_paths {
+            ad.push_str("|bind_paths");
         }
         ad.into_bytes()
     }
@@ -343,10 +365,20 @@ impl VolumeConfig {
 
     /// Parse and check a configuration file's text.
     pub fn parse(text: &str, shown: &str) -> Result<VolumeConfig, String> {
-        let c: VolumeConfig = toml::from_str(text).map_err(|e| format!("{shown}: corrupt: {}", e.message()))?;
-        if c.version != CONFIG_VERSION {
-            return Err(format!("{shown}: version {} is not supported by this plyfs (it knows version {CONFIG_VERSION})", c.version));
+        /// The version alone, read first: a newer file's other fields are not this plyfs's to judge.
+        #[derive(Deserialize)]
+        struct Version {
+            version: u32,
         }
+        let v: Version = toml::from_str(text).map_err(|e| format!("{shown}: corrupt: {}", e.message()))?;
+        if v.version != CONFIG_VERSION && v.version != CONFIG_VERSION_BOUND {
+            return Err(format!(
+                "{shown}: version {} is not supported by this plyfs (it knows versions {CONFIG_VERSION} and {CONFIG_VERSION_BOUND})",
+                v.version
+            ));
+        }
+        let mut c: VolumeConfig = toml::from_str(text).map_err(|e| format!("{shown}: corrupt: {}", e.message()))?;
+        c.bind_paths = c.version == CONFIG_VERSION_BOUND;
         c.id().map_err(|e| format!("{shown}: {e}"))?;
         Ok(c)
     }
@@ -448,6 +480,9 @@ pub fn init_file(lower: &Path, path: &Path, settings: &VolumeSettings, secret: &
         let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         return Err(format!("{}: already a crypt volume ({file} exists)", lower.display()));
     }
+    if settings.bind_paths && settings.plaintext_names {
+        return Err("--bind-paths binds files to their directories' ids, which only encrypted names have: leave out --plaintext-names".into());
+    }
     if empty && !settings.plaintext_names {
         let mut entries = std::fs::read_dir(lower).map_err(|e| format!("{}: {e}", lower.display()))?;
         if entries.next().is_some() {
@@ -458,7 +493,7 @@ pub fn init_file(lower: &Path, path: &Path, settings: &VolumeSettings, secret: &
         }
     }
     let mut config = VolumeConfig {
-        version: CONFIG_VERSION,
+        version: if settings.bind_paths { CONFIG_VERSION_BOUND } else { CONFIG_VERSION },
         volume_id: hex(&random_bytes::<16>()),
         cipher: settings.cipher,
         plaintext_names: settings.plaintext_names,
@@ -466,6 +501,7 @@ pub fn init_file(lower: &Path, path: &Path, settings: &VolumeSettings, secret: &
         wrapped_key: String::new(),
         key_check: None,
         pad: settings.pad.then(|| "padme".to_owned()),
+        bind_paths: settings.bind_paths,
     };
     let key = MasterKey::from_bytes(random_bytes());
     config.key_check = Some(key.check_value());
@@ -483,7 +519,14 @@ pub fn unlock(lower: &Path, secret: &Secret) -> Result<Volume, String> {
 /// Unlock the volume of `config` (read from `shown`) with `secret`.
 pub fn unlock_config(config: &VolumeConfig, shown: &str, secret: &Secret) -> Result<Volume, String> {
     let key = config.unwrap_key(secret, shown)?;
-    Ok(Volume { id: config.id()?, cipher: config.cipher, plaintext_names: config.plaintext_names, pad: config.pads()?, key })
+    Ok(Volume {
+        id: config.id()?,
+        cipher: config.cipher,
+        plaintext_names: config.plaintext_names,
+        pad: config.pads()?,
+        bind_paths: config.bind_paths,
+        key,
+    })
 }
 
 /// Re-wrap the master key of the volume at `lower` for `new`, after unlocking it with `old`.
@@ -612,6 +655,24 @@ mod tests {
         let check = VolumeConfig::load(dir.path()).unwrap().key_check.unwrap();
         std::fs::write(&path, t.replace(&check, &"0".repeat(32))).unwrap();
         assert!(unlock(dir.path(), &pw("found")).unwrap_err().contains("altered"));
+    }
+
+    #[test]
+    fn binding_is_version_2_and_a_later_version_is_refused_by_its_number() {
+        let dir = tempfile::tempdir().unwrap();
+        init(dir.path(), &VolumeSettings { bind_paths: true, ..fast() }, &pw("p")).unwrap();
+        let text = std::fs::read_to_string(config_path(dir.path())).unwrap();
+        assert!(text.contains("version = 2") && !text.contains("bind_paths"), "{text}");
+        assert!(unlock(dir.path(), &pw("p")).unwrap().bind_paths);
+        // Made version 1 by an edit: binding off, and the key no longer unwraps.
+        let edited = text.replace("version = 2", "version = 1");
+        let c = VolumeConfig::parse(&edited, "c").unwrap();
+        assert!(!c.bind_paths);
+        assert!(unlock_config(&c, "c", &pw("p")).unwrap_err().contains("wrong password"));
+        let later = text.replace("version = 2", "version = 3").replace("cipher =", "new_setting = 1\ncipher =");
+        assert!(VolumeConfig::parse(&later, "c").unwrap_err().contains("version 3 is not supported"));
+        let with_names = VolumeSettings { bind_paths: true, plaintext_names: true, ..fast() };
+        assert!(init(tempfile::tempdir().unwrap().path(), &with_names, &pw("p")).unwrap_err().contains("--bind-paths"));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! it, and its key in the keyring, where `plyfs mount` (or an offline tool) put it after
 //! unlocking the volume. A volume that is not unlocked cannot be stacked.
 
+pub mod bind;
 pub mod codec;
 pub mod keys;
 pub mod names;

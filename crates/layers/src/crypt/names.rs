@@ -27,10 +27,12 @@
 //!
 //! With `plaintext_names` the layer changes no name; it only hides the volume configuration.
 //!
-//! Renames and hard links need nothing special: a name's ciphertext depends only on the name
-//! and its directory, and a directory's id moves with it.
+//! Renames and hard links need nothing special for names: a name's ciphertext depends only on
+//! the name and its directory, and a directory's id moves with it. On a volume made with
+//! `--bind-paths`, this layer also binds each file's content to its place, checks the binding
+//! at open and moves it on rename and link (see [`super::bind`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::sync::Arc;
@@ -40,13 +42,14 @@ use aes_gcm::Aes256Gcm;
 use aes_siv::siv::Aes256Siv;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use base64::Engine as _;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use plyfs_stack::{
     bypass, Attr, Caller, DirEntry, Entry, Error, FileKind, Layer, Level, NodeId, Op, Reply, Result, XattrReply,
 };
 use sha2::Digest;
 use zeroize::Zeroizing;
 
+use super::bind::{self, BindKey, Head, Stored, Verdict, BIND_XATTR, HEAD_BYTES};
 use super::keys::{random_bytes, Volume, CONFIG_NAME};
 
 /// The lower attribute holding a directory's id.
@@ -97,6 +100,26 @@ pub struct CryptNames {
     dirs: RwLock<HashMap<NodeId, [u8; 16]>>,
     /// Symlinks with long targets this mount has seen, and where.
     long_targets: RwLock<LongTargets>,
+    /// Files bound to their places, on a volume made with `--bind-paths`.
+    bind: Option<Binding>,
+}
+
+/// What binding files to their places needs: the key, and where each file known above is.
+struct Binding {
+    key: BindKey,
+    /// Regular files by node: the place they were last found or made at, and how many lookups
+    /// above hold them (the entry goes when they are all forgotten).
+    places: RwLock<HashMap<NodeId, FilePlace>>,
+    /// Refusals already logged, so that a file retried in a loop is one line.
+    reported: Mutex<HashSet<(NodeId, [u8; 16], OsString)>>,
+}
+
+/// Where a file is: its directory's id (not the directory's node, which a lookup above may
+/// already have let go of) and its lower name.
+struct FilePlace {
+    dir_id: [u8; 16],
+    lower_name: OsString,
+    lookups: u64,
 }
 
 /// Where the companions of long symlink targets are: by node (a directory holding one of its
@@ -243,6 +266,11 @@ impl CryptNames {
             root_id,
             dirs: RwLock::new(HashMap::new()),
             long_targets: RwLock::new(LongTargets::default()),
+            bind: (volume.bind_paths && !volume.plaintext_names).then(|| Binding {
+                key: BindKey::of(&volume.key),
+                places: RwLock::new(HashMap::new()),
+                reported: Mutex::new(HashSet::new()),
+            }),
         }
     }
 
@@ -666,6 +694,9 @@ impl CryptNames {
 
     /// A reply to an operation that found or made `name` in `dir` (a lower name).
     fn fix_reply_at(&self, dir: NodeId, name: &OsStr, reply: Reply) -> Reply {
+        if let Reply::Entry(e) | Reply::Created(e, _) = &reply {
+            self.note_place(dir, name, e);
+        }
         match reply {
             Reply::Entry(e) => Reply::Entry(self.note_entry(dir, name, e)),
             Reply::Created(e, o) => Reply::Created(self.note_entry(dir, name, e), o),
@@ -682,7 +713,12 @@ impl CryptNames {
         let mut shown = Vec::with_capacity(entries.len());
         for e in entries {
             match self.shown_name(dir, &id, &e.name) {
-                Some(name) => shown.push(DirEntry { name, entry: e.entry.map(|x| self.note_entry(dir, &e.name, x)), ..e }),
+                Some(name) => {
+                    if let Some(x) = &e.entry {
+                        self.note_place(dir, &e.name, x);
+                    }
+                    shown.push(DirEntry { name, entry: e.entry.map(|x| self.note_entry(dir, &e.name, x)), ..e })
+                }
                 None => {
                     // A hidden entry looked up for readdirplus: give the lookup back.
                     if let Some(x) = e.entry {
@@ -733,7 +769,223 @@ impl CryptNames {
     }
 
     fn xattr_hidden(&self, name: &OsStr) -> bool {
-        !self.plaintext && name.as_bytes() == DIRID_XATTR.as_bytes()
+        !self.plaintext && (name.as_bytes() == DIRID_XATTR.as_bytes() || name.as_bytes() == BIND_XATTR.as_bytes())
+    }
+
+    // Binding files to their places (see `super::bind`).
+
+    /// Remember where the file of `entry` was found or made (`name` is its lower name in `dir`).
+    fn note_place(&self, dir: NodeId, lower_name: &OsStr, entry: &Entry) {
+        let Some(b) = &self.bind else { return };
+        if entry.attr.kind != FileKind::File {
+            return;
+        }
+        let Ok(dir_id) = self.dir_id(dir) else { return };
+        let mut places = b.places.write();
+        let p = places.entry(entry.node).or_insert_with(|| FilePlace { dir_id, lower_name: OsString::new(), lookups: 0 });
+        p.dir_id = dir_id;
+        p.lower_name = lower_name.to_owned();
+        p.lookups += 1;
+    }
+
+    fn forget_place(&self, node: NodeId, nlookup: u64) {
+        let Some(b) = &self.bind else { return };
+        let mut places = b.places.write();
+        if let Some(p) = places.get_mut(&node) {
+            p.lookups = p.lookups.saturating_sub(nlookup);
+            if p.lookups == 0 {
+                places.remove(&node);
+            }
+        }
+    }
+
+    fn place_of(&self, node: NodeId) -> Option<([u8; 16], OsString)> {
+        let b = self.bind.as_ref()?;
+        b.places.read().get(&node).map(|p| (p.dir_id, p.lower_name.clone()))
+    }
+
+    /// What the first bytes of the lower file `node` say about its identity. Only a regular file
+    /// has any: a FIFO or a device is never opened here (an open could block, or act).
+    fn head_of(&self, node: NodeId) -> Result<Head> {
+        let below = self.below();
+        if below.getattr(&internal(), node)?.kind != FileKind::File {
+            return Ok(Head::None);
+        }
+        let opened = below.open(&internal(), node, libc::O_RDONLY | libc::O_NONBLOCK)?;
+        let head = below.read(&internal(), node, opened.fh, 0, HEAD_BYTES as u32);
+        let _ = below.release(&internal(), node, opened.fh);
+        Ok(Head::of(&head?))
+    }
+
+    fn stored_tags(&self, node: NodeId) -> Result<Option<Stored>> {
+        let op = Op::GetXattr { node, name: OsStr::new(BIND_XATTR), size: bind::STORED_MAX_BYTES as u32 };
+        match self.below().call(&internal(), &op) {
+            // Tags that do not decode match no place.
+            Ok(Reply::Xattr(XattrReply::Data(d))) => Ok(Some(Stored::decode(&d).unwrap_or_else(Stored::damaged))),
+            Ok(_) | Err(Error::Os(libc::ERANGE)) => Ok(Some(Stored::damaged())),
+            Err(Error::Os(libc::ENODATA)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn store_tags(&self, node: NodeId, tags: &Stored) -> Result<()> {
+        let value = tags.encode();
+        self.below().call(&internal(), &Op::SetXattr { node, name: OsStr::new(BIND_XATTR), value: &value, flags: 0 }).map(|_| ())
+    }
+
+    fn place_tag(&self, key: &BindKey, file_id: &[u8; 16], dir_id: &[u8; 16], lower_name: &OsStr) -> bind::Tag {
+        key.place_tag(file_id, dir_id, lower_name.as_bytes())
+    }
+
+    /// Refuse to open `node` unless its content is bound to the place it was found at.
+    fn check_binding(&self, node: NodeId, head: Head) -> Result<()> {
+        let Some(b) = &self.bind else { return Ok(()) };
+        let Head::Id(file_id) = head else { return Ok(()) };
+        let Some((dir_id, lower_name)) = self.place_of(node) else {
+            return Err(self.refuse(node, None, "this mount does not know where it is, so its place cannot be checked"));
+        };
+        let here = self.place_tag(&b.key, &file_id, &dir_id, &lower_name);
+        match bind::verdict(&b.key, self.stored_tags(node)?.as_ref(), &file_id, &here) {
+            Verdict::Here | Verdict::Linked => Ok(()),
+            Verdict::Missing => Err(self.refuse(node, Some((dir_id, lower_name)), "its place tag is missing (removed below, or lost by a copy that dropped extended attributes)")),
+            Verdict::Elsewhere => Err(self.refuse(
+                node,
+                Some((dir_id, lower_name)),
+                "its content is bound to another place: the file was moved or swapped in the storage, not renamed through plyfs",
+            )),
+        }
+    }
+
+    /// Log a refusal to open `node` once (naming the file), and give the error to return.
+    fn refuse(&self, node: NodeId, place: Option<([u8; 16], OsString)>, why: &str) -> Error {
+        let b = self.bind.as_ref().expect("binding is on");
+        let (dir_id, lower_name) = place.unwrap_or(([0; 16], OsString::new()));
+        if b.reported.lock().insert((node, dir_id, lower_name)) {
+            let path = self
+                .below()
+                .extended(&internal(), node, "lower-info", &[])
+                .ok()
+                .and_then(|v| v.get("path").and_then(|p| p.as_str()).map(str::to_owned))
+                .map(|lower| match self.plain_path(&lower) {
+                    Ok(plain) => format!("/{plain} (stored as {lower})"),
+                    Err(_) => format!("stored as {lower}"),
+                })
+                .unwrap_or_else(|| format!("inode {}", node.0));
+            tracing::error!("{}: {path}: refused with EIO: {why}", self.name);
+        }
+        Error::Os(libc::EIO)
+    }
+
+    /// A write of `data` at offset 0 of `node`: when it is a header with a new file id, bind
+    /// that id to the file's place first, so that no header is ever stored without its tag.
+    fn bind_header(&self, node: NodeId, data: &[u8]) -> Result<()> {
+        let Some(b) = &self.bind else { return Ok(()) };
+        let Head::Id(file_id) = Head::of(data) else { return Ok(()) };
+        let stored = self.stored_tags(node)?;
+        let place = self.place_of(node);
+        let here = place.as_ref().map(|(dir_id, lower_name)| self.place_tag(&b.key, &file_id, dir_id, lower_name));
+        let verdict = bind::verdict(&b.key, stored.as_ref(), &file_id, &here.unwrap_or([0; 32]));
+        if verdict == Verdict::Linked || (verdict == Verdict::Here && here.is_some()) {
+            return Ok(());
+        }
+        // A file with several names (or none known here) is bound to its id only, and so is one
+        // that ever had several: the name this mount saw last may be one that is gone.
+        let linked = stored.is_some_and(|s| s.linked) || self.nlink(node) > 1;
+        match here {
+            Some(tag) if !linked => self.store_tags(node, &Stored::placed(tag, None)),
+            _ => self.store_tags(node, &Stored::linked(Some(b.key.linked_tag(&file_id)))),
+        }
+    }
+
+    /// Before `node`, now `lower_name` in `dir`, becomes `new_name` in `new_dir`: add the tag of
+    /// the new place, keeping the old one, so the file is valid at either until the next
+    /// rename (a crash between the two steps loses nothing). A file not valid where it is
+    /// stays invalid; a linked file has no place to change.
+    fn bind_new_place(&self, node: NodeId, (dir, lower_name): (NodeId, &OsStr), (new_dir, new_name): (NodeId, &OsStr)) -> Result<()> {
+        let Some(b) = &self.bind else { return Ok(()) };
+        let Head::Id(file_id) = self.head_of(node)? else { return Ok(()) };
+        let Some(Stored { linked: false, current: Some(current), previous }) = self.stored_tags(node)? else { return Ok(()) };
+        let old = self.place_tag(&b.key, &file_id, &self.dir_id(dir)?, lower_name);
+        if current != old && previous != Some(old) {
+            return Ok(());
+        }
+        let new = self.place_tag(&b.key, &file_id, &self.dir_id(new_dir)?, new_name);
+        self.store_tags(node, &Stored::placed(new, Some(old)))
+    }
+
+    /// Before `node` gets a second name: bind it to its file id only, for good.
+    fn bind_linked(&self, node: NodeId) -> Result<()> {
+        let Some(b) = &self.bind else { return Ok(()) };
+        if self.below().getattr(&internal(), node)?.kind != FileKind::File {
+            return Ok(());
+        }
+        let stored = self.stored_tags(node)?;
+        if stored.is_some_and(|s| s.linked) {
+            return Ok(());
+        }
+        match self.head_of(node)? {
+            // No content yet: only the mark, which the first header's tag will follow.
+            Head::None => self.store_tags(node, &Stored::linked(None)),
+            Head::Damaged => Ok(()),
+            Head::Id(file_id) => {
+                // A file not valid where it is does not become valid everywhere.
+                let here = self.place_of(node).map(|(dir_id, lower_name)| self.place_tag(&b.key, &file_id, &dir_id, &lower_name));
+                match here {
+                    Some(here) if bind::verdict(&b.key, stored.as_ref(), &file_id, &here) == Verdict::Here => {
+                        self.store_tags(node, &Stored::linked(Some(b.key.linked_tag(&file_id))))
+                    }
+                    _ => Ok(()),
+                }
+            }
+        }
+    }
+
+    /// `crypt-rebind`: bind `node` to the place it was found at, whatever its tags say (for
+    /// `plyfs fsck --rebind`, after a copy that dropped extended attributes). Answers whether a
+    /// tag was written.
+    fn rebind(&self, node: NodeId) -> Result<Reply> {
+        let Some(b) = &self.bind else {
+            return Err(Error::config("this crypt volume does not bind files to their places (it was made without --bind-paths)"));
+        };
+        let rebound = match self.head_of(node)? {
+            Head::Id(file_id) => {
+                let (dir_id, lower_name) = self.place_of(node).ok_or(Error::Os(libc::ESTALE))?;
+                let stored = self.stored_tags(node)?;
+                let want = if stored.is_some_and(|s| s.linked) || self.nlink(node) > 1 {
+                    Stored::linked(Some(b.key.linked_tag(&file_id)))
+                } else {
+                    Stored::placed(self.place_tag(&b.key, &file_id, &dir_id, &lower_name), None)
+                };
+                let fits = stored == Some(want);
+                if !fits {
+                    self.store_tags(node, &want)?;
+                }
+                !fits
+            }
+            Head::None | Head::Damaged => false,
+        };
+        Ok(Reply::Extended(serde_json::json!({ "rebound": rebound })))
+    }
+
+    /// For a rename of `name` in `parent` (lower names): the file that moves, if binding is on
+    /// and it is a regular file; the caller forgets the lookup when the rename is done.
+    fn bound_file_at(&self, parent: NodeId, lower_name: &OsStr) -> Option<NodeId> {
+        self.bind.as_ref()?;
+        let e = self.below().lookup(&internal(), parent, lower_name).ok()?;
+        if e.attr.kind != FileKind::File {
+            self.below().forget(&internal(), e.node, 1);
+            return None;
+        }
+        Some(e.node)
+    }
+
+    fn moved_place(&self, node: NodeId, dir: NodeId, lower_name: &OsStr) {
+        let Some(b) = &self.bind else { return };
+        let Ok(dir_id) = self.dir_id(dir) else { return };
+        if let Some(p) = b.places.write().get_mut(&node) {
+            p.dir_id = dir_id;
+            p.lower_name = lower_name.to_owned();
+        }
     }
 
     fn list_xattrs(&self, cx: &Caller, node: NodeId, size: u32) -> Result<Reply> {
@@ -752,6 +1004,19 @@ impl CryptNames {
             s if (s as usize) < kept.len() => Err(Error::Os(libc::ERANGE)),
             _ => Ok(Reply::Xattr(XattrReply::Data(kept))),
         }
+    }
+}
+
+/// The extended operation that binds a file to where it is now (`plyfs fsck --rebind`).
+pub const REBIND_OP: &str = "crypt-rebind";
+
+/// For tests of crash safety: `PLYFS_CRYPT_CRASH_AT=NAME` makes the process die at the point
+/// `NAME` (as `kill -9` would, with nothing cleaned up).
+fn crash_point(name: &str) {
+    static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    if AT.get_or_init(|| std::env::var("PLYFS_CRYPT_CRASH_AT").ok()).as_deref() == Some(name) {
+        eprintln!("plyfs: crash point {name} reached: dying");
+        std::process::abort();
     }
 }
 
@@ -810,6 +1075,7 @@ impl Layer for CryptNames {
             Op::SymLink { parent, name, target } => self.symlink(cx, parent, name, target.as_os_str().as_bytes()),
             Op::Link { node, new_parent, new_name } => {
                 let n = self.encrypt(new_parent, new_name)?;
+                self.bind_linked(node)?;
                 let copied = self.copy_target_companion(cx, node, new_parent)?;
                 let reply = self.make(cx, new_parent, &n, &Op::Link { node, new_parent, new_name: n.name() });
                 if reply.is_err() && copied {
@@ -876,7 +1142,32 @@ impl Layer for CryptNames {
                         return Err(e);
                     }
                 };
-                let result = below.call(cx, &Op::Rename { parent, name: from.name(), new_parent, new_name: to.name(), flags });
+                // Bound files: the tag of the new place goes first (see `bind_new_place`).
+                let moving_file = if same { None } else { self.bound_file_at(parent, from.name()) };
+                let victim_file = if exchanged && !same { self.bound_file_at(new_parent, to.name()) } else { None };
+                let rebound = (|| {
+                    if let Some(node) = moving_file {
+                        self.bind_new_place(node, (parent, from.name()), (new_parent, to.name()))?;
+                    }
+                    if let Some(node) = victim_file {
+                        self.bind_new_place(node, (new_parent, to.name()), (parent, from.name()))?;
+                    }
+                    Ok(())
+                })();
+                let result = rebound.and_then(|()| {
+                    crash_point("bind-before-rename");
+                    below.call(cx, &Op::Rename { parent, name: from.name(), new_parent, new_name: to.name(), flags })
+                });
+                if let (Ok(_), Some(node)) = (&result, moving_file) {
+                    crash_point("bind-after-rename");
+                    self.moved_place(node, new_parent, to.name());
+                }
+                if let (Ok(_), Some(node)) = (&result, victim_file) {
+                    self.moved_place(node, parent, from.name());
+                }
+                for node in moving_file.into_iter().chain(victim_file) {
+                    below.forget(&internal(), node, 1);
+                }
                 match result {
                     Ok(r) => {
                         // After an exchange both names still exist; otherwise the old one is gone.
@@ -906,14 +1197,37 @@ impl Layer for CryptNames {
                 Reply::Attr(a) => Ok(Reply::Attr(self.fix_node_attr(node, a))),
                 other => Ok(other),
             },
-            Op::Forget { node, .. } => {
+            Op::Forget { node, nlookup } => {
                 self.dirs.write().remove(&node);
+                self.forget_place(node, nlookup);
+                below.call(cx, op)
+            }
+            Op::Open { node, flags } if self.bind.is_some() => {
+                if flags & libc::O_ACCMODE == libc::O_WRONLY {
+                    self.check_binding(node, self.head_of(node)?)?;
+                    return below.call(cx, op);
+                }
+                // Checked through the handle just opened: one lower open, not two.
+                let reply = below.call(cx, op)?;
+                let Reply::Opened(opened) = &reply else { return Ok(reply) };
+                let checked = below
+                    .read(&internal(), node, opened.fh, 0, HEAD_BYTES as u32)
+                    .and_then(|head| self.check_binding(node, Head::of(&head)));
+                if let Err(e) = checked {
+                    let _ = below.release(&internal(), node, opened.fh);
+                    return Err(e);
+                }
+                Ok(reply)
+            }
+            Op::Write { node, offset: 0, data, .. } if self.bind.is_some() && data.len() >= HEAD_BYTES => {
+                self.bind_header(node, data)?;
                 below.call(cx, op)
             }
             Op::GetXattr { name, .. } if self.xattr_hidden(name) => Err(Error::Os(libc::ENODATA)),
             Op::SetXattr { name, .. } | Op::RemoveXattr { name, .. } if self.xattr_hidden(name) => Err(Error::Os(libc::EPERM)),
             Op::ListXattr { node, size } if !self.plaintext => self.list_xattrs(cx, node, size),
             Op::Extended { name: "lower-info", .. } if !self.plaintext => self.lower_info(cx, op),
+            Op::Extended { node, name: REBIND_OP, .. } => self.rebind(node),
             _ => bypass(self, cx, op),
         }
     }
