@@ -202,13 +202,6 @@ fn exofs_applies_the_set_id_rules_as_tmpfs_does() {
 }
 
 #[test]
-fn null_over_a_lower_directory_applies_the_set_id_rules_as_tmpfs_does() {
-    assert!(is_root(), "switches to nobody: run as root");
-    let m = Mount::with("null", &["allow_other"]);
-    assert_as_tmpfs("null", &m.mnt, &tmpfs_reference());
-}
-
-#[test]
 fn crypt_applies_the_set_id_rules_as_tmpfs_does() {
     assert!(is_root(), "switches to nobody: run as root");
     let m = Mount::crypt("crypt", &[], &["allow_other"]);
