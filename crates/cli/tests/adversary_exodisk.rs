@@ -64,6 +64,15 @@ fn another_user_cannot_read_the_image_its_key_or_its_log() {
         assert!(err.contains("Permission denied"), "{err}");
     }
     stop();
+    // An image that was there before, readable by others: formatted, with one line saying so.
+    let open_image = dir.path().join("open.img");
+    fs::write(&open_image, vec![0u8; 4 << 20]).unwrap();
+    fs::set_permissions(&open_image, fs::Permissions::from_mode(0o644)).unwrap();
+    let out = run(plyfs().args(["exodisk", "format"]).arg(&open_image));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let warning: Vec<&str> = err.lines().filter(|l| l.contains("warning")).collect();
+    assert!(warning.len() == 1 && warning[0].contains(open_image.to_str().unwrap()) && warning[0].contains("chmod 600"), "{err}");
 }
 
 /// A pattern no volume holds by chance: what the raw scans look for.
