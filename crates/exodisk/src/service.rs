@@ -100,7 +100,8 @@ pub fn spawn(volume: &Path, key: &Path, socket: &Path) -> Result<Background, Str
         .map_err(|e| e.to_string())?;
     let running = Background { service, socket: socket.to_owned(), thread: Some(thread) };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !socket.exists() {
+    // Listening, not merely bound: a client that connects between the two is refused.
+    while running.service.listener.load(Ordering::Acquire) < 0 {
         if std::time::Instant::now() > deadline || running.thread.as_ref().is_some_and(|t| t.is_finished()) {
             return Err(format!("{}: the service did not start listening", socket.display()));
         }
