@@ -8,17 +8,21 @@
 //! volume, 8 entries to a tag sector.
 //!
 //! ```text
-//! entry   = newest slot (32) | previous slot (32)
-//! slot    = session (u64 LE) | counter (u64 LE) | Poly1305 tag (16); all zero: empty
-//! nonce   = sector (u64 LE) | session | counter          (XChaCha20-Poly1305, 24 bytes)
-//! aad     = volume id (16) | sector (u64 LE)
+//! entry       = newest slot (32) | previous slot (32)
+//! slot        = session (u64 LE) | counter (u64 LE) | GCM tag (16); all zero: empty
+//! session key = HKDF-SHA256(data key, "plyfs exodisk data session" | session)   (AES-256-GCM)
+//! nonce       = counter (u64 LE) | 0 (4)
+//! aad         = volume id (16) | sector (u64 LE)
 //! ```
 //!
+//! AES-256-GCM rather than the records' XChaCha20-Poly1305: with AES-NI it seals a 512-byte sector
+//! about 3.5 times as fast here, and data is most of what the service moves. Its 96-bit nonce is
+//! too short to draw at random for every sector, so each run of the service draws a 64-bit
+//! session and seals under a key of its own, with a counter as the nonce.
+//!
 //! What must stay true:
-//! - A nonce is never used twice: the counter rises within a service's run and the session is
-//!   drawn at random (non-zero) for each run, so two seals share a nonce only if two runs draw
-//!   the same 64-bit session. The sector in the nonce makes that collision matter only within
-//!   one sector.
+//! - A (key, nonce) pair is never used twice: the counter rises within a run, and each run has
+//!   its own key, unless two runs draw the same (non-zero, random) 64-bit session.
 //! - A sector opens only at its own place on its own volume (the aad), under the key.
 //! - The seal is written before the data (both unflushed, flushed together as the data's model
 //!   says), and the previous seal is kept: a reader racing a write, or a crash that kept the
@@ -37,9 +41,12 @@ use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use chacha20poly1305::aead::AeadInPlace;
-use chacha20poly1305::{Tag, XChaCha20Poly1305, XNonce};
+use std::sync::Arc;
+
+use aes_gcm::aead::AeadInPlace;
+use aes_gcm::{Aes256Gcm, KeyInit, Nonce, Tag};
 use parking_lot::Mutex;
+use zeroize::Zeroizing;
 
 use crate::disk::{Aligned, SECTOR};
 
@@ -113,14 +120,21 @@ impl SectorEntry {
     }
 }
 
-/// The nonce of the seal `(session, counter)` of sector `sector`. Injective in its three
-/// arguments, so distinct seals never share a nonce.
-pub fn sector_nonce(sector: u64, session: u64, counter: u64) -> [u8; 24] {
-    let mut n = [0u8; 24];
-    n[..8].copy_from_slice(&sector.to_le_bytes());
-    n[8..16].copy_from_slice(&session.to_le_bytes());
-    n[16..].copy_from_slice(&counter.to_le_bytes());
+/// The nonce of seal `counter` of a session: injective in the counter, so no two seals of one
+/// session share a nonce.
+pub fn seal_nonce(counter: u64) -> [u8; 12] {
+    let mut n = [0u8; 12];
+    n[..8].copy_from_slice(&counter.to_le_bytes());
     n
+}
+
+/// The key of session `session`, from the volume's data key.
+pub fn session_key(data_key: &[u8; 32], session: u64) -> Zeroizing<[u8; 32]> {
+    let mut info = b"plyfs exodisk data session ".to_vec();
+    info.extend_from_slice(&session.to_le_bytes());
+    let mut key = Zeroizing::new([0u8; 32]);
+    hkdf::Hkdf::<sha2::Sha256>::new(None, data_key).expand(&info, &mut key[..]).expect("32 bytes is a valid HKDF-SHA256 output");
+    key
 }
 
 fn aad(volume_id: &[u8; 16], sector: u64) -> [u8; 24] {
@@ -130,30 +144,65 @@ fn aad(volume_id: &[u8; 16], sector: u64) -> [u8; 24] {
     a
 }
 
-/// Encrypt one sector in place as seal `(session, counter)`: its slot.
-pub fn seal_sector(cipher: &XChaCha20Poly1305, volume_id: &[u8; 16], sector: u64, session: u64, counter: u64, data: &mut [u8]) -> Slot {
-    debug_assert_eq!(data.len(), SECTOR);
-    let nonce = sector_nonce(sector, session, counter);
-    let tag = cipher
-        .encrypt_in_place_detached(XNonce::from_slice(&nonce), &aad(volume_id, sector), data)
-        .expect("XChaCha20-Poly1305 seals a sector");
-    Slot { session, counter, tag: tag.into() }
+/// Sessions' ciphers kept at most; past it they are derived afresh.
+const SESSIONS_KEPT: usize = 256;
+
+/// The volume's data key, and the ciphers of the sessions met so far.
+pub struct DataKey {
+    key: Zeroizing<[u8; 32]>,
+    volume_id: [u8; 16],
+    sessions: Mutex<HashMap<u64, Arc<Aes256Gcm>>>,
 }
 
-/// Open one sector in place by its entry: the newest seal, else the previous one (see the
-/// module's invariants); an empty entry gives zeros. On failure `data` is unchanged.
-pub fn open_sector(cipher: &XChaCha20Poly1305, volume_id: &[u8; 16], sector: u64, entry: &SectorEntry, data: &mut [u8]) -> bool {
-    debug_assert_eq!(data.len(), SECTOR);
-    if entry.newest.is_empty() && entry.previous.is_empty() {
-        data.fill(0);
-        return true;
+impl DataKey {
+    pub fn new(key: Zeroizing<[u8; 32]>, volume_id: [u8; 16]) -> DataKey {
+        DataKey { key, volume_id, sessions: Mutex::new(HashMap::new()) }
     }
-    [entry.newest, entry.previous].iter().filter(|s| !s.is_empty()).any(|slot| {
-        let nonce = sector_nonce(sector, slot.session, slot.counter);
-        cipher
-            .decrypt_in_place_detached(XNonce::from_slice(&nonce), &aad(volume_id, sector), data, Tag::from_slice(&slot.tag))
-            .is_ok()
-    })
+
+    fn cipher(&self, session: u64) -> Arc<Aes256Gcm> {
+        let mut sessions = self.sessions.lock();
+        if let Some(c) = sessions.get(&session) {
+            return c.clone();
+        }
+        if sessions.len() >= SESSIONS_KEPT {
+            sessions.clear();
+        }
+        let key = session_key(&self.key, session);
+        let key: &[u8; 32] = &key;
+        let c = Arc::new(Aes256Gcm::new(key.into()));
+        sessions.insert(session, c.clone());
+        c
+    }
+
+    /// Encrypt one sector in place as seal `(session, counter)`: its slot.
+    pub fn seal_sector(&self, sector: u64, session: u64, counter: u64, data: &mut [u8]) -> Slot {
+        debug_assert_eq!(data.len(), SECTOR);
+        let tag = self
+            .cipher(session)
+            .encrypt_in_place_detached(Nonce::from_slice(&seal_nonce(counter)), &aad(&self.volume_id, sector), data)
+            .expect("AES-256-GCM seals a sector");
+        Slot { session, counter, tag: tag.into() }
+    }
+
+    /// Open one sector in place by its entry: the newest seal, else the previous one (see the
+    /// module's invariants); an empty entry gives zeros. On failure `data` is unchanged.
+    pub fn open_sector(&self, sector: u64, entry: &SectorEntry, data: &mut [u8]) -> bool {
+        debug_assert_eq!(data.len(), SECTOR);
+        if entry.newest.is_empty() && entry.previous.is_empty() {
+            data.fill(0);
+            return true;
+        }
+        [entry.newest, entry.previous].iter().filter(|s| !s.is_empty()).any(|slot| {
+            self.cipher(slot.session)
+                .decrypt_in_place_detached(
+                    Nonce::from_slice(&seal_nonce(slot.counter)),
+                    &aad(&self.volume_id, sector),
+                    data,
+                    Tag::from_slice(&slot.tag),
+                )
+                .is_ok()
+        })
+    }
 }
 
 /// Tag sectors kept in memory at most (each covers 4 KiB of data); past it the cache starts
@@ -162,8 +211,7 @@ const CACHE_SECTORS: usize = 32 * 1024;
 
 /// The volume's data seals: the key, the tag area, and this run's session and counter.
 pub struct DataSeal {
-    cipher: XChaCha20Poly1305,
-    volume_id: [u8; 16],
+    key: DataKey,
     /// The volume's descriptor (its `Disk` outlives this: both belong to the service's core).
     fd: RawFd,
     tags_start: u64,
@@ -182,11 +230,10 @@ pub struct Unsealed {
 }
 
 impl DataSeal {
-    pub fn new(cipher: XChaCha20Poly1305, volume_id: [u8; 16], fd: RawFd, tags_start: u64, tag_sectors: u64) -> DataSeal {
+    pub fn new(key: DataKey, fd: RawFd, tags_start: u64, tag_sectors: u64) -> DataSeal {
         let session = u64::from_le_bytes(crate::seal::random()) | 1;
         DataSeal {
-            cipher,
-            volume_id,
+            key,
             fd,
             tags_start,
             tag_sectors,
@@ -204,7 +251,7 @@ impl DataSeal {
         let slots: Vec<Slot> = data
             .chunks_exact_mut(SECTOR)
             .enumerate()
-            .map(|(i, d)| seal_sector(&self.cipher, &self.volume_id, sector + i as u64, self.session, first + i as u64, d))
+            .map(|(i, d)| self.key.seal_sector(sector + i as u64, self.session, first + i as u64, d))
             .collect();
         self.update(sector, n, dsync, |i, e| e.resealed(slots[i as usize]))
     }
@@ -215,7 +262,7 @@ impl DataSeal {
         let entries = self.entries(sector, n).map_err(|_| Unsealed { sector })?;
         for (i, d) in data.chunks_exact_mut(SECTOR).enumerate() {
             let s = sector + i as u64;
-            if !open_sector(&self.cipher, &self.volume_id, s, &entries[i], d) {
+            if !self.key.open_sector(s, &entries[i], d) {
                 return Err(Unsealed { sector: s });
             }
         }
@@ -247,11 +294,17 @@ impl DataSeal {
         }
         let mut cache = self.cache.lock();
         let (lo, hi) = self.load(&mut cache, sector, n)?;
+        let mut changed = false;
         for i in 0..n {
             let (t, off) = entry_place(sector + i);
             let bytes = &mut cache.get_mut(&t).expect("loaded")[off..off + ENTRY_BYTES];
-            let new = change(i, SectorEntry::from_bytes(bytes));
-            bytes.copy_from_slice(&new.to_bytes());
+            let new = change(i, SectorEntry::from_bytes(bytes)).to_bytes();
+            changed |= bytes != new;
+            bytes.copy_from_slice(&new);
+        }
+        if !changed {
+            // Sectors allocated where nothing was ever sealed (most of a new volume).
+            return Ok(());
         }
         let mut out = Aligned::zeroed(((hi - lo) as usize) * SECTOR);
         for t in lo..hi {
@@ -312,17 +365,23 @@ impl DataSeal {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use chacha20poly1305::KeyInit;
     use proptest::prelude::*;
 
-    fn cipher() -> XChaCha20Poly1305 {
-        XChaCha20Poly1305::new(&[3u8; 32].into())
+    fn key(volume: u8) -> DataKey {
+        DataKey::new(Zeroizing::new([3u8; 32]), [volume; 16])
     }
 
     proptest! {
         #[test]
-        fn nonces_differ_when_any_part_differs(a in any::<(u64, u64, u64)>(), b in any::<(u64, u64, u64)>()) {
-            prop_assert_eq!(sector_nonce(a.0, a.1, a.2) == sector_nonce(b.0, b.1, b.2), a == b);
+        fn nonces_differ_when_counters_differ(a in any::<u64>(), b in any::<u64>()) {
+            prop_assert_eq!(seal_nonce(a) == seal_nonce(b), a == b);
+        }
+
+        #[test]
+        fn sessions_have_keys_of_their_own(a in any::<u64>(), b in any::<u64>()) {
+            prop_assume!(a != b);
+            prop_assert_ne!(*session_key(&[3u8; 32], a), *session_key(&[3u8; 32], b));
+            prop_assert_ne!(*session_key(&[3u8; 32], a), *session_key(&[4u8; 32], a));
         }
 
         #[test]
@@ -334,40 +393,44 @@ mod tests {
         }
 
         #[test]
-        fn a_sealed_sector_opens_only_as_sealed(sector in any::<u64>(), counter in 1u64.., data in prop::collection::vec(any::<u8>(), SECTOR), flip in 0usize..SECTOR) {
-            let (c, id) = (cipher(), [9u8; 16]);
+        fn a_sealed_sector_opens_only_as_sealed(sector in any::<u64>(), session in 1u64.., counter in 1u64.., data in prop::collection::vec(any::<u8>(), SECTOR), flip in 0usize..SECTOR) {
+            let k = key(9);
             let mut sealed = data.clone();
-            let slot = seal_sector(&c, &id, sector, 7, counter, &mut sealed);
+            let slot = k.seal_sector(sector, session, counter, &mut sealed);
             prop_assert_ne!(&sealed, &data);
             let entry = SectorEntry::default().resealed(slot);
             let mut back = sealed.clone();
-            prop_assert!(open_sector(&c, &id, sector, &entry, &mut back));
+            prop_assert!(k.open_sector(sector, &entry, &mut back));
             prop_assert_eq!(&back, &data);
-            // A flipped bit, another place, another volume: refused, and the bytes untouched.
+            // A flipped bit, another place, another volume, another session: refused, and the
+            // bytes untouched.
             let mut bad = sealed.clone();
             bad[flip] ^= 1;
-            prop_assert!(!open_sector(&c, &id, sector, &entry, &mut bad));
+            prop_assert!(!k.open_sector(sector, &entry, &mut bad));
             let mut moved = sealed.clone();
-            prop_assert!(!open_sector(&c, &id, sector.wrapping_add(1), &entry, &mut moved));
+            prop_assert!(!k.open_sector(sector.wrapping_add(1), &entry, &mut moved));
             prop_assert_eq!(&moved, &sealed);
-            prop_assert!(!open_sector(&c, &[8u8; 16], sector, &entry, &mut sealed.clone()));
+            prop_assert!(!key(8).open_sector(sector, &entry, &mut sealed.clone()));
+            let next = if session == u64::MAX { 1 } else { session + 1 };
+            let other = SectorEntry::default().resealed(Slot { session: next, ..slot });
+            prop_assert!(!k.open_sector(sector, &other, &mut sealed.clone()));
         }
     }
 
     #[test]
     fn the_previous_seal_still_opens_and_an_empty_entry_reads_as_zeros() {
-        let (c, id) = (cipher(), [1u8; 16]);
+        let k = key(1);
         let mut old = vec![1u8; SECTOR];
-        let first = seal_sector(&c, &id, 10, 5, 1, &mut old);
+        let first = k.seal_sector(10, 5, 1, &mut old);
         let mut new = vec![2u8; SECTOR];
-        let second = seal_sector(&c, &id, 10, 5, 2, &mut new);
+        let second = k.seal_sector(10, 5, 2, &mut new);
         let entry = SectorEntry::default().resealed(first).resealed(second);
         assert_eq!(SectorEntry::from_bytes(&entry.to_bytes()), entry);
         let mut d = old.clone();
-        assert!(open_sector(&c, &id, 10, &entry, &mut d) && d == [1u8; SECTOR]);
+        assert!(k.open_sector(10, &entry, &mut d) && d == [1u8; SECTOR]);
         let mut d = new.clone();
-        assert!(open_sector(&c, &id, 10, &entry, &mut d) && d == [2u8; SECTOR]);
+        assert!(k.open_sector(10, &entry, &mut d) && d == [2u8; SECTOR]);
         let mut d = new.clone();
-        assert!(open_sector(&c, &id, 10, &SectorEntry::default(), &mut d) && d == [0u8; SECTOR]);
+        assert!(k.open_sector(10, &SectorEntry::default(), &mut d) && d == [0u8; SECTOR]);
     }
 }

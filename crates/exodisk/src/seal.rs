@@ -41,8 +41,8 @@ pub const ROOTS: &[u8; 8] = b"PLYEXORT";
 pub struct VolumeKey {
     cipher: XChaCha20Poly1305,
     /// Seals extent data (`content`): a key of its own, derived from the volume key, so that
-    /// records and data never share a key, whatever their nonces.
-    data_cipher: XChaCha20Poly1305,
+    /// records and data never share a key.
+    data_key: Zeroizing<[u8; 32]>,
     pub volume_id: [u8; 16],
 }
 
@@ -52,13 +52,12 @@ impl VolumeKey {
         hkdf::Hkdf::<sha2::Sha256>::new(Some(&volume_id), key)
             .expand(b"plyfs exodisk extent data", &mut data_key[..])
             .expect("32 bytes is a valid HKDF-SHA256 output");
-        let data_key: &[u8; 32] = &data_key;
-        VolumeKey { cipher: XChaCha20Poly1305::new(key.into()), data_cipher: XChaCha20Poly1305::new(data_key.into()), volume_id }
+        VolumeKey { cipher: XChaCha20Poly1305::new(key.into()), data_key, volume_id }
     }
 
-    /// The cipher that seals extent data.
-    pub fn data_cipher(&self) -> XChaCha20Poly1305 {
-        self.data_cipher.clone()
+    /// The key that seals extent data.
+    pub fn data_key(&self) -> crate::content::DataKey {
+        crate::content::DataKey::new(self.data_key.clone(), self.volume_id)
     }
 
     fn aad(&self, magic: &[u8; 8], at: u64, sectors: u32) -> [u8; 36] {
