@@ -117,6 +117,9 @@ pub fn run(args: ExodiskArgs) -> Result<(), String> {
         Action::Format { volume, size, key } => {
             let key_path = key.path(&volume);
             let f = layout::format(&volume, size, &key_path)?;
+            if let Some(w) = &f.warning {
+                eprintln!("{w}");
+            }
             let sb = &f.superblock;
             println!(
                 "{}: an exodisk volume of {} sectors ({} MiB); {} sectors for extents and exonodes from sector {}; key in {}",
@@ -174,6 +177,9 @@ fn hex_cap(s: &str) -> Result<u128, String> {
 fn serve(volume: &Path, socket: &Path, key: &Path) -> Result<(), String> {
     let signals = crate::daemon::block_signals();
     crate::daemon::init_logging(0);
+    if let Some(w) = layout::exposure_warning(volume) {
+        tracing::warn!("{w}");
+    }
     let (service, started) = plyfs_exodisk::service::start(volume, key, socket)?;
     let r = &started.report;
     tracing::info!(
@@ -207,7 +213,7 @@ fn detach(volume: &Path, socket: &Path, key: &Path, log: Option<PathBuf>) -> Res
         p.push(".log");
         PathBuf::from(p)
     });
-    let out = std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let out = open_log(&log)?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = {
         use std::os::unix::process::CommandExt;
@@ -244,6 +250,28 @@ fn detach(volume: &Path, socket: &Path, key: &Path, log: Option<PathBuf>) -> Res
 }
 
 use std::os::unix::net::UnixStream;
+
+/// The service's log: 0600, never opened through a symlink, and made 0600 if it was not (it
+/// names volumes and roots, and a log others can write can be forged).
+fn open_log(log: &Path) -> Result<std::fs::File, String> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let shown = log.display();
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(log)
+        .map_err(|e| format!("{shown}: {e}"))?;
+    let meta = out.metadata().map_err(|e| format!("{shown}: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("{shown}: not a regular file"));
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        out.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(|e| format!("{shown}: {e}"))?;
+    }
+    Ok(out)
+}
 
 fn stat(socket: &Path) -> Result<(), String> {
     let c = connect(socket)?;

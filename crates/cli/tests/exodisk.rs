@@ -4,75 +4,14 @@
 mod common;
 
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::Child;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::exodisk::*;
 use common::*;
 use plyfs_exodisk::client::Client;
 use plyfs_exodisk::core::{Persistence, Target};
 use plyfs_exodisk::object::Caps;
-
-/// A `plyfs exodisk serve` process, killed when dropped.
-struct Service {
-    child: Option<Child>,
-    log: PathBuf,
-}
-
-impl Service {
-    fn start(volume: &Path, socket: &Path) -> Service {
-        let log = volume.with_extension("log");
-        let out = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
-        let _ = std::fs::remove_file(socket);
-        let child = plyfs()
-            .args(["exodisk", "serve"])
-            .arg(volume)
-            .arg("--socket")
-            .arg(socket)
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap();
-        let s = Service { child: Some(child), log };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::os::unix::net::UnixStream::connect(socket).is_err() {
-            assert!(Instant::now() < deadline, "the service did not start: {}", s.log_text());
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        s
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn format(dir: &Path, size: &str) -> PathBuf {
-    let v = dir.join("v.img");
-    let out = run(plyfs().args(["exodisk", "format"]).arg(&v).args(["--size", size]));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    v
-}
 
 fn fsck(v: &Path) -> (bool, String) {
     let out = run(plyfs().args(["exodisk", "fsck"]).arg(v));
@@ -279,26 +218,6 @@ fn insert_and_punch_through_a_mount_move_bytes_and_the_kernel_sees_them() {
     want.splice(0..0, b"head:".iter().copied());
     assert!(std::fs::read(x.m.path("f")).unwrap() == want);
     assert!(x.m.unmount().success());
-}
-
-/// exofs on a volume of its own, mounted under a stack. Dropped in this order: the mount,
-/// the service, the files.
-struct ExofsMount {
-    m: Mount,
-    _service: Service,
-    _dir: tempfile::TempDir,
-}
-
-fn exofs_mount(stack: &str) -> ExofsMount {
-    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
-    let v = format(dir.path(), "64M");
-    let sock = dir.path().join("s.sock");
-    let service = Service::start(&v, &sock);
-    let mdir = tempfile::tempdir_in("/var/tmp").unwrap();
-    let mnt = mdir.path().join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
-    let m = Mount::start(mdir, PathBuf::from(format!("exodisk:{}", sock.display())), mnt, stack, &[]);
-    ExofsMount { m, _service: service, _dir: dir }
 }
 
 /// A small exofs inode's attributes.

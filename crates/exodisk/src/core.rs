@@ -10,13 +10,17 @@
 //!   free-map bits after;
 //! - a descendant: the child's record before the parent names it, and the parent's record without
 //!   it before the child is overwritten (an exonode its parent does not name is an orphan the scan
-//!   reclaims).
+//!   reclaims);
+//! - extent data: a data sector's seal before its bytes, and sectors allocated as extent data have
+//!   their seals emptied first, so that they read as zeros, not as an earlier owner's data
+//!   (`content`).
 
 use std::collections::{BTreeSet, HashMap};
 
 use crate::disk::{Aligned, Disk, SECTOR};
 use crate::freemap::FreeMap;
 use crate::layout::{Superblock, BITS_PER_BLOCK};
+use crate::content::DataSeal;
 use crate::object::{Cap, Caps, Entry, Exonode, ExtentHeader, MAX_EXONODE_SECTORS};
 use crate::seal::VolumeKey;
 
@@ -67,6 +71,11 @@ pub type Result<T> = std::result::Result<T, ExoError>;
 
 fn err<T>(errno: i32, msg: impl Into<String>) -> Result<T> {
     Err(ExoError { errno, msg: msg.into() })
+}
+
+/// A data sector whose seal did not open: `EIO`, as a disk's unreadable sector.
+pub fn unsealed(u: crate::content::Unsealed) -> ExoError {
+    ExoError { errno: libc::EIO, msg: format!("sector {}: its data fail authentication (altered, or torn by a crash)", u.sector) }
 }
 
 fn io_err(e: std::io::Error) -> ExoError {
@@ -124,6 +133,8 @@ pub struct Proxy {
 pub struct Core {
     disk: Disk,
     key: VolumeKey,
+    /// Extent data's seals (shared with the service's disk queue, which opens what it reads).
+    content: std::sync::Arc<DataSeal>,
     pub sb: Superblock,
     map: FreeMap,
     map_dirty: BTreeSet<u64>,
@@ -151,9 +162,11 @@ fn extent_data(at: u64, h: &ExtentHeader) -> (u64, u64) {
 impl Core {
     /// Take over a volume whose map the start-up scan reconciled.
     pub fn new(disk: Disk, key: VolumeKey, sb: Superblock, map: FreeMap) -> Core {
+        let content = DataSeal::new(key.data_key(), disk.fd(), sb.tags_start, sb.tag_sectors);
         Core {
             disk,
             key,
+            content: std::sync::Arc::new(content),
             sb,
             map,
             map_dirty: BTreeSet::new(),
@@ -208,6 +221,16 @@ impl Core {
 
     pub fn disk(&self) -> &Disk {
         &self.disk
+    }
+
+    /// Extent data's seals: data is sealed before it is written and opened after it is read.
+    pub fn content(&self) -> std::sync::Arc<DataSeal> {
+        self.content.clone()
+    }
+
+    /// Sectors just allocated as extent data read as zeros until written.
+    fn forget_data(&self, start: u64, len: u64) -> Result<()> {
+        self.content.forget(start, len).map_err(io_err)
     }
 
     // ---- the metadata cache --------------------------------------------------------------
@@ -446,6 +469,7 @@ impl Core {
             return err(libc::EINVAL, "capabilities must not be 0");
         }
         self.check_free(at, sectors)?;
+        self.forget_data(at + 1, sectors - 1)?;
         self.mark(at, sectors, true);
         self.clock += 1;
         let obj = Obj::Extent(ExtentHeader { sectors, caps, model: persistence.code() });
@@ -492,6 +516,7 @@ impl Core {
         let new = new as u64;
         if by > 0 {
             self.check_free(at + h.sectors, by as u64)?;
+            self.forget_data(at + h.sectors, by as u64)?;
             self.mark(at + h.sectors, by as u64, true);
         }
         if let Obj::Extent(e) = &mut self.cache.get_mut(&at).expect("cached").obj {
@@ -641,6 +666,7 @@ impl Core {
     pub fn add_extent(&mut self, target: &Target, wcap: Cap, idx: Option<u32>, start: u64, sectors: u64) -> Result<u32> {
         let at = self.exonode_at(target, wcap, Access::Write)?;
         self.check_free(start, sectors)?;
+        self.forget_data(start, sectors)?;
         self.mark(start, sectors, true);
         let r = self.edit(at, |x| Self::place(x, idx, Entry::Extent { start, sectors }));
         if r.is_err() {
@@ -1049,13 +1075,16 @@ impl Core {
     /// its queue instead).
     pub fn read(&mut self, target: &Target, rcap: Cap, at: u64, buf: &mut Aligned) -> Result<()> {
         self.check_io(target, rcap, Access::Read, at, (buf.len() / SECTOR) as u64)?;
-        self.disk.read(at, buf).map_err(io_err)
+        self.disk.read(at, buf).map_err(io_err)?;
+        self.content.open(at, buf).map_err(unsealed)
     }
 
     /// Write `buf` at sector `at` after checking, flushed when the model is `data`.
     pub fn write(&mut self, target: &Target, wcap: Cap, at: u64, buf: &Aligned) -> Result<()> {
         let model = self.check_io(target, wcap, Access::Write, at, (buf.len() / SECTOR) as u64)?;
-        self.disk.write(at, buf).map_err(io_err)?;
+        let mut sealed = Aligned::from_bytes(buf);
+        self.content.seal(at, &mut sealed, model == Persistence::Data).map_err(io_err)?;
+        self.disk.write(at, &sealed).map_err(io_err)?;
         if model == Persistence::Data {
             self.disk.sync().map_err(io_err)?;
         }

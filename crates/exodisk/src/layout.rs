@@ -3,11 +3,14 @@
 //! ```text
 //! sector 0                      superblock (sealed)
 //! sectors 8 .. 8 + 8·B          the free map: B blocks of 8 sectors, each sealed, one bit per sector
+//! tags_start .. + sectors/8     the tag area: each sector's data seal (`content`), 64 bytes each
 //! data_start ..                 extents and exonodes; the first is the service's root exonode
 //! ```
 //!
 //! The volume key lives apart from the volume (`VOLUME.key` by default, mode 0400): whoever
-//! holds a copy of the image alone can neither read the capabilities in it nor forge a record.
+//! holds a copy of the image alone can neither read the capabilities in it, nor forge a record,
+//! nor read extent data. The image itself is made 0600, and an image or device that others can
+//! read is warned about: they would still see its layout, sizes and how it changes.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -31,6 +34,9 @@ pub struct Superblock {
     pub sectors: u64,
     pub map_start: u64,
     pub map_blocks: u64,
+    /// The tag area (extent data seals): from `tags_start`, `tag_sectors` long.
+    pub tags_start: u64,
+    pub tag_sectors: u64,
     pub data_start: u64,
     /// The root exonode, at `data_start`, and its capabilities (only the service knows them).
     pub roots: Caps,
@@ -38,14 +44,17 @@ pub struct Superblock {
     pub created: u64,
 }
 
-const VERSION: u8 = 1;
+/// The format: 2 seals extent data (the tag area); 1 kept it in clear.
+const VERSION: u8 = 2;
 
 impl Superblock {
     pub fn for_size(sectors: u64) -> Superblock {
         let map_blocks = sectors.div_ceil(BITS_PER_BLOCK);
         let map_start = 8;
-        let data_start = (map_start + map_blocks * MAP_BLOCK as u64).next_multiple_of(8);
-        Superblock { sectors, map_start, map_blocks, data_start, roots: Caps::default(), created: 0 }
+        let tags_start = (map_start + map_blocks * MAP_BLOCK as u64).next_multiple_of(8);
+        let tag_sectors = crate::content::tag_sectors(sectors);
+        let data_start = (tags_start + tag_sectors).next_multiple_of(8);
+        Superblock { sectors, map_start, map_blocks, tags_start, tag_sectors, data_start, roots: Caps::default(), created: 0 }
     }
 
     pub fn seal(&self, key: &VolumeKey) -> Vec<u8> {
@@ -60,20 +69,27 @@ impl Superblock {
 
     pub fn open(key: &VolumeKey, sector: &[u8]) -> Result<Superblock, String> {
         let b = key.open(seal::SUPERBLOCK, 0, sector).map_err(|e| format!("superblock: {e}"))?;
+        if b[0] == 1 {
+            // Its extent data is in clear and it has no tag area: read as this format, every
+            // sector would fail to open. Refused rather than misread.
+            return Err("superblock: a version 1 volume (extent data stored in clear); this plyfs serves version 2 only, \
+                 which seals extent data: copy its files out with the plyfs that made it, then format a new volume"
+                .into());
+        }
         if b[0] != VERSION {
             return Err(format!("superblock: version {} is not supported (this plyfs knows {VERSION})", b[0]));
         }
         let u = |i: usize| u64::from_le_bytes(b[1 + 8 * i..9 + 8 * i].try_into().expect("8"));
         let c = |i: usize| u128::from_le_bytes(b[41 + 16 * i..57 + 16 * i].try_into().expect("16"));
+        let expect = Superblock::for_size(u(0));
         let sb = Superblock {
-            sectors: u(0),
             map_start: u(1),
             map_blocks: u(2),
             data_start: u(3),
             created: u(4),
             roots: Caps { read: c(0), write: c(1) },
+            ..expect.clone()
         };
-        let expect = Superblock::for_size(sb.sectors);
         if (sb.map_start, sb.map_blocks, sb.data_start) != (expect.map_start, expect.map_blocks, expect.data_start) {
             return Err("superblock: authentic but inconsistent layout".into());
         }
@@ -133,6 +149,25 @@ fn hex(b: &[u8]) -> String {
 pub struct Formatted {
     pub superblock: Superblock,
     pub key_path: PathBuf,
+    /// Said once to the user: an existing image or device others can read.
+    pub warning: Option<String>,
+}
+
+/// One line to warn of when others than the owner may read or write the volume at `path` (an
+/// image or device that was already there: a new image is made 0600). Its data are sealed,
+/// but its layout, sizes and changes show, and a writer can destroy it.
+pub fn exposure_warning(path: &Path) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode();
+    (mode & 0o077 != 0).then(|| {
+        format!(
+            "warning: {} is mode {:04o}: other users can read its layout and sizes (or write it); \
+             run `chmod 600 {}` (for a device, a udev rule), or keep it in a directory only you can enter",
+            path.display(),
+            mode & 0o7777,
+            path.display()
+        )
+    })
 }
 
 /// Format `path` (an image file, made if missing, or a block device) as a volume of `size`
@@ -150,7 +185,15 @@ pub fn format(path: &Path, size: Option<u64>, key_path: &Path) -> Result<Formatt
     if !existed {
         let size = size.ok_or_else(|| format!("{shown}: no such file; give --size to make an image"))?;
         check_size(path, size)?;
-        let f = std::fs::OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| format!("{shown}: {e}"))?;
+        // 0600, made here and now (O_EXCL), never through a symlink (O_NOFOLLOW).
+        use std::os::unix::fs::OpenOptionsExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| format!("{shown}: {e}"))?;
         // The image's space is taken now, as a disk's is: the service never finds the host
         // file system full, and its first writes do not pay for allocating the file's blocks.
         use std::os::fd::AsRawFd;
@@ -241,14 +284,15 @@ fn format_existing(path: &Path, size: Option<u64>, key_path: &Path, existed: boo
         let _ = std::fs::remove_file(key_path);
         return Err(io(e));
     }
-    Ok(Formatted { superblock: sb, key_path: key_path.to_owned() })
+    let warning = if existed { exposure_warning(path) } else { None };
+    Ok(Formatted { superblock: sb, key_path: key_path.to_owned(), warning })
 }
 
 fn write_key(path: &Path, key: &[u8; 32], id: &[u8; 16]) -> Result<(), String> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let text = Zeroizing::new(format!(
-        "{KEY_HEADER}\n# Seals the volume's metadata. Without it the volume cannot be served: keep a copy.\nvolume={}\nkey={}\n",
+        "{KEY_HEADER}\n# Seals the volume's metadata and data. Without it the volume cannot be served: keep a copy.\nvolume={}\nkey={}\n",
         hex(id),
         hex(key)
     ));
@@ -256,6 +300,7 @@ fn write_key(path: &Path, key: &[u8; 32], id: &[u8; 16]) -> Result<(), String> {
         .write(true)
         .create_new(true)
         .mode(0o400)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| format!("{}: {e}", path.display()))?;
     f.write_all(text.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| format!("{}: {e}", path.display()))

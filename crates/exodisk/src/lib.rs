@@ -3,6 +3,7 @@
 //! caching, persistence) is left to untrusted libraries.
 //!
 //! - [`seal`]: protection metadata sealed under the volume key and bound to its sector.
+//! - [`content`]: extent data sealed at rest under the volume key, one seal per sector.
 //! - [`object`]: self-protected extents and exonodes.
 //! - [`freemap`]: the conservative free map.
 //! - [`layout`]: the superblock, the key file, formatting.
@@ -10,6 +11,7 @@
 //! - [`disk`]: the volume, with direct I/O.
 
 pub mod client;
+pub mod content;
 pub mod core;
 pub mod disk;
 pub mod engine;

@@ -40,12 +40,24 @@ pub const ROOTS: &[u8; 8] = b"PLYEXORT";
 /// The volume's secret: the key that seals its records, and its identity.
 pub struct VolumeKey {
     cipher: XChaCha20Poly1305,
+    /// Seals extent data (`content`): a key of its own, derived from the volume key, so that
+    /// records and data never share a key.
+    data_key: Zeroizing<[u8; 32]>,
     pub volume_id: [u8; 16],
 }
 
 impl VolumeKey {
     pub fn new(key: &[u8; 32], volume_id: [u8; 16]) -> VolumeKey {
-        VolumeKey { cipher: XChaCha20Poly1305::new(key.into()), volume_id }
+        let mut data_key = Zeroizing::new([0u8; 32]);
+        hkdf::Hkdf::<sha2::Sha256>::new(Some(&volume_id), key)
+            .expand(b"plyfs exodisk extent data", &mut data_key[..])
+            .expect("32 bytes is a valid HKDF-SHA256 output");
+        VolumeKey { cipher: XChaCha20Poly1305::new(key.into()), data_key, volume_id }
+    }
+
+    /// The key that seals extent data.
+    pub fn data_key(&self) -> crate::content::DataKey {
+        crate::content::DataKey::new(self.data_key.clone(), self.volume_id)
     }
 
     fn aad(&self, magic: &[u8; 8], at: u64, sectors: u32) -> [u8; 36] {

@@ -16,7 +16,9 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use serde_bytes::ByteBuf;
 
+use crate::content::DataSeal;
 use crate::core::{Access, Core, ExoError, Persistence, Target};
+use crate::disk::Aligned;
 use crate::engine::{Buffer, Engine, Job};
 use crate::layout;
 use crate::object::{Caps, Entry};
@@ -98,7 +100,8 @@ pub fn spawn(volume: &Path, key: &Path, socket: &Path) -> Result<Background, Str
         .map_err(|e| e.to_string())?;
     let running = Background { service, socket: socket.to_owned(), thread: Some(thread) };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !socket.exists() {
+    // Listening, not merely bound: a client that connects between the two is refused.
+    while running.service.listener.load(Ordering::Acquire) < 0 {
         if std::time::Instant::now() > deadline || running.thread.as_ref().is_some_and(|t| t.is_finished()) {
             return Err(format!("{}: the service did not start listening", socket.display()));
         }
@@ -431,16 +434,21 @@ impl Service {
                         }
                         Ok((model, ptr))
                     });
-                    match checked {
-                        Ok((model, ptr)) => {
+                    let staged = checked.and_then(|(model, ptr)| {
+                        let dsync = r.write && model == Persistence::Data;
+                        Ok((stage(&core.content(), shm, r.write, r.sector, ptr, len, dsync)?, dsync))
+                    });
+                    match staged {
+                        Ok((staged, dsync)) => {
                             let (tx, id) = (tx.clone(), r.id);
                             self.engine.submit(Job {
                                 write: r.write,
                                 sector: r.sector,
-                                buf: Buffer { ptr, len, _keep: shm.clone() },
-                                dsync: r.write && model == Persistence::Data,
+                                buf: staged.buffer(),
+                                dsync,
                                 client,
                                 done: Box::new(move |result| {
+                                    let result = staged.finish(result);
                                     let _ = tx.send(Message::Done { id, result });
                                 }),
                             });
@@ -454,6 +462,61 @@ impl Service {
                 Reply::Queued(queued)
             }
         })
+    }
+}
+
+/// A data request's bytes between the client's shared memory and the disk: sealed here before
+/// a write, opened after a read (`content`). The client's memory never holds ciphertext, and
+/// the service never seals bytes the client can still change.
+struct Staged {
+    bounce: Arc<Mutex<Aligned>>,
+    ptr: *mut u8,
+    /// For a read: where the opened bytes go, in the client's shared memory (kept alive).
+    client: Option<(usize, Arc<Shm>)>,
+    sector: u64,
+    content: Arc<DataSeal>,
+}
+
+// SAFETY: `ptr` points into `bounce`, which the job owns until it completes.
+unsafe impl Send for Staged {}
+
+/// Stage a data request on `len` bytes at `at` in `shm`: a write's bytes are copied and sealed
+/// now (their seals written), a read's are opened by [`Staged::finish`].
+fn stage(content: &Arc<DataSeal>, shm: &Arc<Shm>, write: bool, sector: u64, at: *mut u8, len: usize, dsync: bool) -> crate::core::Result<Staged> {
+    let mut bounce = Aligned::zeroed(len);
+    if write {
+        // SAFETY: `at..at + len` lies in the client's mapping (checked by `Shm::at`).
+        bounce.copy_from_slice(unsafe { std::slice::from_raw_parts(at, len) });
+        content.seal(sector, &mut bounce, dsync).map_err(|e| ExoError { errno: libc::EIO, msg: format!("sealing: {e}") })?;
+    }
+    let ptr = bounce.as_mut_ptr();
+    let client = (!write).then(|| (at as usize, shm.clone()));
+    Ok(Staged { bounce: Arc::new(Mutex::new(bounce)), ptr, client, sector, content: content.clone() })
+}
+
+impl Staged {
+    fn buffer(&self) -> Buffer {
+        Buffer { ptr: self.ptr, len: self.bounce.lock().len(), _keep: self.bounce.clone() }
+    }
+
+    /// The job's result, after opening what a read brought.
+    fn finish(self, result: i32) -> i32 {
+        let Some((at, _keep)) = self.client else { return result };
+        if result < 0 {
+            return result;
+        }
+        let mut bounce = self.bounce.lock();
+        match self.content.open(self.sector, &mut bounce) {
+            Ok(()) => {
+                // SAFETY: as in `stage`; the client's mapping is kept alive by `_keep`.
+                unsafe { std::ptr::copy_nonoverlapping(bounce.as_ptr(), at as *mut u8, bounce.len()) };
+                result
+            }
+            Err(u) => {
+                tracing::warn!("exodisk: {}", crate::core::unsealed(u));
+                -libc::EIO
+            }
+        }
     }
 }
 

@@ -213,3 +213,51 @@ fn a_proxy_of_some_entries_grants_those_and_nothing_else() {
     core.remove_entry(&xt, A.write, 1).unwrap();
     assert_eq!(errno(core.read(&only, p.read, e1, &mut buf)), libc::EACCES);
 }
+
+#[test]
+fn a_new_owner_of_sectors_reads_zeros_not_what_the_last_owner_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = volume(dir.path());
+    let (mut core, _) = start(&img);
+    let base = core.sb.data_start + 100;
+    core.extent_allocate(base, 9, A, Persistence::Metadata).unwrap();
+    core.write(&Target::Extent(base), A.write, base + 1, &Aligned::from_bytes(&[7u8; 8 * SECTOR])).unwrap();
+    core.extent_deallocate(base, A.write).unwrap();
+    // B takes the same sectors, through an extent and through an exonode's entry.
+    core.extent_allocate(base, 5, B, Persistence::Metadata).unwrap();
+    let mut back = Aligned::zeroed(4 * SECTOR);
+    core.read(&Target::Extent(base), B.read, base + 1, &mut back).unwrap();
+    assert!(back.iter().all(|b| *b == 0), "B read A's old data");
+    let x = core.sb.data_start + 400;
+    core.exonode_allocate(x, 1, B, Persistence::Metadata).unwrap();
+    let node = Target::Exonode { at: x, path: vec![] };
+    core.add_extent(&node, B.write, None, base + 5, 4).unwrap();
+    core.read(&node, B.read, base + 5, &mut back).unwrap();
+    assert!(back.iter().all(|b| *b == 0), "B read A's old data through its exonode");
+}
+
+#[test]
+fn altered_data_reads_as_eio_and_the_rest_of_the_extent_still_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = volume(dir.path());
+    let (mut core, _) = start(&img);
+    let base = core.sb.data_start + 100;
+    core.extent_allocate(base, 5, A, Persistence::Data).unwrap();
+    let ext = Target::Extent(base);
+    core.write(&ext, A.write, base + 1, &Aligned::from_bytes(&[7u8; 4 * SECTOR])).unwrap();
+    drop(core);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(&img).unwrap();
+        let at = (base + 2) * SECTOR as u64 + 17;
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, at).unwrap();
+        assert_ne!(b[0], 7, "the data are in clear on the disk");
+        f.write_all_at(&[b[0] ^ 1], at).unwrap();
+    }
+    let (mut core, _) = start(&img);
+    let mut one = Aligned::zeroed(SECTOR);
+    assert_eq!(errno(core.read(&ext, A.read, base + 2, &mut one)), libc::EIO);
+    core.read(&ext, A.read, base + 1, &mut one).unwrap();
+    assert_eq!(&one[..], &[7u8; SECTOR][..]);
+}

@@ -165,3 +165,20 @@ fn a_descendant_entry_naming_a_removed_exonode_is_given_back_not_refused() {
     assert!(report.clean(), "{report:?}");
     assert_eq!(report.dangling, vec![(base, 0)]);
 }
+
+#[test]
+fn a_version_1_volume_is_refused_not_misread() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, key_path) = image(dir.path());
+    let key = layout::load_key(&key_path).unwrap();
+    let disk = Disk::open(&img, false).unwrap();
+    let mut first = Aligned::zeroed(SECTOR);
+    disk.read(0, &mut first).unwrap();
+    drop(disk);
+    // The same superblock, as the format that kept extent data in clear wrote it.
+    let mut body = key.open(plyfs_exodisk::seal::SUPERBLOCK, 0, &first).unwrap().to_vec();
+    body[0] = 1;
+    write_at(&img, 0, &key.seal(plyfs_exodisk::seal::SUPERBLOCK, 0, 1, &body));
+    let e = layout::open(&img, &key_path).err().expect("a version 1 volume opened");
+    assert!(e.contains("version 1") && e.contains("format a new volume"), "{e}");
+}

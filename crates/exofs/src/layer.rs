@@ -10,6 +10,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
+use plyfs_stack::setid;
 use plyfs_stack::{
     Attr, Caller, DirEntry, Entry, Error, ExtOpInfo, FileHandle, FileKind, Invalidator, Layer, Level, NodeId, Op, Opened, Reply,
     Result, StatFs, TimeSet, XattrReply,
@@ -141,8 +142,7 @@ impl Exofs {
         if kind != FileKind::Dir
             && perm & libc::S_ISGID as u16 != 0
             && perm & libc::S_IXGRP as u16 != 0
-            && gid != cx.gid
-            && cx.uid != 0
+            && !setid::in_group(cx, gid)
         {
             perm &= !(libc::S_ISGID as u16);
         }
@@ -217,16 +217,22 @@ impl Layer for Exofs {
             Op::GetAttr { node, .. } => Ok(Reply::Attr(Self::attr(&self.fs.getattr(self.ino(node))?))),
             Op::SetAttr { node, set, .. } => {
                 let ino = self.ino(node);
+                let before = self.fs.getattr(ino)?;
+                // The set-ID rules a kernel file system applies (the kernel leaves the ones of
+                // chown to us under FUSE_HANDLE_KILLPRIV_V2); write and truncate are the front
+                // end's, which knows whether the caller has CAP_FSETID.
+                let owned = setid::Owned { kind: before.kind, perm: before.perm.into(), uid: before.uid, gid: before.gid };
+                let perm = setid::setattr_perm(cx, owned, &set)?;
                 if let Some(size) = set.size {
-                    if self.fs.getattr(ino)?.kind == FileKind::Dir {
+                    if before.kind == FileKind::Dir {
                         return Err(Error::Os(libc::EISDIR));
                     }
                     self.fs.truncate(ino, size)?;
                 }
                 let now = SystemTime::now();
                 let attrs = self.fs.set_attrs(ino, |a| {
-                    if let Some(m) = set.mode {
-                        a.perm = (m & 0o7777) as u16;
+                    if let Some(p) = perm {
+                        a.perm = p as u16;
                     }
                     if let Some(u) = set.uid {
                         a.uid = u;

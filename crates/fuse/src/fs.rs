@@ -246,19 +246,6 @@ fn is_acl_xattr(name: &OsStr) -> bool {
     name == "system.posix_acl_access" || name == "system.posix_acl_default"
 }
 
-/// Whether the caller belongs to `gid`, by its primary or a supplementary group.
-fn in_group(cx: &Caller, gid: u32) -> bool {
-    if cx.gid == gid || cx.uid == 0 {
-        return true;
-    }
-    std::fs::read_to_string(format!("/proc/{}/status", cx.pid)).ok().is_some_and(|status| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("Groups:"))
-            .is_some_and(|groups| groups.split_whitespace().any(|g| g.parse() == Ok(gid)))
-    })
-}
-
 /// Whether this process may register passthrough files (`FUSE_DEV_IOC_BACKING_OPEN` needs
 /// CAP_SYS_ADMIN).
 fn have_cap_sys_admin() -> bool {
@@ -452,8 +439,12 @@ impl FuseFs {
     /// FUSE_HANDLE_KILLPRIV_V2 the kernel leaves this to us: it says so with an empty SETATTR
     /// before a write (also one through passthrough, which never reaches us), with
     /// FUSE_WRITE_KILL_SUIDGID on a write, and by truncating as an unprivileged caller.
-    fn kill_privileges(&self, level: &Level, cx: &Caller, node: NodeId, fh: Option<FileHandle>) -> plyfs_stack::Result<()> {
-        let attr = match level.call(cx, &Op::GetAttr { node, fh })? {
+    ///
+    /// By node, never by the kernel's file handle: a data layer hands its own handles up, and
+    /// one that passes a getattr's handle down unchanged (sca, crypt) had the level below answer
+    /// with another open file's attributes, whose mode was then set on this file (#28).
+    fn kill_privileges(&self, level: &Level, cx: &Caller, node: NodeId) -> plyfs_stack::Result<()> {
+        let attr = match level.call(cx, &Op::GetAttr { node, fh: None })? {
             Reply::Attr(a) => a,
             _ => return Err(Error::Os(libc::EIO)),
         };
@@ -461,15 +452,10 @@ impl FuseFs {
             return Ok(());
         }
         let mode = u32::from(attr.perm);
-        let mut kept = mode & !libc::S_ISUID;
-        // As the kernel's setattr_should_drop_sgid: a group-executable file always loses
-        // set-group-ID; another one only when the caller is not in the file's group.
-        if mode & libc::S_ISGID != 0 && (mode & libc::S_IXGRP != 0 || !in_group(cx, attr.gid)) {
-            kept &= !libc::S_ISGID;
-        }
+        let kept = plyfs_stack::setid::without_privileges(mode, plyfs_stack::setid::in_group(cx, attr.gid));
         if kept != mode {
             let set = SetAttr { mode: Some(kept), ..SetAttr::default() };
-            level.call(&Caller::daemon(), &Op::SetAttr { node, fh, set })?;
+            level.call(&Caller::daemon(), &Op::SetAttr { node, fh: None, set })?;
         }
         Ok(())
     }
@@ -615,7 +601,7 @@ impl FuseFs {
         let fh = fh.map(FileHandle);
         let unprivileged = cx.uid != 0;
         if set == SetAttr::default() || (set.size.is_some() && unprivileged) {
-            self.kill_privileges(&level, cx, node, fh).map_err(|e| errno(&e))?;
+            self.kill_privileges(&level, cx, node).map_err(|e| errno(&e))?;
         }
         expect(level.call(cx, &Op::SetAttr { node, fh, set }), |r| match r {
             Reply::Attr(attr) => Some(NodeOut { ino, generation: 0, attr }),
@@ -726,7 +712,7 @@ impl FuseFs {
     pub(crate) fn write(&self, cx: &Caller, ino: u64, fh: u64, offset: u64, data: &[u8], kill_suidgid: bool) -> Res<u32> {
         let (level, _, node) = self.decode(ino)?;
         if kill_suidgid {
-            self.kill_privileges(&level, cx, node, Some(FileHandle(fh))).map_err(|e| errno(&e))?;
+            self.kill_privileges(&level, cx, node).map_err(|e| errno(&e))?;
         }
         level.write(cx, node, FileHandle(fh), offset, data).map_err(|e| errno(&e))
     }

@@ -21,6 +21,7 @@ mod lowerdir;
 mod op;
 pub mod progress;
 pub mod readonly;
+pub mod setid;
 pub mod shared;
 pub mod spec;
 mod stack;

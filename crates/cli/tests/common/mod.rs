@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub mod exodisk;
+
 /// A test that still runs after this long is stuck on the mount: the watchdog kills the daemon
 /// (which makes the stuck calls fail) and detaches the mount.
 const WATCHDOG: Duration = Duration::from_secs(240);
