@@ -246,9 +246,9 @@ mod tests {
         let a = Admission::<u32>::new(ConnectionLimits { total: 3, per_client: 2 });
         let one = a.admit(&1).unwrap();
         let two = a.admit(&1).unwrap();
-        assert!(a.admit(&1).unwrap_err().contains("maximum of 2"));
+        assert!(a.admit(&1).err().unwrap().contains("maximum of 2"));
         let three = a.admit(&2).unwrap();
-        assert!(a.admit(&3).unwrap_err().contains("maximum of 3"));
+        assert!(a.admit(&3).err().unwrap().contains("maximum of 3"));
         drop(one);
         assert_eq!(a.held(), 2);
         let _again = a.admit(&3).unwrap();
