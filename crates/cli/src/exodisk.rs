@@ -29,7 +29,8 @@ enum Action {
         key: KeyArg,
     },
     /// Serve a volume on a Unix socket: the only process that opens it. In the foreground
-    /// unless --daemon.
+    /// unless --daemon. The socket is open to every local user (protection is by capability):
+    /// the limits below keep one user from exhausting the service.
     Serve {
         volume: PathBuf,
         #[arg(long, value_name = "PATH")]
@@ -41,9 +42,6 @@ enum Action {
         daemon: bool,
         #[arg(long, value_name = "FILE")]
         log: Option<PathBuf>,
-        /// The socket is open to every local user (protection is by capability): these limits
-        /// keep one user from exhausting the service. --in-flight bounds the replies a client
-        /// has not read yet.
         #[command(flatten)]
         limits: crate::serve::LimitArgs,
     },

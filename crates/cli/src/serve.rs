@@ -150,8 +150,9 @@ pub struct LimitArgs {
     /// the key); it is dropped then, however slowly it keeps sending.
     #[arg(long, value_name = "SECONDS", value_parser = seconds, default_value = "10")]
     pub handshake_timeout: std::time::Duration,
-    /// Bytes of requests one connection may have sent and not had answered (e.g. 32M); past
-    /// it the server stops reading that connection until some are answered.
+    /// Bytes one connection may hold in the server (e.g. 32M): its requests not yet answered
+    /// (`plyfs serve`), or its replies not yet read (`plyfs exodisk serve`). Past it, the server
+    /// stops reading that connection until some are done.
     #[arg(long, value_name = "BYTES", value_parser = bytes, default_value = "32M")]
     pub in_flight: u64,
 }
