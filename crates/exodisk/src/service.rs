@@ -244,8 +244,10 @@ impl Service {
                     }
                 }
                 let _hangup = stream.try_clone().map(Hangup);
-                if let Err(e) = me.client(stream, uid, deadline) {
-                    tracing::warn!("exodisk: a client's connection ended: {e}");
+                // Only a handshake ends in an error (a session ends when its client goes): logged
+                // as a refusal, once per user and minute.
+                if let Err(e) = me.clone().client(stream, uid, deadline) {
+                    me.admission.log_refusal(&User(uid), &format!("exodisk: {e}"));
                 }
             });
             if let Ok(t) = thread {

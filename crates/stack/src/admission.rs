@@ -83,10 +83,16 @@ impl<K: Eq + Hash + Clone + std::fmt::Display> Admission<K> {
         match refused {
             None => Ok(Admitted { key: client.clone(), held: self.held.clone() }),
             Some(reason) => {
-                self.log.refused(client, &reason);
+                self.log.refused(client, Refusal::OverLimit, &reason);
                 Err(reason)
             }
         }
+    }
+
+    /// Log that `client` was refused for another reason (a failed handshake), under the same
+    /// rule: once per client and minute.
+    pub fn log_refusal(&self, client: &K, reason: &str) {
+        self.log.refused(client, Refusal::Other, reason)
     }
 
     /// Connections held now.
@@ -95,10 +101,18 @@ impl<K: Eq + Hash + Clone + std::fmt::Display> Admission<K> {
     }
 }
 
-/// Logs a refusal once per client and minute, with how many more attempts it stood for: a
-/// flood of connections must not become a flood of log lines.
+/// Why a client was refused, as far as the log is concerned: a client over the limits that
+/// also fails handshakes has both said.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    OverLimit,
+    Other,
+}
+
+/// Logs a refusal once per client, kind and minute, with how many more attempts it stood for:
+/// a flood of connections must not become a flood of log lines.
 pub struct RefusalLog<K> {
-    seen: Mutex<HashMap<K, (Instant, u64)>>,
+    seen: Mutex<HashMap<(K, Refusal), (Instant, u64)>>,
 }
 
 /// How often one client's refusals are logged.
@@ -111,10 +125,11 @@ impl<K: Eq + Hash + Clone + std::fmt::Display> RefusalLog<K> {
         RefusalLog { seen: Mutex::new(HashMap::new()) }
     }
 
-    pub fn refused(&self, client: &K, reason: &str) {
+    pub fn refused(&self, client: &K, kind: Refusal, reason: &str) {
         let now = Instant::now();
         let mut seen = self.seen.lock();
-        match seen.get_mut(client) {
+        let key = (client.clone(), kind);
+        match seen.get_mut(&key) {
             Some((at, more)) if now.duration_since(*at) < LOG_EVERY => *more += 1,
             Some((at, more)) => {
                 tracing::warn!("client {client} refused: {reason} (and {more} more attempts in the last minute)");
@@ -128,7 +143,7 @@ impl<K: Eq + Hash + Clone + std::fmt::Display> RefusalLog<K> {
                     }
                 }
                 tracing::warn!("client {client} refused: {reason}");
-                seen.insert(client.clone(), (now, 0));
+                seen.insert(key, (now, 0));
             }
         }
     }

@@ -71,12 +71,13 @@ pub fn serve_unix(server: Arc<Server>, listener: UnixListener, policy: UnixPolic
         let identity = match policy.admit(cred.uid(), cred.gid()) {
             Ok(i) => i,
             Err(reason) => {
-                tracing::warn!("client {peer} refused: {reason}");
+                server.log_refusal(&Client::User(cred.uid()), &reason);
                 refuse(&stream, &reason);
                 continue;
             }
         };
-        let admitted = match server.admit(&Client::User(cred.uid())) {
+        let client = Client::User(cred.uid());
+        let admitted = match server.admit(&client) {
             Ok(a) => a,
             Err(reason) => {
                 refuse(&stream, &reason);
@@ -86,7 +87,7 @@ pub fn serve_unix(server: Arc<Server>, listener: UnixListener, policy: UnixPolic
         let server = server.clone();
         let spawned = std::thread::Builder::new().name("serve-conn".into()).spawn(move || {
             let _admitted = admitted;
-            server.serve_until(Box::new(stream), &peer, identity, None::<&dyn Authenticator>, deadline)
+            server.serve_until(Box::new(stream), &peer, Some(&client), identity, None::<&dyn Authenticator>, deadline)
         });
         if let Err(e) = spawned {
             tracing::warn!("a client of uid {}: no thread to serve it: {e}", cred.uid());

@@ -186,6 +186,12 @@ impl Server {
         self.admission.admit(client)
     }
 
+    /// Log that `client` was refused (its handshake failed, or it may not connect at all): once
+    /// per client and minute, however many times it tries.
+    pub fn log_refusal(&self, client: &Client, reason: &str) {
+        self.admission.log_refusal(client, reason)
+    }
+
     /// When a handshake that starts now must be over.
     pub fn handshake_deadline(&self) -> Deadline {
         Deadline::after(self.options.handshake_timeout)
@@ -193,15 +199,16 @@ impl Server {
 
     /// Serve one connection until it ends; `peer` names it in log lines.
     pub fn serve(self: &Arc<Self>, stream: Box<dyn Duplex>, peer: &str, identity: Identity, auth: Option<&dyn Authenticator>) {
-        self.serve_until(stream, peer, identity, auth, self.handshake_deadline())
+        self.serve_until(stream, peer, None, identity, auth, self.handshake_deadline())
     }
 
-    /// [`Server::serve`] a connection whose handshake must be over by `deadline` (set when it
-    /// was accepted, so the TLS handshake counts).
+    /// [`Server::serve`] a connection from `client` whose handshake must be over by `deadline`
+    /// (set when it was accepted, so the TLS handshake counts).
     pub fn serve_until(
         self: &Arc<Self>,
         stream: Box<dyn Duplex>,
         peer: &str,
+        client: Option<&Client>,
         identity: Identity,
         auth: Option<&dyn Authenticator>,
         deadline: Deadline,
@@ -225,7 +232,10 @@ impl Server {
             self.handshake(&mut reader, &mut writer, auth)
         };
         if let Err(e) = shaken {
-            tracing::warn!("client {peer} refused: {e}");
+            match client {
+                Some(client) => self.log_refusal(client, &format!("{e} ({peer})")),
+                None => tracing::warn!("client {peer} refused: {e}"),
+            }
             halves.control.close();
             return;
         }

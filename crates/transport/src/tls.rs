@@ -120,7 +120,8 @@ impl TlsServer {
             let peer = addr.to_string();
             // Over the limits, the connection is closed at once: without TLS there is no way to
             // say why, and a TLS handshake is what a flood should not cost.
-            let Ok(admitted) = server.admit(&Peer::Addr(addr.ip())) else { continue };
+            let client = Peer::Addr(addr.ip());
+            let Ok(admitted) = server.admit(&client) else { continue };
             let (tls, server) = (self.clone(), server.clone());
             let spawned = std::thread::Builder::new().name("serve-tls".into()).spawn(move || {
                 let _admitted = admitted;
@@ -130,10 +131,10 @@ impl TlsServer {
                 };
                 let stream = match TlsStream::handshake(stream, conn.into(), deadline) {
                     Ok(s) => s,
-                    Err(e) => return tracing::warn!("client {peer} refused: TLS handshake: {e}"),
+                    Err(e) => return server.log_refusal(&client, &format!("TLS handshake: {e} ({peer})")),
                 };
                 let auth = PskCheck { psk: tls.psk.clone(), binding: stream.binding.clone() };
-                server.serve_until(Box::new(stream), &peer, identity, Some(&auth), deadline);
+                server.serve_until(Box::new(stream), &peer, Some(&client), identity, Some(&auth), deadline);
             });
             if let Err(e) = spawned {
                 tracing::warn!("client {addr}: no thread to serve it: {e}");
