@@ -29,7 +29,8 @@ enum Action {
         key: KeyArg,
     },
     /// Serve a volume on a Unix socket: the only process that opens it. In the foreground
-    /// unless --daemon.
+    /// unless --daemon. The socket is open to every local user (protection is by capability):
+    /// the limits below keep one user from exhausting the service.
     Serve {
         volume: PathBuf,
         #[arg(long, value_name = "PATH")]
@@ -41,6 +42,8 @@ enum Action {
         daemon: bool,
         #[arg(long, value_name = "FILE")]
         log: Option<PathBuf>,
+        #[command(flatten)]
+        limits: crate::serve::LimitArgs,
     },
     /// The volume behind a service: size, space, and the disk queue.
     Stat { socket: PathBuf },
@@ -133,11 +136,11 @@ pub fn run(args: ExodiskArgs) -> Result<(), String> {
             Ok(())
         }
         Action::Fsck { volume, key } => fsck(&volume, &key.path(&volume)),
-        Action::Serve { volume, socket, key, daemon, log } => {
+        Action::Serve { volume, socket, key, daemon, log, limits } => {
             if daemon {
-                detach(&volume, &socket, &key.path(&volume), log)
+                detach(&volume, &socket, &key.path(&volume), log, &limits)
             } else {
-                serve(&volume, &socket, &key.path(&volume))
+                serve(&volume, &socket, &key.path(&volume), &limits)
             }
         }
         Action::Bench { socket, group, files, size } => crate::exobench::run(&socket, &group, files, size as usize),
@@ -174,13 +177,19 @@ fn hex_cap(s: &str) -> Result<u128, String> {
     u128::from_str_radix(s.trim_start_matches("0x"), 16).map_err(|_| format!("'{s}': expected a capability in hex"))
 }
 
-fn serve(volume: &Path, socket: &Path, key: &Path) -> Result<(), String> {
+fn serve(volume: &Path, socket: &Path, key: &Path, limits: &crate::serve::LimitArgs) -> Result<(), String> {
     let signals = crate::daemon::block_signals();
     crate::daemon::init_logging(0);
     if let Some(w) = layout::exposure_warning(volume) {
         tracing::warn!("{w}");
     }
-    let (service, started) = plyfs_exodisk::service::start(volume, key, socket)?;
+    let options = plyfs_exodisk::service::ServiceOptions {
+        handshake_timeout: limits.handshake_timeout,
+        limits: limits.connections(),
+        unread_bytes: limits.in_flight as usize,
+        ..Default::default()
+    };
+    let (service, started) = plyfs_exodisk::service::start_with(volume, key, socket, options)?;
     let r = &started.report;
     tracing::info!(
         "{}: {} extents, {} exonodes; start-up scan gave back {} sectors and {} orphaned exonodes",
@@ -207,7 +216,7 @@ fn serve(volume: &Path, socket: &Path, key: &Path) -> Result<(), String> {
 }
 
 /// Start the service in the background and return once it listens (or say why it did not).
-fn detach(volume: &Path, socket: &Path, key: &Path, log: Option<PathBuf>) -> Result<(), String> {
+fn detach(volume: &Path, socket: &Path, key: &Path, log: Option<PathBuf>, limits: &crate::serve::LimitArgs) -> Result<(), String> {
     let log = log.unwrap_or_else(|| {
         let mut p = volume.as_os_str().to_owned();
         p.push(".log");
@@ -224,6 +233,7 @@ fn detach(volume: &Path, socket: &Path, key: &Path, log: Option<PathBuf>) -> Res
             .arg(socket)
             .arg("--key")
             .arg(key)
+            .args(limits.to_args())
             .stdin(std::process::Stdio::null())
             .stdout(out.try_clone().map_err(|e| e.to_string())?)
             .stderr(out)

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
+use plyfs_stack::admission::ConnectionLimits;
 use plyfs_stack::spec::parse_stack_spec;
 use plyfs_transport::listen::{bind_unix, serve_unix, UnixPolicy};
 use plyfs_transport::server::{Identity, Server, ServerOptions};
@@ -39,6 +40,8 @@ pub struct ServeArgs {
     /// Requests of each client that run at once.
     #[arg(long, default_value_t = 4)]
     workers: usize,
+    #[command(flatten)]
+    limits: LimitArgs,
     /// Log more (debug); repeat for every request (trace).
     #[arg(short, long, action = clap::ArgAction::Count)]
     verbose: u8,
@@ -87,7 +90,15 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
     };
     let stack = Arc::new(stack);
     let lower = crate::tree::Lower::Dir(lower);
-    let server = Server::for_stack(&stack, ServerOptions { workers: args.workers.max(1), ..Default::default() });
+    let server = Server::for_stack(
+        &stack,
+        ServerOptions {
+            workers: args.workers.max(1),
+            handshake_timeout: args.limits.handshake_timeout,
+            limits: args.limits.connections(),
+            in_flight_bytes: args.limits.in_flight as usize,
+        },
+    );
     let names: Vec<String> = stack.named_levels().into_iter().map(|n| n.name).collect();
 
     let cleanup_path = match &addr {
@@ -121,6 +132,58 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             tracing::info!("serving {lower} with stack [{}] on {addr} (TLS, pre-shared key)", names.join(", "));
             tls.expect("made above for TCP").serve(server, listener, identity)
         }
+    }
+}
+
+/// What a server takes from its clients before it refuses or waits (#28; `docs/protocol.md`,
+/// *Limits of a server*). Shared by `plyfs serve` and `plyfs exodisk serve`.
+#[derive(Args, Clone)]
+pub struct LimitArgs {
+    /// Connections taken at once, in all; more are refused.
+    #[arg(long, value_name = "N", default_value_t = ConnectionLimits::default().total)]
+    max_connections: usize,
+    /// Connections taken at once from one client: one TCP address, or one local user on a Unix
+    /// socket; more are refused.
+    #[arg(long, value_name = "N", default_value_t = ConnectionLimits::default().per_client)]
+    max_connections_per_client: usize,
+    /// Seconds a client has, from connecting, to finish its handshake (TLS, hello and proof of
+    /// the key); it is dropped then, however slowly it keeps sending.
+    #[arg(long, value_name = "SECONDS", value_parser = seconds, default_value = "10")]
+    pub handshake_timeout: std::time::Duration,
+    /// Bytes one connection may hold in the server (e.g. 32M): its requests not yet answered
+    /// (`plyfs serve`), or its replies not yet read (`plyfs exodisk serve`). Past it, the server
+    /// stops reading that connection until some are done.
+    #[arg(long, value_name = "BYTES", value_parser = bytes, default_value = "32M")]
+    pub in_flight: u64,
+}
+
+impl LimitArgs {
+    pub fn connections(&self) -> ConnectionLimits {
+        ConnectionLimits { total: self.max_connections.max(1), per_client: self.max_connections_per_client.max(1) }
+    }
+
+    /// The options that give these limits, for a process started with them.
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            format!("--max-connections={}", self.max_connections),
+            format!("--max-connections-per-client={}", self.max_connections_per_client),
+            format!("--handshake-timeout={}", self.handshake_timeout.as_secs_f64()),
+            format!("--in-flight={}", self.in_flight),
+        ]
+    }
+}
+
+fn seconds(s: &str) -> Result<std::time::Duration, String> {
+    match s.parse::<f64>() {
+        Ok(t) if t > 0.0 && t <= 3600.0 => Ok(std::time::Duration::from_secs_f64(t)),
+        _ => Err(format!("'{s}': expected seconds, more than 0 and at most 3600")),
+    }
+}
+
+fn bytes(s: &str) -> Result<u64, String> {
+    match plyfs_stack::glob::parse_size(s) {
+        Some(n) if n >= 1 << 20 => Ok(n),
+        _ => Err(format!("'{s}': expected a size of at least 1M, such as 32M")),
     }
 }
 

@@ -59,12 +59,14 @@ impl Client {
         let shown = socket.display();
         let stream = UnixStream::connect(socket).map_err(|e| format!("{shown}: {e}"))?;
         let shm = Shm::create(shm.max(SLOT)).map_err(|e| format!("shared memory: {e}"))?;
-        crate::shm::send_fd(&stream, shm.fd()).map_err(|e| format!("{shown}: {e}"))?;
         let mut w = stream.try_clone().map_err(|e| e.to_string())?;
-        proto::write_message(&mut w, &Message::Req { id: 0, req: Request::Hello { version: proto::VERSION, shm: shm.len() as u64 } })
-            .map_err(|e| format!("{shown}: {e}"))?;
+        let hello = Message::Req { id: 0, req: Request::Hello { version: proto::VERSION, shm: shm.len() as u64 } };
+        // A service over its limits answers before it reads anything and closes: its reason is
+        // worth more than the failed write.
+        let sent = crate::shm::send_fd(&stream, shm.fd()).and_then(|()| proto::write_message(&mut w, &hello));
         let mut r = std::io::BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
-        let (sectors, data_start, id) = match proto::read_message(&mut r).map_err(|e| format!("{shown}: {e}"))? {
+        let answer = proto::read_message(&mut r).map_err(|e| format!("{shown}: {}", sent.err().unwrap_or(e)))?;
+        let (sectors, data_start, id) = match answer {
             Message::Rep { result: Ok(Reply::Welcome { sectors, data_start, client, .. }), .. } => (sectors, data_start, client),
             Message::Rep { result: Err((_, msg)), .. } => return Err(format!("{shown}: refused: {msg}")),
             _ => return Err(format!("{shown}: not an exodisk service")),

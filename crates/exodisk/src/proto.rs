@@ -13,6 +13,16 @@ use crate::object::{Caps, Entry, Exonode};
 pub const VERSION: u32 = 2;
 /// The largest frame.
 pub const MAX_FRAME: usize = 16 << 20;
+/// The largest frame before a client is admitted (its `Hello`): a few KiB, so that a client that
+/// has not even said hello cannot make the service allocate more (#28).
+pub const MAX_HELLO: usize = 4 << 10;
+/// What the lists of one message may take in memory beyond the message's own bytes: a list
+/// element can be much larger decoded than encoded (a request of 5 bytes is a hundred in
+/// memory), so the lists of a request are counted as they are decoded, and one over this is
+/// refused.
+pub const MAX_DECODED: usize = 8 << 20;
+/// How deep lists may nest in a request (a batch of data requests naming exonodes by path is 3).
+const MAX_NESTING: usize = 4;
 
 /// A capability on the wire: two 64-bit halves (low, high).
 pub type WCap = [u64; 2];
@@ -46,7 +56,11 @@ impl From<WCaps> for Caps {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub enum WTarget {
     Extent(u64),
-    Exonode { at: u64, path: Vec<u32> },
+    Exonode {
+        at: u64,
+        #[serde(deserialize_with = "bounded")]
+        path: Vec<u32>,
+    },
     Proxy(u64),
 }
 
@@ -169,7 +183,7 @@ pub enum Request {
         #[serde(default)]
         persistence: Option<WPersistence>,
         /// Data entries it starts with (entries 0, 1, ...), saving a request each.
-        #[serde(default)]
+        #[serde(default, deserialize_with = "bounded")]
         data: Vec<ByteBuf>,
     },
     AddData {
@@ -227,6 +241,7 @@ pub enum Request {
     ProxyEntries {
         target: WTarget,
         cap: WCap,
+        #[serde(deserialize_with = "bounded")]
         entries: Vec<u32>,
         caps: WCaps,
     },
@@ -243,6 +258,7 @@ pub enum Request {
     /// Data requests, answered at once with how many were queued; each completes with a
     /// `Done` message (and in its slot of the shared memory).
     Io {
+        #[serde(deserialize_with = "bounded")]
         reqs: Vec<IoReq>,
     },
     Poll,
@@ -251,6 +267,7 @@ pub enum Request {
     /// request, as NFSv4's): a library file system writes back many objects at once. `Hello`,
     /// `Root`, `Shutdown` and `Batch` itself are refused inside.
     Batch {
+        #[serde(deserialize_with = "bounded")]
         reqs: Vec<Request>,
     },
 }
@@ -340,21 +357,87 @@ pub enum Message {
 }
 
 pub fn write_message(w: &mut impl Write, m: &Message) -> io::Result<()> {
-    let body = rmp_serde::to_vec(m).map_err(io::Error::other)?;
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&body);
-    w.write_all(&frame)
+    w.write_all(&frame_message(m)?)
+}
+
+/// A message as it goes on the socket: its length, then its MessagePack.
+pub fn frame_message(m: &Message) -> io::Result<Vec<u8>> {
+    let mut frame = vec![0u8; 4];
+    rmp_serde::encode::write(&mut frame, m).map_err(io::Error::other)?;
+    let len = (frame.len() - 4) as u32;
+    frame[..4].copy_from_slice(&len.to_le_bytes());
+    Ok(frame)
 }
 
 pub fn read_message(r: &mut impl Read) -> io::Result<Message> {
+    read_message_within(r, MAX_FRAME)
+}
+
+/// Read a message of at most `max` bytes; nothing is allocated for a longer one, and its lists
+/// may take at most [`MAX_DECODED`] bytes more once decoded.
+pub fn read_message_within(r: &mut impl Read, max: usize) -> io::Result<Message> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a frame of {len} bytes")));
+    if len > max {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a frame of {len} bytes (at most {max} here)")));
     }
     let mut body = vec![0u8; len];
     r.read_exact(&mut body)?;
-    rmp_serde::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    decode_message(&body)
+}
+
+/// Decode a message's MessagePack, within [`MAX_DECODED`].
+pub fn decode_message(body: &[u8]) -> io::Result<Message> {
+    DECODE_LEFT.with(|left| left.set((MAX_DECODED, 0)));
+    rmp_serde::from_slice(body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+thread_local! {
+    /// The bytes the lists of the message being decoded may still take, and how deep they nest.
+    static DECODE_LEFT: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((MAX_DECODED, 0)) };
+}
+
+/// A list, counted against [`MAX_DECODED`] element by element as it is decoded (never reserved
+/// from the length the message claims).
+fn bounded<'de, D, T>(d: D) -> Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    struct Bounded<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Bounded<T> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            use serde::de::Error;
+            let (left, depth) = DECODE_LEFT.with(|l| l.get());
+            if depth >= MAX_NESTING {
+                return Err(A::Error::custom("lists nested too deep"));
+            }
+            DECODE_LEFT.with(|l| l.set((left, depth + 1)));
+            let mut out = Vec::new();
+            let each = std::mem::size_of::<T>().max(1);
+            let result = loop {
+                let (left, depth) = DECODE_LEFT.with(|l| l.get());
+                let Some(left) = left.checked_sub(each) else {
+                    break Err(A::Error::custom(format!("lists over {MAX_DECODED} bytes decoded")));
+                };
+                DECODE_LEFT.with(|l| l.set((left, depth)));
+                match seq.next_element() {
+                    Ok(Some(e)) => out.push(e),
+                    Ok(None) => break Ok(out),
+                    Err(e) => break Err(e),
+                }
+            };
+            DECODE_LEFT.with(|l| {
+                let (left, depth) = l.get();
+                l.set((left, depth - 1));
+            });
+            result
+        }
+    }
+    d.deserialize_seq(Bounded(std::marker::PhantomData))
 }

@@ -5,15 +5,23 @@
 //! Anyone may connect (mode 0666): protection is by capability, not by user. The one thing that
 //! depends on who the client is, read from the socket (`SO_PEERCRED`), is the named roots: each
 //! user gets the root exonodes named for it, and only root may ask for another user's.
+//!
+//! Since every local user may connect, what keeps one from starving the others is the limits
+//! (#28, [`ServiceOptions`]): connections in all and per user, a `Hello` of a few KiB read by a
+//! deadline, the lists of a request bounded once decoded, and the replies and completions a
+//! client has not read yet bounded per connection (the service stops reading a client that does
+//! not read its answers).
 
 use std::io::{BufReader, BufWriter, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
+use plyfs_stack::admission::{Admission, ByteBudget, ConnectionLimits, Deadline, DeadlineRead, Permit};
 use serde_bytes::ByteBuf;
 
 use crate::content::DataSeal;
@@ -30,6 +38,42 @@ pub struct Started {
     pub report: crate::scan::Report,
 }
 
+/// What the service takes from its clients before it refuses or waits.
+#[derive(Clone, Debug)]
+pub struct ServiceOptions {
+    /// How long a client has, from connecting, to hand over its shared memory and say hello.
+    pub handshake_timeout: Duration,
+    /// Connections in all, and per user.
+    pub limits: ConnectionLimits,
+    /// Bytes of replies and completions one client may leave unread before the service stops
+    /// reading its requests.
+    pub unread_bytes: usize,
+    /// Data requests one client may have queued or in flight; more complete at once with
+    /// `EAGAIN`.
+    pub queued_io: usize,
+}
+
+impl Default for ServiceOptions {
+    fn default() -> Self {
+        ServiceOptions {
+            handshake_timeout: Duration::from_secs(10),
+            limits: ConnectionLimits::default(),
+            unread_bytes: 32 << 20,
+            queued_io: 1 << 16,
+        }
+    }
+}
+
+/// A client of the service, for the limits on connections: its user.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct User(u32);
+
+impl std::fmt::Display for User {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "user {}", self.0)
+    }
+}
+
 pub struct Service {
     core: Mutex<Core>,
     engine: Engine,
@@ -44,11 +88,45 @@ pub struct Service {
     listener: std::sync::atomic::AtomicI32,
     /// Named roots held exclusively, by the client holding them.
     leases: Mutex<std::collections::HashMap<(u32, String), u64>>,
+    options: ServiceOptions,
+    admission: Admission<User>,
+}
+
+/// Where a client's replies and completions go: its writer thread, each message counted
+/// against the client's budget of unread bytes until it is written.
+struct Outbox {
+    tx: Sender<(Vec<u8>, Permit)>,
+    unread: ByteBudget,
+    /// The client's data requests queued or in flight.
+    queued_io: Arc<AtomicUsize>,
+}
+
+impl Outbox {
+    /// Send a reply, waiting while the client has too much unread (it then waits for us).
+    fn reply(&self, m: &Message) -> bool {
+        let Ok(frame) = proto::frame_message(m) else { return false };
+        let held = self.unread.take(frame.len());
+        self.tx.send((frame, held)).is_ok()
+    }
+
+    /// Send a completion without waiting: it may come from the disk queue, which serves every
+    /// client. Completions are bounded by [`ServiceOptions::queued_io`].
+    fn done(tx: &Sender<(Vec<u8>, Permit)>, unread: &ByteBudget, id: u64, result: i32) {
+        if let Ok(frame) = proto::frame_message(&Message::Done { id, result }) {
+            let held = unread.force(frame.len());
+            let _ = tx.send((frame, held));
+        }
+    }
 }
 
 /// Open and check the volume, reconcile its free map, and get ready to serve. A volume whose
 /// invariants do not hold is not served: `plyfs exodisk fsck` says why.
 pub fn start(volume: &Path, key: &Path, socket: &Path) -> Result<(Arc<Service>, Started), String> {
+    start_with(volume, key, socket, ServiceOptions::default())
+}
+
+/// [`start`] with limits other than the default ones.
+pub fn start_with(volume: &Path, key: &Path, socket: &Path, options: ServiceOptions) -> Result<(Arc<Service>, Started), String> {
     let (disk, key, sb) = layout::open(volume, key)?;
     let (_, report, map) = crate::scan::scan(&disk, &key, &sb).map_err(|e| format!("{}: {e}", volume.display()))?;
     if !report.clean() {
@@ -74,6 +152,8 @@ pub fn start(volume: &Path, key: &Path, socket: &Path) -> Result<(Arc<Service>, 
         clients: Mutex::new(Vec::new()),
         listener: std::sync::atomic::AtomicI32::new(-1),
         leases: Mutex::new(std::collections::HashMap::new()),
+        admission: Admission::new(options.limits),
+        options,
     });
     Ok((service, Started { report }))
 }
@@ -144,9 +224,20 @@ impl Service {
                 std::thread::sleep(std::time::Duration::from_millis(10));
                 continue;
             };
+            // The handshake's deadline starts now, and the limits apply before anything is read.
+            let deadline = Deadline::after(self.options.handshake_timeout);
+            let Ok(uid) = peer_uid(&stream) else { continue };
+            let admitted = match self.admission.admit(&User(uid)) {
+                Ok(a) => a,
+                Err(reason) => {
+                    refuse(&stream, &reason);
+                    continue;
+                }
+            };
             let Ok(handle) = stream.try_clone() else { continue };
             let me = self.clone();
             let thread = std::thread::Builder::new().name("exodisk-client".into()).spawn(move || {
+                let _admitted = admitted;
                 // However the connection's thread ends (an error, a message it cannot read, a
                 // panic), the connection ends with it, so the client is not left waiting.
                 struct Hangup(UnixStream);
@@ -156,8 +247,10 @@ impl Service {
                     }
                 }
                 let _hangup = stream.try_clone().map(Hangup);
-                if let Err(e) = me.client(stream) {
-                    tracing::warn!("exodisk: a client's connection ended: {e}");
+                // Only a handshake ends in an error (a session ends when its client goes): logged
+                // as a refusal, once per user and minute.
+                if let Err(e) = me.clone().client(stream, uid, deadline) {
+                    me.admission.log_refusal(&User(uid), &format!("exodisk: {e}"));
                 }
             });
             if let Ok(t) = thread {
@@ -198,28 +291,39 @@ impl Service {
         let _ = std::fs::remove_file(&self.socket);
     }
 
-    fn client(self: Arc<Self>, stream: UnixStream) -> std::io::Result<()> {
-        let uid = peer_uid(&stream)?;
-        let fd = crate::shm::recv_fd(&stream)?;
+    fn client(self: Arc<Self>, stream: UnixStream, uid: u32, deadline: Deadline) -> std::io::Result<()> {
+        // Until its hello is read, a client gets a deadline and a few KiB.
+        stream.set_read_timeout(Some(deadline.left()?))?;
+        let fd = crate::shm::recv_fd(&stream).map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock => std::io::Error::new(std::io::ErrorKind::TimedOut, "the handshake took too long"),
+            _ => e,
+        })?;
         let mut reader = BufReader::new(stream.try_clone()?);
-        let (id, shm_len) = match proto::read_message(&mut reader)? {
+        let hello = {
+            let set_timeout = |left| stream.set_read_timeout(Some(left));
+            proto::read_message_within(&mut DeadlineRead { inner: &mut reader, set_timeout: &set_timeout, deadline }, proto::MAX_HELLO)?
+        };
+        stream.set_read_timeout(None)?;
+        let (id, shm_len) = match hello {
             Message::Req { id, req: Request::Hello { version, shm } } if version == proto::VERSION => (id, shm),
             _ => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "expected hello")),
         };
         let shm = Arc::new(Shm::map(fd, shm_len as usize)?);
         let client = self.next_client.fetch_add(1, Ordering::Relaxed);
         // Replies and completions go out through one writer thread, so that a client slow to
-        // read never holds up the disk queue.
-        let (tx, rx) = std::sync::mpsc::channel::<Message>();
+        // read never holds up the disk queue; what it has not read yet is bounded.
+        let (tx, rx) = std::sync::mpsc::channel::<(Vec<u8>, Permit)>();
+        let outbox =
+            Outbox { tx, unread: ByteBudget::new(self.options.unread_bytes), queued_io: Arc::new(AtomicUsize::new(0)) };
         let mut out = BufWriter::new(stream.try_clone()?);
         let writer = std::thread::Builder::new().name("exodisk-out".into()).spawn(move || {
-            while let Ok(m) = rx.recv() {
-                if proto::write_message(&mut out, &m).is_err() {
+            while let Ok((frame, _held)) = rx.recv() {
+                if out.write_all(&frame).is_err() {
                     return;
                 }
                 // Send what has piled up together.
-                while let Ok(m) = rx.try_recv() {
-                    if proto::write_message(&mut out, &m).is_err() {
+                while let Ok((frame, _held)) = rx.try_recv() {
+                    if out.write_all(&frame).is_err() {
                         return;
                     }
                 }
@@ -232,7 +336,7 @@ impl Service {
             let core = self.core.lock();
             (core.sb.sectors, core.sb.data_start)
         };
-        let _ = tx.send(Message::Rep { id, result: Ok(Reply::Welcome { version: proto::VERSION, sectors, data_start, client }) });
+        outbox.reply(&Message::Rep { id, result: Ok(Reply::Welcome { version: proto::VERSION, sectors, data_start, client }) });
         loop {
             let (id, req) = match proto::read_message(&mut reader) {
                 Ok(Message::Req { id, req }) => (id, req),
@@ -242,21 +346,21 @@ impl Service {
             if let Request::Shutdown = req {
                 if uid == 0 || uid == self.uid {
                     // Answer first (the writer sends it), then stop.
-                    let _ = tx.send(Message::Rep { id, result: Ok(Reply::Ok) });
-                    drop(tx);
+                    outbox.reply(&Message::Rep { id, result: Ok(Reply::Ok) });
+                    drop(outbox);
                     let _ = writer.join();
                     self.stop();
                     return Ok(());
                 }
-                let _ = tx.send(Message::Rep { id, result: Err((libc::EPERM, "only root or the service's user may stop it".into())) });
+                outbox.reply(&Message::Rep { id, result: Err((libc::EPERM, "only root or the service's user may stop it".into())) });
                 continue;
             }
-            let result = self.handle(req, uid, client, &shm, &tx).map_err(|e| (e.errno, e.msg));
-            if tx.send(Message::Rep { id, result }).is_err() {
+            let result = self.handle(req, uid, client, &shm, &outbox).map_err(|e| (e.errno, e.msg));
+            if !outbox.reply(&Message::Rep { id, result }) {
                 break;
             }
         }
-        drop(tx);
+        drop(outbox);
         let _ = writer.join();
         self.leases.lock().retain(|_, c| *c != client);
         Ok(())
@@ -283,7 +387,7 @@ impl Service {
         }
     }
 
-    fn handle(&self, req: Request, uid: u32, client: u64, shm: &Arc<Shm>, tx: &Sender<Message>) -> crate::core::Result<Reply> {
+    fn handle(&self, req: Request, uid: u32, client: u64, shm: &Arc<Shm>, outbox: &Outbox) -> crate::core::Result<Reply> {
         if let Request::Root { name, uid: other, exclusive: true } = &req {
             let who = other.unwrap_or(uid);
             if who == uid || uid == 0 {
@@ -291,7 +395,7 @@ impl Service {
             }
         }
         let mut core = self.core.lock();
-        self.handle_locked(&mut core, req, uid, client, shm, tx)
+        self.handle_locked(&mut core, req, uid, client, shm, outbox)
     }
 
     /// A request, with the core held (a batch holds it throughout, so that no other client's
@@ -303,7 +407,7 @@ impl Service {
         uid: u32,
         client: u64,
         shm: &Arc<Shm>,
-        tx: &Sender<Message>,
+        outbox: &Outbox,
     ) -> crate::core::Result<Reply> {
         let t = |w: &proto::WTarget| Target::from(w);
         // Sectors about to be given up: their queued data requests finish first.
@@ -326,7 +430,7 @@ impl Service {
                         if matches!(r, Request::Hello { .. } | Request::Root { .. } | Request::Shutdown | Request::Batch { .. }) {
                             Err((libc::EINVAL, format!("request {i} of the batch cannot be batched")))
                         } else {
-                            self.handle_locked(core, r, uid, client, shm, tx)
+                            self.handle_locked(core, r, uid, client, shm, outbox)
                                 .map_err(|e| (e.errno, format!("request {i} of the batch: {}", e.msg)))
                         };
                     let failed = result.is_err();
@@ -426,6 +530,10 @@ impl Service {
                 for r in reqs {
                     let want = if r.write { Access::Write } else { Access::Read };
                     let len = r.count as usize * crate::disk::SECTOR;
+                    if outbox.queued_io.load(Ordering::Acquire) >= self.options.queued_io {
+                        Outbox::done(&outbox.tx, &outbox.unread, r.id, -libc::EAGAIN);
+                        continue;
+                    }
                     let checked = core.check_io(&t(&r.target), cap(r.cap), want, r.sector, r.count as u64).and_then(|model| {
                         let ptr =
                             shm.at(r.offset, len).ok_or(ExoError { errno: libc::EFAULT, msg: "outside the shared memory".into() })?;
@@ -440,7 +548,9 @@ impl Service {
                     });
                     match staged {
                         Ok((staged, dsync)) => {
-                            let (tx, id) = (tx.clone(), r.id);
+                            let (tx, unread, queued_io, id) =
+                                (outbox.tx.clone(), outbox.unread.clone(), outbox.queued_io.clone(), r.id);
+                            queued_io.fetch_add(1, Ordering::AcqRel);
                             self.engine.submit(Job {
                                 write: r.write,
                                 sector: r.sector,
@@ -449,14 +559,13 @@ impl Service {
                                 client,
                                 done: Box::new(move |result| {
                                     let result = staged.finish(result);
-                                    let _ = tx.send(Message::Done { id, result });
+                                    queued_io.fetch_sub(1, Ordering::AcqRel);
+                                    Outbox::done(&tx, &unread, id, result);
                                 }),
                             });
                             queued += 1;
                         }
-                        Err(e) => {
-                            let _ = tx.send(Message::Done { id: r.id, result: -e.errno });
-                        }
+                        Err(e) => Outbox::done(&outbox.tx, &outbox.unread, r.id, -e.errno),
                     }
                 }
                 Reply::Queued(queued)
@@ -561,6 +670,16 @@ fn named_root(core: &mut Core, uid: u32, name: &str) -> crate::core::Result<(u64
         return Err(e);
     }
     Ok((at, new))
+}
+
+/// Tell a client it is refused, as its `Hello` would be, without reading from it or waiting on
+/// it; the refusal was logged by the admission, once per user and minute.
+fn refuse(stream: &UnixStream, reason: &str) {
+    let _ = stream.set_nonblocking(true);
+    if let Ok(frame) = proto::frame_message(&Message::Rep { id: 0, result: Err((libc::EUSERS, reason.to_owned())) }) {
+        let _ = (&mut &*stream).write_all(&frame);
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
 fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {

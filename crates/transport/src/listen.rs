@@ -4,7 +4,8 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::server::{Authenticator, Identity, Server};
+use crate::server::{Authenticator, Client, Identity, Server};
+use crate::wire::{self, Message};
 
 /// Which local users may connect to a Unix socket, and who the server acts as for them.
 #[derive(Clone, Debug, Default)]
@@ -66,17 +67,41 @@ pub fn serve_unix(server: Arc<Server>, listener: UnixListener, policy: UnixPolic
             }
         };
         let peer = format!("pid {} (uid {})", cred.pid(), cred.uid());
+        let deadline = server.handshake_deadline();
         let identity = match policy.admit(cred.uid(), cred.gid()) {
             Ok(i) => i,
             Err(reason) => {
-                tracing::warn!("client {peer} refused: {reason}");
+                server.log_refusal(&Client::User(cred.uid()), &reason);
+                refuse(&stream, &reason);
+                continue;
+            }
+        };
+        let client = Client::User(cred.uid());
+        let admitted = match server.admit(&client) {
+            Ok(a) => a,
+            Err(reason) => {
+                refuse(&stream, &reason);
                 continue;
             }
         };
         let server = server.clone();
-        let _ = std::thread::Builder::new()
-            .name("serve-conn".into())
-            .spawn(move || server.serve(Box::new(stream), &peer, identity, None::<&dyn Authenticator>));
+        let spawned = std::thread::Builder::new().name("serve-conn".into()).spawn(move || {
+            let _admitted = admitted;
+            server.serve_until(Box::new(stream), &peer, Some(&client), identity, None::<&dyn Authenticator>, deadline)
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("a client of uid {}: no thread to serve it: {e}", cred.uid());
+        }
     }
     Ok(())
+}
+
+/// Tell a Unix-socket peer it is refused, as the protocol allows before its hello (the preamble
+/// and a `refused` frame), without reading anything from it or waiting on it.
+pub fn refuse(stream: &UnixStream, reason: &str) {
+    let _ = stream.set_nonblocking(true);
+    let mut out = wire::PREAMBLE.to_vec();
+    let _ = wire::write_frame(&mut out, &wire::encode(&Message::Refused { reason: reason.to_owned() }), &[]);
+    let _ = std::io::Write::write_all(&mut &*stream, &out);
+    let _ = stream.shutdown(std::net::Shutdown::Both);
 }

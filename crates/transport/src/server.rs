@@ -18,11 +18,12 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use plyfs_stack::admission::{Admission, Admitted, ByteBudget, ConnectionLimits, Deadline, DeadlineRead, Permit};
 use plyfs_stack::shared::{LockKind, LOCK_OP};
 use plyfs_stack::{Caller, Error, Level, NodeId, Op, Reply};
 
 use crate::stream::{spin_time, wait_readable, Control, Duplex, FrameRead};
-use crate::wire::{self, Change, FrameError, JustId, Message, WireCaller, WireExtOp, WireLayer, WireOp, WireReply};
+use crate::wire::{self, Change, FrameError, FrameLimits, JustId, Message, WireCaller, WireExtOp, WireLayer, WireOp, WireReply};
 
 /// A request read from a connection.
 struct Request {
@@ -30,6 +31,25 @@ struct Request {
     caller: WireCaller,
     op: WireOp,
     payload: Vec<u8>,
+    /// The connection's in-flight bytes this request holds until it is answered.
+    held: Permit,
+}
+
+/// Who a connection comes from, for the limits on connections: a TCP client's address (not its
+/// port), or a Unix-socket peer's user.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Client {
+    Addr(std::net::IpAddr),
+    User(u32),
+}
+
+impl std::fmt::Display for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Client::Addr(a) => write!(f, "address {a}"),
+            Client::User(uid) => write!(f, "user {uid}"),
+        }
+    }
 }
 
 /// The ids a server acts as for a connection's requests.
@@ -67,13 +87,27 @@ pub trait Authenticator: Send + Sync {
 pub struct ServerOptions {
     /// Workers per connection: how many of its requests run at once.
     pub workers: usize,
-    /// How long a client may take to say hello.
+    /// How long a client may take from connecting to being welcome: the whole handshake (TLS,
+    /// preamble, hello, proof of the key), not each read of it.
     pub handshake_timeout: Duration,
+    /// How many connections the server takes, in all and per client.
+    pub limits: ConnectionLimits,
+    /// The bytes of requests (headers and payloads) one connection may have read and not yet
+    /// answered; past it the server stops reading that connection until some are answered.
+    pub in_flight_bytes: usize,
 }
+
+/// The default bound on a connection's requests in flight: four writes of the largest size.
+pub const IN_FLIGHT_BYTES: usize = 4 * wire::limits::MAX_IO;
 
 impl Default for ServerOptions {
     fn default() -> Self {
-        ServerOptions { workers: 4, handshake_timeout: Duration::from_secs(10) }
+        ServerOptions {
+            workers: 4,
+            handshake_timeout: Duration::from_secs(10),
+            limits: ConnectionLimits::default(),
+            in_flight_bytes: IN_FLIGHT_BYTES,
+        }
     }
 }
 
@@ -87,6 +121,7 @@ pub struct Server {
     options: ServerOptions,
     conns: Mutex<Vec<Weak<Conn>>>,
     next_conn: AtomicU64,
+    admission: Admission<Client>,
 }
 
 /// What one connection holds, so it can be checked and released.
@@ -120,6 +155,7 @@ impl Server {
             layers,
             ext_ops,
             instance: u64::from_le_bytes(seed) | 1,
+            admission: Admission::new(options.limits),
             options,
             conns: Mutex::new(Vec::new()),
             next_conn: AtomicU64::new(1),
@@ -143,8 +179,40 @@ impl Server {
         self.conns.lock().iter().filter(|c| c.strong_count() > 0).count()
     }
 
+    /// A place for a connection from `client` (see [`ServerOptions::limits`]), taken before
+    /// anything is read from it; the reason to give it otherwise. Refusals are logged here,
+    /// once per client and minute.
+    pub fn admit(&self, client: &Client) -> Result<Admitted<Client>, String> {
+        self.admission.admit(client)
+    }
+
+    /// Log that `client` was refused (its handshake failed, or it may not connect at all): once
+    /// per client and minute, however many times it tries.
+    pub fn log_refusal(&self, client: &Client, reason: &str) {
+        self.admission.log_refusal(client, reason)
+    }
+
+    /// When a handshake that starts now must be over.
+    pub fn handshake_deadline(&self) -> Deadline {
+        Deadline::after(self.options.handshake_timeout)
+    }
+
     /// Serve one connection until it ends; `peer` names it in log lines.
     pub fn serve(self: &Arc<Self>, stream: Box<dyn Duplex>, peer: &str, identity: Identity, auth: Option<&dyn Authenticator>) {
+        self.serve_until(stream, peer, None, identity, auth, self.handshake_deadline())
+    }
+
+    /// [`Server::serve`] a connection from `client` whose handshake must be over by `deadline`
+    /// (set when it was accepted, so the TLS handshake counts).
+    pub fn serve_until(
+        self: &Arc<Self>,
+        stream: Box<dyn Duplex>,
+        peer: &str,
+        client: Option<&Client>,
+        identity: Identity,
+        auth: Option<&dyn Authenticator>,
+        deadline: Deadline,
+    ) {
         let halves = match stream.split() {
             Ok(h) => h,
             Err(e) => {
@@ -154,9 +222,20 @@ impl Server {
         };
         let mut reader = halves.reader;
         let mut writer = halves.writer;
-        halves.control.set_read_timeout(Some(self.options.handshake_timeout));
-        if let Err(e) = self.handshake(&mut reader, &mut writer, auth) {
-            tracing::warn!("client {peer} refused: {e}");
+        let shaken = {
+            let control = &*halves.control;
+            let set_timeout = |left| {
+                control.set_read_timeout(Some(left));
+                Ok(())
+            };
+            let mut reader = DeadlineRead { inner: &mut *reader, set_timeout: &set_timeout, deadline };
+            self.handshake(&mut reader, &mut writer, auth)
+        };
+        if let Err(e) = shaken {
+            match client {
+                Some(client) => self.log_refusal(client, &format!("{e} ({peer})")),
+                None => tracing::warn!("client {peer} refused: {e}"),
+            }
             halves.control.close();
             return;
         }
@@ -209,7 +288,8 @@ impl Server {
     fn handshake(&self, reader: &mut dyn Read, writer: &mut dyn Write, auth: Option<&dyn Authenticator>) -> Result<(), String> {
         writer.write_all(&wire::PREAMBLE).map_err(|e| e.to_string())?;
         wire::read_preamble(reader).map_err(|e| e.to_string())?;
-        let frame = wire::read_frame(reader).map_err(|e| e.to_string())?;
+        // Until the peer proved the key, it gets a few KiB, no more.
+        let frame = wire::read_frame_within(reader, FrameLimits::HELLO).map_err(|e| e.to_string())?;
         let refuse = |writer: &mut dyn Write, reason: String| {
             let _ = wire::write_frame(writer, &wire::encode(&Message::Refused { reason: reason.clone() }), &[]);
             Err(reason)
@@ -250,17 +330,23 @@ impl Server {
         workers: Vec<std::sync::mpsc::SyncSender<(Request, Arc<AtomicUsize>)>>,
     ) {
         let busy = Arc::new(AtomicUsize::new(0));
+        // A frame's bytes are taken from the budget before they are read: when the requests in
+        // flight hold it all, reading waits, and so does the client.
+        let budget = ByteBudget::new(self.options.in_flight_bytes);
         while !conn.closed.load(Ordering::Relaxed) {
             let frame = match wait_readable(&*reader, spin_time(), None) {
-                Ok(_) => wire::read_frame(&mut reader),
+                Ok(_) => wire::read_lengths(&mut reader, FrameLimits::SESSION).and_then(|(header, payload)| {
+                    let held = budget.take(header + payload);
+                    wire::read_body(&mut reader, header, payload).map(|f| (f, held))
+                }),
                 Err(e) => Err(FrameError::Io(e)),
             };
-            let frame = match frame {
+            let (frame, held) = match frame {
                 Ok(f) => f,
                 Err(FrameError::Closed) => return self.close(conn, None),
                 Err(e) => return self.close(conn, Some(e.to_string())),
             };
-            let req = match self.decode(conn, frame) {
+            let req = match self.decode(conn, frame, held) {
                 Ok(Some(r)) => r,
                 Ok(None) => continue,
                 Err(reason) => return self.close(conn, Some(reason)),
@@ -305,9 +391,9 @@ impl Server {
 
     /// A request from a frame. A request that cannot be read but has an id is answered with an
     /// error here (`None`); anything else unreadable ends the connection.
-    fn decode(&self, conn: &Conn, frame: wire::Frame) -> Result<Option<Request>, String> {
+    fn decode(&self, conn: &Conn, frame: wire::Frame, held: Permit) -> Result<Option<Request>, String> {
         match wire::decode(&frame.header) {
-            Ok(Message::Req { id, caller, op }) => Ok(Some(Request { id, caller, op, payload: frame.payload })),
+            Ok(Message::Req { id, caller, op }) => Ok(Some(Request { id, caller, op, payload: frame.payload, held })),
             Ok(other) => Err(format!("unexpected message {:?}", message_type(&other))),
             Err(e) => {
                 let Ok(JustId { t, id, op }) = rmp_serde::from_slice::<JustId>(&frame.header) else {
@@ -328,7 +414,8 @@ impl Server {
 
     /// Run one request and answer it. An error ends the connection.
     fn run(&self, conn: &Conn, req: Request) -> Result<(), String> {
-        let Request { id, caller, op, payload } = req;
+        // `_held` keeps the request's bytes counted until it is answered.
+        let Request { id, caller, op, payload, held: _held } = req;
         let cx = conn.identity.caller(caller);
         let result = op.to_op(&payload).and_then(|op| self.dispatch(conn, &cx, &op));
         let changes = match &result {

@@ -25,7 +25,8 @@ use zeroize::Zeroizing;
 
 use crate::client::{ConnectError, Connection as Client, OnChange};
 use crate::remote::Connector;
-use crate::server::{Authenticator, Identity, Server};
+use crate::server::{Authenticator, Client as Peer, Identity, Server};
+use plyfs_stack::admission::Deadline;
 use crate::stream::{Addr, Control, Duplex, Halves};
 
 const EXPORTER_LABEL: &[u8] = b"EXPORTER-plyfs-psk-binding";
@@ -113,20 +114,31 @@ impl TlsServer {
                 }
                 Err(e) => return Err(format!("accept: {e}")),
             };
-            let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+            // The whole handshake, TLS included, must be over by this.
+            let deadline = server.handshake_deadline();
+            let Ok(addr) = stream.peer_addr() else { continue };
+            let peer = addr.to_string();
+            // Over the limits, the connection is closed at once: without TLS there is no way to
+            // say why, and a TLS handshake is what a flood should not cost.
+            let client = Peer::Addr(addr.ip());
+            let Ok(admitted) = server.admit(&client) else { continue };
             let (tls, server) = (self.clone(), server.clone());
-            let _ = std::thread::Builder::new().name("serve-tls".into()).spawn(move || {
+            let spawned = std::thread::Builder::new().name("serve-tls".into()).spawn(move || {
+                let _admitted = admitted;
                 let conn = match ServerConnection::new(tls.config.clone()) {
                     Ok(c) => c,
                     Err(e) => return tracing::warn!("client {peer}: TLS: {e}"),
                 };
-                let stream = match TlsStream::handshake(stream, conn.into(), Duration::from_secs(10)) {
+                let stream = match TlsStream::handshake(stream, conn.into(), deadline) {
                     Ok(s) => s,
-                    Err(e) => return tracing::warn!("client {peer} refused: TLS handshake: {e}"),
+                    Err(e) => return server.log_refusal(&client, &format!("TLS handshake: {e} ({peer})")),
                 };
                 let auth = PskCheck { psk: tls.psk.clone(), binding: stream.binding.clone() };
-                server.serve(Box::new(stream), &peer, identity, Some(&auth));
+                server.serve_until(Box::new(stream), &peer, Some(&client), identity, Some(&auth), deadline);
             });
+            if let Err(e) = spawned {
+                tracing::warn!("client {addr}: no thread to serve it: {e}");
+            }
         }
         Ok(())
     }
@@ -178,7 +190,7 @@ impl Connector for TlsConnector {
         let sock = crate::client::connect_tcp(hostport, timeout)?;
         let name = ServerName::try_from("plyfs").expect("a valid name");
         let conn = ClientConnection::new(self.config.clone(), name).map_err(|e| format!("{}: TLS: {e}", self.addr))?;
-        let stream = TlsStream::handshake(sock, conn.into(), timeout).map_err(|e| format!("{}: TLS handshake: {e}", self.addr))?;
+        let stream = TlsStream::handshake(sock, conn.into(), Deadline::after(timeout)).map_err(|e| format!("{}: TLS handshake: {e}", self.addr))?;
         let binding = stream.binding.clone();
         let proof = self.psk.proof(b"plyfs client", &binding);
         let client = Client::open(Box::new(stream), Some(proof), timeout, on_change)?;
@@ -244,16 +256,16 @@ pub struct TlsStream {
 }
 
 impl TlsStream {
-    fn handshake(mut sock: TcpStream, mut conn: Connection, timeout: Duration) -> io::Result<TlsStream> {
+    /// The TLS handshake, over by `deadline` (the whole of it, however slowly the peer sends).
+    fn handshake(sock: TcpStream, mut conn: Connection, deadline: Deadline) -> io::Result<TlsStream> {
         let _ = sock.set_nodelay(true);
-        sock.set_read_timeout(Some(timeout))?;
-        sock.set_write_timeout(Some(timeout))?;
+        let mut until = Until { sock: &sock, deadline };
         while conn.is_handshaking() {
-            conn.complete_io(&mut sock)?;
+            conn.complete_io(&mut until)?;
         }
         // Send what is left (the client's Finished).
         while conn.wants_write() {
-            conn.write_tls(&mut sock)?;
+            conn.write_tls(&mut until)?;
         }
         sock.set_read_timeout(None)?;
         sock.set_write_timeout(None)?;
@@ -262,6 +274,29 @@ impl TlsStream {
         let mut binding = vec![0u8; 32];
         conn.export_keying_material(&mut binding[..], EXPORTER_LABEL, None).map_err(io::Error::other)?;
         Ok(TlsStream { sock, conn: Arc::new(Mutex::new(conn)), binding })
+    }
+}
+
+/// A socket whose reads and writes wait at most until a deadline.
+struct Until<'a> {
+    sock: &'a TcpStream,
+    deadline: Deadline,
+}
+
+impl Read for Until<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.sock.set_read_timeout(Some(self.deadline.left()?))?;
+        (&mut &*self.sock).read(buf)
+    }
+}
+
+impl Write for Until<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.sock.set_write_timeout(Some(self.deadline.left()?))?;
+        (&mut &*self.sock).write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 

@@ -51,6 +51,24 @@ pub mod limits {
     /// The most arguments of an extended operation, and the longest of them.
     pub const MAX_EXT_ARGS: usize = 64;
     pub const MAX_EXT_ARG: usize = 4096;
+    /// The largest `hello` (and anything a server reads before the peer is authenticated, or
+    /// for a Unix peer admitted): a few KiB, no payload. A peer that has not proved anything
+    /// cannot make the server allocate more than this (#28).
+    pub const MAX_HELLO_HEADER: usize = 4 << 10;
+}
+
+/// The sizes a reader accepts for a frame's header and payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameLimits {
+    pub header: usize,
+    pub payload: usize,
+}
+
+impl FrameLimits {
+    /// Frames of an established connection.
+    pub const SESSION: FrameLimits = FrameLimits { header: limits::MAX_HEADER, payload: limits::MAX_PAYLOAD };
+    /// The first frame a server reads (`hello`), before the peer proved anything.
+    pub const HELLO: FrameLimits = FrameLimits { header: limits::MAX_HELLO_HEADER, payload: 0 };
 }
 
 /// A time as seconds and nanoseconds since the epoch (seconds may be negative).
@@ -958,6 +976,7 @@ pub enum FrameError {
     TooLarge {
         header: usize,
         payload: usize,
+        limits: FrameLimits,
     },
 }
 
@@ -966,18 +985,31 @@ impl std::fmt::Display for FrameError {
         match self {
             FrameError::Closed => f.write_str("connection closed"),
             FrameError::Io(e) => write!(f, "{e}"),
-            FrameError::TooLarge { header, payload } => write!(
+            FrameError::TooLarge { header, payload, limits } => write!(
                 f,
-                "a frame of {header} header and {payload} payload bytes, over the limits ({} and {})",
-                limits::MAX_HEADER,
-                limits::MAX_PAYLOAD
+                "a frame of {header} header and {payload} payload bytes, over the limits (1 to {} and {})",
+                limits.header, limits.payload
             ),
         }
     }
 }
 
-/// Read one frame. Memory is only reserved for sizes within the limits.
+/// Read one frame of an established connection. Memory is only reserved for sizes within the
+/// limits.
 pub fn read_frame<R: Read + ?Sized>(r: &mut R) -> Result<Frame, FrameError> {
+    read_frame_within(r, FrameLimits::SESSION)
+}
+
+/// Read one frame whose sizes are within `limits`.
+pub fn read_frame_within<R: Read + ?Sized>(r: &mut R, limits: FrameLimits) -> Result<Frame, FrameError> {
+    let (header, payload) = read_lengths(r, limits)?;
+    read_body(r, header, payload)
+}
+
+/// Read a frame's two lengths and check them against `limits`: nothing is allocated for a frame
+/// over them. A reader that accounts for its memory takes its share between this and
+/// [`read_body`].
+pub fn read_lengths<R: Read + ?Sized>(r: &mut R, limits: FrameLimits) -> Result<(usize, usize), FrameError> {
     let mut lens = [0u8; 8];
     let mut got = 0;
     while got < lens.len() {
@@ -991,9 +1023,14 @@ pub fn read_frame<R: Read + ?Sized>(r: &mut R) -> Result<Frame, FrameError> {
     }
     let header = u32::from_be_bytes(lens[..4].try_into().expect("4 bytes")) as usize;
     let payload = u32::from_be_bytes(lens[4..].try_into().expect("4 bytes")) as usize;
-    if header == 0 || header > limits::MAX_HEADER || payload > limits::MAX_PAYLOAD {
-        return Err(FrameError::TooLarge { header, payload });
+    if header == 0 || header > limits.header || payload > limits.payload {
+        return Err(FrameError::TooLarge { header, payload, limits });
     }
+    Ok((header, payload))
+}
+
+/// Read the header and payload of a frame whose lengths [`read_lengths`] checked.
+pub fn read_body<R: Read + ?Sized>(r: &mut R, header: usize, payload: usize) -> Result<Frame, FrameError> {
     let mut h = vec![0u8; header];
     r.read_exact(&mut h).map_err(FrameError::Io)?;
     let mut p = vec![0u8; payload];
