@@ -13,6 +13,7 @@
 //! This crate knows nothing of FUSE: tests and offline tools run stacks in-process through
 //! [`Stack::top`].
 
+mod creds;
 mod error;
 pub mod glob;
 pub mod ioctl;
