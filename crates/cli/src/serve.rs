@@ -33,6 +33,15 @@ pub struct ServeArgs {
     /// root squash).
     #[arg(long)]
     no_root_squash: bool,
+    /// Let clients whose ids the server maps (root-squashed TCP clients, --allow-uid users)
+    /// make and open block and character devices. Off by default: a device node is raw access
+    /// to a disk or to the kernel.
+    #[arg(long)]
+    allow_devices: bool,
+    /// Let clients whose ids the server maps set and remove `security.*` and `trusted.*`
+    /// attributes (file capabilities, LSM labels). Off by default: they give privileges.
+    #[arg(long)]
+    allow_privileged_xattrs: bool,
     /// Serve LOWER as it is stored: a crypt volume's names and contents leave the server
     /// encrypted, and the server needs no key. Clients decrypt with `--stack crypt,remote`.
     #[arg(long)]
@@ -97,6 +106,8 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             handshake_timeout: args.limits.handshake_timeout,
             limits: args.limits.connections(),
             in_flight_bytes: args.limits.in_flight as usize,
+            allow_devices: args.allow_devices,
+            allow_privileged_xattrs: args.allow_privileged_xattrs,
         },
     );
     let names: Vec<String> = stack.named_levels().into_iter().map(|n| n.name).collect();

@@ -31,7 +31,7 @@ pub struct Classic {
 }
 
 fn caller(req: &Request) -> Caller {
-    Caller { uid: req.uid(), gid: req.gid(), pid: req.pid() }
+    Caller::new(req.uid(), req.gid(), req.pid())
 }
 
 fn err(e: i32) -> Errno {

@@ -112,7 +112,7 @@ impl Drop for ControlServer {
 
 fn peer(conn: &UnixStream) -> Option<Caller> {
     let cred = nix::sys::socket::getsockopt(conn, nix::sys::socket::sockopt::PeerCredentials).ok()?;
-    Some(Caller { uid: cred.uid(), gid: cred.gid(), pid: cred.pid() as u32 })
+    Some(Caller::new(cred.uid(), cred.gid(), cred.pid() as u32))
 }
 
 fn serve(stack: &Arc<Stack>, conn: UnixStream) {

@@ -128,7 +128,7 @@ impl InHeader {
             opcode: u32_at(b, 4),
             unique: u64_at(b, 8),
             nodeid: u64_at(b, 16),
-            caller: Caller { uid: u32_at(b, 24), gid: u32_at(b, 28), pid: u32_at(b, 32) },
+            caller: Caller::new(u32_at(b, 24), u32_at(b, 28), u32_at(b, 32)),
         }
     }
 }

@@ -14,6 +14,7 @@
 //! [`Stack::top`].
 
 pub mod admission;
+mod creds;
 mod error;
 pub mod glob;
 pub mod ioctl;

@@ -25,6 +25,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::creds::RunAs;
 use crate::error::{Error, Result};
 use crate::layer::{unsupported, ExtOpInfo, Layer, Level};
 use crate::op::{Op, Reply};
@@ -304,6 +305,14 @@ fn proc_path(fd: RawFd) -> CString {
     CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL in a number")
 }
 
+/// Where the kernel says `fd` is now, in this process's view of the file systems.
+fn fd_path(fd: RawFd) -> Result<Vec<u8>> {
+    let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
+    let len = check_size(unsafe { libc::readlink(proc_path(fd).as_ptr(), buf.as_mut_ptr().cast(), buf.len()) })?;
+    buf.truncate(len);
+    Ok(buf)
+}
+
 fn fstat(fd: RawFd) -> Result<libc::stat> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     let empty = c"";
@@ -497,10 +506,14 @@ impl LowerDir {
             return Ok(fd.clone());
         }
         let handle = node.handle.as_ref().ok_or(Error::Os(libc::ESTALE))?;
+        // Reopening is the daemon's own step, whoever the call runs as: open_by_handle_at
+        // needs CAP_DAC_READ_SEARCH.
+        let daemon = RunAs::daemon_step();
         // The kernel only reads the handle, whatever the binding's `*mut` says.
         let raw = check(unsafe {
             libc::open_by_handle_at(self.mount_fd.as_raw_fd(), handle.as_ptr() as *mut libc::file_handle, libc::O_PATH | libc::O_CLOEXEC)
         })?;
+        drop(daemon);
         let fd = Arc::new(unsafe { OwnedFd::from_raw_fd(raw) });
         let st = fstat(fd.as_raw_fd())?;
         if (st.st_dev, st.st_ino) != node.key {
@@ -694,7 +707,9 @@ impl LowerDir {
         make: impl Fn() -> Result<T>,
         fixup: impl FnOnce(&T) -> RawFd,
     ) -> Result<T> {
-        if !self.switch_creds || (cx.uid == 0 && cx.gid == 0) || cx.pid == 0 {
+        // A confined caller already runs as itself (see `call`), and gets no fallback: what
+        // the kernel refuses it stays refused.
+        if !self.switch_creds || cx.confined.is_some() || (cx.uid == 0 && cx.gid == 0) || cx.pid == 0 {
             return make();
         }
         let first = {
@@ -970,6 +985,16 @@ impl Layer for LowerDir {
     }
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        // A confined caller's operation runs as the caller from its first system call to its
+        // last, so the kernel checks all of it (see `crate::creds`). A daemon that is not root
+        // cannot switch, and acts with no more than its own user's rights anyway.
+        let _as_caller = match cx.confined {
+            Some(groups) if self.switch_creds => Some(RunAs::caller(cx.uid, cx.gid, groups.as_slice())?),
+            _ => None,
+        };
+        if cx.confined.is_some() {
+            self.check_within_export(op)?;
+        }
         self.dispatch(cx, op).inspect_err(|e| self.warn_if_out_of_descriptors(e))
     }
 
@@ -979,12 +1004,47 @@ impl Layer for LowerDir {
 }
 
 impl LowerDir {
+    /// For a confined caller: the directories `op` names must still be inside the lower
+    /// directory. One moved out of it while a client held it is `ESTALE`, as is its `..`.
+    /// (A file with another name outside the tree cannot be told from one inside, so files are
+    /// not checked; the caller's own rights still apply to them.)
+    fn check_within_export(&self, op: &Op<'_>) -> Result<()> {
+        let mut named = vec![op.node()];
+        if let Op::Rename { new_parent, .. } | Op::Link { new_parent, .. } = *op {
+            named.push(new_parent);
+        }
+        let mut root: Option<Vec<u8>> = None;
+        for id in named {
+            if matches!(op, Op::Forget { .. }) {
+                break;
+            }
+            let n = self.node(id)?;
+            if n.kind != FileKind::Dir || n.key == self.root_key {
+                continue;
+            }
+            let root = match &root {
+                Some(r) => r,
+                None => root.insert(fd_path(self.node(NodeId::ROOT)?.fd.as_raw_fd())?),
+            };
+            let path = fd_path(n.fd.as_raw_fd())?;
+            let inside = path.len() > root.len() && path.starts_with(root) && (path[root.len()] == b'/' || root == b"/");
+            if !inside || path.ends_with(b" (deleted)") {
+                return Err(Error::Os(libc::ESTALE));
+            }
+        }
+        Ok(())
+    }
+
     fn dispatch(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         crate::readonly::check(op)?;
         let empty = c"";
         match *op {
             Op::Lookup { parent, name } => {
                 let parent = self.node(parent)?;
+                // `..` of the lower root is outside the tree this layer owns.
+                if name == ".." && parent.key == self.root_key {
+                    return Err(Error::Os(libc::EPERM));
+                }
                 self.lookup_at(&parent, name).map(Reply::Entry)
             }
             Op::Forget { node, nlookup } => {

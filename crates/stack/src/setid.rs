@@ -80,8 +80,8 @@ pub fn setattr_perm(cx: &Caller, file: Owned, set: &SetAttr) -> Result<Option<u3
 mod tests {
     use super::*;
 
-    const USER: Caller = Caller { uid: 1000, gid: 1000, pid: u32::MAX };
-    const ROOT: Caller = Caller { uid: 0, gid: 0, pid: u32::MAX };
+    const USER: Caller = Caller::new(1000, 1000, u32::MAX);
+    const ROOT: Caller = Caller::new(0, 0, u32::MAX);
 
     fn file(perm: u32, gid: u32) -> Owned {
         Owned { kind: FileKind::File, perm, uid: 1000, gid }

@@ -32,16 +32,72 @@ pub struct Caller {
     pub uid: u32,
     pub gid: u32,
     pub pid: u32,
+    /// Set for a caller that nobody checked before the stack (a client that `plyfs serve` maps
+    /// to an identity): the bottom layer then runs each of its operations as `uid`, `gid` and
+    /// these supplementary groups, so the kernel applies its own rules. Only the server sets it;
+    /// nothing in a request can.
+    pub confined: Option<Groups>,
+}
+
+/// A caller's supplementary groups, held inline so that [`Caller`] stays `Copy`. Lists longer
+/// than [`Groups::MAX`] keep their first `MAX` groups, as NFS's AUTH_SYS does with 16: a
+/// group left out can only grant less.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Groups {
+    len: u8,
+    ids: [u32; Groups::MAX],
+}
+
+impl Groups {
+    pub const MAX: usize = 32;
+
+    pub fn new(ids: &[u32]) -> Groups {
+        let mut g = Groups { len: 0, ids: [0; Groups::MAX] };
+        for &id in ids.iter().take(Groups::MAX) {
+            g.ids[g.len as usize] = id;
+            g.len += 1;
+        }
+        g
+    }
+
+    pub fn as_slice(&self) -> &[u32] {
+        &self.ids[..self.len as usize]
+    }
+
+    pub fn contains(&self, gid: u32) -> bool {
+        self.as_slice().contains(&gid)
+    }
+}
+
+impl std::fmt::Debug for Groups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.as_slice()).finish()
+    }
 }
 
 impl Caller {
+    /// A caller the kernel (or a trusted peer) has already checked.
+    pub const fn new(uid: u32, gid: u32, pid: u32) -> Caller {
+        Caller { uid, gid, pid, confined: None }
+    }
+
+    /// A caller whose every operation must run with these ids (see [`Caller::confined`]).
+    pub fn confined(uid: u32, gid: u32, pid: u32, groups: &[u32]) -> Caller {
+        Caller { uid, gid, pid, confined: Some(Groups::new(groups)) }
+    }
+
+    /// Whether the caller is in group `gid` (its own, or a supplementary one when known).
+    pub fn in_group(&self, gid: u32) -> bool {
+        self.gid == gid || self.confined.is_some_and(|g| g.contains(gid))
+    }
+
     /// The daemon itself, for operations that no user process asked for (offline tools, tests,
     /// the control socket).
     pub fn daemon() -> Caller {
         static DAEMON: std::sync::OnceLock<Caller> = std::sync::OnceLock::new();
         // SAFETY: these calls cannot fail. The daemon never changes its own ids (it switches
         // only the file-system ids, per thread, for the duration of a call).
-        *DAEMON.get_or_init(|| unsafe { Caller { uid: libc::geteuid(), gid: libc::getegid(), pid: 0 } })
+        *DAEMON.get_or_init(|| unsafe { Caller::new(libc::geteuid(), libc::getegid(), 0) })
     }
 }
 

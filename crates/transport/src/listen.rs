@@ -4,6 +4,8 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::Arc;
 
+use plyfs_stack::Groups;
+
 use crate::server::{Authenticator, Client, Identity, Server};
 use crate::wire::{self, Message};
 
@@ -17,12 +19,13 @@ pub struct UnixPolicy {
 impl UnixPolicy {
     /// Root's requests run as the ids they carry; anyone else's run as that user, whatever
     /// they claim.
-    pub fn admit(&self, uid: u32, gid: u32) -> Result<Identity, String> {
+    /// `groups` are the peer's supplementary groups, as the kernel gives them (`SO_PEERGROUPS`).
+    pub fn admit(&self, uid: u32, gid: u32, groups: &[u32]) -> Result<Identity, String> {
         let me = unsafe { libc::geteuid() };
         if uid == 0 {
             Ok(Identity::AsSent)
         } else if uid == me || self.allow_uids.contains(&uid) {
-            Ok(if me == 0 { Identity::Fixed { uid, gid } } else { Identity::AsSent })
+            Ok(if me == 0 { Identity::Fixed { uid, gid, groups: Groups::new(groups) } } else { Identity::AsSent })
         } else {
             Err(format!("user {uid} may not use this server (allow it with --allow-uid {uid})"))
         }
@@ -68,7 +71,14 @@ pub fn serve_unix(server: Arc<Server>, listener: UnixListener, policy: UnixPolic
         };
         let peer = format!("pid {} (uid {})", cred.pid(), cred.uid());
         let deadline = server.handshake_deadline();
-        let identity = match policy.admit(cred.uid(), cred.gid()) {
+        let groups = match peer_groups(&stream) {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!("client {peer}: its groups cannot be read ({e}): refused");
+                continue;
+            }
+        };
+        let identity = match policy.admit(cred.uid(), cred.gid(), &groups) {
             Ok(i) => i,
             Err(reason) => {
                 server.log_refusal(&Client::User(cred.uid()), &reason);
@@ -104,4 +114,27 @@ pub fn refuse(stream: &UnixStream, reason: &str) {
     let _ = wire::write_frame(&mut out, &wire::encode(&Message::Refused { reason: reason.to_owned() }), &[]);
     let _ = std::io::Write::write_all(&mut &*stream, &out);
     let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+/// The supplementary groups of a Unix socket's peer, as they were when it connected.
+fn peer_groups(stream: &UnixStream) -> std::io::Result<Vec<u32>> {
+    use std::os::fd::AsRawFd;
+    let mut groups = vec![0u32; 64];
+    loop {
+        let mut len = (groups.len() * 4) as libc::socklen_t;
+        let r = unsafe {
+            libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERGROUPS, groups.as_mut_ptr().cast(), &mut len)
+        };
+        if r == 0 {
+            groups.truncate(len as usize / 4);
+            return Ok(groups);
+        }
+        let e = std::io::Error::last_os_error();
+        // ERANGE: the kernel says in `len` how much room the list needs.
+        if e.raw_os_error() == Some(libc::ERANGE) && (len as usize / 4) > groups.len() && groups.len() < 1 << 16 {
+            groups.resize(len as usize / 4, 0);
+            continue;
+        }
+        return Err(e);
+    }
 }

@@ -20,7 +20,10 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use plyfs_stack::admission::{Admission, Admitted, ByteBudget, ConnectionLimits, Deadline, DeadlineRead, Permit};
 use plyfs_stack::shared::{LockKind, LOCK_OP};
-use plyfs_stack::{Caller, Error, Level, NodeId, Op, Reply};
+use std::os::unix::ffi::OsStrExt;
+use std::time::Instant;
+
+use plyfs_stack::{Caller, Error, Groups, Level, NodeId, Op, Reply, XattrReply};
 
 use crate::stream::{spin_time, wait_readable, Control, Duplex, FrameRead};
 use crate::wire::{self, Change, FrameError, FrameLimits, JustId, Message, WireCaller, WireExtOp, WireLayer, WireOp, WireReply};
@@ -53,29 +56,26 @@ impl std::fmt::Display for Client {
 }
 
 /// The ids a server acts as for a connection's requests.
+///
+/// Every identity but `AsSent` is *mapped*: the server decides who the client is, and each of
+/// its operations runs as that user at the bottom layer (see `plyfs_stack::Caller::confined`),
+/// so the kernel's own rules hold for it whatever the request carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Identity {
     /// The ids the client sends (a root client, or an authenticated client without squashing).
     AsSent,
-    /// The ids the client sends, except root, which becomes `nobody` (NFS's root squash).
+    /// The ids the client sends, except root, which becomes `nobody` (NFS's root squash). The
+    /// groups are the server's own idea of the user's (its group database), never the client's.
     RootSquash,
     /// Always these ids, whatever the client sends (a Unix-socket peer that is not root).
-    Fixed { uid: u32, gid: u32 },
+    Fixed { uid: u32, gid: u32, groups: Groups },
 }
 
 /// The `nobody` user and group.
 pub const NOBODY: u32 = 65534;
 
-impl Identity {
-    fn caller(self, c: WireCaller) -> Caller {
-        match self {
-            Identity::AsSent => c.into(),
-            Identity::RootSquash if c.uid == 0 => Caller { uid: NOBODY, gid: NOBODY, pid: c.pid },
-            Identity::RootSquash => c.into(),
-            Identity::Fixed { uid, gid } => Caller { uid, gid, pid: c.pid },
-        }
-    }
-}
+/// How long the server trusts what its group database said of a user.
+const GROUPS_FOR: Duration = Duration::from_secs(60);
 
 /// Checks a client's proof of the shared key in its `hello`, and proves the server's own.
 pub trait Authenticator: Send + Sync {
@@ -95,6 +95,10 @@ pub struct ServerOptions {
     /// The bytes of requests (headers and payloads) one connection may have read and not yet
     /// answered; past it the server stops reading that connection until some are answered.
     pub in_flight_bytes: usize,
+    /// Mapped clients may make and open block and character devices.
+    pub allow_devices: bool,
+    /// Mapped clients may set and remove `security.*` and `trusted.*` attributes.
+    pub allow_privileged_xattrs: bool,
 }
 
 /// The default bound on a connection's requests in flight: four writes of the largest size.
@@ -107,6 +111,8 @@ impl Default for ServerOptions {
             handshake_timeout: Duration::from_secs(10),
             limits: ConnectionLimits::default(),
             in_flight_bytes: IN_FLIGHT_BYTES,
+            allow_devices: false,
+            allow_privileged_xattrs: false,
         }
     }
 }
@@ -122,6 +128,8 @@ pub struct Server {
     conns: Mutex<Vec<Weak<Conn>>>,
     next_conn: AtomicU64,
     admission: Admission<Client>,
+    /// Users' supplementary groups, from the server's group database, by (uid, gid).
+    groups: Mutex<HashMap<(u32, u32), (Groups, Instant)>>,
 }
 
 /// What one connection holds, so it can be checked and released.
@@ -159,6 +167,7 @@ impl Server {
             options,
             conns: Mutex::new(Vec::new()),
             next_conn: AtomicU64::new(1),
+            groups: Mutex::new(HashMap::new()),
         })
     }
 
@@ -416,7 +425,7 @@ impl Server {
     fn run(&self, conn: &Conn, req: Request) -> Result<(), String> {
         // `_held` keeps the request's bytes counted until it is answered.
         let Request { id, caller, op, payload, held: _held } = req;
-        let cx = conn.identity.caller(caller);
+        let cx = self.caller(conn.identity, caller);
         let result = op.to_op(&payload).and_then(|op| self.dispatch(conn, &cx, &op));
         let changes = match &result {
             Ok(_) => changes_of(&op),
@@ -477,6 +486,37 @@ impl Server {
         }
     }
 
+    /// Who a request runs as: the ids it sent, or those its connection's identity maps them to.
+    fn caller(&self, identity: Identity, sent: WireCaller) -> Caller {
+        match identity {
+            Identity::AsSent => sent.into(),
+            Identity::RootSquash if sent.uid == 0 => Caller::confined(NOBODY, NOBODY, sent.pid, &[NOBODY]),
+            Identity::RootSquash => {
+                Caller { confined: Some(self.groups_of(sent.uid, sent.gid)), ..Caller::new(sent.uid, sent.gid, sent.pid) }
+            }
+            Identity::Fixed { uid, gid, groups } => Caller { confined: Some(groups), ..Caller::new(uid, gid, sent.pid) },
+        }
+    }
+
+    /// The supplementary groups the server's group database gives `uid` (with `gid`), as NFS
+    /// servers find them with `--manage-gids`; only `gid` for a user the database does not know.
+    fn groups_of(&self, uid: u32, gid: u32) -> Groups {
+        let now = Instant::now();
+        if let Some((groups, at)) = self.groups.lock().get(&(uid, gid)) {
+            if now.duration_since(*at) < GROUPS_FOR {
+                return *groups;
+            }
+        }
+        let groups = Groups::new(&user_groups(uid, gid));
+        let mut cache = self.groups.lock();
+        // Ids come from clients: the cache must not grow with them.
+        if cache.len() >= 4096 {
+            cache.clear();
+        }
+        cache.insert((uid, gid), (groups, now));
+        groups
+    }
+
     /// Check that the connection may name what `op` names, run it, and record what it now holds.
     fn dispatch(&self, conn: &Conn, cx: &Caller, op: &Op<'_>) -> Result<Reply, Error> {
         if let Op::Forget { node, nlookup } = *op {
@@ -514,8 +554,14 @@ impl Server {
                 return self.permit(cx, node, mask as u32).map(|()| Reply::Empty);
             }
             self.check_access(cx, op)?;
+            self.check_privileged(cx, op)?;
         }
-        let reply = self.top.call(cx, op)?;
+        let mut reply = self.top.call(cx, op)?;
+        if let (Reply::Xattr(XattrReply::Data(names)), Op::ListXattr { .. }) = (&mut reply, op) {
+            if conn.identity != Identity::AsSent && cx.uid != 0 {
+                hide_trusted_names(names);
+            }
+        }
         match (&reply, op) {
             (Reply::Entry(e), _) => self.hold(conn, e.node, 1),
             (Reply::Created(e, o), _) => {
@@ -544,8 +590,9 @@ impl Server {
     /// Permission checks for a client whose requests run as other ids than it sent (root
     /// squashed, a Unix peer held to its own ids). The client's kernel checked against the ids
     /// it knows, and the bottom layer trusts such checks, so the server makes them again with
-    /// the ids it acts as, as an NFS server does. (Supplementary groups are not known: the
-    /// primary group counts. The sticky bit is not checked.)
+    /// the ids it acts as, as an NFS server does. Over a lower directory the kernel checks again,
+    /// as the client (see `Caller::confined`); these checks hold for every bottom layer. (ACLs
+    /// and the sticky bit are left to the bottom layer.)
     fn check_access(&self, cx: &Caller, op: &Op<'_>) -> Result<(), Error> {
         const R: u32 = 4;
         const W: u32 = 2;
@@ -567,7 +614,21 @@ impl Server {
             | Op::SymLink { parent, .. }
             | Op::Unlink { parent, .. }
             | Op::RmDir { parent, .. } => self.permit(cx, parent, W | X),
-            Op::Link { new_parent, .. } => self.permit(cx, new_parent, W | X),
+            Op::Link { node, new_parent, .. } => {
+                self.permit(cx, new_parent, W | X)?;
+                // protected_hardlinks: only to a file the caller owns, or a plain file it may
+                // read and write that gives no privileges.
+                let attr = self.top.getattr(cx, node)?;
+                if cx.uid == 0 || attr.uid == cx.uid {
+                    return Ok(());
+                }
+                let perm = u32::from(attr.perm);
+                let setid = perm & 0o4000 != 0 || perm & 0o2010 == 0o2010;
+                if attr.kind != plyfs_stack::FileKind::File || setid || self.permit(cx, node, R | W).is_err() {
+                    return Err(Error::Os(libc::EPERM));
+                }
+                Ok(())
+            }
             Op::Rename { parent, new_parent, .. } => {
                 self.permit(cx, parent, W | X)?;
                 self.permit(cx, new_parent, W | X)
@@ -576,6 +637,10 @@ impl Server {
                 let attr = self.top.getattr(cx, node)?;
                 let owner = cx.uid == 0 || attr.uid == cx.uid;
                 if set.uid.is_some_and(|u| u != attr.uid) && cx.uid != 0 {
+                    return Err(Error::Os(libc::EPERM));
+                }
+                // chgrp: only to a group the caller is in.
+                if set.gid.is_some_and(|g| g != attr.gid && !cx.in_group(g)) && cx.uid != 0 {
                     return Err(Error::Os(libc::EPERM));
                 }
                 if (set.mode.is_some() || set.gid.is_some() || matches!(set.atime, Some(plyfs_stack::TimeSet::At(_)))) && !owner {
@@ -594,6 +659,35 @@ impl Server {
         }
     }
 
+    /// What the daemon could do for a mapped client that the client could not do on the
+    /// server itself: the kernel would allow it to the daemon's capabilities that running as
+    /// the client does not drop (CAP_SYS_ADMIN, CAP_SETFCAP), or on any bottom layer that is
+    /// not the kernel's. Refused unless the server was started to allow it.
+    fn check_privileged(&self, cx: &Caller, op: &Op<'_>) -> Result<(), Error> {
+        if cx.uid == 0 {
+            return Ok(());
+        }
+        match *op {
+            Op::MkNod { mode, .. } if !self.options.allow_devices && is_device(mode) => Err(Error::Os(libc::EPERM)),
+            Op::Open { node, .. } if !self.options.allow_devices => {
+                let attr = self.top.getattr(cx, node)?;
+                if matches!(attr.kind, plyfs_stack::FileKind::CharDevice | plyfs_stack::FileKind::BlockDevice) {
+                    Err(Error::Os(libc::EACCES))
+                } else {
+                    Ok(())
+                }
+            }
+            Op::SetXattr { name, .. } | Op::RemoveXattr { name, .. }
+                if !self.options.allow_privileged_xattrs && is_privileged_xattr(name) =>
+            {
+                Err(Error::Os(libc::EPERM))
+            }
+            // As the kernel answers a process without CAP_SYS_ADMIN.
+            Op::GetXattr { name, .. } if name.as_bytes().starts_with(b"trusted.") => Err(Error::Os(libc::ENODATA)),
+            _ => Ok(()),
+        }
+    }
+
     fn permit(&self, cx: &Caller, node: NodeId, want: u32) -> Result<(), Error> {
         if cx.uid == 0 {
             return Ok(());
@@ -602,7 +696,7 @@ impl Server {
         let perm = u32::from(a.perm);
         let bits = if a.uid == cx.uid {
             perm >> 6
-        } else if a.gid == cx.gid {
+        } else if cx.in_group(a.gid) {
             perm >> 3
         } else {
             perm
@@ -696,6 +790,48 @@ impl Server {
         for (node, n) in nodes {
             self.top.forget(&cx, NodeId(node), n);
         }
+    }
+}
+
+fn is_device(mode: u32) -> bool {
+    matches!(mode & libc::S_IFMT, libc::S_IFCHR | libc::S_IFBLK)
+}
+
+/// `security.*` (file capabilities, LSM labels) and `trusted.*`: namespaces whose attributes
+/// give or take privileges on the server.
+fn is_privileged_xattr(name: &std::ffi::OsStr) -> bool {
+    let name = name.as_bytes();
+    name.starts_with(b"security.") || name.starts_with(b"trusted.")
+}
+
+/// Leave `trusted.*` out of a listing, as the kernel does for a process without CAP_SYS_ADMIN.
+fn hide_trusted_names(names: &mut Vec<u8>) {
+    let kept: Vec<u8> = names.split_inclusive(|&b| b == 0).filter(|n| !n.starts_with(b"trusted.")).flatten().copied().collect();
+    *names = kept;
+}
+
+/// The groups the server's user database gives `uid`: its primary group `gid` and those it is
+/// a member of (getgrouplist). Only `gid` for a user the database does not know.
+fn user_groups(uid: u32, gid: u32) -> Vec<u32> {
+    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    let r = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
+    if r != 0 || found.is_null() {
+        return vec![gid];
+    }
+    let mut groups = vec![0 as libc::gid_t; 64];
+    loop {
+        let mut n = groups.len() as libc::c_int;
+        let r = unsafe { libc::getgrouplist(pw.pw_name, gid, groups.as_mut_ptr(), &mut n) };
+        if r >= 0 {
+            groups.truncate(n.max(0) as usize);
+            return groups;
+        }
+        if n as usize <= groups.len() || groups.len() >= 1 << 16 {
+            return vec![gid];
+        }
+        groups.resize(n as usize, 0);
     }
 }
 

@@ -109,7 +109,7 @@ impl From<&Caller> for WireCaller {
 
 impl From<WireCaller> for Caller {
     fn from(c: WireCaller) -> Caller {
-        Caller { uid: c.uid, gid: c.gid, pid: c.pid }
+        Caller::new(c.uid, c.gid, c.pid)
     }
 }
 
