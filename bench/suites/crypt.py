@@ -220,6 +220,36 @@ def bind(m, ctx):
     return r
 
 
+OPS_FILES = 2000
+
+
+def bind_ops(m, ctx):
+    """The cost per operation, where binding adds work: OPS_FILES files of 100 bytes made (a tag
+    per new file), then after a remount each opened, read and closed (a check per open), and each
+    renamed within its directory (a tag per rename); microseconds per file."""
+    n = OPS_FILES // 4 if ctx["quick"] else OPS_FILES
+    d = os.path.join(m.path, "ops")
+    os.makedirs(d)
+    t = time.perf_counter()
+    for i in range(n):
+        with open(os.path.join(d, f"f{i}"), "wb") as f:
+            f.write(b"x" * 100)
+    r = {"create_us": (time.perf_counter() - t) / n * 1e6}
+    os.sync()
+    m.remount()
+    t = time.perf_counter()
+    for i in range(n):
+        with open(os.path.join(d, f"f{i}"), "rb") as f:
+            f.read()
+    r["open_us"] = (time.perf_counter() - t) / n * 1e6
+    t = time.perf_counter()
+    for i in range(n):
+        os.rename(os.path.join(d, f"f{i}"), os.path.join(d, f"g{i}"))
+    r["rename_us"] = (time.perf_counter() - t) / n * 1e6
+    sh("rm", "-rf", d)
+    return r
+
+
 def vs(text, sc, metric, cfg, against, op, value):
     return Target(text, sc, metric, cfg, against, op, value)
 
@@ -269,6 +299,11 @@ SUITE = Suite(
                   Metric("ls_cold", "ls -lR cold", "s"), Metric("read_all", "read every file, cold", "s"),
                   Metric("rm", "rm -rf", "s"), Metric("write_fsync", "1 GiB write + fsync", "MiB/s", "higher")],
                  run=bind, baseline="crypt"),
+        Scenario("bind_ops", f"Files bound to their places: the cost per operation ({OPS_FILES} files of 100 bytes)", BIND,
+                 [Metric("create_us", "create and write a file", "µs"),
+                  Metric("open_us", "open, read and close a file, cold", "µs"),
+                  Metric("rename_us", "rename a file in its directory", "µs")],
+                 run=bind_ops, baseline="crypt"),
     ],
     targets=[
         vs("sequential write ≥ 2× gocryptfs", "io", "write", "crypt", "gocryptfs", ">=", 2),

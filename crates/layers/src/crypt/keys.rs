@@ -664,11 +664,14 @@ mod tests {
         let text = std::fs::read_to_string(config_path(dir.path())).unwrap();
         assert!(text.contains("version = 2") && !text.contains("bind_paths"), "{text}");
         assert!(unlock(dir.path(), &pw("p")).unwrap().bind_paths);
+        change_secret(dir.path(), &pw("p"), &pw("q")).unwrap();
+        assert!(unlock(dir.path(), &pw("q")).unwrap().bind_paths, "a new password keeps the binding");
+        let text = std::fs::read_to_string(config_path(dir.path())).unwrap();
         // Made version 1 by an edit: binding off, and the key no longer unwraps.
         let edited = text.replace("version = 2", "version = 1");
         let c = VolumeConfig::parse(&edited, "c").unwrap();
         assert!(!c.bind_paths);
-        assert!(unlock_config(&c, "c", &pw("p")).unwrap_err().contains("wrong password"));
+        assert!(unlock_config(&c, "c", &pw("q")).unwrap_err().contains("wrong password"));
         let later = text.replace("version = 2", "version = 3").replace("cipher =", "new_setting = 1\ncipher =");
         assert!(VolumeConfig::parse(&later, "c").unwrap_err().contains("version 3 is not supported"));
         let with_names = VolumeSettings { bind_paths: true, plaintext_names: true, ..fast() };

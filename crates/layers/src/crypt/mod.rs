@@ -1,5 +1,6 @@
 //! `crypt`: authenticated encryption of file data, chunk by chunk, on the size-changing
-//! framework. See [`codec`] for the format of a chunk and [`keys`] for the volume's keys.
+//! framework. See [`codec`] for the format of a chunk, [`keys`] for the volume's keys, [`names`]
+//! for its names and [`bind`] for binding each file to its place (`plyfs init --bind-paths`).
 //!
 //! The layer finds its volume by the configuration file at the root of the directory below
 //! it, and its key in the keyring, where `plyfs mount` (or an offline tool) put it after

@@ -833,10 +833,6 @@ impl CryptNames {
         self.below().call(&internal(), &Op::SetXattr { node, name: OsStr::new(BIND_XATTR), value: &value, flags: 0 }).map(|_| ())
     }
 
-    fn place_tag(&self, key: &BindKey, file_id: &[u8; 16], dir_id: &[u8; 16], lower_name: &OsStr) -> bind::Tag {
-        key.place_tag(file_id, dir_id, lower_name.as_bytes())
-    }
-
     /// Refuse to open `node` unless its content is bound to the place it was found at.
     fn check_binding(&self, node: NodeId, head: Head) -> Result<()> {
         let Some(b) = &self.bind else { return Ok(()) };
@@ -844,7 +840,7 @@ impl CryptNames {
         let Some((dir_id, lower_name)) = self.place_of(node) else {
             return Err(self.refuse(node, None, "this mount does not know where it is, so its place cannot be checked"));
         };
-        let here = self.place_tag(&b.key, &file_id, &dir_id, &lower_name);
+        let here = b.key.place_tag(&file_id, &dir_id, lower_name.as_bytes());
         match bind::verdict(&b.key, self.stored_tags(node)?.as_ref(), &file_id, &here) {
             Verdict::Here | Verdict::Linked => Ok(()),
             Verdict::Missing => Err(self.refuse(node, Some((dir_id, lower_name)), "its place tag is missing (removed below, or lost by a copy that dropped extended attributes)")),
@@ -883,7 +879,7 @@ impl CryptNames {
         let Head::Id(file_id) = Head::of(data) else { return Ok(()) };
         let stored = self.stored_tags(node)?;
         let place = self.place_of(node);
-        let here = place.as_ref().map(|(dir_id, lower_name)| self.place_tag(&b.key, &file_id, dir_id, lower_name));
+        let here = place.as_ref().map(|(dir_id, lower_name)| b.key.place_tag(&file_id, dir_id, lower_name.as_bytes()));
         let verdict = bind::verdict(&b.key, stored.as_ref(), &file_id, &here.unwrap_or([0; 32]));
         if verdict == Verdict::Linked || (verdict == Verdict::Here && here.is_some()) {
             return Ok(());
@@ -905,11 +901,11 @@ impl CryptNames {
         let Some(b) = &self.bind else { return Ok(()) };
         let Head::Id(file_id) = self.head_of(node)? else { return Ok(()) };
         let Some(Stored { linked: false, current: Some(current), previous }) = self.stored_tags(node)? else { return Ok(()) };
-        let old = self.place_tag(&b.key, &file_id, &self.dir_id(dir)?, lower_name);
+        let old = b.key.place_tag(&file_id, &self.dir_id(dir)?, lower_name.as_bytes());
         if current != old && previous != Some(old) {
             return Ok(());
         }
-        let new = self.place_tag(&b.key, &file_id, &self.dir_id(new_dir)?, new_name);
+        let new = b.key.place_tag(&file_id, &self.dir_id(new_dir)?, new_name.as_bytes());
         self.store_tags(node, &Stored::placed(new, Some(old)))
     }
 
@@ -929,7 +925,7 @@ impl CryptNames {
             Head::Damaged => Ok(()),
             Head::Id(file_id) => {
                 // A file not valid where it is does not become valid everywhere.
-                let here = self.place_of(node).map(|(dir_id, lower_name)| self.place_tag(&b.key, &file_id, &dir_id, &lower_name));
+                let here = self.place_of(node).map(|(dir_id, lower_name)| b.key.place_tag(&file_id, &dir_id, lower_name.as_bytes()));
                 match here {
                     Some(here) if bind::verdict(&b.key, stored.as_ref(), &file_id, &here) == Verdict::Here => {
                         self.store_tags(node, &Stored::linked(Some(b.key.linked_tag(&file_id))))
@@ -954,7 +950,7 @@ impl CryptNames {
                 let want = if stored.is_some_and(|s| s.linked) || self.nlink(node) > 1 {
                     Stored::linked(Some(b.key.linked_tag(&file_id)))
                 } else {
-                    Stored::placed(self.place_tag(&b.key, &file_id, &dir_id, &lower_name), None)
+                    Stored::placed(b.key.place_tag(&file_id, &dir_id, lower_name.as_bytes()), None)
                 };
                 let fits = stored == Some(want);
                 if !fits {
@@ -1010,13 +1006,13 @@ impl CryptNames {
 /// The extended operation that binds a file to where it is now (`plyfs fsck --rebind`).
 pub const REBIND_OP: &str = "crypt-rebind";
 
-/// For tests of crash safety: `PLYFS_CRYPT_CRASH_AT=NAME` makes the process die at the point
-/// `NAME` (as `kill -9` would, with nothing cleaned up).
+/// For tests of crash safety: `PLYFS_CRYPT_CRASH_AT=NAME` makes the process kill itself with
+/// SIGKILL at the point `NAME`, as `kill -9` would: nothing is cleaned up or flushed.
 fn crash_point(name: &str) {
     static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     if AT.get_or_init(|| std::env::var("PLYFS_CRYPT_CRASH_AT").ok()).as_deref() == Some(name) {
-        eprintln!("plyfs: crash point {name} reached: dying");
-        std::process::abort();
+        eprintln!("plyfs: crash point {name} reached: killing this process");
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     }
 }
 
