@@ -128,7 +128,7 @@ pub fn run(args: ExodiskArgs) -> Result<(), String> {
                 "{}: an exodisk volume of {} sectors ({} MiB); {} sectors for extents and exonodes from sector {}; key in {}",
                 volume.display(),
                 sb.sectors,
-                sb.sectors * 512 >> 20,
+                (sb.sectors * 512) >> 20,
                 sb.sectors - sb.data_start,
                 sb.data_start,
                 key_path.display()
@@ -289,7 +289,7 @@ fn stat(socket: &Path) -> Result<(), String> {
     let map = c.free_map().map_err(e)?;
     let (pending, queue) = c.poll().map_err(e)?;
     let used = map.allocated();
-    println!("sectors:   {} ({} MiB), objects from sector {}", c.sectors, c.sectors * 512 >> 20, c.data_start);
+    println!("sectors:   {} ({} MiB), objects from sector {}", c.sectors, (c.sectors * 512) >> 20, c.data_start);
     println!("allocated: {used} sectors ({:.1}%)", used as f64 * 100.0 / c.sectors as f64);
     println!("free:      {} sectors", c.sectors - used);
     println!("queue:     {pending} pending, {} waiting", queue.len());

@@ -13,11 +13,15 @@
 
 use crate::{Caller, Error, FileKind, Result, SetAttr};
 
-/// Whether `cx` is in group `gid` (its own or a supplementary one), or is root or the daemon
-/// itself (the kernel's `in_group_or_capable`).
+/// Whether `cx` is in group `gid` (its own or a supplementary one), or is root (the kernel's
+/// `in_group_or_capable`). Nothing else in a request counts: a caller without a process (pid 0)
+/// has only its own group.
 pub fn in_group(cx: &Caller, gid: u32) -> bool {
-    if cx.gid == gid || cx.uid == 0 || *cx == Caller::daemon() {
+    if cx.gid == gid || cx.uid == 0 {
         return true;
+    }
+    if cx.pid == 0 {
+        return false;
     }
     std::fs::read_to_string(format!("/proc/{}/status", cx.pid)).ok().is_some_and(|status| {
         status
@@ -49,9 +53,8 @@ pub struct Owned {
 /// The permission bits `set` leaves on `file` when `cx` asks for it (`None`: unchanged), or
 /// `EPERM` for a change of owner or group the caller may not make.
 pub fn setattr_perm(cx: &Caller, file: Owned, set: &SetAttr) -> Result<Option<u32>> {
-    let privileged = cx.uid == 0 || *cx == Caller::daemon();
     let chown = set.uid.is_some() || set.gid.is_some();
-    if !privileged {
+    if cx.uid != 0 {
         if set.uid.is_some_and(|u| u != file.uid) {
             return Err(Error::Os(libc::EPERM));
         }
