@@ -14,11 +14,15 @@
 use crate::{Caller, Error, FileKind, Result, SetAttr};
 
 /// Whether `cx` is in group `gid` (its own or a supplementary one), or is root (the kernel's
-/// `in_group_or_capable`). Nothing else in a request counts: a caller without a process (pid 0)
-/// has only its own group.
+/// `in_group_or_capable`). A confined caller (a client `plyfs serve` maps) has the groups the
+/// server gave it, and its pid, which a remote client chose, is never looked at; a caller the
+/// kernel sent has its process's groups; one without a process (pid 0) only its own group.
 pub fn in_group(cx: &Caller, gid: u32) -> bool {
     if cx.gid == gid || cx.uid == 0 {
         return true;
+    }
+    if let Some(groups) = cx.confined {
+        return groups.contains(gid);
     }
     if cx.pid == 0 {
         return false;
