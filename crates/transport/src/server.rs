@@ -262,7 +262,8 @@ impl Server {
         // order: writes sent ahead to one file then never wait for each other's locks (ext4
         // serialises them, and its waiters spin). At most `PER_WORKER` requests wait in a
         // queue; then the reader waits too, and so does a client that sends faster than its
-        // requests are answered: memory stays bounded whatever a client sends.
+        // requests are answered. What bounds the memory of those requests is the in-flight
+        // budget (`read_requests`): a queue of large writes would hold 8 MiB per place.
         const PER_WORKER: usize = 6;
         let mut queues = Vec::new();
         std::thread::scope(|s| {
