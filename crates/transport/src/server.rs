@@ -38,16 +38,16 @@ struct Request {
 /// Who a connection comes from, for the limits on connections: a TCP client's address (not its
 /// port), or a Unix-socket peer's user.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Client {
+pub enum Origin {
     Addr(std::net::IpAddr),
     User(u32),
 }
 
-impl std::fmt::Display for Client {
+impl std::fmt::Display for Origin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Client::Addr(a) => write!(f, "address {a}"),
-            Client::User(uid) => write!(f, "user {uid}"),
+            Origin::Addr(a) => write!(f, "address {a}"),
+            Origin::User(uid) => write!(f, "user {uid}"),
         }
     }
 }
@@ -121,7 +121,7 @@ pub struct Server {
     options: ServerOptions,
     conns: Mutex<Vec<Weak<Conn>>>,
     next_conn: AtomicU64,
-    admission: Admission<Client>,
+    admission: Admission<Origin>,
 }
 
 /// What one connection holds, so it can be checked and released.
@@ -182,13 +182,13 @@ impl Server {
     /// A place for a connection from `client` (see [`ServerOptions::limits`]), taken before
     /// anything is read from it; the reason to give it otherwise. Refusals are logged here,
     /// once per client and minute.
-    pub fn admit(&self, client: &Client) -> Result<Admitted<Client>, String> {
+    pub fn admit(&self, client: &Origin) -> Result<Admitted<Origin>, String> {
         self.admission.admit(client)
     }
 
     /// Log that `client` was refused (its handshake failed, or it may not connect at all): once
     /// per client and minute, however many times it tries.
-    pub fn log_refusal(&self, client: &Client, reason: &str) {
+    pub fn log_refusal(&self, client: &Origin, reason: &str) {
         self.admission.log_refusal(client, reason)
     }
 
@@ -208,7 +208,7 @@ impl Server {
         self: &Arc<Self>,
         stream: Box<dyn Duplex>,
         peer: &str,
-        client: Option<&Client>,
+        client: Option<&Origin>,
         identity: Identity,
         auth: Option<&dyn Authenticator>,
         deadline: Deadline,
