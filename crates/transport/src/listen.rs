@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use plyfs_stack::Groups;
 
-use crate::server::{Authenticator, Client, Identity, Server};
+use crate::server::{Authenticator, Identity, Origin, Server};
 use crate::wire::{self, Message};
 
 /// Which local users may connect to a Unix socket, and who the server acts as for them.
@@ -81,12 +81,12 @@ pub fn serve_unix(server: Arc<Server>, listener: UnixListener, policy: UnixPolic
         let identity = match policy.admit(cred.uid(), cred.gid(), &groups) {
             Ok(i) => i,
             Err(reason) => {
-                server.log_refusal(&Client::User(cred.uid()), &reason);
+                server.log_refusal(&Origin::User(cred.uid()), &reason);
                 refuse(&stream, &reason);
                 continue;
             }
         };
-        let client = Client::User(cred.uid());
+        let client = Origin::User(cred.uid());
         let admitted = match server.admit(&client) {
             Ok(a) => a,
             Err(reason) => {

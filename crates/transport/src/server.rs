@@ -41,16 +41,16 @@ struct Request {
 /// Who a connection comes from, for the limits on connections: a TCP client's address (not its
 /// port), or a Unix-socket peer's user.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Client {
+pub enum Origin {
     Addr(std::net::IpAddr),
     User(u32),
 }
 
-impl std::fmt::Display for Client {
+impl std::fmt::Display for Origin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Client::Addr(a) => write!(f, "address {a}"),
-            Client::User(uid) => write!(f, "user {uid}"),
+            Origin::Addr(a) => write!(f, "address {a}"),
+            Origin::User(uid) => write!(f, "user {uid}"),
         }
     }
 }
@@ -127,7 +127,7 @@ pub struct Server {
     options: ServerOptions,
     conns: Mutex<Vec<Weak<Conn>>>,
     next_conn: AtomicU64,
-    admission: Admission<Client>,
+    admission: Admission<Origin>,
     /// Users' supplementary groups, from the server's group database, by (uid, gid).
     groups: Mutex<HashMap<(u32, u32), (Groups, Instant)>>,
 }
@@ -191,13 +191,13 @@ impl Server {
     /// A place for a connection from `client` (see [`ServerOptions::limits`]), taken before
     /// anything is read from it; the reason to give it otherwise. Refusals are logged here,
     /// once per client and minute.
-    pub fn admit(&self, client: &Client) -> Result<Admitted<Client>, String> {
+    pub fn admit(&self, client: &Origin) -> Result<Admitted<Origin>, String> {
         self.admission.admit(client)
     }
 
     /// Log that `client` was refused (its handshake failed, or it may not connect at all): once
     /// per client and minute, however many times it tries.
-    pub fn log_refusal(&self, client: &Client, reason: &str) {
+    pub fn log_refusal(&self, client: &Origin, reason: &str) {
         self.admission.log_refusal(client, reason)
     }
 
@@ -217,7 +217,7 @@ impl Server {
         self: &Arc<Self>,
         stream: Box<dyn Duplex>,
         peer: &str,
-        client: Option<&Client>,
+        client: Option<&Origin>,
         identity: Identity,
         auth: Option<&dyn Authenticator>,
         deadline: Deadline,
@@ -271,7 +271,8 @@ impl Server {
         // order: writes sent ahead to one file then never wait for each other's locks (ext4
         // serialises them, and its waiters spin). At most `PER_WORKER` requests wait in a
         // queue; then the reader waits too, and so does a client that sends faster than its
-        // requests are answered: memory stays bounded whatever a client sends.
+        // requests are answered. What bounds the memory of those requests is the in-flight
+        // budget (`read_requests`): a queue of large writes would hold 8 MiB per place.
         const PER_WORKER: usize = 6;
         let mut queues = Vec::new();
         std::thread::scope(|s| {

@@ -25,7 +25,7 @@ use zeroize::Zeroizing;
 
 use crate::client::{ConnectError, Connection as Client, OnChange};
 use crate::remote::Connector;
-use crate::server::{Authenticator, Client as Peer, Identity, Server};
+use crate::server::{Authenticator, Identity, Origin, Server};
 use plyfs_stack::admission::Deadline;
 use crate::stream::{Addr, Control, Duplex, Halves};
 
@@ -120,7 +120,7 @@ impl TlsServer {
             let peer = addr.to_string();
             // Over the limits, the connection is closed at once: without TLS there is no way to
             // say why, and a TLS handshake is what a flood should not cost.
-            let client = Peer::Addr(addr.ip());
+            let client = Origin::Addr(addr.ip());
             let Ok(admitted) = server.admit(&client) else { continue };
             let (tls, server) = (self.clone(), server.clone());
             let spawned = std::thread::Builder::new().name("serve-tls".into()).spawn(move || {
