@@ -558,6 +558,14 @@ impl Server {
             self.check_privileged(cx, op)?;
         }
         let mut reply = self.top.call(cx, op)?;
+        // `create` of an existing name opens what is there: for a mapped client, not a device.
+        if let (Reply::Created(e, o), true) = (&reply, conn.identity != Identity::AsSent && cx.uid != 0 && !self.options.allow_devices) {
+            if is_device(e.attr.kind.mode_bits()) {
+                let _ = self.top.call(cx, &Op::Release { node: e.node, fh: o.fh });
+                self.top.forget(cx, e.node, 1);
+                return Err(Error::Os(libc::EACCES));
+            }
+        }
         if let (Reply::Xattr(XattrReply::Data(names)), Op::ListXattr { .. }) = (&mut reply, op) {
             if conn.identity != Identity::AsSent && cx.uid != 0 {
                 hide_trusted_names(names);
@@ -731,7 +739,7 @@ impl Server {
     fn check_handle(&self, conn: &Conn, op: &Op<'_>) -> Result<(), Error> {
         use Op::*;
         let (node, fh, dir) = match *op {
-            GetAttr { node, fh: Some(fh) } | SetAttr { node, fh: Some(fh), .. } => (node, fh, None),
+            GetAttr { node, fh: Some(fh) } | SetAttr { node, fh: Some(fh), .. } | Ioctl { node, fh, .. } => (node, fh, None),
             Read { node, fh, .. }
             | Write { node, fh, .. }
             | Flush { node, fh }
