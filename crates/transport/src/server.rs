@@ -492,8 +492,11 @@ impl Server {
         match identity {
             Identity::AsSent => sent.into(),
             Identity::RootSquash if sent.uid == 0 => Caller::confined(NOBODY, NOBODY, sent.pid, &[NOBODY]),
+            // Root's group is squashed too, as nfsd's root_squash maps gid 0 to anongid: a
+            // client may not claim it. (A user whose groups on the server include 0 keeps it.)
             Identity::RootSquash => {
-                Caller { confined: Some(self.groups_of(sent.uid, sent.gid)), ..Caller::new(sent.uid, sent.gid, sent.pid) }
+                let gid = if sent.gid == 0 { NOBODY } else { sent.gid };
+                Caller { confined: Some(self.groups_of(sent.uid, gid)), ..Caller::new(sent.uid, gid, sent.pid) }
             }
             Identity::Fixed { uid, gid, groups } => Caller { confined: Some(groups), ..Caller::new(uid, gid, sent.pid) },
         }

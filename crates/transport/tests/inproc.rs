@@ -240,3 +240,38 @@ fn round_trip_cost() {
         eprintln!("{what}: {:.2} us per getattr", t.elapsed().as_secs_f64() * 1e6 / n as f64);
     }
 }
+
+/// Root squash maps root's group as well as root (as nfsd does): a client with the key may not
+/// claim group 0 for another user, and a squashed root has only nobody's group.
+#[test]
+fn root_squash_takes_group_0_away_too() {
+    if unsafe { libc::geteuid() } != 0 {
+        return;
+    }
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = tempfile::tempdir().unwrap();
+    let lower = dir.path().join("lower");
+    std::fs::create_dir(&lower).unwrap();
+    std::fs::set_permissions(&lower, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let stack = plyfs_stack::Stack::build(&[], &[], Arc::new(LowerDir::open(&lower).unwrap())).unwrap();
+    let server = Server::for_stack(&stack, ServerOptions::default());
+    let (client, served) = UnixStream::pair().unwrap();
+    std::thread::spawn(move || server.serve(Box::new(served), "squashed", plyfs_transport::server::Identity::RootSquash, None));
+    let mut s = client;
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&wire::PREAMBLE).unwrap();
+    wire::write_frame(&mut s, &wire::encode(&Message::Hello { versions: vec![1], software: "test".into(), auth: None }), &[]).unwrap();
+    wire::read_preamble(&mut s).unwrap();
+    let f = wire::read_frame(&mut s).unwrap();
+    assert!(matches!(wire::decode(&f.header), Ok(Message::Welcome { .. })));
+    for (name, uid, gid) in [("as-1000-group-0", 1000, 0), ("as-root", 0, 0)] {
+        let op = WireOp::MkDir { parent: 1, name: serde_bytes::ByteBuf::from(name.as_bytes().to_vec()), mode: 0o2777 };
+        let req = Message::Req { id: 9, caller: WireCaller { uid, gid, pid: 1 }, op };
+        wire::write_frame(&mut s, &wire::encode(&req), &[]).unwrap();
+        let f = wire::read_frame(&mut s).unwrap();
+        assert!(matches!(wire::decode(&f.header).unwrap(), Message::Rep { id: 9, .. }));
+        let m = std::fs::metadata(lower.join(name)).unwrap();
+        assert_ne!(m.gid(), 0, "{name}: group 0 claimed by a squashed client");
+        assert_eq!(m.uid(), if uid == 0 { 65534 } else { uid }, "{name}");
+    }
+}
