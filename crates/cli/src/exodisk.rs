@@ -207,7 +207,7 @@ fn detach(volume: &Path, socket: &Path, key: &Path, log: Option<PathBuf>) -> Res
         p.push(".log");
         PathBuf::from(p)
     });
-    let out = std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let out = plyfs_stack::private::open_log(&log).map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = {
         use std::os::unix::process::CommandExt;
