@@ -368,6 +368,7 @@ fn serve_inner(
                 crate::tree::Lower::Exodisk(_) => Some("exofs has no lower files to hand to the kernel".to_owned()),
             },
             shared: opts.shared,
+            fanin: opts.fanin,
         },
         threads: opts.threads,
         // Across a transport, a longer read-ahead keeps several reads in flight.
@@ -479,13 +480,9 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_
     let uid = unsafe { libc::geteuid() };
     let log = match &args.log {
         Some(l) => std::path::absolute(l).map_err(|e| format!("--log {}: {e}", l.display()))?,
-        None => {
-            control::ensure_runtime_dir(uid).map_err(|e| e.to_string())?;
-            control::log_path(uid, mountpoint)
-        }
+        None => control::log_path(uid, mountpoint).map_err(|e| e.to_string())?,
     };
-    let log_file =
-        std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(|e| format!("log {}: {e}", log.display()))?;
+    let log_file = plyfs_stack::private::open_log(&log).map_err(|e| e.to_string())?;
 
     let (read_end, write_end) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
     let write_fd = write_end.as_raw_fd();

@@ -222,7 +222,7 @@ fn detach(volume: &Path, socket: &Path, key: &Path, log: Option<PathBuf>, limits
         p.push(".log");
         PathBuf::from(p)
     });
-    let out = open_log(&log)?;
+    let out = plyfs_stack::private::open_log(&log).map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = {
         use std::os::unix::process::CommandExt;
@@ -260,28 +260,6 @@ fn detach(volume: &Path, socket: &Path, key: &Path, log: Option<PathBuf>, limits
 }
 
 use std::os::unix::net::UnixStream;
-
-/// The service's log: 0600, never opened through a symlink, and made 0600 if it was not (it
-/// names volumes and roots, and a log others can write can be forged).
-fn open_log(log: &Path) -> Result<std::fs::File, String> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    let shown = log.display();
-    let out = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(log)
-        .map_err(|e| format!("{shown}: {e}"))?;
-    let meta = out.metadata().map_err(|e| format!("{shown}: {e}"))?;
-    if !meta.is_file() {
-        return Err(format!("{shown}: not a regular file"));
-    }
-    if meta.permissions().mode() & 0o077 != 0 {
-        out.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(|e| format!("{shown}: {e}"))?;
-    }
-    Ok(out)
-}
 
 fn stat(socket: &Path) -> Result<(), String> {
     let c = connect(socket)?;

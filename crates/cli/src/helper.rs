@@ -219,6 +219,7 @@ mod tests {
     fn stack_specs_keep_their_commas() {
         let o = |s: &str| split_options(&[s.to_owned()], KINDS);
         assert_eq!(o("stack=zstd,crypt,allow_other"), ["stack=zstd,crypt", "allow_other"]);
+        assert_eq!(o("stack=trace,zstd,fanin=all"), ["stack=trace,zstd", "fanin=all"]);
         assert_eq!(o("ro,stack=trace:log=/t,null,passfile=/p"), ["ro", "stack=trace:log=/t,null", "passfile=/p"]);
         assert_eq!(o("stack=union[zstd,crypt|null],branch=/b=ro"), ["stack=union[zstd,crypt|null]", "branch=/b=ro"]);
         assert_eq!(o("noexec,stack=null"), ["noexec", "stack=null"]);

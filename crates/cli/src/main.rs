@@ -315,11 +315,15 @@ fn umount(path: &Path, lazy: bool) -> Result<(), String> {
         Unmounted::Done => {}
         Unmounted::Lazily => eprintln!("plyfs: {shown} detached; its daemon exits when the last open file is closed"),
     }
-    let socket = control::socket_path(entry.user_id.unwrap_or(0), &mountpoint);
+    // None: the runtime directory is not one the mount's owner could have used (its socket
+    // cannot be there).
+    let socket = control::socket_path(entry.user_id.unwrap_or(0), &mountpoint).ok();
     if stale {
-        let _ = std::fs::remove_file(&socket);
+        if let Some(socket) = &socket {
+            let _ = std::fs::remove_file(socket);
+        }
         eprintln!("plyfs: {shown}: its daemon had died; the stale mount is cleaned up");
-    } else if !lazy {
+    } else if let (false, Some(socket)) = (lazy, &socket) {
         // Return once the daemon has finished (flushed its logs and removed its socket).
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while socket.exists() && std::time::Instant::now() < deadline {

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use plyfs_fuse::mount::KERNEL_FLAGS;
-use plyfs_fuse::UringChoice;
+use plyfs_fuse::{FanIn, UringChoice};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct MountOptions {
@@ -23,6 +23,8 @@ pub struct MountOptions {
     pub shared: bool,
     /// Unmount after this long without a request and with nothing open (`-o idle=DURATION`).
     pub idle: Option<Duration>,
+    /// Who may use the fan-in paths under `MNT/.plyfs/` (`-o fanin=owner|all|none`).
+    pub fanin: FanIn,
     pub flags: Vec<String>,
 }
 
@@ -40,13 +42,15 @@ impl Default for MountOptions {
             read_only: false,
             shared: false,
             idle: None,
+            fanin: FanIn::Owner,
             flags: Vec::new(),
         }
     }
 }
 
 pub const HELP: &str = "comma-separated: passthrough=on|off, io_uring=auto|on|off (auto: where the kernel allows it), entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
-idle=DURATION (unmount after that long unused: 90s, 10m, 1h30m), shared, allow_other, allow_root, ro, and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
+idle=DURATION (unmount after that long unused: 90s, 10m, 1h30m), fanin=owner|all|none (who may use MNT/.plyfs/: the mount's owner and root, the default; \
+every user the mount lets in; no one), shared, allow_other, allow_root, ro, and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
 
 fn seconds(key: &str, v: &str) -> Result<Duration, String> {
     let s: f64 = v.parse().map_err(|_| format!("-o {key}={v}: not a number of seconds"))?;
@@ -121,6 +125,9 @@ pub fn parse(args: &[String]) -> Result<MountOptions, String> {
             ("rw", None) => o.read_only = false,
             ("idle", Some(v)) => o.idle = Some(duration(key, v)?),
             ("shared", None) => o.shared = true,
+            ("fanin", Some(v)) => {
+                o.fanin = FanIn::parse(v).ok_or(format!("-o fanin={v}: expected owner, all or none"))?
+            }
             ("default_permissions", None) => {} // always on
             (flag, None) if KERNEL_FLAGS.contains(&flag) => o.flags.push(flag.to_owned()),
             _ => return Err(format!("unknown mount option '{opt}' ({HELP})")),
@@ -135,6 +142,10 @@ mod tests {
 
     #[test]
     fn parses_own_and_kernel_options() {
+        assert_eq!(parse(&[]).unwrap().fanin, FanIn::Owner);
+        assert_eq!(parse(&["fanin=all".into()]).unwrap().fanin, FanIn::All);
+        assert_eq!(parse(&["fanin=none".into()]).unwrap().fanin, FanIn::None);
+        assert!(parse(&["fanin=everyone".into()]).unwrap_err().contains("owner, all or none"));
         let o = parse(&["passthrough=off,attr_timeout=2.5".into(), "allow_other,noexec,threads=8".into()]).unwrap();
         assert!(!o.passthrough);
         assert_eq!(o.attr_ttl, Duration::from_millis(2500));

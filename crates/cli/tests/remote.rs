@@ -135,12 +135,19 @@ fn requests_while_a_server_stays_down_fail_with_eio_after_the_timeout_and_the_mo
     assert_eq!(std::fs::read(m.path("f")).unwrap(), b"x");
 }
 
+/// A pre-shared key file as it must be: 0600 (plyfs refuses one that others may read).
+fn write_key(path: &std::path::Path, key: [u8; 32]) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).unwrap().write_all(&key).unwrap();
+}
+
 #[test]
 fn tls_with_the_right_key_works_and_a_wrong_key_is_refused_with_one_log_line() {
     let s = setup();
     let (key, bad) = (s.root.join("psk"), s.root.join("bad"));
-    std::fs::write(&key, [7u8; 32]).unwrap();
-    std::fs::write(&bad, [8u8; 32]).unwrap();
+    write_key(&key, [7u8; 32]);
+    write_key(&bad, [8u8; 32]);
     let addr = format!("tcp:127.0.0.1:{}", free_port());
     let key_arg = format!("--psk={}", key.display());
     let server = Server::start(&s.lower, &addr, &[&key_arg, "--no-root-squash"], &s.root.join("server.log"));
@@ -165,7 +172,7 @@ fn tls_with_the_right_key_works_and_a_wrong_key_is_refused_with_one_log_line() {
 fn root_is_squashed_over_tcp_unless_asked() {
     let s = setup();
     let key = s.root.join("psk");
-    std::fs::write(&key, [7u8; 32]).unwrap();
+    write_key(&key, [7u8; 32]);
     let key_arg = format!("--psk={}", key.display());
     let addr = format!("tcp:127.0.0.1:{}", free_port());
     let _server = Server::start(&s.lower, &addr, &[&key_arg], &s.root.join("server.log"));

@@ -15,7 +15,7 @@
 
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
@@ -26,13 +26,39 @@ use serde_json::{json, Value};
 use crate::fs::LEVELS_DIR;
 use crate::mountinfo;
 
-/// Where the daemons of `uid` keep their sockets and logs.
-pub fn runtime_dir(uid: u32) -> PathBuf {
-    if uid == 0 {
+/// Where the daemons of `uid` keep their sockets and logs: `/run/plyfs` for root; for other
+/// users `$XDG_RUNTIME_DIR/plyfs` when `XDG_RUNTIME_DIR` (else `/run/user/UID`) is a directory
+/// that `uid` owns with mode 0700, else `/tmp/plyfs-UID`. The directory is made 0700 if missing
+/// when `create` is set, and must be a real directory (not a symbolic link) owned by `uid` with
+/// mode 0700, or the answer is an error naming it: another user may have made it first in
+/// `/tmp`. The daemon and every client (`plyfs op`, `plyfs umount`) go through here.
+pub fn runtime_dir(uid: u32, create: bool) -> std::io::Result<PathBuf> {
+    let xdg = std::env::var_os("XDG_RUNTIME_DIR");
+    choose_runtime_dir(uid, xdg.as_deref().map(Path::new), Path::new("/tmp"), create)
+}
+
+/// [`runtime_dir`], with the environment's `XDG_RUNTIME_DIR` and the shared temporary
+/// directory given (for tests).
+pub fn choose_runtime_dir(uid: u32, xdg: Option<&Path>, tmp: &Path, create: bool) -> std::io::Result<PathBuf> {
+    let dir = if uid == 0 {
         PathBuf::from("/run/plyfs")
     } else {
-        PathBuf::from(format!("/tmp/plyfs-{uid}"))
+        let per_user = PathBuf::from(format!("/run/user/{uid}"));
+        let private_base = [xdg.filter(|x| x.is_absolute()), Some(per_user.as_path())]
+            .into_iter()
+            .flatten()
+            .find(|base| plyfs_stack::private::check_private_dir(base, uid).is_ok());
+        match private_base {
+            Some(base) => base.join("plyfs"),
+            None => tmp.join(format!("plyfs-{uid}")),
+        }
+    };
+    if create {
+        plyfs_stack::private::private_dir(&dir, uid)?;
+    } else {
+        plyfs_stack::private::check_private_dir(&dir, uid)?;
     }
+    Ok(dir)
 }
 
 fn mount_key(mountpoint: &Path) -> String {
@@ -45,31 +71,20 @@ fn mount_key(mountpoint: &Path) -> String {
     format!("{hash:016x}")
 }
 
-pub fn socket_path(uid: u32, mountpoint: &Path) -> PathBuf {
-    runtime_dir(uid).join(format!("{}.sock", mount_key(mountpoint)))
+/// The control socket of `uid`'s mount at `mountpoint`, in a runtime directory that passed
+/// [`runtime_dir`]'s checks.
+pub fn socket_path(uid: u32, mountpoint: &Path) -> std::io::Result<PathBuf> {
+    Ok(runtime_dir(uid, false)?.join(format!("{}.sock", mount_key(mountpoint))))
 }
 
-/// The default log file of a background daemon.
-pub fn log_path(uid: u32, mountpoint: &Path) -> PathBuf {
-    runtime_dir(uid).join(format!("{}.log", mount_key(mountpoint)))
+/// The default log file of a background daemon (the runtime directory is made if missing).
+pub fn log_path(uid: u32, mountpoint: &Path) -> std::io::Result<PathBuf> {
+    Ok(runtime_dir(uid, true)?.join(format!("{}.log", mount_key(mountpoint))))
 }
 
 /// Create the runtime directory, private to its user.
 pub fn ensure_runtime_dir(uid: u32) -> std::io::Result<PathBuf> {
-    let dir = runtime_dir(uid);
-    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(e),
-    }
-    let meta = std::fs::symlink_metadata(&dir)?;
-    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
-        return Err(std::io::Error::other(format!(
-            "{} must be a directory owned by uid {uid} with mode 0700",
-            dir.display()
-        )));
-    }
-    Ok(dir)
+    runtime_dir(uid, true)
 }
 
 /// Serves extended operations for one mount until dropped.
@@ -80,8 +95,7 @@ pub struct ControlServer {
 impl ControlServer {
     pub fn start(stack: Arc<Stack>, mountpoint: &Path) -> std::io::Result<ControlServer> {
         let uid = unsafe { libc::geteuid() };
-        ensure_runtime_dir(uid)?;
-        let path = socket_path(uid, mountpoint);
+        let path = ensure_runtime_dir(uid)?.join(format!("{}.sock", mount_key(mountpoint)));
         if path.exists() {
             if UnixStream::connect(&path).is_ok() {
                 return Err(std::io::Error::other(format!("{} is in use by another daemon", path.display())));
@@ -89,6 +103,8 @@ impl ControlServer {
             std::fs::remove_file(&path)?;
         }
         let listener = UnixListener::bind(&path)?;
+        // Only the owner connects (root too, whatever the mode); the daemon's umask is 0.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
         std::thread::Builder::new().name("control".into()).spawn(move || {
             for conn in listener.incoming() {
                 let Ok(conn) = conn else { continue };
@@ -270,7 +286,9 @@ pub fn call_op_with_progress(path: &Path, op: &str, args: &[String], progress: &
         Some((n, l)) => (n, Some(l)),
         None => (op, None),
     };
-    let socket = socket_path(mount.user_id.unwrap_or(0), &mount.mountpoint);
+    let owner = mount.user_id.unwrap_or(0);
+    let socket = socket_path(owner, &mount.mountpoint)
+        .map_err(|e| format!("cannot reach the daemon of {}: {e}", mount.mountpoint.display()))?;
     let conn = UnixStream::connect(&socket).map_err(|e| {
         format!(
             "cannot reach the daemon of {} ({}: {e}); if it was killed, `plyfs umount {}` cleans up",
@@ -279,6 +297,12 @@ pub fn call_op_with_progress(path: &Path, op: &str, args: &[String], progress: &
             mount.mountpoint.display()
         )
     })?;
+    // The socket must be served by the mount's owner (or root), not by someone who took its
+    // place.
+    match peer(&conn) {
+        Some(p) if p.uid == owner || p.uid == 0 => {}
+        _ => return Err(format!("{}: not served by uid {owner}, the owner of the mount; refusing it", socket.display())),
+    }
     let request = json!({ "path": rel.to_string_lossy(), "op": name, "args": args, "layer": layer, "progress": true });
     let mut out = &conn;
     writeln!(out, "{request}").map_err(|e| format!("control socket: {e}"))?;

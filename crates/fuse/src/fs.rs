@@ -41,6 +41,33 @@ pub struct FrontOptions {
     /// Other mounts share the lowers (`-o shared`): pages are not kept from one open to the
     /// next (close-to-open consistency, as NFS gives).
     pub shared: bool,
+    /// Who may use the fan-in paths under `.plyfs/` (`-o fanin=owner|all|none`).
+    pub fanin: FanIn,
+}
+
+/// Who may reach the fan-in views under `MNT/.plyfs/` (`-o fanin=`). The views go below layers
+/// (a `trace` audit, a per-file policy), so they are the mount owner's to hand out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FanIn {
+    /// The mount's owner and root (the default): `.plyfs` is mode 0500, owned by the owner;
+    /// anyone else gets `EACCES`.
+    #[default]
+    Owner,
+    /// Every user the mount lets in (`allow_other`), as far as the files' own modes allow.
+    All,
+    /// No one: `.plyfs` does not resolve (`ENOENT`); `OP@LAYER` through `plyfs op` still works.
+    None,
+}
+
+impl FanIn {
+    pub fn parse(text: &str) -> Option<FanIn> {
+        match text {
+            "owner" => Some(FanIn::Owner),
+            "all" => Some(FanIn::All),
+            "none" => Some(FanIn::None),
+            _ => None,
+        }
+    }
 }
 
 impl Default for FrontOptions {
@@ -51,6 +78,7 @@ impl Default for FrontOptions {
             passthrough: true,
             no_passthrough_because: None,
             shared: false,
+            fanin: FanIn::Owner,
         }
     }
 }
@@ -212,6 +240,8 @@ pub struct FuseFs {
     started: SystemTime,
     /// POSIX ACLs negotiated (see [`FuseFs::new_mode`]).
     posix_acl: AtomicBool,
+    /// The user the daemon runs as: the mount's owner (for `-o fanin=owner`).
+    owner: u32,
 }
 
 fn errno(e: &Error) -> i32 {
@@ -279,6 +309,7 @@ impl FuseFs {
             dir_pending: Mutex::new(HashMap::new()),
             started: SystemTime::now(),
             posix_acl: AtomicBool::new(false),
+            owner: unsafe { libc::geteuid() },
         };
         (fs, status)
     }
@@ -307,12 +338,29 @@ impl FuseFs {
         }
     }
 
+    /// Whether `cx` may use the fan-in paths (`-o fanin=`): `EACCES` for others, `ENOENT` for
+    /// everyone when they are off.
+    fn may_fan_in(&self, cx: &Caller) -> Res<()> {
+        match self.options.fanin {
+            FanIn::All => Ok(()),
+            FanIn::Owner if cx.uid == self.owner || cx.uid == 0 => Ok(()),
+            FanIn::Owner => Err(libc::EACCES),
+            FanIn::None => Err(libc::ENOENT),
+        }
+    }
+
     fn is_levels_dir_name(&self, parent: u64, name: &OsStr) -> bool {
         parent == NodeId::ROOT.0 && name == LEVELS_DIR
     }
 
     fn levels_dir_attr(&self) -> NodeOut {
         let root = self.stack.top().getattr(&Caller::daemon(), NodeId::ROOT).ok();
+        // With `fanin=owner`, the kernel (default_permissions) keeps everyone but the owner and
+        // root out of `.plyfs`, even through a cached entry; the daemon checks again.
+        let (perm, uid) = match self.options.fanin {
+            FanIn::All => (0o555, root.map_or(0, |a| a.uid)),
+            FanIn::Owner | FanIn::None => (0o500, self.owner),
+        };
         let attr = Attr {
             size: 0,
             blocks: 0,
@@ -320,9 +368,9 @@ impl FuseFs {
             mtime: self.started,
             ctime: self.started,
             kind: FileKind::Dir,
-            perm: 0o555,
+            perm,
             nlink: 2,
-            uid: root.map_or(0, |a| a.uid),
+            uid,
             gid: root.map_or(0, |a| a.gid),
             rdev: 0,
             blksize: 4096,
@@ -550,7 +598,11 @@ impl FuseFs {
 impl FuseFs {
     pub(crate) fn lookup(&self, cx: &Caller, parent: u64, name: &OsStr) -> Res<NodeOut> {
         if self.is_levels_dir_name(parent, name) {
+            self.may_fan_in(cx)?;
             return Ok(self.levels_dir_attr());
+        }
+        if parent == LEVELS_DIR_INO || parent >> VIEW_SHIFT != 0 {
+            self.may_fan_in(cx)?;
         }
         if parent == LEVELS_DIR_INO {
             let Some((view, level)) = name.to_str().and_then(|n| self.stack.view_named(n)).and_then(|v| Some((v, self.stack.view(v)?))) else {

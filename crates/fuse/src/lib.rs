@@ -17,5 +17,5 @@ pub mod mount;
 pub mod mountinfo;
 pub mod uring;
 
-pub use fs::{FrontOptions, FrontStatus, IoMode, LEVELS_DIR};
+pub use fs::{FanIn, FrontOptions, FrontStatus, IoMode, LEVELS_DIR};
 pub use mount::{check_mountpoint, unmount, MountError, MountRequest, Mounted, Transport, Unmounted, UringChoice};

@@ -6,7 +6,7 @@
 //! open files then go from the kernel to the lower file and are not seen here. `io=on` makes
 //! the layer observe data, which keeps every read and write on the traced path.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -304,11 +304,10 @@ fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
         Some(path) => {
             let path = std::path::absolute(path)
                 .map_err(|e| Error::config(format!("layer '{}': log '{path}': {e}", args.name)))?;
-            let file = OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&path)
-                .map_err(|e| Error::config(format!("layer '{}': cannot open log {}: {e}", args.name, path.display())))?;
+            // 0600 whatever the daemon's umask, never through a symbolic link: the log holds
+            // the names a crypt layer below hides, and is an audit trail others must not forge.
+            let file = plyfs_stack::private::open_log(&path)
+                .map_err(|e| Error::config(format!("layer '{}': cannot open {e}", args.name)))?;
             (Some(LogWriter::start(path.clone(), file)), Some(path))
         }
     };

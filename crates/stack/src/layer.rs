@@ -126,12 +126,26 @@ pub fn unsupported(op: &Op<'_>) -> Error {
 pub struct Level {
     layer: Arc<dyn Layer>,
     shares_lower_bytes: bool,
+    /// This handle refuses every change with `EROFS` (the view of a branch mounted `=ro`).
+    read_only: bool,
 }
 
 impl Level {
     pub fn new(layer: Arc<dyn Layer>) -> Level {
         let shares_lower_bytes = layer.data_path() == DataPath::Transparent;
-        Level { layer, shares_lower_bytes }
+        Level { layer, shares_lower_bytes, read_only: false }
+    }
+
+    /// The same level, through a handle that refuses every change with `EROFS`
+    /// ([`crate::readonly::changes_storage`]): what a fan-in view of a read-only branch calls,
+    /// so that the branch's `ro` holds on every path, not only through the fan-out layer.
+    pub fn read_only(&self) -> Level {
+        Level { read_only: true, ..self.clone() }
+    }
+
+    /// Whether this handle refuses changes (see [`Level::read_only`]).
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
     }
 
     pub fn layer(&self) -> &Arc<dyn Layer> {
@@ -151,6 +165,9 @@ impl Level {
     /// costs a call, not a copy of the arguments.
     #[inline]
     pub fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        if self.read_only && crate::readonly::changes_storage(op) {
+            return Err(crate::Error::Os(libc::EROFS));
+        }
         if self.shares_lower_bytes {
             return self.layer.call(cx, op);
         }

@@ -21,6 +21,7 @@ pub mod ioctl;
 mod layer;
 mod lowerdir;
 mod op;
+pub mod private;
 pub mod progress;
 pub mod readonly;
 pub mod setid;

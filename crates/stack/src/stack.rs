@@ -224,15 +224,24 @@ impl Stack {
     }
 
     fn collect_named(&self, prefix: &str, out: &mut Vec<NamedLevel>) {
+        self.collect_named_in(prefix, false, out)
+    }
+
+    /// `read_only`: this stack is (inside) a branch mounted `=ro`, and every level of it is
+    /// handed out through a handle that refuses changes, so no fan-in path writes to it.
+    fn collect_named_in(&self, prefix: &str, read_only: bool, out: &mut Vec<NamedLevel>) {
+        let guard = |l: &Level| if read_only { l.read_only() } else { l.clone() };
         for (i, level) in self.levels.iter().enumerate() {
-            let below = self.levels.get(i + 1).cloned();
-            out.push(NamedLevel { name: format!("{prefix}{}", level.name()), level: level.clone(), below });
+            let below = self.levels.get(i + 1).map(guard);
+            out.push(NamedLevel { name: format!("{prefix}{}", level.name()), level: guard(level), below });
         }
         let last = self.levels.last().expect("a stack has a bottom");
         for branch in last.layer().branches() {
             let name = format!("{prefix}{}", branch.name);
-            out.push(NamedLevel { name: name.clone(), level: branch.top().clone(), below: Some(branch.top().clone()) });
-            branch.stack.collect_named(&format!("{name}."), out);
+            let ro = read_only || !branch.writable();
+            let top = if ro { branch.top().read_only() } else { branch.top().clone() };
+            out.push(NamedLevel { name: name.clone(), level: top.clone(), below: Some(top) });
+            branch.stack.collect_named_in(&format!("{name}."), ro, out);
         }
     }
 
@@ -248,9 +257,10 @@ impl Stack {
             self.named_levels().into_iter().filter_map(|n| n.below.map(|b| (n.name, b))).collect();
         let mut views = self.views.write();
         for (name, level) in views.iter_mut() {
-            let alive = current.iter().any(|(n, l)| n == name && level.as_ref().is_some_and(|v| v.same(l)));
-            if !alive {
-                *level = None;
+            match current.iter().find(|(n, l)| n == name && level.as_ref().is_some_and(|v| v.same(l))) {
+                // A branch switched between ro and rw keeps its number, with the new handle.
+                Some((_, l)) => *level = Some(l.clone()),
+                None => *level = None,
             }
         }
         for (name, level) in current {

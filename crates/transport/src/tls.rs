@@ -36,13 +36,34 @@ const EXPORTER_LABEL: &[u8] = b"EXPORTER-plyfs-psk-binding";
 pub struct Psk(Arc<Zeroizing<Vec<u8>>>);
 
 impl Psk {
+    /// Read the key file at `path`. As ssh does with a private key, a file that the group or
+    /// others may read or write is refused (`chmod 600` it), and so is one owned by another user
+    /// than the one running plyfs (root may use anyone's).
     pub fn load(path: &Path) -> Result<Psk, String> {
-        use std::os::unix::fs::PermissionsExt;
-        let meta = std::fs::metadata(path).map_err(|e| format!("key file {}: {e}", path.display()))?;
-        if meta.permissions().mode() & 0o077 != 0 {
-            tracing::warn!("key file {}: readable by others (chmod 600 it)", path.display());
+        use std::io::Read;
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+        let shown = path.display();
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+            .open(path)
+            .map_err(|e| format!("key file {shown}: {e}"))?;
+        let meta = file.metadata().map_err(|e| format!("key file {shown}: {e}"))?;
+        if !meta.is_file() {
+            return Err(format!("key file {shown}: not a regular file"));
         }
-        let key = Zeroizing::new(std::fs::read(path).map_err(|e| format!("key file {}: {e}", path.display()))?);
+        let me = unsafe { libc::geteuid() };
+        if me != 0 && meta.uid() != me {
+            return Err(format!("key file {shown}: owned by uid {}, not by uid {me} who runs plyfs; refusing it", meta.uid()));
+        }
+        if meta.mode() & 0o077 != 0 {
+            return Err(format!(
+                "key file {shown}: mode {:04o} lets others read or change it; refusing it (chmod 600 {shown})",
+                meta.mode() & 0o7777
+            ));
+        }
+        let mut key = Zeroizing::new(Vec::with_capacity(64));
+        file.read_to_end(&mut key).map_err(|e| format!("key file {shown}: {e}"))?;
         if key.len() < 32 {
             return Err(format!(
                 "key file {}: {} bytes, at least 32 needed (make one with `head -c 32 /dev/urandom > FILE`)",
