@@ -38,7 +38,8 @@ pub struct MountArgs {
     /// Mount options.
     #[arg(short = 'o', value_name = "OPTIONS", help = options::HELP)]
     options: Vec<String>,
-    /// Where a background daemon logs (default: next to its control socket).
+    /// Where a background daemon logs (default: next to its control socket); made 0600, and
+    /// refused if it is a symbolic link or another user's file.
     #[arg(long)]
     log: Option<PathBuf>,
     /// Log more (debug); repeat for every request (trace).
@@ -50,7 +51,8 @@ pub struct MountArgs {
     /// Internal: the pipe the parent hands an unlocked volume's master key over on.
     #[arg(long, hide = true)]
     key_fd: Option<i32>,
-    /// The pre-shared key file of a `tcp:` server (at least 32 bytes, the same as the server's).
+    /// The pre-shared key file of a `tcp:` server (at least 32 bytes, the same as the server's;
+    /// mode 0600 and yours, or it is refused).
     #[arg(long, value_name = "FILE")]
     psk: Option<PathBuf>,
     /// The password or key file of a crypt volume.

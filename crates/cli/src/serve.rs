@@ -26,7 +26,7 @@ pub struct ServeArgs {
     #[arg(long = "allow-uid", value_name = "UID")]
     allow_uids: Vec<u32>,
     /// The pre-shared key file clients must prove they hold (TCP; at least 32 bytes, e.g.
-    /// `head -c 32 /dev/urandom > FILE`).
+    /// `head -c 32 /dev/urandom > FILE`; mode 0600 and yours, or it is refused).
     #[arg(long, value_name = "FILE")]
     psk: Option<PathBuf>,
     /// Act as root for TCP clients' root requests (by default they act as nobody, as NFS's

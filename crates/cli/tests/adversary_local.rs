@@ -132,6 +132,18 @@ fn a_read_only_branch_stays_read_only_through_its_fan_in_view() {
 }
 
 #[test]
+fn the_levels_inside_a_read_only_branch_are_read_only_too() {
+    let (dir, _, [upper, ro, mnt]) = open_scratch(["upper", "ro", "mnt"]);
+    let branch = format!("--branch={}=ro", ro.display());
+    let m = Mount::start(dir, upper, mnt, "union[null|zstd@=ro]", &[&branch]);
+    for view in [".plyfs/union.1", ".plyfs/union.1.zstd"] {
+        let err = fs::write(m.path(view).join("new"), b"planted").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{view}: {err}");
+    }
+    assert_eq!(fs::read_dir(&ro).unwrap().count(), 0);
+}
+
+#[test]
 fn nobody_cannot_go_below_trace_on_an_allow_other_mount_unless_the_owner_says_so() {
     for (fanin, nobody_may) in [(None, false), (Some("fanin=owner"), false), (Some("fanin=all"), true)] {
         let (dir, root, [lower, mnt]) = open_scratch(["lower", "mnt"]);
