@@ -11,17 +11,6 @@ use std::process::Command;
 
 use common::*;
 
-/// Run `argv` as the user nobody (65534), with no supplementary groups; its exit status and
-/// standard error.
-fn as_nobody(argv: &[&str]) -> (bool, String) {
-    let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
-        .args(argv)
-        .output()
-        .expect("setpriv (util-linux)");
-    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
 fn setfacl(args: &[&str], path: &Path) {
     let out = Command::new("setfacl").args(args).arg(path).output().expect("setfacl (acl)");
     assert!(out.status.success(), "setfacl {args:?} {}: {}", path.display(), String::from_utf8_lossy(&out.stderr));

@@ -12,16 +12,6 @@ use std::process::Command;
 use common::exodisk::*;
 use common::*;
 
-/// Run `argv` as nobody (65534), with no supplementary groups: its success and standard error.
-fn as_nobody(argv: &[&str]) -> (bool, String) {
-    let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
-        .args(argv)
-        .output()
-        .expect("setpriv (util-linux)");
-    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
 fn mode(p: &Path) -> u32 {
     fs::metadata(p).unwrap().permissions().mode() & 0o7777
 }

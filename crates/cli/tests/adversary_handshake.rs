@@ -158,6 +158,24 @@ fn assert_logged_once(log: &str, what: &str) {
     assert!(all <= 2, "{all} refusals logged for one client's attacks:\n{log}");
 }
 
+/// Hold a client's whole share of connections to `socket` (once the server has let earlier
+/// attackers go), then knock 20 times more: the held connections, and what each knock was told.
+fn fill_then_knock(socket: &Path) -> (Vec<UnixStream>, Vec<Vec<u8>>) {
+    std::thread::sleep(Duration::from_millis(500));
+    let held: Vec<UnixStream> = (0..PER_CLIENT).map(|_| UnixStream::connect(socket).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let answers = (0..20)
+        .map(|_| {
+            let mut s = UnixStream::connect(socket).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+            let mut answer = Vec::new();
+            let _ = s.read_to_end(&mut answer);
+            answer
+        })
+        .collect();
+    (held, answers)
+}
+
 #[test]
 fn serve_on_a_unix_socket_holds_against_oversized_and_slow_hellos() {
     let (_dir, root, [lower]) = scratch_dirs(["lower"]);
@@ -199,14 +217,8 @@ fn serve_on_a_unix_socket_holds_against_oversized_and_slow_hellos() {
     // Up to the limit, silent peers hold their places until the deadline; the next ones are
     // refused at once, with the reason.
     // (Once the server has let the attackers above go.)
-    std::thread::sleep(Duration::from_millis(500));
-    let held: Vec<UnixStream> = (0..PER_CLIENT).map(|_| UnixStream::connect(&socket).unwrap()).collect();
-    std::thread::sleep(Duration::from_millis(200));
-    for _ in 0..20 {
-        let mut s = UnixStream::connect(&socket).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
-        let mut answer = Vec::new();
-        let _ = s.read_to_end(&mut answer);
+    let (held, answers) = fill_then_knock(&socket);
+    for answer in answers {
         assert!(answer.starts_with(PREAMBLE), "an over-limit peer got {answer:?}");
         let text = String::from_utf8_lossy(&answer);
         assert!(text.contains("refused") && text.contains(&format!("maximum of {PER_CLIENT}")), "over the limit: {text}");
@@ -474,14 +486,8 @@ fn the_exodisk_service_holds_against_oversized_and_slow_hellos() {
 
     // Over the per-user limit: refused at once with the reason, logged once.
     // (Once the server has let the attackers above go.)
-    std::thread::sleep(Duration::from_millis(500));
-    let held: Vec<UnixStream> = (0..PER_CLIENT).map(|_| UnixStream::connect(&socket).unwrap()).collect();
-    std::thread::sleep(Duration::from_millis(200));
-    for _ in 0..20 {
-        let mut s = UnixStream::connect(&socket).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
-        let mut answer = Vec::new();
-        let _ = s.read_to_end(&mut answer);
+    let (held, answers) = fill_then_knock(&socket);
+    for answer in answers {
         let text = String::from_utf8_lossy(&answer);
         assert!(text.contains(&format!("maximum of {PER_CLIENT}")), "over the limit: {answer:?}");
     }

@@ -23,6 +23,18 @@ pub fn run(cmd: &mut Command) -> Output {
     cmd.stdin(Stdio::null()).output().expect("run command")
 }
 
+/// Run `argv` as the user nobody (65534), with no supplementary groups: its success and standard
+/// error.
+pub fn as_nobody(argv: &[&str]) -> (bool, String) {
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .args(argv)
+        .stdin(Stdio::null())
+        .output()
+        .expect("setpriv (util-linux)");
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
