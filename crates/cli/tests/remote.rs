@@ -91,15 +91,10 @@ fn the_server_killed_and_restarted_loses_no_fsynced_byte_and_the_client_goes_on(
         synced = i + 1;
     };
     (0..100).for_each(&mut write);
-    server.kill();
-    std::thread::scope(|sc| {
-        // Back in a moment: the writes meanwhile wait for it (within the timeout).
-        sc.spawn(|| {
-            std::thread::sleep(Duration::from_millis(700));
-            server.restart();
-        });
-        (100..300).for_each(&mut write);
-    });
+    // Back in a moment: the writes meanwhile wait for it (within the timeout).
+    let back = server.kill_and_restart_after(Duration::from_millis(700));
+    (100..300).for_each(&mut write);
+    server.wait_restarted(back);
     drop(write);
     drop(f);
     // The descriptor opened before the crash still reads, without a remount.
@@ -458,16 +453,11 @@ fn the_server_killed_under_writes_sent_ahead_loses_nothing_and_fsync_finds_it_al
         f.write_all(&block(i)).unwrap();
     }
     // Killed with writes in flight, back a little later.
-    server.kill();
-    std::thread::scope(|sc| {
-        sc.spawn(|| {
-            std::thread::sleep(Duration::from_millis(500));
-            server.restart();
-        });
-        for i in 16..48 {
-            f.write_all(&block(i)).unwrap();
-        }
-    });
+    let back = server.kill_and_restart_after(Duration::from_millis(500));
+    for i in 16..48 {
+        f.write_all(&block(i)).unwrap();
+    }
+    server.wait_restarted(back);
     f.sync_all().unwrap();
     drop(f);
     let expected: Vec<u8> = (0..48).flat_map(block).collect();

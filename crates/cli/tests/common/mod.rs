@@ -371,20 +371,28 @@ impl Server {
     }
 
     fn spawn(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
         let before = self.log_text().matches("serving ").count();
-        let child = plyfs()
-            .arg("serve")
-            .arg(&self.lower)
-            .arg("--listen")
-            .arg(&self.listen)
-            .args(&self.args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
+        self.child = Some(self.command(None).spawn().unwrap());
+        self.wait_serving(before);
+    }
+
+    /// `plyfs serve` with this server's arguments and log; started after `delay` if one is given.
+    fn command(&self, delay: Option<Duration>) -> Command {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let mut cmd = match delay {
+            None => plyfs(),
+            Some(d) => {
+                let mut sh = Command::new("sh");
+                sh.args(["-c", r#"sleep "$0"; exec "$@""#, &format!("{}", d.as_secs_f64())]).arg(plyfs().get_program());
+                sh
+            }
+        };
+        cmd.arg("serve").arg(&self.lower).arg("--listen").arg(&self.listen).args(&self.args);
+        cmd.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log);
+        cmd
+    }
+
+    fn wait_serving(&mut self, before: usize) {
         let deadline = Instant::now() + Duration::from_secs(20);
         while self.log_text().matches("serving ").count() == before {
             if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
@@ -416,7 +424,30 @@ impl Server {
         assert!(self.child.is_none(), "restart a server that runs");
         self.spawn();
     }
+
+    /// Kill the server with SIGKILL and have it start again `delay` later, without waiting for
+    /// it. The new server is started before the kill, so call this while files of a mount of it
+    /// have writes in flight: a process started later, from this one, would close its copies of
+    /// those files when it execs, and the kernel would make that close wait for the writes, so
+    /// for the very server it is starting.
+    pub fn kill_and_restart_after(&mut self, delay: Duration) -> Restarting {
+        let serving = self.log_text().matches("serving ").count();
+        let next = self.command(Some(delay)).spawn().unwrap();
+        self.kill();
+        self.child = Some(next);
+        Restarting(serving)
+    }
+
+    /// Wait until the server [`Server::kill_and_restart_after`] started serves.
+    pub fn wait_restarted(&mut self, r: Restarting) {
+        self.wait_serving(r.0);
+    }
 }
+
+/// A server on its way back (see [`Server::kill_and_restart_after`]): how many times the log
+/// said "serving" before it.
+#[must_use]
+pub struct Restarting(usize);
 
 impl Drop for Server {
     fn drop(&mut self) {
