@@ -164,13 +164,24 @@ impl Client {
         }
     }
 
-    /// A snapshot of the free map, for choosing where to allocate.
+    /// A snapshot of the free map, for choosing where to allocate. It comes in pages, so other
+    /// clients' allocations between two pages may show in one and not the other: the map is a
+    /// hint, and the service checks every allocation.
     pub fn free_map(&self) -> Result<FreeMap> {
-        match self.call(Request::FreeMap)? {
-            Reply::FreeMap { sectors, bits } => {
-                FreeMap::from_bits(sectors, &bits).ok_or(ExoError { errno: libc::EPROTO, msg: "a short free map".into() })
+        let short = || ExoError { errno: libc::EPROTO, msg: "a short free map".into() };
+        let (mut volume, mut bits) = (None, Vec::new());
+        loop {
+            let (sectors, page) = match self.call(Request::FreeMap { from: bits.len() as u64 })? {
+                Reply::FreeMap { sectors, bits } => (sectors, bits.into_vec()),
+                r => return Err(unexpected(r)),
+            };
+            if *volume.get_or_insert(sectors) != sectors || page.is_empty() && (bits.len() as u64) < sectors.div_ceil(8) {
+                return Err(short());
             }
-            r => Err(unexpected(r)),
+            bits.extend_from_slice(&page);
+            if bits.len() as u64 >= sectors.div_ceil(8) {
+                return FreeMap::from_bits(sectors, &bits).ok_or_else(short);
+            }
         }
     }
 

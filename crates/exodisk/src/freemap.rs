@@ -91,6 +91,12 @@ impl FreeMap {
         out
     }
 
+    /// Bytes `from..from + len` of [`FreeMap::to_bits`] (fewer at the end of the map).
+    pub fn bits_range(&self, from: u64, len: u64) -> Vec<u8> {
+        let end = self.sectors.div_ceil(8).min(from.saturating_add(len));
+        (from..end).map(|i| self.words[(i / 8) as usize].to_le_bytes()[(i % 8) as usize]).collect()
+    }
+
     /// A map of `sectors` sectors from [`FreeMap::to_bits`]'s bytes; `None` if too few.
     pub fn from_bits(sectors: u64, bits: &[u8]) -> Option<FreeMap> {
         if (bits.len() as u64) < sectors.div_ceil(8) {
@@ -203,5 +209,11 @@ mod tests {
         let mut padded = bits.clone();
         padded[125] = 0xff;
         assert_eq!(FreeMap::from_bits(1001, &padded).unwrap().allocated(), m.allocated());
+        // In pages of any size, the same bytes.
+        for page in [1, 7, 8, 64, 125, 200] {
+            let paged: Vec<u8> = (0..bits.len() as u64).step_by(page).flat_map(|from| m.bits_range(from, page as u64)).collect();
+            assert_eq!(paged, bits, "pages of {page}");
+        }
+        assert!(m.bits_range(126, 10).is_empty());
     }
 }

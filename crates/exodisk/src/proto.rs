@@ -10,9 +10,11 @@ use serde_bytes::ByteBuf;
 use crate::core::{Persistence, Target};
 use crate::object::{Caps, Entry, Exonode};
 
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// The largest frame.
 pub const MAX_FRAME: usize = 16 << 20;
+/// The most bytes of the free map one reply carries (32 GiB of sectors): well within a frame.
+pub const FREE_MAP_PAGE: u64 = 8 << 20;
 /// The largest frame before a client is admitted (its `Hello`): a few KiB, so that a client that
 /// has not even said hello cannot make the service allocate more (#28).
 pub const MAX_HELLO: usize = 4 << 10;
@@ -139,7 +141,11 @@ pub enum Request {
         #[serde(default)]
         exclusive: bool,
     },
-    FreeMap,
+    /// Up to [`FREE_MAP_PAGE`] bytes of the free map (as [`crate::freemap::FreeMap::to_bits`]
+    /// lays it out), from byte `from`: a whole map of a large volume is larger than a frame.
+    FreeMap {
+        from: u64,
+    },
     ExtentAllocate {
         at: u64,
         sectors: u64,

@@ -454,9 +454,9 @@ impl Service {
                 let (at, caps) = named_root(core, uid, &name)?;
                 Reply::Root { at, caps: caps.into() }
             }
-            Request::FreeMap => {
+            Request::FreeMap { from } => {
                 let map = core.free_map();
-                Reply::FreeMap { sectors: map.sectors(), bits: ByteBuf::from(map.to_bits()) }
+                Reply::FreeMap { sectors: map.sectors(), bits: ByteBuf::from(map.bits_range(from, proto::FREE_MAP_PAGE)) }
             }
             Request::ExtentAllocate { at, sectors, caps, persistence } => {
                 core.extent_allocate(at, sectors, caps.into(), persistence.into())?;

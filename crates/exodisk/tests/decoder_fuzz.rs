@@ -81,7 +81,7 @@ fn samples() -> Vec<Vec<u8>> {
             reqs: vec![IoReq { id: 1, target: WTarget::Extent(100), cap: [1, 2], write: true, sector: 101, count: 2, offset: 4096 }],
         },
         Request::Batch {
-            reqs: vec![Request::Poll, Request::WriteRecord { target: node, wcap: [2, 2] }, Request::FreeMap, Request::Shutdown],
+            reqs: vec![Request::Poll, Request::WriteRecord { target: node, wcap: [2, 2] }, Request::FreeMap { from: 0 }, Request::Shutdown],
         },
     ];
     reqs.into_iter().enumerate().map(|(id, req)| proto::frame_message(&Message::Req { id: id as u64, req }).unwrap()).collect()

@@ -193,3 +193,20 @@ fn a_deallocation_waits_for_the_data_requests_queued_on_its_sectors() {
         assert!(c.poll_io(id).is_some_and(|r| r >= 0), "request {id} was still queued when its sectors were given up");
     }
 }
+
+#[test]
+fn a_large_volume_s_free_map_crosses_the_socket_in_pages() {
+    // 100 GiB of sectors: a map of 25 MiB, more than a frame may carry (it failed at 64 GiB).
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("v.img");
+    // An existing file is formatted as it is, as a disk would be: here a sparse one.
+    std::fs::File::create(&img).unwrap().set_len(100 << 30).unwrap();
+    layout::format(&img, None, &default_key_path(&img)).unwrap();
+    let r = run(dir.path());
+    let c = Client::connect(&r.socket, 4 << 20).unwrap();
+    let far = (90u64 << 30) / 512;
+    c.extent_allocate(far, 8, A, Persistence::Metadata).unwrap();
+    let map = c.free_map().unwrap();
+    assert_eq!(map.sectors(), (100u64 << 30) / 512);
+    assert!(!map.is_free(far, 8) && map.is_free(far + 8, 1000) && map.is_free(far - 1000, 1000));
+}
