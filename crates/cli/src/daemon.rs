@@ -414,8 +414,9 @@ fn serve_inner(
             None
         }
     };
-    tracing::info!("mounted {} on {} with stack [{}]; file I/O: {io_mode}", lower, mountpoint.display(), names.join(", "));
-    ready.send(&format!("OK {io_mode}"));
+    let notes: String = stack.named_levels().iter().filter_map(|n| n.level.layer().mount_note()).map(|note| format!("; {note}")).collect();
+    tracing::info!("mounted {} on {} with stack [{}]; file I/O: {io_mode}{notes}", lower, mountpoint.display(), names.join(", "));
+    ready.send(&format!("OK {io_mode}{notes}"));
 
     let signal_mountpoint = mountpoint.clone();
     std::thread::Builder::new()
