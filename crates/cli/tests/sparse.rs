@@ -1,6 +1,6 @@
 //! Copies keep holes (#29): a version, a union copy-up, a mirror resync and scrub, and `encode`
 //! and `decode` of a 1 GiB file holding 8 bytes take about the space of the 8 bytes, not 1 GiB,
-//! and read back the same. The test directories are on /tmp, which must be a file system that
+//! and read back the same, over plain files and through a data layer. The test directories are on /tmp, which must be a file system that
 //! keeps holes (`SEEK_HOLE`) and has no reflink (ext4, tmpfs): a reflink would share the blocks
 //! and prove nothing about holes.
 
@@ -66,6 +66,21 @@ fn versions_of_a_sparse_file_take_the_space_of_its_data() {
     assert_sparse_copy(&m.path("f"), b"version3");
 }
 
+/// Below a data layer the holes are its runs of zero chunks, which `lseek` reports, so the
+/// versions of an encoded sparse file are sparse too.
+#[test]
+fn versions_of_an_encoded_sparse_file_keep_its_holes() {
+    let m = Mount::new("version,zstd");
+    make_sparse(&m.path("f"), b"encoded1");
+    let f = fs::OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    f.write_all_at(b"encoded2", DATA_AT).unwrap();
+    drop(f);
+    let stored = fs::metadata(m.lower_path(".plyfs-versions/f/@1")).unwrap().blocks() * 512;
+    assert!(stored <= SPACE_OF_THE_DATA, "the encoded version takes {stored} bytes on disk");
+    assert_sparse_copy(&m.path(".plyfs-versions/f/@1"), b"encoded1");
+    assert_sparse_copy(&m.path("f"), b"encoded2");
+}
+
 #[test]
 fn a_union_copy_up_of_a_sparse_file_keeps_its_holes() {
     let (dir, _root, [upper, ro, mnt]) = scratch_dirs(["upper", "ro", "mnt"]);
@@ -112,4 +127,13 @@ fn encode_and_decode_keep_holes() {
     let out = run(plyfs().arg("decode").arg(&encoded).arg(&decoded).args(["--stack", "null"]));
     assert!(out.status.success(), "decode: {}", String::from_utf8_lossy(&out.stderr));
     assert_sparse_copy(&decoded.join("f"), b"offline!");
+    // Through a data layer: encoded as runs of zero chunks, decoded as holes again.
+    let (zstd, unzstd) = (root.join("zstd"), root.join("unzstd"));
+    let out = run(plyfs().arg("encode").arg(&plain).arg(&zstd).args(["--stack", "zstd"]));
+    assert!(out.status.success(), "encode: {}", String::from_utf8_lossy(&out.stderr));
+    let stored = fs::metadata(zstd.join("f")).unwrap().blocks() * 512;
+    assert!(stored <= SPACE_OF_THE_DATA, "the encoded file takes {stored} bytes on disk");
+    let out = run(plyfs().arg("decode").arg(&zstd).arg(&unzstd).args(["--stack", "zstd"]));
+    assert!(out.status.success(), "decode: {}", String::from_utf8_lossy(&out.stderr));
+    assert_sparse_copy(&unzstd.join("f"), b"offline!");
 }
