@@ -370,6 +370,16 @@ impl Version {
         self.limits.max_space.is_some_and(|max| self.store_space.lock().is_none_or(|space| space > max))
     }
 
+    /// Apply `max_space` if the store may be over it. A failure is logged, not returned: the
+    /// operation that made the version has happened (a file opened, or moved into the store).
+    fn prune_if_over(&self) {
+        if self.over_space() {
+            if let Err(e) = self.prune_all() {
+                tracing::error!("version '{}': the store could not be pruned to max_space: {e}", self.name);
+            }
+        }
+    }
+
     /// Count `change` bytes more (or fewer) in the store, once it has been measured.
     fn stored(&self, change: i64) {
         if let Some(space) = self.store_space.lock().as_mut() {
@@ -395,9 +405,7 @@ impl Version {
             return Ok(false);
         }
         self.save(parent, name, e.node, &e.attr, true)?;
-        if self.over_space() {
-            self.prune_all()?;
-        }
+        self.prune_if_over();
         Ok(true)
     }
 
@@ -422,9 +430,7 @@ impl Version {
                 self.pending.lock().insert((node, o.fh), Pending { path, number, space: space_of(&attr), size: attr.size, mtime: attr.mtime });
             }
         }
-        if self.over_space() {
-            self.prune_all()?;
-        }
+        self.prune_if_over();
         reply
     }
 
