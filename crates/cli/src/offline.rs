@@ -245,6 +245,7 @@ fn copy_into(top: &Level, node: NodeId, fh: plyfs_stack::FileHandle, src: &Path,
     let f = fs::File::open(src).map_err(|e| format!("{}: {e}", src.display()))?;
     let size = f.metadata().map_err(|e| format!("{}: {e}", src.display()))?.len();
     let mut buf = vec![0u8; 1 << 20];
+    let mut data_bytes = 0;
     let copied = for_each_data_extent(size, seek_fd(f.as_raw_fd()), |start, end| {
         let mut off = start;
         while off < end {
@@ -254,11 +255,15 @@ fn copy_into(top: &Level, node: NodeId, fh: plyfs_stack::FileHandle, src: &Path,
             }
             top.write(&cx(), node, fh, off, &buf[..n])?;
             off += n as u64;
+            data_bytes += n as u64;
             bar.inc(n as u64);
         }
         Ok(())
     });
-    copied.and_then(|()| set_length(top, node, fh, size)).map_err(at)
+    copied.and_then(|()| set_length(top, node, fh, size)).map_err(at)?;
+    // The holes count as done.
+    bar.inc(size.saturating_sub(data_bytes));
+    Ok(())
 }
 
 /// Give the open file `node` of `top` its length: the holes at its end are no data to write.
@@ -368,14 +373,19 @@ fn decode_one(top: &Level, e: &Entry, out: &Path, bar: &ProgressBar) -> Res<()> 
             let copied = (|| -> Res<()> {
                 let f = fs::File::create(out).map_err(|err| format!("{}: {err}", out.display()))?;
                 let file = (e.node, opened.fh);
+                let mut data_bytes = 0;
                 for_each_data_extent(e.attr.size, seek_level(top, e.node, opened.fh), |start, end| {
                     read_range(top, file, start, end, |off, data| {
+                        data_bytes += data.len() as u64;
                         bar.inc(data.len() as u64);
                         Ok(f.write_all_at(data, off)?)
                     })
                 })
                 .map_err(at)?;
-                f.set_len(e.attr.size).map_err(|err| format!("{}: {err}", out.display()))
+                f.set_len(e.attr.size).map_err(|err| format!("{}: {err}", out.display()))?;
+                // The holes count as done.
+                bar.inc(e.attr.size.saturating_sub(data_bytes));
+                Ok(())
             })();
             let _ = top.release(&cx(), e.node, opened.fh);
             copied?;
