@@ -157,7 +157,7 @@ fn the_mount_says_the_default_limits() {
     let m = Mount::new("version");
     let mut fs_stats: libc::statvfs = unsafe { std::mem::zeroed() };
     assert_eq!(unsafe { libc::statvfs(cpath(&m.lower).as_ptr(), &mut fs_stats) }, 0);
-    let tenth_mib = fs_stats.f_blocks * fs_stats.f_frsize / 10 >> 20;
+    let tenth_mib = (fs_stats.f_blocks * fs_stats.f_frsize / 10) >> 20;
     let said = format!("version 'version' keeps 20 versions per file (the default), at most {tenth_mib} MiB of them in all (the default)");
     assert!(m.daemon_log().contains(&said), "{said:?} not in {}", m.daemon_log());
 }
