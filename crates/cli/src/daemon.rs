@@ -130,14 +130,15 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
         }
     }
     let lower = crate::tree::Lower::parse(&args.lower, &mut specs, args.psk.as_deref())?;
-    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
-    // Unlock the crypt volumes here (LOWER, and any branch that is one), so that a wrong
-    // password is reported before anything starts (and rules naming crypt can be checked).
-    // A remote stack's volumes are the server's to unlock.
     let dirs = match lower.dir() {
         Some(dir) => storage_dirs(dir, &args.tree.branches, &specs),
         None => Vec::new(),
     };
+    crate::nesting::check_storage_apart(&dirs, &args.mountpoint)?;
+    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
+    // Unlock the crypt volumes here (LOWER, and any branch that is one), so that a wrong
+    // password is reported before anything starts (and rules naming crypt can be checked).
+    // A remote stack's volumes are the server's to unlock.
     // A crypt volume served as stored is unlocked here, with its configuration read through
     // the server.
     let remote_volume: Vec<_> = lower.remote_volume(&specs)?.into_iter().collect();
@@ -279,6 +280,7 @@ fn mount_reverse(args: MountArgs) -> Result<(), String> {
     opts.read_only = true;
     let plain = existing_dir("plaintext directory", &args.lower)?;
     args.excludes()?;
+    crate::nesting::check_apart("the plaintext directory", &plain, &args.mountpoint)?;
     let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
     let found = [crate::secret::reverse_volume(&plain)?];
     let volumes = match args.key_fd {
@@ -412,8 +414,9 @@ fn serve_inner(
             None
         }
     };
-    tracing::info!("mounted {} on {} with stack [{}]; file I/O: {io_mode}", lower, mountpoint.display(), names.join(", "));
-    ready.send(&format!("OK {io_mode}"));
+    let notes: String = stack.named_levels().iter().filter_map(|n| n.level.layer().mount_note()).map(|note| format!("; {note}")).collect();
+    tracing::info!("mounted {} on {} with stack [{}]; file I/O: {io_mode}{notes}", lower, mountpoint.display(), names.join(", "));
+    ready.send(&format!("OK {io_mode}{notes}"));
 
     let signal_mountpoint = mountpoint.clone();
     std::thread::Builder::new()

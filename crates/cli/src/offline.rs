@@ -8,14 +8,16 @@
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use indicatif::{ProgressBar, ProgressStyle};
+use plyfs_layers::transfer::{for_each_data_extent, read_range, seek_fd, seek_level};
 use plyfs_stack::{Caller, Entry, FileKind, Level, NodeId, Op, SetAttr, Stack, TimeSet};
 
 type Res<T> = Result<T, String>;
@@ -237,19 +239,37 @@ fn encode_one(
     Ok(())
 }
 
+/// The plain file `src` into the stack's open file `node`, holes kept.
 fn copy_into(top: &Level, node: NodeId, fh: plyfs_stack::FileHandle, src: &Path, bar: &ProgressBar) -> Res<()> {
-    let mut f = fs::File::open(src).map_err(|e| format!("{}: {e}", src.display()))?;
+    let at = |e: plyfs_stack::Error| format!("{}: {e}", src.display());
+    let f = fs::File::open(src).map_err(|e| format!("{}: {e}", src.display()))?;
+    let size = f.metadata().map_err(|e| format!("{}: {e}", src.display()))?.len();
     let mut buf = vec![0u8; 1 << 20];
-    let mut off = 0u64;
-    loop {
-        let n = f.read(&mut buf).map_err(|e| format!("{}: {e}", src.display()))?;
-        if n == 0 {
-            return Ok(());
+    let mut data_bytes = 0;
+    let copied = for_each_data_extent(size, seek_fd(f.as_raw_fd()), |start, end| {
+        let mut off = start;
+        while off < end {
+            let n = f.read_at(&mut buf[..(end - off).min(1 << 20) as usize], off)?;
+            if n == 0 {
+                break;
+            }
+            top.write(&cx(), node, fh, off, &buf[..n])?;
+            off += n as u64;
+            data_bytes += n as u64;
+            bar.inc(n as u64);
         }
-        top.write(&cx(), node, fh, off, &buf[..n]).map_err(|e| format!("{}: {e}", src.display()))?;
-        off += n as u64;
-        bar.inc(n as u64);
-    }
+        Ok(())
+    });
+    copied.and_then(|()| set_length(top, node, fh, size)).map_err(at)?;
+    // The holes count as done.
+    bar.inc(size.saturating_sub(data_bytes));
+    Ok(())
+}
+
+/// Give the open file `node` of `top` its length: the holes at its end are no data to write.
+fn set_length(top: &Level, node: NodeId, fh: plyfs_stack::FileHandle, size: u64) -> plyfs_stack::Result<()> {
+    let length = SetAttr { size: Some(size), ..SetAttr::default() };
+    top.call(&cx(), &Op::SetAttr { node, fh: Some(fh), set: length }).map(|_| ())
 }
 
 /// Write the decoded contents of `lower` (all of it, or `--path` within it) into `dest`.
@@ -349,18 +369,23 @@ fn decode_one(top: &Level, e: &Entry, out: &Path, bar: &ProgressBar) -> Res<()> 
         }
         FileKind::File => {
             let opened = top.open(&cx(), e.node, libc::O_RDONLY).map_err(at)?;
+            // Only the data the stack holds is written, so the decoded file keeps its holes.
             let copied = (|| -> Res<()> {
-                let mut f = fs::File::create(out).map_err(|err| format!("{}: {err}", out.display()))?;
-                let mut off = 0u64;
-                loop {
-                    let data = top.read(&cx(), e.node, opened.fh, off, 1 << 20).map_err(at)?;
-                    if data.is_empty() {
-                        return Ok(());
-                    }
-                    f.write_all(&data).map_err(|err| format!("{}: {err}", out.display()))?;
-                    off += data.len() as u64;
-                    bar.inc(data.len() as u64);
-                }
+                let f = fs::File::create(out).map_err(|err| format!("{}: {err}", out.display()))?;
+                let file = (e.node, opened.fh);
+                let mut data_bytes = 0;
+                for_each_data_extent(e.attr.size, seek_level(top, e.node, opened.fh), |start, end| {
+                    read_range(top, file, start, end, |off, data| {
+                        data_bytes += data.len() as u64;
+                        bar.inc(data.len() as u64);
+                        Ok(f.write_all_at(data, off)?)
+                    })
+                })
+                .map_err(at)?;
+                f.set_len(e.attr.size).map_err(|err| format!("{}: {err}", out.display()))?;
+                // The holes count as done.
+                bar.inc(e.attr.size.saturating_sub(data_bytes));
+                Ok(())
             })();
             let _ = top.release(&cx(), e.node, opened.fh);
             copied?;

@@ -174,15 +174,9 @@ pub fn parse_branch_arg(arg: &str) -> Result<(PathBuf, Option<BranchMode>), Stri
 
 impl MountBranches {
     fn branch_dir(&self, name: &str, dir: &Path) -> Result<PathBuf, String> {
-        let shown = dir.display();
         let dir = crate::daemon::existing_dir(&format!("branch '{name}':"), dir)?;
         if let Some(mnt) = &self.mountpoint {
-            if dir.starts_with(mnt) {
-                return Err(format!("branch '{name}': {shown} lies inside the mount point {}", mnt.display()));
-            }
-            if mnt.starts_with(&dir) {
-                return Err(format!("branch '{name}': {shown} holds the mount point {}", mnt.display()));
-            }
+            crate::nesting::check_apart(&format!("branch '{name}'"), &dir, mnt)?;
         }
         Ok(dir)
     }

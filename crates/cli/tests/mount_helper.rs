@@ -114,3 +114,25 @@ fn mount_t_fuse_plyfs_takes_every_plyfs_option_and_says_what_is_wrong() {
     assert_eq!(fs::read_to_string(a.join("new")).unwrap(), "up\n");
     assert!(!b.join("new").exists());
 }
+
+/// mount(8) reaches the same refusal of a mount point inside the lower (#29), and nothing is
+/// mounted.
+#[test]
+fn mount_t_fuse_plyfs_refuses_a_mount_point_inside_the_lower() {
+    let (_dir, root, [lower]) = scratch_dirs(["lower"]);
+    let inner = lower.join("inner");
+    fs::create_dir(&inner).unwrap();
+    let out = in_namespace(
+        &root,
+        "",
+        &format!(
+            "if timeout 60 mount -t fuse.plyfs {l} {i} -o stack=null 2>/tmp/plyfs-err.$$; then echo MOUNTED; fi\n\
+             cat /tmp/plyfs-err.$$; rm -f /tmp/plyfs-err.$$\n\
+             echo \"mounts: $(grep -c ' {i} ' /proc/self/mounts || true)\"\n",
+            l = lower.display(),
+            i = inner.display()
+        ),
+    );
+    let expect = format!("mount point {} lies inside the lower {}", inner.display(), lower.display());
+    assert!(!out.contains("MOUNTED") && out.contains(&expect) && out.contains("mounts: 0"), "{out}");
+}

@@ -77,3 +77,23 @@ fn cp_reflinks_untouched_files_and_copies_encoded_ones() {
         drop(m);
     }
 }
+
+/// A version is copied by data extent (to keep holes, #29), and each extent still by reflink
+/// where the lower file system shares them.
+#[test]
+fn a_version_shares_the_files_extents() {
+    let xfs = Xfs::new();
+    let lower = xfs.mnt.join("version");
+    let mnt_dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let mnt = mnt_dir.path().join("mnt");
+    fs::create_dir(&lower).unwrap();
+    fs::create_dir(&mnt).unwrap();
+    let m = Mount::start(mnt_dir, lower.clone(), mnt, "version", &[]);
+    let data: Vec<u8> = (0..(4u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    fs::write(m.path("f"), &data).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&fs::OpenOptions::new().write(true).open(m.path("f")).unwrap(), b"changed", 0).unwrap();
+    let version = lower.join(".plyfs-versions/f/@1");
+    assert!(fs::read(&version).unwrap() == data, "the version reads back");
+    assert!(shared_extents(&version) > 0, "the version shares the file's extents below");
+    drop(m);
+}

@@ -290,7 +290,7 @@ fn branches_come_and_go_at_run_time() {
     for (args, expect) in [
         (vec!["branch-add", ro.to_str().unwrap()], "is already branch 'union.1'"),
         (vec!["branch-add", "/nonexistent/plyfs"], "No such file or directory"),
-        (vec!["branch-add", m.mnt.to_str().unwrap()], "inside the mount point"),
+        (vec!["branch-add", m.mnt.to_str().unwrap()], "mnt is branch 'union."),
         (vec!["branch-remove", "nosuch"], "no branch named 'nosuch'"),
     ] {
         let out = run(plyfs().arg("op").arg(&m.mnt).args(&args));
@@ -324,7 +324,7 @@ fn bad_branches_are_refused_with_one_line_and_nothing_mounted() {
     refuse("union", &[format!("{}/missing=ro", o)], "No such file or directory");
     refuse("union", &[lower.display().to_string()], "is already branch 'union.0'");
     refuse("union", &[format!("{}/inner", lower.display())], "lies inside branch 'union.0'");
-    refuse("union", &[mnt.display().to_string()], "inside the mount point");
+    refuse("union", &[mnt.display().to_string()], "is the branch");
     refuse("union", &[format!("{o}=rx")], "expected DIR, DIR=ro or DIR=rw");
     refuse("null", std::slice::from_ref(&o), "--branch needs a fan-out layer");
     refuse("union,null", std::slice::from_ref(&o), "layers below a fan-out layer go in its branches");

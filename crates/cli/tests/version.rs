@@ -115,6 +115,53 @@ fn pruning_by_count_and_space() {
     assert_eq!(versions(&m, "f1").last().unwrap().as_bytes()[0], b'a' + 5);
 }
 
+/// The space all versions take on disk, in the lower directory's store.
+fn store_space(m: &Mount) -> u64 {
+    fn walk(dir: &Path) -> u64 {
+        fs::read_dir(dir).unwrap().flatten().map(|e| {
+            let meta = e.metadata().unwrap();
+            if meta.is_dir() { walk(&e.path()) } else { std::os::unix::fs::MetadataExt::blocks(&meta) * 512 }
+        }).sum()
+    }
+    walk(&m.lower_path(".plyfs-versions"))
+}
+
+/// `max_space` counts the space versions take on disk: a sparse file's versions take that of
+/// their data, and the limit holds across files, the newest versions kept (#29).
+#[test]
+fn the_space_limit_counts_disk_space_and_keeps_the_newest() {
+    let m = Mount::new("version:keep=0:max_space=256k");
+    // A 1 GiB file holding a few bytes: its versions fit in the limit, all of them.
+    let f = fs::File::create(m.path("sparse")).unwrap();
+    f.set_len(1 << 30).unwrap();
+    drop(f);
+    for i in 0..5u8 {
+        fs::OpenOptions::new().write(true).open(m.path("sparse")).unwrap().write_all_at(&[b'0' + i; 8], 1 << 29).unwrap();
+    }
+    assert_eq!(op_json(&m.path("sparse"), &["versions"]).as_array().unwrap().len(), 5, "no version of the sparse file pruned");
+    // Files of 64 KiB, overwritten in turn, more than the limit holds.
+    for i in 0..12u8 {
+        fs::write(m.path(&format!("f{}", i % 3)), vec![b'a' + i; 64 << 10]).unwrap();
+        assert!(store_space(&m) <= 256 << 10, "the store takes {} bytes after write {i}", store_space(&m));
+    }
+    // The newest are kept: f0's last version is the content written at i = 6, f2's at i = 8.
+    assert_eq!(versions(&m, "f0").last().unwrap().as_bytes()[0], b'a' + 6);
+    assert_eq!(versions(&m, "f2").last().unwrap().as_bytes()[0], b'a' + 8);
+    assert!(store_space(&m) >= 128 << 10, "pruned beyond the limit: {} bytes left", store_space(&m));
+}
+
+/// Without `max_space=`, the store may take a tenth of the file system below, and the mount says
+/// so with the default `keep`.
+#[test]
+fn the_mount_says_the_default_limits() {
+    let m = Mount::new("version");
+    let mut fs_stats: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(cpath(&m.lower).as_ptr(), &mut fs_stats) }, 0);
+    let tenth_mib = (fs_stats.f_blocks * fs_stats.f_frsize / 10) >> 20;
+    let said = format!("version 'version' keeps 20 versions per file (the default), at most {tenth_mib} MiB of them in all (the default)");
+    assert!(m.daemon_log().contains(&said), "{said:?} not in {}", m.daemon_log());
+}
+
 #[test]
 fn versions_below_a_compressor_are_stored_compressed() {
     let m = Mount::new("version,zstd");

@@ -15,7 +15,7 @@ pub mod lz4;
 pub mod null;
 mod paths;
 pub mod trace;
-mod transfer;
+pub mod transfer;
 pub mod union;
 pub mod uuencode;
 pub mod version;

@@ -4,18 +4,21 @@
 //! extended attributes, owner, mode, times) before it is renamed to its name, so a crash leaves
 //! either the old object or the new one and at most a temporary file, which is never shown and is
 //! removed when found. Data moves by `copy_file_range` between the two levels' files when neither
-//! transforms it (so by reflink where the file system can), else through the stacks.
+//! transforms it (so by reflink where the file system can), else through the stacks. Either way
+//! only the source's data extents are copied (`SEEK_DATA`/`SEEK_HOLE`) and the length is set
+//! last, so a sparse file's copy keeps its holes: a version of a 1 GiB file holding 8 bytes
+//! takes 8 bytes' blocks, not 1 GiB (#29).
 
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use plyfs_stack::shared::NoReplace;
-use plyfs_stack::{Attr, Caller, Entry, Error, FileKind, Level, NodeId, Op, Opened, Reply, Result, SetAttr, TimeSet, XattrReply};
+use plyfs_stack::{Attr, Caller, Entry, Error, FileHandle, FileKind, Level, NodeId, Op, Opened, Reply, Result, SetAttr, TimeSet, XattrReply};
 
 /// Data is copied through the stacks in pieces of this size.
 const COPY_CHUNK: u32 = 1 << 20;
@@ -185,29 +188,111 @@ pub fn copy_object(from: &Level, src: NodeId, attr: &Attr, to: &Level, dir: Node
     }
 }
 
-/// The data of `src` into the open file `dst`.
+/// The data of `src` (`size` bytes) into the open, empty file `dst`, holes kept.
 pub fn copy_data(from: &Level, src: NodeId, to: &Level, dst_node: NodeId, dst: &Opened, size: u64) -> Result<()> {
     let cx = daemon();
     let source = from.open(&cx, src, libc::O_RDONLY)?;
-    let result = match (&source.backing, &dst.backing) {
-        (Some(s), Some(d)) => copy_file_range(s.as_raw_fd(), d.as_raw_fd(), size),
-        _ => (|| {
-            let mut offset = 0u64;
-            loop {
-                let data = from.read(&cx, src, source.fh, offset, COPY_CHUNK)?;
-                if data.is_empty() {
-                    return Ok(());
-                }
-                let mut done = 0;
-                while done < data.len() {
-                    done += to.write(&cx, dst_node, dst.fh, offset + done as u64, &data[done..])? as usize;
-                }
-                offset += data.len() as u64;
-            }
-        })(),
+    let copied = match (&source.backing, &dst.backing) {
+        (Some(s), Some(d)) => {
+            let (s, d) = (s.as_raw_fd(), d.as_raw_fd());
+            for_each_data_extent(size, seek_fd(s), |start, end| copy_file_range(s, d, start, end))
+        }
+        _ => for_each_data_extent(size, seek_level(from, src, source.fh), |start, end| {
+            copy_through_stacks(from, (src, source.fh), to, (dst_node, dst.fh), start, end)
+        }),
     };
+    // The length last: a hole at the end is no data extent.
+    let result = copied.and_then(|()| {
+        let length = SetAttr { size: Some(size), ..SetAttr::default() };
+        to.call(&cx, &Op::SetAttr { node: dst_node, fh: Some(dst.fh), set: length }).map(|_| ())
+    });
     let _ = from.release(&cx, src, source.fh);
     result
+}
+
+/// Bytes `start..end` of `src` to the same place in `dst`, read and written through the stacks.
+fn copy_through_stacks(
+    from: &Level,
+    src: (NodeId, FileHandle),
+    to: &Level,
+    (dst, dst_fh): (NodeId, FileHandle),
+    start: u64,
+    end: u64,
+) -> Result<()> {
+    read_range(from, src, start, end, |offset, data| {
+        let mut done = 0;
+        while done < data.len() {
+            done += to.write(&daemon(), dst, dst_fh, offset + done as u64, &data[done..])? as usize;
+        }
+        Ok(())
+    })
+}
+
+/// Read bytes `start..end` of the open file `node` of `level` in pieces, each handed to `sink`
+/// with its offset; less if the file ends sooner.
+pub fn read_range(
+    level: &Level,
+    (node, fh): (NodeId, FileHandle),
+    start: u64,
+    end: u64,
+    mut sink: impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let mut offset = start;
+    while offset < end {
+        let data = level.read(&daemon(), node, fh, offset, (end - offset).min(u64::from(COPY_CHUNK)) as u32)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        sink(offset, &data)?;
+        offset += data.len() as u64;
+    }
+    Ok(())
+}
+
+/// Call `copy(start, end)` for each stretch of data in the first `size` bytes of a file, in
+/// order, skipping its holes as `seek` (an `lseek` with `SEEK_DATA` or `SEEK_HOLE`; `None` for
+/// `ENXIO`, no data past the offset) finds them. A file whose file system cannot tell is data
+/// throughout. Holes are only kept, never made: zeros the source stores are data.
+pub fn for_each_data_extent(
+    size: u64,
+    mut seek: impl FnMut(u64, i32) -> Result<Option<u64>>,
+    mut copy: impl FnMut(u64, u64) -> Result<()>,
+) -> Result<()> {
+    let mut offset = 0;
+    while offset < size {
+        let start = match seek(offset, libc::SEEK_DATA) {
+            Ok(Some(start)) if start < size => start,
+            Ok(_) => return Ok(()),
+            Err(e) if offset == 0 && matches!(e.errno(), libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP) => return copy(0, size),
+            Err(e) => return Err(e),
+        };
+        // A hole at or before `start` means the file changed meanwhile: the rest is taken as data.
+        let end = seek(start, libc::SEEK_HOLE)?.filter(|&hole| hole > start).map_or(size, |hole| hole.min(size));
+        copy(start, end)?;
+        offset = end;
+    }
+    Ok(())
+}
+
+/// `lseek` on an open file, as [`for_each_data_extent`] asks it.
+pub fn seek_fd(fd: RawFd) -> impl FnMut(u64, i32) -> Result<Option<u64>> {
+    move |offset, whence| match unsafe { libc::lseek(fd, offset as i64, whence) } {
+        pos if pos >= 0 => Ok(Some(pos as u64)),
+        _ => match Error::last_os() {
+            Error::Os(libc::ENXIO) => Ok(None),
+            e => Err(e),
+        },
+    }
+}
+
+/// `lseek` through a level on its open file `fh`, as [`for_each_data_extent`] asks it.
+pub fn seek_level(level: &Level, node: NodeId, fh: FileHandle) -> impl FnMut(u64, i32) -> Result<Option<u64>> + '_ {
+    move |offset, whence| match level.call(&daemon(), &Op::Lseek { node, fh, offset: offset as i64, whence }) {
+        Ok(Reply::Offset(pos)) => Ok(Some(pos)),
+        Ok(_) => Err(Error::Os(libc::EIO)),
+        Err(Error::Os(libc::ENXIO)) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Extended attributes (those `keep` accepts), owner, mode and times of `src` onto `dst`.
@@ -247,11 +332,11 @@ pub fn copy_meta(from: &Level, src: NodeId, to: &Level, dst: NodeId, attr: &Attr
     Ok(())
 }
 
-/// Copy `size` bytes in the kernel (a reflink where the file system can).
-fn copy_file_range(from: i32, to: i32, size: u64) -> Result<()> {
-    let (mut off_in, mut off_out): (i64, i64) = (0, 0);
-    while (off_in as u64) < size {
-        let want = (size - off_in as u64).min(1 << 30) as usize;
+/// Copy bytes `start..end` in the kernel to the same place (a reflink where the file system can).
+fn copy_file_range(from: RawFd, to: RawFd, start: u64, end: u64) -> Result<()> {
+    let (mut off_in, mut off_out) = (start as i64, start as i64);
+    while (off_in as u64) < end {
+        let want = (end - off_in as u64).min(1 << 30) as usize;
         let n = unsafe { libc::copy_file_range(from, &mut off_in, to, &mut off_out, want, 0) };
         if n < 0 {
             return Err(Error::last_os());

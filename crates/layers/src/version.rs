@@ -12,7 +12,11 @@
 //!   reads version 3 with ordinary tools. Nothing in it can be changed through the mount. Below
 //!   a compressor or a cipher (`version,zstd`), versions are stored compressed or encrypted too.
 //! - **Pruning.** `keep=N` versions per file and `max_age=` per file, `max_space=` for the whole
-//!   mount (oldest first), after every new version and on `version-prune`.
+//!   mount (oldest first), after every new version and on `version-prune`. Space is what the
+//!   versions take on disk (a sparse file's holes take none). `keep` alone does not bound the
+//!   store (fsstress grew one to 27 GiB over a 2 GiB tree, #29), so `max_space` defaults to a
+//!   tenth of the file system below. The store's size is measured by a full prune and kept up
+//!   to date as versions come and go, so a new version walks the store only when over the limit.
 //! - **Operations.** `versions` (on a file), `version-restore N` (the current content becomes a
 //!   version first, so a restore can be undone), `deleted` and `undelete NAME` (on a directory).
 
@@ -48,8 +52,13 @@ const EXT_OPS: &[ExtOpInfo] = &[
 
 const KEEP: ParamSpec = ParamSpec { name: "keep", help: "versions kept per file (0: no limit)", default: Some("20") };
 const MAX_AGE: ParamSpec = ParamSpec { name: "max_age", help: "versions older than this go (e.g. 30d, 12h)", default: None };
-const MAX_SPACE: ParamSpec =
-    ParamSpec { name: "max_space", help: "space all versions may take (e.g. 10G); the oldest go first", default: None };
+const MAX_SPACE: ParamSpec = ParamSpec {
+    name: "max_space",
+    help: "space all versions may take on disk (e.g. 10G; 0: no limit); the oldest go first",
+    default: Some("a tenth of the file system below"),
+};
+/// The share of the file system below that versions may take unless `max_space=` says.
+const DEFAULT_SPACE_DIVISOR: u64 = 10;
 
 fn daemon() -> Caller {
     Caller::daemon()
@@ -92,6 +101,8 @@ struct Saved {
 struct Pending {
     path: String,
     number: u32,
+    /// The space the version takes.
+    space: u64,
     size: u64,
     mtime: SystemTime,
 }
@@ -115,6 +126,22 @@ pub struct Version {
     /// Versions are numbered and pruned one file at a time.
     saving: Mutex<()>,
     temps: TempNames,
+    /// The space the store takes, as far as this mount knows: measured by the last full prune,
+    /// plus what was saved since, less what was pruned. `None` until first measured.
+    store_space: Mutex<Option<u64>>,
+    /// Which limits were not given, for the mount's note.
+    defaults: Defaults,
+}
+
+#[derive(Clone, Copy)]
+struct Defaults {
+    keep: bool,
+    max_space: bool,
+}
+
+/// The space a file takes on disk.
+fn space_of(attr: &Attr) -> u64 {
+    attr.blocks * 512
 }
 
 impl Version {
@@ -227,6 +254,8 @@ impl Version {
                     other => break other?,
                 }
             }
+            // A copy keeps the holes, so it takes what the file does.
+            self.stored(space_of(attr) as i64);
             self.prune_dir(dir, &path)?;
             Ok(number)
         })();
@@ -238,10 +267,12 @@ impl Version {
     }
 
     /// Drop version `number` of `path` (a version that turned out to hold nothing new).
-    fn drop_version(&self, path: &str, number: u32) {
+    fn drop_version(&self, path: &str, number: u32, space: u64) {
         let _one = self.saving.lock();
         if let Ok(Some(dir)) = self.store_dir(path, false) {
-            let _ = self.below().unlink(&daemon(), dir, OsStr::new(&format!("{VERSION_MARK}{number}")));
+            if self.below().unlink(&daemon(), dir, OsStr::new(&format!("{VERSION_MARK}{number}"))).is_ok() {
+                self.stored(-(space as i64));
+            }
             self.below().forget(&daemon(), dir, 1);
         }
     }
@@ -256,14 +287,15 @@ impl Version {
             let too_old = self.limits.max_age.is_some_and(|age| now.duration_since(v.attr.ctime).unwrap_or_default() > age);
             if i < excess || too_old {
                 self.below().unlink(&daemon(), dir, OsStr::new(&format!("{VERSION_MARK}{}", v.number)))?;
-                freed += v.attr.size;
+                self.stored(-(space_of(&v.attr) as i64));
+                freed += space_of(&v.attr);
                 tracing::debug!("version '{}': {path}: version {} pruned", self.name, v.number);
             }
         }
         Ok(freed)
     }
 
-    /// Every version in the store: (saved, path, number, size).
+    /// Every version in the store: (saved, path, number, space taken).
     fn all_versions(&self) -> Result<Vec<(SystemTime, String, u32, u64)>> {
         fn walk(v: &Version, dir: NodeId, path: &str, out: &mut Vec<(SystemTime, String, u32, u64)>) -> Result<()> {
             let cx = daemon();
@@ -271,7 +303,7 @@ impl Version {
                 if let Some(number) = version_number(&e.name) {
                     let entry = v.below().lookup(&cx, dir, &e.name)?;
                     v.below().forget(&cx, entry.node, 1);
-                    out.push((entry.attr.ctime, path.to_owned(), number, entry.attr.size));
+                    out.push((entry.attr.ctime, path.to_owned(), number, space_of(&entry.attr)));
                 } else if e.kind == FileKind::Dir {
                     let sub = v.below().lookup(&cx, dir, &e.name)?;
                     let child = if path.is_empty() {
@@ -328,12 +360,31 @@ impl Version {
                     removed += 1;
                 }
             }
+            *self.store_space.lock() = Some(total);
         }
         Ok(json!({ "removed": removed, "bytes_freed": freed }))
     }
 
+    /// Whether the store may be over `max_space`: then [`Self::prune_all`] measures and prunes.
     fn over_space(&self) -> bool {
-        self.limits.max_space.is_some()
+        self.limits.max_space.is_some_and(|max| self.store_space.lock().is_none_or(|space| space > max))
+    }
+
+    /// Apply `max_space` if the store may be over it. A failure is logged, not returned: the
+    /// operation that made the version has happened (a file opened, or moved into the store).
+    fn prune_if_over(&self) {
+        if self.over_space() {
+            if let Err(e) = self.prune_all() {
+                tracing::error!("version '{}': the store could not be pruned to max_space: {e}", self.name);
+            }
+        }
+    }
+
+    /// Count `change` bytes more (or fewer) in the store, once it has been measured.
+    fn stored(&self, change: i64) {
+        if let Some(space) = self.store_space.lock().as_mut() {
+            *space = space.saturating_add_signed(change);
+        }
     }
 
     // --- Events ---------------------------------------------------------------------------------
@@ -354,9 +405,7 @@ impl Version {
             return Ok(false);
         }
         self.save(parent, name, e.node, &e.attr, true)?;
-        if self.over_space() {
-            self.prune_all()?;
-        }
+        self.prune_if_over();
         Ok(true)
     }
 
@@ -378,12 +427,10 @@ impl Version {
         if let (Ok(Reply::Opened(o)), Some((number, attr, path))) = (&reply, saved) {
             // Dropped at release if the file is then what it was.
             if flags & libc::O_TRUNC == 0 {
-                self.pending.lock().insert((node, o.fh), Pending { path, number, size: attr.size, mtime: attr.mtime });
+                self.pending.lock().insert((node, o.fh), Pending { path, number, space: space_of(&attr), size: attr.size, mtime: attr.mtime });
             }
         }
-        if self.over_space() {
-            self.prune_all()?;
-        }
+        self.prune_if_over();
         reply
     }
 
@@ -392,7 +439,7 @@ impl Version {
         let reply = bypass(self, cx, op);
         if let Some(p) = pending {
             if self.below().getattr(&daemon(), node).is_ok_and(|a| p.unchanged(&a)) {
-                self.drop_version(&p.path, p.number);
+                self.drop_version(&p.path, p.number, p.space);
             }
         }
         reply
@@ -559,6 +606,21 @@ impl Layer for Version {
         "version"
     }
 
+    fn mount_note(&self) -> Option<String> {
+        let default = |yes: bool| if yes { " (the default)" } else { "" };
+        let count = match self.limits.keep {
+            0 => "every version of each file".to_owned(),
+            keep => format!("{keep} versions per file"),
+        };
+        let space = self.limits.max_space.map_or("no limit on their space".to_owned(), |max| format!("at most {} MiB of them in all", max >> 20));
+        Some(format!(
+            "version '{}' keeps {count}{}, {space}{} (keep=, max_space=)",
+            self.name,
+            default(self.defaults.keep),
+            default(self.defaults.max_space)
+        ))
+    }
+
     fn data_path(&self) -> DataPath {
         // Versions are taken at open, truncate and removal; the bytes pass untouched.
         DataPath::Transparent
@@ -697,9 +759,10 @@ fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
         Some(v) => Some(parse_age(v).ok_or_else(|| args.params.bad(MAX_AGE.name, v, "expected an age such as 30d, 12h or 90m"))?),
     };
     let max_space = match args.params.get(MAX_SPACE.name) {
-        None => None,
-        Some(v) => Some(parse_size(v).ok_or_else(|| args.params.bad(MAX_SPACE.name, v, "expected a size such as 10G"))?),
+        None => default_max_space(&args.lower),
+        Some(v) => Some(parse_size(v).ok_or_else(|| args.params.bad(MAX_SPACE.name, v, "expected a size such as 10G"))?).filter(|&max| max > 0),
     };
+    let defaults = Defaults { keep: args.params.get(KEEP.name).is_none(), max_space: args.params.get(MAX_SPACE.name).is_none() };
     Ok(Arc::new(Version {
         name: args.name,
         lower: [args.lower],
@@ -709,7 +772,20 @@ fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
         pending: Mutex::new(HashMap::new()),
         saving: Mutex::new(()),
         temps: TempNames::new(".plyfs-version-copy."),
+        store_space: Mutex::new(None),
+        defaults,
     }))
+}
+
+/// `max_space` unless given: a tenth of the file system below, so versions can never fill it.
+fn default_max_space(lower: &Level) -> Option<u64> {
+    match lower.call(&daemon(), &Op::StatFs { node: NodeId::ROOT }) {
+        Ok(Reply::StatFs(fs)) => {
+            let unit = if fs.frsize > 0 { fs.frsize } else { fs.bsize };
+            Some(fs.blocks * u64::from(unit) / DEFAULT_SPACE_DIVISOR).filter(|&max| max > 0)
+        }
+        _ => None,
+    }
 }
 
 pub const FACTORY: LayerFactory = LayerFactory {

@@ -42,6 +42,13 @@ impl ChunkMap {
         (chunk < first + count).then_some(*rec)
     }
 
+    /// One past the last chunk of the run of zero chunks (a `Run` record, a hole) that holds
+    /// `chunk`, if one does.
+    pub fn run_end(&self, chunk: u64) -> Option<u64> {
+        let (first, (count, rec)) = self.extents.range(..=chunk).next_back()?;
+        (chunk < first + count && rec.kind == Kind::Run).then_some(first + count)
+    }
+
     /// Point chunks `first..first + count` at `rec`.
     pub fn set(&mut self, first: u64, count: u64, rec: RecordRef) -> Displaced {
         let displaced = self.remove_range(first, first + count);
@@ -134,6 +141,20 @@ mod tests {
         let d = m.truncate(60);
         assert_eq!(d, vec![(rec(1), 40)]);
         assert_eq!(m.end(), 60);
+    }
+
+    #[test]
+    fn a_run_of_zero_chunks_is_a_hole_to_its_end() {
+        let mut m = ChunkMap::default();
+        m.set(0, 1, rec(1));
+        m.set(1, 1000, RecordRef { kind: Kind::Run, ..rec(2) });
+        m.set(500, 1, rec(3));
+        assert_eq!(m.run_end(0), None, "data");
+        assert_eq!(m.run_end(1), Some(500));
+        assert_eq!(m.run_end(499), Some(500));
+        assert_eq!(m.run_end(500), None, "data written into the run");
+        assert_eq!(m.run_end(501), Some(1001));
+        assert_eq!(m.run_end(1001), None, "past the map");
     }
 
     proptest! {

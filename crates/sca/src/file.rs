@@ -639,6 +639,37 @@ impl<L: LowerIo> ScaFile<L> {
         Ok(self.ix.size)
     }
 
+    /// Where `SEEK_DATA` (`data`) or `SEEK_HOLE` from `offset` lands: the first offset at or
+    /// after it in data, or in a hole; `None` when no data follows. Holes are the chunks written
+    /// as a run of zeros; a fast tail is data, and so is a lost chunk (a copy must fail on it,
+    /// not skip it). The end of the file is a hole.
+    pub fn seek_data_or_hole(&mut self, offset: u64, data: bool) -> Result<Option<u64>> {
+        let size = self.current_size()?;
+        if offset >= size {
+            return Ok(None);
+        }
+        let (shift, chunks) = (self.ix.chunk_shift, self.ix.chunks());
+        let mut chunk = offset >> shift;
+        while chunk < chunks {
+            let hole_end = self.hole_end(chunk);
+            if hole_end.is_some() != data {
+                return Ok(Some((chunk << shift).max(offset)));
+            }
+            chunk = hole_end.unwrap_or(chunk + 1);
+        }
+        Ok(if data { None } else { Some(size) })
+    }
+
+    /// One past the last chunk of the hole that starts at `chunk`, if one does: a run of zero
+    /// chunks, up to the fast tail or a lost chunk within it.
+    fn hole_end(&self, chunk: u64) -> Option<u64> {
+        let tail = self.ix.tail.as_ref().map(|t| t.chunk);
+        let run_end = self.ix.map.run_end(chunk).filter(|_| tail != Some(chunk) && !self.lost.contains(&chunk))?;
+        let lost = self.lost.range(chunk..run_end).next().copied();
+        let tail = tail.filter(|&t| t > chunk && t < run_end);
+        Some([lost, tail].into_iter().flatten().fold(run_end, u64::min))
+    }
+
     /// Whether another mount changed the file since the last call: the kernel's pages of it
     /// are then stale.
     pub fn take_changed(&mut self) -> bool {

@@ -734,18 +734,18 @@ impl ScaLayer {
         Ok(Reply::Empty)
     }
 
+    /// `SEEK_DATA` and `SEEK_HOLE` over the decoded file: runs of zero chunks are its holes, so
+    /// copies of it (versions, decode) keep them.
     fn lseek(&self, node: NodeId, offset: i64, whence: i32) -> Result<Reply> {
         let f = self.file_of(node)?;
-        let size = self.checked(node, &mut f.file.write(), |file| file.current_size())?;
         let offset = u64::try_from(offset).map_err(|_| Error::Os(libc::EINVAL))?;
-        if offset >= size {
-            return Err(Error::Os(libc::ENXIO));
-        }
-        match whence {
-            libc::SEEK_DATA => Ok(Reply::Offset(offset)),
-            libc::SEEK_HOLE => Ok(Reply::Offset(size)),
-            _ => Err(Error::Os(libc::EINVAL)),
-        }
+        let data = match whence {
+            libc::SEEK_DATA => true,
+            libc::SEEK_HOLE => false,
+            _ => return Err(Error::Os(libc::EINVAL)),
+        };
+        let found = self.checked(node, &mut f.file.write(), |file| file.seek_data_or_hole(offset, data))?;
+        found.map(Reply::Offset).ok_or(Error::Os(libc::ENXIO))
     }
 
     fn extended(&self, cx: &Caller, op: &Op<'_>, node: NodeId, name: &str) -> Result<Reply> {

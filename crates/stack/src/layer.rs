@@ -77,6 +77,13 @@ pub trait Layer: Send + Sync + 'static {
     /// Called once, from the top down, when the stack is taken down: flush what is buffered.
     fn shutdown(&self) {}
 
+    /// What a user must know about this layer's settings when it is mounted (limits taken by
+    /// default), for the mount's message; the layer is built more than once while a stack is
+    /// assembled, so it cannot say it itself.
+    fn mount_note(&self) -> Option<String> {
+        None
+    }
+
     /// Hand the front end's cache invalidation down to the layers that learn of changes made
     /// outside the stack (a `remote` layer, told by its server). A layer that passes node ids
     /// and names through unchanged (the default) hands it on; one that remaps them must
