@@ -34,7 +34,7 @@ use plyfs_stack::shared::NoReplace;
 use plyfs_stack::spec::LayerSpec;
 use plyfs_stack::{
     bypass, Caller, DataPath, DirEntry, Entry, Error, ExtOpInfo, FileHandle, FileKind, Layer, LayerFactory, Level, NodeId, Op,
-    Reply, Result, SetAttr, Stack, TimeSet, XattrReply,
+    Reply, Result, SetAttr, Stack, TimeSet, XattrReply, FILE_HEAD_BYTES,
 };
 use serde_json::{json, Value};
 
@@ -61,11 +61,23 @@ const EXT_OPS: &[ExtOpInfo] = &[
         help: "which chain applies to a file, which attribute or rule decided it, and the chain its data is recorded with",
     },
     ExtOpInfo {
+        name: "policy-plain",
+        args: "[LIMIT]",
+        help: "count the plain files under a directory (no record, not in the format of the mount's default chain), looking at LIMIT files at most",
+    },
+    ExtOpInfo {
         name: "policy-apply",
         args: "",
         help: "re-encode a file whose recorded chain differs from its policy (atomically); removes leftovers of an interrupted run",
     },
 ];
+
+/// A walk counting plain files.
+struct PlainCount {
+    looked_at: u64,
+    plain: u64,
+    limit: u64,
+}
 
 /// Where a file's policy came from.
 #[derive(Clone, Debug, PartialEq)]
@@ -283,26 +295,52 @@ impl PolicyLayer {
             return Ok(self.none.clone());
         }
         let chain = self.recorded_chain(node)?;
-        // Another mount that has just created an empty file may not have recorded its chain yet:
-        // no record on an empty file is not remembered.
-        let provisional = self.shared && Arc::ptr_eq(&chain, &self.default) && self.below().getattr(&daemon(), node)?.size == 0;
+        // Another mount that has just created an empty file may not have recorded its chain yet,
+        // nor written its header: no record on an empty file, and a plain verdict, are not
+        // remembered.
+        let plain = Arc::ptr_eq(&chain, &self.none) && self.default.transforms();
+        let provisional = self.shared
+            && (plain || Arc::ptr_eq(&chain, &self.default) && self.below().getattr(&daemon(), node)?.size == 0);
         self.note_file(node, chain.clone(), provisional);
         Ok(chain)
     }
 
-    /// The chain recorded with a regular file, or the default when it has no record.
+    /// The chain recorded with a regular file, or when it has no record, the default's.
     fn recorded_chain(&self, node: NodeId) -> Result<ChainRef> {
         // On a shared lower, another mount may record the first chain at any time.
         if !self.shared && !self.records.load(Ordering::Acquire) {
-            return Ok(self.default.clone());
+            return self.unrecorded_chain(node);
         }
         match self.read_xattr(node, CHAIN_XATTR)? {
-            None => Ok(self.default.clone()),
+            None => self.unrecorded_chain(node),
             Some(text) => {
                 let policy = Policy::parse(&text).map_err(|e| self.unreadable_record(node, &text, &e))?;
                 self.chain_for(&policy).map_err(|e| self.unreadable_record(node, &text, &e))
             }
         }
+    }
+
+    /// The chain of a file without a record: the default, unless the file is plain, that is
+    /// not empty and failing the default chain's test of its lower files (see
+    /// [`plyfs_stack::Layer::file_test`]). A plain file was there before the mount's data layers:
+    /// it is served as it is, the chain none, until `plyfs policy apply` encodes it.
+    fn unrecorded_chain(&self, node: NodeId) -> Result<ChainRef> {
+        let Some(is_encoded) = self.default.file_test() else { return Ok(self.default.clone()) };
+        let cx = daemon();
+        let opened = self.below().open(&cx, node, libc::O_RDONLY)?;
+        let head = self.below().read(&cx, node, opened.fh, 0, FILE_HEAD_BYTES as u32);
+        let _ = self.below().release(&cx, node, opened.fh);
+        let head = head?;
+        Ok(if head.is_empty() || is_encoded(&head) { self.default.clone() } else { self.none.clone() })
+    }
+
+    /// Whether a regular file is plain: without a record, and not in the default chain's format.
+    fn is_plain(&self, node: NodeId) -> Result<bool> {
+        let may_have_record = self.shared || self.records.load(Ordering::Acquire);
+        if may_have_record && self.read_xattr(node, CHAIN_XATTR)?.is_some() {
+            return Ok(false);
+        }
+        Ok(Arc::ptr_eq(&self.unrecorded_chain(node)?, &self.none))
     }
 
     fn unreadable_record(&self, node: NodeId, text: &str, e: &Error) -> Error {
@@ -753,9 +791,52 @@ impl PolicyLayer {
             "policy": decided.chain.text,
             "source": decided.source.to_string(),
             "recorded": chain.text,
-            "recorded_by": if recorded_explicitly { format!("recorded in {CHAIN_XATTR} on the lower file") } else { "no record on the lower file: the mount's default chain".to_owned() },
+            "recorded_by": match recorded_explicitly {
+                true => format!("recorded in {CHAIN_XATTR} on the lower file"),
+                false if Arc::ptr_eq(&chain, &self.none) && self.default.transforms() => "a plain file: no record, and not in the format of the mount's default chain".to_owned(),
+                false => "no record on the lower file: the mount's default chain".to_owned(),
+            },
             "pending": pending,
         }))
+    }
+
+    /// Count the plain files under directory `dir` (see [`PolicyLayer::unrecorded_chain`]),
+    /// looking at the first `args[0]` regular files met (all without it). A walk cut short says
+    /// so: its count is a lower bound.
+    fn count_plain(&self, dir: NodeId, args: &[String]) -> Result<Value> {
+        let limit = match args.first() {
+            Some(a) => a.parse::<u64>().map_err(|_| Error::BadArgs(format!("policy-plain: {a:?} is not a number of files")))?,
+            None => u64::MAX,
+        };
+        let mut walk = PlainCount { looked_at: 0, plain: 0, limit };
+        if self.default.file_test().is_some() {
+            self.count_plain_in(dir, &mut walk)?;
+        }
+        Ok(json!({ "plain": walk.plain, "looked_at": walk.looked_at, "complete": walk.looked_at < limit, "chain": self.default.text }))
+    }
+
+    fn count_plain_in(&self, dir: NodeId, walk: &mut PlainCount) -> Result<()> {
+        let cx = daemon();
+        for d in self.below().list_dir(&cx, dir)? {
+            if walk.looked_at >= walk.limit {
+                break;
+            }
+            let is_temp = d.name.as_bytes().starts_with(TEMP_PREFIX.as_bytes());
+            if !matches!(d.kind, FileKind::File | FileKind::Dir) || is_temp {
+                continue;
+            }
+            let e = self.below().lookup(&cx, dir, &d.name)?;
+            let counted = match e.attr.kind {
+                FileKind::Dir => self.count_plain_in(e.node, walk),
+                _ => self.is_plain(e.node).map(|plain| {
+                    walk.looked_at += 1;
+                    walk.plain += u64::from(plain);
+                }),
+            };
+            self.below().forget(&cx, e.node, 1);
+            counted?;
+        }
+        Ok(())
     }
 
     fn rule_or_default_for_dir(&self) -> Decided {
@@ -1029,6 +1110,7 @@ impl Layer for PolicyLayer {
             }
             Op::Extended { node, name: "policy-explain", .. } => self.explain(node).map(Reply::Extended),
             Op::Extended { node, name: "policy-apply", .. } => self.apply(node).map(Reply::Extended),
+            Op::Extended { node, name: "policy-plain", args } => self.count_plain(node, args).map(Reply::Extended),
             Op::Extended { node, .. } => self.chain_of(node)?.top.call(cx, op),
             _ => bypass(self, cx, op),
         }

@@ -797,6 +797,14 @@ impl Layer for ScaLayer {
         &self.ops
     }
 
+    /// A codec that must never leave plaintext below (a cipher) takes every lower file as its
+    /// own: serving a plain file would let whoever writes the lower directory pass off content
+    /// as authentic. It refuses such a file (EIO) instead.
+    fn file_test(&self) -> Option<fn(&[u8]) -> bool> {
+        let test: fn(&[u8]) -> bool = crate::format::looks_encoded;
+        self.engine.codec.plaintext_safe().then_some(test)
+    }
+
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         match *op {
             // The handle is this layer's, not the lower's: the lower answers by node.
