@@ -136,6 +136,7 @@ fn plain_files_are_counted_served_as_they_are_and_encoded_by_policy_apply() {
     files.insert("new", b"new through the mount".to_vec());
     assert!(fs::read(lower.join("new")).unwrap().starts_with(MAGIC), "a new file is zstd-encoded");
 
+    assert_eq!(common::op_json(&mnt, &["policy-plain"])["plain"], 6, "counted under a directory");
     let out = run(plyfs().args(["policy", "apply", "-r"]).arg(&mnt));
     assert!(out.status.success(), "policy apply: {}", String::from_utf8_lossy(&out.stderr));
     let summary = String::from_utf8_lossy(&out.stdout);
