@@ -309,10 +309,10 @@ impl PolicyLayer {
     fn recorded_chain(&self, node: NodeId) -> Result<ChainRef> {
         // On a shared lower, another mount may record the first chain at any time.
         if !self.shared && !self.records.load(Ordering::Acquire) {
-            return self.unrecorded_chain(node);
+            return Ok(self.unrecorded_chain(node));
         }
         match self.read_xattr(node, CHAIN_XATTR)? {
-            None => self.unrecorded_chain(node),
+            None => Ok(self.unrecorded_chain(node)),
             Some(text) => {
                 let policy = Policy::parse(&text).map_err(|e| self.unreadable_record(node, &text, &e))?;
                 self.chain_for(&policy).map_err(|e| self.unreadable_record(node, &text, &e))
@@ -323,15 +323,27 @@ impl PolicyLayer {
     /// The chain of a file without a record: the default, unless the file is plain, that is
     /// not empty and failing the default chain's test of its lower files (see
     /// [`plyfs_stack::Layer::file_test`]). A plain file was there before the mount's data layers:
-    /// it is served as it is, the chain none, until `plyfs policy apply` encodes it.
-    fn unrecorded_chain(&self, node: NodeId) -> Result<ChainRef> {
-        let Some(is_encoded) = self.default.file_test() else { return Ok(self.default.clone()) };
+    /// it is served as it is, the chain none, until `plyfs policy apply` encodes it. A file the
+    /// daemon cannot read is the default's, which says why it cannot open it (and `stat` works).
+    fn unrecorded_chain(&self, node: NodeId) -> ChainRef {
+        let Some(is_encoded) = self.default.file_test() else { return self.default.clone() };
+        let head = match self.lower_head(node) {
+            Ok(head) => head,
+            Err(e) => {
+                tracing::debug!("{}: cannot tell whether it is plain: {e}", self.describe(node));
+                return self.default.clone();
+            }
+        };
+        if head.is_empty() || is_encoded(&head) { self.default.clone() } else { self.none.clone() }
+    }
+
+    /// The first [`FILE_HEAD_BYTES`] of a lower file.
+    fn lower_head(&self, node: NodeId) -> Result<Vec<u8>> {
         let cx = daemon();
         let opened = self.below().open(&cx, node, libc::O_RDONLY)?;
         let head = self.below().read(&cx, node, opened.fh, 0, FILE_HEAD_BYTES as u32);
         let _ = self.below().release(&cx, node, opened.fh);
-        let head = head?;
-        Ok(if head.is_empty() || is_encoded(&head) { self.default.clone() } else { self.none.clone() })
+        head
     }
 
     /// Whether a regular file is plain: without a record, and not in the default chain's format.
@@ -340,7 +352,7 @@ impl PolicyLayer {
         if may_have_record && self.read_xattr(node, CHAIN_XATTR)?.is_some() {
             return Ok(false);
         }
-        Ok(Arc::ptr_eq(&self.unrecorded_chain(node)?, &self.none))
+        Ok(Arc::ptr_eq(&self.unrecorded_chain(node), &self.none))
     }
 
     fn unreadable_record(&self, node: NodeId, text: &str, e: &Error) -> Error {
