@@ -239,3 +239,17 @@ fn crypt_refuses_plain_files() {
     let err = fs::read(m.path("planted")).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
 }
+
+/// The mount looks at 1000 files at most before it serves; past them its count is a lower bound.
+#[test]
+fn the_mount_count_is_bounded_and_says_so() {
+    let (_dir, root, [lower, mnt]) = scratch_dirs(["lower", "mnt"]);
+    for i in 0..1000 {
+        fs::write(lower.join(format!("{i:04}")), b"plain").unwrap();
+    }
+    let said = Background::mount(&lower, &mnt, "zstd", &root.join("daemon.log")).said.clone();
+    assert!(said.contains(&format!("plyfs: 1000 files in {} are plain", lower.display())), "{said}");
+    fs::write(lower.join("one-more"), b"plain").unwrap();
+    let said = Background::mount(&lower, &mnt, "zstd", &root.join("daemon.log")).said.clone();
+    assert!(said.contains(&format!("plyfs: at least 1000 files in {} are plain", lower.display())), "{said}");
+}

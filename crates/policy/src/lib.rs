@@ -77,6 +77,8 @@ struct PlainCount {
     looked_at: u64,
     plain: u64,
     limit: u64,
+    /// Stopped at the limit with files left to look at.
+    cut: bool,
 }
 
 /// Where a file's policy came from.
@@ -820,33 +822,39 @@ impl PolicyLayer {
             Some(a) => a.parse::<u64>().map_err(|_| Error::BadArgs(format!("policy-plain: {a:?} is not a number of files")))?,
             None => u64::MAX,
         };
-        let mut walk = PlainCount { looked_at: 0, plain: 0, limit };
+        let mut walk = PlainCount { looked_at: 0, plain: 0, limit, cut: false };
         if self.default.file_test().is_some() {
             self.count_plain_in(dir, &mut walk)?;
         }
-        Ok(json!({ "plain": walk.plain, "looked_at": walk.looked_at, "complete": walk.looked_at < limit, "chain": self.default.text }))
+        Ok(json!({ "plain": walk.plain, "looked_at": walk.looked_at, "complete": !walk.cut, "chain": self.default.text }))
     }
 
+    /// Count in `dir` and below; what cannot be looked at is left out (and logged).
     fn count_plain_in(&self, dir: NodeId, walk: &mut PlainCount) -> Result<()> {
         let cx = daemon();
         for d in self.below().list_dir(&cx, dir)? {
-            if walk.looked_at >= walk.limit {
-                break;
-            }
             let is_temp = d.name.as_bytes().starts_with(TEMP_PREFIX.as_bytes());
             if !matches!(d.kind, FileKind::File | FileKind::Dir) || is_temp {
                 continue;
             }
-            let e = self.below().lookup(&cx, dir, &d.name)?;
-            let counted = match e.attr.kind {
-                FileKind::Dir => self.count_plain_in(e.node, walk),
-                _ => self.is_plain(e.node).map(|plain| {
-                    walk.looked_at += 1;
-                    walk.plain += u64::from(plain);
-                }),
-            };
-            self.below().forget(&cx, e.node, 1);
-            counted?;
+            if walk.looked_at >= walk.limit {
+                walk.cut = true;
+                break;
+            }
+            let counted = self.below().lookup(&cx, dir, &d.name).and_then(|e| {
+                let counted = match e.attr.kind {
+                    FileKind::Dir => self.count_plain_in(e.node, walk),
+                    _ => self.is_plain(e.node).map(|plain| {
+                        walk.looked_at += 1;
+                        walk.plain += u64::from(plain);
+                    }),
+                };
+                self.below().forget(&cx, e.node, 1);
+                counted
+            });
+            if let Err(e) = counted {
+                tracing::debug!("{}: not counted: {e}", self.describe_in(dir, &d.name));
+            }
         }
         Ok(())
     }
