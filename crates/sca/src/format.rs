@@ -475,6 +475,23 @@ mod tests {
     }
 
     #[test]
+    fn encoded_files_are_told_from_plain_ones() {
+        let mut file = FileHeader { codec: *b"zstd", chunk_shift: 12, file_id: None, flags: 0 }.encode().to_vec();
+        file.resize(DATA_START as usize, 0);
+        build_record(header(Kind::Data), b"payload", &mut file);
+        assert!(looks_encoded(&file));
+        let mut no_magic = file.clone();
+        no_magic[..8].fill(b'X');
+        assert!(looks_encoded(&no_magic), "the first record still tells");
+        no_magic[DATA_START as usize + 9] ^= 1;
+        assert!(!looks_encoded(&no_magic), "magic and first record both gone: plain");
+        assert!(looks_encoded(&file[..8]), "the magic alone, on a cut file");
+        for plain in [&b"PLYSCA\x00"[..], b"PLYSCA\x00\x02 text", b"x", b"plain text\n"] {
+            assert!(!looks_encoded(plain), "{plain:?}");
+        }
+    }
+
+    #[test]
     fn varints_round_trip() {
         for v in [0u64, 1, 127, 128, 300, u32::MAX as u64, u64::MAX] {
             let mut out = Vec::new();
