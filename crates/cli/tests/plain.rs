@@ -137,6 +137,9 @@ fn plain_files_are_counted_served_as_they_are_and_encoded_by_policy_apply() {
     assert!(fs::read(lower.join("new")).unwrap().starts_with(MAGIC), "a new file is zstd-encoded");
 
     assert_eq!(common::op_json(&mnt, &["policy-plain"])["plain"], 6, "counted under a directory");
+    let explained = run(plyfs().args(["policy", "explain"]).arg(mnt.join("big")));
+    let explained = String::from_utf8_lossy(&explained.stdout);
+    assert!(explained.contains("a plain file") && explained.contains("pending"), "{explained}");
     let out = run(plyfs().args(["policy", "apply", "-r"]).arg(&mnt));
     assert!(out.status.success(), "policy apply: {}", String::from_utf8_lossy(&out.stderr));
     let summary = String::from_utf8_lossy(&out.stdout);
@@ -233,14 +236,16 @@ fn random_plain_files_read_the_same_through_the_mount() {
 /// passed off as authentic.
 #[test]
 fn crypt_refuses_plain_files() {
-    let mut m = Mount::crypt("crypt", &["--plaintext-names"], &[]);
-    fs::write(m.path("sealed"), b"encrypted").unwrap();
-    m.unmount();
-    fs::write(m.lower_path("planted"), b"not encrypted").unwrap();
-    let m = m.remount();
-    assert_eq!(fs::read(m.path("sealed")).unwrap(), b"encrypted");
-    let err = fs::read(m.path("planted")).unwrap_err();
-    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    for stack in ["crypt", "zstd,crypt"] {
+        let mut m = Mount::crypt(stack, &["--plaintext-names"], &[]);
+        fs::write(m.path("sealed"), b"encrypted").unwrap();
+        m.unmount();
+        fs::write(m.lower_path("planted"), b"not encrypted").unwrap();
+        let m = m.remount();
+        assert_eq!(fs::read(m.path("sealed")).unwrap(), b"encrypted", "{stack}");
+        let err = fs::read(m.path("planted")).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{stack}: {err}");
+    }
 }
 
 /// The mount looks at 1000 files at most before it serves; past them its count is a lower bound.
