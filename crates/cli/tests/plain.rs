@@ -246,6 +246,15 @@ fn crypt_refuses_plain_files() {
         let err = fs::read(m.path("planted")).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EIO), "{stack}: {err}");
     }
+    // With encrypted names, a plain name does not decrypt: hidden, with a warning.
+    let mut m = Mount::crypt("zstd,crypt", &[], &[]);
+    fs::write(m.path("sealed"), b"encrypted").unwrap();
+    m.unmount();
+    fs::write(m.lower_path("planted"), b"not encrypted").unwrap();
+    let m = m.remount();
+    let names: Vec<_> = fs::read_dir(&m.mnt).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["sealed"]);
+    assert!(m.daemon_log().contains("hiding planted, which does not decrypt"), "{}", m.daemon_log());
 }
 
 /// The mount looks at 1000 files at most before it serves; past them its count is a lower bound.
