@@ -270,3 +270,25 @@ fn the_mount_count_is_bounded_and_says_so() {
     let said = Background::mount(&lower, &mnt, "zstd", &root.join("daemon.log")).said.clone();
     assert!(said.contains(&format!("plyfs: at least 1000 files in {} are plain", lower.display())), "{said}");
 }
+
+/// A plain file with two names is left plain by `policy apply`, with one line saying why: a
+/// re-encoded copy would split the links.
+#[test]
+fn policy_apply_refuses_hard_linked_plain_files_per_file() {
+    let (_dir, _root, [lower, mnt]) = scratch_dirs(["lower", "mnt"]);
+    fs::write(lower.join("a"), b"linked plain").unwrap();
+    fs::hard_link(lower.join("a"), lower.join("b")).unwrap();
+    fs::write(lower.join("single"), b"single plain").unwrap();
+    let m = Mount::start(tempfile::tempdir().unwrap(), lower.clone(), mnt.clone(), "zstd", &[]);
+    let out = run(plyfs().args(["policy", "apply", "-r"]).arg(&mnt));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    for name in ["a", "b"] {
+        let line = format!("{}: not re-encoded: it has 2 hard links", mnt.join(name).display());
+        assert!(said.lines().filter(|l| l.contains(&line)).count() == 1, "one line for {name}: {said}");
+        assert_eq!(fs::read(m.path(name)).unwrap(), b"linked plain");
+        assert_eq!(fs::read(lower.join(name)).unwrap(), b"linked plain", "{name} stays plain");
+    }
+    assert!(fs::read(lower.join("single")).unwrap().starts_with(MAGIC), "the others are encoded");
+    assert_eq!(fs::read(m.path("single")).unwrap(), b"single plain");
+}

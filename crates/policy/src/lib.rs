@@ -890,10 +890,11 @@ impl PolicyLayer {
 
     fn reencode(&self, node: NodeId, from: &ChainRef, to: &ChainRef, parent: NodeId, name: &OsStr, path: &str) -> Result<u64> {
         let cx = daemon();
+        // The caller names the file as it asked for it: a hard link's path here may be another
+        // of its names.
         let refuse = |why: &str| {
-            let msg = format!("{path}: not re-encoded: {why}");
-            tracing::warn!("{msg}");
-            Error::BadArgs(msg)
+            tracing::warn!("{path}: not re-encoded: {why}");
+            Error::BadArgs(format!("not re-encoded: {why}"))
         };
         if self.is_open(node) {
             return Err(refuse("it is open; run again once it is closed"));
