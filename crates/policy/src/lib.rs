@@ -61,14 +61,14 @@ const EXT_OPS: &[ExtOpInfo] = &[
         help: "which chain applies to a file, which attribute or rule decided it, and the chain its data is recorded with",
     },
     ExtOpInfo {
-        name: "policy-plain",
-        args: "[LIMIT]",
-        help: "count the plain files under a directory (no record, not in the format of the mount's default chain), looking at LIMIT files at most",
-    },
-    ExtOpInfo {
         name: "policy-apply",
         args: "",
         help: "re-encode a file whose recorded chain differs from its policy (atomically); removes leftovers of an interrupted run",
+    },
+    ExtOpInfo {
+        name: "policy-plain",
+        args: "[LIMIT]",
+        help: "count the plain files under a directory (no record, not in the format of the mount's default chain), looking at LIMIT files at most",
     },
 ];
 
