@@ -229,6 +229,14 @@ impl Ready {
             let _ = writeln!(f, "{line}");
         }
     }
+
+    /// A line for the user, which the mounting process prints before its own.
+    fn note(&mut self, line: &str) {
+        tracing::warn!("{line}");
+        if let Some(f) = &mut self.0 {
+            let _ = writeln!(f, "NOTE {line}");
+        }
+    }
 }
 
 /// What a user sharing `dir` must know about the file system it lives on, if anything.
@@ -416,6 +424,9 @@ fn serve_inner(
     };
     let notes: String = stack.named_levels().iter().filter_map(|n| n.level.layer().mount_note()).map(|note| format!("; {note}")).collect();
     tracing::info!("mounted {} on {} with stack [{}]; file I/O: {io_mode}{notes}", lower, mountpoint.display(), names.join(", "));
+    if let Some(plain) = lower.dir().and_then(|dir| crate::policy::plain_files_notice(&stack, dir, &mountpoint)) {
+        ready.note(&plain);
+    }
     ready.send(&format!("OK {io_mode}{notes}"));
 
     let signal_mountpoint = mountpoint.clone();
@@ -525,8 +536,12 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_
     drop(key_pipe);
     drop(volumes);
 
+    let mut from_child = BufReader::new(File::from(read_end));
     let mut line = String::new();
-    let _ = BufReader::new(File::from(read_end)).read_line(&mut line);
+    while from_child.read_line(&mut line).is_ok_and(|n| n > 0) && line.starts_with("NOTE ") {
+        eprintln!("plyfs: {}", line["NOTE ".len()..].trim_end());
+        line.clear();
+    }
     let line = line.trim_end();
     if let Some(mode) = line.strip_prefix("OK ") {
         eprintln!("plyfs: mounted {} (pid {}); file I/O: {mode}; log: {}", mountpoint.display(), child.id(), log.display());

@@ -227,7 +227,7 @@ fn extended_operations_from_the_command_line() {
     let list = op_json(&m.path(""), &["--list"]);
     let names: Vec<&str> = list.as_array().unwrap().iter().map(|o| o["op"].as_str().unwrap()).collect();
     // The policy layer (per-file chains) sits between the mount-wide layers and the bottom.
-    assert_eq!(names, ["stats", "stats-reset", "describe", "policy-explain", "policy-apply", "lower-info", "lower-lock", "lower-sync"]);
+    assert_eq!(names, ["stats", "stats-reset", "describe", "policy-explain", "policy-apply", "policy-plain", "lower-info", "lower-lock", "lower-sync"]);
     // `describe` is answered by the null layer, below a trace layer that does not know it.
     let chain = op_json(&m.path(""), &["describe"]);
     let described: Vec<(&str, &str, &str)> = chain

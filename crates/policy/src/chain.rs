@@ -113,6 +113,13 @@ impl Chain {
         self.stack.is_some()
     }
 
+    /// How to tell the chain's lower files from plain ones: the test of its lowest layer that
+    /// transforms data, which writes them. `None` when that layer cannot tell (every file is
+    /// the chain's), or for the empty chain.
+    pub fn file_test(&self) -> Option<fn(&[u8]) -> bool> {
+        self.levels().iter().rev().find(|l| l.layer().data_path() == DataPath::Transforms)?.layer().file_test()
+    }
+
     pub fn shutdown(&self) {
         if let Some(s) = &self.stack {
             // The shared bottom level belongs to the mount: stop the chain's own layers only.

@@ -34,7 +34,7 @@ use plyfs_stack::shared::NoReplace;
 use plyfs_stack::spec::LayerSpec;
 use plyfs_stack::{
     bypass, Caller, DataPath, DirEntry, Entry, Error, ExtOpInfo, FileHandle, FileKind, Layer, LayerFactory, Level, NodeId, Op,
-    Reply, Result, SetAttr, Stack, TimeSet, XattrReply,
+    Reply, Result, SetAttr, Stack, TimeSet, XattrReply, FILE_HEAD_BYTES,
 };
 use serde_json::{json, Value};
 
@@ -65,7 +65,21 @@ const EXT_OPS: &[ExtOpInfo] = &[
         args: "",
         help: "re-encode a file whose recorded chain differs from its policy (atomically); removes leftovers of an interrupted run",
     },
+    ExtOpInfo {
+        name: "policy-plain",
+        args: "[LIMIT]",
+        help: "count the plain files under a directory (no record, not in the format of the mount's default chain), looking at LIMIT files at most",
+    },
 ];
+
+/// A walk counting plain files.
+struct PlainCount {
+    looked_at: u64,
+    plain: u64,
+    limit: u64,
+    /// Stopped at the limit with files left to look at.
+    cut: bool,
+}
 
 /// Where a file's policy came from.
 #[derive(Clone, Debug, PartialEq)]
@@ -283,26 +297,64 @@ impl PolicyLayer {
             return Ok(self.none.clone());
         }
         let chain = self.recorded_chain(node)?;
-        // Another mount that has just created an empty file may not have recorded its chain yet:
-        // no record on an empty file is not remembered.
-        let provisional = self.shared && Arc::ptr_eq(&chain, &self.default) && self.below().getattr(&daemon(), node)?.size == 0;
+        // Another mount that has just created an empty file may not have recorded its chain yet,
+        // nor written its header: no record on an empty file, and a plain verdict, are not
+        // remembered.
+        let plain = Arc::ptr_eq(&chain, &self.none) && self.default.transforms();
+        let provisional = self.shared
+            && (plain || Arc::ptr_eq(&chain, &self.default) && self.below().getattr(&daemon(), node)?.size == 0);
         self.note_file(node, chain.clone(), provisional);
         Ok(chain)
     }
 
-    /// The chain recorded with a regular file, or the default when it has no record.
+    /// The chain recorded with a regular file, or when it has no record, the default's.
     fn recorded_chain(&self, node: NodeId) -> Result<ChainRef> {
         // On a shared lower, another mount may record the first chain at any time.
         if !self.shared && !self.records.load(Ordering::Acquire) {
-            return Ok(self.default.clone());
+            return Ok(self.unrecorded_chain(node));
         }
         match self.read_xattr(node, CHAIN_XATTR)? {
-            None => Ok(self.default.clone()),
+            None => Ok(self.unrecorded_chain(node)),
             Some(text) => {
                 let policy = Policy::parse(&text).map_err(|e| self.unreadable_record(node, &text, &e))?;
                 self.chain_for(&policy).map_err(|e| self.unreadable_record(node, &text, &e))
             }
         }
+    }
+
+    /// The chain of a file without a record: the default, unless the file is plain, that is
+    /// not empty and failing the default chain's test of its lower files (see
+    /// [`plyfs_stack::Layer::file_test`]). A plain file was there before the mount's data layers:
+    /// it is served as it is, the chain none, until `plyfs policy apply` encodes it. A file the
+    /// daemon cannot read is the default's, which says why it cannot open it (and `stat` works).
+    fn unrecorded_chain(&self, node: NodeId) -> ChainRef {
+        let Some(is_encoded) = self.default.file_test() else { return self.default.clone() };
+        let head = match self.lower_head(node) {
+            Ok(head) => head,
+            Err(e) => {
+                tracing::debug!("{}: cannot tell whether it is plain: {e}", self.describe(node));
+                return self.default.clone();
+            }
+        };
+        if head.is_empty() || is_encoded(&head) { self.default.clone() } else { self.none.clone() }
+    }
+
+    /// The first [`FILE_HEAD_BYTES`] of a lower file.
+    fn lower_head(&self, node: NodeId) -> Result<Vec<u8>> {
+        let cx = daemon();
+        let opened = self.below().open(&cx, node, libc::O_RDONLY)?;
+        let head = self.below().read(&cx, node, opened.fh, 0, FILE_HEAD_BYTES as u32);
+        let _ = self.below().release(&cx, node, opened.fh);
+        head
+    }
+
+    /// Whether a regular file is plain: without a record, and not in the default chain's format.
+    fn is_plain(&self, node: NodeId) -> Result<bool> {
+        let may_have_record = self.shared || self.records.load(Ordering::Acquire);
+        if may_have_record && self.read_xattr(node, CHAIN_XATTR)?.is_some() {
+            return Ok(false);
+        }
+        Ok(Arc::ptr_eq(&self.unrecorded_chain(node), &self.none))
     }
 
     fn unreadable_record(&self, node: NodeId, text: &str, e: &Error) -> Error {
@@ -753,9 +805,58 @@ impl PolicyLayer {
             "policy": decided.chain.text,
             "source": decided.source.to_string(),
             "recorded": chain.text,
-            "recorded_by": if recorded_explicitly { format!("recorded in {CHAIN_XATTR} on the lower file") } else { "no record on the lower file: the mount's default chain".to_owned() },
+            "recorded_by": match recorded_explicitly {
+                true => format!("recorded in {CHAIN_XATTR} on the lower file"),
+                false if Arc::ptr_eq(&chain, &self.none) && self.default.transforms() => "a plain file: no record, and not in the format of the mount's default chain".to_owned(),
+                false => "no record on the lower file: the mount's default chain".to_owned(),
+            },
             "pending": pending,
         }))
+    }
+
+    /// Count the plain files under directory `dir` (see [`PolicyLayer::unrecorded_chain`]),
+    /// looking at the first `args[0]` regular files met (all without it). A walk cut short says
+    /// so: its count is a lower bound.
+    fn count_plain(&self, dir: NodeId, args: &[String]) -> Result<Value> {
+        let limit = match args.first() {
+            Some(a) => a.parse::<u64>().map_err(|_| Error::BadArgs(format!("policy-plain: {a:?} is not a number of files")))?,
+            None => u64::MAX,
+        };
+        let mut walk = PlainCount { looked_at: 0, plain: 0, limit, cut: false };
+        if self.default.file_test().is_some() {
+            self.count_plain_in(dir, &mut walk)?;
+        }
+        Ok(json!({ "plain": walk.plain, "looked_at": walk.looked_at, "complete": !walk.cut, "chain": self.default.text }))
+    }
+
+    /// Count in `dir` and below; what cannot be looked at is left out (and logged).
+    fn count_plain_in(&self, dir: NodeId, walk: &mut PlainCount) -> Result<()> {
+        let cx = daemon();
+        for d in self.below().list_dir(&cx, dir)? {
+            let is_temp = d.name.as_bytes().starts_with(TEMP_PREFIX.as_bytes());
+            if !matches!(d.kind, FileKind::File | FileKind::Dir) || is_temp {
+                continue;
+            }
+            if walk.looked_at >= walk.limit {
+                walk.cut = true;
+                break;
+            }
+            let counted = self.below().lookup(&cx, dir, &d.name).and_then(|e| {
+                let counted = match e.attr.kind {
+                    FileKind::Dir => self.count_plain_in(e.node, walk),
+                    _ => self.is_plain(e.node).map(|plain| {
+                        walk.looked_at += 1;
+                        walk.plain += u64::from(plain);
+                    }),
+                };
+                self.below().forget(&cx, e.node, 1);
+                counted
+            });
+            if let Err(e) = counted {
+                tracing::debug!("{}: not counted: {e}", self.describe_in(dir, &d.name));
+            }
+        }
+        Ok(())
     }
 
     fn rule_or_default_for_dir(&self) -> Decided {
@@ -789,10 +890,11 @@ impl PolicyLayer {
 
     fn reencode(&self, node: NodeId, from: &ChainRef, to: &ChainRef, parent: NodeId, name: &OsStr, path: &str) -> Result<u64> {
         let cx = daemon();
+        // The caller names the file as it asked for it: a hard link's path here may be another
+        // of its names.
         let refuse = |why: &str| {
-            let msg = format!("{path}: not re-encoded: {why}");
-            tracing::warn!("{msg}");
-            Error::BadArgs(msg)
+            tracing::warn!("{path}: not re-encoded: {why}");
+            Error::BadArgs(format!("not re-encoded: {why}"))
         };
         if self.is_open(node) {
             return Err(refuse("it is open; run again once it is closed"));
@@ -1029,6 +1131,7 @@ impl Layer for PolicyLayer {
             }
             Op::Extended { node, name: "policy-explain", .. } => self.explain(node).map(Reply::Extended),
             Op::Extended { node, name: "policy-apply", .. } => self.apply(node).map(Reply::Extended),
+            Op::Extended { node, name: "policy-plain", args } => self.count_plain(node, args).map(Reply::Extended),
             Op::Extended { node, .. } => self.chain_of(node)?.top.call(cx, op),
             _ => bypass(self, cx, op),
         }

@@ -77,6 +77,17 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
+/// Whether `head`, the first bytes of a lower file, is the start of a file in this format: it
+/// begins with [`FILE_MAGIC`], or (its header damaged) the first record at [`DATA_START`] has a
+/// sound header (magic and CRC). Whatever else is wrong with such a file, it is an encoded file,
+/// and the layer repairs or refuses it; a file that passes neither check is plain. A plain file
+/// passes only if it holds one of these by chance (8 given bytes, or 4 and a matching CRC-32):
+/// a copy of an encoded lower file, which is one.
+pub fn looks_encoded(head: &[u8]) -> bool {
+    let first_record = head.get(DATA_START as usize..).and_then(RecordHeader::decode);
+    head.starts_with(&FILE_MAGIC) || first_record.is_some()
+}
+
 /// Round up to the record alignment.
 pub fn align_up(n: u64) -> u64 {
     n.div_ceil(RECORD_ALIGN) * RECORD_ALIGN
@@ -460,6 +471,23 @@ mod tests {
             let e = 63 - len.leading_zeros();
             let s = 32 - e.leading_zeros();
             assert_eq!(p.trailing_zeros().min(e - s), e - s, "{len} -> {p}: the low bits are zero");
+        }
+    }
+
+    #[test]
+    fn encoded_files_are_told_from_plain_ones() {
+        let mut file = FileHeader { codec: *b"zstd", chunk_shift: 12, file_id: None, flags: 0 }.encode().to_vec();
+        file.resize(DATA_START as usize, 0);
+        build_record(header(Kind::Data), b"payload", &mut file);
+        assert!(looks_encoded(&file));
+        let mut no_magic = file.clone();
+        no_magic[..8].fill(b'X');
+        assert!(looks_encoded(&no_magic), "the first record still tells");
+        no_magic[DATA_START as usize + 9] ^= 1;
+        assert!(!looks_encoded(&no_magic), "magic and first record both gone: plain");
+        assert!(looks_encoded(&file[..8]), "the magic alone, on a cut file");
+        for plain in [&b"PLYSCA\x00"[..], b"PLYSCA\x00\x02 text", b"x", b"plain text\n"] {
+            assert!(!looks_encoded(plain), "{plain:?}");
         }
     }
 

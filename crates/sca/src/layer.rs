@@ -3,7 +3,8 @@
 //!
 //! Each open file has one [`ScaFile`] shared by all its handles and hard links, reading and
 //! writing the lower file through a handle the layer opens for itself below. Everything that
-//! is not about file data bypasses to the layer below.
+//! is not about file data bypasses to the layer below, without the upper handle: the lower
+//! directory has handles of its own, numbered alike, and would answer for another file.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -796,8 +797,21 @@ impl Layer for ScaLayer {
         &self.ops
     }
 
+    /// A codec that must never leave plaintext below (a cipher) takes every lower file as its
+    /// own: serving a plain file would let whoever writes the lower directory pass off content
+    /// as authentic. It refuses such a file (EIO) instead.
+    fn file_test(&self) -> Option<fn(&[u8]) -> bool> {
+        let test: fn(&[u8]) -> bool = crate::format::looks_encoded;
+        self.engine.codec.plaintext_safe().then_some(test)
+    }
+
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         match *op {
+            // The handle is this layer's, not the lower's: the lower answers by node.
+            Op::GetAttr { node, fh: Some(_) } => {
+                let reply = bypass(self, cx, &Op::GetAttr { node, fh: None })?;
+                Ok(self.reply_with_attr(node, reply))
+            }
             Op::Lookup { .. } | Op::MkNod { .. } | Op::Link { .. } | Op::GetAttr { .. } | Op::ReadDir { plus: true, .. } => {
                 let reply = bypass(self, cx, op)?;
                 Ok(self.reply_with_attr(op.node(), reply))

@@ -83,3 +83,32 @@ fn in_process_files_show_decoded_sizes() {
     assert_eq!(stats["chunk_bytes"], 65536);
     s.shutdown();
 }
+
+/// A handle is the layer's, not the lower directory's: getattr with one answers for the file
+/// it was opened on, not for whichever lower file holds that number below.
+#[test]
+fn getattr_with_a_handle_answers_for_that_file() {
+    use plyfs_stack::{Op, Reply};
+    let dir = tempfile::tempdir().unwrap();
+    let s = stack("sealed", dir.path()).unwrap();
+    let top = s.top();
+    let cx = Caller::daemon();
+    // Two handles on `a` share one lower handle, so the upper and lower numbers part ways:
+    // `a` is upper 1 and 2 over lower 1, `b` upper 3 over lower 2.
+    let (a, a1) = top.create(&cx, NodeId::ROOT, "a".as_ref(), 0o600, libc::O_RDWR).unwrap();
+    top.write(&cx, a.node, a1.fh, 0, &[7; 1000]).unwrap();
+    let a2 = top.open(&cx, a.node, libc::O_RDONLY).unwrap();
+    let (b, b1) = top.create(&cx, NodeId::ROOT, "b".as_ref(), 0o640, libc::O_RDWR).unwrap();
+    top.write(&cx, b.node, b1.fh, 0, &[9; 5000]).unwrap();
+    for (node, fh, mode, size) in [(a.node, a1.fh, 0o600, 1000), (a.node, a2.fh, 0o600, 1000), (b.node, b1.fh, 0o640, 5000)] {
+        let attr = match top.call(&cx, &Op::GetAttr { node, fh: Some(fh) }).unwrap() {
+            Reply::Attr(attr) => attr,
+            other => panic!("getattr answered {other:?}"),
+        };
+        assert_eq!((attr.perm & 0o7777, attr.size), (mode, size), "inode {} with handle {}", node.0, fh.0);
+    }
+    for (node, fh) in [(a.node, a1.fh), (a.node, a2.fh), (b.node, b1.fh)] {
+        top.release(&cx, node, fh).unwrap();
+    }
+    s.shutdown();
+}

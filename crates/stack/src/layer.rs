@@ -43,6 +43,9 @@ pub struct ExtOpInfo {
     pub help: &'static str,
 }
 
+/// How much of a lower file [`Layer::file_test`] is given.
+pub const FILE_HEAD_BYTES: usize = 512;
+
 pub trait Layer: Send + Sync + 'static {
     /// The layer's instance name, unique within its stack (`trace`, `null`, `null#2`, or the
     /// name the user gave with `name=`).
@@ -72,6 +75,14 @@ pub trait Layer: Send + Sync + 'static {
     /// The extended operations this layer answers.
     fn extended_ops(&self) -> &[ExtOpInfo] {
         &[]
+    }
+
+    /// For a layer that transforms data and can tell the lower files it wrote from others: the
+    /// test, given a lower file's first [`FILE_HEAD_BYTES`] bytes (all of a shorter one). A
+    /// non-empty file that fails it is not the layer's (a plain file that was there before the
+    /// layer), and the policy layer serves it as it is. `None`: every lower file is the layer's.
+    fn file_test(&self) -> Option<fn(&[u8]) -> bool> {
+        None
     }
 
     /// Called once, from the top down, when the stack is taken down: flush what is buffered.

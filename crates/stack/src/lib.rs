@@ -32,7 +32,7 @@ mod types;
 mod watch;
 
 pub use error::{Error, Result};
-pub use layer::{bypass, unsupported, DataPath, ExtOpInfo, Invalidator, Layer, Level};
+pub use layer::{bypass, unsupported, DataPath, ExtOpInfo, Invalidator, Layer, Level, FILE_HEAD_BYTES};
 pub use lowerdir::{has_capability, raise_fd_limit, LowerDir};
 pub use op::{Arg, Op, OpKind, Reply};
 pub use stack::{

@@ -102,6 +102,8 @@ pub struct CryptNames {
     long_targets: RwLock<LongTargets>,
     /// Files bound to their places, on a volume made with `--bind-paths`.
     bind: Option<Binding>,
+    /// A name that does not decrypt was hidden with a warning: the next ones are debug lines.
+    warned_hidden: std::sync::atomic::AtomicBool,
 }
 
 /// What binding files to their places needs: the key, and where each file known above is.
@@ -271,6 +273,7 @@ impl CryptNames {
                 places: RwLock::new(HashMap::new()),
                 reported: Mutex::new(HashSet::new()),
             }),
+            warned_hidden: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -378,7 +381,14 @@ impl CryptNames {
         }
         let name = self.decrypt(id, text);
         if name.is_none() && !(dir == NodeId::ROOT && is_config(bytes)) {
-            tracing::debug!("directory {}: hiding {text}, which does not decrypt", dir.0);
+            if self.warned_hidden.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::debug!("directory {}: hiding {text}, which does not decrypt", dir.0);
+            } else {
+                tracing::warn!(
+                    "directory {}: hiding {text}, which does not decrypt: put there from outside the mount? (a crypt volume serves only its own files; further such names are debug lines)",
+                    dir.0
+                );
+            }
         }
         name.map(OsString::from_vec)
     }
