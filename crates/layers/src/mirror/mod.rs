@@ -20,7 +20,9 @@
 //!   branch serves nothing until it is resynced, even after a remount.
 //! - **A killed daemon** leaves `W` lines without their `C` in the log: at the next mount those
 //!   paths are made the same on every branch before anything is served.
-//! - **Files opened read-only** may use passthrough to the branch that serves reads.
+//! - **No passthrough**, not even for files opened read-only: the kernel refuses (`EIO`) to open
+//!   a file with passthrough while another open of it goes through the daemon, as writes here
+//!   must, and the other way round.
 //! - **Shared (`-o shared`)**: several mounts, here or on other machines, may mirror the same
 //!   branches. Each change runs under a lock that every mount honours, so every branch sees the
 //!   changes in one order: a change to a file's data or attributes under the lock of that file
@@ -1056,7 +1058,7 @@ impl Mirror {
         let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
         let n = self.branches.len();
         if !writes {
-            // One branch serves it; its passthrough file, if any, may go to the kernel.
+            // One branch serves it.
             let (r, opened) = self.on_reader(|r| self.top(r).open(cx, self.resolve(id, r)?, flags))?;
             let mut handles = vec![None; n];
             handles[r] = Some((self.resolve(id, r)?, opened.fh));
@@ -1068,7 +1070,7 @@ impl Mirror {
                 path: String::new(),
                 in_flight: AtomicBool::new(false),
             };
-            return Ok(Reply::Opened(Opened { fh: FileHandle(self.register(file)), ..opened }));
+            return Ok(Reply::Opened(Opened { fh: FileHandle(self.register(file)), backing: None, ..opened }));
         }
         self.settle(id)?;
         let path = self.path_of(id);
@@ -1264,9 +1266,10 @@ impl Layer for Mirror {
     }
 
     fn data_path(&self) -> DataPath {
-        // Files opened for writing are kept from passthrough here; read-only ones may use the
-        // reading branch's file.
-        DataPath::Transparent
+        // Every read and write comes here, none through passthrough: writes must reach every
+        // branch, and the kernel refuses (EIO) to open a file with passthrough while it is open
+        // without, or the other way round, so read-only opens cannot use it either.
+        DataPath::Observes
     }
 
     fn lower(&self) -> &[Level] {
