@@ -66,6 +66,25 @@ fn every_change_reaches_both_branches() {
 }
 
 /// `chattr` on a file or a directory sets its flags on both branches.
+/// An object the mirror knows on the reading branch only (looked up after a remount) loses its
+/// name while open, and another object takes the name: a change to the open object reaches
+/// that object on every branch, not the one that took its name on the others (#29).
+#[test]
+fn a_change_to_an_object_whose_name_was_taken_reaches_that_object_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let (m, b) = mirror("mirror");
+    fs::write(m.path("a"), "a").unwrap();
+    fs::write(m.path("c"), "c").unwrap();
+    let m = m.remount();
+    let open = fs::File::open(m.path("a")).unwrap();
+    fs::rename(m.path("c"), m.path("a")).unwrap();
+    open.set_permissions(fs::Permissions::from_mode(0o600)).unwrap();
+    drop(open);
+    assert_eq!(op_json(&m.mnt, &["mirror-status"])["degraded"], false);
+    assert_eq!(tree(&m.lower), tree(&b));
+    assert_eq!(fs::metadata(m.path("a")).unwrap().mode() & 0o777, 0o644);
+}
+
 #[test]
 fn file_attribute_flags_are_set_on_both_branches() {
     let (m, b) = mirror("mirror");
