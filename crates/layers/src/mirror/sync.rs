@@ -371,7 +371,24 @@ impl Mirror {
         if !repaired.is_empty() {
             tracing::warn!("mirror '{}': scrub repaired {} paths: {}", self.name, repaired.len(), repaired.join(", "));
         }
+        self.skipped_by_scrub(checked, repaired.len())?;
         Ok(json!({ "checked": checked, "repaired": repaired }))
+    }
+
+    /// A scrub that left failed branches out did not do its job: an error that says which, and
+    /// what was done.
+    fn skipped_by_scrub(&self, checked: u64, repaired: usize) -> Result<()> {
+        let failed: Vec<String> = (0..self.branches.len())
+            .filter(|b| self.is_failed(*b))
+            .map(|b| format!("'{}' ({})", self.branches[b].branch.name, self.branches[b].branch.dir.display()))
+            .collect();
+        if failed.is_empty() {
+            return Ok(());
+        }
+        Err(Error::BadArgs(format!(
+            "scrub: branch {} failed and is not in sync, so its files were not checked (checked {checked} objects on the others, repaired {repaired}); bring it back with `resync`, then scrub again",
+            failed.join(", ")
+        )))
     }
 
     #[allow(clippy::too_many_arguments)]
