@@ -160,7 +160,8 @@ fn a_failed_branch_stays_out_across_a_remount_until_resynced() {
     let out = run(plyfs().arg("op").arg(&m.mnt).arg("scrub"));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains(&format!("branch 'mirror.1' ({}) failed and is not in sync, so its files were not checked", b.display())), "{err}");
+    let said = format!("branch 'mirror.1' ({}) failed and is not in sync, so its files were not checked", b.display());
+    assert!(err.contains(&said), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
     workload(&m, 2);
     op_json(&m.mnt, &["resync"]);

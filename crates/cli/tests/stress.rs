@@ -13,7 +13,7 @@ use common::stress::{differences, tree};
 use common::*;
 
 const WORKERS: u64 = 4;
-const OPS: u64 = 1500;
+const OPS: u64 = 2500;
 
 /// Stress `m`, then check that its root lists and every file under it reads whole.
 fn stress(m: &Mount) {
@@ -31,7 +31,8 @@ fn stress(m: &Mount) {
 
 fn fsck(lower: &Path, args: &[&str]) {
     let out = run(plyfs().arg("fsck").arg(lower).args(args));
-    assert!(out.status.success(), "fsck {args:?}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "fsck {args:?}: {said}");
 }
 
 #[test]

@@ -111,7 +111,10 @@ fn step(rng: &mut Rng, a: &Path, b: &Path) -> (&'static str, std::io::Result<()>
     let len = 1 + rng.below(32 << 10) as usize;
     let byte = rng.below(256) as u8;
     match rng.below(15) {
-        0 | 1 => ("create", fs::OpenOptions::new().write(true).create(true).open(a).and_then(|mut f| f.write_all(&vec![byte; len]))),
+        0 | 1 => {
+            let created = fs::OpenOptions::new().write(true).create(true).truncate(false).open(a);
+            ("create", created.and_then(|mut f| f.write_all(&vec![byte; len])))
+        }
         2 => ("mkdir", fs::create_dir(a)),
         3 | 4 => ("rename", fs::rename(a, b)),
         5 => ("unlink", fs::remove_file(a)),
@@ -164,5 +167,10 @@ pub fn tree(root: &Path) -> BTreeMap<String, String> {
 /// Where two trees of [`tree`] differ, one line each (at most 20).
 pub fn differences(a: &BTreeMap<String, String>, b: &BTreeMap<String, String>) -> Vec<String> {
     let names: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
-    names.into_iter().filter(|n| a.get(*n) != b.get(*n)).take(20).map(|n| format!("{n}: {:?} / {:?}", a.get(n), b.get(n))).collect()
+    names
+        .into_iter()
+        .filter(|n| a.get(*n) != b.get(*n))
+        .take(20)
+        .map(|n| format!("{n}: {:?} / {:?}", a.get(n), b.get(n)))
+        .collect()
 }
