@@ -190,6 +190,20 @@ fn scrub_finds_and_repairs_what_differs() {
 
 /// SIGKILL while a large file is being written: the next mount makes it the same on both
 /// branches before serving.
+/// A copy that a resync or scrub left halfway (a directory under its hidden temporary name) is
+/// removed by the next scrub: the branches end identical (#29).
+#[test]
+fn scrub_removes_copies_left_halfway() {
+    let (m, b) = mirror("mirror");
+    fs::create_dir_all(m.path("d/e")).unwrap();
+    for left in [b.join(".plyfs-mirror-copy.1.left.0/sub"), b.join("d/e/.plyfs-mirror-copy.1.left.1")] {
+        fs::create_dir_all(&left).unwrap();
+        fs::write(left.join("f"), "half a copy").unwrap();
+    }
+    op_json(&m.mnt, &["scrub"]);
+    assert_eq!(tree(&m.lower), tree(&b));
+}
+
 #[test]
 fn a_daemon_killed_mid_write_is_resynced_at_the_next_mount() {
     let (mut m, b) = mirror("mirror");
