@@ -66,6 +66,25 @@ fn every_change_reaches_both_branches() {
 }
 
 /// `chattr` on a file or a directory sets its flags on both branches.
+/// An object the mirror knows on the reading branch only (looked up after a remount) loses its
+/// name while open, and another object takes the name: a change to the open object reaches
+/// that object on every branch, not the one that took its name on the others (#29).
+#[test]
+fn a_change_to_an_object_whose_name_was_taken_reaches_that_object_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let (m, b) = mirror("mirror");
+    fs::write(m.path("a"), "a").unwrap();
+    fs::write(m.path("c"), "c").unwrap();
+    let m = m.remount();
+    let open = fs::File::open(m.path("a")).unwrap();
+    fs::rename(m.path("c"), m.path("a")).unwrap();
+    open.set_permissions(fs::Permissions::from_mode(0o600)).unwrap();
+    drop(open);
+    assert_eq!(op_json(&m.mnt, &["mirror-status"])["degraded"], false);
+    assert_eq!(tree(&m.lower), tree(&b));
+    assert_eq!(fs::metadata(m.path("a")).unwrap().mode() & 0o777, 0o644);
+}
+
 #[test]
 fn file_attribute_flags_are_set_on_both_branches() {
     let (m, b) = mirror("mirror");
@@ -137,6 +156,13 @@ fn a_failed_branch_stays_out_across_a_remount_until_resynced() {
     let status = op_json(&m.mnt, &["mirror-status"]);
     assert_eq!(status["branches"][1]["state"], "failed", "{status}");
     assert!(m.daemon_log().contains("serves nothing until `resync`"), "{}", m.daemon_log());
+    // A scrub cannot check the failed branch, and says so.
+    let out = run(plyfs().arg("op").arg(&m.mnt).arg("scrub"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let said = format!("branch 'mirror.1' ({}) failed and is not in sync, so its files were not checked", b.display());
+    assert!(err.contains(&said), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
     workload(&m, 2);
     op_json(&m.mnt, &["resync"]);
     assert_eq!(tree(&m.lower), tree(&b));
@@ -164,6 +190,20 @@ fn scrub_finds_and_repairs_what_differs() {
 
 /// SIGKILL while a large file is being written: the next mount makes it the same on both
 /// branches before serving.
+/// A copy that a resync or scrub left halfway (a directory under its hidden temporary name) is
+/// removed by the next scrub: the branches end identical (#29).
+#[test]
+fn scrub_removes_copies_left_halfway() {
+    let (m, b) = mirror("mirror");
+    fs::create_dir_all(m.path("d/e")).unwrap();
+    for left in [b.join(".plyfs-mirror-copy.1.left.0/sub"), b.join("d/e/.plyfs-mirror-copy.1.left.1")] {
+        fs::create_dir_all(&left).unwrap();
+        fs::write(left.join("f"), "half a copy").unwrap();
+    }
+    op_json(&m.mnt, &["scrub"]);
+    assert_eq!(tree(&m.lower), tree(&b));
+}
+
 #[test]
 fn a_daemon_killed_mid_write_is_resynced_at_the_next_mount() {
     let (mut m, b) = mirror("mirror");

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub mod exodisk;
+pub mod stress;
 
 /// A test that still runs after this long is stuck on the mount: the watchdog kills the daemon
 /// (which makes the stuck calls fail) and detaches the mount.

@@ -4,6 +4,14 @@
 //!   (the first in-sync branch, in order) does each change first and its answer is the answer:
 //!   an ordinary error (`EEXIST`, `ENOTEMPTY`, ...) stops there. Then the others follow; data
 //!   writes of 256 KiB and more reach them in parallel.
+//! - **Every branch sees the changes in one order.** Changes of names (create, rename, unlink,
+//!   link...) hold the mount's names lock alone: two of them running at once could reach the
+//!   branches in different orders, and a later change would then find on one branch a name that
+//!   is not there, and fail a healthy branch. Changes to one object's data or attributes hold
+//!   that object's lock (one of [`OBJECT_STRIPES`]), so writes to different files stay
+//!   parallel. An object is found by name on the branches other than the reading one only under
+//!   the names lock, and before a change of names takes a name away, so that it is never found
+//!   by a name that is changing or gone.
 //! - **Reads come from one branch**, the first in-sync one. On `EIO`, `ENOTCONN` and the like, or
 //!   when its directory is gone, it fails and the next one serves, for the same request.
 //! - **A failed branch degrades the mount**, which goes on working and says so (a log line,
@@ -12,7 +20,9 @@
 //!   branch serves nothing until it is resynced, even after a remount.
 //! - **A killed daemon** leaves `W` lines without their `C` in the log: at the next mount those
 //!   paths are made the same on every branch before anything is served.
-//! - **Files opened read-only** may use passthrough to the branch that serves reads.
+//! - **No passthrough**, not even for files opened read-only: the kernel refuses (`EIO`) to open
+//!   a file with passthrough while another open of it goes through the daemon, as writes here
+//!   must, and the other way round.
 //! - **Shared (`-o shared`)**: several mounts, here or on other machines, may mirror the same
 //!   branches. Each change runs under a lock that every mount honours, so every branch sees the
 //!   changes in one order: a change to a file's data or attributes under the lock of that file
@@ -34,7 +44,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, MutexGuard, RwLock, RwLockWriteGuard};
 use plyfs_stack::shared::{self, LockKind};
 use plyfs_stack::spec::BranchMode;
 use plyfs_stack::{
@@ -61,6 +71,8 @@ const ADOPT_EVERY: u32 = 5;
 const YOUNG: Duration = Duration::from_secs(60);
 /// Data writes at least this large reach the branches in parallel.
 const PARALLEL_FROM: usize = 256 << 10;
+/// How many locks the objects' changes share, by number.
+const OBJECT_STRIPES: usize = 64;
 
 const EXT_OPS: &[ExtOpInfo] = &[
     ExtOpInfo { name: "mirror-status", args: "", help: "each branch: in sync or failed, and how many paths a resync would copy" },
@@ -143,6 +155,10 @@ pub struct Mirror {
     next_fh: AtomicU64,
     /// Changes hold it shared; a resync takes it alone to let a branch back in.
     membership: RwLock<()>,
+    /// Changes of names hold it alone; finding objects by name on the branches holds it shared.
+    names: RwLock<()>,
+    /// A change to an object's data or attributes holds the one its number picks.
+    objects: Vec<Mutex<()>>,
     log: IntentLog,
     temps: TempNames,
     /// One resync or scrub at a time.
@@ -162,13 +178,22 @@ struct Sharing {
     watcher: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
-/// What a change must hold across mounts: nothing, the lock of changes of names, or the lock of
-/// one object (a file's own; other objects change under the names lock).
+/// What a change must hold: nothing, the lock of changes of names, or the lock of one object
+/// (across mounts a file's own; other objects change under the names lock there).
 #[derive(Clone, Copy)]
 enum Guard {
     None,
     Names,
     Object(NodeId),
+}
+
+/// What a change holds while it runs: the lock other mounts honour (released first), then
+/// this mount's own.
+#[derive(Default)]
+struct Holding<'a> {
+    _shared: Option<Locked<'a>>,
+    _names: Option<RwLockWriteGuard<'a, ()>>,
+    _object: Option<MutexGuard<'a, ()>>,
 }
 
 /// A lock on a branch's file, dropped with this.
@@ -237,6 +262,8 @@ impl Mirror {
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             membership: RwLock::new(()),
+            names: RwLock::new(()),
+            objects: (0..OBJECT_STRIPES).map(|_| Mutex::new(())).collect(),
             log,
             temps: TempNames::new(TEMP_PREFIX),
             repairing: Mutex::new(()),
@@ -357,15 +384,12 @@ impl Mirror {
         Ok(Some(Locked { level: top, node, kind, forget: false }))
     }
 
-    /// With `-o shared`, find object `id` on every in-sync branch it is not known on yet, under
-    /// the names lock (shared). A name another mount is making may be on the reading branch
-    /// (where this mount looked it up) and not yet on the others: found by name in that moment,
-    /// it would be missing there, and the branch judged failed. Taken before any file's lock,
-    /// as every holder of the names lock takes file locks after it.
+    /// Find object `id` on every in-sync branch it is not known on yet, under the names lock
+    /// (shared; with `-o shared` other mounts' too). A name another thread or mount is making
+    /// may be on the reading branch (where the object was looked up) and not yet on the others:
+    /// found by name in that moment, it would be missing there, and the branch judged failed.
+    /// Taken before any object's lock, as every holder of the names lock takes those after it.
     fn settle(&self, id: NodeId) -> Result<()> {
-        if self.sharing.is_none() {
-            return Ok(());
-        }
         let in_sync = self.in_sync();
         let missing = {
             let table = self.nodes.lock();
@@ -374,7 +398,8 @@ impl Mirror {
         if !missing {
             return Ok(());
         }
-        let _names = self.lock_names_as(LockKind::Shared)?;
+        let _names = self.names.read();
+        let _shared = self.lock_names_as(LockKind::Shared)?;
         for b in in_sync {
             // One missing here is the change's to find, and fails the branch there.
             let _ = self.resolve(id, b);
@@ -382,29 +407,42 @@ impl Mirror {
         Ok(())
     }
 
-    /// Take what `guard` says, with `-o shared`.
-    fn guard(&self, guard: Guard) -> Result<Option<Locked<'_>>> {
+    /// Take what `guard` says: this mount's lock, then, with `-o shared`, the one every mount
+    /// honours.
+    fn guard(&self, guard: Guard) -> Result<Holding<'_>> {
         match guard {
-            _ if self.sharing.is_none() => Ok(None),
-            Guard::None => Ok(None),
-            Guard::Names => self.lock_names(),
+            Guard::None => Ok(Holding::default()),
+            Guard::Names => {
+                let names = self.names.write();
+                Ok(Holding { _shared: self.lock_names()?, _names: Some(names), _object: None })
+            }
             Guard::Object(id) => {
                 self.settle(id)?;
-                let file = self.nodes.lock().nodes.get(&id.0).is_some_and(|n| n.kind == FileKind::File);
-                if !file {
-                    return self.lock_names();
-                }
-                let r = self.reader()?;
-                let node = self.resolve(id, r)?;
-                match shared::lock(self.top(r), node, LockKind::Exclusive) {
-                    Ok(()) => Ok(Some(Locked { level: self.top(r), node, kind: LockKind::Exclusive, forget: false })),
-                    // A file the daemon may not open for writing (a write lock needs that): its
-                    // attributes change under the names lock instead, which every mount takes too
-                    // for such a file.
-                    Err(Error::Os(libc::EBADF | libc::EACCES | libc::EPERM)) => self.lock_names(),
-                    Err(e) => Err(e),
-                }
+                let object = self.objects[id.0 as usize % OBJECT_STRIPES].lock();
+                Ok(Holding { _shared: self.lock_object(id)?, _names: None, _object: Some(object) })
             }
+        }
+    }
+
+    /// With `-o shared`, the lock of object `id` that every mount honours: a file's own, or the
+    /// names lock for other objects.
+    fn lock_object(&self, id: NodeId) -> Result<Option<Locked<'_>>> {
+        if self.sharing.is_none() {
+            return Ok(None);
+        }
+        let file = self.nodes.lock().nodes.get(&id.0).is_some_and(|n| n.kind == FileKind::File);
+        if !file {
+            return self.lock_names();
+        }
+        let r = self.reader()?;
+        let node = self.resolve(id, r)?;
+        match shared::lock(self.top(r), node, LockKind::Exclusive) {
+            Ok(()) => Ok(Some(Locked { level: self.top(r), node, kind: LockKind::Exclusive, forget: false })),
+            // A file the daemon may not open for writing (a write lock needs that): its
+            // attributes change under the names lock instead, which every mount takes too
+            // for such a file.
+            Err(Error::Os(libc::EBADF | libc::EACCES | libc::EPERM)) => self.lock_names(),
+            Err(e) => Err(e),
         }
     }
 
@@ -765,6 +803,29 @@ impl Mirror {
     fn change(&self, guard: Guard, paths: &dyn Fn() -> Vec<String>, f: impl Fn(usize) -> Result<Reply>) -> Result<Changed> {
         let _members = self.membership.read();
         let _held = self.guard(guard)?;
+        self.apply(paths, f)
+    }
+
+    /// A change that takes names away (unlink, rmdir, rename): under the names lock, the objects
+    /// `named` now are first found on every branch, as they cannot be found by these names
+    /// after; `then` runs when it succeeded, before the lock goes.
+    fn change_names(
+        &self,
+        named: &[(NodeId, &OsStr)],
+        paths: &dyn Fn() -> Vec<String>,
+        f: impl Fn(usize) -> Result<Reply>,
+        then: impl FnOnce(),
+    ) -> Result<Changed> {
+        let _members = self.membership.read();
+        let _held = self.guard(Guard::Names)?;
+        for (parent, name) in named {
+            self.pin(*parent, name);
+        }
+        self.apply(paths, f).inspect(|_| then())
+    }
+
+    /// [`Mirror::change`] once its locks are held.
+    fn apply(&self, paths: &dyn Fn() -> Vec<String>, f: impl Fn(usize) -> Result<Reply>) -> Result<Changed> {
         let path_list = paths();
         for p in &path_list {
             self.note(self.log.begin(p));
@@ -804,8 +865,13 @@ impl Mirror {
             }
             n.parent.clone().ok_or(Error::Os(libc::ESTALE))?
         };
-        let dir = self.resolve(NodeId(parent), b)?;
-        let e = self.top(b).lookup(&daemon(), dir, &name)?;
+        self.place_by_name(id, b, NodeId(parent), &name)
+    }
+
+    /// Find object `id` on branch `b` as `name` in `parent`, and keep its place there.
+    fn place_by_name(&self, id: NodeId, b: usize, parent: NodeId, name: &OsStr) -> Result<NodeId> {
+        let dir = self.resolve(parent, b)?;
+        let e = self.top(b).lookup(&daemon(), dir, name)?;
         let mut table = self.nodes.lock();
         match table.nodes.get_mut(&id.0) {
             Some(n) if n.places[b].is_none() => {
@@ -823,6 +889,24 @@ impl Mirror {
                 self.top(b).forget(&daemon(), e.node, 1);
                 Err(Error::Os(libc::ESTALE))
             }
+        }
+    }
+
+    /// Under the names lock: if the object named `name` in `parent` is one the mirror knows,
+    /// find it on every in-sync branch it is not known on yet. Where it cannot be found, the
+    /// change that follows finds the branch's fault.
+    fn pin(&self, parent: NodeId, name: &OsStr) {
+        let Ok(r) = self.reader() else { return };
+        let Ok(e) = self.resolve(parent, r).and_then(|dir| self.top(r).lookup(&daemon(), dir, name)) else { return };
+        self.top(r).forget(&daemon(), e.node, 1);
+        let missing: Vec<(NodeId, usize)> = {
+            let mut table = self.nodes.lock();
+            let id = table.id_of(Place { branch: r as u32, node: e.node });
+            let Some(n) = table.nodes.get(&id) else { return };
+            self.in_sync().into_iter().filter(|b| n.places[*b].is_none()).map(|b| (NodeId(id), b)).collect()
+        };
+        for (id, b) in missing {
+            let _ = self.place_by_name(id, b, parent, name);
         }
     }
 
@@ -974,7 +1058,7 @@ impl Mirror {
         let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
         let n = self.branches.len();
         if !writes {
-            // One branch serves it; its passthrough file, if any, may go to the kernel.
+            // One branch serves it.
             let (r, opened) = self.on_reader(|r| self.top(r).open(cx, self.resolve(id, r)?, flags))?;
             let mut handles = vec![None; n];
             handles[r] = Some((self.resolve(id, r)?, opened.fh));
@@ -986,7 +1070,7 @@ impl Mirror {
                 path: String::new(),
                 in_flight: AtomicBool::new(false),
             };
-            return Ok(Reply::Opened(Opened { fh: FileHandle(self.register(file)), ..opened }));
+            return Ok(Reply::Opened(Opened { fh: FileHandle(self.register(file)), backing: None, ..opened }));
         }
         self.settle(id)?;
         let path = self.path_of(id);
@@ -1136,12 +1220,13 @@ impl Mirror {
             let (p, np) = (self.resolve(parent, b)?, self.resolve(new_parent, b)?);
             self.top(b).call(cx, &Op::Rename { parent: p, name, new_parent: np, new_name, flags })
         };
-        let result = self.change(Guard::Names, &paths, op);
-        if result.is_ok() {
+        // Its new name is noted before another change of names may look for it by name.
+        let renamed = || {
             if let Some(n) = self.nodes.lock().nodes.get_mut(&moved.node.0) {
                 n.parent = Some((new_parent.0, new_name.to_owned()));
             }
-        }
+        };
+        let result = self.change_names(&[(parent, name), (new_parent, new_name)], &paths, op, renamed);
         self.forget(moved.node, 1);
         result.map(|_| Reply::Empty)
     }
@@ -1181,9 +1266,10 @@ impl Layer for Mirror {
     }
 
     fn data_path(&self) -> DataPath {
-        // Files opened for writing are kept from passthrough here; read-only ones may use the
-        // reading branch's file.
-        DataPath::Transparent
+        // Every read and write comes here, none through passthrough: writes must reach every
+        // branch, and the kernel refuses (EIO) to open a file with passthrough while it is open
+        // without, or the other way round, so read-only opens cannot use it either.
+        DataPath::Observes
     }
 
     fn lower(&self) -> &[Level] {
@@ -1255,10 +1341,9 @@ impl Layer for Mirror {
                 if self.hidden(parent, name) {
                     return Err(Error::Os(libc::EPERM));
                 }
-                self.change(Guard::Names, &|| vec![self.child_path(parent, name)], |b| {
-                    self.top(b).call(cx, &op.at(self.resolve(parent, b)?))
-                })
-                .map(|(_, reply, _)| reply)
+                let paths = || vec![self.child_path(parent, name)];
+                self.change_names(&[(parent, name)], &paths, |b| self.top(b).call(cx, &op.at(self.resolve(parent, b)?)), || ())
+                    .map(|(_, reply, _)| reply)
             }
             Op::Rename { parent, name, new_parent, new_name, flags } => self.rename(cx, parent, name, new_parent, new_name, flags),
             Op::Open { node, flags } => self.open(cx, node, flags),

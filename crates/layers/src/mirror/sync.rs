@@ -209,6 +209,7 @@ impl Mirror {
 
     /// Make the names in `db` those of `da`: remove extra ones, copy missing ones.
     fn reconcile(&self, la: &Level, da: NodeId, lb: &Level, db: NodeId, data: Data) -> Result<u64> {
+        self.remove_leftovers(lb, db)?;
         let names_a: BTreeSet<OsString> = listing(self, la, da)?.into_iter().map(|(n, _)| n).collect();
         let mut copied = 0;
         for (name, kind) in listing(self, lb, db)? {
@@ -247,6 +248,22 @@ impl Mirror {
         })?;
         lb.forget(&daemon(), made.node, 1);
         Ok(copied)
+    }
+
+    /// Remove from `dir` the copies a resync or scrub left when it stopped halfway: hidden from
+    /// every listing, nothing else would ever remove them, and the branches would differ.
+    fn remove_leftovers(&self, level: &Level, dir: NodeId) -> Result<()> {
+        for e in level.list_dir(&daemon(), dir)? {
+            let changed = || {
+                let found = level.lookup(&daemon(), dir, &e.name).ok()?;
+                level.forget(&daemon(), found.node, 1);
+                Some(found.attr.mtime.max(found.attr.ctime))
+            };
+            if self.temps.is_leftover(&e.name, changed) {
+                self.remove_tree(level, dir, &e.name, e.kind)?;
+            }
+        }
+        Ok(())
     }
 
     fn remove_tree(&self, level: &Level, dir: NodeId, name: &OsStr, kind: FileKind) -> Result<()> {
@@ -371,7 +388,24 @@ impl Mirror {
         if !repaired.is_empty() {
             tracing::warn!("mirror '{}': scrub repaired {} paths: {}", self.name, repaired.len(), repaired.join(", "));
         }
+        self.skipped_by_scrub(checked, repaired.len())?;
         Ok(json!({ "checked": checked, "repaired": repaired }))
+    }
+
+    /// A scrub that left failed branches out did not do its job: an error that says which, and
+    /// what was done.
+    fn skipped_by_scrub(&self, checked: u64, repaired: usize) -> Result<()> {
+        let failed: Vec<String> = (0..self.branches.len())
+            .filter(|b| self.is_failed(*b))
+            .map(|b| format!("'{}' ({})", self.branches[b].branch.name, self.branches[b].branch.dir.display()))
+            .collect();
+        if failed.is_empty() {
+            return Ok(());
+        }
+        Err(Error::BadArgs(format!(
+            "scrub: branch {} failed and is not in sync, so its files were not checked (checked {checked} objects on the others, repaired {repaired}); bring it back with `resync`, then scrub again",
+            failed.join(", ")
+        )))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -394,6 +428,7 @@ impl Mirror {
                 format!("{path}/{}", name.to_string_lossy())
             }
         };
+        self.remove_leftovers(lb, db)?;
         let names_a: BTreeSet<OsString> = listing(self, la, da)?.into_iter().map(|(n, _)| n).collect();
         let names_b: BTreeSet<OsString> = listing(self, lb, db)?.into_iter().map(|(n, _)| n).collect();
         for name in names_a.symmetric_difference(&names_b) {
