@@ -127,6 +127,27 @@ fn a_branch_failed_mid_workload_costs_the_application_nothing_and_resync_restore
 }
 
 #[test]
+fn an_fsync_error_every_branch_gives_is_the_answer_and_fails_no_branch() {
+    let (m, b) = mirror("mirror[fault|fault]");
+    let mut f = std::fs::File::create(m.path("f")).unwrap();
+    f.write_all(b"data").unwrap();
+    for level in ["mirror.0.fault", "mirror.1.fault"] {
+        op_json(&m.mnt, &[&format!("fault-add@{level}"), "op=fsync", "path=f", "error=ENOSPC"]);
+    }
+    assert_eq!(f.sync_all().unwrap_err().raw_os_error(), Some(libc::ENOSPC), "{}", m.daemon_log());
+    let status = op_json(&m.mnt, &["mirror-status"]);
+    assert_eq!(status["degraded"], false, "{status}");
+    for level in ["mirror.0.fault", "mirror.1.fault"] {
+        op_json(&m.mnt, &[&format!("fault-clear@{level}")]);
+    }
+    // One branch's own failure still fails that branch alone.
+    op_json(&m.mnt, &["fault-add@mirror.1.fault", "op=fsync", "path=f", "error=EIO"]);
+    f.sync_all().unwrap();
+    assert_eq!(op_json(&m.mnt, &["mirror-status"])["branches"][1]["state"], "failed");
+    assert_eq!(std::fs::read(b.join("f")).unwrap(), b"data");
+}
+
+#[test]
 fn reads_fail_over_when_the_reading_branch_fails() {
     let (m, b) = mirror("mirror[fault|]");
     fs::write(m.path("data"), "mirrored").unwrap();

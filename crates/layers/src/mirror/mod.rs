@@ -1136,6 +1136,13 @@ impl Mirror {
         } else {
             targets.iter().map(|&b| (b, run(b))).collect()
         };
+        self.judge(file, results)
+    }
+
+    /// The answer to a change of `file` from the branches' `results`: the first branch whose
+    /// answer is not its own fault answers, and a branch that answered otherwise fails. An error
+    /// every branch gives (a full disk everywhere, a bad argument) is the operation's answer.
+    fn judge(&self, file: &MFile, results: Vec<(usize, Result<Reply>)>) -> Result<Reply> {
         // The first branch whose answer is not its own fault answers.
         let answer = results.iter().position(|(b, r)| !matches!(r, Err(e) if self.branch_failure(*b, e)));
         let Some(answer) = answer else {
@@ -1384,16 +1391,11 @@ impl Layer for Mirror {
                     self.note(self.log.sync());
                 }
                 let handles = file.handles.lock().clone();
-                let mut answer = None;
-                for b in self.in_sync() {
-                    let Some((node, bfh)) = handles[b] else { continue };
-                    match self.top(b).call(cx, &op.on_open(node, bfh)) {
-                        Ok(r) => answer = answer.or(Some(Ok(r))),
-                        Err(e) if self.in_sync().len() > 1 => self.fail(b, &format!("{}: {e}", file.path)),
-                        Err(e) => answer = Some(Err(e)),
-                    }
-                }
-                answer.unwrap_or(Err(Error::Os(libc::EIO)))
+                let results = self.in_sync().into_iter().filter_map(|b| {
+                    let (node, bfh) = handles[b]?;
+                    Some((b, self.top(b).call(cx, &op.on_open(node, bfh))))
+                });
+                self.judge(&file, results.collect())
             }
             Op::Release { fh, .. } => self.release(cx, fh),
             Op::OpenDir { node } => {
