@@ -13,7 +13,7 @@ use common::stress::{differences, tree};
 use common::*;
 
 const WORKERS: u64 = 4;
-const OPS: u64 = 2500;
+const OPS: u64 = 10_000;
 
 /// Stress `m`, then check that its root lists and every file under it reads whole.
 fn stress(m: &Mount) {
