@@ -89,7 +89,8 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
         if !still_named(&file, &path) {
             continue;
         }
-        if writable {
+        // A reader does not name itself: the refusal names a writer, whom it concerns.
+        if writable && claim.writes {
             record(&mut file, who);
         }
         return Ok(Some(LowerLock { file, path, writable }));
