@@ -45,7 +45,8 @@ impl Use {
 /// holds them ("mounted at /mnt/a").
 pub fn take_all(lower: &Path, branches: &[String], specs: &[LayerSpec], how: Use, who: &str) -> Result<Vec<LowerLock>, String> {
     let mut held = Vec::new();
-    for (dir, mode) in storage_modes(lower, branches, specs) {
+    // (A directory that is not there is the stack's to report.)
+    for (dir, mode) in storage_modes(lower, branches, specs).into_iter().filter(|(d, _)| d.is_dir()) {
         held.extend(lowerlock::take(&dir, how.claim(mode), who)?);
     }
     Ok(held)

@@ -323,6 +323,34 @@ fn writer_and_reader(place: Place) {
     }
 }
 
+/// The lower lock (#29) reaches across GlusterFS clients: while a mount through one client holds
+/// a directory alone, a mount of it through the other, shared or not, is refused and names it.
+#[test]
+fn a_lower_held_through_one_gluster_client_is_refused_through_the_other() {
+    let (g1, g2) = gluster();
+    let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let name = root.file_name().unwrap().to_owned();
+    let (lower_a, lower_b) = (g1.join(&name), g2.join(&name));
+    fs::create_dir_all(&lower_b).unwrap();
+    let _on_volume = RemoveOnDrop(lower_b.clone());
+    wait_for(|| lower_a.is_dir(), "the lower directory through the first client");
+    let (mnt_a, mnt_b) = (root.join("mnt-a"), root.join("mnt-b"));
+    fs::create_dir(&mnt_a).unwrap();
+    fs::create_dir(&mnt_b).unwrap();
+    let b = Mount::start(tempfile::tempdir().unwrap(), lower_b, mnt_b, "zstd", &[]);
+    for shared in [&[][..], &["-o", "shared"][..]] {
+        let out = run(plyfs().arg("mount").arg(&lower_a).arg(&mnt_a).args(["--stack", "zstd"]).args(shared));
+        if common::mounted_fstype(&mnt_a).is_some() {
+            run(plyfs().arg("umount").arg(&mnt_a));
+        }
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{shared:?}: {text}");
+        let holder = format!("is in use by another plyfs (pid {} on ", b.pid());
+        assert!(text.contains(&holder) && text.contains(&format!("mounted at {})", b.mnt.display())), "{shared:?}: {text}");
+    }
+}
+
 #[test]
 fn appends_from_two_mounts_all_arrive_local() {
     appends(Place::Local);

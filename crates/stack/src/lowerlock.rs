@@ -48,12 +48,14 @@ pub struct Claim {
 pub struct LowerLock {
     file: File,
     path: PathBuf,
-    writable: bool,
+    /// Whether it removes the file when it is the last holder: a writer does, a reader only if
+    /// it made the file (it leaves the lower as it found it).
+    removes: bool,
 }
 
 impl Drop for LowerLock {
     fn drop(&mut self) {
-        if self.writable && lock(&self.file, LockKind::Exclusive).is_ok() {
+        if self.removes && lock(&self.file, LockKind::Exclusive).is_ok() {
             let _ = std::fs::remove_file(&self.path);
         }
     }
@@ -69,7 +71,7 @@ const REOPENS: usize = 100;
 pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, String> {
     let path = dir.join(LOCK_NAME);
     for _ in 0..REOPENS {
-        let (mut file, writable) = match open(&path, claim) {
+        let Opened { mut file, writable, made } = match open(&path, claim) {
             Ok(opened) => opened,
             Err(e) if !claim.writes && matches!(e.raw_os_error(), Some(libc::EROFS | libc::EACCES | libc::EPERM)) => {
                 tracing::warn!("{}: {e}; reading {} without the lower lock", path.display(), dir.display());
@@ -93,7 +95,7 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
         if writable && claim.writes {
             record(&mut file, who);
         }
-        return Ok(Some(LowerLock { file, path, writable }));
+        return Ok(Some(LowerLock { file, path, removes: writable && (claim.writes || made) }));
     }
     Err(format!("{}: removed each time it was locked; is another program removing it?", path.display()))
 }
@@ -106,26 +108,39 @@ fn still_named(file: &File, path: &Path) -> bool {
     }
 }
 
+/// The lock file as opened.
+struct Opened {
+    file: File,
+    /// Open for writing (else a user that only reads a lower it may not write).
+    writable: bool,
+    /// Made by this open.
+    made: bool,
+}
+
 /// The lock file, made 0600 if it is not there (and given to the directory's owner when root
-/// makes it in another user's directory, so that its owner's mounts can lock it too), with
-/// whether it is open for writing. A user that only reads a lower it may not write opens it
-/// for reading.
-fn open(path: &Path, claim: Claim) -> io::Result<(File, bool)> {
-    let mut options = OpenOptions::new();
-    options.read(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
-    let rw = options.clone().write(true).create(true).mode(0o600).open(path);
-    let file = match rw {
-        Ok(f) => f,
-        Err(e) if !claim.writes && matches!(e.raw_os_error(), Some(libc::EROFS | libc::EACCES | libc::EPERM)) => {
-            return options.open(path).map(|f| (f, false)).map_err(|_| e);
-        }
-        Err(e) => return Err(e),
+/// makes it in another user's directory, so that its owner's mounts can lock it too). A user
+/// that only reads a lower it may not write opens it for reading.
+fn open(path: &Path, claim: Claim) -> io::Result<Opened> {
+    let mut read = OpenOptions::new();
+    read.read(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
+    let mut rw = read.clone();
+    rw.write(true).mode(0o600);
+    let opened = match rw.clone().create_new(true).open(path) {
+        Ok(file) => Ok(Opened { file, writable: true, made: true }),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => rw.open(path).map(|file| Opened { file, writable: true, made: false }),
+        Err(e) => Err(e),
     };
-    give_to_dir_owner(&file, path)?;
-    if !file.metadata()?.is_file() {
+    let opened = match opened {
+        Err(e) if !claim.writes && matches!(e.raw_os_error(), Some(libc::EROFS | libc::EACCES | libc::EPERM)) => {
+            return read.open(path).map(|file| Opened { file, writable: false, made: false }).map_err(|_| e);
+        }
+        opened => opened?,
+    };
+    give_to_dir_owner(&opened.file, path)?;
+    if !opened.file.metadata()?.is_file() {
         return Err(io::Error::other("not a regular file"));
     }
-    Ok((file, true))
+    Ok(opened)
 }
 
 fn give_to_dir_owner(file: &File, path: &Path) -> io::Result<()> {
