@@ -36,8 +36,8 @@ pub fn is_lock_file(name: &std::ffi::OsStr) -> bool {
 #[derive(Clone, Copy, Debug)]
 pub struct Claim {
     pub kind: LockKind,
-    /// Whether it writes the lower: a user that only reads goes on without a lock where none
-    /// can be made (a read-only lower), saying so; one that writes is refused.
+    /// Whether it writes the lower: a user that only reads goes on without a lock where it may
+    /// not make one, saying so; one that writes is refused (but on a read-only file system).
     pub writes: bool,
     /// What a refused user is told to do, e.g. "unmount it, or mount both with -o shared".
     pub advice: &'static str,
@@ -73,7 +73,7 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
     for _ in 0..REOPENS {
         let Opened { mut file, writable, made } = match open(&path, claim) {
             Ok(opened) => opened,
-            Err(e) if !claim.writes && matches!(e.raw_os_error(), Some(libc::EROFS | libc::EACCES | libc::EPERM)) => {
+            Err(e) if may_only_read(claim, &e) => {
                 tracing::warn!("{}: {e}; reading {} without the lower lock", path.display(), dir.display());
                 return Ok(None);
             }
@@ -98,6 +98,17 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
         return Ok(Some(LowerLock { file, path, removes: writable && (claim.writes || made) }));
     }
     Err(format!("{}: removed each time it was locked; is another program removing it?", path.display()))
+}
+
+/// Whether a user may go on with the lock file only read, or none, after `e` opening it for
+/// writing: a user that only reads, where it may not write; anyone on a read-only file system,
+/// where no one writes through this path.
+fn may_only_read(claim: Claim, e: &io::Error) -> bool {
+    match e.raw_os_error() {
+        Some(libc::EROFS) => true,
+        Some(libc::EACCES | libc::EPERM) => !claim.writes,
+        _ => false,
+    }
 }
 
 /// Whether `path` still names `file` (its last holder removes it when it lets go).
@@ -131,7 +142,7 @@ fn open(path: &Path, claim: Claim) -> io::Result<Opened> {
         Err(e) => Err(e),
     };
     let opened = match opened {
-        Err(e) if !claim.writes && matches!(e.raw_os_error(), Some(libc::EROFS | libc::EACCES | libc::EPERM)) => {
+        Err(e) if may_only_read(claim, &e) => {
             return read.open(path).map(|file| Opened { file, writable: false, made: false }).map_err(|_| e);
         }
         opened => opened?,
