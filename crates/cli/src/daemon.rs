@@ -136,6 +136,10 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
     };
     crate::nesting::check_storage_apart(&dirs, &args.mountpoint)?;
     let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
+    // A lower in use is reported here; the mount's daemon takes the locks for its life.
+    if args.ready_fd.is_none() {
+        lock_lowers(&args.tree, &specs, &opts, &lower, &mountpoint)?;
+    }
     // Unlock the crypt volumes here (LOWER, and any branch that is one), so that a wrong
     // password is reported before anything starts (and rules naming crypt can be checked).
     // A remote stack's volumes are the server's to unlock.
@@ -158,6 +162,20 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
         return serve(&args, specs, opts, lower, mountpoint);
     }
     spawn_background(&args, &mountpoint, volumes)
+}
+
+/// The lower locks of a mount of `lower` at `mountpoint` (none for a remote stack: its server
+/// holds them).
+fn lock_lowers(
+    tree: &StackArgs,
+    specs: &[plyfs_stack::spec::LayerSpec],
+    opts: &options::MountOptions,
+    lower: &crate::tree::Lower,
+    mountpoint: &Path,
+) -> Result<Vec<plyfs_stack::lowerlock::LowerLock>, String> {
+    let Some(dir) = lower.dir() else { return Ok(Vec::new()) };
+    let how = crate::locks::Use::Mount { shared: opts.shared, read_only: opts.read_only };
+    crate::locks::take_all(dir, &tree.branches, specs, how, &format!("mounted at {}", mountpoint.display()))
 }
 
 /// Every directory a stack stores in: LOWER, the `--branch` directories and the directories
@@ -352,6 +370,8 @@ fn serve_inner(
         plyfs_stack::shared::set_mode(Some(plyfs_stack::shared::SharedMode { revalidate: opts.attr_ttl }));
     }
     plyfs_stack::readonly::set_read_only(opts.read_only);
+    // Held until the daemon ends (a reverse view only reads a plaintext tree).
+    let _locks = if args.reverse { Vec::new() } else { lock_lowers(&args.tree, &specs, &opts, &lower, &mountpoint)? };
     let stack = match (args.reverse, lower.dir()) {
         (true, Some(plain)) => reverse_stack(args, plain)?,
         _ => crate::tree::build_stack(&specs, &lower, &args.tree.branches, args.tree.rules.as_deref(), Some(&mountpoint))?,

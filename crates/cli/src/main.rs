@@ -4,6 +4,7 @@ mod daemon;
 mod exobench;
 mod exodisk;
 mod helper;
+mod locks;
 mod nesting;
 mod offline;
 mod options;

@@ -18,16 +18,21 @@ use std::time::{Duration, SystemTime};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use plyfs_layers::transfer::{for_each_data_extent, read_range, seek_fd, seek_level};
+use plyfs_stack::lowerlock::LowerLock;
 use plyfs_stack::{Caller, Entry, FileKind, Level, NodeId, Op, SetAttr, Stack, TimeSet};
 
 type Res<T> = Result<T, String>;
 
-/// Build the stack `spec` over `lower`, in process.
-pub fn open_stack(lower: &Path, spec: &str, branches: &[String]) -> Res<Stack> {
+/// Build the stack `spec` over `lower`, in process, holding the lower locks of `plyfs
+/// COMMAND` (which `writes` the lower or only reads it) while the stack is in use.
+pub fn open_stack(lower: &Path, spec: &str, branches: &[String], command: &str, writes: bool) -> Res<(Stack, Vec<LowerLock>)> {
     let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| e.to_string())?;
+    let who = format!("running plyfs {command}");
+    let locks = crate::locks::take_all(lower, branches, &specs, crate::locks::Use::Tool { writes }, &who)?;
     // The same stack as a mount: each file is read through the chain recorded with it, and a
     // tree's branches are built as the mount builds them.
-    crate::tree::build_stack(&specs, &crate::tree::Lower::Dir(lower.to_owned()), branches, None, None)
+    let stack = crate::tree::build_stack(&specs, &crate::tree::Lower::Dir(lower.to_owned()), branches, None, None)?;
+    Ok((stack, locks))
 }
 
 fn cx() -> Caller {
@@ -145,9 +150,11 @@ pub fn encode_root(src: &Path, dest: &Path) -> PathBuf {
 pub fn encode(src: &Path, dest: &Path, spec: &str) -> Res<()> {
     let meta = fs::symlink_metadata(src).map_err(|e| format!("{}: {e}", src.display()))?;
     let (lower_root, name) = if meta.is_dir() {
-        // A crypt volume made for it holds its configuration already.
-        let config = std::ffi::OsStr::new(plyfs_layers::crypt::keys::CONFIG_NAME);
-        match fs::read_dir(dest).map(|mut d| d.any(|e| e.map_or(true, |e| e.file_name() != config))) {
+        // A crypt volume made for it holds its configuration already, and a lower once used its
+        // lock file.
+        let config = OsStr::new(plyfs_layers::crypt::keys::CONFIG_NAME);
+        let ours = |name: &OsStr| name == config || plyfs_stack::lowerlock::is_lock_file(name);
+        match fs::read_dir(dest).map(|mut d| d.any(|e| e.map_or(true, |e| !ours(&e.file_name())))) {
             Ok(true) => return Err(format!("{}: not empty; encode into a new or empty directory", dest.display())),
             Ok(false) => {}
             Err(_) => fs::create_dir_all(dest).map_err(|e| format!("{}: {e}", dest.display()))?,
@@ -161,7 +168,7 @@ pub fn encode(src: &Path, dest: &Path, spec: &str) -> Res<()> {
         let name = dest.file_name().ok_or_else(|| format!("{}: not a file name", dest.display()))?;
         (parent.to_path_buf(), Some(name.to_owned()))
     };
-    let stack = open_stack(&lower_root, spec, &[])?;
+    let (stack, _locks) = open_stack(&lower_root, spec, &[], "encode", true)?;
     let top = stack.top().clone();
     let (total, _) = plain_usage(src);
     let bar = progress(total, "encoding");
@@ -277,7 +284,7 @@ pub fn decode(lower: &Path, dest: &Path, spec: &str, branches: &[String], sub: O
     if fs::symlink_metadata(dest).is_ok() {
         return Err(format!("{}: already exists; decode into a new path", dest.display()));
     }
-    let stack = open_stack(lower, spec, branches)?;
+    let (stack, _locks) = open_stack(lower, spec, branches, "decode", false)?;
     let top = stack.top().clone();
     let start = resolve(&top, sub.unwrap_or(Path::new("")))?;
     let mut total = 0;
@@ -412,7 +419,8 @@ fn decode_one(top: &Level, e: &Entry, out: &Path, bar: &ProgressBar) -> Res<()> 
 /// `rebind`, each file of a crypt volume that binds files to their places is first bound to
 /// where it is.
 pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool) -> Res<()> {
-    let stack = Arc::new(open_stack(lower, spec, branches)?);
+    let (stack, _locks) = open_stack(lower, spec, branches, "fsck", true)?;
+    let stack = Arc::new(stack);
     let top = stack.top().clone();
     let mut files = Vec::new();
     walk(&top, NodeId::ROOT, Path::new(""), &mut |rel, e| {
@@ -499,7 +507,7 @@ pub fn du(path: &Path, spec: Option<&str>, branches: &[String]) -> Res<()> {
             }
         }
         Some(spec) => {
-            let stack = open_stack(path, spec, branches)?;
+            let (stack, _locks) = open_stack(path, spec, branches, "du", false)?;
             let top = stack.top().clone();
             let bottom = stack.levels().last().expect("bottom").clone();
             for d in top.list_dir(&cx(), NodeId::ROOT).map_err(|e| e.to_string())? {

@@ -72,6 +72,8 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         (Addr::Unix(_), None) => None,
     };
     let dirs = crate::daemon::storage_dirs(&lower, &args.tree.branches, &specs);
+    // Held while the server runs.
+    let _locks = crate::locks::take_all(&lower, &args.tree.branches, &specs, crate::locks::Use::Serve, &format!("serving on {addr}"))?;
     let _volumes = if args.as_stored {
         if args.secret.given() {
             return Err("--as-stored serves a crypt volume encrypted: the server takes no password or key file".into());

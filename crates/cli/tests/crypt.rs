@@ -953,12 +953,14 @@ fn padded_sizes_round_up_as_padme_says_and_stat_shows_the_real_size() {
     // Read back through a mount that does not pad: the files say they are padded.
     let passfile = format!("--passfile={}", crypt_passfile(m.dir.path()).display());
     let dir = std::mem::replace(&mut m.dir, tempfile::tempdir().unwrap());
-    let m = Mount::start(dir, m.lower.clone(), m.mnt.clone(), "crypt", &[&passfile]);
+    let mut m = Mount::start(dir, m.lower.clone(), m.mnt.clone(), "crypt", &[&passfile]);
     for (n, data) in &want {
         let name = if *n == 2500 { "f1000".to_owned() } else { format!("f{n}") };
         assert_eq!(fs::metadata(m.path(&name)).unwrap().len(), *n);
         assert!(fs::read(m.path(&name)).unwrap() == *data, "{name} reads back");
     }
+    // (Unmounted first: a second unshared mount of a lower is refused for that alone.)
+    m.unmount();
     let elsewhere = tempfile::tempdir().unwrap();
     let out = run(plyfs().arg("mount").arg(&m.lower).arg(elsewhere.path()).args(["--stack", "zstd,crypt:pad=padme"]).arg(&passfile));
     assert!(!out.status.success());

@@ -13,13 +13,13 @@ use std::time::Duration;
 use common::*;
 
 
-/// Every object under `root` (but the mirror's log) with what identifies its content.
+/// Every object under `root` (but the mirror's log and the lower lock) with what identifies its content.
 fn tree(root: &Path) -> BTreeMap<String, String> {
     fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, String>) {
         for e in fs::read_dir(dir).unwrap() {
             let e = e.unwrap();
             let rel = e.path().strip_prefix(root).unwrap().to_string_lossy().into_owned();
-            if rel == ".plyfs-mirror.log" {
+            if rel == ".plyfs-mirror.log" || rel == ".plyfs.lock" {
                 continue;
             }
             let meta = fs::symlink_metadata(e.path()).unwrap();

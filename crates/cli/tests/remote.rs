@@ -60,7 +60,7 @@ fn a_stack_served_on_a_unix_socket_reads_and_writes() {
 #[test]
 fn zstd_over_remote_compresses_in_the_mount() {
     let s = setup();
-    let (_server, addr) = unix(&s);
+    let (server, addr) = unix(&s);
     let text = "a line that repeats and compresses well\n".repeat(20_000);
     {
         // The address in the stack itself, with LOWER `-`.
@@ -70,7 +70,8 @@ fn zstd_over_remote_compresses_in_the_mount() {
     }
     let stored = std::fs::metadata(s.lower.join("f")).unwrap().len();
     assert!(stored < text.len() as u64 / 10, "stored {stored} bytes for {}", text.len());
-    // The same stack over the lower directory itself reads it.
+    // The same stack over the lower directory itself reads it, once the server is gone.
+    drop(server);
     let out = run(plyfs().arg("decode").arg(&s.lower).arg(s.root.join("plain")).args(["--stack", "zstd"]));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(std::fs::read_to_string(s.root.join("plain/f")).unwrap(), text);

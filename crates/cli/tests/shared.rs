@@ -323,6 +323,34 @@ fn writer_and_reader(place: Place) {
     }
 }
 
+/// The lower lock (#29) reaches across GlusterFS clients: while a mount through one client holds
+/// a directory alone, a mount of it through the other, shared or not, is refused and names it.
+#[test]
+fn a_lower_held_through_one_gluster_client_is_refused_through_the_other() {
+    let (g1, g2) = gluster();
+    let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let name = root.file_name().unwrap().to_owned();
+    let (lower_a, lower_b) = (g1.join(&name), g2.join(&name));
+    fs::create_dir_all(&lower_b).unwrap();
+    let _on_volume = RemoveOnDrop(lower_b.clone());
+    wait_for(|| lower_a.is_dir(), "the lower directory through the first client");
+    let (mnt_a, mnt_b) = (root.join("mnt-a"), root.join("mnt-b"));
+    fs::create_dir(&mnt_a).unwrap();
+    fs::create_dir(&mnt_b).unwrap();
+    let b = Mount::start(tempfile::tempdir().unwrap(), lower_b, mnt_b, "zstd", &[]);
+    for shared in [&[][..], &["-o", "shared"][..]] {
+        let out = run(plyfs().arg("mount").arg(&lower_a).arg(&mnt_a).args(["--stack", "zstd"]).args(shared));
+        if common::mounted_fstype(&mnt_a).is_some() {
+            run(plyfs().arg("umount").arg(&mnt_a));
+        }
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{shared:?}: {text}");
+        let holder = format!("is in use by another plyfs (pid {} on ", b.pid());
+        assert!(text.contains(&holder) && text.contains(&format!("mounted at {})", b.mnt.display())), "{shared:?}: {text}");
+    }
+}
+
 #[test]
 fn appends_from_two_mounts_all_arrive_local() {
     appends(Place::Local);
@@ -693,7 +721,7 @@ fn writes_to_a_file_another_mount_replaced_are_refused_not_lost() {
     g.write_all(b"two\n").unwrap();
 }
 
-/// Every object under `root` but the mirror's own files, with what identifies its content.
+/// Every object under `root` but the mirror's own files and the lower lock, with what identifies its content.
 /// Where two trees of `mirror_tree` differ, briefly: each name on one side only, and for each
 /// file on both, the sizes and the first differing byte.
 fn tree_difference(a: &std::collections::BTreeMap<String, String>, b: &std::collections::BTreeMap<String, String>) -> String {
@@ -718,7 +746,7 @@ fn mirror_tree(root: &Path) -> std::collections::BTreeMap<String, String> {
         for e in fs::read_dir(dir).unwrap() {
             let e = e.unwrap();
             let rel = e.path().strip_prefix(root).unwrap().to_string_lossy().into_owned();
-            if rel.starts_with(".plyfs-mirror.") {
+            if rel.starts_with(".plyfs-mirror.") || rel == ".plyfs.lock" {
                 continue;
             }
             let meta = fs::symlink_metadata(e.path()).unwrap();
@@ -844,7 +872,7 @@ fn a_mirror_shared_by_two_mounts_keeps_its_branches_identical() {
     if out.status.success() {
         run(plyfs().arg("umount").arg(mnt_c.path()));
     }
-    assert!(!out.status.success() && err.contains("mount with -o shared too"), "{err}");
+    assert!(!out.status.success() && err.contains("is in use by another plyfs") && err.contains("mount both with -o shared"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     drop(b);
     assert_eq!(mirror_logs(&da).len(), 1, "a mount that stops cleanly takes its log with it");

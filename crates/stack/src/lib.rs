@@ -20,6 +20,7 @@ pub mod glob;
 pub mod ioctl;
 mod layer;
 mod lowerdir;
+pub mod lowerlock;
 mod op;
 pub mod private;
 pub mod progress;

@@ -868,6 +868,9 @@ impl LowerDir {
         let end = start.saturating_add(max.max(1) as usize).min(stream.entries.len());
         let mut out = Vec::with_capacity(end - start);
         for (i, (name, ino, kind)) in stream.entries[start..end].iter().enumerate() {
+            if node == NodeId::ROOT && crate::lowerlock::is_lock_file(name) {
+                continue;
+            }
             let dots = name == "." || name == "..";
             let entry = if plus && !dots {
                 match self.lookup_at(&n, name) {
@@ -954,6 +957,29 @@ impl Drop for LowerDir {
     }
 }
 
+/// The lower lock's file (see [`crate::lowerlock`]) is not there for anyone above: looking it
+/// up or removing it finds nothing, and making or renaming anything to its name is refused.
+fn hide_lock_file(op: &Op<'_>) -> Result<()> {
+    let at_top = |parent: NodeId, name: &OsStr| parent == NodeId::ROOT && crate::lowerlock::is_lock_file(name);
+    match *op {
+        Op::Lookup { parent, name } | Op::Unlink { parent, name } | Op::RmDir { parent, name } if at_top(parent, name) => {
+            Err(Error::Os(libc::ENOENT))
+        }
+        Op::Rename { parent, name, .. } if at_top(parent, name) => Err(Error::Os(libc::ENOENT)),
+        Op::MkNod { parent, name, .. }
+        | Op::MkDir { parent, name, .. }
+        | Op::SymLink { parent, name, .. }
+        | Op::Create { parent, name, .. }
+        | Op::Rename { new_parent: parent, new_name: name, .. }
+        | Op::Link { new_parent: parent, new_name: name, .. }
+            if at_top(parent, name) =>
+        {
+            Err(Error::Os(libc::EPERM))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn kind_of(t: nix::dir::Type) -> FileKind {
     use nix::dir::Type;
     match t {
@@ -1037,6 +1063,7 @@ impl LowerDir {
 
     fn dispatch(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         crate::readonly::check(op)?;
+        hide_lock_file(op)?;
         let empty = c"";
         match *op {
             Op::Lookup { parent, name } => {

@@ -484,8 +484,9 @@ pub fn init_file(lower: &Path, path: &Path, settings: &VolumeSettings, secret: &
         return Err("--bind-paths binds files to their directories' ids, which only encrypted names have: leave out --plaintext-names".into());
     }
     if empty && !settings.plaintext_names {
+        // (The lower lock's file is hidden from every mount, so it needs no name.)
         let mut entries = std::fs::read_dir(lower).map_err(|e| format!("{}: {e}", lower.display()))?;
-        if entries.next().is_some() {
+        if entries.any(|e| e.map_or(true, |e| !plyfs_stack::lowerlock::is_lock_file(&e.file_name()))) {
             return Err(format!(
                 "{}: not empty: with encrypted names the names already there would not decrypt (use an empty directory, or --plaintext-names)",
                 lower.display()
