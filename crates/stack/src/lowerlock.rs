@@ -21,6 +21,7 @@ use std::io::{self, Read, Seek, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::shared::LockKind;
 
@@ -80,7 +81,7 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
             Err(e) => return Err(format!("{}: {e} (the lower lock, which a user that writes the lower must hold)", path.display())),
         };
         let kind = if writable { claim.kind } else { LockKind::Shared };
-        if let Err(e) = lock(&file, kind) {
+        if let Err(e) = lock_or_wait_for_leaver(&mut file, kind) {
             return Err(match e.raw_os_error() {
                 Some(libc::EAGAIN | libc::EACCES) => {
                     format!("lower {} is in use by another plyfs ({}); {}", dir.display(), holder(&mut file), claim.advice)
@@ -98,6 +99,54 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
         return Ok(Some(LowerLock { file, path, removes: writable && (claim.writes || made) }));
     }
     Err(format!("{}: removed each time it was locked; is another program removing it?", path.display()))
+}
+
+/// How long a user waits for a holder that is leaving: a daemon whose file system was just
+/// unmounted (`umount` returns before the daemon has written its state and exited).
+const LEAVING_GRACE: Duration = Duration::from_secs(10);
+
+/// [`lock`], waiting up to [`LEAVING_GRACE`] if the holder is a mount of this machine whose
+/// mount point is no longer mounted, so that `umount M && mount ... M` works. Any other
+/// holder refuses at once.
+fn lock_or_wait_for_leaver(file: &mut File, kind: LockKind) -> io::Result<()> {
+    let deadline = Instant::now() + LEAVING_GRACE;
+    loop {
+        match lock(file, kind) {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) && Instant::now() < deadline => {
+                if !leaving(&holder(file)) {
+                    return Err(e);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Whether the holder `text` ([`record`]'s) names a mount of this host that is no longer
+/// mounted here.
+fn leaving(text: &str) -> bool {
+    let Some((host, who)) = text.split_once(" on ").and_then(|(_, rest)| rest.split_once(", ")) else { return false };
+    let Some(mountpoint) = who.strip_prefix("mounted at ") else { return false };
+    host == hostname() && !is_mount_point(mountpoint)
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_owned()
+}
+
+/// Whether `path` is a mount point in this process's mount namespace (`/proc/self/mountinfo`
+/// writes space, tab, newline and backslash as octal escapes).
+fn is_mount_point(path: &str) -> bool {
+    let mut escaped = String::new();
+    for c in path.chars() {
+        match c {
+            ' ' | '\t' | '\n' | '\\' => escaped.push_str(&format!("\\{:03o}", c as u32)),
+            c => escaped.push(c),
+        }
+    }
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines().any(|line| line.split(' ').nth(4) == Some(escaped.as_str()))
 }
 
 /// Whether a user may go on with the lock file only read, or none, after `e` opening it for
@@ -180,8 +229,7 @@ fn lock(file: &File, kind: LockKind) -> io::Result<()> {
 /// Write "pid N on HOST, WHO" into the lock file. Only a hint for refusals: failing to write
 /// it loses nothing.
 fn record(file: &mut File, who: &str) {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let text = format!("pid {} on {}, {who}\n", std::process::id(), host.trim());
+    let text = format!("pid {} on {}, {who}\n", std::process::id(), hostname());
     let _ = file.set_len(0).and_then(|()| file.rewind()).and_then(|()| file.write_all(text.as_bytes()));
 }
 
@@ -204,16 +252,40 @@ mod tests {
 
     #[test]
     fn exclusive_excludes_everyone_and_shared_only_exclusive() {
+        // Holders mounted where something is mounted: no one waits for them to leave.
         let dir = tempfile::tempdir().unwrap();
-        let first = take(dir.path(), ALONE, "mounted at /mnt/a").unwrap().unwrap();
-        let refused = take(dir.path(), SHARED, "mounted at /mnt/b").unwrap_err();
-        assert!(refused.contains("is in use by another plyfs (pid ") && refused.contains("mounted at /mnt/a); unmount it"), "{refused}");
+        let first = take(dir.path(), ALONE, "mounted at /").unwrap().unwrap();
+        let refused = take(dir.path(), SHARED, "mounted at /proc").unwrap_err();
+        assert!(refused.contains("is in use by another plyfs (pid ") && refused.contains("mounted at /); unmount it"), "{refused}");
         drop(first);
-        let a = take(dir.path(), SHARED, "mounted at /mnt/a").unwrap().unwrap();
-        let _b = take(dir.path(), SHARED, "mounted at /mnt/b").unwrap().unwrap();
-        assert!(take(dir.path(), ALONE, "fsck").unwrap_err().contains("mounted at /mnt/b"));
+        let a = take(dir.path(), SHARED, "mounted at /").unwrap().unwrap();
+        let _b = take(dir.path(), SHARED, "mounted at /proc").unwrap().unwrap();
+        assert!(take(dir.path(), ALONE, "fsck").unwrap_err().contains("mounted at /proc"));
         drop(a);
         assert!(take(dir.path(), ALONE, "fsck").is_err());
+    }
+
+    #[test]
+    fn a_holder_whose_mount_point_is_gone_is_waited_for() {
+        // As after `umount M`: the daemon still holds the lock for a moment.
+        let dir = tempfile::tempdir().unwrap();
+        let gone = dir.path().join("unmounted");
+        let leaving = take(dir.path(), ALONE, &format!("mounted at {}", gone.display())).unwrap().unwrap();
+        let letting_go = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(leaving);
+        });
+        take(dir.path(), ALONE, "mounted at /").unwrap().unwrap();
+        letting_go.join().unwrap();
+        assert!(leaving_text_parses());
+    }
+
+    fn leaving_text_parses() -> bool {
+        let host = hostname();
+        leaving(&format!("pid 7 on {host}, mounted at /no/such/mount"))
+            && !leaving(&format!("pid 7 on {host}, mounted at /"))
+            && !leaving("pid 7 on another-host, mounted at /no/such/mount")
+            && !leaving(&format!("pid 7 on {host}, serving on unix:/s"))
     }
 
     #[test]
