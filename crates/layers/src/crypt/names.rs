@@ -380,7 +380,8 @@ impl CryptNames {
             return self.decrypt(id, &full).map(OsString::from_vec);
         }
         let name = self.decrypt(id, text);
-        if name.is_none() && !(dir == NodeId::ROOT && is_config(bytes)) {
+        // The layer's own files (a directory's id file, companions) are hidden without a word.
+        if name.is_none() && !is_aux(bytes) && !(dir == NodeId::ROOT && is_config(bytes)) {
             if self.warned_hidden.swap(true, std::sync::atomic::Ordering::Relaxed) {
                 tracing::debug!("directory {}: hiding {text}, which does not decrypt", dir.0);
             } else {
