@@ -111,31 +111,6 @@ fn copy_up_keeps_data_metadata_and_inode_and_leaves_the_lower_branch_alone() {
 /// `chattr` on a file or directory of the read-only branch copies it up, as any change does;
 /// `lsattr` reads where the object shows from.
 #[test]
-fn a_copy_up_while_the_file_is_open_for_reading_is_what_every_later_open_reads() {
-    // With passthrough (the default as root), the kernel lets an inode's passthrough opens
-    // share one lower file: a reader on the read-only branch's copy and a writer on the upper
-    // one cannot both have it. The front end handed the writer the reader's file, and every open
-    // after both closed read the old copy, while the upper branch held the new one (#29).
-    let (m, ro) = union_over("union", |ro| fs::write(ro.join("f"), "hello\n").unwrap());
-    let mut reader = fs::File::open(m.path("f")).unwrap();
-    let mut before = String::new();
-    reader.read_to_string(&mut before).unwrap();
-    let mut writer = fs::OpenOptions::new().write(true).open(m.path("f")).unwrap();
-    writer.write_all(b"HELLO").unwrap();
-    drop(writer);
-    assert_eq!(fs::read_to_string(m.path("f")).unwrap(), "HELLO\n", "an open while the reader lives");
-    drop(reader);
-    assert_eq!(fs::read_to_string(m.path("f")).unwrap(), "HELLO\n", "an open after the reader closed");
-    let mut appender = fs::OpenOptions::new().append(true).open(m.path("f")).unwrap();
-    appender.write_all(b"more\n").unwrap();
-    drop(appender);
-    assert_eq!(fs::read_to_string(m.path("f")).unwrap(), "HELLO\nmore\n");
-    assert_eq!(fs::read_to_string(m.lower_path("f")).unwrap(), "HELLO\nmore\n");
-    assert_eq!(fs::read_to_string(ro.join("f")).unwrap(), "hello\n");
-    assert_eq!(before, "hello\n");
-}
-
-#[test]
 fn file_attribute_flags_set_on_a_lower_branch_object_copy_it_up() {
     let (m, ro) = union_over("union", sample_tree);
     let Ok(flags) = get_file_flags(&ro.join("dir/a")) else { return };

@@ -10,7 +10,7 @@
 //! `i + 1` in the top byte. `.plyfs` itself has the reserved top byte `0xff`.
 
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::ffi::OsStr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
@@ -196,38 +196,10 @@ impl Drop for Backing {
 /// Kernel passthrough references, one per inode while any open of it lives.
 #[derive(Default)]
 struct BackingTable {
-    /// The kernel allows one backing file per inode at a time: the one its passthrough opens
-    /// share, and the lower file it is of.
-    by_inode: HashMap<u64, (Weak<Backing>, BackingFile)>,
-    /// Opens that go through the daemon, by inode: the kernel refuses a passthrough open of an
-    /// inode that has them, so while one lives the inode's new opens go through the daemon too.
-    by_daemon: HashMap<u64, HashSet<u64>>,
+    by_inode: HashMap<u64, Weak<Backing>>,
     by_open: HashMap<(u64, u64), Arc<Backing>>,
     /// The lower file of each open that goes through passthrough, for `copy_file_range`.
     files: HashMap<(u64, u64), Arc<OwnedFd>>,
-}
-
-/// Which lower file a backing reference is of. (Its access mode does not matter: the kernel
-/// opens the file again for each passthrough open, with that open's flags.)
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct BackingFile {
-    dev: u64,
-    ino: u64,
-}
-
-impl BackingFile {
-    fn of(fd: &OwnedFd) -> Option<BackingFile> {
-        let st = nix::sys::stat::fstat(fd).ok()?;
-        Some(BackingFile { dev: st.st_dev, ino: st.st_ino })
-    }
-}
-
-/// How an open's data goes, as far as passthrough decides.
-enum DataRoute {
-    /// Through this backing file, in the kernel.
-    Passthrough(Arc<Backing>),
-    /// Through the daemon, as the stack asks.
-    Daemon,
 }
 
 /// A node as the kernel sees it. Inode number 0 is a negative entry: the kernel remembers that
@@ -466,66 +438,45 @@ impl FuseFs {
 
     /// The answer to an open: passthrough where it applies, the page cache otherwise.
     fn open_out(&self, ino: u64, view: usize, opened: &Opened) -> OpenOut {
-        match self.route(ino, opened) {
-            DataRoute::Passthrough(b) => OpenOut { fh: opened.fh.0, flags: Self::flush_flags(opened) | fopen::PASSTHROUGH, backing: Some(b) },
-            DataRoute::Daemon => OpenOut { fh: opened.fh.0, flags: self.cache_flags(view, opened), backing: None },
+        match self.backing_for(ino, opened) {
+            Some(b) => OpenOut { fh: opened.fh.0, flags: Self::flush_flags(opened) | fopen::PASSTHROUGH, backing: Some(b) },
+            None => OpenOut { fh: opened.fh.0, flags: self.cache_flags(view, opened), backing: None },
         }
     }
 
-    /// How this open's data goes: passthrough where it applies, with the backing file the
-    /// inode's other passthrough opens share. The kernel allows one backing file per inode, and
-    /// no passthrough open beside opens through the daemon: an open that would break either
-    /// rule goes through the daemon (the second) or is refused by the kernel with `EIO` (the
-    /// first, which layers avoid: a union gives files it may copy up no passthrough).
-    fn route(&self, ino: u64, opened: &Opened) -> DataRoute {
+    /// The kernel passthrough reference for this open, if passthrough applies.
+    fn backing_for(&self, ino: u64, opened: &Opened) -> Option<Arc<Backing>> {
         if !self.passthrough.load(Ordering::Relaxed) || self.status.passthrough_refused.load(Ordering::Relaxed) {
-            return DataRoute::Daemon;
+            return None;
         }
+        let fd = opened.backing.as_ref()?;
         let mut table = self.backing.lock();
-        let through_daemon = |table: &mut BackingTable| {
-            table.by_daemon.entry(ino).or_default().insert(opened.fh.0);
-            DataRoute::Daemon
-        };
-        let file = opened.backing.as_ref().and_then(|fd| Some((fd, BackingFile::of(fd)?)));
-        let Some((fd, file)) = file.filter(|_| table.by_daemon.get(&ino).is_none_or(HashSet::is_empty)) else {
-            return through_daemon(&mut table);
-        };
-        let id = match table.by_inode.get(&ino).and_then(|(weak, of)| Some((weak.upgrade()?, *of))) {
-            Some((id, of)) if of == file => id,
-            Some(_) => {
-                tracing::warn!("inode {ino}: open refused: it is open with passthrough to another lower file, and the kernel allows one");
-                return through_daemon(&mut table);
-            }
+        let id = match table.by_inode.get(&ino).and_then(Weak::upgrade) {
+            Some(id) => id,
             None => match Backing::open(&self.dev, fd) {
                 Ok(id) => {
                     let id = Arc::new(id);
-                    table.by_inode.insert(ino, (Arc::downgrade(&id), file));
+                    table.by_inode.insert(ino, Arc::downgrade(&id));
                     id
                 }
                 Err(e) => {
                     if !self.status.passthrough_failed.swap(true, Ordering::Relaxed) {
                         tracing::warn!("passthrough refused by the kernel ({e}); such files use FUSE I/O");
                     }
-                    return through_daemon(&mut table);
+                    return None;
                 }
             },
         };
         table.by_open.insert((ino, opened.fh.0), id.clone());
         table.files.insert((ino, opened.fh.0), fd.clone());
-        DataRoute::Passthrough(id)
+        Some(id)
     }
 
     fn release_backing(&self, ino: u64, fh: u64) {
         let mut table = self.backing.lock();
-        if let Some(opens) = table.by_daemon.get_mut(&ino) {
-            opens.remove(&fh);
-            if opens.is_empty() {
-                table.by_daemon.remove(&ino);
-            }
-        }
         table.files.remove(&(ino, fh));
         if table.by_open.remove(&(ino, fh)).is_some()
-            && table.by_inode.get(&ino).is_some_and(|(w, _)| w.strong_count() == 0)
+            && table.by_inode.get(&ino).is_some_and(|w| w.strong_count() == 0)
         {
             table.by_inode.remove(&ino);
         }

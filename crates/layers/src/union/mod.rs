@@ -967,13 +967,7 @@ impl Layer for Union {
                 let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
                 let place = if writes { self.writable_place(node, flags & libc::O_TRUNC != 0)? } else { self.top_place(node)? };
                 let b = self.branch(place.branch)?;
-                let mut opened = b.top().open(cx, place.node, flags)?;
-                if !b.writable() {
-                    // A copy-up may give the file a new lower file while this open lives, and
-                    // the kernel lets an inode's passthrough opens share one: this one goes
-                    // through the daemon, and so do the inode's others while it lives.
-                    opened.backing = None;
-                }
+                let opened = b.top().open(cx, place.node, flags)?;
                 Ok(Reply::Opened(self.register_open(place, opened, &b)))
             }
             Op::Release { fh, .. } => {
