@@ -17,45 +17,24 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use common::rng::{self, Rng};
 use common::Mount;
 
-/// xorshift64*: tiny, deterministic, good enough to drive a tester.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+/// `len` bytes to write: random, or drawn from a few words so that it compresses.
+fn data(rng: &mut Rng, len: usize) -> Vec<u8> {
+    const WORDS: [&[u8]; 6] = [b"fast ", b"indexing ", b"chunk ", b"tail\n", b"0000", b"layer "];
+    if rng.below(2) == 0 {
+        return (0..len).map(|_| rng.next() as u8).collect();
     }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+    let mut out = Vec::with_capacity(len + 16);
+    while out.len() < len {
+        out.extend_from_slice(WORDS[rng.below(WORDS.len() as u64) as usize]);
     }
-
-    /// `len` bytes to write: random, or drawn from a few words so that it compresses.
-    fn data(&mut self, len: usize) -> Vec<u8> {
-        const WORDS: [&[u8]; 6] = [b"fast ", b"indexing ", b"chunk ", b"tail\n", b"0000", b"layer "];
-        if self.below(2) == 0 {
-            return (0..len).map(|_| self.next() as u8).collect();
-        }
-        let mut out = Vec::with_capacity(len + 16);
-        while out.len() < len {
-            out.extend_from_slice(WORDS[self.below(WORDS.len() as u64) as usize]);
-        }
-        out.truncate(len);
-        out
-    }
+    out.truncate(len);
+    out
 }
 
 const MAX_LEN: u64 = 1 << 20;
-
-fn seed() -> u64 {
-    std::env::var("PLYFS_FSX_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1)
-}
 
 fn ops(default: usize) -> usize {
     std::env::var("PLYFS_FSX_OPS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
@@ -118,9 +97,9 @@ fn run_fsx_fan_out(stack: &str, mode: &str, initial: &[u8], default_ops: usize) 
 /// fsx: random writes, appends, truncates, reads and mmaps of one file, each checked against
 /// the same done to a reference file, which starts holding `initial`.
 fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, initial: &[u8]) {
-    let seed = seed();
+    let seed = rng::seed("PLYFS_FSX_SEED");
     let count = ops(default_ops);
-    eprintln!("fsx on {what}: seed {seed}, {count} operations (PLYFS_FSX_SEED={seed} reproduces)");
+    eprintln!("fsx on {what}: {count} operations");
     let mut rng = Rng(seed);
     let reference_dir = tempfile::tempdir().unwrap();
     let reference_path = reference_dir.path().join("ref");
@@ -138,7 +117,7 @@ fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, ini
             0..=29 => {
                 let off = rng.below(MAX_LEN);
                 let len = 1 + rng.below(64 * 1024) as usize;
-                let data = rng.data(len);
+                let data = data(&mut rng, len);
                 ours.write_all_at(&data, off).unwrap();
                 reference.write_all_at(&data, off).unwrap();
                 size = size.max(off + len as u64);
@@ -146,7 +125,7 @@ fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, ini
             }
             30..=37 => {
                 let len = 1 + rng.below(10_000) as usize;
-                let data = rng.data(len);
+                let data = data(&mut rng, len);
                 let mut a = OpenOptions::new().append(true).open(mount.path("fsx")).unwrap();
                 std::io::Write::write_all(&mut a, &data).unwrap();
                 reference.write_all_at(&data, size).unwrap();
@@ -182,7 +161,7 @@ fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, ini
             82..=86 if size > 0 => {
                 let off = rng.below(size);
                 let len = 1 + rng.below((size - off).min(20_000)) as usize;
-                let data = rng.data(len);
+                let data = data(&mut rng, len);
                 mmap_op(&ours, off, Some(&data), len);
                 reference.write_all_at(&data, off).unwrap();
                 desc = format!("mmap write {off}+{len}");

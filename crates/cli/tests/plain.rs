@@ -200,11 +200,7 @@ fn damaged_encoded_files_stay_the_layers() {
 /// each compressor. `PLYFS_PLAIN_SEED=N` repeats a run.
 #[test]
 fn random_plain_files_read_the_same_through_the_mount() {
-    let seed = std::env::var("PLYFS_PLAIN_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
-    eprintln!("seed {seed} (PLYFS_PLAIN_SEED={seed} repeats this run)");
+    let seed = common::rng::seed("PLYFS_PLAIN_SEED");
     let (_dir, _root, [lower, mnt]) = scratch_dirs(["lower", "mnt"]);
     let shape = noise(seed, 64 * 4);
     let mut files = Vec::new();

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub mod exodisk;
+pub mod rng;
 pub mod stress;
 
 /// A test that still runs after this long is stuck on the mount: the watchdog kills the daemon

@@ -12,6 +12,8 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use super::rng::Rng;
+
 /// Top-level directories the workers share, and names in each.
 const DIRS: u64 = 4;
 const NAMES: u64 = 20;
@@ -31,34 +33,9 @@ const EXPECTED: &[i32] = &[
     libc::EPERM,
 ];
 
-/// xorshift64*: small, and enough to pick operations.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// The run's seed: `PLYFS_STRESS_SEED`, or a new one; printed either way.
 pub fn seed() -> u64 {
-    let seed = match std::env::var("PLYFS_STRESS_SEED") {
-        Ok(s) => s.parse().expect("PLYFS_STRESS_SEED is a number"),
-        Err(_) => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64,
-    };
-    eprintln!("stress seed {seed} (PLYFS_STRESS_SEED={seed} repeats it)");
-    seed
+    super::rng::seed("PLYFS_STRESS_SEED")
 }
 
 /// Run `workers` workers of `ops` operations each under `root` (its directories `d0`...
@@ -69,7 +46,7 @@ pub fn run(root: &Path, seed: u64, workers: u64, ops: u64) -> Result<u64, String
         fs::create_dir_all(root.join(format!("d{d}"))).unwrap();
     }
     let done: Vec<Result<u64, String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..workers).map(|w| s.spawn(move || work(root, Rng::new(seed ^ (w + 1)), ops))).collect();
+        let handles: Vec<_> = (0..workers).map(|w| s.spawn(move || work(root, Rng::spread(seed ^ (w + 1)), ops))).collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a worker panicked".into()))).collect()
     });
     let mut succeeded = 0;
