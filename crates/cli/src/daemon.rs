@@ -181,15 +181,9 @@ fn lock_lowers(
 /// Every directory a stack stores in: LOWER, the `--branch` directories and the directories
 /// branches name in the spec (`@DIR`), each once, in that order.
 pub fn storage_dirs(lower: &Path, branches: &[String], specs: &[plyfs_stack::spec::LayerSpec]) -> Vec<PathBuf> {
-    fn from_spec(specs: &[plyfs_stack::spec::LayerSpec], out: &mut Vec<PathBuf>) {
-        for branch in specs.iter().flat_map(|s| &s.branches) {
-            out.extend(branch.dir.clone());
-            from_spec(&branch.layers, out);
-        }
-    }
     let mut dirs = vec![lower.to_owned()];
     dirs.extend(branches.iter().filter_map(|b| crate::tree::parse_branch_arg(b).ok()).map(|(d, _)| d));
-    from_spec(specs, &mut dirs);
+    dirs.extend(spec_branch_dirs(specs).into_iter().map(|(d, _)| d));
     let mut out: Vec<PathBuf> = Vec::new();
     for d in dirs {
         let d = d.canonicalize().unwrap_or(d);
@@ -198,6 +192,15 @@ pub fn storage_dirs(lower: &Path, branches: &[String], specs: &[plyfs_stack::spe
         }
     }
     out
+}
+
+/// The directories the branches of `specs` name (`@DIR`, at any depth), each with its mode.
+pub fn spec_branch_dirs(specs: &[plyfs_stack::spec::LayerSpec]) -> Vec<(PathBuf, plyfs_stack::spec::BranchMode)> {
+    specs
+        .iter()
+        .flat_map(|s| &s.branches)
+        .flat_map(|branch| branch.dir.clone().map(|d| (d, branch.mode())).into_iter().chain(spec_branch_dirs(&branch.layers)))
+        .collect()
 }
 
 /// Read and check a rules file: every rule's layers must exist and take the parameters given.

@@ -56,18 +56,12 @@ pub fn take_all(lower: &Path, branches: &[String], specs: &[LayerSpec], how: Use
 /// (LOWER of a stack without fan-out, and a directory no branch takes, are read-write); a
 /// directory that two branches take is read-write if either is.
 fn storage_modes(lower: &Path, branches: &[String], specs: &[LayerSpec]) -> Vec<(PathBuf, BranchMode)> {
-    fn from_spec(specs: &[LayerSpec], out: &mut Vec<(PathBuf, BranchMode)>) {
-        for branch in specs.iter().flat_map(|s| &s.branches) {
-            out.extend(branch.dir.clone().map(|d| (d, branch.mode())));
-            from_spec(&branch.layers, out);
-        }
-    }
     let mut assigned = specs.to_vec();
     let cli = branches.iter().filter_map(|b| crate::tree::parse_branch_arg(b).ok()).collect();
-    let mut modes = Vec::new();
-    if plyfs_stack::assign_branch_dirs(&mut assigned, plyfs_layers::registry(), lower.to_owned(), cli).is_ok() {
-        from_spec(&assigned, &mut modes);
-    }
+    let modes = match plyfs_stack::assign_branch_dirs(&mut assigned, plyfs_layers::registry(), lower.to_owned(), cli) {
+        Ok(_) => crate::daemon::spec_branch_dirs(&assigned),
+        Err(_) => Vec::new(),
+    };
     let canonical = |d: &Path| d.canonicalize().unwrap_or_else(|_| d.to_owned());
     let mode_of = |dir: &Path| {
         let taken: Vec<BranchMode> = modes.iter().filter(|(d, _)| canonical(d) == dir).map(|(_, m)| *m).collect();
