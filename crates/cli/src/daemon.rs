@@ -45,6 +45,10 @@ pub struct MountArgs {
     /// Log more (debug); repeat for every request (trace).
     #[arg(short, long, action = clap::ArgAction::Count)]
     verbose: u8,
+    /// Print nothing when the mount succeeds, as mount helpers do (warnings and errors still go
+    /// to standard error).
+    #[arg(short, long)]
+    quiet: bool,
     /// Internal: the pipe to report readiness on.
     #[arg(long, hide = true)]
     ready_fd: Option<i32>,
@@ -391,7 +395,7 @@ fn serve_inner(
     const REMOTE_READAHEAD_KB: u32 = 512;
     let request = MountRequest {
         mountpoint: mountpoint.clone(),
-        fsname: lower.to_string(),
+        fsname: opts.fsname.clone().unwrap_or_else(|| lower.to_string()),
         // No lower file of a remote stack is here to hand to the kernel.
         front: FrontOptions {
             entry_ttl: opts.entry_ttl,
@@ -567,6 +571,9 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_
     }
     let line = line.trim_end();
     if let Some(mode) = line.strip_prefix("OK ") {
+        if args.quiet {
+            return Ok(());
+        }
         eprintln!("plyfs: mounted {} (pid {}); file I/O: {mode}; log: {}", mountpoint.display(), child.id(), log.display());
         Ok(())
     } else if let Some(err) = line.strip_prefix("ERR ") {

@@ -4,6 +4,11 @@
 //! Options that name plyfs's own arguments (`stack=`, `passfile=`, `branch=`, ...) become them,
 //! the rest stay mount options, and what only mount(8) and systemd read is dropped.
 //! `-o remount,...` (from `mount -o remount,ro MNT`) changes the mounted file system's flags.
+//!
+//! The source may also name the lower directory the way test suites and libfuse's examples do:
+//! `source:DIR` (xfstests' `TEST_DEV=source:/srv/test`), or any tag with `-o source=DIR`. The mount
+//! then shows the source as given (`fsname`), so that `umount SOURCE` and `findmnt SOURCE` find
+//! it. Like every mount helper, it prints nothing when the mount succeeds (`-v`: the usual line).
 
 use std::ffi::OsString;
 
@@ -38,7 +43,6 @@ fn ignored(opt: &str) -> bool {
         || opt.starts_with("comment=")
         || opt.starts_with("user_id=")
         || opt.starts_with("group_id=")
-        || opt.starts_with("fsname=")
         || opt.starts_with("subtype=")
 }
 
@@ -57,11 +61,14 @@ pub struct HelperCall {
     pub source: OsString,
     pub mountpoint: OsString,
     pub options: Vec<String>,
+    /// `-v`: say what was mounted, as `plyfs mount` does.
+    pub verbose: bool,
 }
 
 pub fn parse(argv: &[OsString]) -> Result<HelperCall, String> {
     let mut positional = Vec::new();
     let mut options = Vec::new();
+    let mut verbose = false;
     let mut args = argv.iter().skip(1);
     while let Some(a) = args.next() {
         let s = a.to_string_lossy();
@@ -70,14 +77,15 @@ pub fn parse(argv: &[OsString]) -> Result<HelperCall, String> {
             "-t" => {
                 args.next();
             }
-            // mount(8)'s own: no mtab, sloppy, fake, verbose.
-            "-n" | "-s" | "-f" | "-v" => {}
+            "-v" => verbose = true,
+            // mount(8)'s own: no mtab, sloppy, fake.
+            "-n" | "-s" | "-f" => {}
             o if o.starts_with("-o") => options.push(o[2..].to_owned()),
             _ => positional.push(a.clone()),
         }
     }
     match <[OsString; 2]>::try_from(positional) {
-        Ok([source, mountpoint]) => Ok(HelperCall { source, mountpoint, options }),
+        Ok([source, mountpoint]) => Ok(HelperCall { source, mountpoint, options, verbose }),
         Err(p) => Err(format!(
             "expected `plyfs LOWER MOUNTPOINT -o stack=SPEC[,OPTIONS]` (the form mount(8) uses), got {} operand(s); see `plyfs --help`",
             p.len()
@@ -127,9 +135,29 @@ pub fn translate(call: HelperCall, layer_kinds: &[&str]) -> Result<Action, Strin
     if options.iter().any(|o| o == "remount") {
         return Ok(Action::Remount { mountpoint: call.mountpoint, options });
     }
-    let mut args: Vec<OsString> = vec![call.source, call.mountpoint];
+    // The lower directory, and the name the mount shows for it when that is not the directory.
+    let source_dir = options.iter().find_map(|o| o.strip_prefix("source="));
+    let given = call.source.to_string_lossy().into_owned();
+    let (lower, shown): (OsString, Option<String>) = match (source_dir, given.strip_prefix("source:")) {
+        (Some(dir), _) => (dir.into(), Some(given.clone())),
+        (None, Some(dir)) => (dir.into(), Some(given.clone())),
+        (None, None) => (call.source, None),
+    };
+    if lower.is_empty() {
+        return Err(format!("{given}: names no lower directory"));
+    }
+    let mut args: Vec<OsString> = vec![lower, call.mountpoint];
+    if !call.verbose {
+        args.push("--quiet".into());
+    }
     let mut rest: Vec<String> = Vec::new();
+    if let Some(name) = shown.filter(|_| !options.iter().any(|o| o.starts_with("fsname="))) {
+        rest.push(format!("fsname={name}"));
+    }
     for o in options {
+        if o.starts_with("source=") {
+            continue;
+        }
         let (key, value) = match o.split_once('=') {
             Some((k, v)) => (k, Some(v)),
             None => (o.as_str(), None),
@@ -229,7 +257,7 @@ mod tests {
     fn mount_fuse3_calls_become_plyfs_mount() {
         let call = parse(&args(&["plyfs", "/l", "/m", "-o", "rw,stack=zstd,crypt,passfile=/p,allow_other,nofail,x-systemd.automount,dev,suid,idle=5m"])).unwrap();
         let Action::Mount(a) = translate(call, KINDS).unwrap() else { panic!() };
-        assert_eq!(a, args(&["/l", "/m", "--stack", "zstd,crypt", "--passfile", "/p", "-o", "rw,allow_other,dev,suid,idle=5m"]));
+        assert_eq!(a, args(&["/l", "/m", "--quiet", "--stack", "zstd,crypt", "--passfile", "/p", "-o", "rw,allow_other,dev,suid,idle=5m"]));
         let call = parse(&args(&["mount.fuse.plyfs", "/l", "/m", "-o", "ro,remount,nosuid,user_id=0"])).unwrap();
         assert!(matches!(translate(call, KINDS).unwrap(), Action::Remount { .. }));
         assert!(parse(&args(&["plyfs", "/l"])).is_err());
@@ -239,5 +267,30 @@ mod tests {
         assert!(!is_helper_form(&args(&["plyfs", "mout", "/tmp", "/m"]), &["mount"]), "a typo is not a source");
         assert!(!is_helper_form(&args(&["plyfs", "mount", "/l", "/m"]), &["mount"]));
         assert!(is_helper_form(&args(&["/sbin/mount.fuse.plyfs", "/l", "/m"]), &["mount"]));
+    }
+
+    #[test]
+    fn sources_name_the_lower_as_test_suites_do() {
+        let mount = |a: &[&str]| match translate(parse(&args(a)).unwrap(), KINDS).unwrap() {
+            Action::Mount(m) => m,
+            Action::Remount { .. } => panic!("not a remount"),
+        };
+        // xfstests: TEST_DEV=source:DIR; the mount shows the source as given.
+        assert_eq!(
+            mount(&["mount.fuse.plyfs", "source:/srv/t", "/m", "-o", "stack=null,allow_other"]),
+            args(&["/srv/t", "/m", "--quiet", "--stack", "null", "-o", "fsname=source:/srv/t,allow_other"])
+        );
+        // libfuse's examples: a tag, and -o source=DIR.
+        assert_eq!(
+            mount(&["mount.fuse.plyfs", "test1", "/m", "-o", "source=/srv/t,stack=zstd", "-v"]),
+            args(&["/srv/t", "/m", "--stack", "zstd", "-o", "fsname=test1"])
+        );
+        // A name the user chose stays.
+        assert_eq!(
+            mount(&["plyfs", "source:/srv/t", "/m", "-o", "fsname=data"]),
+            args(&["/srv/t", "/m", "--quiet", "-o", "fsname=data"])
+        );
+        let empty = translate(parse(&args(&["plyfs", "source:", "/m"])).unwrap(), KINDS).unwrap_err();
+        assert_eq!(empty, "source:: names no lower directory");
     }
 }

@@ -25,6 +25,8 @@ pub struct MountOptions {
     pub idle: Option<Duration>,
     /// Who may use the fan-in paths under `MNT/.plyfs/` (`-o fanin=owner|all|none`).
     pub fanin: FanIn,
+    /// What the mount shows as its source (`-o fsname=NAME`; the lower directory by default).
+    pub fsname: Option<String>,
     pub flags: Vec<String>,
 }
 
@@ -43,6 +45,7 @@ impl Default for MountOptions {
             shared: false,
             idle: None,
             fanin: FanIn::Owner,
+            fsname: None,
             flags: Vec::new(),
         }
     }
@@ -50,7 +53,16 @@ impl Default for MountOptions {
 
 pub const HELP: &str = "comma-separated: passthrough=on|off, io_uring=auto|on|off (auto: where the kernel allows it), entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
 idle=DURATION (unmount after that long unused: 90s, 10m, 1h30m), fanin=owner|all|none (who may use MNT/.plyfs/: the mount's owner and root, the default; \
-every user the mount lets in; no one), shared, allow_other, allow_root, ro, and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
+every user the mount lets in; no one), shared, allow_other, allow_root, ro, fsname=NAME (the source the mount shows), and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
+
+/// A source name the kernel shows in /proc/mounts: printable, without the blanks and backslashes
+/// that tools splitting its fields would misread.
+fn fsname(v: &str) -> Result<String, String> {
+    if v.is_empty() || v.len() > 255 || v.chars().any(|c| c.is_control() || c.is_whitespace() || c == '\\') {
+        return Err(format!("-o fsname={v}: expected 1 to 255 printable characters without blanks or backslashes"));
+    }
+    Ok(v.to_owned())
+}
 
 fn seconds(key: &str, v: &str) -> Result<Duration, String> {
     let s: f64 = v.parse().map_err(|_| format!("-o {key}={v}: not a number of seconds"))?;
@@ -128,6 +140,7 @@ pub fn parse(args: &[String]) -> Result<MountOptions, String> {
             ("fanin", Some(v)) => {
                 o.fanin = FanIn::parse(v).ok_or(format!("-o fanin={v}: expected owner, all or none"))?
             }
+            ("fsname", Some(v)) => o.fsname = Some(fsname(v)?),
             ("default_permissions", None) => {} // always on
             (flag, None) if KERNEL_FLAGS.contains(&flag) => o.flags.push(flag.to_owned()),
             _ => return Err(format!("unknown mount option '{opt}' ({HELP})")),
@@ -160,6 +173,9 @@ mod tests {
         assert!(parse(&["threads=0".into()]).is_err());
         assert!(parse(&["attr_timeout=abc".into()]).is_err());
         assert!(parse(&["passthrough=maybe".into()]).is_err());
+        assert_eq!(parse(&["fsname=source:/srv/t".into()]).unwrap().fsname.as_deref(), Some("source:/srv/t"));
+        assert!(parse(&["fsname=a b".into()]).is_err());
+        assert!(parse(&["fsname=".into()]).is_err());
         assert_eq!(parse(&[]).unwrap().io_uring, UringChoice::Auto);
         assert_eq!(parse(&["io_uring=auto".into()]).unwrap().io_uring, UringChoice::Auto);
         assert_eq!(parse(&["io_uring=on".into()]).unwrap().io_uring, UringChoice::On);

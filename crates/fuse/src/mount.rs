@@ -95,7 +95,7 @@ impl std::error::Error for MountError {}
 
 /// Kernel mount flags `-o` accepts besides plyfs's own options.
 pub const KERNEL_FLAGS: &[&str] =
-    &["dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "noatime", "sync", "async", "dirsync", "rw"];
+    &["dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "noatime", "diratime", "nodiratime", "relatime", "strictatime", "sync", "async", "dirsync", "rw"];
 
 fn flag_option(name: &str) -> Option<MountOption> {
     Some(match name {
@@ -111,6 +111,7 @@ fn flag_option(name: &str) -> Option<MountOption> {
         "async" => MountOption::Async,
         "dirsync" => MountOption::DirSync,
         "rw" => MountOption::RW,
+        "diratime" | "nodiratime" | "relatime" | "strictatime" => MountOption::CUSTOM(name.to_owned()),
         _ => return None,
     })
 }
@@ -403,6 +404,8 @@ fn mount_directly(mountpoint: &Path, config: &Config) -> Result<Option<OwnedFd>,
             MountOption::NoAtime => flags |= libc::MS_NOATIME,
             MountOption::Sync => flags |= libc::MS_SYNCHRONOUS,
             MountOption::DirSync => flags |= libc::MS_DIRSYNC,
+            MountOption::CUSTOM(o) if o == "nodiratime" => flags |= libc::MS_NODIRATIME,
+            MountOption::CUSTOM(o) if o == "strictatime" => flags |= libc::MS_STRICTATIME,
             _ => {}
         }
     }
@@ -444,6 +447,7 @@ fn fusermount(mountpoint: &Path, config: &Config) -> Result<OwnedFd, MountError>
             MountOption::Sync => "sync".into(),
             MountOption::Async => "async".into(),
             MountOption::DirSync => "dirsync".into(),
+            MountOption::CUSTOM(o) => o.clone(),
             other => format!("{other:?}").to_lowercase(),
         };
         opts.push(s);

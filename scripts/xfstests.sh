@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# xfstests (fstests) on one plyfs stack, through the mount helper, as the suite mounts any FUSE
+# file system: FSTYP=fuse, FUSE_SUBTYP=.plyfs, TEST_DEV and SCRATCH_DEV given as source:DIR.
+#
+#   scripts/xfstests.sh STACK [CHECK ARGUMENTS...]      (default: -g quick)
+#   scripts/xfstests.sh zstd,crypt -g all            (every generic test)
+#   scripts/xfstests.sh union generic/035 generic/236
+#
+# STACK: null, zstd, crypt, zstd,crypt, gzip, union (a read-write upper over a read-only branch),
+# mirror (two branches), or any other --stack spec that needs no extra setup.
+#
+# XFSTESTS_DIR names a built xfstests (https://github.com/kdave/xfstests, `make` as its README
+# says); plyfs ships none of it. The run is judged against tests/xfstests/STACK.known (a stack's
+# commas become +): every test that fails there must be listed with its reason, and the script
+# exits 1 on any other failure. Needs root (the suite's own requirement). Results, with each
+# failed test's output and diff: $XFSTESTS_WORK/results (default /var/tmp/plyfs-xfstests/STACK).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+die() { echo "xfstests.sh: $*" >&2; exit 1; }
+[ $# -ge 1 ] || die "usage: scripts/xfstests.sh STACK [CHECK ARGUMENTS...]"
+STACK=$1; shift
+[ $# -gt 0 ] || set -- -g quick
+[ "$(id -u)" = 0 ] || die "xfstests needs root"
+XFSTESTS_DIR=${XFSTESTS_DIR:-/var/lib/xfstests}
+[ -x "$XFSTESTS_DIR/check" ] && [ -x "$XFSTESTS_DIR/ltp/fsstress" ] ||
+  die "no built xfstests at $XFSTESTS_DIR (set XFSTESTS_DIR; build kdave/xfstests with make, as its README says)"
+NAME=${STACK//,/+}
+KNOWN=$ROOT/tests/xfstests/$NAME.known
+[ -f "$KNOWN" ] || die "no known-failures file $KNOWN for stack $STACK (create it, even empty)"
+PLYFS=${PLYFS_BIN:-$ROOT/target/release/plyfs}
+[ -x "$PLYFS" ] || die "no plyfs at $PLYFS (cargo build --release)"
+
+WORK=${XFSTESTS_WORK:-/var/tmp/plyfs-xfstests/$NAME}
+TEST_LOWER=$WORK/test SCRATCH_LOWER=$WORK/scratch TEST_MNT=$WORK/test-mnt SCRATCH_MNT=$WORK/scratch-mnt
+
+unmount_all() {
+  local m
+  for m in "$TEST_MNT" "$SCRATCH_MNT"; do
+    if mountpoint -q "$m" 2>/dev/null; then umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; fi
+  done
+}
+unmount_all
+rm -rf "$WORK"
+mkdir -p "$TEST_LOWER" "$SCRATCH_LOWER" "$TEST_MNT" "$SCRATCH_MNT" "$WORK/bin" "$WORK/results"
+
+# The mount helper is plyfs itself: mount(8) runs /sbin/mount.fuse.plyfs for -t fuse.plyfs. The
+# one under test takes its place for the run; what was there before comes back after.
+HELPER=/sbin/mount.fuse.plyfs
+SAVED_HELPER=
+if [ -e "$HELPER" ] || [ -L "$HELPER" ]; then
+  SAVED_HELPER=$WORK/mount.fuse.plyfs.saved
+  mv "$HELPER" "$SAVED_HELPER"
+fi
+ln -s "$PLYFS" "$HELPER"
+restore() {
+  local status=$?
+  unmount_all
+  rm -f "$HELPER"
+  [ -z "$SAVED_HELPER" ] || mv "$SAVED_HELPER" "$HELPER"
+  exit $status
+}
+trap restore EXIT
+trap 'exit 130' INT TERM
+
+# The users the suite runs tests as.
+for u in fsgqa fsgqa2 123456-fsgqa; do
+  id "$u" >/dev/null 2>&1 || useradd -m "$u"
+done
+
+# What each stack needs besides stack=.
+OPTIONS="stack=$STACK"
+TEST_EXTRA= SCRATCH_EXTRA=
+case ,$STACK, in
+  *,crypt,*|*,crypt:*)
+    printf 'xfstests-%s\n' "$NAME" > "$WORK/passfile"
+    chmod 600 "$WORK/passfile"
+    for d in "$TEST_LOWER" "$SCRATCH_LOWER"; do
+      "$PLYFS" init "$d" --layer crypt --kdf-memory 1024 --passfile "$WORK/passfile" >/dev/null
+    done
+    OPTIONS+=",passfile=$WORK/passfile" ;;
+esac
+case $STACK in
+  union)
+    # A read-only lower branch with a few files of its own, as union is used.
+    for d in test scratch; do
+      mkdir -p "$WORK/$d-ro/base/sub"
+      echo "from the read-only branch" > "$WORK/$d-ro/base/readme"
+      seq 1 10000 > "$WORK/$d-ro/base/sub/numbers"
+    done
+    TEST_EXTRA=",branch=$WORK/test-ro=ro" SCRATCH_EXTRA=",branch=$WORK/scratch-ro=ro" ;;
+  mirror)
+    mkdir -p "$WORK/test-b" "$WORK/scratch-b"
+    TEST_EXTRA=",branch=$WORK/test-b" SCRATCH_EXTRA=",branch=$WORK/scratch-b" ;;
+esac
+
+# xfstests asks df for the mounted type and compares it with FSTYP ("fuse"); the kernel shows
+# fuse.plyfs (as it shows fuse.glusterfs, which the suite itself maps to glusterfs).
+cat > "$WORK/bin/df" <<'EOF'
+#!/bin/sh
+/usr/bin/df "$@" | sed 's/ fuse\.plyfs / fuse       /'
+EOF
+chmod +x "$WORK/bin/df"
+
+cat > "$WORK/config" <<EOF
+export FSTYP=fuse
+export FUSE_SUBTYP=.plyfs
+export TEST_DEV=source:$TEST_LOWER
+export TEST_DIR=$TEST_MNT
+export SCRATCH_DEV=source:$SCRATCH_LOWER
+export SCRATCH_MNT=$SCRATCH_MNT
+export TEST_FS_MOUNT_OPTS="-o $OPTIONS$TEST_EXTRA,allow_other"
+export MOUNT_OPTIONS="-o $OPTIONS$SCRATCH_EXTRA,allow_other"
+export RESULT_BASE=$WORK/results
+EOF
+
+python3 "$ROOT/tests/xfstests/judge.py" --excludes "$KNOWN" > "$WORK/excluded"
+
+echo "== xfstests on $STACK: $* (plyfs $("$PLYFS" --version | cut -d' ' -f2-), xfstests $(. "$XFSTESTS_DIR/VERSION"; echo "$PACKAGE_MAJOR.$PACKAGE_MINOR.$PACKAGE_REVISION"))" >&2
+status=0
+(cd "$XFSTESTS_DIR" && PATH=$WORK/bin:$PATH HOST_OPTIONS=$WORK/config ./check -E "$WORK/excluded" "$@") 2>&1 | tee "$WORK/check.out" || status=$?
+
+# Judge the run against the known failures.
+python3 "$ROOT/tests/xfstests/judge.py" "$KNOWN" "$WORK/check.out" "$STACK" || status=1
+exit $status
