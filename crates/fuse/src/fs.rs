@@ -242,6 +242,8 @@ pub struct FuseFs {
     posix_acl: AtomicBool,
     /// The user the daemon runs as: the mount's owner (for `-o fanin=owner`).
     owner: u32,
+    /// Tells the kernel to drop what it caches, once the session is up.
+    kernel: std::sync::OnceLock<fuser::Notifier>,
 }
 
 fn errno(e: &Error) -> i32 {
@@ -310,8 +312,25 @@ impl FuseFs {
             started: SystemTime::now(),
             posix_acl: AtomicBool::new(false),
             owner: unsafe { libc::geteuid() },
+            kernel: std::sync::OnceLock::new(),
         };
         (fs, status)
+    }
+
+    pub(crate) fn set_notifier(&self, notifier: fuser::Notifier) {
+        let _ = self.kernel.set(notifier);
+    }
+
+    /// Make the kernel ask for `ino`'s attributes again, for a change it did not see: a write
+    /// through a shared mapping of a passthrough file changes the lower file's times without a
+    /// request, and so does an ioctl that sets file flags. Sent before the reply, so that the
+    /// caller's next `stat` sees the change (a kernel file system's times change at once).
+    fn drop_cached_attributes(&self, ino: u64) {
+        if let Some(n) = self.kernel.get() {
+            // Offset -1: the attributes only, not the page cache. ENOENT: the kernel has
+            // forgotten the inode; nothing to drop.
+            let _ = n.inval_inode(fuser::INodeNo(ino), -1, 0);
+        }
     }
 
     fn encode(view: usize, node: NodeId) -> u64 {
@@ -436,10 +455,17 @@ impl FuseFs {
         if opened.flush_on_close { 0 } else { fopen::NOFLUSH }
     }
 
-    /// The answer to an open: passthrough where it applies, the page cache otherwise.
-    fn open_out(&self, ino: u64, view: usize, opened: &Opened) -> OpenOut {
+    /// The answer to an open: passthrough where it applies, the page cache otherwise. A
+    /// writable passthrough open keeps its `flush` at close: writes through a shared mapping
+    /// reach the lower file without a request, and the flush is where the kernel learns that the
+    /// file's times changed (see [`FuseFs::drop_cached_attributes`]).
+    fn open_out(&self, ino: u64, view: usize, opened: &Opened, flags: i32) -> OpenOut {
         match self.backing_for(ino, opened) {
-            Some(b) => OpenOut { fh: opened.fh.0, flags: Self::flush_flags(opened) | fopen::PASSTHROUGH, backing: Some(b) },
+            Some(b) => {
+                let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
+                let flush = if writable { 0 } else { Self::flush_flags(opened) };
+                OpenOut { fh: opened.fh.0, flags: flush | fopen::PASSTHROUGH, backing: Some(b) }
+            }
             None => OpenOut { fh: opened.fh.0, flags: self.cache_flags(view, opened), backing: None },
         }
     }
@@ -740,7 +766,7 @@ impl FuseFs {
         let (level, view, node) = self.decode(ino)?;
         let opened = level.open(cx, node, flags).map_err(|e| errno(&e))?;
         self.status.opened(1);
-        Ok(self.open_out(ino, view, &opened))
+        Ok(self.open_out(ino, view, &opened, flags))
     }
 
     pub(crate) fn create(&self, cx: &Caller, parent: u64, name: &OsStr, mode: u32, umask: u32, flags: i32) -> Res<(NodeOut, OpenOut)> {
@@ -752,7 +778,7 @@ impl FuseFs {
         let (entry, opened) = level.create(cx, parent, name, mode, flags).map_err(|e| errno(&e))?;
         self.status.opened(1);
         let node = Self::node_out(view, entry);
-        let open = self.open_out(node.ino, view, &opened);
+        let open = self.open_out(node.ino, view, &opened, flags);
         Ok((node, open))
     }
 
@@ -770,7 +796,11 @@ impl FuseFs {
     }
 
     pub(crate) fn flush(&self, cx: &Caller, ino: u64, fh: u64) -> Res<()> {
-        self.empty_op(cx, ino, |node| Op::Flush { node, fh: FileHandle(fh) })
+        let result = self.empty_op(cx, ino, |node| Op::Flush { node, fh: FileHandle(fh) });
+        if self.backing.lock().by_open.contains_key(&(ino, fh)) {
+            self.drop_cached_attributes(ino);
+        }
+        result
     }
 
     pub(crate) fn release(&self, cx: &Caller, ino: u64, fh: u64) -> Res<()> {
@@ -954,10 +984,14 @@ impl FuseFs {
             return Err(libc::ENOTTY);
         }
         let (level, _, node) = self.decode(ino)?;
-        expect(level.call(cx, &Op::Ioctl { node, fh: FileHandle(fh), cmd, data, out_size }), |r| match r {
+        let out = expect(level.call(cx, &Op::Ioctl { node, fh: FileHandle(fh), cmd, data, out_size }), |r| match r {
             Reply::Data(d) => Some(d),
             _ => None,
-        })
+        });
+        if out.is_ok() && plyfs_stack::ioctl::sets(cmd) {
+            self.drop_cached_attributes(ino);
+        }
+        out
     }
 
     pub(crate) fn lseek(&self, cx: &Caller, ino: u64, fh: u64, offset: i64, whence: i32) -> Res<u64> {

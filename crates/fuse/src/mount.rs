@@ -204,6 +204,7 @@ impl Mounted {
             MountError(format!("mount {}: FUSE handshake failed: {e}", mountpoint.display()))
         })?;
         top.set_invalidator(Arc::new(KernelCache(session.notifier())));
+        fs.set_notifier(session.notifier());
         let mut rings = None;
         if want_uring && !uring_agreed.load(std::sync::atomic::Ordering::Relaxed) {
             uring_refused = Some("the kernel did not offer it at INIT".into());
