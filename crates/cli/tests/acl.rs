@@ -106,3 +106,38 @@ fn acls_are_enforced_through_zstd() {
 fn acls_are_enforced_through_crypt() {
     acls_through(&Mount::crypt("crypt", &[], &["allow_other"]));
 }
+
+/// Setting an access ACL keeps the set-group-ID bit for a caller in the file's group and clears
+/// it for one outside it, as chmod does (xfstests generic/375), on files and directories.
+fn acl_setgid_rule(m: &Mount) {
+    assert!(is_root(), "ACL tests switch to another user: run as root");
+    for p in [m.dir.path(), &m.mnt, &m.lower] {
+        fs::set_permissions(p, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    fs::write(m.path("sgid-file"), b"").unwrap();
+    fs::create_dir(m.path("sgid-dir")).unwrap();
+    for name in ["sgid-file", "sgid-dir"] {
+        let p = m.path(name);
+        let shown = p.to_str().unwrap();
+        // nobody owns it, in nobody's group: the bit stays.
+        std::os::unix::fs::chown(&p, Some(65534), Some(65534)).unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o2755)).unwrap();
+        let (ok, err) = as_nobody(&["setfacl", "-m", "u::rwx,g::rwx,o::rwx", shown]);
+        assert!(ok, "setfacl as the owner: {err}");
+        assert_eq!(mode(&p), 0o2777, "{name}: the caller is in the file's group");
+        // The file's group is one nobody is not in: the bit goes.
+        std::os::unix::fs::chown(&p, None, Some(100)).unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o2755)).unwrap();
+        let (ok, err) = as_nobody(&["setfacl", "-m", "u::rwx,g::rwx,o::rwx", shown]);
+        assert!(ok, "setfacl as the owner: {err}");
+        assert_eq!(mode(&p), 0o777, "{name}: the caller is not in the file's group");
+        assert_eq!(fs::metadata(m.lower_path(name)).unwrap().permissions().mode() & 0o7777, 0o777, "{name} below");
+    }
+}
+
+#[test]
+fn setting_an_acl_clears_setgid_as_chmod_does() {
+    acl_setgid_rule(&Mount::with("null", &["allow_other"]));
+    acl_setgid_rule(&Mount::with("zstd", &["allow_other"]));
+}

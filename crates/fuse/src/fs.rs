@@ -913,7 +913,33 @@ impl FuseFs {
         if ino == LEVELS_DIR_INO {
             return Err(libc::EPERM);
         }
-        self.empty_op(cx, ino, |node| Op::SetXattr { node, name, value, flags })
+        self.empty_op(cx, ino, |node| Op::SetXattr { node, name, value, flags })?;
+        if self.posix_acl.load(Ordering::Relaxed) && name == "system.posix_acl_access" {
+            let (level, _, node) = self.decode(ino)?;
+            if self.acl_drops_setgid(&level, cx, node).map_err(|e| errno(&e))? {
+                self.drop_cached_attributes(ino);
+            }
+        }
+        Ok(())
+    }
+
+    /// Setting an access ACL sets the group bits of the mode, and a kernel file system then
+    /// clears the set-group-ID bit when the caller is not in the file's group (and not root), as
+    /// chmod does. The kernel asks that of a FUSE daemon with FUSE_SETXATTR_ACL_KILL_SGID, which
+    /// fuser cannot negotiate, and the lower file system cannot know it: it sees the daemon set
+    /// the ACL. So the front end does it (xfstests generic/375).
+    fn acl_drops_setgid(&self, level: &Level, cx: &Caller, node: NodeId) -> plyfs_stack::Result<bool> {
+        let attr = match level.call(cx, &Op::GetAttr { node, fh: None })? {
+            Reply::Attr(a) => a,
+            _ => return Err(Error::Os(libc::EIO)),
+        };
+        let mode = u32::from(attr.perm);
+        if mode & libc::S_ISGID != 0 && !plyfs_stack::setid::in_group(cx, attr.gid) {
+            let set = SetAttr { mode: Some(mode & !libc::S_ISGID), ..SetAttr::default() };
+            level.call(&Caller::daemon(), &Op::SetAttr { node, fh: None, set })?;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     pub(crate) fn getxattr(&self, cx: &Caller, ino: u64, name: &OsStr, size: u32) -> Res<XattrReply> {
