@@ -7,7 +7,8 @@
 #   scripts/xfstests.sh union generic/035 generic/236
 #
 # STACK: null, zstd, crypt, zstd,crypt, gzip, union (a read-write upper over a read-only branch),
-# mirror (two branches), or any other --stack spec that needs no extra setup.
+# mirror (two branches), exofs (null over an exodisk volume, its service started here), or any
+# other --stack spec that needs no extra setup.
 #
 # XFSTESTS_DIR names a built xfstests (https://github.com/kdave/xfstests, `make` as its README
 # says); plyfs ships none of it. The run is judged against tests/xfstests/STACK.known (a stack's
@@ -47,18 +48,26 @@ mkdir -p "$TEST_LOWER" "$SCRATCH_LOWER" "$TEST_MNT" "$SCRATCH_MNT" "$WORK/bin" "
 
 # The mount helper is plyfs itself: mount(8) runs /sbin/mount.fuse.plyfs for -t fuse.plyfs. The
 # one under test takes its place for the run; what was there before comes back after.
+# (A helper that is already this plyfs stays as it is: runs on several stacks at once share it.)
 HELPER=/sbin/mount.fuse.plyfs
-SAVED_HELPER=
-if [ -e "$HELPER" ] || [ -L "$HELPER" ]; then
-  SAVED_HELPER=$WORK/mount.fuse.plyfs.saved
-  mv "$HELPER" "$SAVED_HELPER"
+SAVED_HELPER= OWN_HELPER=0
+if [ "$(readlink -f "$HELPER" 2>/dev/null)" != "$(readlink -f "$PLYFS")" ]; then
+  if [ -e "$HELPER" ] || [ -L "$HELPER" ]; then
+    SAVED_HELPER=$WORK/mount.fuse.plyfs.saved
+    mv "$HELPER" "$SAVED_HELPER"
+  fi
+  ln -s "$PLYFS" "$HELPER"
+  OWN_HELPER=1
 fi
-ln -s "$PLYFS" "$HELPER"
+SERVICES=()
 restore() {
   local status=$?
   unmount_all
-  rm -f "$HELPER"
-  [ -z "$SAVED_HELPER" ] || mv "$SAVED_HELPER" "$HELPER"
+  [ ${#SERVICES[@]} = 0 ] || kill "${SERVICES[@]}" 2>/dev/null || true
+  if [ "$OWN_HELPER" = 1 ]; then
+    rm -f "$HELPER"
+    [ -z "$SAVED_HELPER" ] || mv "$SAVED_HELPER" "$HELPER"
+  fi
   exit $status
 }
 trap restore EXIT
@@ -69,8 +78,26 @@ for u in fsgqa fsgqa2 123456-fsgqa; do
   id "$u" >/dev/null 2>&1 || useradd -m "$u"
 done
 
-# What each stack needs besides stack=.
-OPTIONS="stack=$STACK"
+# exofs: a volume and its exodisk service for each of the two file systems, and the stack over it.
+TEST_SOURCE=$TEST_LOWER SCRATCH_SOURCE=$SCRATCH_LOWER
+if [ "$STACK" = exofs ]; then
+  for d in test scratch; do
+    "$PLYFS" exodisk format "$WORK/$d.img" --size "${XFSTESTS_EXOFS_SIZE:-4G}" >/dev/null
+    "$PLYFS" exodisk serve "$WORK/$d.img" --socket "$WORK/$d.sock" --log "$WORK/$d.serve.log" >>"$WORK/$d.serve.log" 2>&1 &
+    SERVICES+=($!)
+  done
+  for d in test scratch; do
+    for _ in $(seq 100); do [ -S "$WORK/$d.sock" ] && break; sleep 0.1; done
+    [ -S "$WORK/$d.sock" ] || die "the exodisk service of $d did not start (see $WORK/$d.serve.log)"
+  done
+  TEST_SOURCE=exodisk:$WORK/test.sock SCRATCH_SOURCE=exodisk:$WORK/scratch.sock
+fi
+SPEC=$STACK
+[ "$STACK" != exofs ] || SPEC=null
+
+# What each stack needs besides stack=. dev and suid: root's mounts of kernel file systems allow
+# device files and set-id programs, and the suite tests both (FUSE mounts default to nodev,nosuid).
+OPTIONS="stack=$SPEC,dev,suid"
 TEST_EXTRA= SCRATCH_EXTRA=
 case ,$STACK, in
   *,crypt,*|*,crypt:*)
@@ -106,9 +133,9 @@ chmod +x "$WORK/bin/df"
 cat > "$WORK/config" <<EOF
 export FSTYP=fuse
 export FUSE_SUBTYP=.plyfs
-export TEST_DEV=source:$TEST_LOWER
+export TEST_DEV=source:$TEST_SOURCE
 export TEST_DIR=$TEST_MNT
-export SCRATCH_DEV=source:$SCRATCH_LOWER
+export SCRATCH_DEV=source:$SCRATCH_SOURCE
 export SCRATCH_MNT=$SCRATCH_MNT
 export TEST_FS_MOUNT_OPTS="-o $OPTIONS$TEST_EXTRA,allow_other"
 export MOUNT_OPTIONS="-o $OPTIONS$SCRATCH_EXTRA,allow_other"
