@@ -438,3 +438,28 @@ fn unmount_keeping_dir(mut m: Mount) -> tempfile::TempDir {
     m.unmount();
     std::mem::replace(&mut m.dir, tempfile::tempdir().unwrap())
 }
+
+/// `renameat2(RENAME_WHITEOUT)` leaves a whiteout (a character device 0/0) under the old name. Under
+/// a long name the whiteout keeps its companion: it stays listed and can be removed, and the
+/// directory can then be removed (xfstests generic/013's fsstress found it left an entry that
+/// nothing listed and that kept its directory from being removed).
+#[test]
+fn a_whiteout_rename_keeps_the_old_long_name_listed() {
+    assert!(is_root(), "RENAME_WHITEOUT needs CAP_MKNOD: run as root");
+    let m = Mount::crypt("crypt", &[], &[]);
+    fs::create_dir(m.path("d")).unwrap();
+    for (i, len) in [(0, 40), (1, 200), (2, 255)] {
+        let (old, new) = (long_name(len, i), long_name(len, i + 10));
+        fs::write(m.path(&format!("d/{old}")), b"moved").unwrap();
+        let (from, to) = (cpath(&m.path(&format!("d/{old}"))), cpath(&m.path(&format!("d/{new}"))));
+        let rc = unsafe { libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_WHITEOUT) };
+        assert_eq!(rc, 0, "renameat2(RENAME_WHITEOUT) of a {len}-byte name: errno {}", errno());
+        assert_eq!(listing(&m.path("d")), BTreeSet::from([old.clone(), new.clone()]), "{len}-byte names");
+        let whiteout = fs::symlink_metadata(m.path(&format!("d/{old}"))).unwrap();
+        assert!(std::os::unix::fs::FileTypeExt::is_char_device(&whiteout.file_type()) && whiteout.rdev() == 0, "{len}: a whiteout");
+        assert_eq!(fs::read(m.path(&format!("d/{new}"))).unwrap(), b"moved");
+        fs::remove_file(m.path(&format!("d/{old}"))).unwrap();
+        fs::remove_file(m.path(&format!("d/{new}"))).unwrap();
+    }
+    fs::remove_dir(m.path("d")).expect("the directory is empty once both names are gone");
+}

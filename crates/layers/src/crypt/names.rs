@@ -1177,8 +1177,9 @@ impl Layer for CryptNames {
                 }
                 match result {
                     Ok(r) => {
-                        // After an exchange both names still exist; otherwise the old one is gone.
-                        if !exchanged && !same {
+                        // After an exchange both names still exist, and after a whiteout rename
+                        // the old name holds the whiteout; otherwise the old one is gone.
+                        if !exchanged && !same && flags & libc::RENAME_WHITEOUT == 0 {
                             self.remove_companion(cx, parent, &from);
                         }
                         if !same {
