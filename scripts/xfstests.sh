@@ -47,26 +47,25 @@ rm -rf "$WORK"
 mkdir -p "$TEST_LOWER" "$SCRATCH_LOWER" "$TEST_MNT" "$SCRATCH_MNT" "$WORK/bin" "$WORK/results"
 
 # The mount helper is plyfs itself: mount(8) runs /sbin/mount.fuse.plyfs for -t fuse.plyfs. The
-# one under test takes its place for the run; what was there before comes back after.
-# (A helper that is already this plyfs stays as it is: runs on several stacks at once share it.)
+# one under test takes its place while any run uses it (runs on several stacks at once share it,
+# each holding a shared lock); the last run to end puts back what was there before.
 HELPER=/sbin/mount.fuse.plyfs
-SAVED_HELPER= OWN_HELPER=0
+SAVED_HELPER=/var/tmp/plyfs-xfstests/mount.fuse.plyfs.saved
+mkdir -p /var/tmp/plyfs-xfstests
+exec 9>/var/tmp/plyfs-xfstests/helper.lock
+flock -s 9
 if [ "$(readlink -f "$HELPER" 2>/dev/null)" != "$(readlink -f "$PLYFS")" ]; then
-  if [ -e "$HELPER" ] || [ -L "$HELPER" ]; then
-    SAVED_HELPER=$WORK/mount.fuse.plyfs.saved
-    mv "$HELPER" "$SAVED_HELPER"
-  fi
+  if [ -e "$HELPER" ] || [ -L "$HELPER" ]; then mv "$HELPER" "$SAVED_HELPER"; fi
   ln -s "$PLYFS" "$HELPER"
-  OWN_HELPER=1
 fi
 SERVICES=()
 restore() {
   local status=$?
   unmount_all
   [ ${#SERVICES[@]} = 0 ] || kill "${SERVICES[@]}" 2>/dev/null || true
-  if [ "$OWN_HELPER" = 1 ]; then
+  if flock -xn 9; then
     rm -f "$HELPER"
-    [ -z "$SAVED_HELPER" ] || mv "$SAVED_HELPER" "$HELPER"
+    if [ -e "$SAVED_HELPER" ] || [ -L "$SAVED_HELPER" ]; then mv "$SAVED_HELPER" "$HELPER"; fi
   fi
   exit $status
 }
@@ -95,9 +94,8 @@ fi
 SPEC=$STACK
 [ "$STACK" != exofs ] || SPEC=null
 
-# What each stack needs besides stack=. dev and suid: root's mounts of kernel file systems allow
-# device files and set-id programs, and the suite tests both (FUSE mounts default to nodev,nosuid).
-OPTIONS="stack=$SPEC,dev,suid"
+# What each stack needs besides stack=.
+OPTIONS="stack=$SPEC"
 TEST_EXTRA= SCRATCH_EXTRA=
 case ,$STACK, in
   *,crypt,*|*,crypt:*)

@@ -59,9 +59,11 @@ def main():
         return 1
     unexpected = [t for t in failed if t not in known]
     now_pass = [t for t in ran if t in known and t not in failed and t not in not_run and not known[t].startswith("skip:")]
-    passed = len(ran) - len(not_run) - len(failed)
-    print(f"xfstests on {stack}: {len(ran)} run, {passed} passed, {len(failed)} failed "
-          f"({len(failed) - len(unexpected)} known), {len(not_run)} not run, {len(skipped)} skipped by the known-failures file",
+    # check's `Ran:` lists every test it tried, those that said `[not run]` included.
+    run = len(ran) - len(not_run)
+    passed = run - len(failed)
+    print(f"xfstests on {stack}: {len(ran)} tried, {run} run, {passed} passed, {len(failed)} failed "
+          f"({len(failed) - len(unexpected)} known), {len(not_run)} not run, {len(skipped)} left out by the known-failures file",
           file=sys.stderr)
     for t in now_pass:
         print(f"  {t} passed but is listed as failing ({known[t]}): take it out of {os.path.basename(known_path)}", file=sys.stderr)
