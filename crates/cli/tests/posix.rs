@@ -62,10 +62,15 @@ fn mmap_read_write(m: &Mount) {
     let data = fs::read(&p).unwrap();
     assert_eq!(&data[5000..5005], b"hello");
     // A write through a shared mapping changes the file's times, as the next stat shows (also
-    // through passthrough, where the write never reaches the daemon): xfstests generic/080.
+    // through passthrough, where the write never reaches the daemon): xfstests generic/080, whose
+    // steps these are. Written and synced, then past the attribute timeout (1 s), so that the open
+    // fetches attributes afresh and the kernel would keep those for the stat after the write.
+    let p = m.path("mapped-times");
+    let mut f = File::create(&p).unwrap();
+    f.write_all(&[b'a'; 4096]).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
     let before = fs::metadata(&p).unwrap();
-    // Past the attribute timeout (1 s), as in generic/080: the open then fetches attributes
-    // afresh, and the kernel keeps those for the stat after the write unless told otherwise.
     std::thread::sleep(std::time::Duration::from_millis(1100));
     let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
     unsafe {
