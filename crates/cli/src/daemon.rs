@@ -231,7 +231,15 @@ pub(crate) fn init_logging(verbose: u8) {
     // fuser::reply only reports replies to requests the caller had already interrupted.
     let filter = tracing_subscriber::EnvFilter::try_from_env("PLYFS_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},fuser=warn,fuser::reply=off")));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    // A log that cannot be written (its file system full) loses lines; it must not stop the
+    // daemon, as tracing's own complaint on standard error (the same full file) would by
+    // panicking (xfstests, with a disk filled by another test, found it).
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .log_internal_errors(false)
+        .try_init();
 }
 
 /// Block the termination signals in this thread before any other thread starts, so they all

@@ -6,10 +6,10 @@ mod common;
 use std::fs;
 use std::io::{Read, Write};
 use std::path::Path;
-use std::process::Stdio;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{is_root, mounted_fstype, op_json, plyfs, run, Mount};
+use common::{is_root, mounted_fstype, op_json, plyfs, run, scratch_dirs, Mount};
 
 fn stderr_of(out: &std::process::Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
@@ -565,4 +565,33 @@ fn the_version_names_the_commit() {
         let head = String::from_utf8_lossy(&head.stdout).trim().to_owned();
         assert!(shown.contains(&head), "{shown} does not name {head}");
     }
+}
+
+/// A full log file system does not stop a mount: its lines are lost, the daemon serves (xfstests
+/// found the daemon panicking at start when another test had filled the disk).
+#[test]
+fn a_mount_whose_log_cannot_be_written_still_serves() {
+    assert!(is_root(), "this test mounts a small tmpfs: run as root");
+    let (_dir, root, [lower, mnt, full]) = scratch_dirs(["lower", "mnt", "full"]);
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).stderr(Stdio::null()).status();
+        }
+    }
+    assert!(Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"]).arg(&full).status().unwrap().success());
+    let _full = Unmount(full.clone());
+    // Fill it: writes stop at ENOSPC.
+    let mut f = fs::File::create(full.join("fill")).unwrap();
+    while std::io::Write::write_all(&mut f, &[0u8; 65536]).is_ok() {}
+    drop(f);
+    let log = full.join("plyfs.log");
+    let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).args(["--stack", "null", "--log"]).arg(&log));
+    assert!(out.status.success(), "mount with a full log: {}", stderr_of(&out));
+    let _mounted = Unmount(mnt.clone());
+    fs::write(mnt.join("f"), b"served").unwrap();
+    assert_eq!(fs::read(lower.join("f")).unwrap(), b"served");
+    let out = run(plyfs().arg("umount").arg(&mnt));
+    assert!(out.status.success(), "umount: {}", stderr_of(&out));
+    let _ = root;
 }
