@@ -33,18 +33,27 @@ KNOWN=$ROOT/tests/xfstests/$NAME.known
 PLYFS=${PLYFS_BIN:-$ROOT/target/release/plyfs}
 [ -x "$PLYFS" ] || die "no plyfs at $PLYFS (cargo build --release)"
 
-WORK=${XFSTESTS_WORK:-/var/tmp/plyfs-xfstests/$NAME}
-TEST_LOWER=$WORK/test SCRATCH_LOWER=$WORK/scratch TEST_MNT=$WORK/test-mnt SCRATCH_MNT=$WORK/scratch-mnt
+# (No + in the path: the tests put TEST_DIR into sed patterns.)
+WORK=${XFSTESTS_WORK:-/var/tmp/plyfs-xfstests/${STACK//,/-}}
+# The lower directories live on an ext4 image of their own (sparse, XFSTESTS_DISK big), so that the
+# tests that fill the file system fill that, not the machine's disk, and runs on several stacks at
+# once do not fill each other's.
+DISK=$WORK/disk
+TEST_LOWER=$DISK/test SCRATCH_LOWER=$DISK/scratch TEST_MNT=$WORK/test-mnt SCRATCH_MNT=$WORK/scratch-mnt
 
 unmount_all() {
   local m
-  for m in "$TEST_MNT" "$SCRATCH_MNT"; do
+  for m in "$TEST_MNT" "$SCRATCH_MNT" "$DISK"; do
     if mountpoint -q "$m" 2>/dev/null; then umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; fi
   done
 }
 unmount_all
 rm -rf "$WORK"
-mkdir -p "$TEST_LOWER" "$SCRATCH_LOWER" "$TEST_MNT" "$SCRATCH_MNT" "$WORK/bin" "$WORK/results"
+mkdir -p "$DISK" "$TEST_MNT" "$SCRATCH_MNT" "$WORK/bin" "$WORK/results"
+truncate -s "${XFSTESTS_DISK:-16G}" "$WORK/disk.img"
+mkfs.ext4 -q -F "$WORK/disk.img"
+mount -o loop "$WORK/disk.img" "$DISK"
+mkdir -p "$TEST_LOWER" "$SCRATCH_LOWER"
 
 # The mount helper is plyfs itself: mount(8) runs /sbin/mount.fuse.plyfs for -t fuse.plyfs. The
 # one under test takes its place while any run uses it (runs on several stacks at once share it,
@@ -81,8 +90,8 @@ done
 TEST_SOURCE=$TEST_LOWER SCRATCH_SOURCE=$SCRATCH_LOWER
 if [ "$STACK" = exofs ]; then
   for d in test scratch; do
-    "$PLYFS" exodisk format "$WORK/$d.img" --size "${XFSTESTS_EXOFS_SIZE:-4G}" >/dev/null
-    "$PLYFS" exodisk serve "$WORK/$d.img" --socket "$WORK/$d.sock" --log "$WORK/$d.serve.log" >>"$WORK/$d.serve.log" 2>&1 &
+    "$PLYFS" exodisk format "$DISK/$d.img" --size "${XFSTESTS_EXOFS_SIZE:-4G}" >/dev/null
+    "$PLYFS" exodisk serve "$DISK/$d.img" --socket "$WORK/$d.sock" --log "$WORK/$d.serve.log" >>"$WORK/$d.serve.log" 2>&1 &
     SERVICES+=($!)
   done
   for d in test scratch; do
@@ -110,14 +119,14 @@ case $STACK in
   union)
     # A read-only lower branch with a few files of its own, as union is used.
     for d in test scratch; do
-      mkdir -p "$WORK/$d-ro/base/sub"
-      echo "from the read-only branch" > "$WORK/$d-ro/base/readme"
-      seq 1 10000 > "$WORK/$d-ro/base/sub/numbers"
+      mkdir -p "$DISK/$d-ro/base/sub"
+      echo "from the read-only branch" > "$DISK/$d-ro/base/readme"
+      seq 1 10000 > "$DISK/$d-ro/base/sub/numbers"
     done
-    TEST_EXTRA=",branch=$WORK/test-ro=ro" SCRATCH_EXTRA=",branch=$WORK/scratch-ro=ro" ;;
+    TEST_EXTRA=",branch=$DISK/test-ro=ro" SCRATCH_EXTRA=",branch=$DISK/scratch-ro=ro" ;;
   mirror)
-    mkdir -p "$WORK/test-b" "$WORK/scratch-b"
-    TEST_EXTRA=",branch=$WORK/test-b" SCRATCH_EXTRA=",branch=$WORK/scratch-b" ;;
+    mkdir -p "$DISK/test-b" "$DISK/scratch-b"
+    TEST_EXTRA=",branch=$DISK/test-b" SCRATCH_EXTRA=",branch=$DISK/scratch-b" ;;
 esac
 
 # xfstests asks df for the mounted type and compares it with FSTYP ("fuse"); the kernel shows
