@@ -162,7 +162,7 @@ fn extent_data(at: u64, h: &ExtentHeader) -> (u64, u64) {
 impl Core {
     /// Take over a volume whose map the start-up scan reconciled.
     pub fn new(disk: Disk, key: VolumeKey, sb: Superblock, map: FreeMap) -> Core {
-        let content = DataSeal::new(key.data_key(), disk.fd(), sb.tags_start, sb.tag_sectors);
+        let content = DataSeal::new(key.data_key(), disk.fd(), disk.write_log(), sb.tags_start, sb.tag_sectors);
         Core {
             disk,
             key,
