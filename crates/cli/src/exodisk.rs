@@ -214,7 +214,7 @@ fn serve(volume: &Path, socket: &Path, key: &Path, record: Option<PathBuf>, limi
         r.extents,
         r.exonodes,
         r.reclaimed,
-        r.orphans
+        r.orphans.len()
     );
     let stopper = service.clone();
     std::thread::Builder::new()
@@ -370,10 +370,10 @@ fn fsck(volume: &Path, key_path: &Path) -> Result<(), String> {
         report.reclaimed,
         started.elapsed().as_secs_f64()
     );
-    if !report.dangling.is_empty() || report.orphans > 0 {
+    if !report.dangling.is_empty() || !report.orphans.is_empty() {
         println!(
             "  {} orphaned exonodes and {} entries naming removed exonodes (interrupted creations and removals): the service gives them back",
-            report.orphans,
+            report.orphans.len(),
             report.dangling.len()
         );
     }

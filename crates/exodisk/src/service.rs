@@ -145,7 +145,9 @@ pub fn start_with(volume: &Path, key: &Path, socket: &Path, options: ServiceOpti
             volume.display()
         ));
     }
-    map.store(&disk, &key, &sb).and_then(|()| disk.sync()).map_err(|e| format!("{}: {e}", volume.display()))?;
+    crate::scan::erase_orphans(&disk, &report, &map)
+        .and_then(|()| map.store(&disk, &key, &sb))
+        .and_then(|()| disk.sync()).map_err(|e| format!("{}: {e}", volume.display()))?;
     let engine = Engine::start(disk.fd(), disk.write_log()).map_err(|e| format!("io_uring: {e}"))?;
     let mut core = Core::new(disk, key, sb, map);
     core.drop_dangling(&report.dangling).map_err(|e| format!("{}: dropping entries of removed exonodes: {e}", volume.display()))?;
