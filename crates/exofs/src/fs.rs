@@ -232,11 +232,17 @@ impl Fs {
             }),
         };
         let x = fs.client.map(&fs.rt(&[]), caps.read).map_err(|e| e.msg)?;
-        if x.entries.is_empty() {
-            fs.mkfs().map_err(|e| format!("making the file system: {e:?}"))?;
-        } else {
+        if !x.entries.is_empty() {
             fs.load_tables(&x.entries)?;
         }
+        if x.entries.is_empty() || fs.mkfs_was_cut_short() {
+            fs.mkfs().map_err(|e| format!("making the file system: {e:?}"))?;
+        }
+        let st = fs.state.lock();
+        if !st.paths.contains_key(&st.root) && !st.nodes.contains_key(&st.root) {
+            return Err(format!("the root directory's inode {} is not on the volume", st.root));
+        }
+        drop(st);
         Ok(fs)
     }
 
@@ -257,6 +263,15 @@ impl Fs {
         self.client.add_data(&self.rt(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
         drop(st);
         self.sync()
+    }
+
+    /// Whether the file system was never finished: [`Fs::mkfs`] writes the superblock, in R
+    /// (whose changes are durable at once), before the root's inode and table reach the disk
+    /// (at its write-back), so a crash in between leaves a superblock and no inode at all.
+    /// Making it again then loses nothing.
+    fn mkfs_was_cut_short(&self) -> bool {
+        let st = self.state.lock();
+        st.root == 0 || st.paths.is_empty()
     }
 
     fn load_tables(&self, entries: &[WEntry]) -> std::result::Result<(), String> {
