@@ -549,7 +549,7 @@ struct Totals {
 /// Run one workload (`ace`: ACE-style, else `ops` random operations with syncs) from `seed`,
 /// then replay and check its cuts.
 fn workload(seed: u64, ace: bool, ops: u64, cuts: u64, totals: &mut Totals) {
-    let work = tempfile::tempdir_in("/var/tmp").unwrap();
+    let mut work = tempfile::tempdir_in("/var/tmp").unwrap();
     let volume = format(work.path(), "16M");
     let base = work.path().join("base.img");
     std::fs::copy(&volume, &base).unwrap();
@@ -578,13 +578,19 @@ fn workload(seed: u64, ace: bool, ops: u64, cuts: u64, totals: &mut Totals) {
     let mut rng = Rng::spread(seed ^ 0x5eed);
     let chosen = choose_cuts(&mut rng, &model, if ace { start } else { 1 }, last, cuts);
     for &n in &chosen {
-        let checked = check_cut(work.path(), &base, &log, &model, n).unwrap_or_else(|e| {
-            panic!(
-                "seed {seed} ({} workload), cut at flush {n} of {last}: {e}\nthe workload:\n  {}",
-                if ace { "ACE" } else { "long" },
-                trace.join("\n  ")
-            )
-        });
+        let checked = match check_cut(work.path(), &base, &log, &model, n) {
+            Ok(checked) => checked,
+            Err(e) => {
+                // Kept for `plyfs exodisk replay`: the volume before, the log, and the cut.
+                let kept = std::mem::replace(&mut work, tempfile::tempdir().unwrap()).keep();
+                panic!(
+                    "seed {seed} ({} workload), cut at flush {n} of {last}: {e}\nthe workload:\n  {}\n(kept in {})",
+                    if ace { "ACE" } else { "long" },
+                    trace.join("\n  "),
+                    kept.display()
+                )
+            }
+        };
         totals.exact += checked.exact;
         totals.read += checked.read;
         totals.eio += checked.eio;

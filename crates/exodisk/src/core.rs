@@ -113,6 +113,10 @@ struct Cached {
     dirty: bool,
     /// For LRU replacement (a counter).
     used: u64,
+    /// Sectors it gave up while its record on the disk still names them (a `memory`-model
+    /// object written before, changed since): freed only once the record is written again or
+    /// overwritten, so that a crash never leaves a record naming free sectors.
+    stale_frees: Vec<(u64, u64)>,
 }
 
 /// A proxy (thesis §2.2.3, unbuilt there): part of an object under new capabilities, in memory
@@ -269,7 +273,7 @@ impl Core {
             Obj::Extent(h) => h.model,
             Obj::Exonode(x) => x.model,
         });
-        self.cache.insert(at, Cached { obj, persistence, on_disk: true, dirty: false, used: self.clock });
+        self.cache.insert(at, Cached { obj, persistence, on_disk: true, dirty: false, used: self.clock, stale_frees: Vec::new() });
         Ok(())
     }
 
@@ -326,6 +330,18 @@ impl Core {
         let c = self.cache.get_mut(&at).expect("cached");
         c.dirty = false;
         c.on_disk = true;
+        let freed = std::mem::take(&mut c.stale_frees);
+        self.free_now(&freed)
+    }
+
+    /// Free `ranges` (in a batch, after its flush) and write the map.
+    fn free_now(&mut self, ranges: &[(u64, u64)]) -> Result<()> {
+        for &(start, len) in ranges {
+            self.mark(start, len, false);
+        }
+        if !ranges.is_empty() {
+            self.flush_map()?;
+        }
         Ok(())
     }
 
@@ -351,8 +367,13 @@ impl Core {
         }
     }
 
-    /// Sectors `start..start + len` given up by a record already rewritten or overwritten.
-    fn release(&mut self, start: u64, len: u64, persistent: bool) -> Result<()> {
+    /// Sectors `start..start + len` given up by the object at `owner`: freed now if its record
+    /// on the disk no longer names them (rewritten, or never written), else when it is.
+    fn release(&mut self, owner: u64, start: u64, len: u64, persistent: bool) -> Result<()> {
+        if let Some(c) = self.cache.get_mut(&owner).filter(|c| c.on_disk && c.dirty) {
+            c.stale_frees.push((start, len));
+            return Ok(());
+        }
         self.mark(start, len, false);
         if persistent {
             self.flush_map()?;
@@ -473,7 +494,7 @@ impl Core {
         self.mark(at, sectors, true);
         self.clock += 1;
         let obj = Obj::Extent(ExtentHeader { sectors, caps, model: persistence.code() });
-        self.cache.insert(at, Cached { obj, persistence, on_disk: false, dirty: true, used: self.clock });
+        self.cache.insert(at, Cached { obj, persistence, on_disk: false, dirty: true, used: self.clock, stale_frees: Vec::new() });
         self.persist(at, false)
     }
 
@@ -492,8 +513,12 @@ impl Core {
     /// EXTENT_DEALLOCATE.
     pub fn extent_deallocate(&mut self, at: u64, wcap: Cap) -> Result<()> {
         let h = self.extent(at, wcap, Access::Write)?;
+        let stale_frees = std::mem::take(&mut self.cache.get_mut(&at).expect("cached").stale_frees);
         self.drop_record(at, 1)?;
-        self.release(at, h.sectors, true)
+        for (start, sectors) in stale_frees {
+            self.mark(start, sectors, false);
+        }
+        self.release(at, at, h.sectors, true)
     }
 
     /// Overwrite the record at `at` (if it was ever written) and forget it.
@@ -526,7 +551,7 @@ impl Core {
         self.persist(at, false)?;
         if by < 0 {
             let persistent = self.persistence(at) != Persistence::Memory;
-            self.release(at + new, (-by) as u64, persistent)?;
+            self.release(at, at + new, (-by) as u64, persistent)?;
         }
         Ok(new)
     }
@@ -549,7 +574,7 @@ impl Core {
         self.mark(at, sectors as u64, true);
         self.clock += 1;
         let obj = Obj::Exonode(Exonode { sectors, caps, model: persistence.code(), parent, entries: Vec::new() });
-        self.cache.insert(at, Cached { obj, persistence, on_disk: false, dirty: true, used: self.clock });
+        self.cache.insert(at, Cached { obj, persistence, on_disk: false, dirty: true, used: self.clock, stale_frees: Vec::new() });
         self.persist(at, false)
     }
 
@@ -573,7 +598,11 @@ impl Core {
             self.persist(parent, false)?;
         }
         let persistent = self.persistence(at) != Persistence::Memory;
+        let stale_frees = std::mem::take(&mut self.cache.get_mut(&at).expect("cached").stale_frees);
         self.drop_record(at, x.sectors)?;
+        for (start, sectors) in stale_frees {
+            self.mark(start, sectors, false);
+        }
         self.mark(at, x.sectors as u64, false);
         for e in &x.entries {
             if let Entry::Extent { start, sectors } = *e {
@@ -760,7 +789,7 @@ impl Core {
                 })?;
                 if let Entry::Extent { start, sectors } = e {
                     let persistent = self.persistence(at) != Persistence::Memory;
-                    self.release(start, sectors, persistent)?;
+                    self.release(at, start, sectors, persistent)?;
                 }
                 Ok(())
             }

@@ -184,15 +184,22 @@ pub fn scan(disk: &Disk, key: &VolumeKey, sb: &Superblock) -> io::Result<(Found,
     }
     // Reconcile the map with what is owned.
     let mut in_use_but_free = 0u64;
+    let mut first_free = None;
     for s in 0..sb.sectors {
         match (owned.is_allocated(s), map.is_allocated(s)) {
-            (true, false) => in_use_but_free += 1,
+            (true, false) => {
+                in_use_but_free += 1;
+                first_free.get_or_insert(s);
+            }
             (false, true) => report.reclaimed += 1,
             _ => {}
         }
     }
-    if in_use_but_free > 0 {
-        report.problems.push(format!("{in_use_but_free} sectors in use are marked free in the free map"));
+    if let Some(first) = first_free {
+        let owner = ranges.iter().find(|(a, b, _)| (*a..*b).contains(&first)).map_or("?", |r| r.2.as_str());
+        report.problems.push(format!(
+            "{in_use_but_free} sectors in use are marked free in the free map (the first, {first}, owned by {owner})"
+        ));
     }
     report.owned = owned.allocated();
     Ok((found, report, owned))
