@@ -59,6 +59,10 @@ enum Action {
         /// The flush to stop at (1 for the first; 0 for the state before any write).
         #[arg(long, value_name = "N")]
         to_flush: Option<u64>,
+        /// Also some of the writes after that flush and before the next, drawn from SEED: a
+        /// disk may take any of them, in any order, before the power goes.
+        #[arg(long, value_name = "SEED")]
+        unflushed: Option<u64>,
     },
     /// The volume behind a service: size, space, and the disk queue.
     Stat { socket: PathBuf },
@@ -158,7 +162,7 @@ pub fn run(args: ExodiskArgs) -> Result<(), String> {
                 serve(&volume, &socket, &key.path(&volume), record, &limits)
             }
         }
-        Action::Replay { log, volume, to_flush } => replay(&log, volume.as_deref(), to_flush),
+        Action::Replay { log, volume, to_flush, unflushed } => replay(&log, volume.as_deref(), to_flush, unflushed),
         Action::Bench { socket, group, files, size } => crate::exobench::run(&socket, &group, files, size as usize),
         Action::Stat { socket } => {
             quiet_pipe();
@@ -389,7 +393,7 @@ fn fsck(volume: &Path, key_path: &Path) -> Result<(), String> {
     }
 }
 
-fn replay(log: &Path, volume: Option<&Path>, to_flush: Option<u64>) -> Result<(), String> {
+fn replay(log: &Path, volume: Option<&Path>, to_flush: Option<u64>, unflushed: Option<u64>) -> Result<(), String> {
     use plyfs_exodisk::record;
     let Some(volume) = volume else {
         let l = record::Log::read(log)?;
@@ -397,7 +401,7 @@ fn replay(log: &Path, volume: Option<&Path>, to_flush: Option<u64>) -> Result<()
         println!("{}: {writes} writes and {} flushes to a volume of {} sectors", log.display(), l.flushes(), l.volume_sectors);
         return Ok(());
     };
-    let done = record::replay(log, volume, to_flush, &[])?;
+    let done = record::replay(log, volume, to_flush, unflushed)?;
     println!("{}: {} writes replayed from {}, up to flush {}", volume.display(), done.writes, log.display(), done.flushes);
     Ok(())
 }

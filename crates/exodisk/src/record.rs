@@ -173,6 +173,20 @@ impl Log {
         let start = self.before_flush(n).map_or(self.entries.len(), |b| b.len() + (n > 0) as usize);
         self.entries[start..].iter().take_while(|e| matches!(e, Entry::Write { .. })).copied().collect()
     }
+
+    /// About half of [`Log::unflushed_after`]`(n)`, drawn from `seed`: a disk may have taken
+    /// any of them, in any order, before a crash.
+    pub fn some_unflushed(&self, n: u64, seed: u64) -> Vec<Entry> {
+        // xorshift64: the same seed draws the same writes.
+        let mut x = seed | 1;
+        let mut coin = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x >> 63 == 1
+        };
+        self.unflushed_after(n).into_iter().filter(|_| coin()).collect()
+    }
 }
 
 fn parse_head(head: &[u8; ENTRY_HEAD_BYTES]) -> (u8, u64, u64, u32) {
@@ -190,14 +204,15 @@ pub struct Replayed {
 }
 
 /// Build on `volume` (a copy of the volume taken before the log was started) the state the log
-/// made durable at flush `to_flush` (all of them when `None`), then the writes of `extra` (some
-/// of those after it, e.g. from [`Log::unflushed_after`]). Everything is checked before
+/// made durable at flush `to_flush` (all of them when `None`), and with `unflushed` (a seed)
+/// some of the writes after it ([`Log::some_unflushed`]). Everything is checked before
 /// anything is written: a bad log or a volume of another size changes nothing.
-pub fn replay(log_path: &Path, volume: &Path, to_flush: Option<u64>, extra: &[Entry]) -> Result<Replayed, String> {
+pub fn replay(log_path: &Path, volume: &Path, to_flush: Option<u64>, unflushed: Option<u64>) -> Result<Replayed, String> {
     let log = Log::read(log_path)?;
     let flushes = log.flushes();
     let n = to_flush.unwrap_or(flushes);
     let entries = log.before_flush(n).ok_or_else(|| format!("{}: has {flushes} flushes, not {n}", log_path.display()))?;
+    let extra = unflushed.map(|seed| log.some_unflushed(n, seed)).unwrap_or_default();
     let disk = Disk::open(volume, true).map_err(|e| format!("{}: {e}", volume.display()))?;
     if disk.sectors != log.volume_sectors {
         return Err(format!(
@@ -210,7 +225,7 @@ pub fn replay(log_path: &Path, volume: &Path, to_flush: Option<u64>, extra: &[En
     }
     let mut file = File::open(log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
     let mut writes = 0;
-    for entry in entries.iter().chain(extra) {
+    for entry in entries.iter().chain(&extra) {
         if let Entry::Write { sector, sectors, bytes_at, .. } = *entry {
             let mut buf = Aligned::zeroed(sectors as usize * SECTOR);
             file.seek(SeekFrom::Start(bytes_at)).and_then(|_| file.read_exact(&mut buf)).map_err(|e| format!("{}: {e}", log_path.display()))?;
@@ -250,12 +265,12 @@ mod tests {
         for (n, want) in [(0u64, [0u8, 0, 0]), (1, [1, 0, 0]), (2, [2, 3, 0])] {
             let volume = dir.path().join(format!("v{n}"));
             std::fs::write(&volume, vec![0u8; 64 * SECTOR]).unwrap();
-            let done = replay(&path, &volume, Some(n), &[]).unwrap();
+            let done = replay(&path, &volume, Some(n), None).unwrap();
             assert_eq!(done.flushes, n);
             let bytes = std::fs::read(&volume).unwrap();
             assert_eq!([bytes[SECTOR], bytes[3 * SECTOR], bytes[4 * SECTOR]], want, "at flush {n}");
         }
-        assert!(replay(&path, &dir.path().join("v0"), Some(3), &[]).unwrap_err().contains("has 2 flushes"));
+        assert!(replay(&path, &dir.path().join("v0"), Some(3), None).unwrap_err().contains("has 2 flushes"));
     }
 
     #[test]
@@ -270,12 +285,12 @@ mod tests {
         let mut bad = whole.clone();
         bad[HEADER_BYTES as usize + 1] = 9; // the first entry's sequence number
         std::fs::write(&path, &bad).unwrap();
-        assert!(replay(&path, &volume, None, &[]).unwrap_err().contains("sequence number 9"));
+        assert!(replay(&path, &volume, None, None).unwrap_err().contains("sequence number 9"));
         std::fs::write(&path, b"EXOWLOG0........").unwrap();
-        assert!(replay(&path, &volume, None, &[]).unwrap_err().contains("not an exodisk write log"));
+        assert!(replay(&path, &volume, None, None).unwrap_err().contains("not an exodisk write log"));
         std::fs::write(&path, &whole).unwrap();
         std::fs::write(&volume, vec![7u8; 32 * SECTOR]).unwrap();
-        assert!(replay(&path, &volume, None, &[]).unwrap_err().contains("records a volume of 64"));
+        assert!(replay(&path, &volume, None, None).unwrap_err().contains("records a volume of 64"));
         assert_eq!(std::fs::read(&volume).unwrap(), vec![7u8; 32 * SECTOR]);
         assert!(WriteLog::create(&path, 64).is_err(), "an existing log is never appended to");
     }

@@ -250,7 +250,7 @@ fn an_extent_removed_from_a_written_memory_exonode_stays_allocated_until_it_is_r
     for n in 0..=flushes {
         let cut = dir.path().join("cut.img");
         std::fs::copy(&base, &cut).unwrap();
-        plyfs_exodisk::record::replay(&log, &cut, Some(n), &[]).unwrap();
+        plyfs_exodisk::record::replay(&log, &cut, Some(n), None).unwrap();
         let (disk, k, sb) = layout::open(&cut, &default_key_path(&img)).unwrap();
         let (_, report, _) = plyfs_exodisk::scan::scan(&disk, &k, &sb).unwrap();
         assert!(report.clean(), "cut at flush {n} of {flushes}: {report:?}");

@@ -196,6 +196,9 @@ struct State {
     /// Small files' bytes read ahead, until they change, and how many bytes that is.
     ahead: HashMap<u64, Vec<u8>>,
     ahead_bytes: usize,
+    /// Sectors were given up that the service frees at the next write-back: `map` holds them
+    /// as taken until it is read again after it.
+    map_behind: bool,
 }
 
 pub struct Fs {
@@ -229,6 +232,7 @@ impl Fs {
                 recent: Vec::new(),
                 ahead: HashMap::new(),
                 ahead_bytes: 0,
+                map_behind: false,
             }),
         };
         let x = fs.client.map(&fs.rt(&[]), caps.read).map_err(|e| e.msg)?;
@@ -1598,7 +1602,9 @@ impl Fs {
                 kept.push(Ext { entry: tail, start: e.start + (hi - l), sectors: h - hi, logical: hi, held: e.held });
             }
             self.client.remove_entry(&t, w, middle).map_err(exo)?;
-            st.map.set(e.start + (lo - l), hi - lo, false);
+            // The service frees these sectors only once the inode is written back (its record
+            // on the disk names them until then): the map is read again after that.
+            st.map_behind = true;
         }
         kept.sort_by_key(|e| e.logical);
         let n = self.node(st, ino)?;
@@ -1696,6 +1702,14 @@ impl Fs {
     }
 
     fn write_back(&self, st: &mut State) -> Result<()> {
+        self.write_back_inodes(st)?;
+        if std::mem::take(&mut st.map_behind) {
+            st.map = self.client.free_map().map_err(exo)?;
+        }
+        Ok(())
+    }
+
+    fn write_back_inodes(&self, st: &mut State) -> Result<()> {
         let wc = wcap(self.caps.write);
         // Removed inodes (with their extents) go first: a directory on disk still naming one
         // loses that name at its next read.
