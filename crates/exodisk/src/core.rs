@@ -150,6 +150,10 @@ pub struct Core {
     /// the map only after the one flush at its end (so that a cleared bit never reaches the
     /// disk before the record that gave the sectors up).
     batch: Option<Batch>,
+    /// Something a record may depend on (free-map blocks, emptied data seals) was written since
+    /// the last flush: the next record waits for a flush, since the disk may otherwise take
+    /// the record first.
+    unflushed_deps: bool,
 }
 
 #[derive(Default)]
@@ -179,6 +183,7 @@ impl Core {
             proxies: HashMap::new(),
             next_proxy: 1,
             batch: None,
+            unflushed_deps: false,
         }
     }
 
@@ -187,7 +192,7 @@ impl Core {
     /// written in the batch reaches the disk before the data it describes.
     pub fn begin_batch(&mut self, records: bool) -> Result<()> {
         if records {
-            self.disk.sync().map_err(io_err)?;
+            self.sync_disk()?;
         }
         self.batch = Some(Batch::default());
         Ok(())
@@ -197,7 +202,7 @@ impl Core {
     pub fn end_batch(&mut self) -> Result<()> {
         let Some(b) = self.batch.take() else { return Ok(()) };
         if b.unflushed {
-            self.disk.sync().map_err(io_err)?;
+            self.sync_disk()?;
         }
         for (start, len) in b.freed {
             self.mark(start, len, false);
@@ -215,7 +220,7 @@ impl Core {
                 b.unflushed = true;
                 Ok(())
             }
-            None => self.disk.sync().map_err(io_err),
+            None => self.sync_disk(),
         }
     }
 
@@ -233,8 +238,16 @@ impl Core {
     }
 
     /// Sectors just allocated as extent data read as zeros until written.
-    fn forget_data(&self, start: u64, len: u64) -> Result<()> {
+    fn forget_data(&mut self, start: u64, len: u64) -> Result<()> {
+        self.unflushed_deps = true;
         self.content.forget(start, len).map_err(io_err)
+    }
+
+    /// Flush the volume.
+    fn sync_disk(&mut self) -> Result<()> {
+        self.disk.sync().map_err(io_err)?;
+        self.unflushed_deps = false;
+        Ok(())
     }
 
     // ---- the metadata cache --------------------------------------------------------------
@@ -325,6 +338,11 @@ impl Core {
         }
         let bytes = self.seal(at, &c.obj);
         self.flush_map()?;
+        // The free-map bits and the emptied seals first, then the record (a disk may reorder
+        // the writes between two flushes).
+        if self.unflushed_deps {
+            self.sync_disk()?;
+        }
         self.disk.write(at, &Aligned::from_bytes(&bytes)).map_err(io_err)?;
         self.settle()?;
         let c = self.cache.get_mut(&at).expect("cached");
@@ -348,6 +366,7 @@ impl Core {
     /// Write the free-map blocks changed since last time.
     fn flush_map(&mut self) -> Result<()> {
         for b in std::mem::take(&mut self.map_dirty) {
+            self.unflushed_deps = true;
             let from = b * BITS_PER_BLOCK;
             self.map.store_range(&self.disk, &self.key, &self.sb, from, from + 1).map_err(io_err)?;
         }
@@ -1115,7 +1134,7 @@ impl Core {
         self.content.seal(at, &mut sealed, model == Persistence::Data).map_err(io_err)?;
         self.disk.write(at, &sealed).map_err(io_err)?;
         if model == Persistence::Data {
-            self.disk.sync().map_err(io_err)?;
+            self.sync_disk()?;
         }
         Ok(())
     }
@@ -1144,6 +1163,6 @@ impl Core {
             self.persist(at, false)?;
         }
         self.flush_map()?;
-        self.disk.sync().map_err(io_err)
+        self.sync_disk()
     }
 }
