@@ -658,3 +658,43 @@ fn a_long_random_workload_loses_nothing_synced_at_any_flush() {
     workload(seed, false, ops, cuts, &mut totals);
     print_totals("a long workload", seed, &totals);
 }
+
+#[test]
+fn replay_and_record_refuse_bad_input_in_one_line_and_change_nothing() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let one_line = |out: &std::process::Output, want: &str| {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.trim().lines().count() == 1 && err.contains(want), "{err}");
+    };
+    let volume = format(dir.path(), "16M");
+    let base = dir.path().join("base.img");
+    std::fs::copy(&volume, &base).unwrap();
+    let log = dir.path().join("w.log");
+    let mut service = Service::start_with(&volume, &dir.path().join("s.sock"), &[OsStr::new("--record"), log.as_os_str()]);
+    service.stop();
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&log).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600);
+    let summary = run(plyfs().args(["exodisk", "replay"]).arg(&log));
+    let flushes = Log::read(&log).unwrap().flushes();
+    assert!(String::from_utf8_lossy(&summary.stdout).contains(&format!(" {flushes} flushes")), "{summary:?}");
+    // A log is never appended to: it means something only from where it started.
+    let out = run(plyfs().args(["exodisk", "serve"]).arg(&volume).arg("--socket").arg(dir.path().join("t.sock")).arg("--record").arg(&log));
+    one_line(&out, "cannot make the write log");
+    let before = std::fs::read(&base).unwrap();
+    let replay = |log: &Path, to: u64| run(plyfs().args(["exodisk", "replay"]).arg(log).arg(&base).arg("--to-flush").arg(to.to_string()));
+    one_line(&replay(&log, flushes + 1), &format!("has {flushes} flushes"));
+    let junk = dir.path().join("junk.log");
+    std::fs::write(&junk, b"not a log at all").unwrap();
+    one_line(&replay(&junk, 1), "not an exodisk write log");
+    let mut bad = std::fs::read(&log).unwrap();
+    bad[16] = b'X';
+    std::fs::write(&junk, &bad).unwrap();
+    one_line(&replay(&junk, 1), "neither a write nor a flush");
+    let small = dir.path().join("small.img");
+    std::fs::write(&small, vec![0u8; 1 << 20]).unwrap();
+    one_line(&run(plyfs().args(["exodisk", "replay"]).arg(&log).arg(&small)), "records a volume of");
+    assert!(std::fs::read(&base).unwrap() == before && std::fs::read(&small).unwrap() == vec![0u8; 1 << 20]);
+    // And the log replayed whole is the volume the service left.
+    assert!(replay(&log, flushes).status.success());
+    assert!(std::fs::read(&base).unwrap() == std::fs::read(&volume).unwrap());
+}
