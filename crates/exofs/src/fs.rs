@@ -67,7 +67,8 @@ const MAX_EXTENT_SECTORS: u64 = 65536;
 /// an extent each.
 const CHUNK_SECTORS: u64 = 64;
 const SECTOR: u64 = 512;
-const MAGIC: &[u8; 8] = b"EXOFS\0\0\x01";
+/// The superblock (entry 0 of the named root): this magic, then the root directory's inode.
+pub const MAGIC: &[u8; 8] = b"EXOFS\0\0\x01";
 
 fn exo(e: ExoError) -> Error {
     if e.errno == libc::EIO {
