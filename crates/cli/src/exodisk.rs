@@ -42,8 +42,27 @@ enum Action {
         daemon: bool,
         #[arg(long, value_name = "FILE")]
         log: Option<PathBuf>,
+        /// Record every write and flush made to the volume in a new file (mode 0600), for
+        /// `plyfs exodisk replay` on a copy of the volume taken before. It holds the volume's
+        /// (sealed) bytes and grows with every write: for tests and debugging.
+        #[arg(long, value_name = "LOG")]
+        record: Option<PathBuf>,
         #[command(flatten)]
         limits: crate::serve::LimitArgs,
+    },
+    /// Build on VOLUME, a copy of a volume taken before `serve --record LOG` started, the
+    /// volume as it was on the disk at a flush of that log (the last by default): what a power
+    /// cut just after it would have left. Without VOLUME, count the log's writes and flushes.
+    Replay {
+        log: PathBuf,
+        volume: Option<PathBuf>,
+        /// The flush to stop at (1 for the first; 0 for the state before any write).
+        #[arg(long, value_name = "N")]
+        to_flush: Option<u64>,
+        /// Also some of the writes after that flush and before the next, drawn from SEED: a
+        /// disk may take any of them, in any order, before the power goes.
+        #[arg(long, value_name = "SEED")]
+        unflushed: Option<u64>,
     },
     /// The volume behind a service: size, space, and the disk queue.
     Stat { socket: PathBuf },
@@ -136,13 +155,14 @@ pub fn run(args: ExodiskArgs) -> Result<(), String> {
             Ok(())
         }
         Action::Fsck { volume, key } => fsck(&volume, &key.path(&volume)),
-        Action::Serve { volume, socket, key, daemon, log, limits } => {
+        Action::Serve { volume, socket, key, daemon, log, record, limits } => {
             if daemon {
-                detach(&volume, &socket, &key.path(&volume), log, &limits)
+                detach(&volume, &socket, &key.path(&volume), log, record.as_deref(), &limits)
             } else {
-                serve(&volume, &socket, &key.path(&volume), &limits)
+                serve(&volume, &socket, &key.path(&volume), record, &limits)
             }
         }
+        Action::Replay { log, volume, to_flush, unflushed } => replay(&log, volume.as_deref(), to_flush, unflushed),
         Action::Bench { socket, group, files, size } => crate::exobench::run(&socket, &group, files, size as usize),
         Action::Stat { socket } => {
             quiet_pipe();
@@ -177,7 +197,7 @@ fn hex_cap(s: &str) -> Result<u128, String> {
     u128::from_str_radix(s.trim_start_matches("0x"), 16).map_err(|_| format!("'{s}': expected a capability in hex"))
 }
 
-fn serve(volume: &Path, socket: &Path, key: &Path, limits: &crate::serve::LimitArgs) -> Result<(), String> {
+fn serve(volume: &Path, socket: &Path, key: &Path, record: Option<PathBuf>, limits: &crate::serve::LimitArgs) -> Result<(), String> {
     let signals = crate::daemon::block_signals();
     crate::daemon::init_logging(0);
     if let Some(w) = layout::exposure_warning(volume) {
@@ -187,6 +207,7 @@ fn serve(volume: &Path, socket: &Path, key: &Path, limits: &crate::serve::LimitA
         handshake_timeout: limits.handshake_timeout,
         limits: limits.connections(),
         unread_bytes: limits.in_flight as usize,
+        record,
         ..Default::default()
     };
     let (service, started) = plyfs_exodisk::service::start_with(volume, key, socket, options)?;
@@ -197,7 +218,7 @@ fn serve(volume: &Path, socket: &Path, key: &Path, limits: &crate::serve::LimitA
         r.extents,
         r.exonodes,
         r.reclaimed,
-        r.orphans
+        r.orphans.len()
     );
     let stopper = service.clone();
     std::thread::Builder::new()
@@ -216,7 +237,14 @@ fn serve(volume: &Path, socket: &Path, key: &Path, limits: &crate::serve::LimitA
 }
 
 /// Start the service in the background and return once it listens (or say why it did not).
-fn detach(volume: &Path, socket: &Path, key: &Path, log: Option<PathBuf>, limits: &crate::serve::LimitArgs) -> Result<(), String> {
+fn detach(
+    volume: &Path,
+    socket: &Path,
+    key: &Path,
+    log: Option<PathBuf>,
+    record: Option<&Path>,
+    limits: &crate::serve::LimitArgs,
+) -> Result<(), String> {
     let log = log.unwrap_or_else(|| {
         let mut p = volume.as_os_str().to_owned();
         p.push(".log");
@@ -233,6 +261,7 @@ fn detach(volume: &Path, socket: &Path, key: &Path, log: Option<PathBuf>, limits
             .arg(socket)
             .arg("--key")
             .arg(key)
+            .args(record.map(|r| [std::ffi::OsStr::new("--record"), r.as_os_str()]).into_iter().flatten())
             .args(limits.to_args())
             .stdin(std::process::Stdio::null())
             .stdout(out.try_clone().map_err(|e| e.to_string())?)
@@ -345,10 +374,10 @@ fn fsck(volume: &Path, key_path: &Path) -> Result<(), String> {
         report.reclaimed,
         started.elapsed().as_secs_f64()
     );
-    if !report.dangling.is_empty() || report.orphans > 0 {
+    if !report.dangling.is_empty() || !report.orphans.is_empty() {
         println!(
             "  {} orphaned exonodes and {} entries naming removed exonodes (interrupted creations and removals): the service gives them back",
-            report.orphans,
+            report.orphans.len(),
             report.dangling.len()
         );
     }
@@ -362,6 +391,19 @@ fn fsck(volume: &Path, key_path: &Path) -> Result<(), String> {
         let n = report.problems.len();
         Err(format!("{}: {n} problem{} (listed above)", volume.display(), if n == 1 { "" } else { "s" }))
     }
+}
+
+fn replay(log: &Path, volume: Option<&Path>, to_flush: Option<u64>, unflushed: Option<u64>) -> Result<(), String> {
+    use plyfs_exodisk::record;
+    let Some(volume) = volume else {
+        let l = record::Log::read(log)?;
+        let writes = l.entries.len() as u64 - l.flushes();
+        println!("{}: {writes} writes and {} flushes to a volume of {} sectors", log.display(), l.flushes(), l.volume_sectors);
+        return Ok(());
+    };
+    let done = record::replay(log, volume, to_flush, unflushed)?;
+    println!("{}: {} writes replayed from {}, up to flush {}", volume.display(), done.writes, log.display(), done.flushes);
+    Ok(())
 }
 
 /// A report piped into `head` ends quietly when the reader goes, as other tools' do (Rust

@@ -214,6 +214,8 @@ pub struct DataSeal {
     key: DataKey,
     /// The volume's descriptor (its `Disk` outlives this: both belong to the service's core).
     fd: RawFd,
+    /// Where the seals written are recorded (`serve --record`), when they are.
+    log: Option<Arc<crate::record::WriteLog>>,
     tags_start: u64,
     tag_sectors: u64,
     session: u64,
@@ -230,11 +232,12 @@ pub struct Unsealed {
 }
 
 impl DataSeal {
-    pub fn new(key: DataKey, fd: RawFd, tags_start: u64, tag_sectors: u64) -> DataSeal {
+    pub fn new(key: DataKey, fd: RawFd, log: Option<Arc<crate::record::WriteLog>>, tags_start: u64, tag_sectors: u64) -> DataSeal {
         let session = u64::from_le_bytes(crate::seal::random()) | 1;
         DataSeal {
             key,
             fd,
+            log,
             tags_start,
             tag_sectors,
             session,
@@ -355,7 +358,15 @@ impl DataSeal {
             }
         };
         match done {
-            n if n as usize == buf.len() => Ok(()),
+            n if n as usize == buf.len() => {
+                if let (true, Some(log)) = (write, &self.log) {
+                    log.write(at, buf);
+                    if dsync {
+                        log.flush();
+                    }
+                }
+                Ok(())
+            }
             n if n < 0 => Err(std::io::Error::last_os_error()),
             _ => Err(std::io::Error::from_raw_os_error(libc::EIO)),
         }

@@ -113,6 +113,10 @@ struct Cached {
     dirty: bool,
     /// For LRU replacement (a counter).
     used: u64,
+    /// Sectors it gave up while its record on the disk still names them (a `memory`-model
+    /// object written before, changed since): freed only once the record is written again or
+    /// overwritten, so that a crash never leaves a record naming free sectors.
+    stale_frees: Vec<(u64, u64)>,
 }
 
 /// A proxy (thesis §2.2.3, unbuilt there): part of an object under new capabilities, in memory
@@ -146,6 +150,10 @@ pub struct Core {
     /// the map only after the one flush at its end (so that a cleared bit never reaches the
     /// disk before the record that gave the sectors up).
     batch: Option<Batch>,
+    /// Something a record may depend on (free-map blocks, emptied data seals) was written since
+    /// the last flush: the next record waits for a flush, since the disk may otherwise take
+    /// the record first.
+    unflushed_deps: bool,
 }
 
 #[derive(Default)]
@@ -162,7 +170,7 @@ fn extent_data(at: u64, h: &ExtentHeader) -> (u64, u64) {
 impl Core {
     /// Take over a volume whose map the start-up scan reconciled.
     pub fn new(disk: Disk, key: VolumeKey, sb: Superblock, map: FreeMap) -> Core {
-        let content = DataSeal::new(key.data_key(), disk.fd(), sb.tags_start, sb.tag_sectors);
+        let content = DataSeal::new(key.data_key(), disk.fd(), disk.write_log(), sb.tags_start, sb.tag_sectors);
         Core {
             disk,
             key,
@@ -175,6 +183,7 @@ impl Core {
             proxies: HashMap::new(),
             next_proxy: 1,
             batch: None,
+            unflushed_deps: false,
         }
     }
 
@@ -183,7 +192,7 @@ impl Core {
     /// written in the batch reaches the disk before the data it describes.
     pub fn begin_batch(&mut self, records: bool) -> Result<()> {
         if records {
-            self.disk.sync().map_err(io_err)?;
+            self.sync_disk()?;
         }
         self.batch = Some(Batch::default());
         Ok(())
@@ -193,7 +202,7 @@ impl Core {
     pub fn end_batch(&mut self) -> Result<()> {
         let Some(b) = self.batch.take() else { return Ok(()) };
         if b.unflushed {
-            self.disk.sync().map_err(io_err)?;
+            self.sync_disk()?;
         }
         for (start, len) in b.freed {
             self.mark(start, len, false);
@@ -211,7 +220,7 @@ impl Core {
                 b.unflushed = true;
                 Ok(())
             }
-            None => self.disk.sync().map_err(io_err),
+            None => self.sync_disk(),
         }
     }
 
@@ -229,8 +238,16 @@ impl Core {
     }
 
     /// Sectors just allocated as extent data read as zeros until written.
-    fn forget_data(&self, start: u64, len: u64) -> Result<()> {
+    fn forget_data(&mut self, start: u64, len: u64) -> Result<()> {
+        self.unflushed_deps = true;
         self.content.forget(start, len).map_err(io_err)
+    }
+
+    /// Flush the volume.
+    fn sync_disk(&mut self) -> Result<()> {
+        self.disk.sync().map_err(io_err)?;
+        self.unflushed_deps = false;
+        Ok(())
     }
 
     // ---- the metadata cache --------------------------------------------------------------
@@ -269,7 +286,7 @@ impl Core {
             Obj::Extent(h) => h.model,
             Obj::Exonode(x) => x.model,
         });
-        self.cache.insert(at, Cached { obj, persistence, on_disk: true, dirty: false, used: self.clock });
+        self.cache.insert(at, Cached { obj, persistence, on_disk: true, dirty: false, used: self.clock, stale_frees: Vec::new() });
         Ok(())
     }
 
@@ -321,17 +338,35 @@ impl Core {
         }
         let bytes = self.seal(at, &c.obj);
         self.flush_map()?;
+        // The free-map bits and the emptied seals first, then the record (a disk may reorder
+        // the writes between two flushes).
+        if self.unflushed_deps {
+            self.sync_disk()?;
+        }
         self.disk.write(at, &Aligned::from_bytes(&bytes)).map_err(io_err)?;
         self.settle()?;
         let c = self.cache.get_mut(&at).expect("cached");
         c.dirty = false;
         c.on_disk = true;
+        let freed = std::mem::take(&mut c.stale_frees);
+        self.free_now(&freed)
+    }
+
+    /// Free `ranges` (in a batch, after its flush) and write the map.
+    fn free_now(&mut self, ranges: &[(u64, u64)]) -> Result<()> {
+        for &(start, len) in ranges {
+            self.mark(start, len, false);
+        }
+        if !ranges.is_empty() {
+            self.flush_map()?;
+        }
         Ok(())
     }
 
     /// Write the free-map blocks changed since last time.
     fn flush_map(&mut self) -> Result<()> {
         for b in std::mem::take(&mut self.map_dirty) {
+            self.unflushed_deps = true;
             let from = b * BITS_PER_BLOCK;
             self.map.store_range(&self.disk, &self.key, &self.sb, from, from + 1).map_err(io_err)?;
         }
@@ -351,8 +386,13 @@ impl Core {
         }
     }
 
-    /// Sectors `start..start + len` given up by a record already rewritten or overwritten.
-    fn release(&mut self, start: u64, len: u64, persistent: bool) -> Result<()> {
+    /// Sectors `start..start + len` given up by the object at `owner`: freed now if its record
+    /// on the disk no longer names them (rewritten, or never written), else when it is.
+    fn release(&mut self, owner: u64, start: u64, len: u64, persistent: bool) -> Result<()> {
+        if let Some(c) = self.cache.get_mut(&owner).filter(|c| c.on_disk && c.dirty) {
+            c.stale_frees.push((start, len));
+            return Ok(());
+        }
         self.mark(start, len, false);
         if persistent {
             self.flush_map()?;
@@ -473,7 +513,7 @@ impl Core {
         self.mark(at, sectors, true);
         self.clock += 1;
         let obj = Obj::Extent(ExtentHeader { sectors, caps, model: persistence.code() });
-        self.cache.insert(at, Cached { obj, persistence, on_disk: false, dirty: true, used: self.clock });
+        self.cache.insert(at, Cached { obj, persistence, on_disk: false, dirty: true, used: self.clock, stale_frees: Vec::new() });
         self.persist(at, false)
     }
 
@@ -492,8 +532,12 @@ impl Core {
     /// EXTENT_DEALLOCATE.
     pub fn extent_deallocate(&mut self, at: u64, wcap: Cap) -> Result<()> {
         let h = self.extent(at, wcap, Access::Write)?;
+        let stale_frees = std::mem::take(&mut self.cache.get_mut(&at).expect("cached").stale_frees);
         self.drop_record(at, 1)?;
-        self.release(at, h.sectors, true)
+        for (start, sectors) in stale_frees {
+            self.mark(start, sectors, false);
+        }
+        self.release(at, at, h.sectors, true)
     }
 
     /// Overwrite the record at `at` (if it was ever written) and forget it.
@@ -526,7 +570,7 @@ impl Core {
         self.persist(at, false)?;
         if by < 0 {
             let persistent = self.persistence(at) != Persistence::Memory;
-            self.release(at + new, (-by) as u64, persistent)?;
+            self.release(at, at + new, (-by) as u64, persistent)?;
         }
         Ok(new)
     }
@@ -549,7 +593,7 @@ impl Core {
         self.mark(at, sectors as u64, true);
         self.clock += 1;
         let obj = Obj::Exonode(Exonode { sectors, caps, model: persistence.code(), parent, entries: Vec::new() });
-        self.cache.insert(at, Cached { obj, persistence, on_disk: false, dirty: true, used: self.clock });
+        self.cache.insert(at, Cached { obj, persistence, on_disk: false, dirty: true, used: self.clock, stale_frees: Vec::new() });
         self.persist(at, false)
     }
 
@@ -573,7 +617,11 @@ impl Core {
             self.persist(parent, false)?;
         }
         let persistent = self.persistence(at) != Persistence::Memory;
+        let stale_frees = std::mem::take(&mut self.cache.get_mut(&at).expect("cached").stale_frees);
         self.drop_record(at, x.sectors)?;
+        for (start, sectors) in stale_frees {
+            self.mark(start, sectors, false);
+        }
         self.mark(at, x.sectors as u64, false);
         for e in &x.entries {
             if let Entry::Extent { start, sectors } = *e {
@@ -760,7 +808,7 @@ impl Core {
                 })?;
                 if let Entry::Extent { start, sectors } = e {
                     let persistent = self.persistence(at) != Persistence::Memory;
-                    self.release(start, sectors, persistent)?;
+                    self.release(at, start, sectors, persistent)?;
                 }
                 Ok(())
             }
@@ -1086,7 +1134,7 @@ impl Core {
         self.content.seal(at, &mut sealed, model == Persistence::Data).map_err(io_err)?;
         self.disk.write(at, &sealed).map_err(io_err)?;
         if model == Persistence::Data {
-            self.disk.sync().map_err(io_err)?;
+            self.sync_disk()?;
         }
         Ok(())
     }
@@ -1115,6 +1163,6 @@ impl Core {
             self.persist(at, false)?;
         }
         self.flush_map()?;
-        self.disk.sync().map_err(io_err)
+        self.sync_disk()
     }
 }

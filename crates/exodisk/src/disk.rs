@@ -7,6 +7,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
+use crate::record::WriteLog;
 pub use crate::seal::SECTOR;
 
 /// Alignment of every buffer handed to the volume (direct I/O wants the device's logical block;
@@ -71,6 +72,8 @@ pub struct Disk {
     /// Its size in sectors.
     pub sectors: u64,
     pub is_device: bool,
+    /// Where every write and flush is recorded (`serve --record`), when it is.
+    log: Option<std::sync::Arc<WriteLog>>,
 }
 
 impl Disk {
@@ -109,7 +112,7 @@ impl Disk {
             }
         }
         let bytes = if is_device { device_size(&file)? } else { meta.len() };
-        Ok(Disk { file, sectors: bytes / SECTOR as u64, is_device })
+        Ok(Disk { file, sectors: bytes / SECTOR as u64, is_device, log: None })
     }
 
     /// Read `buf.len()` bytes from sector `at`.
@@ -121,12 +124,29 @@ impl Disk {
     /// Write `buf` at sector `at`.
     pub fn write(&self, at: u64, buf: &Aligned) -> io::Result<()> {
         self.check(at, buf.len())?;
-        self.file.write_all_at(buf, at * SECTOR as u64)
+        self.file.write_all_at(buf, at * SECTOR as u64)?;
+        if let Some(log) = &self.log {
+            log.write(at, buf);
+        }
+        Ok(())
     }
 
     /// Make what was written durable (the device's own cache included).
     pub fn sync(&self) -> io::Result<()> {
+        if let Some(log) = &self.log {
+            log.flush();
+        }
         self.file.sync_data()
+    }
+
+    /// Record every write and flush from now on in `log`.
+    pub fn record_to(&mut self, log: std::sync::Arc<WriteLog>) {
+        self.log = Some(log);
+    }
+
+    /// The write log, for those that write the volume other than through [`Disk::write`].
+    pub fn write_log(&self) -> Option<std::sync::Arc<WriteLog>> {
+        self.log.clone()
     }
 
     fn check(&self, at: u64, len: usize) -> io::Result<()> {

@@ -14,6 +14,7 @@ use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 
 use crate::disk::SECTOR;
+use crate::record::WriteLog;
 
 /// Requests in the device's hands at once.
 pub const DEPTH: usize = 64;
@@ -53,15 +54,15 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Start the engine on the volume's descriptor.
-    pub fn start(fd: RawFd) -> std::io::Result<Engine> {
+    /// Start the engine on the volume's descriptor, recording what it writes in `log` if any.
+    pub fn start(fd: RawFd, log: Option<Arc<WriteLog>>) -> std::io::Result<Engine> {
         let ring = IoUring::new(DEPTH as u32 * 2)?;
         let (tx, rx) = std::sync::mpsc::channel();
         let queue = Arc::new(Mutex::new(Vec::new()));
         let pending = Arc::new(AtomicU64::new(0));
         let outstanding = Arc::new(Mutex::new(HashMap::new()));
         let (q, p, o) = (queue.clone(), pending.clone(), outstanding.clone());
-        let thread = std::thread::Builder::new().name("exodisk-io".into()).spawn(move || run(ring, fd, rx, q, p, o))?;
+        let thread = std::thread::Builder::new().name("exodisk-io".into()).spawn(move || run(ring, fd, log, rx, q, p, o))?;
         Ok(Engine { tx: Mutex::new(Some(tx)), queue, pending, outstanding, thread: Mutex::new(Some(thread)) })
     }
 
@@ -126,6 +127,7 @@ fn done_with(outstanding: &Mutex<HashMap<(u64, u64), u32>>, range: (u64, u64)) {
 fn run(
     mut ring: IoUring,
     fd: RawFd,
+    log: Option<Arc<WriteLog>>,
     rx: Receiver<Job>,
     view: Arc<Mutex<Vec<Queued>>>,
     pending: Arc<AtomicU64>,
@@ -203,6 +205,13 @@ fn run(
             if let Some(job) = in_flight.get_mut(slot).and_then(Option::take) {
                 busy -= 1;
                 let result = if result >= 0 && result as usize != job.buf.len { -libc::EIO } else { result };
+                if let (true, true, Some(log)) = (job.write, result >= 0, &log) {
+                    // SAFETY: the job's buffer lives as long as the job.
+                    log.write(job.sector, unsafe { std::slice::from_raw_parts(job.buf.ptr, job.buf.len) });
+                    if job.dsync {
+                        log.flush();
+                    }
+                }
                 pending.fetch_sub(1, Ordering::AcqRel);
                 // Its completion is sent before its sectors count as clear, so that a client
                 // hears of it before the answer to a deallocation that waited for it.
@@ -230,7 +239,7 @@ mod tests {
         let path = dir.path().join("img");
         std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
         let disk = crate::disk::Disk::open(&path, true).unwrap();
-        let engine = Engine::start(disk.fd()).unwrap();
+        let engine = Engine::start(disk.fd(), None).unwrap();
         let buf = Arc::new(Mutex::new(Aligned::from_bytes(&[9u8; 4096])));
         let (tx, rx) = std::sync::mpsc::channel();
         for i in (0..16u64).rev() {

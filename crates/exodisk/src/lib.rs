@@ -9,6 +9,7 @@
 //! - [`layout`]: the superblock, the key file, formatting.
 //! - [`scan`]: the start-up scan and `fsck`.
 //! - [`disk`]: the volume, with direct I/O.
+//! - [`record`]: the write log of a service (`serve --record`) and its replay.
 
 pub mod client;
 pub mod content;
@@ -19,6 +20,7 @@ pub mod freemap;
 pub mod layout;
 pub mod object;
 pub mod proto;
+pub mod record;
 pub mod scan;
 pub mod seal;
 pub mod service;

@@ -35,8 +35,9 @@ pub struct Report {
     pub owned: u64,
     /// Sectors the map had allocated that nothing owns (left by a crash): given back.
     pub reclaimed: u64,
-    /// Exonodes their parent does not name (an interrupted creation or removal): given back.
-    pub orphans: usize,
+    /// Exonodes their parent does not name (an interrupted creation or removal), by sector:
+    /// given back, their records erased ([`erase_orphans`]).
+    pub orphans: Vec<u64>,
     /// Descendant entries (exonode, entry) that name an exonode that is gone (a removal whose
     /// parent was not written yet): the service drops them.
     pub dangling: Vec<(u64, u32)>,
@@ -122,7 +123,7 @@ pub fn scan(disk: &Disk, key: &VolumeKey, sb: &Superblock) -> io::Result<(Found,
             break;
         }
     }
-    report.orphans = orphans.len();
+    report.orphans = orphans.iter().copied().collect();
     for s in &orphans {
         found.exonodes.remove(s);
     }
@@ -183,18 +184,40 @@ pub fn scan(disk: &Disk, key: &VolumeKey, sb: &Superblock) -> io::Result<(Found,
     }
     // Reconcile the map with what is owned.
     let mut in_use_but_free = 0u64;
+    let mut first_free = None;
     for s in 0..sb.sectors {
         match (owned.is_allocated(s), map.is_allocated(s)) {
-            (true, false) => in_use_but_free += 1,
+            (true, false) => {
+                in_use_but_free += 1;
+                first_free.get_or_insert(s);
+            }
             (false, true) => report.reclaimed += 1,
             _ => {}
         }
     }
-    if in_use_but_free > 0 {
-        report.problems.push(format!("{in_use_but_free} sectors in use are marked free in the free map"));
+    if let Some(first) = first_free {
+        let owner = ranges.iter().find(|(a, b, _)| (*a..*b).contains(&first)).map_or("?", |r| r.2.as_str());
+        report.problems.push(format!(
+            "{in_use_but_free} sectors in use are marked free in the free map (the first, {first}, owned by {owner})"
+        ));
     }
     report.owned = owned.allocated();
     Ok((found, report, owned))
+}
+
+/// Erase the records of the orphans the scan gave back (those whose first sector nothing owns
+/// now), and flush: before their sectors are marked free, as a deallocation overwrites a record
+/// before it frees its sectors. Without this, an orphan's record would be found, and reported,
+/// by every scan after. `owned` is the map the scan returned.
+pub fn erase_orphans(disk: &Disk, report: &Report, owned: &FreeMap) -> io::Result<()> {
+    let erasable: Vec<u64> = report.orphans.iter().copied().filter(|&s| !owned.is_allocated(s)).collect();
+    for &s in &erasable {
+        disk.write(s, &Aligned::zeroed(SECTOR))?;
+    }
+    if !erasable.is_empty() {
+        disk.sync()?;
+    }
+    Ok(())
 }
 
 /// All sectors of the record of `len` sectors at `s`: from the chunk in `buf` (holding `n`

@@ -51,6 +51,9 @@ pub struct ServiceOptions {
     /// Data requests one client may have queued or in flight; more complete at once with
     /// `EAGAIN`.
     pub queued_io: usize,
+    /// A new file in which to record every write and flush made to the volume (see
+    /// [`crate::record`]).
+    pub record: Option<PathBuf>,
 }
 
 impl Default for ServiceOptions {
@@ -60,6 +63,7 @@ impl Default for ServiceOptions {
             limits: ConnectionLimits::default(),
             unread_bytes: 32 << 20,
             queued_io: 1 << 16,
+            record: None,
         }
     }
 }
@@ -127,7 +131,10 @@ pub fn start(volume: &Path, key: &Path, socket: &Path) -> Result<(Arc<Service>, 
 
 /// [`start`] with limits other than the default ones.
 pub fn start_with(volume: &Path, key: &Path, socket: &Path, options: ServiceOptions) -> Result<(Arc<Service>, Started), String> {
-    let (disk, key, sb) = layout::open(volume, key)?;
+    let (mut disk, key, sb) = layout::open(volume, key)?;
+    if let Some(path) = &options.record {
+        disk.record_to(Arc::new(crate::record::WriteLog::create(path, disk.sectors)?));
+    }
     let (_, report, map) = crate::scan::scan(&disk, &key, &sb).map_err(|e| format!("{}: {e}", volume.display()))?;
     if !report.clean() {
         return Err(format!(
@@ -138,8 +145,10 @@ pub fn start_with(volume: &Path, key: &Path, socket: &Path, options: ServiceOpti
             volume.display()
         ));
     }
-    map.store(&disk, &key, &sb).and_then(|()| disk.sync()).map_err(|e| format!("{}: {e}", volume.display()))?;
-    let engine = Engine::start(disk.fd()).map_err(|e| format!("io_uring: {e}"))?;
+    crate::scan::erase_orphans(&disk, &report, &map)
+        .and_then(|()| map.store(&disk, &key, &sb))
+        .and_then(|()| disk.sync()).map_err(|e| format!("{}: {e}", volume.display()))?;
+    let engine = Engine::start(disk.fd(), disk.write_log()).map_err(|e| format!("io_uring: {e}"))?;
     let mut core = Core::new(disk, key, sb, map);
     core.drop_dangling(&report.dangling).map_err(|e| format!("{}: dropping entries of removed exonodes: {e}", volume.display()))?;
     let service = Arc::new(Service {

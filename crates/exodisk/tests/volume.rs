@@ -182,3 +182,29 @@ fn a_version_1_volume_is_refused_not_misread() {
     let e = layout::open(&img, &key_path).err().expect("a version 1 volume opened");
     assert!(e.contains("version 1") && e.contains("format a new volume"), "{e}");
 }
+
+/// Found by the power-cut test (`crates/cli/tests/exocut.rs`): a cut in the middle of exofs's
+/// creation of an inode left an exonode whose parent did not name it yet. The service gave its
+/// sectors back but left its record, so every scan after found and reported it again.
+#[test]
+fn an_orphaned_exonode_is_given_back_once_and_then_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, key) = image(dir.path());
+    let orphan_at = {
+        let (disk, k, sb) = layout::open(&img, &key).unwrap();
+        let at = sb.data_start + 64;
+        let x = Exonode { sectors: 2, caps: Caps { read: 1, write: 2 }, model: 1, parent: sb.roots_at(), entries: vec![] };
+        disk.write(at, &Aligned::from_bytes(&x.seal(&k, at))).unwrap();
+        let (_, report, mut map) = scan(&disk, &k, &sb).unwrap();
+        assert_eq!(report.orphans, vec![at]);
+        map.set(at, 2, true);
+        map.store(&disk, &k, &sb).unwrap();
+        at
+    };
+    let service = plyfs_exodisk::service::spawn(&img, &key, &dir.path().join("s.sock")).unwrap();
+    drop(service);
+    let (disk, k, sb) = layout::open(&img, &key).unwrap();
+    let (_, report, map) = scan(&disk, &k, &sb).unwrap();
+    assert!(report.clean() && report.orphans.is_empty() && report.reclaimed == 0, "{report:?}");
+    assert!(!map.is_allocated(orphan_at));
+}

@@ -67,7 +67,8 @@ const MAX_EXTENT_SECTORS: u64 = 65536;
 /// an extent each.
 const CHUNK_SECTORS: u64 = 64;
 const SECTOR: u64 = 512;
-const MAGIC: &[u8; 8] = b"EXOFS\0\0\x01";
+/// The superblock (entry 0 of the named root): this magic, then the root directory's inode.
+pub const MAGIC: &[u8; 8] = b"EXOFS\0\0\x01";
 
 fn exo(e: ExoError) -> Error {
     if e.errno == libc::EIO {
@@ -196,6 +197,9 @@ struct State {
     /// Small files' bytes read ahead, until they change, and how many bytes that is.
     ahead: HashMap<u64, Vec<u8>>,
     ahead_bytes: usize,
+    /// Sectors were given up that the service frees at the next write-back: `map` holds them
+    /// as taken until it is read again after it.
+    map_behind: bool,
 }
 
 pub struct Fs {
@@ -229,14 +233,21 @@ impl Fs {
                 recent: Vec::new(),
                 ahead: HashMap::new(),
                 ahead_bytes: 0,
+                map_behind: false,
             }),
         };
         let x = fs.client.map(&fs.rt(&[]), caps.read).map_err(|e| e.msg)?;
-        if x.entries.is_empty() {
-            fs.mkfs().map_err(|e| format!("making the file system: {e:?}"))?;
-        } else {
+        if !x.entries.is_empty() {
             fs.load_tables(&x.entries)?;
         }
+        if x.entries.is_empty() || fs.mkfs_was_cut_short() {
+            fs.mkfs().map_err(|e| format!("making the file system: {e:?}"))?;
+        }
+        let st = fs.state.lock();
+        if !st.paths.contains_key(&st.root) && !st.nodes.contains_key(&st.root) {
+            return Err(format!("the root directory's inode {} is not on the volume", st.root));
+        }
+        drop(st);
         Ok(fs)
     }
 
@@ -257,6 +268,15 @@ impl Fs {
         self.client.add_data(&self.rt(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
         drop(st);
         self.sync()
+    }
+
+    /// Whether the file system was never finished: [`Fs::mkfs`] writes the superblock, in R
+    /// (whose changes are durable at once), before the root's inode and table reach the disk
+    /// (at its write-back), so a crash in between leaves a superblock and no inode at all.
+    /// Making it again then loses nothing.
+    fn mkfs_was_cut_short(&self) -> bool {
+        let st = self.state.lock();
+        st.root == 0 || st.paths.is_empty()
     }
 
     fn load_tables(&self, entries: &[WEntry]) -> std::result::Result<(), String> {
@@ -1583,7 +1603,9 @@ impl Fs {
                 kept.push(Ext { entry: tail, start: e.start + (hi - l), sectors: h - hi, logical: hi, held: e.held });
             }
             self.client.remove_entry(&t, w, middle).map_err(exo)?;
-            st.map.set(e.start + (lo - l), hi - lo, false);
+            // The service frees these sectors only once the inode is written back (its record
+            // on the disk names them until then): the map is read again after that.
+            st.map_behind = true;
         }
         kept.sort_by_key(|e| e.logical);
         let n = self.node(st, ino)?;
@@ -1681,6 +1703,14 @@ impl Fs {
     }
 
     fn write_back(&self, st: &mut State) -> Result<()> {
+        self.write_back_inodes(st)?;
+        if std::mem::take(&mut st.map_behind) {
+            st.map = self.client.free_map().map_err(exo)?;
+        }
+        Ok(())
+    }
+
+    fn write_back_inodes(&self, st: &mut State) -> Result<()> {
         let wc = wcap(self.caps.write);
         // Removed inodes (with their extents) go first: a directory on disk still naming one
         // loses that name at its next read.

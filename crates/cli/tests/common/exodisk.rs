@@ -14,6 +14,11 @@ pub struct Service {
 
 impl Service {
     pub fn start(volume: &Path, socket: &Path) -> Service {
+        Service::start_with(volume, socket, &[])
+    }
+
+    /// [`Service::start`] with more arguments for `plyfs exodisk serve` (`--record LOG`).
+    pub fn start_with(volume: &Path, socket: &Path, args: &[&std::ffi::OsStr]) -> Service {
         let log = volume.with_extension("log");
         let out = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
         let _ = std::fs::remove_file(socket);
@@ -22,6 +27,7 @@ impl Service {
             .arg(volume)
             .arg("--socket")
             .arg(socket)
+            .args(args)
             .stdout(out.try_clone().unwrap())
             .stderr(out)
             .spawn()
