@@ -308,7 +308,29 @@ impl Union {
                 }
             }
         }
+        if let Some(f) = found.as_mut().filter(|f| f.places.len() > 1) {
+            f.entry.attr.nlink = self.merged_links(cx, &f.places)?;
+        }
         Ok(found)
+    }
+
+    /// A merged directory's link count as a kernel file system counts it: two, and one for each
+    /// subdirectory it shows. The top branch's own count misses the subdirectories that are
+    /// only below it (found by the differential fuzzer, `difffuzz.rs`).
+    fn merged_links(&self, cx: &Caller, places: &[Place]) -> Result<u32> {
+        let subdirs = self.merged(cx, places)?.iter().filter(|m| m.kind == FileKind::Dir).count();
+        Ok(2 + subdirs as u32)
+    }
+
+    /// Attributes from where the object shows from; a merged directory's link count counted.
+    fn getattr(&self, cx: &Caller, op: &Op<'_>, node: NodeId) -> Result<Reply> {
+        match (self.on_top(cx, op, node)?, self.node(node)?) {
+            (Reply::Attr(mut attr), (FileKind::Dir, places)) if places.len() > 1 => {
+                attr.nlink = self.merged_links(cx, &places)?;
+                Ok(Reply::Attr(attr))
+            }
+            (reply, _) => Ok(reply),
+        }
     }
 
     /// Whether `name` shows in `parent` on a branch below `below` (its number).
@@ -932,7 +954,8 @@ impl Layer for Union {
                     }
                 }
             }
-            Op::GetAttr { node, fh: None } | Op::ReadLink { node } | Op::Access { node, .. } => self.on_top(cx, op, node),
+            Op::GetAttr { node, fh: None } => self.getattr(cx, op, node),
+            Op::ReadLink { node } | Op::Access { node, .. } => self.on_top(cx, op, node),
             Op::GetXattr { name, .. } if is_hidden_xattr(name) => Err(Error::Os(libc::ENODATA)),
             Op::GetXattr { node, .. } => self.on_top(cx, op, node),
             Op::SetAttr { node, fh, set } => {
