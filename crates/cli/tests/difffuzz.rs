@@ -149,10 +149,17 @@ fn generate(rng: &mut Rng) -> Op {
         67..=73 => Op::Mkdir { path: pick_path(rng), mode: [0o755, 0o700, 0o555][rng.below(3) as usize] },
         74..=77 => Op::Rmdir { path: pick_path(rng) },
         78..=80 => {
-            // Relative targets, resolved from the link's directory, and a dangling one.
-            let target =
-                [pick_path(rng), format!("../{}", pick_path(rng)), "nowhere".to_owned()][rng.below(3) as usize].clone();
-            Op::Symlink { target, path: pick_path(rng) }
+            // Relative targets, resolved from the link's directory, and a dangling one; `..`
+            // only below the top, so that no target leads out of the tree (beside the
+            // reference lies the lower directory).
+            let path = pick_path(rng);
+            let up = if path.contains('/') { "../" } else { "" };
+            let target = match rng.below(3) {
+                0 => pick_path(rng),
+                1 => format!("{up}{}", pick_path(rng)),
+                _ => "nowhere".to_owned(),
+            };
+            Op::Symlink { target, path }
         }
         81 => Op::Readlink { path: pick_path(rng) },
         82..=84 => {
@@ -746,6 +753,20 @@ fn union_merged_directory_counts_subdirectories_below() {
     let write = Op::Write { path: "b".into(), offset: 19626, data: DataSpec { seed: 1559327889746084193, len: 266 } };
     let stat = Op::Stat { path: "a".into() };
     if let Err(d) = run_sequence(Setup::Union, &[write, stat]) {
+        panic!("step {}: {}", d.step, d.what);
+    }
+}
+
+/// Copying `a/c` up (to write it) put the copy into `a` on the upper branch, which changed the
+/// times `utimes` had given `a`.
+#[test]
+fn union_copy_up_keeps_the_directory_times() {
+    let ops = [
+        Op::Utimes { path: "a".into(), secs: 1000469050 },
+        Op::Write { path: "a/c".into(), offset: 13060, data: DataSpec { seed: 5175820610326037675, len: 75 } },
+        Op::Stat { path: "a".into() },
+    ];
+    if let Err(d) = run_sequence(Setup::Union, &ops) {
         panic!("step {}: {}", d.step, d.what);
     }
 }

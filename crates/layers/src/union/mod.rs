@@ -322,9 +322,10 @@ impl Union {
         Ok(2 + subdirs as u32)
     }
 
-    /// Attributes from where the object shows from; a merged directory's link count counted.
-    fn getattr(&self, cx: &Caller, op: &Op<'_>, node: NodeId) -> Result<Reply> {
-        match (self.on_top(cx, op, node)?, self.node(node)?) {
+    /// `reply` (attributes of `node`, from where it shows from) with a merged directory's link
+    /// count counted.
+    fn with_merged_links(&self, cx: &Caller, node: NodeId, reply: Reply) -> Result<Reply> {
+        match (reply, self.node(node)?) {
             (Reply::Attr(mut attr), (FileKind::Dir, places)) if places.len() > 1 => {
                 attr.nlink = self.merged_links(cx, &places)?;
                 Ok(Reply::Attr(attr))
@@ -954,7 +955,10 @@ impl Layer for Union {
                     }
                 }
             }
-            Op::GetAttr { node, fh: None } => self.getattr(cx, op, node),
+            Op::GetAttr { node, fh: None } => {
+                let reply = self.on_top(cx, op, node)?;
+                self.with_merged_links(cx, node, reply)
+            }
             Op::ReadLink { node } | Op::Access { node, .. } => self.on_top(cx, op, node),
             Op::GetXattr { name, .. } if is_hidden_xattr(name) => Err(Error::Os(libc::ENODATA)),
             Op::GetXattr { node, .. } => self.on_top(cx, op, node),
@@ -968,7 +972,8 @@ impl Layer for Union {
                     Some(fh) => op.on_open(place.node, fh),
                     None => op.at(place.node),
                 };
-                self.branch(place.branch)?.top().call(cx, &op)
+                let reply = self.branch(place.branch)?.top().call(cx, &op)?;
+                self.with_merged_links(cx, node, reply)
             }
             Op::ListXattr { node, size } => self.list_xattr(cx, node, size),
             Op::SetXattr { name, .. } if is_hidden_xattr(name) => Err(Error::Os(libc::EPERM)),
