@@ -678,7 +678,11 @@ impl ScaLayer {
         if let Some(size) = set.size {
             self.with_file(node, |f| f.truncate(size))?;
         }
-        let rest = SetAttr { size: None, ..*set };
+        // A truncate marks the file modified even when its size stays as it was (`O_TRUNC` on
+        // an empty file), as truncate(2) does; the lower file then did not change, so its time
+        // is set here (found by the differential fuzzer, `difffuzz.rs`).
+        let mtime = set.mtime.or(set.size.map(|_| TimeSet::Now));
+        let rest = SetAttr { size: None, mtime, ..*set };
         let reply = self.below().call(cx, &Op::SetAttr { node, fh: None, set: rest })?;
         let state = self.open.lock().get(&node).cloned();
         // Shared mounts write changes out before they let go of the file's lock, so the last

@@ -5,7 +5,7 @@
 
 use std::ffi::{OsStr, OsString};
 
-use plyfs_stack::{Entry, Error, FileHandle, FileKind, NodeId, Op, Reply, Result};
+use plyfs_stack::{Entry, Error, FileHandle, FileKind, NodeId, Op, Reply, Result, SetAttr, TimeSet};
 
 use super::{daemon, is_hidden_xattr, BranchState, Union, ORIGIN_XATTR};
 use crate::ids::Place;
@@ -59,18 +59,20 @@ impl Union {
         if logged {
             tracing::info!("union '{}': copying up {} ({} MiB)", self.name, name.to_string_lossy(), attr.size >> 20);
         }
-        let copy = self.temps.place_new(upper.top(), dir.node, &name, |temp| {
-            let e = copy_object(
-                from.top(),
-                src.node,
-                &attr,
-                upper.top(),
-                dir.node,
-                temp,
-                if truncating { Data::Skipped } else { Data::Durable },
-            )?;
-            self.copy_meta(&from, src.node, &upper, e.node, &attr, id)?;
-            Ok(e)
+        let copy = keeping_times(&upper, dir.node, || {
+            self.temps.place_new(upper.top(), dir.node, &name, |temp| {
+                let e = copy_object(
+                    from.top(),
+                    src.node,
+                    &attr,
+                    upper.top(),
+                    dir.node,
+                    temp,
+                    if truncating { Data::Skipped } else { Data::Durable },
+                )?;
+                self.copy_meta(&from, src.node, &upper, e.node, &attr, id)?;
+                Ok(e)
+            })
         });
         let copy = match copy {
             Err(Error::Os(libc::EEXIST)) => self.made_meanwhile(&upper, dir.node, &name, kind)?,
@@ -124,10 +126,12 @@ impl Union {
         let dir = self.dir_on_upper(parent)?;
         let from = self.branch(src.branch)?;
         let attr = from.top().getattr(&daemon(), src.node)?;
-        let copy = self.temps.place_new(upper.top(), dir.node, &name, |temp| {
-            let e = copy_object(from.top(), src.node, &attr, upper.top(), dir.node, temp, Data::Durable)?;
-            self.copy_meta(&from, src.node, &upper, e.node, &attr, id)?;
-            Ok(e)
+        let copy = keeping_times(&upper, dir.node, || {
+            self.temps.place_new(upper.top(), dir.node, &name, |temp| {
+                let e = copy_object(from.top(), src.node, &attr, upper.top(), dir.node, temp, Data::Durable)?;
+                self.copy_meta(&from, src.node, &upper, e.node, &attr, id)?;
+                Ok(e)
+            })
         });
         let copy = match copy {
             Err(Error::Os(libc::EEXIST)) => self.made_meanwhile(&upper, dir.node, &name, FileKind::Dir)?,
@@ -159,6 +163,24 @@ impl Union {
         copy_file_flags(from, src, upper, dst, attr.kind);
         Ok(())
     }
+}
+
+/// Run `place` (which puts a copy into the upper directory `dir`) and give `dir` back the times
+/// it had: a copy-up changes no directory, the object was in it already (overlayfs restores its
+/// parent's times too). Found by the differential fuzzer (`difffuzz.rs`): a write to a file of
+/// a directory that `utimes` had set changed the directory's mtime.
+fn keeping_times(upper: &BranchState, dir: NodeId, place: impl FnOnce() -> Result<Entry>) -> Result<Entry> {
+    let before = upper.top().getattr(&daemon(), dir)?;
+    let placed = place();
+    let times = SetAttr {
+        atime: Some(TimeSet::At(before.atime)),
+        mtime: Some(TimeSet::At(before.mtime)),
+        ..SetAttr::default()
+    };
+    if let Err(e) = upper.top().call(&daemon(), &Op::SetAttr { node: dir, fh: None, set: times }) {
+        tracing::debug!("copy-up: the directory keeps the times the copy gave it ({e})");
+    }
+    placed
 }
 
 /// The file-attribute flags a copy-up carries, as overlayfs's do: `noatime` (`chattr +A`) and

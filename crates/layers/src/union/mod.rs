@@ -308,7 +308,30 @@ impl Union {
                 }
             }
         }
+        if let Some(f) = found.as_mut().filter(|f| f.places.len() > 1) {
+            f.entry.attr.nlink = self.merged_links(cx, &f.places)?;
+        }
         Ok(found)
+    }
+
+    /// A merged directory's link count as a kernel file system counts it: two, and one for each
+    /// subdirectory it shows. The top branch's own count misses the subdirectories that are
+    /// only below it (found by the differential fuzzer, `difffuzz.rs`).
+    fn merged_links(&self, cx: &Caller, places: &[Place]) -> Result<u32> {
+        let subdirs = self.merged(cx, places)?.iter().filter(|m| m.kind == FileKind::Dir).count();
+        Ok(2 + subdirs as u32)
+    }
+
+    /// `reply` (attributes of `node`, from where it shows from) with a merged directory's link
+    /// count counted.
+    fn with_merged_links(&self, cx: &Caller, node: NodeId, reply: Reply) -> Result<Reply> {
+        match (reply, self.node(node)?) {
+            (Reply::Attr(mut attr), (FileKind::Dir, places)) if places.len() > 1 => {
+                attr.nlink = self.merged_links(cx, &places)?;
+                Ok(Reply::Attr(attr))
+            }
+            (reply, _) => Ok(reply),
+        }
     }
 
     /// Whether `name` shows in `parent` on a branch below `below` (its number).
@@ -932,7 +955,11 @@ impl Layer for Union {
                     }
                 }
             }
-            Op::GetAttr { node, fh: None } | Op::ReadLink { node } | Op::Access { node, .. } => self.on_top(cx, op, node),
+            Op::GetAttr { node, fh: None } => {
+                let reply = self.on_top(cx, op, node)?;
+                self.with_merged_links(cx, node, reply)
+            }
+            Op::ReadLink { node } | Op::Access { node, .. } => self.on_top(cx, op, node),
             Op::GetXattr { name, .. } if is_hidden_xattr(name) => Err(Error::Os(libc::ENODATA)),
             Op::GetXattr { node, .. } => self.on_top(cx, op, node),
             Op::SetAttr { node, fh, set } => {
@@ -945,7 +972,8 @@ impl Layer for Union {
                     Some(fh) => op.on_open(place.node, fh),
                     None => op.at(place.node),
                 };
-                self.branch(place.branch)?.top().call(cx, &op)
+                let reply = self.branch(place.branch)?.top().call(cx, &op)?;
+                self.with_merged_links(cx, node, reply)
             }
             Op::ListXattr { node, size } => self.list_xattr(cx, node, size),
             Op::SetXattr { name, .. } if is_hidden_xattr(name) => Err(Error::Os(libc::EPERM)),
