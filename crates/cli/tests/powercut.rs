@@ -567,3 +567,48 @@ fn power_cuts_under_mirror() {
 fn power_cuts_under_version() {
     run_case("version");
 }
+
+/// The `lazy` layer itself: reads see held data, `fsync` persists it, a clean unmount writes it
+/// all back, `max=` writes the oldest back early, and a cut drops exactly what was not synced.
+#[test]
+fn lazy_holds_data_until_synced_and_a_cut_drops_the_rest() {
+    let mut m = Mount::new("lazy:max=16k");
+    let lower = m.lower.clone();
+    fs::write(m.path("synced"), b"first").unwrap();
+    assert_eq!(fs::read(m.path("synced")).unwrap(), b"first");
+    assert_eq!(fs::metadata(lower.join("synced")).unwrap().len(), 0, "created at once, its data held");
+    File::open(m.path("synced")).unwrap().sync_all().unwrap();
+    assert_eq!(fs::read(lower.join("synced")).unwrap(), b"first");
+    // Changes after the sync, and a file never synced.
+    let f = OpenOptions::new().write(true).open(m.path("synced")).unwrap();
+    f.write_all_at(b"SECOND, longer", 0).unwrap();
+    f.set_len(9).unwrap();
+    drop(f);
+    fs::write(m.path("unsynced"), vec![7u8; 5000]).unwrap();
+    assert_eq!(fs::read(m.path("synced")).unwrap(), b"SECOND, l");
+    assert_eq!(fs::metadata(m.path("synced")).unwrap().len(), 9);
+    assert_eq!(fs::read(lower.join("synced")).unwrap(), b"first");
+    let status = common::op_json(&m.path("synced"), &["lazy-status"]);
+    assert_eq!(status["files"], 2, "{status}");
+    // Past max=16k, the oldest file goes back to the lower directory, unsynced.
+    fs::write(m.path("big"), vec![1u8; 20 * 1024]).unwrap();
+    assert_eq!(fs::read(lower.join("synced")).unwrap(), b"SECOND, l");
+    // A bad argument changes nothing and says why.
+    let out = run(plyfs().arg("op").arg(m.path("big")).args(["power-cut", "keep=2"]));
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("keep=2"));
+    fs::write(m.path("late"), b"never synced").unwrap();
+    common::op_json(&m.path("late"), &["power-cut", "keep=0"]);
+    assert_eq!(fs::read(m.path("late")).unwrap_err().raw_os_error(), Some(libc::EIO));
+    kill_dead_daemon(&mut m);
+    assert_eq!(fs::read(lower.join("synced")).unwrap(), b"SECOND, l");
+    assert_eq!(fs::metadata(lower.join("late")).unwrap().len(), 0, "metadata durable, data lost");
+    // `big` alone is over max=, so every file went back before it, and it went back too.
+    assert_eq!(fs::read(lower.join("unsynced")).unwrap(), vec![7u8; 5000]);
+    assert_eq!(fs::metadata(lower.join("big")).unwrap().len(), 20 * 1024);
+
+    // A clean unmount is a clean shutdown: everything held reaches the lower files.
+    let mut m = Mount::new("lazy");
+    fs::write(m.path("kept"), b"written back at unmount").unwrap();
+    m.unmount();
+    assert_eq!(fs::read(m.lower_path("kept")).unwrap(), b"written back at unmount");
+}

@@ -530,6 +530,10 @@ impl Layer for Lazy {
         &self.lower
     }
 
+    fn holds_data(&self) -> bool {
+        true
+    }
+
     fn extended_ops(&self) -> &[ExtOpInfo] {
         EXT_OPS
     }
