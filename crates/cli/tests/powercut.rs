@@ -182,14 +182,14 @@ impl Group {
         match rng.below(10) {
             0 | 1 => {
                 let offset = rng.below(size + 1);
-                let len = 1 + rng.below((MAX_FILE_BYTES - offset).min(6000));
+                let len = 1 + rng.below(MAX_FILE_BYTES.saturating_sub(offset).min(6000));
                 let data = random_bytes(rng, len as usize);
                 self.open_rw(m, &name).write_all_at(&data, offset).unwrap();
                 self.inodes[ino].write(offset as usize, &data);
                 self.ops.push(format!("write {name} {offset}+{len}"));
             }
             2 => {
-                let len = 1 + rng.below((MAX_FILE_BYTES - size).clamp(1, 6000));
+                let len = 1 + rng.below(MAX_FILE_BYTES.saturating_sub(size).clamp(1, 6000));
                 let data = random_bytes(rng, len as usize);
                 let mut f = OpenOptions::new().append(true).open(self.path(m, &name)).unwrap();
                 std::io::Write::write_all(&mut f, &data).unwrap();
@@ -197,7 +197,7 @@ impl Group {
                 self.ops.push(format!("append {name} {len}"));
             }
             3 => {
-                let len = if rng.below(2) == 0 { rng.below(size + 1) } else { size + rng.below(MAX_FILE_BYTES - size + 1) };
+                let len = if rng.below(2) == 0 { rng.below(size + 1) } else { size + rng.below(MAX_FILE_BYTES.saturating_sub(size) + 1) };
                 self.open_rw(m, &name).set_len(len).unwrap();
                 self.inodes[ino].set_len(len as usize);
                 self.ops.push(format!("truncate {name} {len}"));
@@ -236,7 +236,7 @@ impl Group {
                 let (mode, what) = [(0, "extend"), (libc::FALLOC_FL_KEEP_SIZE, "keep-size"), (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, "punch")]
                     [rng.below(3) as usize];
                 let offset = rng.below(size + 1);
-                let len = 1 + rng.below(MAX_FILE_BYTES - offset);
+                let len = 1 + rng.below(MAX_FILE_BYTES.saturating_sub(offset));
                 if unsafe { libc::fallocate(f.as_raw_fd(), mode, offset as i64, len as i64) } != 0 {
                     let e = std::io::Error::last_os_error();
                     assert!(unsupported(&e), "fallocate {what} {name} {offset}+{len}: {e}");
