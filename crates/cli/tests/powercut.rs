@@ -126,7 +126,7 @@ struct Group {
 
 /// What the operations refused by a stack (hard links, fallocate, xattrs) come back as.
 fn unsupported(e: &std::io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EPERM | libc::EOPNOTSUPP | libc::ENOTSUP | libc::ENOSYS | libc::EXDEV | libc::EMLINK))
+    matches!(e.raw_os_error(), Some(libc::EPERM | libc::EOPNOTSUPP | libc::ENOSYS | libc::EXDEV | libc::EMLINK))
 }
 
 fn random_bytes(rng: &mut Rng, len: usize) -> Vec<u8> {
@@ -380,9 +380,9 @@ impl Volume<'_> {
         self.mount(dir, &lower, &mnt, spec)
     }
 
-    /// `plyfs fsck` of the lower: whether it passed, the files it names as damaged, and how
-    /// many it repaired.
-    fn fsck(&self, lower: &Path) -> (bool, BTreeSet<String>, usize, String) {
+    /// `plyfs fsck` of the lower: whether it passed, the files it names as damaged, and those
+    /// it repaired.
+    fn fsck(&self, lower: &Path) -> (bool, BTreeSet<String>, BTreeSet<String>, String) {
         let mut cmd = plyfs();
         cmd.arg("fsck").arg(lower).args(["--stack", self.case.plain]);
         if let Some(b) = &self.branch {
@@ -394,14 +394,14 @@ impl Volume<'_> {
         let out = run(&mut cmd);
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         let mut damaged = BTreeSet::new();
-        let mut repaired = 0;
+        let mut repaired = BTreeSet::new();
         for line in stderr.lines().filter_map(|l| l.strip_prefix("plyfs: ")) {
             if line.starts_with("fsck:") {
                 continue;
             }
             let Some((path, what)) = line.split_once(": ") else { continue };
             if what.starts_with("repaired") {
-                repaired += 1;
+                repaired.insert(path.to_owned());
             } else {
                 damaged.insert(path.to_owned());
             }
@@ -517,8 +517,10 @@ fn power_cuts(case: &Case, seed: u64, cuts: usize, ace: usize, long: usize, keep
         let synced: BTreeSet<String> = groups.iter().flat_map(Group::synced_names).collect();
         let wrongly = damaged.intersection(&synced).collect::<Vec<_>>();
         assert!(wrongly.is_empty(), "{context}: fsck finds synced files damaged: {wrongly:?}\n{stderr}");
-        counts.fsck_damaged += damaged.len();
-        counts.fsck_repaired += repaired;
+        // The lower keeps the files of earlier cuts: count this cut's.
+        let this_cut = |p: &&String| groups.iter().any(|g| p.starts_with(&format!("{}/", g.dir)));
+        counts.fsck_damaged += damaged.iter().filter(this_cut).count();
+        counts.fsck_repaired += repaired.iter().filter(this_cut).count();
         let m3 = volume.swap(m2, case.plain);
         for g in &groups {
             counts.files_checked += g.check(&m3, &format!("{context}, after fsck"));
