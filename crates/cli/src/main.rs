@@ -311,15 +311,19 @@ fn umount(path: &Path, lazy: bool) -> Result<(), String> {
     }
     // A dead daemon's mount answers ENOTCONN; when its requests went over io_uring, ECONNABORTED,
     // or ECANCELED while the kernel is still taking its rings down.
-    let stale = matches!(std::fs::metadata(&mountpoint),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)));
+    // None: the runtime directory is not one the mount's owner could have used (its socket
+    // cannot be there).
+    let socket = control::socket_path(entry.user_id.unwrap_or(0), &mountpoint).ok();
+    // The kernel may still answer a stat of the root from its cache; a control socket nobody
+    // listens on tells of a dead daemon too.
+    let unanswered = socket.as_ref().is_some_and(|s| s.exists() && std::os::unix::net::UnixStream::connect(s).is_err());
+    let stale = unanswered
+        || matches!(std::fs::metadata(&mountpoint),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)));
     match unmount(&mountpoint, lazy).map_err(|e| format!("unmount {shown}: {e}"))? {
         Unmounted::Done => {}
         Unmounted::Lazily => eprintln!("plyfs: {shown} detached; its daemon exits when the last open file is closed"),
     }
-    // None: the runtime directory is not one the mount's owner could have used (its socket
-    // cannot be there).
-    let socket = control::socket_path(entry.user_id.unwrap_or(0), &mountpoint).ok();
     if stale {
         if let Some(socket) = &socket {
             let _ = std::fs::remove_file(socket);

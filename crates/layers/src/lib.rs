@@ -9,6 +9,7 @@ pub mod crypt;
 pub mod ext;
 pub mod fault;
 pub mod gzip;
+pub mod lazy;
 mod ids;
 pub mod mirror;
 pub mod lz4;
@@ -25,7 +26,7 @@ use plyfs_stack::LayerFactory;
 
 /// Every layer this build knows.
 pub fn registry() -> &'static [LayerFactory] {
-    static REGISTRY: [LayerFactory; 14] = [
+    static REGISTRY: [LayerFactory; 15] = [
         null::FACTORY,
         trace::FACTORY,
         copy::FACTORY,
@@ -38,6 +39,7 @@ pub fn registry() -> &'static [LayerFactory] {
         mirror::FACTORY,
         version::FACTORY,
         fault::FACTORY,
+        lazy::FACTORY,
         ext::EXT_FACTORY,
         ext::PY_FACTORY,
     ];

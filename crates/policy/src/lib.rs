@@ -543,10 +543,11 @@ impl PolicyLayer {
 
     /// Report what the file's chain shows (the decoded size) instead of the lower attributes.
     fn fix_entry(&self, e: &mut Entry) -> Result<()> {
-        // An empty lower file is an empty file whatever its chain; and while no file of the
-        // tree has a record and the default encodes nothing, no file is encoded.
+        // An empty lower file is an empty file whatever its chain (unless the chain holds data
+        // not written to it yet); and while no file of the tree has a record and the default
+        // encodes nothing, no file is encoded.
         if e.attr.kind != FileKind::File
-            || e.attr.size == 0
+            || e.attr.size == 0 && !self.default.holds_data()
             || !self.default.transforms() && !self.shared && !self.records.load(Ordering::Acquire)
         {
             return Ok(());

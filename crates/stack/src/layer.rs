@@ -85,6 +85,12 @@ pub trait Layer: Send + Sync + 'static {
         None
     }
 
+    /// Whether the layer keeps file data that has not reached the lower file yet (a write
+    /// cache such as `lazy`): then an empty lower file is not necessarily an empty file.
+    fn holds_data(&self) -> bool {
+        false
+    }
+
     /// Called once, from the top down, when the stack is taken down: flush what is buffered.
     fn shutdown(&self) {}
 
