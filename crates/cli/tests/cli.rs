@@ -45,7 +45,7 @@ fn bad_input_gets_one_clear_line_and_mounts_nothing() {
 
     assert_refused(&mount(&["/nonexistent/lower", m]), "lower directory /nonexistent/lower: No such file or directory");
     assert_refused(&mount(&[l, "/nonexistent/mnt"]), "mount point /nonexistent/mnt: No such file or directory");
-    assert_refused(&mount(&[l, m, "--stack", "null,gzipp"]), "unknown layer 'gzipp' (available: null, trace, copy, uuencode, gzip, zstd, lz4, crypt, union, mirror, version, fault, ext, py)");
+    assert_refused(&mount(&[l, m, "--stack", "null,gzipp"]), "unknown layer 'gzipp' (available: null, trace, copy, uuencode, gzip, zstd, lz4, crypt, union, mirror, version, fault, lazy, ext, py)");
     assert_refused(&mount(&[l, m, "--stack", "zstd:level=99"]), "layer 'zstd': bad value '99' for 'level': expected 1 to 19");
     assert_refused(&mount(&[l, m, "--stack", "gzip:chunk=3k"]), "bad value '3k' for 'chunk': expected a power of two from 4k to 1m");
     assert_refused(&mount(&[l, m, "--stack", "lz4:fast_tails=maybe"]), "bad value 'maybe' for 'fast_tails'");
