@@ -572,7 +572,7 @@ fn the_version_names_the_commit() {
 #[test]
 fn a_mount_whose_log_cannot_be_written_still_serves() {
     assert!(is_root(), "this test mounts a small tmpfs: run as root");
-    let (_dir, root, [lower, mnt, full]) = scratch_dirs(["lower", "mnt", "full"]);
+    let (_dir, _root, [lower, mnt, full]) = scratch_dirs(["lower", "mnt", "full"]);
     struct Unmount(std::path::PathBuf);
     impl Drop for Unmount {
         fn drop(&mut self) {
@@ -593,5 +593,4 @@ fn a_mount_whose_log_cannot_be_written_still_serves() {
     assert_eq!(fs::read(lower.join("f")).unwrap(), b"served");
     let out = run(plyfs().arg("umount").arg(&mnt));
     assert!(out.status.success(), "umount: {}", stderr_of(&out));
-    let _ = root;
 }

@@ -917,10 +917,7 @@ impl FuseFs {
     /// fuser cannot negotiate, and the lower file system cannot know it: it sees the daemon set
     /// the ACL. So the front end does it (xfstests generic/375).
     fn acl_drops_setgid(&self, level: &Level, cx: &Caller, node: NodeId) -> plyfs_stack::Result<bool> {
-        let attr = match level.call(cx, &Op::GetAttr { node, fh: None })? {
-            Reply::Attr(a) => a,
-            _ => return Err(Error::Os(libc::EIO)),
-        };
+        let attr = level.getattr(cx, node)?;
         let mode = u32::from(attr.perm);
         if mode & libc::S_ISGID != 0 && !plyfs_stack::setid::in_group(cx, attr.gid) {
             let set = SetAttr { mode: Some(mode & !libc::S_ISGID), ..SetAttr::default() };
