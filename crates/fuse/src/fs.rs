@@ -321,8 +321,9 @@ impl FuseFs {
         let _ = self.kernel.set(notifier);
     }
 
-    /// Make the kernel ask for `ino`'s attributes again, for a change it did not see: an ioctl
-    /// that sets file flags changes the ctime without a setattr. Sent before the reply, so that the
+    /// Make the kernel ask for `ino`'s attributes again, for a change it did not see: a write
+    /// through a shared mapping of a passthrough file changes the lower file's times without a
+    /// request, and so does an ioctl that sets file flags. Sent before the reply, so that the
     /// caller's next `stat` sees the change (a kernel file system's times change at once).
     fn drop_cached_attributes(&self, ino: u64) {
         if let Some(n) = self.kernel.get() {
@@ -454,10 +455,17 @@ impl FuseFs {
         if opened.flush_on_close { 0 } else { fopen::NOFLUSH }
     }
 
-    /// The answer to an open: passthrough where it applies, the page cache otherwise.
-    fn open_out(&self, ino: u64, view: usize, opened: &Opened) -> OpenOut {
+    /// The answer to an open: passthrough where it applies, the page cache otherwise. A
+    /// writable passthrough open keeps its `flush` at close: writes through a shared mapping
+    /// reach the lower file without a request, and the flush is where the kernel learns that the
+    /// file's times changed (see [`FuseFs::drop_cached_attributes`]).
+    fn open_out(&self, ino: u64, view: usize, opened: &Opened, flags: i32) -> OpenOut {
         match self.backing_for(ino, opened) {
-            Some(b) => OpenOut { fh: opened.fh.0, flags: Self::flush_flags(opened) | fopen::PASSTHROUGH, backing: Some(b) },
+            Some(b) => {
+                let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
+                let flush = if writable { 0 } else { Self::flush_flags(opened) };
+                OpenOut { fh: opened.fh.0, flags: flush | fopen::PASSTHROUGH, backing: Some(b) }
+            }
             None => OpenOut { fh: opened.fh.0, flags: self.cache_flags(view, opened), backing: None },
         }
     }
@@ -758,7 +766,7 @@ impl FuseFs {
         let (level, view, node) = self.decode(ino)?;
         let opened = level.open(cx, node, flags).map_err(|e| errno(&e))?;
         self.status.opened(1);
-        Ok(self.open_out(ino, view, &opened))
+        Ok(self.open_out(ino, view, &opened, flags))
     }
 
     pub(crate) fn create(&self, cx: &Caller, parent: u64, name: &OsStr, mode: u32, umask: u32, flags: i32) -> Res<(NodeOut, OpenOut)> {
@@ -770,7 +778,7 @@ impl FuseFs {
         let (entry, opened) = level.create(cx, parent, name, mode, flags).map_err(|e| errno(&e))?;
         self.status.opened(1);
         let node = Self::node_out(view, entry);
-        let open = self.open_out(node.ino, view, &opened);
+        let open = self.open_out(node.ino, view, &opened, flags);
         Ok((node, open))
     }
 
@@ -788,7 +796,11 @@ impl FuseFs {
     }
 
     pub(crate) fn flush(&self, cx: &Caller, ino: u64, fh: u64) -> Res<()> {
-        self.empty_op(cx, ino, |node| Op::Flush { node, fh: FileHandle(fh) })
+        let result = self.empty_op(cx, ino, |node| Op::Flush { node, fh: FileHandle(fh) });
+        if self.backing.lock().by_open.contains_key(&(ino, fh)) {
+            self.drop_cached_attributes(ino);
+        }
+        result
     }
 
     pub(crate) fn release(&self, cx: &Caller, ino: u64, fh: u64) -> Res<()> {

@@ -145,6 +145,9 @@ pub struct LowerDir {
     root_key: (u64, u64),
     nodes: Arc<Mutex<NodeTable>>,
     files: Mutex<HashMap<u64, Arc<OwnedFd>>>,
+    /// Handles opened with `O_APPEND` by a shared mount over a network file system: their
+    /// writes are made under the file's lock (see [`LowerDir::append_locked`]).
+    appenders: Mutex<std::collections::HashSet<u64>>,
     dirs: Mutex<HashMap<u64, Arc<Mutex<DirStream>>>>,
     next_fh: AtomicU64,
     /// Running as root: create objects with the caller's fsuid/fsgid so they get the right owner.
@@ -179,16 +182,21 @@ pub struct LowerDir {
 /// per write on GlusterFS), and on GlusterFS it would not even wait for writes made through
 /// another descriptor than the lock's.
 struct OfdLock {
-    fd: OwnedFd,
+    fd: Arc<OwnedFd>,
     network: bool,
 }
 
+/// Fetch a file's attributes from the servers of a network file system, not from the client's
+/// cache: its size, and with it how much of the file the client's reads reach, become current.
+fn refresh_from_servers(fd: RawFd) -> Result<()> {
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    let flags = libc::AT_EMPTY_PATH | libc::AT_STATX_FORCE_SYNC;
+    check(unsafe { libc::statx(fd, c"".as_ptr(), flags, libc::STATX_BASIC_STATS, &mut stx) }).map(|_| ())
+}
+
 impl OfdLock {
-    /// Fetch the file's attributes from the servers, not from the client's cache.
     fn refresh(&self) -> Result<()> {
-        let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-        let flags = libc::AT_EMPTY_PATH | libc::AT_STATX_FORCE_SYNC;
-        check(unsafe { libc::statx(self.fd.as_raw_fd(), c"".as_ptr(), flags, libc::STATX_BASIC_STATS, &mut stx) }).map(|_| ())
+        refresh_from_servers(self.fd.as_raw_fd())
     }
 
     fn fcntl(&self, l_type: libc::c_int) -> Result<()> {
@@ -393,6 +401,7 @@ impl LowerDir {
             root_key: (st.st_dev, st.st_ino),
             nodes,
             files: Mutex::new(HashMap::new()),
+            appenders: Mutex::new(std::collections::HashSet::new()),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             switch_creds: unsafe { libc::geteuid() } == 0,
@@ -463,7 +472,7 @@ impl LowerDir {
                     })?
                 }
             };
-            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            let fd = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
             Ok(Arc::new(OfdLock { fd, network: self.flush_on_close }) as Arc<dyn LockFile>)
         })?;
         // Removed or replaced by another mount (a `policy apply` there renames the re-encoded
@@ -771,11 +780,56 @@ impl LowerDir {
         }
     }
 
-    fn register_file(&self, fd: OwnedFd) -> Opened {
+    fn register_file(&self, fd: OwnedFd, flags: i32) -> Result<Opened> {
+        if self.flush_on_close && crate::shared::mode().is_some() {
+            // Close-to-open, as NFS gives it: an open sees what other clients wrote and closed
+            // (a FUSE client such as GlusterFS's would read up to the size it last saw).
+            refresh_from_servers(fd.as_raw_fd())?;
+        }
         let fd = Arc::new(fd);
         let fh = self.new_fh();
         self.files.lock().insert(fh, fd.clone());
-        Opened { fh: FileHandle(fh), backing: Some(fd), direct_io: false, flush_on_close: self.flush_on_close }
+        if self.appends_need_lock(flags) {
+            // Neither passthrough nor the page cache: every append must reach the daemon whole.
+            self.appenders.lock().insert(fh);
+            return Ok(Opened { fh: FileHandle(fh), backing: None, direct_io: true, flush_on_close: true });
+        }
+        Ok(Opened { fh: FileHandle(fh), backing: Some(fd), direct_io: false, flush_on_close: self.flush_on_close })
+    }
+
+    /// Whether an open with `flags` appends to a file that other clients of a network file
+    /// system may append to at the same time. Such a client places an `O_APPEND` write at the
+    /// end of the file as it last saw it (GlusterFS does, from two clients: records overwrite
+    /// each other), so this mount's appends are made under the file's lock instead.
+    fn appends_need_lock(&self, flags: i32) -> bool {
+        self.flush_on_close
+            && flags & libc::O_APPEND != 0
+            && flags & libc::O_ACCMODE != libc::O_RDONLY
+            && crate::shared::mode().is_some()
+    }
+
+    /// Append `data` to the file of an `O_APPEND` descriptor under the file's write lock: the
+    /// lock makes the client fetch the file's size from the servers, the write goes to that end
+    /// (the descriptor appends), and the lock is dropped only once the write reached the
+    /// servers (see [`OfdLock`]). Other mounts do the same, and so do the encoding layers.
+    fn append_locked(&self, file: Arc<OwnedFd>, data: &[u8]) -> Result<usize> {
+        let lock = OfdLock { fd: file, network: true };
+        lock.take(LockKind::Exclusive, true)?;
+        let written = Self::write_all_at(lock.fd.as_raw_fd(), data, 0);
+        let released = lock.release(LockKind::Exclusive);
+        let written = written?;
+        released.map(|()| written)
+    }
+
+    fn write_all_at(fd: RawFd, data: &[u8], offset: u64) -> Result<usize> {
+        let mut done = 0;
+        while done < data.len() {
+            let n = check_size(unsafe {
+                libc::pwrite(fd, data[done..].as_ptr().cast(), data.len() - done, (offset + done as u64) as i64)
+            })?;
+            done += n;
+        }
+        Ok(done)
     }
 
     fn setattr(&self, node: NodeId, fh: Option<FileHandle>, set: &SetAttr) -> Result<Attr> {
@@ -1161,7 +1215,7 @@ impl LowerDir {
                 // reopening through the /proc link with O_NOFOLLOW would fail with ELOOP.
                 let flags = (flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY | libc::O_DIRECT | libc::O_NOFOLLOW)) | libc::O_CLOEXEC;
                 let fd = check(unsafe { libc::open(proc_path(n.fd.as_raw_fd()).as_ptr(), flags) })?;
-                let opened = self.register_file(unsafe { OwnedFd::from_raw_fd(fd) });
+                let opened = self.register_file(unsafe { OwnedFd::from_raw_fd(fd) }, flags)?;
                 self.note_open_rw(node, flags, &opened);
                 Ok(Reply::Opened(opened))
             }
@@ -1181,7 +1235,7 @@ impl LowerDir {
                 // (a round trip to the servers on a network file system).
                 let path_fd = check(unsafe { libc::open(proc_path(file.as_raw_fd()).as_ptr(), libc::O_PATH | libc::O_CLOEXEC) })?;
                 let entry = self.remember(unsafe { OwnedFd::from_raw_fd(path_fd) })?;
-                let opened = self.register_file(file);
+                let opened = self.register_file(file, flags)?;
                 self.note_open_rw(entry.node, flags, &opened);
                 Ok(Reply::Created(entry, opened))
             }
@@ -1204,13 +1258,11 @@ impl LowerDir {
             }
             Op::Write { fh, offset, data, .. } => {
                 let file = self.file(fh)?;
-                let mut done = 0;
-                while done < data.len() {
-                    let n = check_size(unsafe {
-                        libc::pwrite(file.as_raw_fd(), data[done..].as_ptr().cast(), data.len() - done, (offset + done as u64) as i64)
-                    })?;
-                    done += n;
-                }
+                let done = if self.appenders.lock().contains(&fh.0) {
+                    self.append_locked(file, data)?
+                } else {
+                    Self::write_all_at(file.as_raw_fd(), data, offset)?
+                };
                 Ok(Reply::Written(done as u32))
             }
             Op::Flush { fh, .. } => {
@@ -1227,6 +1279,7 @@ impl LowerDir {
             }
             Op::Release { fh, .. } => {
                 self.files.lock().remove(&fh.0);
+                self.appenders.lock().remove(&fh.0);
                 Ok(Reply::Empty)
             }
             Op::OpenDir { node } => {
