@@ -501,3 +501,68 @@ fn offline_tools_go_through_trees() {
     let out = run(plyfs().arg("du").arg(&m.lower).args(args));
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("new.txt"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// `renameat2(RENAME_WHITEOUT)`, which overlayfs asks of its upper file system: the old name
+/// shows a character device 0/0 (an object of its own, hiding the lower branch's file), the new
+/// name the file, and the read-only branch is left alone (xfstests generic/631 found it refused).
+#[test]
+fn a_whiteout_rename_leaves_a_device_that_hides_the_lower_file() {
+    assert!(is_root(), "RENAME_WHITEOUT needs CAP_MKNOD: run as root");
+    let (m, ro) = union_over("union", sample_tree);
+    let rename_whiteout = |from: &str, to: &str| {
+        let (from, to) = (cpath(&m.path(from)), cpath(&m.path(to)));
+        let rc = unsafe { libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_WHITEOUT) };
+        assert_eq!(rc, 0, "renameat2(RENAME_WHITEOUT): errno {}", errno());
+    };
+    rename_whiteout("lower-only", "moved");
+    rename_whiteout("dir/a", "dir/b");
+    let m = m.remount();
+    for (old, new, data) in [("lower-only", "moved", "lower only"), ("dir/a", "dir/b", "a")] {
+        let st = fs::symlink_metadata(m.path(old)).unwrap();
+        assert!(std::os::unix::fs::FileTypeExt::is_char_device(&st.file_type()) && st.rdev() == 0, "{old}: a whiteout device");
+        assert_eq!(fs::read_to_string(m.path(new)).unwrap(), data);
+    }
+    assert_eq!(fs::read_to_string(ro.join("lower-only")).unwrap(), "lower only");
+    assert_eq!(names(&ro.join("dir")), ["a", "sub"]);
+    fs::remove_file(m.path("lower-only")).unwrap();
+    assert!(!m.path("lower-only").exists(), "removing the device leaves the name empty, not the lower file");
+}
+
+/// Unmounts an overlayfs mount when dropped, also when the test fails.
+struct Overlay(PathBuf);
+
+impl Drop for Overlay {
+    fn drop(&mut self) {
+        let c = cpath(&self.0);
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// Kernel overlayfs with its upper and work directories on a union mount mounts, and renames
+/// and creates in it work (it needs RENAME_WHITEOUT there).
+#[test]
+fn overlayfs_takes_a_union_mount_as_its_upper_file_system() {
+    assert!(is_root(), "mounting overlayfs needs root");
+    let (m, _ro) = union_over("union", sample_tree);
+    for d in ["ovl-lower/etc", "ovl-upper", "ovl-work", "ovl-merged"] {
+        fs::create_dir_all(m.path(d)).unwrap();
+    }
+    fs::write(m.path("ovl-lower/etc/access.conf"), "conf").unwrap();
+    let merged = m.path("ovl-merged");
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={},index=off",
+        m.path("ovl-lower").display(),
+        m.path("ovl-upper").display(),
+        m.path("ovl-work").display()
+    );
+    let out = Command::new("mount").args(["-t", "overlay", "overlay", "-o", &opts]).arg(&merged).output().unwrap();
+    assert!(out.status.success(), "mount -t overlay: {}", String::from_utf8_lossy(&out.stderr));
+    let overlay = Overlay(merged.clone());
+    for _ in 0..2 {
+        fs::rename(merged.join("etc/access.conf"), merged.join("etc/access.conf.bak")).unwrap();
+        fs::write(merged.join("etc/access.conf"), "new").unwrap();
+    }
+    assert_eq!(fs::read_to_string(merged.join("etc/access.conf.bak")).unwrap(), "new");
+    assert_eq!(fs::read_to_string(m.path("ovl-lower/etc/access.conf")).unwrap(), "conf");
+    drop(overlay);
+}

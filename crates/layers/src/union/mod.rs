@@ -563,8 +563,7 @@ impl Union {
     }
 
     fn rename(&self, cx: &Caller, parent: NodeId, name: &OsStr, new_parent: NodeId, new_name: &OsStr, flags: u32) -> Result<Reply> {
-        if flags & !(libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE) != 0 {
-            // RENAME_WHITEOUT is for file systems below overlayfs, not above it.
+        if flags & !(libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE | libc::RENAME_WHITEOUT) != 0 {
             return Err(Error::Os(libc::EINVAL));
         }
         if is_temp(new_name) {
@@ -690,11 +689,15 @@ impl Union {
             }
             _ => {}
         }
+        // RENAME_WHITEOUT (overlayfs asks it of its upper file system, which this union may be)
+        // leaves a character device 0/0 under the old name on the upper branch: an object of
+        // the user's, not one of the union's whiteouts, and it hides what lies below as any
+        // object there does.
         upper.top().call(cx, &Op::Rename { parent: from.node, name, new_parent: to.node, new_name, flags })?;
         if src_is_dir && self.exists_below(cx, to_dir, new_name, upper.number)? {
             self.set_flag(&upper, place.node, OPAQUE_XATTR, b"y")?;
         }
-        if self.exists_below(cx, from_dir, name, upper.number)? {
+        if flags & libc::RENAME_WHITEOUT == 0 && self.exists_below(cx, from_dir, name, upper.number)? {
             self.whiteout(&upper, from.node, name)?;
         }
         Ok(())
