@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Judge an xfstests run against a stack's known failures (tests/xfstests/STACK.known).
 
-A known-failures file has one test per line, `generic/NNN  reason`; `#` starts a comment and
-`include FILE` reads another file of the same directory. A reason that starts with `skip:` keeps
+A known-failures file has one test per line, `generic/NNN  reason`; a line that starts with `#`
+is a comment (a reason may name an issue, `#30`), and `include FILE` reads another file of the same directory. A reason that starts with `skip:` keeps
 the test out of the run (one that hangs or outlasts any run), and `--excludes` lists those for
 check's -E. Exit status 1 when a test failed that the file does not list.
 """
@@ -11,7 +11,9 @@ import re
 import sys
 
 
-def read_known(path, seen=None):
+def read_known(path, seen=None, origin=None):
+    """The tests `path` lists (and the files it includes), with their reasons; `origin`, if
+    given, is filled with the file that lists each test."""
     seen = seen if seen is not None else set()
     if path in seen:
         return {}
@@ -19,16 +21,18 @@ def read_known(path, seen=None):
     known = {}
     with open(path) as f:
         for n, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
+            line = line.strip()
+            if not line or line.startswith("#"):
                 continue
             if line.startswith("include "):
-                known.update(read_known(os.path.join(os.path.dirname(path), line.split(None, 1)[1]), seen))
+                known.update(read_known(os.path.join(os.path.dirname(path), line.split(None, 1)[1]), seen, origin))
                 continue
             parts = line.split(None, 1)
             if len(parts) < 2 or not re.fullmatch(r"[a-z0-9]+/\d+", parts[0]):
                 sys.exit(f"{path}:{n}: expected `TEST REASON`, got `{line}`")
             known[parts[0]] = parts[1]
+            if origin is not None:
+                origin[parts[0]] = os.path.basename(path)
     return known
 
 
@@ -48,7 +52,8 @@ def main():
                 print(test)
         return 0
     known_path, out_path, stack = sys.argv[1:4]
-    known = read_known(known_path)
+    origin = {}
+    known = read_known(known_path, origin=origin)
     text = open(out_path, errors="replace").read()
     ran = last_list(text, "Ran")
     not_run = last_list(text, "Not run")
@@ -66,7 +71,7 @@ def main():
           f"({len(failed) - len(unexpected)} known), {len(not_run)} not run, {len(skipped)} left out by the known-failures file",
           file=sys.stderr)
     for t in now_pass:
-        print(f"  {t} passed but is listed as failing ({known[t]}): take it out of {os.path.basename(known_path)}", file=sys.stderr)
+        print(f"  {t} passed but is listed as failing ({known[t]}): take it out of {origin[t]}", file=sys.stderr)
     for t in unexpected:
         print(f"  {t} FAILED and is not a known failure", file=sys.stderr)
     return 1 if unexpected else 0
