@@ -310,3 +310,51 @@ fn branches_share_the_open_files_limit() {
     assert_eq!(tree(&a), tree(&b));
     assert_eq!(tree(&mnt).len(), 2525);
 }
+
+/// A mirror whose two branches share one file system, and fill it (xfstests generic/103): the
+/// branch that could not follow a write fails, as a mirror's must. The last one in sync then
+/// answers `ENOSPC` for what does not fit, and goes on serving reads, new names and removals:
+/// no `EIO`, and removing a file makes room again. (Its log of changes keeps room set aside;
+/// without it, the log could not note a change on the full branch, which failed too.)
+#[test]
+fn a_full_file_system_under_the_last_branch_answers_enospc_and_still_frees_space() {
+    assert!(is_root(), "this test mounts a small tmpfs: run as root");
+    struct Unmount(tempfile::TempDir);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg("-l").arg(self.0.path()).status();
+        }
+    }
+    let small = Unmount(tempfile::Builder::new().prefix("plyfs-small-").tempdir_in("/tmp").unwrap());
+    let status = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"]).arg(small.0.path()).status().unwrap();
+    assert!(status.success(), "mount -t tmpfs");
+    let (a, b) = (small.0.path().join("a"), small.0.path().join("b"));
+    fs::create_dir(&a).unwrap();
+    fs::create_dir(&b).unwrap();
+    let (dir, _, [mnt]) = scratch_dirs(["mnt"]);
+    let m = Mount::start(dir, a, mnt, "mirror", &[&format!("--branch={}", b.display())]);
+    fs::write(m.path("keep"), vec![7u8; 65536]).unwrap();
+    let mut fill = fs::File::create(m.path("fill")).unwrap();
+    let err = loop {
+        if let Err(e) = fill.write_all(&[1u8; 65536]) {
+            break e;
+        }
+    };
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "filling: {err}");
+    drop(fill);
+    // Many changes on the full file system: each is made or refused with ENOSPC.
+    for i in 0..200 {
+        let p = m.path(&format!("f{i}"));
+        match fs::write(&p, vec![2u8; 8192]) {
+            Ok(()) => {}
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{}: {e}\n{}", p.display(), m.daemon_log()),
+        }
+    }
+    assert_eq!(fs::read(m.path("keep")).unwrap(), vec![7u8; 65536]);
+    fs::remove_file(m.path("fill")).expect("removing a file on a full mirror");
+    fs::write(m.path("after"), vec![3u8; 1 << 20]).expect("writing once there is room again");
+    let status = op_json(&m.mnt, &["mirror-status"]);
+    assert_eq!(status["reads_from"], "mirror.0", "{status}");
+    assert_eq!(status["branches"][0]["state"], "in-sync", "{status}");
+    drop(m);
+}

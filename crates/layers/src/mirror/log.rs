@@ -37,6 +37,10 @@ pub fn is_log_name(name: &OsStr) -> bool {
 /// Rewrite a copy once it is this large and nothing is in flight.
 const COMPACT_AT: u64 = 1 << 20;
 
+/// The room each copy keeps set aside on its branch (see [`IntentLog::reserve`]): what it may
+/// grow to before it is compacted, twice over.
+const RESERVED: u64 = 2 * COMPACT_AT;
+
 fn daemon() -> Caller {
     Caller::daemon()
 }
@@ -320,6 +324,7 @@ impl IntentLog {
         let set = SetAttr { size: Some(0), ..SetAttr::default() };
         top.call(&daemon(), &Op::SetAttr { node: file.node, fh: Some(file.fh), set })?;
         file.size = 0;
+        Self::reserve(top, file);
         let mut text = String::new();
         state.seq += 1;
         let seq = state.seq;
@@ -336,6 +341,14 @@ impl IntentLog {
         }
         let file = state.files[b].as_mut().expect("opened above");
         Self::write_at(top, file, text.as_bytes())
+    }
+
+    /// Set aside room for the copy to grow to [`RESERVED`] bytes (`FALLOC_FL_KEEP_SIZE`), so that
+    /// the log can still note changes, above all those that free space, once the branch's file
+    /// system is full. Best effort: a branch whose layers cannot reserve space goes without.
+    fn reserve(top: &Level, file: &LogFile) {
+        let op = Op::Fallocate { node: file.node, fh: file.fh, offset: 0, length: RESERVED, mode: libc::FALLOC_FL_KEEP_SIZE };
+        let _ = top.call(&daemon(), &op);
     }
 
     fn write_at(top: &Level, file: &mut LogFile, bytes: &[u8]) -> Result<()> {

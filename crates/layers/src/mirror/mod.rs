@@ -771,6 +771,18 @@ impl Mirror {
         }
     }
 
+    /// What the log could not note of a change about to be made: the branches that could not
+    /// note it fail, unless none of the in-sync branches could (a full file system under all
+    /// of them): then the change is refused with that error, and no branch fails for it.
+    fn note_or_refuse(&self, unreached: Unreached) -> Result<()> {
+        let Some((_, first)) = unreached.first() else { return Ok(()) };
+        if self.in_sync().iter().all(|b| unreached.iter().any(|(u, _)| u == b)) {
+            return Err(Error::Os(first.errno()));
+        }
+        self.note(unreached);
+        Ok(())
+    }
+
     /// Whether branch `b` still has its directory (a removed one answers ENOENT everywhere).
     fn alive(&self, b: usize) -> bool {
         self.top(b).getattr(&daemon(), NodeId::ROOT).is_ok_and(|a| a.nlink > 0)
@@ -827,8 +839,13 @@ impl Mirror {
     /// [`Mirror::change`] once its locks are held.
     fn apply(&self, paths: &dyn Fn() -> Vec<String>, f: impl Fn(usize) -> Result<Reply>) -> Result<Changed> {
         let path_list = paths();
-        for p in &path_list {
-            self.note(self.log.begin(p));
+        for (i, p) in path_list.iter().enumerate() {
+            if let Err(e) = self.note_or_refuse(self.log.begin(p)) {
+                for begun in &path_list[..=i] {
+                    let _ = self.note_or_refuse(self.log.end(begun));
+                }
+                return Err(e);
+            }
         }
         let result = self.on_reader(&f);
         let mut others = Vec::new();
@@ -1120,7 +1137,11 @@ impl Mirror {
         let _members = self.membership.read();
         let _held = self.guard(Guard::Object(file.node))?;
         if !file.in_flight.swap(true, Ordering::AcqRel) {
-            self.note(self.log.begin(&file.path));
+            if let Err(e) = self.note_or_refuse(self.log.begin(&file.path)) {
+                let _ = self.note_or_refuse(self.log.end(&file.path));
+                file.in_flight.store(false, Ordering::Release);
+                return Err(e);
+            }
         }
         let targets = self.in_sync();
         let run = |b: usize| self.handle_on(file, b).and_then(|(node, bfh)| f(b, node, bfh));
