@@ -318,17 +318,8 @@ fn branches_share_the_open_files_limit() {
 /// without it, the log could not note a change on the full branch, which failed too.)
 #[test]
 fn a_full_file_system_under_the_last_branch_answers_enospc_and_still_frees_space() {
-    assert!(is_root(), "this test mounts a small tmpfs: run as root");
-    struct Unmount(tempfile::TempDir);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg("-l").arg(self.0.path()).status();
-        }
-    }
-    let small = Unmount(tempfile::Builder::new().prefix("plyfs-small-").tempdir_in("/tmp").unwrap());
-    let status = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"]).arg(small.0.path()).status().unwrap();
-    assert!(status.success(), "mount -t tmpfs");
-    let (a, b) = (small.0.path().join("a"), small.0.path().join("b"));
+    let small = SmallTmpfs::mount("8m");
+    let (a, b) = (small.path().join("a"), small.path().join("b"));
     fs::create_dir(&a).unwrap();
     fs::create_dir(&b).unwrap();
     let (dir, _, [mnt]) = scratch_dirs(["mnt"]);

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{cpath, crypt_passfile, get_file_flags, plyfs, run, set_file_flags, Mount};
+use common::{cpath, crypt_init, crypt_passfile, get_file_flags, plyfs, run, scratch_dirs, set_file_flags, Mount, SmallTmpfs};
 use serde_json::Value;
 
 fn text(len: usize) -> Vec<u8> {
@@ -434,5 +434,39 @@ fn file_attribute_flags_are_refused_on_encoded_files() {
     assert_eq!(set_file_flags(&m.path("f"), 0), libc::ENOTTY);
     if let Ok(flags) = get_file_flags(&m.lower_path("d")) {
         assert_eq!(get_file_flags(&m.path("d")), Ok(flags), "a directory passes");
+    }
+}
+
+/// `fallocate` on an encoded file sets room aside below, as a kernel file system does: asking
+/// for more than the free space fails with `ENOSPC` and leaves the file as it was (xfstests
+/// generic/213 found it growing the file instead), and room set aside shows as used.
+#[test]
+fn fallocate_sets_room_aside_and_refuses_more_than_there_is() {
+    for stack in ["zstd", "zstd,crypt"] {
+        let small = SmallTmpfs::mount("16m");
+        let lower = small.path().join("lower");
+        fs::create_dir(&lower).unwrap();
+        let (dir, root, [mnt]) = scratch_dirs(["mnt"]);
+        let mut options = Vec::new();
+        if stack.contains("crypt") {
+            crypt_init(&root, &lower, &[]);
+            options.push(format!("--passfile={}", crypt_passfile(&root).display()));
+        }
+        let options: Vec<&str> = options.iter().map(String::as_str).collect();
+        let m = Mount::start(dir, lower, mnt, stack, &options);
+        let f = OpenOptions::new().create(true).truncate(true).read(true).write(true).open(m.path("f")).unwrap();
+        let free = small.available();
+        let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, 2 * free as i64) };
+        assert_eq!((rc, common::errno()), (-1, libc::ENOSPC), "[{stack}] fallocate of twice the free space");
+        assert_eq!(f.metadata().unwrap().len(), 0, "[{stack}] a refused fallocate leaves the size");
+        let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, 4 << 20) };
+        assert_eq!(rc, 0, "[{stack}] fallocate of 4 MiB: errno {}", common::errno());
+        assert_eq!(f.metadata().unwrap().len(), 4 << 20, "[{stack}]");
+        assert!(small.available() + (4 << 20) <= free + (64 << 10), "[{stack}] 4 MiB set aside below: {} of {free} free", small.available());
+        let mut data = Vec::new();
+        (&f).read_to_end(&mut data).unwrap();
+        assert!(data.len() == 4 << 20 && data.iter().all(|&b| b == 0), "[{stack}] reads as zeros");
+        drop(f);
+        drop(m);
     }
 }

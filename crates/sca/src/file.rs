@@ -50,6 +50,11 @@ pub trait LowerIo {
     fn unlock(&self, _kind: LockKind) -> Result<()> {
         Ok(())
     }
+    /// Set aside room for `len` more bytes past the file's end (`fallocate` with
+    /// `FALLOC_FL_KEEP_SIZE`): `ENOSPC` when the file system below has not that much.
+    fn reserve(&self, _len: u64) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Per-layer settings and shared state: the codec and what it encodes a zero chunk to.
@@ -1772,6 +1777,14 @@ impl<L: LowerIo> ScaFile<L> {
     }
 
     /// Grow the file to `size` if it is smaller, across mounts.
+    /// `fallocate` of `length` bytes: the file below sets aside at least as much room as the
+    /// decoded bytes take (encoded, they take no more but for a chunk's header), so that
+    /// writing them later does not run out of space, and a request larger than the free space
+    /// fails with `ENOSPC`, as on a kernel file system.
+    pub fn reserve(&mut self, length: u64) -> Result<()> {
+        self.lower.reserve(length)
+    }
+
     pub fn grow_to(&mut self, size: u64) -> Result<()> {
         self.locked(LockKind::Exclusive, |f| if size > f.size() { f.truncate_now(size) } else { Ok(()) })
     }

@@ -233,6 +233,16 @@ impl LowerIo for LowerFile {
         self.writable
     }
 
+    fn reserve(&self, len: u64) -> Result<()> {
+        let offset = self.len()?;
+        let op = Op::Fallocate { node: self.node, fh: self.fh, offset, length: len, mode: libc::FALLOC_FL_KEEP_SIZE };
+        match self.level.call(&internal(), &op) {
+            // A file system below that cannot set space aside: the size alone, as before.
+            Err(e) if e.errno() == libc::EOPNOTSUPP => Ok(()),
+            other => other.map(|_| ()),
+        }
+    }
+
     fn lock(&self, kind: LockKind) -> Result<()> {
         plyfs_stack::shared::lock(&self.level, self.node, kind)
     }
@@ -723,6 +733,7 @@ impl ScaLayer {
         let keep_size = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
         match mode & !libc::FALLOC_FL_KEEP_SIZE {
             0 => {
+                file.reserve(length)?;
                 if !keep_size {
                     self.checked(node, &mut file, |file| file.grow_to(end))?;
                 }

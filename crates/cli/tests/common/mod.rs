@@ -469,3 +469,36 @@ impl Drop for Server {
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
+
+/// A tmpfs of `size` (e.g. `8m`) mounted on a directory of its own under /tmp, for tests that
+/// fill a file system; unmounted when dropped, also when the test fails. Needs root.
+pub struct SmallTmpfs(tempfile::TempDir);
+
+impl SmallTmpfs {
+    pub fn mount(size: &str) -> SmallTmpfs {
+        assert!(is_root(), "mounting a tmpfs needs root");
+        let dir = tempfile::Builder::new().prefix("plyfs-small-").tempdir_in("/tmp").unwrap();
+        let status =
+            std::process::Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"]).arg(dir.path()).status().unwrap();
+        assert!(status.success(), "mount -t tmpfs -o size={size}");
+        SmallTmpfs(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+
+    /// Bytes free for an unprivileged user.
+    pub fn available(&self) -> u64 {
+        let c = cpath(self.path());
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut s) }, 0);
+        s.f_bavail as u64 * s.f_frsize as u64
+    }
+}
+
+impl Drop for SmallTmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(self.0.path()).status();
+    }
+}
