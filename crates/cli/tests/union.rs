@@ -566,3 +566,37 @@ fn overlayfs_takes_a_union_mount_as_its_upper_file_system() {
     assert_eq!(fs::read_to_string(m.path("ovl-lower/etc/access.conf")).unwrap(), "conf");
     drop(overlay);
 }
+
+/// In an immutable or append-only directory, removing a name is refused with EPERM before the
+/// union looks whether a directory is empty or across branches, as a kernel file system does
+/// (xfstests generic/079 found ENOTEMPTY).
+#[test]
+fn names_in_an_immutable_directory_cannot_be_removed() {
+    assert!(is_root(), "chattr +i needs CAP_LINUX_IMMUTABLE: run as root");
+    let (m, _ro) = union_over("union", sample_tree);
+    // A whiteout marks the branch: removals take the union's own path.
+    fs::remove_file(m.path("lower-only")).unwrap();
+    fs::create_dir_all(m.path("d/sub")).unwrap();
+    fs::write(m.path("d/sub/f"), "x").unwrap();
+    fs::write(m.path("d/f"), "x").unwrap();
+    fs::create_dir(m.path("d/empty")).unwrap();
+    let before = get_file_flags(&m.path("d")).unwrap();
+    for flag in [FS_IMMUTABLE_FL, FS_APPEND_FL] {
+        assert_eq!(set_file_flags(&m.path("d"), before | flag), 0, "chattr");
+        for (what, result) in [
+            ("d/sub", fs::remove_dir(m.path("d/sub"))),
+            ("d/empty", fs::remove_dir(m.path("d/empty"))),
+            ("d/f", fs::remove_file(m.path("d/f"))),
+            ("dir (lower, holding d)", fs::remove_dir(m.path("dir"))),
+        ] {
+            if what.starts_with("dir") {
+                assert_eq!(result.unwrap_err().raw_os_error(), Some(libc::ENOTEMPTY), "{what}: the flag of d is not its");
+                continue;
+            }
+            assert_eq!(result.unwrap_err().raw_os_error(), Some(libc::EPERM), "{what} with flag {flag:#x} on d");
+        }
+        assert_eq!(set_file_flags(&m.path("d"), before), 0, "chattr");
+    }
+    fs::remove_dir(m.path("d/empty")).unwrap();
+    fs::remove_file(m.path("d/f")).unwrap();
+}

@@ -16,6 +16,10 @@ pub const FS_IOC_FSSETXATTR: u32 = 0x401c_5820;
 
 /// Synchronous updates (`chattr +S`), one of the flags `FS_IOC_GETFLAGS` reads.
 pub const FS_SYNC_FL: u32 = 0x08;
+/// No change at all (`chattr +i`).
+pub const FS_IMMUTABLE_FL: u32 = 0x10;
+/// Appends only (`chattr +a`).
+pub const FS_APPEND_FL: u32 = 0x20;
 /// No access times (`chattr +A`).
 pub const FS_NOATIME_FL: u32 = 0x80;
 

@@ -322,6 +322,7 @@ pub fn cpath(p: &Path) -> CString {
 
 pub const FS_NOATIME_FL: libc::c_int = 0x80;
 pub const FS_IMMUTABLE_FL: libc::c_int = 0x10;
+pub const FS_APPEND_FL: libc::c_int = 0x20;
 
 /// The file-attribute flags of a file or directory (`lsattr`), or the errno that refused them.
 pub fn get_file_flags(p: &Path) -> Result<libc::c_int, i32> {

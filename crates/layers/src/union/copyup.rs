@@ -188,22 +188,24 @@ fn keeping_times(upper: &BranchState, dir: NodeId, place: impl FnOnce() -> Resul
 /// is made for; the others belong to the object's place on its file system.
 const COPIED_FLAGS: u32 = plyfs_stack::ioctl::FS_NOATIME_FL | plyfs_stack::ioctl::FS_SYNC_FL;
 
+/// The file-attribute flags (`lsattr`) of `node` on branch `b`, where the branch has them.
+pub(super) fn file_flags(b: &BranchState, node: NodeId, kind: FileKind) -> Option<u32> {
+    let get = Op::Ioctl { node, fh: FileHandle(0), cmd: plyfs_stack::ioctl::FS_IOC_GETFLAGS, data: &[], out_size: 4 };
+    match b.top().ioctl_opened(&daemon(), &get, node, kind) {
+        Ok(Reply::Data(d)) if d.len() >= 4 => Some(u32::from_le_bytes([d[0], d[1], d[2], d[3]])),
+        _ => None,
+    }
+}
+
 /// Give the copy `dst` the [`COPIED_FLAGS`] of `src`, where both branches have flags; a branch
 /// without them (an encoding layer, a file system without flags) leaves the copy as it is.
 fn copy_file_flags(from: &BranchState, src: NodeId, upper: &BranchState, dst: NodeId, kind: FileKind) {
-    use plyfs_stack::ioctl::{FS_IOC_GETFLAGS, FS_IOC_SETFLAGS};
+    use plyfs_stack::ioctl::FS_IOC_SETFLAGS;
     if !matches!(kind, FileKind::File | FileKind::Dir) {
         return;
     }
-    let flags_of = |b: &BranchState, node: NodeId| {
-        let get = Op::Ioctl { node, fh: FileHandle(0), cmd: FS_IOC_GETFLAGS, data: &[], out_size: 4 };
-        match b.top().ioctl_opened(&daemon(), &get, node, kind) {
-            Ok(Reply::Data(d)) if d.len() >= 4 => Some(u32::from_le_bytes([d[0], d[1], d[2], d[3]])),
-            _ => None,
-        }
-    };
-    let Some(wanted) = flags_of(from, src).map(|f| f & COPIED_FLAGS).filter(|f| *f != 0) else { return };
-    let Some(now) = flags_of(upper, dst) else { return };
+    let Some(wanted) = file_flags(from, src, kind).map(|f| f & COPIED_FLAGS).filter(|f| *f != 0) else { return };
+    let Some(now) = file_flags(upper, dst, kind) else { return };
     let flags = ((now & !COPIED_FLAGS) | wanted).to_le_bytes();
     let set = Op::Ioctl { node: dst, fh: FileHandle(0), cmd: FS_IOC_SETFLAGS, data: &flags, out_size: 0 };
     if let Err(e) = upper.top().ioctl_opened(&daemon(), &set, dst, kind) {

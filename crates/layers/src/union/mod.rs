@@ -523,6 +523,19 @@ impl Union {
     }
 
     fn remove_found(&self, cx: &Caller, parent_id: NodeId, parent: &[Place], name: &OsStr, found: &Found, dir: bool) -> Result<()> {
+        // A kernel file system refuses first to take a name out of an immutable or append-only
+        // directory, or to remove such an object (EPERM), before it looks at the object's kind
+        // or whether a directory is empty. Flags live on the writable branch (chattr copies up).
+        let pinned = |places: &[Place], kind: FileKind| {
+            places.iter().take(1).any(|p| {
+                self.branch(p.branch).is_ok_and(|b| {
+                    b.writable() && copyup::file_flags(&b, p.node, kind).is_some_and(|f| f & (plyfs_stack::ioctl::FS_IMMUTABLE_FL | plyfs_stack::ioctl::FS_APPEND_FL) != 0)
+                })
+            })
+        };
+        if pinned(parent, FileKind::Dir) || pinned(&found.places, found.entry.attr.kind) {
+            return Err(Error::Os(libc::EPERM));
+        }
         match (dir, found.entry.attr.kind == FileKind::Dir) {
             (true, false) => return Err(Error::Os(libc::ENOTDIR)),
             (false, true) => return Err(Error::Os(libc::EISDIR)),
