@@ -142,8 +142,8 @@ fn generate(rng: &mut Rng) -> Op {
         74..=77 => Op::Rmdir { path: pick_path(rng) },
         78..=80 => {
             // Relative targets, resolved from the link's directory, and a dangling one; `..`
-            // only below the top, so that no target leads out of the tree (beside the
-            // reference lies the lower directory).
+            // only below the top. (A rename can still carry such a link to the top, whence `..`
+            // leads out of the tree: what lies beside each tree has names no sequence uses.)
             let path = pick_path(rng);
             let up = if path.contains('/') { "../" } else { "" };
             let target = match rng.below(3) {
@@ -504,10 +504,17 @@ impl Setup {
                 Target { mount: Some(m), _keep: vec![], reference }
             }
             Setup::Mirror => {
-                let (m, _) = common::mirror("mirror");
-                let reference = m.dir.path().join("reference");
-                std::fs::create_dir(&reference).unwrap();
-                Target { mount: Some(m), _keep: vec![], reference }
+                // Not common::mirror: its branches are named `a` and `b`, names the sequences
+                // use, and a link carried to the top by a rename leads out of the tree with `..`
+                // (both trees' neighbours must be out of every sequence's reach).
+                let (dir, root) = scratch_in("/tmp");
+                let (lower, second, mnt, reference) =
+                    (root.join("lower"), root.join("second"), root.join("mnt"), root.join("reference"));
+                for d in [&lower, &second, &mnt, &reference] {
+                    std::fs::create_dir(d).unwrap();
+                }
+                let branch = format!("--branch={}", second.display());
+                Target { mount: Some(Mount::start(dir, lower, mnt, "mirror", &[&branch])), _keep: vec![], reference }
             }
             Setup::Union => {
                 let (dir, root) = scratch_in("/tmp");
