@@ -82,7 +82,7 @@ impl Classic {
         match r {
             Ok(n) => {
                 let o = &self.fs.options;
-                reply.entry_with_ttls(&o.attr_ttl, &o.entry_ttl, &fuse_attr(n.ino, &n.attr), Generation(n.generation))
+                reply.entry_with_ttls(&self.fs.attr_ttl(n.ino), &o.entry_ttl, &fuse_attr(n.ino, &n.attr), Generation(n.generation))
             }
             Err(e) => reply.error(err(e)),
         }
@@ -90,7 +90,7 @@ impl Classic {
 
     fn attr(&self, reply: ReplyAttr, r: Res<NodeOut>) {
         match r {
-            Ok(n) => reply.attr(&self.fs.options.attr_ttl, &fuse_attr(n.ino, &n.attr)),
+            Ok(n) => reply.attr(&self.fs.attr_ttl(n.ino), &fuse_attr(n.ino, &n.attr)),
             Err(e) => reply.error(err(e)),
         }
     }
@@ -289,6 +289,7 @@ impl Filesystem for Classic {
             Ok(r) => r,
             Err(e) => return reply.error(err(e)),
         };
+        // The attributes of a file just made are current (see `FuseFs::open_out`).
         let ttl = &self.fs.options.entry_ttl;
         let attr = fuse_attr(node.ino, &node.attr);
         let generation = Generation(node.generation);

@@ -259,15 +259,16 @@ impl DirSink for RingDir<'_> {
 fn dispatch(fs: &FuseFs, h: &InHeader, op_in: &[u8], payload: &mut [u8], in_len: usize) -> Res<usize> {
     let cx = &h.caller;
     let ino = h.nodeid;
-    let (entry_ttl, attr_ttl) = (fs.options.entry_ttl, fs.options.attr_ttl);
+    let entry_ttl = fs.options.entry_ttl;
     let entry = |payload: &mut [u8], n: Res<NodeOut>| -> Res<usize> {
         let n = n?;
         let mut out = Out::new(payload);
-        out.entry(&n, entry_ttl, attr_ttl);
+        out.entry(&n, entry_ttl, fs.attr_ttl(n.ino));
         Ok(out.len)
     };
     let attr = |payload: &mut [u8], n: Res<NodeOut>| -> Res<usize> {
         let n = n?;
+        let attr_ttl = fs.attr_ttl(n.ino);
         let mut out = Out::new(payload);
         out.u64(attr_ttl.as_secs());
         out.u32(attr_ttl.subsec_nanos());
@@ -369,7 +370,8 @@ fn dispatch(fs: &FuseFs, h: &InHeader, op_in: &[u8], payload: &mut [u8], in_len:
             let (flags, mode, umask) = (u32_at(op_in, 0) as i32, u32_at(op_in, 4), u32_at(op_in, 8));
             let (n, o) = fs.create(cx, ino, name(&payload[..in_len])?.0, mode, umask, flags)?;
             let mut out = Out::new(payload);
-            out.entry(&n, entry_ttl, attr_ttl);
+            // The attributes of a file just made are current (see `FuseFs::open_out`).
+            out.entry(&n, entry_ttl, fs.options.attr_ttl);
             out.open(&o);
             Ok(out.len)
         }
