@@ -349,3 +349,22 @@ fn a_full_file_system_under_the_last_branch_answers_enospc_and_still_frees_space
     assert_eq!(status["branches"][0]["state"], "in-sync", "{status}");
     drop(m);
 }
+
+/// `SEEK_DATA` past the last data and `SEEK_HOLE` past the end answer ENXIO, as lseek(2) says:
+/// an answer, not a failure of the branch that gave it (xfstests generic/285 failed both
+/// branches with it, and every later access answered EIO).
+#[test]
+fn lseek_past_the_data_answers_enxio_and_fails_no_branch() {
+    let (m, _b) = mirror("mirror");
+    fs::write(m.path("f"), vec![1u8; 4096]).unwrap();
+    let f = fs::File::open(m.path("f")).unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+    for whence in [libc::SEEK_DATA, libc::SEEK_HOLE] {
+        let at = unsafe { libc::lseek(fd, 8192, whence) };
+        assert_eq!((at, errno()), (-1, libc::ENXIO), "lseek(8192, {whence})");
+    }
+    assert_eq!(unsafe { libc::lseek(fd, 0, libc::SEEK_HOLE) }, 4096);
+    let status = op_json(&m.mnt, &["mirror-status"]);
+    assert_eq!(status["degraded"], false, "{status}");
+    assert_eq!(fs::read(m.path("f")).unwrap(), vec![1u8; 4096]);
+}
