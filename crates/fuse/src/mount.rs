@@ -528,13 +528,24 @@ pub enum Unmounted {
 
 /// Unmount `mountpoint`. Without `lazy`, a busy mount is an error, as for `umount`. A stale
 /// mount (its daemon killed) unmounts like any other.
+///
+/// A mount is also busy for as long as another process's `statfs` of it takes (`df`, and
+/// anything else that looks at every mount, holds it meanwhile): such an `EBUSY` passes within
+/// moments, so it is tried again for up to two seconds before it is the answer.
 pub fn unmount(mountpoint: &Path, lazy: bool) -> Result<Unmounted, String> {
     let c = CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| "path has a NUL byte".to_owned())?;
     let flags = if lazy { libc::MNT_DETACH } else { 0 };
-    if unsafe { libc::umount2(c.as_ptr(), flags) } == 0 {
-        return Ok(if lazy { Unmounted::Lazily } else { Unmounted::Done });
-    }
-    let err = io::Error::last_os_error();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let err = loop {
+        if unsafe { libc::umount2(c.as_ptr(), flags) } == 0 {
+            return Ok(if lazy { Unmounted::Lazily } else { Unmounted::Done });
+        }
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EBUSY) || std::time::Instant::now() >= deadline {
+            break err;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
     match err.raw_os_error() {
         Some(libc::EPERM) => fusermount_unmount(mountpoint, lazy).map(|()| if lazy { Unmounted::Lazily } else { Unmounted::Done }),
         Some(libc::EBUSY) => Err("busy: files on it are in use (close them, or unmount with --lazy)".into()),
