@@ -201,8 +201,14 @@ fn apply_can_be_killed_and_resumed_without_losing_a_byte() {
     // The daemon finishes the file it was converting when the command died, so the second
     // run finds one or two fewer to do than were left at the kill.
     let summary = stdout(&out);
-    let counts: Vec<usize> = summary.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
-    let (done, already) = (counts[counts.len() - 2], counts[counts.len() - 1]);
+    // "N re-encoded, M already as their policy says[, K leftovers of an interrupted run removed]":
+    // the last part only when the kill left a half-made copy.
+    let count = |what: &str| -> usize {
+        let last = summary.lines().last().unwrap_or_default();
+        let part = last.split(", ").find(|p| p.contains(what)).unwrap_or_else(|| panic!("no '{what}' in {summary}"));
+        part.split(|c: char| !c.is_ascii_digit()).find_map(|w| w.parse().ok()).unwrap()
+    };
+    let (done, already) = (count("re-encoded"), count("already"));
     assert_eq!(done + already, files.len(), "{summary}");
     assert!(done + 1 >= files.len() - converted && done >= 1, "{summary}");
     for (p, d) in &files {
