@@ -982,3 +982,33 @@ fn a_tried_lock_does_not_wait() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(locked(&m.lower_path("f")), "taken");
 }
+
+/// A user creates a file with mode 0 on a GlusterFS lower and writes it through the descriptor
+/// the create gave, as POSIX allows (pjdfstest ftruncate and posix_fallocate do). The kernel's
+/// passthrough would open the lower file again with the daemon's credentials, which GlusterFS
+/// refuses by the permission bits even for root, and the create failed with EIO; such opens are
+/// served by the daemon.
+#[test]
+fn a_file_a_user_creates_with_mode_0_is_written_through_its_descriptor_on_gluster() {
+    let (g1, _) = gluster();
+    let dir = tempfile::Builder::new().prefix("plyfs-shared-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    fs::set_permissions(&root, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let lower = g1.join(root.file_name().unwrap());
+    fs::create_dir_all(&lower).unwrap();
+    let _on_volume = RemoveOnDrop(lower.clone());
+    let mnt = root.join("mnt");
+    fs::create_dir(&mnt).unwrap();
+    for options in [&["allow_other"][..], &["allow_other", "shared"][..]] {
+        let m = Mount::start(tempfile::tempdir().unwrap(), lower.clone(), mnt.clone(), "null", options);
+        let sub = m.path(&format!("sub-{}", options.len()));
+        fs::create_dir(&sub).unwrap();
+        fs::set_permissions(&sub, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+        let script = "import os, sys\nos.setgroups([]); os.setgid(65534); os.setuid(65534)\n\
+                      fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0)\nos.ftruncate(fd, 3)\nos.pwrite(fd, b'abc', 0)\n";
+        let out = run(std::process::Command::new("python3").arg("-c").arg(script).arg(sub.join("f")));
+        assert!(out.status.success(), "{options:?}: {}\n{}", String::from_utf8_lossy(&out.stderr), m.daemon_log());
+        assert_eq!(fs::read(sub.join("f")).unwrap(), b"abc", "{options:?}");
+        drop(m);
+    }
+}

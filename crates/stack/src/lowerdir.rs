@@ -794,7 +794,31 @@ impl LowerDir {
             self.appenders.lock().insert(fh);
             return Ok(Opened { fh: FileHandle(fh), backing: None, direct_io: true, flush_on_close: true });
         }
-        Ok(Opened { fh: FileHandle(fh), backing: Some(fd), direct_io: false, flush_on_close: self.flush_on_close })
+        let backing = (!self.flush_on_close || Self::reopenable(&fd, flags)).then_some(fd);
+        Ok(Opened { fh: FileHandle(fh), backing, direct_io: false, flush_on_close: self.flush_on_close })
+    }
+
+    /// Whether the kernel's passthrough can open the file again for `flags`. It opens the lower
+    /// file anew with this daemon's credentials, and a network file system decides by the file's
+    /// permission bits alone, root or not: a file a user created with mode 0 (the open that
+    /// created it may still write it) is refused there, and the caller's open would fail with
+    /// EIO (pjdfstest over GlusterFS). Such opens are served by the daemon instead.
+    fn reopenable(fd: &OwnedFd, flags: i32) -> bool {
+        let Ok(st) = fstat(fd.as_raw_fd()) else { return false };
+        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        let bits = if st.st_uid == uid {
+            st.st_mode >> 6
+        } else if st.st_gid == gid {
+            st.st_mode >> 3
+        } else {
+            st.st_mode
+        } & 0o7;
+        let need = match flags & libc::O_ACCMODE {
+            libc::O_RDONLY => 0o4,
+            libc::O_WRONLY => 0o2,
+            _ => 0o6,
+        };
+        bits & need == need
     }
 
     /// Whether an open with `flags` appends to a file that other clients of a network file
