@@ -50,7 +50,15 @@ unmount_all() {
 unmount_all
 rm -rf "$WORK"
 mkdir -p "$DISK" "$TEST_MNT" "$SCRATCH_MNT" "$WORK/bin" "$WORK/results"
-truncate -s "${XFSTESTS_DISK:-16G}" "$WORK/disk.img"
+# Sparse, but the tests that fill the file system make it all real: refuse to start without that
+# much room on the machine's disk (several runs at once, or images left behind, filled it once and
+# made every run's writes fail).
+SIZE=${XFSTESTS_DISK:-16G}
+need=$(numfmt --from=iec "$SIZE")
+free=$(( $(stat -f -c '%a * %S' "$WORK") ))
+[ "$free" -ge "$need" ] ||
+  die "$WORK: $(numfmt --to=iec "$free") free, and the lower file systems' image may take $SIZE (set XFSTESTS_DISK smaller)"
+truncate -s "$SIZE" "$WORK/disk.img"
 mkfs.ext4 -q -F "$WORK/disk.img"
 mount -o loop "$WORK/disk.img" "$DISK"
 mkdir -p "$TEST_LOWER" "$SCRATCH_LOWER"
@@ -71,6 +79,7 @@ SERVICES=()
 restore() {
   local status=$?
   unmount_all
+  rm -f "$WORK/disk.img"    # the results stay; the image can be gigabytes
   [ ${#SERVICES[@]} = 0 ] || kill "${SERVICES[@]}" 2>/dev/null || true
   if flock -xn 9; then
     rm -f "$HELPER"
