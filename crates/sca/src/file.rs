@@ -1801,12 +1801,20 @@ impl<L: LowerIo> ScaFile<L> {
             self.start_empty();
             return Ok(());
         }
+        let shrinking = size < self.size();
         let result = if self.padded {
             self.with_rebuild(|f| f.truncate_padded(size))
         } else {
             self.with_rebuild(|f| f.truncate_chunks(size))
         };
-        self.finish(result)
+        self.finish(result)?;
+        if shrinking {
+            // Room `reserve` set aside past the lower file's end goes with what was cut off:
+            // setting its length, even to what it is, makes ext4 and XFS free what lies past it.
+            let len = self.lower.len()?;
+            self.set_lower_len(len)?;
+        }
+        Ok(())
     }
 
     fn truncate_chunks(&mut self, size: u64) -> std::result::Result<(), Fault> {

@@ -501,11 +501,14 @@ impl ScaLayer {
         closed.map(|()| value)
     }
 
-    /// Report the decoded size of regular files, without decoding any data.
+    /// Report the decoded size of regular files, without decoding any data, and the chunk as
+    /// their block size: the unit in which they are written, and in which zeros are holes
+    /// (`SEEK_HOLE`), as a kernel file system's block is.
     fn fix_attr(&self, node: NodeId, attr: &mut Attr) {
         if attr.kind != FileKind::File {
             return;
         }
+        attr.blksize = 1 << self.engine.chunk_shift;
         let open = self.open.lock().get(&node).cloned();
         if let Some(f) = open {
             let idle = f.users.lock().idle;
@@ -754,7 +757,9 @@ impl ScaLayer {
     /// copies of it (versions, decode) keep them.
     fn lseek(&self, node: NodeId, offset: i64, whence: i32) -> Result<Reply> {
         let f = self.file_of(node)?;
-        let offset = u64::try_from(offset).map_err(|_| Error::Os(libc::EINVAL))?;
+        // A negative offset finds nothing, as lseek(2) says of SEEK_DATA and SEEK_HOLE past the
+        // end (xfstests generic/448).
+        let offset = u64::try_from(offset).map_err(|_| Error::Os(libc::ENXIO))?;
         let data = match whence {
             libc::SEEK_DATA => true,
             libc::SEEK_HOLE => false,
