@@ -139,7 +139,30 @@ fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, ini
                 size = new;
                 desc = format!("truncate {new}");
             }
-            46..=75 => {
+            72..=75 => {
+                // Punch a hole, or zero a range (keeping the size, or growing it), as fallocate
+                // does: whole chunks of an encoded file become holes, the edges zeros.
+                let off = rng.below(size + 1000);
+                let len = 1 + rng.below(80_000);
+                let mode = [
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                    libc::FALLOC_FL_ZERO_RANGE,
+                ][rng.below(3) as usize];
+                let fallocate = |f: &File| unsafe { libc::fallocate(f.as_raw_fd(), mode, off as i64, len as i64) };
+                desc = format!("fallocate mode {mode:#x} {off}+{len}");
+                if fallocate(&ours) == 0 {
+                    assert_eq!(fallocate(&reference), 0, "{desc} on the reference: {}", std::io::Error::last_os_error());
+                    if mode & libc::FALLOC_FL_KEEP_SIZE == 0 {
+                        size = size.max(off + len);
+                    }
+                } else {
+                    // A stack that cannot (EOPNOTSUPP) leaves the file alone; the reference too.
+                    let err = std::io::Error::last_os_error();
+                    assert_eq!(err.raw_os_error(), Some(libc::EOPNOTSUPP), "{desc}: {err}");
+                }
+            }
+            46..=71 => {
                 let off = rng.below(size + 1000);
                 let len = 1 + rng.below(100_000) as usize;
                 let mut a = vec![0u8; len];

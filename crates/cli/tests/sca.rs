@@ -437,7 +437,8 @@ fn file_attribute_flags_are_refused_on_encoded_files() {
     }
 }
 
-/// `fallocate` on an encoded file sets room aside below, as a kernel file system does: asking
+/// `fallocate` on an encoded file sets room aside below, as a kernel file system does, and punches
+/// holes that SEEK_HOLE finds. Asking
 /// for more than the free space fails with `ENOSPC` and leaves the file as it was (xfstests
 /// generic/213 found it growing the file instead), and room set aside shows as used.
 #[test]
@@ -469,6 +470,16 @@ fn fallocate_sets_room_aside_and_refuses_more_than_there_is() {
         // A truncate that shrinks the file gives the room back (xfstests generic/701 found it kept).
         f.set_len(1 << 20).unwrap();
         assert!(small.available() + (64 << 10) >= free, "[{stack}] room given back: {} of {free} free", small.available());
+        // A punched chunk (4 KiB chunks here) is a hole, as SEEK_DATA shows (xfstests generic/539).
+        f.set_len(0).unwrap();
+        f.write_all_at(&[b'a'; 12288], 0).unwrap();
+        let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        assert_eq!(unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), punch, 4096, 4096) }, 0, "[{stack}] punch");
+        assert_eq!(unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&f), 4096, libc::SEEK_DATA) }, 8192, "[{stack}] SEEK_DATA");
+        assert_eq!(unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&f), 0, libc::SEEK_HOLE) }, 4096, "[{stack}] SEEK_HOLE");
+        let mut all = vec![0u8; 12288];
+        f.read_exact_at(&mut all, 0).unwrap();
+        assert!(all[..4096].iter().all(|&b| b == b'a') && all[4096..8192].iter().all(|&b| b == 0) && all[8192..].iter().all(|&b| b == b'a'), "[{stack}]");
         drop(f);
         drop(m);
     }

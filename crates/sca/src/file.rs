@@ -1506,7 +1506,7 @@ impl<L: LowerIo> ScaFile<L> {
         let first_hole = self.ix.size.div_ceil(cs);
         let full_end = size >> shift;
         if full_end > first_hole {
-            self.zero_run(first_hole, full_end - first_hole)?;
+            self.zero_run(first_hole, full_end - first_hole, None)?;
         }
         if size > self.ix.size {
             let chunk = size >> shift;
@@ -1523,7 +1523,8 @@ impl<L: LowerIo> ScaFile<L> {
     /// Zero chunks `first..first + count` with `Run` records: one encoded zero chunk stands for
     /// each run. A deterministic codec shares one encoding among all runs; any other (a
     /// cipher) encodes one per run, bound to the run's place.
-    fn zero_run(&mut self, first: u64, count: u64) -> std::result::Result<(), Fault> {
+    /// `size`: the file's size the records leave, if not the end of the run (a run inside it).
+    fn zero_run(&mut self, first: u64, count: u64, size: Option<u64>) -> std::result::Result<(), Fault> {
         let shift = self.ix.chunk_shift;
         let shared = self.engine.codec.deterministic();
         let mut chunk = first;
@@ -1540,7 +1541,7 @@ impl<L: LowerIo> ScaFile<L> {
                 flags: if z.raw { FLAG_RAW } else { 0 },
                 count: n as u32,
                 decoded_len: 1 << shift,
-                ..self.header_for(chunk, (chunk + n) << shift)
+                ..self.header_for(chunk, size.unwrap_or((chunk + n) << shift))
             };
             self.append_record(header, &z.payload)?;
             chunk += n;
@@ -1847,13 +1848,32 @@ impl<L: LowerIo> ScaFile<L> {
     pub fn zero_range(&mut self, off: u64, len: u64) -> Result<()> {
         self.locked(LockKind::Exclusive, |f| {
             let end = (off + len).min(f.size());
-            let mut at = off;
-            while at < end {
-                let n = (end - at).min(IO_WINDOW_BYTES);
-                f.write_now(at, &vec![0; n as usize])?;
-                at += n;
+            let cs = f.ix.chunk_bytes();
+            // The chunks the range covers whole become a run of zero chunks, as a truncate's
+            // zeros do: a hole to SEEK_HOLE, and no data to store (xfstests generic/539).
+            let (first, last) = (off.div_ceil(cs), end / cs);
+            let (whole_from, whole_to) = if f.padded || last <= first { (end, end) } else { (first * cs, last * cs) };
+            let zeros = |f: &mut Self, from: u64, to: u64| -> Result<()> {
+                let mut at = from;
+                while at < to {
+                    let n = (to - at).min(IO_WINDOW_BYTES);
+                    f.write_now(at, &vec![0; n as usize])?;
+                    at += n;
+                }
+                Ok(())
+            };
+            zeros(f, off, whole_from.min(end))?;
+            if whole_to > whole_from {
+                let size = f.ix.size;
+                let result = f.with_rebuild(|f| {
+                    for chunk in first..last {
+                        f.lost.remove(&chunk);
+                    }
+                    f.zero_run(first, last - first, Some(size))
+                });
+                f.finish(result)?;
             }
-            Ok(())
+            zeros(f, whole_to.max(off), end)
         })
     }
 
