@@ -1777,7 +1777,6 @@ impl<L: LowerIo> ScaFile<L> {
         self.locked(LockKind::Exclusive, |f| f.truncate_now(size))
     }
 
-    /// Grow the file to `size` if it is smaller, across mounts.
     /// `fallocate` of `length` bytes: the file below sets aside at least as much room as the
     /// decoded bytes take (encoded, they take no more but for a chunk's header), so that
     /// writing them later does not run out of space, and a request larger than the free space
@@ -1786,6 +1785,7 @@ impl<L: LowerIo> ScaFile<L> {
         self.lower.reserve(length)
     }
 
+    /// Grow the file to `size` if it is smaller, across mounts.
     pub fn grow_to(&mut self, size: u64) -> Result<()> {
         self.locked(LockKind::Exclusive, |f| if size > f.size() { f.truncate_now(size) } else { Ok(()) })
     }
@@ -1862,7 +1862,7 @@ impl<L: LowerIo> ScaFile<L> {
                 }
                 Ok(())
             };
-            zeros(f, off, whole_from.min(end))?;
+            zeros(f, off, whole_from)?;
             if whole_to > whole_from {
                 let size = f.ix.size;
                 let result = f.with_rebuild(|f| {
@@ -1873,7 +1873,7 @@ impl<L: LowerIo> ScaFile<L> {
                 });
                 f.finish(result)?;
             }
-            zeros(f, whole_to.max(off), end)
+            zeros(f, whole_to, end)
         })
     }
 

@@ -1282,7 +1282,9 @@ impl LowerDir {
             }
             Op::Write { fh, offset, data, .. } => {
                 let file = self.file(fh)?;
-                let done = if self.appenders.lock().contains(&fh.0) {
+                // (Appenders exist only over a network file system: a local lower's writes
+                // take no lock for it.)
+                let done = if self.flush_on_close && self.appenders.lock().contains(&fh.0) {
                     self.append_locked(file, data)?
                 } else {
                     Self::write_all_at(file.as_raw_fd(), data, offset)?
@@ -1303,7 +1305,9 @@ impl LowerDir {
             }
             Op::Release { fh, .. } => {
                 self.files.lock().remove(&fh.0);
-                self.appenders.lock().remove(&fh.0);
+                if self.flush_on_close {
+                    self.appenders.lock().remove(&fh.0);
+                }
                 Ok(Reply::Empty)
             }
             Op::OpenDir { node } => {

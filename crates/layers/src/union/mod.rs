@@ -526,11 +526,11 @@ impl Union {
         // A kernel file system refuses first to take a name out of an immutable or append-only
         // directory, or to remove such an object (EPERM), before it looks at the object's kind
         // or whether a directory is empty. Flags live on the writable branch (chattr copies up).
+        use plyfs_stack::ioctl::{FS_APPEND_FL, FS_IMMUTABLE_FL};
         let pinned = |places: &[Place], kind: FileKind| {
-            places.iter().take(1).any(|p| {
-                self.branch(p.branch).is_ok_and(|b| {
-                    b.writable() && copyup::file_flags(&b, p.node, kind).is_some_and(|f| f & (plyfs_stack::ioctl::FS_IMMUTABLE_FL | plyfs_stack::ioctl::FS_APPEND_FL) != 0)
-                })
+            places.first().is_some_and(|p| {
+                let flags = |b: &BranchState| copyup::file_flags(b, p.node, kind).unwrap_or(0);
+                self.branch(p.branch).is_ok_and(|b| b.writable() && flags(&b) & (FS_IMMUTABLE_FL | FS_APPEND_FL) != 0)
             })
         };
         if pinned(parent, FileKind::Dir) || pinned(&found.places, found.entry.attr.kind) {
