@@ -109,11 +109,6 @@ impl Chain {
         self.stack.as_ref().map_or(&[], |s| s.layers())
     }
 
-    /// Whether a layer of the chain holds data its lower files do not have yet.
-    pub fn holds_data(&self) -> bool {
-        self.levels().iter().any(|l| l.layer().holds_data())
-    }
-
     pub fn transforms(&self) -> bool {
         self.stack.is_some()
     }

@@ -543,13 +543,10 @@ impl PolicyLayer {
 
     /// Report what the file's chain shows (the decoded size) instead of the lower attributes.
     fn fix_entry(&self, e: &mut Entry) -> Result<()> {
-        // An empty lower file is an empty file whatever its chain (unless the chain holds data
-        // not written to it yet); and while no file of the tree has a record and the default
-        // encodes nothing, no file is encoded.
-        if e.attr.kind != FileKind::File
-            || e.attr.size == 0 && !self.default.holds_data()
-            || !self.default.transforms() && !self.shared && !self.records.load(Ordering::Acquire)
-        {
+        // While no file of the tree has a record and the default encodes nothing, no file is
+        // encoded. An empty lower file still goes through its chain: the chain reports its own
+        // block size (the chunk), as it does when the file is created and at getattr.
+        if e.attr.kind != FileKind::File || !self.default.transforms() && !self.shared && !self.records.load(Ordering::Acquire) {
             return Ok(());
         }
         // A file whose chain cannot be read still has a name and attributes (the error is in the

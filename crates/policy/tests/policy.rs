@@ -363,3 +363,29 @@ fn the_root_says_whether_any_file_has_a_record() {
     assert_eq!(p.attr.size, 5000, "the decoded size, through the recorded chain");
     stack.shutdown();
 }
+
+/// An empty file reports the same attributes whichever request asks for them: its chain's block
+/// size (the chunk), not the lower file's, in the reply to its creation, to a lookup and to a
+/// getattr. (pjdfstest's rename::preserve_metadata compared a link's reply with the created
+/// file's over GlusterFS, whose block size is 128 KiB.)
+#[test]
+fn an_empty_file_has_one_block_size_for_every_request() {
+    let f = fixture("zstd:chunk=64k", "");
+    f.mkdir("", "gz");
+    f.set_policy("gz", "gzip:chunk=16k").unwrap();
+    for (dir, chunk) in [("", 64 << 10), ("gz", 16 << 10)] {
+        let top = f.stack.top();
+        let p = f.lookup_path(dir);
+        let (e, o) = top.create(&cx(), p, OsStr::new("empty"), 0o644, libc::O_RDWR | libc::O_EXCL).unwrap();
+        top.release(&cx(), e.node, o.fh).unwrap();
+        let looked_up = top.lookup(&cx(), p, OsStr::new("empty")).unwrap();
+        let got = top.getattr(&cx(), e.node).unwrap();
+        let op = Op::Link { node: e.node, new_parent: p, new_name: OsStr::new("link") };
+        let Ok(Reply::Entry(link)) = top.call(&cx(), &op) else { panic!("{dir}: link") };
+        assert_eq!(
+            [e.attr.blksize, looked_up.attr.blksize, got.blksize, link.attr.blksize],
+            [chunk; 4],
+            "{dir}/empty: block size in the replies to create, lookup, getattr and link"
+        );
+    }
+}
