@@ -6,7 +6,7 @@ mod common;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirEntryExt, FileExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirEntryExt, FileExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -402,3 +402,122 @@ posix_tests!(null_cached_over_dev_fuse, "null", &["passthrough=off", "io_uring=o
 posix_tests!(trace_all_io, "trace:io=on,null", &[]);
 posix_tests!(eight_nulls, "null,null,null,null,null,null,null,null", &[]);
 posix_tests!(union_of_one, "union", &[]);
+
+/// Linux AIO (`io_submit`), as xfstests' aio-dio-cycle-write uses it: a submitted write is
+/// asynchronous to the kernel (not a synchronous kiocb), unlike pwrite(2).
+mod aio {
+    #[repr(C)]
+    #[derive(Default)]
+    struct Iocb {
+        data: u64,
+        key: u32,
+        rw_flags: i32,
+        opcode: u16,
+        reqprio: i16,
+        fildes: u32,
+        buf: u64,
+        nbytes: u64,
+        offset: i64,
+        reserved2: u64,
+        flags: u32,
+        resfd: u32,
+    }
+
+    #[repr(C)]
+    #[derive(Default, Clone, Copy)]
+    struct Event {
+        data: u64,
+        obj: u64,
+        res: i64,
+        res2: i64,
+    }
+
+    const IOCB_CMD_PWRITE: u16 = 1;
+
+    pub struct Context(libc::c_ulong);
+
+    impl Context {
+        pub fn new() -> Context {
+            let mut ctx: libc::c_ulong = 0;
+            let r = unsafe { libc::syscall(libc::SYS_io_setup, 1, &mut ctx as *mut libc::c_ulong) };
+            assert_eq!(r, 0, "io_setup: {}", std::io::Error::last_os_error());
+            Context(ctx)
+        }
+
+        /// Write `buf` at `offset` of `fd` through io_submit and wait for its completion.
+        pub fn pwrite(&self, fd: i32, buf: &[u8], offset: i64) -> i64 {
+            let mut cb = Iocb { opcode: IOCB_CMD_PWRITE, fildes: fd as u32, buf: buf.as_ptr() as u64, nbytes: buf.len() as u64, offset, ..Default::default() };
+            let mut list = [&mut cb as *mut Iocb];
+            let r = unsafe { libc::syscall(libc::SYS_io_submit, self.0, 1, list.as_mut_ptr()) };
+            assert_eq!(r, 1, "io_submit: {}", std::io::Error::last_os_error());
+            let mut ev = [Event::default()];
+            let r = unsafe { libc::syscall(libc::SYS_io_getevents, self.0, 1, 1, ev.as_mut_ptr(), std::ptr::null_mut::<libc::timespec>()) };
+            assert_eq!(r, 1, "io_getevents: {}", std::io::Error::last_os_error());
+            ev[0].res
+        }
+    }
+
+    impl Drop for Context {
+        fn drop(&mut self) {
+            unsafe { libc::syscall(libc::SYS_io_destroy, self.0) };
+        }
+    }
+}
+
+/// A buffer aligned for O_DIRECT, filled with `byte`.
+fn aligned(len: usize, byte: u8) -> (Vec<u8>, usize) {
+    let v = vec![byte; len + 4096];
+    let skip = v.as_ptr().align_offset(4096);
+    (v, skip)
+}
+
+/// Asynchronous O_DIRECT writes while other threads keep reading the file through the page cache
+/// (xfstests generic/451): once a write has completed, a buffered read returns what it wrote.
+/// With FUSE_ASYNC_DIO the kernel of this machine completed such writes without dropping the
+/// pages the readers filled meanwhile, and reads returned the pattern before the write.
+fn async_direct_writes_beside_buffered_reads(m: &Mount) {
+    const LEN: usize = 640 << 10;
+    let path = m.mnt.join("aio-dio");
+    fs::write(&path, vec![0x55; LEN]).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (path, stop) = (path.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut buf = vec![0; LEN];
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = File::open(&path).and_then(|f| f.read_at(&mut buf, 0));
+                }
+            })
+        })
+        .collect();
+    let file = OpenOptions::new().write(true).custom_flags(libc::O_DIRECT).open(&path).unwrap();
+    let ctx = aio::Context::new();
+    let patterns = [(aligned(LEN, 0xaa)), (aligned(LEN, 0x55))];
+    let mut stale = None;
+    let mut read = vec![0; LEN];
+    for round in 0..400 {
+        let ((buf, skip), byte) = (&patterns[round % 2], [0xaa, 0x55][round % 2]);
+        assert_eq!(ctx.pwrite(file.as_raw_fd(), &buf[*skip..*skip + LEN], 0), LEN as i64, "round {round}: the write");
+        File::open(&path).unwrap().read_exact_at(&mut read, 0).unwrap();
+        if let Some(at) = read.iter().position(|b| *b != byte) {
+            stale = Some((round, at, read[at]));
+            break;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for r in readers {
+        r.join().unwrap();
+    }
+    assert_eq!(stale, None, "(round, offset, byte): a buffered read after a completed direct write saw the old data");
+}
+
+#[test]
+fn async_direct_writes_beside_buffered_reads_on_zstd() {
+    async_direct_writes_beside_buffered_reads(&Mount::new("zstd"));
+}
+
+#[test]
+fn async_direct_writes_beside_buffered_reads_cached() {
+    async_direct_writes_beside_buffered_reads(&Mount::with("null", &["passthrough=off"]));
+}

@@ -163,7 +163,12 @@ impl Filesystem for Classic {
             InitFlags::FUSE_HANDLE_KILLPRIV_V2,
             InitFlags::FUSE_AUTO_INVAL_DATA,
             InitFlags::FUSE_CACHE_SYMLINKS,
-            InitFlags::FUSE_ASYNC_DIO,
+            // Not FUSE_ASYNC_DIO: with it, an asynchronous O_DIRECT write to a file kept in the
+            // page cache completes without dropping the pages a concurrent buffered read filled
+            // during the write (this kernel has no invalidation at completion), and later reads
+            // return the old data (xfstests generic/451). Without it the kernel sends the write
+            // at submission and drops those pages after it. Passthrough files are not affected
+            // either way: the kernel hands their I/O to the lower file.
         ] {
             if caps.contains(flag) {
                 let _ = config.add_capabilities(flag);
