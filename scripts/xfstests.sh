@@ -39,11 +39,15 @@ WORK=${XFSTESTS_WORK:-/var/tmp/plyfs-xfstests/${STACK//,/-}}
 # tests that fill the file system fill that, not the machine's disk, and runs on several stacks at
 # once do not fill each other's.
 DISK=$WORK/disk
+# mirror's second branches live on an image of their own, 1 GiB larger: a test that fills the
+# file system fills the first branch first, and the write is refused there (ENOSPC) before the
+# second branch could fail for want of room, which would leave the rest of the run on one branch.
+BRANCH_DISK=$WORK/branch-disk
 TEST_LOWER=$DISK/test SCRATCH_LOWER=$DISK/scratch TEST_MNT=$WORK/test-mnt SCRATCH_MNT=$WORK/scratch-mnt
 
 unmount_all() {
   local m
-  for m in "$TEST_MNT" "$SCRATCH_MNT" "$DISK"; do
+  for m in "$TEST_MNT" "$SCRATCH_MNT" "$DISK" "$BRANCH_DISK"; do
     if mountpoint -q "$m" 2>/dev/null; then umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; fi
   done
 }
@@ -55,9 +59,10 @@ mkdir -p "$DISK" "$TEST_MNT" "$SCRATCH_MNT" "$WORK/bin" "$WORK/results"
 # made every run's writes fail).
 SIZE=${XFSTESTS_DISK:-16G}
 need=$(numfmt --from=iec "$SIZE")
+[ "$STACK" != mirror ] || need=$(( 2 * need + (1 << 30) ))
 free=$(( $(stat -f -c '%a * %S' "$WORK") ))
 [ "$free" -ge "$need" ] ||
-  die "$WORK: $(numfmt --to=iec "$free") free, and the lower file systems' image may take $SIZE (set XFSTESTS_DISK smaller)"
+  die "$WORK: $(numfmt --to=iec "$free") free, and the lower file systems' images may take $(numfmt --to=iec "$need") (set XFSTESTS_DISK smaller)"
 truncate -s "$SIZE" "$WORK/disk.img"
 mkfs.ext4 -q -F "$WORK/disk.img"
 mount -o loop "$WORK/disk.img" "$DISK"
@@ -79,7 +84,7 @@ SERVICES=()
 restore() {
   local status=$?
   unmount_all
-  rm -f "$WORK/disk.img"    # the results stay; the image can be gigabytes
+  rm -f "$WORK/disk.img" "$WORK/branch.img"    # the results stay; the images can be gigabytes
   [ ${#SERVICES[@]} = 0 ] || kill "${SERVICES[@]}" 2>/dev/null || true
   if flock -xn 9; then
     rm -f "$HELPER"
@@ -134,8 +139,12 @@ case $STACK in
     done
     TEST_EXTRA=",branch=$DISK/test-ro=ro" SCRATCH_EXTRA=",branch=$DISK/scratch-ro=ro" ;;
   mirror)
-    mkdir -p "$DISK/test-b" "$DISK/scratch-b"
-    TEST_EXTRA=",branch=$DISK/test-b" SCRATCH_EXTRA=",branch=$DISK/scratch-b" ;;
+    truncate -s $(( $(numfmt --from=iec "$SIZE") + (1 << 30) )) "$WORK/branch.img"
+    mkfs.ext4 -q -F "$WORK/branch.img"
+    mkdir -p "$BRANCH_DISK"
+    mount -o loop "$WORK/branch.img" "$BRANCH_DISK"
+    mkdir -p "$BRANCH_DISK/test-b" "$BRANCH_DISK/scratch-b"
+    TEST_EXTRA=",branch=$BRANCH_DISK/test-b" SCRATCH_EXTRA=",branch=$BRANCH_DISK/scratch-b" ;;
 esac
 
 # xfstests asks df for the mounted type and compares it with FSTYP ("fuse"); the kernel shows
