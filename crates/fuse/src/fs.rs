@@ -571,10 +571,7 @@ impl FuseFs {
     /// one that passes a getattr's handle down unchanged (sca, crypt) had the level below answer
     /// with another open file's attributes, whose mode was then set on this file (#28).
     fn kill_privileges(&self, level: &Level, cx: &Caller, node: NodeId) -> plyfs_stack::Result<()> {
-        let attr = match level.call(cx, &Op::GetAttr { node, fh: None })? {
-            Reply::Attr(a) => a,
-            _ => return Err(Error::Os(libc::EIO)),
-        };
+        let attr = level.getattr(cx, node)?;
         if attr.kind != FileKind::File {
             return Ok(());
         }
