@@ -47,6 +47,13 @@ impl Codec for Uuencode {
         Ok(())
     }
 
+    /// Four characters for every three bytes (or fewer, at a line's end), and a length
+    /// character and a newline per line.
+    fn max_payload(&self, chunk_len: usize) -> usize {
+        let lines = chunk_len.div_ceil(LINE_BYTES);
+        (chunk_len.div_ceil(3) + lines) * 4 + lines * 2
+    }
+
     fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
         out.reserve(decoded_len);
         for line in encoded.split(|&c| c == b'\n').filter(|l| !l.is_empty()) {

@@ -55,6 +55,14 @@ pub trait Codec: Send + Sync + 'static {
         false
     }
 
+    /// The most bytes the payload of an encoded chunk of `chunk_len` bytes can take: what
+    /// `fallocate` sets aside in the file below for each chunk a range touches. A codec that
+    /// stores a chunk as-is when encoding does not shrink it takes no more than the chunk; one
+    /// that can make a chunk larger says by how much.
+    fn max_payload(&self, chunk_len: usize) -> usize {
+        chunk_len
+    }
+
     /// A fresh identity for a new file, stored in its header and passed back in every
     /// [`Place`]; `None` (the default) for codecs whose output does not depend on the file.
     fn new_file_id(&self) -> Option<[u8; 16]> {

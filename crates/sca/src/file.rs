@@ -1777,12 +1777,15 @@ impl<L: LowerIo> ScaFile<L> {
         self.locked(LockKind::Exclusive, |f| f.truncate_now(size))
     }
 
-    /// `fallocate` of `length` bytes: the file below sets aside at least as much room as the
-    /// decoded bytes take (encoded, they take no more but for a chunk's header), so that
-    /// writing them later does not run out of space, and a request larger than the free space
-    /// fails with `ENOSPC`, as on a kernel file system.
-    pub fn reserve(&mut self, length: u64) -> Result<()> {
-        self.lower.reserve(length)
+    /// `fallocate` of `length` bytes at `offset`: the file below sets aside room for a record of
+    /// every chunk the range touches, at the most its codec can encode a chunk to (a write into
+    /// a chunk writes the whole chunk again), for the checkpoint that lists them, and for the
+    /// header if the file has none yet. Writing the range later then does not run out of space,
+    /// and a request larger than the free space fails with `ENOSPC`, as on a kernel file system.
+    pub fn reserve(&mut self, offset: u64, length: u64) -> Result<()> {
+        let header = if self.header_on_disk { 0 } else { DATA_START };
+        let need = reserve_bytes(self.ix.chunk_shift, offset, length, |n| self.engine.codec.max_payload(n));
+        self.lower.reserve(need.saturating_add(header))
     }
 
     /// Grow the file to `size` if it is smaller, across mounts.
@@ -2234,4 +2237,21 @@ impl Window<'_> {
         let at = (off - self.start) as usize;
         Ok(Some(&self.bytes[at..at + len as usize]))
     }
+}
+
+/// The bytes of the file below that writing `length` bytes at `offset` may take: a record for
+/// each chunk (of `1 << shift` bytes) the range touches, with the largest payload
+/// `max_payload` allows for a chunk, and a checkpoint record naming each of them apart.
+pub fn reserve_bytes(shift: u8, offset: u64, length: u64, max_payload: impl Fn(usize) -> usize) -> u64 {
+    /// A checkpoint's bytes per extent, at the most: varints of the chunk gap and count, and the
+    /// record's place, length and sequence.
+    const CHECKPOINT_EXTENT_BYTES: u64 = 48;
+    if length == 0 {
+        return 0;
+    }
+    let last = offset.saturating_add(length - 1);
+    let chunks = (last >> shift) - (offset >> shift) + 1;
+    let payload = u32::try_from(max_payload(1 << shift)).unwrap_or(u32::MAX);
+    let checkpoint = u32::try_from(chunks.saturating_mul(CHECKPOINT_EXTENT_BYTES).saturating_add(64)).unwrap_or(u32::MAX);
+    chunks.saturating_mul(record_bytes(payload)).saturating_add(record_bytes(checkpoint))
 }

@@ -736,9 +736,16 @@ impl ScaLayer {
         let keep_size = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
         match mode & !libc::FALLOC_FL_KEEP_SIZE {
             0 => {
-                file.reserve(length)?;
-                if !keep_size {
+                file.reserve(offset, length)?;
+                if !keep_size && end > file.size() {
+                    let old = file.size();
                     self.checked(node, &mut file, |file| file.grow_to(end))?;
+                    // Growing wrote at the end of the file below, into the room just set aside:
+                    // set it aside again from the new end (where the range's writes will go).
+                    if let Err(e) = file.reserve(offset, length) {
+                        let _ = self.checked(node, &mut file, |file| file.truncate(old));
+                        return Err(e);
+                    }
                 }
             }
             libc::FALLOC_FL_PUNCH_HOLE if keep_size => self.checked(node, &mut file, |file| file.zero_range(offset, length))?,

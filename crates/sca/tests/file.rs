@@ -531,3 +531,70 @@ fn a_padded_file_grows_sparse_without_filling_the_gap() {
     assert_eq!(f.read((5 << 30) - 2, 8).map_err(|_| ()).unwrap(), b"\0\0tail\0\0");
     assert_eq!(f.read((40 << 30) - 4, 100).map_err(|_| ()).unwrap(), [0; 4]);
 }
+
+/// A lower file that notes how far `fallocate` set room aside.
+#[derive(Clone)]
+struct Reserving {
+    file: MemLower,
+    reserved_to: Arc<Mutex<u64>>,
+}
+
+impl LowerIo for Reserving {
+    fn read_at(&self, off: u64, len: usize) -> Result<Vec<u8>> {
+        self.file.read_at(off, len)
+    }
+    fn write_at(&self, off: u64, data: &[u8]) -> Result<()> {
+        self.file.write_at(off, data)
+    }
+    fn set_len(&self, len: u64) -> Result<()> {
+        self.file.set_len(len)
+    }
+    fn len(&self) -> Result<u64> {
+        self.file.len()
+    }
+    fn sync(&self) -> Result<()> {
+        self.file.sync()
+    }
+    fn writable(&self) -> bool {
+        true
+    }
+    fn describe(&self) -> String {
+        self.file.describe()
+    }
+    fn reserve(&self, len: u64) -> Result<()> {
+        let end = self.file.len()? + len;
+        let mut to = self.reserved_to.lock();
+        *to = (*to).max(end);
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// What `fallocate` sets aside (as the layer asks for it: set aside, grow the file, set
+    /// aside again from the new end) holds a new file once the range is written and closed,
+    /// whatever the data, the chunk size and the range.
+    #[test]
+    fn fallocate_sets_aside_what_writing_the_range_takes(
+        shift in 12u8..=14,
+        offset in 0u64..200_000,
+        length in 1u64..300_000,
+        noisy in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let lower = Reserving { file: MemLower(Arc::new(Mutex::new(Vec::new()))), reserved_to: Arc::new(Mutex::new(0)) };
+        let mut f = ScaFile::created(engine(shift, false), lower.clone());
+        f.reserve(offset, length).unwrap();
+        f.grow_to(offset + length).unwrap();
+        f.reserve(offset, length).unwrap();
+        let mut x = seed | 1;
+        let data: Vec<u8> = (0..length)
+            .map(|i| if noisy { x ^= x << 13; x ^= x >> 7; x ^= x << 17; x as u8 } else { (i / 7) as u8 })
+            .collect();
+        f.write(offset, &data).unwrap();
+        f.close().unwrap();
+        let (len, reserved) = (lower.len().unwrap(), *lower.reserved_to.lock());
+        prop_assert!(len <= reserved, "the file below takes {len} bytes, {reserved} were set aside");
+    }
+}

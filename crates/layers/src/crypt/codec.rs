@@ -266,6 +266,11 @@ impl Codec for CryptCodec {
         Err("a chunk cannot be decrypted without its place".into())
     }
 
+    /// A chunk is stored (compressed or not) and sealed: nonce, kind and tag come on top.
+    fn max_payload(&self, chunk_len: usize) -> usize {
+        chunk_len + self.overhead() as usize
+    }
+
     fn encode_at(&self, place: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
         let mut nonce = [0u8; 24];
         let nonce = &mut nonce[..self.nonce_len()];
