@@ -337,3 +337,37 @@ fn a_killed_exofs_mount_loses_nothing_that_was_synced_and_the_next_mount_takes_o
     assert_eq!(std::fs::read(x.m.path("d/after")).unwrap(), b"after");
     assert!(x.m.unmount().success());
 }
+
+/// What exofs does not do it refuses, and changes nothing: a POSIX ACL (exofs would keep it beside a
+/// mode it disagrees with, and the kernel would then let the owner do what the ACL denies: xfstests
+/// generic/099) and a rename with a flag it lacks (`RENAME_WHITEOUT`, which it ignored: generic/078).
+#[test]
+fn acls_and_whiteout_renames_are_refused_and_change_nothing() {
+    let x = exofs_mount("null");
+    let f = x.m.path("f");
+    std::fs::write(&f, b"x").unwrap();
+    std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o640)).unwrap();
+    // An access ACL of user::r-x group::--- other::---, as setfacl writes it.
+    let mut acl = 2u32.to_le_bytes().to_vec();
+    for (tag, perm) in [(0x01u16, 5u16), (0x04, 0), (0x20, 0)] {
+        acl.extend_from_slice(&tag.to_le_bytes());
+        acl.extend_from_slice(&perm.to_le_bytes());
+        acl.extend_from_slice(&u32::MAX.to_le_bytes());
+    }
+    let p = cpath(&f);
+    std::fs::create_dir(x.m.path("d")).unwrap();
+    for (on, name) in [(&f, "system.posix_acl_access"), (&x.m.path("d"), "system.posix_acl_default")] {
+        let n = std::ffi::CString::new(name).unwrap();
+        let rc = unsafe { libc::setxattr(cpath(on).as_ptr(), n.as_ptr(), acl.as_ptr().cast(), acl.len(), 0) };
+        assert_eq!((rc, errno()), (-1, libc::EOPNOTSUPP), "{name}");
+    }
+    let mode = std::fs::metadata(&f).unwrap().permissions();
+    assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o7777, 0o640, "the mode is left as it was");
+    let to = cpath(&x.m.path("g"));
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, p.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_WHITEOUT) };
+    assert_eq!((rc, errno()), (-1, libc::EINVAL), "RENAME_WHITEOUT");
+    assert!(f.exists() && !x.m.path("g").exists(), "nothing moved");
+    let both = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE;
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, p.as_ptr(), libc::AT_FDCWD, to.as_ptr(), both) };
+    assert_eq!((rc, errno()), (-1, libc::EINVAL), "RENAME_NOREPLACE with RENAME_EXCHANGE");
+}

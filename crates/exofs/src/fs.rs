@@ -677,8 +677,14 @@ impl Fs {
         Ok(attrs)
     }
 
-    /// `rename(2)`, with `RENAME_NOREPLACE` and `RENAME_EXCHANGE`.
+    /// `rename(2)`, with `RENAME_NOREPLACE` and `RENAME_EXCHANGE`. Any other flag
+    /// (`RENAME_WHITEOUT`) is refused with `EINVAL`, as by a kernel file system without it, rather
+    /// than ignored (xfstests generic/078 found the whiteout missing).
     pub fn rename(&self, parent: u64, name: &OsStr, new_parent: u64, new_name: &OsStr, flags: u32) -> Result<()> {
+        let (noreplace, exchange) = (libc::RENAME_NOREPLACE, libc::RENAME_EXCHANGE);
+        if flags & !(noreplace | exchange) != 0 || flags & noreplace != 0 && flags & exchange != 0 {
+            return Err(Error::Os(libc::EINVAL));
+        }
         if !valid_name(new_name) {
             return Err(Error::Os(libc::ENAMETOOLONG));
         }
