@@ -170,9 +170,9 @@ EOF
 python3 "$ROOT/tests/xfstests/judge.py" --excludes "$KNOWN" > "$WORK/excluded"
 
 echo "== xfstests on $STACK: $* (plyfs $("$PLYFS" --version | cut -d' ' -f2-), xfstests $(. "$XFSTESTS_DIR/VERSION"; echo "$PACKAGE_MAJOR.$PACKAGE_MINOR.$PACKAGE_REVISION"))" >&2
-status=0
-(cd "$XFSTESTS_DIR" && PATH=$WORK/bin:$PATH HOST_OPTIONS=$WORK/config ./check -E "$WORK/excluded" "$@") 2>&1 | tee "$WORK/check.out" || status=$?
+# check exits 1 when any test failed, known or not: the judge decides (and a run that never got
+# to its summary, having no `Ran:` line, fails there).
+(cd "$XFSTESTS_DIR" && PATH=$WORK/bin:$PATH HOST_OPTIONS=$WORK/config ./check -E "$WORK/excluded" "$@") 2>&1 | tee "$WORK/check.out" || true
 
 # Judge the run against the known failures.
-python3 "$ROOT/tests/xfstests/judge.py" "$KNOWN" "$WORK/check.out" "$STACK" || status=1
-exit $status
+python3 "$ROOT/tests/xfstests/judge.py" "$KNOWN" "$WORK/check.out" "$STACK"

@@ -737,14 +737,15 @@ impl ScaLayer {
         match mode & !libc::FALLOC_FL_KEEP_SIZE {
             0 => {
                 file.reserve(offset, length)?;
-                if !keep_size && end > file.size() {
+                if !keep_size {
                     let old = file.size();
                     self.checked(node, &mut file, |file| file.grow_to(end))?;
                     // Growing wrote at the end of the file below, into the room just set aside:
                     // set it aside again from the new end (where the range's writes will go).
-                    if let Err(e) = file.reserve(offset, length) {
-                        let _ = self.checked(node, &mut file, |file| file.truncate(old));
-                        return Err(e);
+                    // That takes only what growing used; should even that fail, the file keeps
+                    // its new size (zeros) rather than be cut back under another mount's writes.
+                    if file.size() != old {
+                        file.reserve(offset, length)?;
                     }
                 }
             }
