@@ -289,7 +289,12 @@ impl Layer for Exofs {
                 let o = self.opened(self.ino(e.node));
                 Ok(Reply::Created(e, o))
             }
-            Op::Read { node, offset, size, .. } => Ok(Reply::Data(self.fs.read(self.ino(node), offset, size as usize)?)),
+            Op::Read { node, offset, size, .. } => {
+                let ino = self.ino(node);
+                let data = self.fs.read(ino, offset, size as usize)?;
+                self.note_access(ino)?;
+                Ok(Reply::Data(data))
+            }
             Op::Write { node, offset, data, .. } => {
                 let ino = self.ino(node);
                 self.fs.write(ino, offset, data)?;
@@ -433,6 +438,21 @@ fn xattr_reply(value: Vec<u8>, size: u32) -> Result<Reply> {
         n if (n as usize) < value.len() => return Err(Error::Os(libc::ERANGE)),
         _ => XattrReply::Data(value),
     }))
+}
+
+impl Exofs {
+    /// A read moves the access time as Linux's default `relatime` does: when it is not later
+    /// than the last modification or change, or is a day old (xfstests generic/192). Otherwise
+    /// a read changes nothing, so reading stays free of write-back.
+    fn note_access(&self, ino: u64) -> Result<()> {
+        let a = self.fs.getattr(ino)?;
+        let now = SystemTime::now();
+        let day_old = now.duration_since(a.atime).is_ok_and(|d| d >= std::time::Duration::from_secs(24 * 3600));
+        if a.atime <= a.mtime || a.atime <= a.ctime || day_old {
+            self.fs.set_attrs(ino, |x| x.atime = now)?;
+        }
+        Ok(())
+    }
 }
 
 /// The extended attributes that hold POSIX ACLs.
