@@ -340,9 +340,10 @@ fn a_killed_exofs_mount_loses_nothing_that_was_synced_and_the_next_mount_takes_o
 
 /// What exofs does not do it refuses, and changes nothing: a POSIX ACL (exofs would keep it beside a
 /// mode it disagrees with, and the kernel would then let the owner do what the ACL denies: xfstests
-/// generic/099) and a rename with a flag it lacks (`RENAME_WHITEOUT`, which it ignored: generic/078).
+/// generic/099) and a rename with flags that do not go together. `RENAME_WHITEOUT`, which it ignored
+/// (generic/078), leaves a whiteout (a character device 0:0) at the old name.
 #[test]
-fn acls_and_whiteout_renames_are_refused_and_change_nothing() {
+fn acls_are_refused_and_a_whiteout_rename_leaves_a_whiteout() {
     let x = exofs_mount("null");
     let f = x.m.path("f");
     std::fs::write(&f, b"x").unwrap();
@@ -364,12 +365,21 @@ fn acls_and_whiteout_renames_are_refused_and_change_nothing() {
     let mode = std::fs::metadata(&f).unwrap().permissions();
     assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o7777, 0o640, "the mode is left as it was");
     let to = cpath(&x.m.path("g"));
+    for flags in [libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE, libc::RENAME_WHITEOUT | libc::RENAME_EXCHANGE, 1 << 7] {
+        let rc = unsafe { libc::renameat2(libc::AT_FDCWD, p.as_ptr(), libc::AT_FDCWD, to.as_ptr(), flags) };
+        assert_eq!((rc, errno()), (-1, libc::EINVAL), "flags {flags:#x}");
+        assert!(f.exists() && !x.m.path("g").exists(), "flags {flags:#x}: nothing moved");
+    }
     let rc = unsafe { libc::renameat2(libc::AT_FDCWD, p.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_WHITEOUT) };
-    assert_eq!((rc, errno()), (-1, libc::EINVAL), "RENAME_WHITEOUT");
-    assert!(f.exists() && !x.m.path("g").exists(), "nothing moved");
-    let both = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE;
-    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, p.as_ptr(), libc::AT_FDCWD, to.as_ptr(), both) };
-    assert_eq!((rc, errno()), (-1, libc::EINVAL), "RENAME_NOREPLACE with RENAME_EXCHANGE");
+    assert_eq!(rc, 0, "RENAME_WHITEOUT: errno {}", errno());
+    assert_eq!(std::fs::read(x.m.path("g")).unwrap(), b"x", "the file moved");
+    let w = std::fs::symlink_metadata(&f).unwrap();
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    assert!(w.file_type().is_char_device() && w.rdev() == 0 && w.mode() & 0o7777 == 0, "a whiteout is left: {w:?}");
+    // It outlives the mount.
+    let m = x.m.remount();
+    assert!(std::fs::symlink_metadata(m.path("f")).unwrap().file_type().is_char_device(), "the whiteout after a remount");
+    assert_eq!(std::fs::read(m.path("g")).unwrap(), b"x");
 }
 
 /// A read moves a file's access time as `relatime` does on Linux: the first read after a change

@@ -677,12 +677,17 @@ impl Fs {
         Ok(attrs)
     }
 
-    /// `rename(2)`, with `RENAME_NOREPLACE` and `RENAME_EXCHANGE`. Any other flag
-    /// (`RENAME_WHITEOUT`) is refused with `EINVAL`, as by a kernel file system without it, rather
-    /// than ignored (xfstests generic/078 found the whiteout missing).
-    pub fn rename(&self, parent: u64, name: &OsStr, new_parent: u64, new_name: &OsStr, flags: u32) -> Result<()> {
-        let (noreplace, exchange) = (libc::RENAME_NOREPLACE, libc::RENAME_EXCHANGE);
-        if flags & !(noreplace | exchange) != 0 || flags & noreplace != 0 && flags & exchange != 0 {
+    /// `rename(2)`, with `RENAME_NOREPLACE`, `RENAME_EXCHANGE` and `RENAME_WHITEOUT`: with
+    /// `whiteout` (the new inode's attributes: a character device 0:0), the old name is left to a
+    /// whiteout in the same change, as overlayfs needs of its upper directory. Any other flag,
+    /// or `RENAME_EXCHANGE` with another, is refused with `EINVAL` (xfstests generic/078 found
+    /// `RENAME_WHITEOUT` ignored).
+    pub fn rename(&self, parent: u64, name: &OsStr, new_parent: u64, new_name: &OsStr, flags: u32, whiteout: Option<Inode>) -> Result<()> {
+        let (noreplace, exchange, white) = (libc::RENAME_NOREPLACE, libc::RENAME_EXCHANGE, libc::RENAME_WHITEOUT);
+        if flags & !(noreplace | exchange | white) != 0
+            || flags & exchange != 0 && flags != exchange
+            || (flags & white != 0) != whiteout.is_some()
+        {
             return Err(Error::Os(libc::EINVAL));
         }
         if !valid_name(new_name) {
@@ -731,6 +736,11 @@ impl Fs {
             }
         }
         from.remove(name);
+        if let Some(attrs) = whiteout {
+            let w = self.new_inode(&mut st, attrs, parent)?;
+            from.insert(name.to_owned(), (w, FileKind::CharDevice));
+            self.settle(&mut st, w, true)?;
+        }
         if new_parent == parent {
             from.insert(new_name.to_owned(), (ino, kind));
             self.store_dir(&mut st, parent, from)?;

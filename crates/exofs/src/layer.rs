@@ -276,7 +276,13 @@ impl Layer for Exofs {
             Op::Unlink { parent, name } => self.fs.remove(self.ino(parent), name, false).map(|()| Reply::Empty),
             Op::RmDir { parent, name } => self.fs.remove(self.ino(parent), name, true).map(|()| Reply::Empty),
             Op::Rename { parent, name, new_parent, new_name, flags } => {
-                self.fs.rename(self.ino(parent), name, self.ino(new_parent), new_name, flags).map(|()| Reply::Empty)
+                // A whiteout is a character device 0:0 of the caller's, as the kernel makes it.
+                let whiteout = if flags & libc::RENAME_WHITEOUT != 0 {
+                    Some(self.new_inode(cx, self.ino(parent), FileKind::CharDevice, 0, 0)?)
+                } else {
+                    None
+                };
+                self.fs.rename(self.ino(parent), name, self.ino(new_parent), new_name, flags, whiteout).map(|()| Reply::Empty)
             }
             Op::Link { node, new_parent, new_name } => {
                 let ino = self.ino(node);
