@@ -279,11 +279,6 @@ fn blank(ino: u64) -> NodeOut {
     NodeOut { ino, generation: 0, attr }
 }
 
-/// The attributes that hold POSIX ACLs.
-fn is_acl_xattr(name: &OsStr) -> bool {
-    name == "system.posix_acl_access" || name == "system.posix_acl_default"
-}
-
 /// Whether this process may register passthrough files (`FUSE_DEV_IOC_BACKING_OPEN` needs
 /// CAP_SYS_ADMIN).
 fn have_cap_sys_admin() -> bool {
@@ -994,7 +989,7 @@ impl FuseFs {
         // lower file system without ACLs (GlusterFS mounted without `acl`) says EOPNOTSUPP,
         // which the kernel would return from that check. It means "no ACL".
         match reply {
-            Err(libc::EOPNOTSUPP) if self.posix_acl.load(Ordering::Relaxed) && is_acl_xattr(name) => Err(libc::ENODATA),
+            Err(libc::EOPNOTSUPP) if self.posix_acl.load(Ordering::Relaxed) && plyfs_stack::is_posix_acl_xattr(name) => Err(libc::ENODATA),
             other => other,
         }
     }

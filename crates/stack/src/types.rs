@@ -272,6 +272,11 @@ pub struct StatFs {
     pub frsize: u32,
 }
 
+/// Whether `name` is one of the extended attributes that hold POSIX ACLs.
+pub fn is_posix_acl_xattr(name: &std::ffi::OsStr) -> bool {
+    name == "system.posix_acl_access" || name == "system.posix_acl_default"
+}
+
 /// The reply to `getxattr` and `listxattr`: the value (or the NUL-separated name list), or only
 /// its size when the caller asked with a zero-size buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
