@@ -1687,6 +1687,23 @@ impl Fs {
         Ok(())
     }
 
+    /// A read of `ino` moves its access time as Linux's default `relatime` does: when it is not
+    /// later than the last modification or change, or is a day old (xfstests generic/192).
+    /// Otherwise nothing changes, so reading stays free of write-back.
+    pub fn note_read(&self, ino: u64) -> Result<()> {
+        let mut st = self.state.lock();
+        let n = self.node(&mut st, ino)?;
+        let now = SystemTime::now();
+        let a = &n.attrs;
+        let day_old = now.duration_since(a.atime).is_ok_and(|d| d >= std::time::Duration::from_secs(24 * 3600));
+        if a.atime <= a.mtime || a.atime <= a.ctime || day_old {
+            n.attrs.atime = now;
+            n.dirty = true;
+            self.settle(&mut st, ino, true)?;
+        }
+        Ok(())
+    }
+
     /// Change attributes (the caller checked who may).
     pub fn set_attrs(&self, ino: u64, change: impl FnOnce(&mut Inode)) -> Result<Inode> {
         let mut st = self.state.lock();

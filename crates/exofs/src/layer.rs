@@ -298,7 +298,7 @@ impl Layer for Exofs {
             Op::Read { node, offset, size, .. } => {
                 let ino = self.ino(node);
                 let data = self.fs.read(ino, offset, size as usize)?;
-                self.note_access(ino)?;
+                self.fs.note_read(ino)?;
                 Ok(Reply::Data(data))
             }
             Op::Write { node, offset, data, .. } => {
@@ -392,7 +392,7 @@ impl Layer for Exofs {
             // the ACL, and a directory's default ACL shapes what is made in it. exofs does none
             // of that, and an ACL kept beside a mode it disagrees with would grant what the ACL
             // denies (xfstests generic/099). It refuses them, as a file system mounted `noacl`.
-            Op::SetXattr { name, .. } if is_posix_acl(name) => Err(Error::Os(libc::EOPNOTSUPP)),
+            Op::SetXattr { name, .. } if plyfs_stack::is_posix_acl_xattr(name) => Err(Error::Os(libc::EOPNOTSUPP)),
             Op::SetXattr { node, name, value, flags } => {
                 self.fs.set_xattr(self.ino(node), name.as_bytes(), Some(value), flags).map(|()| Reply::Empty)
             }
@@ -444,24 +444,4 @@ fn xattr_reply(value: Vec<u8>, size: u32) -> Result<Reply> {
         n if (n as usize) < value.len() => return Err(Error::Os(libc::ERANGE)),
         _ => XattrReply::Data(value),
     }))
-}
-
-impl Exofs {
-    /// A read moves the access time as Linux's default `relatime` does: when it is not later
-    /// than the last modification or change, or is a day old (xfstests generic/192). Otherwise
-    /// a read changes nothing, so reading stays free of write-back.
-    fn note_access(&self, ino: u64) -> Result<()> {
-        let a = self.fs.getattr(ino)?;
-        let now = SystemTime::now();
-        let day_old = now.duration_since(a.atime).is_ok_and(|d| d >= std::time::Duration::from_secs(24 * 3600));
-        if a.atime <= a.mtime || a.atime <= a.ctime || day_old {
-            self.fs.set_attrs(ino, |x| x.atime = now)?;
-        }
-        Ok(())
-    }
-}
-
-/// The extended attributes that hold POSIX ACLs.
-fn is_posix_acl(name: &std::ffi::OsStr) -> bool {
-    name == "system.posix_acl_access" || name == "system.posix_acl_default"
 }
