@@ -438,6 +438,12 @@ fn file_attribute_flags_are_refused_on_encoded_files() {
     }
 }
 
+/// Mount `stack` over `lower`, made a crypt volume first when the stack has a crypt layer.
+fn mount_encoding(stack: &str, dir: tempfile::TempDir, root: &Path, lower: PathBuf, mnt: PathBuf) -> Mount {
+    let passfile = stack.contains("crypt").then(|| format!("--passfile={}", crypt_init(root, &lower, &[]).display()));
+    Mount::start(dir, lower, mnt, stack, passfile.as_deref().as_slice())
+}
+
 /// `fallocate` on an encoded file sets room aside below, as a kernel file system does, and punches
 /// holes that SEEK_HOLE finds. Asking
 /// for more than the free space fails with `ENOSPC` and leaves the file as it was (xfstests
@@ -449,13 +455,7 @@ fn fallocate_sets_room_aside_and_refuses_more_than_there_is() {
         let lower = small.path().join("lower");
         fs::create_dir(&lower).unwrap();
         let (dir, root, [mnt]) = scratch_dirs(["mnt"]);
-        let mut options = Vec::new();
-        if stack.contains("crypt") {
-            crypt_init(&root, &lower, &[]);
-            options.push(format!("--passfile={}", crypt_passfile(&root).display()));
-        }
-        let options: Vec<&str> = options.iter().map(String::as_str).collect();
-        let m = Mount::start(dir, lower, mnt, stack, &options);
+        let m = mount_encoding(stack, dir, &root, lower, mnt);
         let f = OpenOptions::new().create(true).truncate(true).read(true).write(true).open(m.path("f")).unwrap();
         let free = small.available();
         let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, 2 * free as i64) };
@@ -501,13 +501,7 @@ fn writing_a_fallocated_range_takes_no_more_room() {
     };
     for stack in ["zstd", "crypt", "zstd,crypt"] {
         let (dir, root, [lower, mnt]) = scratch_dirs(["lower", "mnt"]);
-        let mut options = Vec::new();
-        if stack.contains("crypt") {
-            crypt_init(&root, &lower, &[]);
-            options.push(format!("--passfile={}", crypt_passfile(&root).display()));
-        }
-        let options: Vec<&str> = options.iter().map(String::as_str).collect();
-        let m = Mount::start(dir, lower, mnt, stack, &options);
+        let m = mount_encoding(stack, dir, &root, lower, mnt);
         let mut cases = vec![(4095, 2), (0, 1 << 20)];
         cases.extend((0..12).map(|_| (next() % (1 << 20), 1 + next() % (3 << 18))));
         for (i, (offset, length)) in cases.into_iter().enumerate() {
