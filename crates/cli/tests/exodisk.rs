@@ -405,3 +405,70 @@ fn reads_move_the_access_time_as_relatime_does() {
     assert_eq!(std::fs::read(&f).unwrap(), b"some text");
     assert_eq!(atime(&f), read, "a later read leaves it, the access time being after the last change");
 }
+
+/// Filled past full through a mount, exofs refuses the write that does not fit (ENOSPC, from the
+/// write or its fsync: never another error, never later at write-back), takes writes again once
+/// files are removed, and keeps every file it accepted through an unmount and a remount (xfstests
+/// generic/750 and 754 found it refusing every write-back after one ENOSPC, and dropping the
+/// unwritten data at unmount).
+#[test]
+fn a_full_volume_refuses_writes_when_they_are_made_and_loses_none_it_took() {
+    use std::io::Write;
+    let mut x = exofs_mount("null");
+    let mut kept: std::collections::BTreeMap<String, Vec<u8>> = Default::default();
+    let mut refusals = 0;
+    let mut n = 0u32;
+    // Fill; remove every other file; fill again; three times over.
+    for round in 0..3 {
+        let mut refused_here = 0;
+        // The room of files removed is there at once (not only after the next write-back).
+        let mut first = round > 0;
+        while refused_here < 4 {
+            n += 1;
+            // Files held in memory until write-back (200 KiB) and files written through (1 MiB).
+            let size = if n % 2 == 0 { 200_000 } else { 1_000_000 + n as usize };
+            let data: Vec<u8> = (0..size).map(|i| (i as u32 * 13 + n) as u8).collect();
+            let name = format!("f{n:04}");
+            let p = x.m.path(&name);
+            let done = std::fs::File::create(&p).and_then(|mut f| {
+                f.write_all(&data)?;
+                f.sync_all()
+            });
+            match done {
+                Ok(()) => {
+                    kept.insert(name, data);
+                }
+                Err(e) => {
+                    assert!(!first, "round {round}, {name}: refused right after files were removed: {e}");
+                    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "round {round}, {name}: {e}");
+                    refusals += 1;
+                    refused_here += 1;
+                    // Refused at its create, or after: gone either way.
+                    if let Err(e) = std::fs::remove_file(&p) {
+                        assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "{name}");
+                    }
+                }
+            }
+            first = false;
+            assert!(n < 1000, "the volume never filled");
+        }
+        let names: Vec<String> = kept.keys().cloned().collect();
+        for name in names.iter().step_by(2) {
+            std::fs::remove_file(x.m.path(name)).unwrap();
+            kept.remove(name);
+        }
+    }
+    assert!(refusals >= 12 && kept.len() > 10, "{refusals} refusals, {} files kept", kept.len());
+    for (name, data) in &kept {
+        assert!(std::fs::read(x.m.path(name)).unwrap() == *data, "{name} differs");
+    }
+    assert!(x.m.unmount().success());
+    let log = x.m.daemon_log();
+    assert!(!log.contains("ERROR"), "the unmount wrote back everything: {log}");
+    x.m = x.m.remount();
+    for (name, data) in &kept {
+        assert!(std::fs::read(x.m.path(name)).unwrap() == *data, "{name} differs after a remount");
+    }
+    let names: Vec<String> = std::fs::read_dir(x.m.path("")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert_eq!(names.len(), kept.len(), "{names:?}");
+}

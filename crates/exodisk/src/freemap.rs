@@ -15,12 +15,14 @@ use crate::seal::{self, body_len, VolumeKey};
 pub struct FreeMap {
     words: Vec<u64>,
     sectors: u64,
+    /// Sectors allocated (kept as bits change, so that asking costs nothing).
+    used: u64,
 }
 
 impl FreeMap {
     /// All free.
     pub fn new(sectors: u64) -> FreeMap {
-        FreeMap { words: vec![0; sectors.div_ceil(64) as usize], sectors }
+        FreeMap { words: vec![0; sectors.div_ceil(64) as usize], sectors, used: 0 }
     }
 
     pub fn sectors(&self) -> u64 {
@@ -38,18 +40,20 @@ impl FreeMap {
 
     /// Mark `start..start + len` allocated or free.
     pub fn set(&mut self, start: u64, len: u64, allocated: bool) {
-        for s in start..(start + len).min(self.sectors) {
+        for s in start..start.saturating_add(len).min(self.sectors) {
             let (w, b) = ((s / 64) as usize, s % 64);
+            let was = self.words[w];
             if allocated {
                 self.words[w] |= 1 << b;
             } else {
                 self.words[w] &= !(1 << b);
             }
+            self.used = self.used + self.words[w].count_ones() as u64 - was.count_ones() as u64;
         }
     }
 
     pub fn allocated(&self) -> u64 {
-        self.words.iter().map(|w| w.count_ones() as u64).sum()
+        self.used
     }
 
     /// The first run of `len` free sectors at or after `near` (wrapping round), if any.
@@ -116,6 +120,7 @@ impl FreeMap {
                 *last &= (1u64 << (sectors % 64)) - 1;
             }
         }
+        map.used = map.words.iter().map(|w| w.count_ones() as u64).sum();
         Some(map)
     }
 
@@ -190,7 +195,13 @@ mod tests {
         assert_eq!(m.find_free(10, 995), Some(106));
         assert!(m.is_free(106, 10) && !m.is_free(104, 2) && !m.is_free(995, 10));
         assert_eq!(m.allocated(), 101);
+        // The count follows bits that change, not the runs asked for.
+        m.set(95, 20, true);
+        m.set(90, 10, false);
+        assert_eq!(m.allocated(), 90 + 15);
+        assert_eq!(FreeMap::from_bits(1000, &m.to_bits()).unwrap().allocated(), 105);
         m.set(0, 1000, true);
+        assert_eq!(m.allocated(), 1000);
         assert_eq!(m.find_free(1, 0), None);
     }
 

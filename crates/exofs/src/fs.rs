@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use parking_lot::Mutex;
 use plyfs_exodisk::client::Client;
@@ -200,6 +200,18 @@ struct State {
     /// Sectors were given up that the service frees at the next write-back: `map` holds them
     /// as taken until it is read again after it.
     map_behind: bool,
+    /// Runs taken in `map` by the operation under way and not yet given to the service: kept
+    /// taken when the map is read again meanwhile (the service does not know of them yet).
+    claimed: Vec<(u64, u64)>,
+    /// Sectors kept for the bytes held in memory that write-back is to place, per inode and in
+    /// all (as delayed allocation reserves its blocks): a write is refused for lack of room
+    /// when it is made, never later at write-back.
+    reserved: HashMap<u64, u64>,
+    reserved_total: u64,
+    /// A write-back is under way: it may take the room kept for it.
+    writing_back: bool,
+    /// When `map` was last read from the service.
+    map_read: Instant,
 }
 
 pub struct Fs {
@@ -234,6 +246,11 @@ impl Fs {
                 ahead: HashMap::new(),
                 ahead_bytes: 0,
                 map_behind: false,
+                claimed: Vec::new(),
+                reserved: HashMap::new(),
+                reserved_total: 0,
+                writing_back: false,
+                map_read: Instant::now(),
             }),
         };
         let x = fs.client.map(&fs.rt(&[]), caps.read).map_err(|e| e.msg)?;
@@ -256,7 +273,7 @@ impl Fs {
     }
 
     fn mkfs(&self) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let mut sb = MAGIC.to_vec();
         sb.extend_from_slice(&0u64.to_le_bytes());
         self.client.add_data(&self.rt(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
@@ -275,12 +292,12 @@ impl Fs {
     /// (at its write-back), so a crash in between leaves a superblock and no inode at all.
     /// Making it again then loses nothing.
     fn mkfs_was_cut_short(&self) -> bool {
-        let st = self.state.lock();
+        let st = self.lock();
         st.root == 0 || st.paths.is_empty()
     }
 
     fn load_tables(&self, entries: &[WEntry]) -> std::result::Result<(), String> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         match entries.first() {
             Some(WEntry::Data(d)) if d.len() == 16 && &d[..8] == MAGIC => {
                 st.root = u64::from_le_bytes(d[8..16].try_into().expect("8"))
@@ -303,19 +320,120 @@ impl Fs {
         Ok(())
     }
 
+    /// The state, for one operation: every run it takes is given to the service (or back to
+    /// the map) before the lock goes.
+    fn lock(&self) -> parking_lot::MutexGuard<'_, State> {
+        let mut st = self.state.lock();
+        st.claimed.clear();
+        st
+    }
+
     /// Sectors for `n` near `near`, taken from the local map (the service refuses a run another
-    /// client took meanwhile; the map is then refreshed).
+    /// client took meanwhile; the map is then refreshed). Outside write-back the room kept for
+    /// it stays free.
     fn find(&self, st: &mut State, n: u64, near: u64) -> Result<u64> {
-        for attempt in 0..2 {
-            if let Some(at) = st.map.find_free(n, near) {
-                st.map.set(at, n, true);
-                return Ok(at);
+        loop {
+            if Self::free(st) >= n + Self::kept(st) {
+                if let Some(at) = st.map.find_free(n, near) {
+                    st.map.set(at, n, true);
+                    st.claimed.push((at, n));
+                    return Ok(at);
+                }
             }
-            if attempt == 0 {
-                st.map = self.client.free_map().map_err(exo)?;
+            if !self.make_room(st)? {
+                return Err(Error::Os(libc::ENOSPC));
             }
         }
-        Err(Error::Os(libc::ENOSPC))
+    }
+
+    /// When the map has no room: the inodes removed since the last write-back are deallocated
+    /// now, or else the map is read again (unless it was within the last second: a full
+    /// volume's every write would read it, a bit per sector). Whether anything changed.
+    fn make_room(&self, st: &mut State) -> Result<bool> {
+        if !st.freeing.is_empty() {
+            let before = st.freeing.len();
+            self.free_removed(st)?;
+            return Ok(st.freeing.len() < before);
+        }
+        if st.map_read.elapsed() < Duration::from_secs(1) {
+            return Ok(false);
+        }
+        self.reread_map(st)?;
+        Ok(true)
+    }
+
+    /// What is kept for `ino` brought to what its bytes held in memory now need (none once
+    /// placed, or gone).
+    fn note_placed(st: &mut State, ino: u64) {
+        let now = st.nodes.get(&ino).map_or(0, |n| Self::to_place(&n.extents, n.immediate.len()));
+        let had = if now == 0 { st.reserved.remove(&ino) } else { st.reserved.insert(ino, now) };
+        st.reserved_total = (st.reserved_total + now).saturating_sub(had.unwrap_or(0));
+    }
+
+    /// Free sectors, as the local map has them.
+    fn free(st: &State) -> u64 {
+        st.map.sectors() - st.map.allocated().min(st.map.sectors())
+    }
+
+    /// Sectors only write-back may take: what it places for bytes held in memory, and room for
+    /// the metadata it writes (directories grown, extent holders): 1% of the volume, at least
+    /// 256 KiB.
+    fn kept(st: &State) -> u64 {
+        if st.writing_back {
+            return 0;
+        }
+        st.reserved_total + Self::metadata_room(st)
+    }
+
+    fn metadata_room(st: &State) -> u64 {
+        (st.map.sectors() / 100).max(512)
+    }
+
+    /// Sectors write-back takes for a file's `len` bytes held in memory (as `place_buffered`
+    /// rounds them; none while they fit in the inode, or once the file has extents).
+    fn to_place(extents: &[Ext], len: usize) -> u64 {
+        if extents.is_empty() && len > IMMEDIATE_MAX {
+            (len as u64).div_ceil(SECTOR).div_ceil(8) * 8
+        } else {
+            0
+        }
+    }
+
+    /// Room for `ino`'s bytes held in memory to grow to `len`, kept for write-back; ENOSPC when
+    /// the volume has not got it.
+    fn reserve(&self, st: &mut State, ino: u64, len: usize) -> Result<()> {
+        let n = self.node(st, ino)?;
+        let want = Self::to_place(&n.extents, len.max(n.immediate.len()));
+        let had = st.reserved.get(&ino).copied().unwrap_or(0);
+        if want <= had {
+            return Ok(());
+        }
+        loop {
+            if Self::free(st) >= want - had + Self::kept(st) {
+                st.reserved.insert(ino, want);
+                st.reserved_total += want - had;
+                return Ok(());
+            }
+            if !self.make_room(st)? {
+                return Err(Error::Os(libc::ENOSPC));
+            }
+        }
+    }
+
+    /// A run [`find`](Self::find) took and the service did not get, back in the map.
+    fn unclaim(st: &mut State, at: u64, n: u64) {
+        st.map.set(at, n, false);
+        st.claimed.retain(|c| *c != (at, n));
+    }
+
+    /// The service's free map, with the runs this operation took and has not given it yet.
+    fn reread_map(&self, st: &mut State) -> Result<()> {
+        st.map = self.client.free_map().map_err(exo)?;
+        st.map_read = Instant::now();
+        for &(at, n) in &st.claimed {
+            st.map.set(at, n, true);
+        }
+        Ok(())
     }
 
     fn new_inode(&self, st: &mut State, attrs: Inode, near: u64) -> Result<u64> {
@@ -327,35 +445,64 @@ impl Fs {
         Ok(at)
     }
 
+    /// A `memory`-model exonode of `sectors` below `parent`, near `near`: its entry and sector.
+    fn add_exonode(&self, st: &mut State, parent: &Target, sectors: u32, near: u64, data: Vec<Vec<u8>>) -> Result<(u32, u64)> {
+        let mut tries = 0;
+        loop {
+            let at = self.find(st, sectors as u64, near)?;
+            let made =
+                self.client.add_exonode_as(parent, self.caps.write, None, at, sectors, Caps::random(), Some(Persistence::Memory), data.clone());
+            match made {
+                Ok(entry) => return Ok((entry, at)),
+                Err(e) => {
+                    Self::unclaim(st, at, sectors as u64);
+                    let e = exo(e);
+                    if !self.raced(st, &e, &mut tries)? {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether a refusal is the service's for sectors another client took since the map was
+    /// read (EEXIST), to be tried again (a few times) with the map read again.
+    fn raced(&self, st: &mut State, e: &Error, tries: &mut u32) -> Result<bool> {
+        if !matches!(e, Error::Os(libc::EEXIST)) || *tries >= 3 {
+            return Ok(false);
+        }
+        *tries += 1;
+        self.reread_map(st)?;
+        Ok(true)
+    }
+
     /// Make [`POOL`] inodes in one request, in a run of sectors near `near` (a directory's small
     /// files then sit together, thesis §5.3), each with empty entries ATTRS, IMMEDIATE and MAP.
     fn refill_pool(&self, st: &mut State, near: u64) -> Result<()> {
+        let mut tries = 0;
+        loop {
+            match self.refill_pool_once(st, near) {
+                Err(e) if self.raced(st, &e, &mut tries)? => continue,
+                done => return done,
+            }
+        }
+    }
+
+    fn refill_pool_once(&self, st: &mut State, near: u64) -> Result<()> {
         let cap = (plyfs_exodisk::object::Exonode::capacity(TABLE_SECTORS) / 9) as u32;
         let table = match st.tables.iter().position(|(_, _, n)| *n + POOL as u32 <= cap) {
             Some(i) => i,
             None => {
-                let at = self.find(st, TABLE_SECTORS as u64, self.r)?;
-                let k = self
-                    .client
-                    .add_exonode_as(
-                        &self.rt(&[]),
-                        self.caps.write,
-                        None,
-                        at,
-                        TABLE_SECTORS,
-                        Caps::random(),
-                        Some(Persistence::Memory),
-                        Vec::new(),
-                    )
-                    .map_err(exo)?;
+                let (k, at) = self.add_exonode(st, &self.rt(&[]), TABLE_SECTORS, self.r, Vec::new())?;
                 st.tables.push((k, at, 0));
                 st.tables.len() - 1
             }
         };
         let k = st.tables[table].0;
-        let sectors: Vec<u64> = match self.find(st, POOL as u64 * INODE_SECTORS as u64, near) {
-            Ok(run) => (0..POOL as u64).map(|i| run + i * INODE_SECTORS as u64).collect(),
-            Err(_) => {
+        let run = self.find(st, POOL as u64 * INODE_SECTORS as u64, near).ok();
+        let sectors: Vec<u64> = match run {
+            Some(run) => (0..POOL as u64).map(|i| run + i * INODE_SECTORS as u64).collect(),
+            None => {
                 let mut one = Vec::new();
                 for _ in 0..POOL {
                     match self.find(st, INODE_SECTORS as u64, near) {
@@ -395,11 +542,15 @@ impl Fs {
         // them), so the map is read again.
         st.pool.reverse();
         if let Some(e) = failed {
-            for at in &sectors[done.len()..] {
-                st.map.set(*at, INODE_SECTORS as u64, false);
+            if run.is_some() {
+                Self::unclaim(st, sectors[0], sectors.len() as u64 * INODE_SECTORS as u64);
+            } else {
+                for &at in &sectors[done.len()..] {
+                    Self::unclaim(st, at, INODE_SECTORS as u64);
+                }
             }
+            self.reread_map(st)?;
             if done.is_empty() {
-                st.map = self.client.free_map().map_err(exo)?;
                 return Err(exo(e));
             }
         }
@@ -408,7 +559,7 @@ impl Fs {
 
     /// The root directory's inode number.
     pub fn root(&self) -> u64 {
-        self.state.lock().root
+        self.lock().root
     }
 
     fn node<'a>(&self, st: &'a mut State, ino: u64) -> Result<&'a mut Node> {
@@ -486,13 +637,13 @@ impl Fs {
     }
 
     pub fn getattr(&self, ino: u64) -> Result<Inode> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         Ok(self.node(&mut st, ino)?.attrs.clone())
     }
 
     /// The directory `ino`'s entries.
     pub fn read_dir(&self, ino: u64) -> Result<Dir> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let d = self.dir(&mut st, ino)?.clone();
         st.recent = d.values().filter(|(_, k)| *k == FileKind::File).map(|(i, _)| *i).collect();
         Ok(d)
@@ -539,7 +690,7 @@ impl Fs {
     }
 
     pub fn lookup(&self, parent: u64, name: &OsStr) -> Result<(u64, Inode)> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let (ino, _) = *self.dir(&mut st, parent)?.get(name).ok_or(Error::Os(libc::ENOENT))?;
         let attrs = self.node(&mut st, ino)?.attrs.clone();
         Ok((ino, attrs))
@@ -550,7 +701,7 @@ impl Fs {
         if !valid_name(name) {
             return Err(Error::Os(if name.len() > 255 { libc::ENAMETOOLONG } else { libc::EINVAL }));
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         if self.dir(&mut st, parent)?.contains_key(name) {
             return Err(Error::Os(libc::EEXIST));
         }
@@ -576,7 +727,7 @@ impl Fs {
 
     /// Remove `name` from `parent`; the inode goes when its last link does.
     pub fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let (ino, kind) = *self.dir(&mut st, parent)?.get(name).ok_or(Error::Os(libc::ENOENT))?;
         match (dir, kind == FileKind::Dir) {
             (true, false) => return Err(Error::Os(libc::ENOTDIR)),
@@ -608,12 +759,12 @@ impl Fs {
 
     /// The layer above holds one more lookup of `ino`.
     pub fn looked_up(&self, ino: u64) {
-        *self.state.lock().lookups.entry(ino).or_default() += 1;
+        *self.lock().lookups.entry(ino).or_default() += 1;
     }
 
     /// The layer above dropped `n` lookups of `ino`.
     pub fn forget(&self, ino: u64, n: u64) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         match st.lookups.get_mut(&ino) {
             Some(l) if *l > n => {
                 *l -= n;
@@ -629,12 +780,12 @@ impl Fs {
 
     /// A descriptor of `ino` opened.
     pub fn opened(&self, ino: u64) {
-        *self.state.lock().open.entry(ino).or_default() += 1;
+        *self.lock().open.entry(ino).or_default() += 1;
     }
 
     /// A descriptor of `ino` closed: an inode without links goes with its last one.
     pub fn closed(&self, ino: u64) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let last = match st.open.get_mut(&ino) {
             Some(n) if *n > 1 => {
                 *n -= 1;
@@ -657,7 +808,7 @@ impl Fs {
         if !valid_name(name) {
             return Err(Error::Os(libc::ENAMETOOLONG));
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let kind = self.node(&mut st, ino)?.attrs.kind;
         if kind == FileKind::Dir {
             return Err(Error::Os(libc::EPERM));
@@ -693,7 +844,7 @@ impl Fs {
         if !valid_name(new_name) {
             return Err(Error::Os(libc::ENAMETOOLONG));
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let mut from = self.dir(&mut st, parent)?.clone();
         let (ino, kind) = *from.get(name).ok_or(Error::Os(libc::ENOENT))?;
         let mut to = if new_parent == parent { from.clone() } else { self.dir(&mut st, new_parent)?.clone() };
@@ -777,17 +928,21 @@ impl Fs {
         Ok(())
     }
 
-    /// Space: sectors in all, free, and inodes in use.
-    pub fn statfs(&self) -> Result<(u64, u64, u64)> {
-        let mut st = self.state.lock();
-        st.map = self.client.free_map().map_err(exo)?;
+    /// Space: sectors in all; sectors free (less what bytes held in memory will take at
+    /// write-back); sectors a file may still take (less the room kept for write-back's
+    /// metadata too, as ext4 keeps blocks for root); and inodes in use.
+    pub fn statfs(&self) -> Result<(u64, u64, u64, u64)> {
+        let mut st = self.lock();
+        self.reread_map(&mut st)?;
         let inodes = st.tables.iter().map(|t| t.2 as u64).sum();
-        Ok((st.map.sectors(), st.map.sectors() - st.map.allocated(), inodes))
+        let free = Self::free(&st);
+        Ok((st.map.sectors(), free.saturating_sub(st.reserved_total), free.saturating_sub(Self::kept(&st)), inodes))
     }
 
     fn free_inode(&self, st: &mut State, ino: u64) -> Result<()> {
         let n = st.nodes.remove(&ino).ok_or(Error::Os(libc::ESTALE))?;
         st.buffered -= n.immediate.len();
+        Self::note_placed(st, ino);
         Self::forget_ahead(st, ino);
         st.paths.remove(&ino);
         if n.fresh {
@@ -803,7 +958,7 @@ impl Fs {
 
     /// Bytes `off..off + len` of `ino` (clipped at its size).
     pub fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         self.read_at(&mut st, ino, off, len)
     }
 
@@ -982,24 +1137,7 @@ impl Fs {
             return Ok(());
         }
         let path = self.node(st, ino)?.path;
-        let at = self.find(st, HOLDER_SECTORS as u64, ino)?;
-        let made = self.client.add_exonode_as(
-            &self.rt(&path),
-            self.caps.write,
-            None,
-            at,
-            HOLDER_SECTORS,
-            Caps::random(),
-            Some(Persistence::Memory),
-            vec![Vec::new()],
-        );
-        let entry = match made {
-            Ok(e) => e,
-            Err(e) => {
-                st.map.set(at, HOLDER_SECTORS as u64, false);
-                return Err(exo(e));
-            }
-        };
+        let (entry, at) = self.add_exonode(st, &self.rt(&path), HOLDER_SECTORS, ino, vec![Vec::new()])?;
         let n = self.node(st, ino)?;
         n.holder = Some((entry, at));
         (n.holder_dirty, n.map_dirty, n.dirty, n.fresh) = (true, true, true, false);
@@ -1040,7 +1178,7 @@ impl Fs {
 
     /// Write `data` at `off`.
     pub fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let grew = data.len() as u64 + off > self.node(&mut st, ino)?.attrs.size;
         self.write_at(&mut st, ino, off, data)?;
         self.settle(&mut st, ino, grew)
@@ -1076,12 +1214,12 @@ impl Fs {
     // ---- extended attributes ----------------------------------------------------------------
 
     pub fn get_xattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         self.node(&mut st, ino)?.xattrs.get(name).cloned().ok_or(Error::Os(libc::ENODATA))
     }
 
     pub fn list_xattr(&self, ino: u64) -> Result<Vec<Vec<u8>>> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         Ok(self.node(&mut st, ino)?.xattrs.keys().cloned().collect())
     }
 
@@ -1098,7 +1236,7 @@ impl Fs {
                 String::from_utf8_lossy(value.unwrap_or_default())
             )));
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let n = self.node(&mut st, ino)?;
         let exists = n.xattrs.contains_key(name);
         match value {
@@ -1135,6 +1273,7 @@ impl Fs {
         n.imm_dirty = true;
         n.dirty = true;
         st.buffered = st.buffered + new - old;
+        Self::note_placed(st, ino);
         Ok(())
     }
 
@@ -1148,6 +1287,7 @@ impl Fs {
     }
 
     /// Give a file whose bytes are held in memory extents for them and write them there now.
+    /// On a failure the bytes stay in memory, and the file without extents.
     fn spill(&self, st: &mut State, ino: u64) -> Result<()> {
         let n = self.node(st, ino)?;
         if !n.extents.is_empty() || n.immediate.is_empty() {
@@ -1155,11 +1295,25 @@ impl Fs {
         }
         let imm = n.immediate.clone();
         let old = n.attrs.size;
-        self.cover(st, ino, 0, (imm.len() as u64).div_ceil(SECTOR))?;
+        // The room kept for these bytes is theirs to take now.
+        if let Some(r) = st.reserved.remove(&ino) {
+            st.reserved_total -= r;
+        }
+        let added = match self.cover(st, ino, 0, (imm.len() as u64).div_ceil(SECTOR)) {
+            Ok(a) => a,
+            Err(e) => {
+                Self::note_placed(st, ino);
+                return Err(e);
+            }
+        };
         let mut buf = imm;
         buf.resize(buf.len().div_ceil(SECTOR as usize) * SECTOR as usize, 0);
         let node = self.node(st, ino)?.shape();
-        self.write_sectors(&node, 0, &buf)?;
+        if let Err(e) = self.write_sectors(&node, 0, &buf) {
+            self.uncover(st, ino, &added);
+            Self::note_placed(st, ino);
+            return Err(e);
+        }
         self.edit_immediate(st, ino, |b| *b = Vec::new())?;
         self.node(st, ino)?.attrs.size = old;
         Ok(())
@@ -1177,6 +1331,7 @@ impl Fs {
         let n = self.node(st, ino)?;
         let size = n.attrs.size.max(end);
         if Self::may_buffer(st, st.nodes.get(&ino).expect("loaded"), size) {
+            self.reserve(st, ino, end as usize)?;
             self.edit_immediate(st, ino, |imm| {
                 if imm.len() < end as usize {
                     imm.resize(end as usize, 0);
@@ -1207,9 +1362,12 @@ impl Fs {
         let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
         if off.is_multiple_of(SECTOR) && end.is_multiple_of(SECTOR) {
             // Whole sectors: written as they are.
-            self.cover(st, ino, s0, s1)?;
+            let added = self.cover(st, ino, s0, s1)?;
             let node = self.node(st, ino)?.shape();
-            self.write_sectors(&node, s0, data)?;
+            if let Err(e) = self.write_sectors(&node, s0, data) {
+                self.uncover(st, ino, &added);
+                return Err(e);
+            }
             self.node(st, ino)?.dirty = true;
             return Ok(());
         }
@@ -1225,9 +1383,12 @@ impl Fs {
         }
         let skip = (off - s0 * SECTOR) as usize;
         buf[skip..skip + data.len()].copy_from_slice(data);
-        self.cover(st, ino, s0, s1)?;
+        let added = self.cover(st, ino, s0, s1)?;
         let node = self.node(st, ino)?.shape();
-        self.write_sectors(&node, s0, &buf)?;
+        if let Err(e) = self.write_sectors(&node, s0, &buf) {
+            self.uncover(st, ino, &added);
+            return Err(e);
+        }
         self.node(st, ino)?.dirty = true;
         Ok(())
     }
@@ -1260,8 +1421,31 @@ impl Fs {
         Ok(())
     }
 
-    /// Give the holes in file sectors `s0..s1` extents of their own, near what comes before.
-    fn cover(&self, st: &mut State, ino: u64, s0: u64, s1: u64) -> Result<()> {
+    /// Give the holes in file sectors `s0..s1` extents of their own, near what comes before:
+    /// the file sectors given them, for [`uncover`](Self::uncover) if what follows fails. On a
+    /// failure (the volume full) the file is left as it was.
+    fn cover(&self, st: &mut State, ino: u64, s0: u64, s1: u64) -> Result<Vec<(u64, u64)>> {
+        let mut added = Vec::new();
+        match self.cover_holes(st, ino, s0, s1, &mut added) {
+            Ok(()) => Ok(added),
+            Err(e) => {
+                self.uncover(st, ino, &added);
+                Err(e)
+            }
+        }
+    }
+
+    /// Holes again where [`cover`](Self::cover) gave extents: what they hold was never written,
+    /// and must not be read as the file's.
+    fn uncover(&self, st: &mut State, ino: u64, added: &[(u64, u64)]) {
+        for &(at, n) in added {
+            if let Err(e) = self.free_store(st, ino, at, at + n) {
+                tracing::warn!("exofs: inode {ino}: sectors {at}..{} left allocated after a failed write: {e:?}", at + n);
+            }
+        }
+    }
+
+    fn cover_holes(&self, st: &mut State, ino: u64, s0: u64, s1: u64, added: &mut Vec<(u64, u64)>) -> Result<()> {
         // The holes, widened to whole chunks (as far as the extents around them allow).
         let n = self.node(st, ino)?;
         let (plain, size) = (n.segs.is_none(), n.attrs.size);
@@ -1281,6 +1465,7 @@ impl Fs {
             (s0 / CHUNK_SECTORS * CHUNK_SECTORS, s1.div_ceil(CHUNK_SECTORS) * CHUNK_SECTORS)
         };
         let holes: Vec<(u64, u64)> = Self::pieces(&node, c0, c1).into_iter().filter(|p| p.2.is_none()).map(|p| (p.0, p.1)).collect();
+        let mut tries = 0;
         for (mut at, mut len) in holes {
             // A chunk piece entirely outside what is written stays a hole.
             if at + len <= s0 || at >= s1 {
@@ -1301,26 +1486,15 @@ impl Fs {
                 let (entry, held) = match self.new_extent(st, ino, start, want) {
                     Ok(e) => e,
                     Err(e) => {
-                        st.map.set(start, want, false);
+                        Self::unclaim(st, start, want);
+                        if self.raced(st, &e, &mut tries)? {
+                            continue;
+                        }
                         return Err(e);
                     }
                 };
                 let n = self.node(st, ino)?.shape();
                 let t = self.xt(&n, held);
-                // What the write will not cover reads as zeros.
-                let zero = |from: u64, to: u64| -> Result<()> {
-                    if from < to {
-                        let zeros = vec![0u8; ((to - from) * SECTOR) as usize];
-                        self.client.write(&t, self.caps.write, start + (from - at), &zeros).map_err(exo)?;
-                    }
-                    Ok(())
-                };
-                zero(at, s0.clamp(at, at + want))?;
-                // After what is written: zeros up to the file's end (a file made longer by
-                // truncate), and room taken ahead past it left as it is.
-                let z0 = s1.clamp(at, at + want);
-                let z1 = if appending { (at + want).min(size.div_ceil(SECTOR)).max(z0) } else { at + want };
-                zero(z0, z1)?;
                 let mut ext = Ext { entry, start, sectors: want, logical: at, held };
                 // Right after the previous extent on the volume and in the file: one extent.
                 let mut merged = None;
@@ -1338,6 +1512,21 @@ impl Fs {
                 node.extents.sort_by_key(|e| e.logical);
                 node.map_dirty = true;
                 node.fresh = false;
+                added.push((at, want));
+                // What the write will not cover reads as zeros.
+                let zero = |from: u64, to: u64| -> Result<()> {
+                    if from < to {
+                        let zeros = vec![0u8; ((to - from) * SECTOR) as usize];
+                        self.client.write(&t, self.caps.write, start + (from - at), &zeros).map_err(exo)?;
+                    }
+                    Ok(())
+                };
+                zero(at, s0.clamp(at, at + want))?;
+                // After what is written: zeros up to the file's end (a file made longer by
+                // truncate), and room taken ahead past it left as it is.
+                let z0 = s1.clamp(at, at + want);
+                let z1 = if appending { (at + want).min(size.div_ceil(SECTOR)).max(z0) } else { at + want };
+                zero(z0, z1)?;
                 at += want;
                 len -= want;
             }
@@ -1351,7 +1540,7 @@ impl Fs {
     /// without copying it: the file becomes pieces of its store, and the new bytes a piece of
     /// their own at the store's end. The cost does not depend on the file's size.
     pub fn insert(&self, ino: u64, off: u64, data: &[u8]) -> Result<Inode> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         Self::forget_ahead(&mut st, ino);
         let n = self.node(&mut st, ino)?;
         if n.attrs.kind != FileKind::File {
@@ -1390,7 +1579,7 @@ impl Fs {
     /// Remove bytes `off..off + len` of file `ino`, moving what follows down without copying
     /// it; the store's whole sectors no piece uses any more are freed.
     pub fn remove_range(&self, ino: u64, off: u64, len: u64) -> Result<Inode> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let attrs = self.remove_range_at(&mut st, ino, off, len)?;
         self.settle(&mut st, ino, true)?;
         Ok(attrs)
@@ -1634,7 +1823,7 @@ impl Fs {
 
     /// Set the size of `ino`.
     pub fn truncate(&self, ino: u64, size: u64) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         self.truncate_at(&mut st, ino, size)?;
         self.settle(&mut st, ino, true)
     }
@@ -1648,6 +1837,7 @@ impl Fs {
         if size >= n.attrs.size {
             // Longer: a hole (immediate data is zero-filled in place).
             if Self::may_buffer(st, st.nodes.get(&ino).expect("loaded"), size) {
+                self.reserve(st, ino, size as usize)?;
                 self.edit_immediate(st, ino, |imm| imm.resize(size as usize, 0))?;
             } else {
                 // Move the bytes out first, as a write does.
@@ -1691,7 +1881,7 @@ impl Fs {
     /// later than the last modification or change, or is a day old (xfstests generic/192).
     /// Otherwise nothing changes, so reading stays free of write-back.
     pub fn note_read(&self, ino: u64) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let n = self.node(&mut st, ino)?;
         let now = SystemTime::now();
         let a = &n.attrs;
@@ -1706,7 +1896,7 @@ impl Fs {
 
     /// Change attributes (the caller checked who may).
     pub fn set_attrs(&self, ino: u64, change: impl FnOnce(&mut Inode)) -> Result<Inode> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let n = self.node(&mut st, ino)?;
         change(&mut n.attrs);
         n.dirty = true;
@@ -1722,23 +1912,85 @@ impl Fs {
     /// write-back thus leaves only records nothing names yet (which the volume's scan gives back),
     /// never a name without its record, and never a record naming data not yet written.
     pub fn sync(&self) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         self.write_back(&mut st)
     }
 
     /// Write back, then give the unused inodes of the pool back: the file system is left as a
     /// clean unmount leaves it.
     pub fn close(&self) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let pool = std::mem::take(&mut st.pool);
         st.freeing.extend(pool.into_iter().map(|(at, path)| Freeing { at, path, extents: Vec::new(), holder: None }));
         self.write_back(&mut st)
     }
 
     fn write_back(&self, st: &mut State) -> Result<()> {
-        self.write_back_inodes(st)?;
+        st.writing_back = true;
+        let mut tries = 0;
+        let done = loop {
+            match self.write_back_inodes(st) {
+                Err(e) => match self.raced(st, &e, &mut tries) {
+                    Ok(true) => continue,
+                    Ok(false) => break Err(e),
+                    Err(again) => break Err(again),
+                },
+                done => break done,
+            }
+        };
+        st.writing_back = false;
+        done?;
         if std::mem::take(&mut st.map_behind) {
-            st.map = self.client.free_map().map_err(exo)?;
+            self.reread_map(st)?;
+        }
+        Ok(())
+    }
+
+    /// Deallocate the inodes removed since the last write-back, with their extents and
+    /// holders (a full volume also does it at once, as ext4 commits its journal to free blocks).
+    fn free_removed(&self, st: &mut State) -> Result<()> {
+        if st.freeing.is_empty() {
+            return Ok(());
+        }
+        let wc = wcap(self.caps.write);
+        let freeing = std::mem::take(&mut st.freeing);
+        // A holder goes before its inode (an exonode with descendants cannot go); the index
+        // of each inode's own request tells which were done.
+        let mut reqs = Vec::new();
+        let mut own = Vec::new();
+        for f in &freeing {
+            if let Some((h, _)) = f.holder {
+                let t = self.rt(&[f.path[0], f.path[1], h]);
+                reqs.push(Request::ExonodeDeallocate { target: WTarget::from(&t), wcap: wc });
+            }
+            own.push(reqs.len());
+            reqs.push(Request::ExonodeDeallocate { target: WTarget::from(&self.rt(&f.path)), wcap: wc });
+        }
+        let (done, failed) = self.client.batch(reqs);
+        for (f, &i) in freeing.iter().zip(&own) {
+            if i < done.len() {
+                if let Some(t) = st.tables.iter_mut().find(|t| t.0 == f.path[0]) {
+                    t.2 -= 1;
+                }
+                st.map.set(f.at, INODE_SECTORS as u64, false);
+                if let Some((_, at)) = f.holder {
+                    st.map.set(at, HOLDER_SECTORS as u64, false);
+                }
+                for e in &f.extents {
+                    st.map.set(e.start, e.sectors, false);
+                }
+            } else {
+                // Again at the next write-back (without its holder if that went).
+                let holder_gone = f.holder.is_some() && i > 0 && i - 1 < done.len();
+                if holder_gone {
+                    st.map.set(f.holder.expect("held").1, HOLDER_SECTORS as u64, false);
+                }
+                st.freeing.push(Freeing { holder: if holder_gone { None } else { f.holder }, ..f.clone() });
+            }
+        }
+        st.tables_dirty |= !done.is_empty();
+        if let Some(e) = failed {
+            return Err(exo(e));
         }
         Ok(())
     }
@@ -1747,47 +1999,7 @@ impl Fs {
         let wc = wcap(self.caps.write);
         // Removed inodes (with their extents) go first: a directory on disk still naming one
         // loses that name at its next read.
-        if !st.freeing.is_empty() {
-            let freeing = std::mem::take(&mut st.freeing);
-            // A holder goes before its inode (an exonode with descendants cannot go); the index
-            // of each inode's own request tells which were done.
-            let mut reqs = Vec::new();
-            let mut own = Vec::new();
-            for f in &freeing {
-                if let Some((h, _)) = f.holder {
-                    let t = self.rt(&[f.path[0], f.path[1], h]);
-                    reqs.push(Request::ExonodeDeallocate { target: WTarget::from(&t), wcap: wc });
-                }
-                own.push(reqs.len());
-                reqs.push(Request::ExonodeDeallocate { target: WTarget::from(&self.rt(&f.path)), wcap: wc });
-            }
-            let (done, failed) = self.client.batch(reqs);
-            for (f, &i) in freeing.iter().zip(&own) {
-                if i < done.len() {
-                    if let Some(t) = st.tables.iter_mut().find(|t| t.0 == f.path[0]) {
-                        t.2 -= 1;
-                    }
-                    st.map.set(f.at, INODE_SECTORS as u64, false);
-                    if let Some((_, at)) = f.holder {
-                        st.map.set(at, HOLDER_SECTORS as u64, false);
-                    }
-                    for e in &f.extents {
-                        st.map.set(e.start, e.sectors, false);
-                    }
-                } else {
-                    // Again at the next write-back (without its holder if that went).
-                    let holder_gone = f.holder.is_some() && i > 0 && i - 1 < done.len();
-                    if holder_gone {
-                        st.map.set(f.holder.expect("held").1, HOLDER_SECTORS as u64, false);
-                    }
-                    st.freeing.push(Freeing { holder: if holder_gone { None } else { f.holder }, ..f.clone() });
-                }
-            }
-            st.tables_dirty |= !done.is_empty();
-            if let Some(e) = failed {
-                return Err(exo(e));
-            }
-        }
+        self.free_removed(st)?;
         let mut dirty: Vec<(bool, u64)> =
             st.nodes.iter().filter(|(_, n)| n.dirty).map(|(i, n)| (n.attrs.kind == FileKind::Dir, *i)).collect();
         if dirty.is_empty() && !st.tables_dirty {
@@ -1905,7 +2117,7 @@ impl Fs {
                     }
                     Err(e) => {
                         for p in &planned {
-                            st.map.set(p.1, p.2, false);
+                            Self::unclaim(st, p.1, p.2);
                         }
                         return Err(e);
                     }
@@ -1923,20 +2135,22 @@ impl Fs {
             }
         }
         // On a failure the extents added are removed again (the bytes stay in memory, for the
-        // next write-back to try again).
+        // next write-back to try again). The service frees their sectors only once the inode
+        // is written (its record on the disk may name sectors there), so the map keeps them
+        // taken until it is read again after that write-back.
         let undo = |st: &mut State, added: HashMap<u64, Vec<Ext>>| {
             for (ino, exts) in added {
                 let path = st.nodes[&ino].path;
                 for x in exts {
                     if self.client.remove_entry(&self.rt(&path), self.caps.write, x.entry).is_ok() {
-                        st.map.set(x.start, x.sectors, false);
+                        st.map_behind = true;
                     }
                 }
             }
         };
         if let Some(e) = failed {
             for p in &planned[done.len()..] {
-                st.map.set(p.1, p.2, false);
+                Self::unclaim(st, p.1, p.2);
             }
             undo(st, added);
             return Err(exo(e));
@@ -1969,6 +2183,7 @@ impl Fs {
             st.buffered -= held.len();
             let n = st.nodes.get_mut(&ino).expect("listed");
             n.imm_dirty = true;
+            Self::note_placed(st, ino);
         }
         Ok(())
     }

@@ -363,11 +363,11 @@ impl Layer for Exofs {
                 Ok(Reply::Empty)
             }
             Op::StatFs { .. } => {
-                let (sectors, free, inodes) = self.fs.statfs()?;
+                let (sectors, free, avail, inodes) = self.fs.statfs()?;
                 Ok(Reply::StatFs(StatFs {
                     blocks: sectors / 8,
                     bfree: free / 8,
-                    bavail: free / 8,
+                    bavail: avail / 8,
                     files: inodes + free / 2,
                     ffree: free / 2,
                     bsize: 4096,
