@@ -5,51 +5,70 @@
 //!
 //! Failing cases are saved in `tests/decoder_fuzz.proptest-regressions` (commit it).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicIsize, Ordering};
 
 use plyfs_exodisk::proto::{self, IoReq, Message, Request, WCaps, WPersistence, WTarget};
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use serde_bytes::ByteBuf;
 
+/// Counts what the measuring thread allocates, and only that: the other tests of this binary
+/// run beside it, in the same process.
 struct Counting;
 
-static NOW: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
+static NOW: AtomicIsize = AtomicIsize::new(0);
+static PEAK: AtomicIsize = AtomicIsize::new(0);
+
+thread_local! {
+    static MEASURED: Cell<bool> = const { Cell::new(false) };
+}
+
+fn counted(by: isize) {
+    if MEASURED.try_with(|m| m.get()).unwrap_or(false) {
+        PEAK.fetch_max(NOW.fetch_add(by, Ordering::Relaxed) + by, Ordering::Relaxed);
+    }
+}
 
 unsafe impl std::alloc::GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
         let p = unsafe { std::alloc::System.alloc(layout) };
         if !p.is_null() {
-            PEAK.fetch_max(NOW.fetch_add(layout.size(), Ordering::Relaxed) + layout.size(), Ordering::Relaxed);
+            counted(layout.size() as isize);
         }
         p
     }
     unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
         let p = unsafe { std::alloc::System.alloc_zeroed(layout) };
         if !p.is_null() {
-            PEAK.fetch_max(NOW.fetch_add(layout.size(), Ordering::Relaxed) + layout.size(), Ordering::Relaxed);
+            counted(layout.size() as isize);
         }
         p
     }
     unsafe fn dealloc(&self, p: *mut u8, layout: std::alloc::Layout) {
         unsafe { std::alloc::System.dealloc(p, layout) };
-        NOW.fetch_sub(layout.size(), Ordering::Relaxed);
+        counted(-(layout.size() as isize));
     }
 }
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
-/// Run `f` alone (the allocator's peak is the whole process's) on a thread with the stack of
-/// the service's connection threads; what it returned and the most it allocated.
+/// Run `f` alone (one measurement at a time) on a thread with the stack of the service's
+/// connection threads; what it returned and the most that thread allocated.
 fn measured<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> (T, usize) {
     static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
-    let base = NOW.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    let out = std::thread::Builder::new().stack_size(2 << 20).spawn(f).unwrap().join().expect("the decoder panicked");
-    (out, PEAK.load(Ordering::Relaxed).saturating_sub(base))
+    NOW.store(0, Ordering::Relaxed);
+    PEAK.store(0, Ordering::Relaxed);
+    let run = move || {
+        MEASURED.with(|m| m.set(true));
+        let out = f();
+        MEASURED.with(|m| m.set(false));
+        out
+    };
+    let out = std::thread::Builder::new().stack_size(2 << 20).spawn(run).unwrap().join().expect("the decoder panicked");
+    (out, PEAK.load(Ordering::Relaxed).max(0) as usize)
 }
 
 /// What decoding `body` may allocate: a copy of it, the lists (twice: a growing list may hold

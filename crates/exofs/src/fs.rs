@@ -332,7 +332,7 @@ impl Fs {
     /// client took meanwhile; the map is then refreshed). Outside write-back the room kept for
     /// it stays free.
     fn find(&self, st: &mut State, n: u64, near: u64) -> Result<u64> {
-        loop {
+        for attempt in 0..2 {
             if Self::free(st) >= n + Self::kept(st) {
                 if let Some(at) = st.map.find_free(n, near) {
                     st.map.set(at, n, true);
@@ -340,26 +340,36 @@ impl Fs {
                     return Ok(at);
                 }
             }
-            if !self.make_room(st)? {
-                return Err(Error::Os(libc::ENOSPC));
+            if attempt > 0 || !self.make_room(st)? {
+                break;
             }
         }
+        Err(Error::Os(libc::ENOSPC))
     }
 
-    /// When the map has no room: the inodes removed since the last write-back are deallocated
-    /// now, or else the map is read again (unless it was within the last second: a full
-    /// volume's every write would read it, a bit per sector). Whether anything changed.
+    /// When the map has no room: it is read again, unless that was within the last second
+    /// (a full volume's every write would read it, a bit per sector) outside a write-back.
+    /// Whether it was.
     fn make_room(&self, st: &mut State) -> Result<bool> {
-        if !st.freeing.is_empty() {
-            let before = st.freeing.len();
-            self.free_removed(st)?;
-            return Ok(st.freeing.len() < before);
-        }
-        if st.map_read.elapsed() < Duration::from_secs(1) {
+        if !st.writing_back && st.map_read.elapsed() < Duration::from_secs(1) {
             return Ok(false);
         }
         self.reread_map(st)?;
         Ok(true)
+    }
+
+    /// Run `op` (which leaves the file system as it was when it fails); if it finds no room
+    /// while write-back has some to give (inodes removed, extents cut off: the service frees
+    /// them once the records naming them are written), write back and run it again, as ext4
+    /// commits its journal to free blocks before it answers ENOSPC.
+    fn with_room<T>(&self, st: &mut State, mut op: impl FnMut(&mut State) -> Result<T>) -> Result<T> {
+        match op(st) {
+            Err(Error::Os(libc::ENOSPC)) if !st.writing_back && (!st.freeing.is_empty() || st.map_behind) => {
+                self.write_back(st)?;
+                op(st)
+            }
+            done => done,
+        }
     }
 
     /// What is kept for `ino` brought to what its bytes held in memory now need (none once
@@ -408,22 +418,38 @@ impl Fs {
         if want <= had {
             return Ok(());
         }
-        loop {
+        for attempt in 0..2 {
             if Self::free(st) >= want - had + Self::kept(st) {
                 st.reserved.insert(ino, want);
                 st.reserved_total += want - had;
                 return Ok(());
             }
-            if !self.make_room(st)? {
-                return Err(Error::Os(libc::ENOSPC));
+            if attempt > 0 || !self.make_room(st)? {
+                break;
             }
         }
+        Err(Error::Os(libc::ENOSPC))
     }
 
     /// A run [`find`](Self::find) took and the service did not get, back in the map.
     fn unclaim(st: &mut State, at: u64, n: u64) {
         st.map.set(at, n, false);
         st.claimed.retain(|c| *c != (at, n));
+    }
+
+    /// A run the service has now (ours, or another client's when it refused it with EEXIST):
+    /// taken in the map, as the service's own map has it.
+    fn given(st: &mut State, at: u64, n: u64) {
+        st.claimed.retain(|c| *c != (at, n));
+    }
+
+    /// A run the service refused with `e`.
+    fn refused(st: &mut State, at: u64, n: u64, e: &Error) {
+        if matches!(e, Error::Os(libc::EEXIST)) {
+            Self::given(st, at, n);
+        } else {
+            Self::unclaim(st, at, n);
+        }
     }
 
     /// The service's free map, with the runs this operation took and has not given it yet.
@@ -453,10 +479,13 @@ impl Fs {
             let made =
                 self.client.add_exonode_as(parent, self.caps.write, None, at, sectors, Caps::random(), Some(Persistence::Memory), data.clone());
             match made {
-                Ok(entry) => return Ok((entry, at)),
+                Ok(entry) => {
+                    Self::given(st, at, sectors as u64);
+                    return Ok((entry, at));
+                }
                 Err(e) => {
-                    Self::unclaim(st, at, sectors as u64);
                     let e = exo(e);
+                    Self::refused(st, at, sectors as u64, &e);
                     if !self.raced(st, &e, &mut tries)? {
                         return Err(e);
                     }
@@ -499,7 +528,11 @@ impl Fs {
             }
         };
         let k = st.tables[table].0;
-        let run = self.find(st, POOL as u64 * INODE_SECTORS as u64, near).ok();
+        let run = match self.find(st, POOL as u64 * INODE_SECTORS as u64, near) {
+            Ok(run) => Some(run),
+            Err(Error::Os(libc::ENOSPC)) => None,
+            Err(e) => return Err(e),
+        };
         let sectors: Vec<u64> = match run {
             Some(run) => (0..POOL as u64).map(|i| run + i * INODE_SECTORS as u64).collect(),
             None => {
@@ -538,20 +571,24 @@ impl Fs {
         }
         st.tables[table].2 += done.len() as u32;
         st.tables_dirty |= !done.is_empty();
-        // The rest were not made: their sectors are not ours (another client may have taken
-        // them), so the map is read again.
         st.pool.reverse();
+        match run {
+            Some(run) => Self::given(st, run, sectors.len() as u64 * INODE_SECTORS as u64),
+            None => sectors.iter().for_each(|&at| Self::given(st, at, INODE_SECTORS as u64)),
+        }
+        // The rest were not made: their sectors are free again, unless the service refused them
+        // as another client's (EEXIST: the map is read again).
         if let Some(e) = failed {
-            if run.is_some() {
-                Self::unclaim(st, sectors[0], sectors.len() as u64 * INODE_SECTORS as u64);
+            let e = exo(e);
+            if matches!(e, Error::Os(libc::EEXIST)) {
+                self.reread_map(st)?;
             } else {
                 for &at in &sectors[done.len()..] {
-                    Self::unclaim(st, at, INODE_SECTORS as u64);
+                    st.map.set(at, INODE_SECTORS as u64, false);
                 }
             }
-            self.reread_map(st)?;
             if done.is_empty() {
-                return Err(exo(e));
+                return Err(e);
             }
         }
         Ok(())
@@ -708,14 +745,21 @@ impl Fs {
         let kind = attrs.kind;
         let is_dir = kind == FileKind::Dir;
         let inherited = self.node(&mut st, parent)?.xattrs.get(PERSISTENCE_XATTR).cloned();
-        let ino = self.new_inode(&mut st, attrs, parent)?;
-        if let Some(model) = inherited {
-            // A directory's persistence model goes to what is made in it.
-            self.node(&mut st, ino)?.xattrs.insert(PERSISTENCE_XATTR.to_vec(), model);
-        }
-        if !content.is_empty() {
-            self.set_content(&mut st, ino, content)?;
-        }
+        let ino = self.with_room(&mut st, |st| {
+            let ino = self.new_inode(st, attrs.clone(), parent)?;
+            if let Some(model) = &inherited {
+                // A directory's persistence model goes to what is made in it.
+                self.node(st, ino)?.xattrs.insert(PERSISTENCE_XATTR.to_vec(), model.clone());
+            }
+            if !content.is_empty() {
+                if let Err(e) = self.set_content(st, ino, content) {
+                    // Nothing names it: it goes back.
+                    self.free_inode(st, ino)?;
+                    return Err(e);
+                }
+            }
+            Ok(ino)
+        })?;
         self.dir(&mut st, parent)?.insert(name.to_owned(), (ino, kind));
         self.dir_changed(&mut st, parent)?;
         if is_dir {
@@ -1180,7 +1224,7 @@ impl Fs {
     pub fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<()> {
         let mut st = self.lock();
         let grew = data.len() as u64 + off > self.node(&mut st, ino)?.attrs.size;
-        self.write_at(&mut st, ino, off, data)?;
+        self.with_room(&mut st, |st| self.write_at(st, ino, off, data))?;
         self.settle(&mut st, ino, grew)
     }
 
@@ -1480,13 +1524,18 @@ impl Fs {
                     match self.find(st, want, near) {
                         Ok(s) => break s,
                         Err(_) if want > 8 => want = want.div_ceil(2),
+                        // Only room taken ahead is left to cover: it is not needed.
+                        Err(_) if at >= s1 => return Ok(()),
                         Err(e) => return Err(e),
                     }
                 };
                 let (entry, held) = match self.new_extent(st, ino, start, want) {
-                    Ok(e) => e,
+                    Ok(e) => {
+                        Self::given(st, start, want);
+                        e
+                    }
                     Err(e) => {
-                        Self::unclaim(st, start, want);
+                        Self::refused(st, start, want, &e);
                         if self.raced(st, &e, &mut tries)? {
                             continue;
                         }
@@ -1552,28 +1601,36 @@ impl Fs {
         }
         let len = data.len() as u64;
         if len > 0 {
-            if n.segs.is_none() && Self::may_buffer(&st, st.nodes.get(&ino).expect("loaded"), size + len) {
-                // Held in memory: spliced there.
-                self.edit_immediate(&mut st, ino, |imm| {
-                    imm.resize(size as usize, 0);
-                    imm.splice(off as usize..off as usize, data.iter().copied());
-                })?;
-            } else {
-                Self::room_for_pieces(st.nodes.get(&ino).expect("loaded"), ino)?;
-                let top = self.make_pieces(&mut st, ino)?;
-                let segs = self.node(&mut st, ino)?.segs.as_mut().expect("in pieces");
-                Self::cut(segs, off);
-                let at = segs.partition_point(|s| s.logical < off);
-                for s in &mut segs[at..] {
-                    s.logical += len;
-                }
-                segs.insert(at, Seg { logical: off, len, store: top });
-                self.write_store(&mut st, ino, top, data)?;
-            }
+            self.with_room(&mut st, |st| self.insert_at(st, ino, off, data, size))?;
         }
         let attrs = self.changed(&mut st, ino, size + len)?;
         self.settle(&mut st, ino, true)?;
         Ok(attrs)
+    }
+
+    /// Put `data` before byte `off` of `ino`, of `size` bytes; on a failure the file is left as
+    /// it was (its bytes are written before any piece names them).
+    fn insert_at(&self, st: &mut State, ino: u64, off: u64, data: &[u8], size: u64) -> Result<()> {
+        let len = data.len() as u64;
+        if self.node(st, ino)?.segs.is_none() && Self::may_buffer(st, st.nodes.get(&ino).expect("loaded"), size + len) {
+            // Held in memory: spliced there.
+            self.reserve(st, ino, (size + len) as usize)?;
+            return self.edit_immediate(st, ino, |imm| {
+                imm.resize(size as usize, 0);
+                imm.splice(off as usize..off as usize, data.iter().copied());
+            });
+        }
+        Self::room_for_pieces(st.nodes.get(&ino).expect("loaded"), ino)?;
+        let top = self.make_pieces(st, ino)?;
+        self.write_store(st, ino, top, data)?;
+        let segs = self.node(st, ino)?.segs.as_mut().expect("in pieces");
+        Self::cut(segs, off);
+        let at = segs.partition_point(|s| s.logical < off);
+        for s in &mut segs[at..] {
+            s.logical += len;
+        }
+        segs.insert(at, Seg { logical: off, len, store: top });
+        Ok(())
     }
 
     /// Remove bytes `off..off + len` of file `ino`, moving what follows down without copying
@@ -1824,7 +1881,7 @@ impl Fs {
     /// Set the size of `ino`.
     pub fn truncate(&self, ino: u64, size: u64) -> Result<()> {
         let mut st = self.lock();
-        self.truncate_at(&mut st, ino, size)?;
+        self.with_room(&mut st, |st| self.truncate_at(st, ino, size))?;
         self.settle(&mut st, ino, true)
     }
 
@@ -1982,10 +2039,17 @@ impl Fs {
             } else {
                 // Again at the next write-back (without its holder if that went).
                 let holder_gone = f.holder.is_some() && i > 0 && i - 1 < done.len();
+                let mut again = f.clone();
                 if holder_gone {
+                    // Its extents went with it.
                     st.map.set(f.holder.expect("held").1, HOLDER_SECTORS as u64, false);
+                    for e in f.extents.iter().filter(|e| e.held) {
+                        st.map.set(e.start, e.sectors, false);
+                    }
+                    again.extents.retain(|e| !e.held);
+                    again.holder = None;
                 }
-                st.freeing.push(Freeing { holder: if holder_gone { None } else { f.holder }, ..f.clone() });
+                st.freeing.push(again);
             }
         }
         st.tables_dirty |= !done.is_empty();
@@ -2130,6 +2194,7 @@ impl Fs {
         let (done, failed) = self.client.batch(reqs);
         let mut added: HashMap<u64, Vec<Ext>> = HashMap::new();
         for (p, rep) in planned.iter().zip(&done) {
+            Self::given(st, p.1, p.2);
             if let Reply::Entry(entry) = rep {
                 added.entry(p.0).or_default().push(Ext { entry: *entry, start: p.1, sectors: p.2, logical: p.3, held: false });
             }
@@ -2149,11 +2214,17 @@ impl Fs {
             }
         };
         if let Some(e) = failed {
-            for p in &planned[done.len()..] {
-                Self::unclaim(st, p.1, p.2);
+            // The request refused, then those never tried.
+            let e = exo(e);
+            for (i, p) in planned[done.len()..].iter().enumerate() {
+                if i == 0 {
+                    Self::refused(st, p.1, p.2, &e);
+                } else {
+                    Self::unclaim(st, p.1, p.2);
+                }
             }
             undo(st, added);
-            return Err(exo(e));
+            return Err(e);
         }
         // The bytes, padded to whole extents (what follows the end reads as zeros).
         let mut bufs: Vec<(Target, u64, Vec<u8>)> = Vec::new();

@@ -363,7 +363,25 @@ fn filling_the_volume_and_freeing_room_loses_nothing() {
                         model.insert(name, (ino, data));
                     }
                 }
-                60..=74 => free_some(&fs, &mut model, &mut rng, 1, &ctx),
+                60..=67 => free_some(&fs, &mut model, &mut rng, 1, &ctx),
+                68..=74 => {
+                    // Bytes put in the middle: the file changes whole, or not at all.
+                    let Some(name) = model.keys().nth(rng.below(model.len() as u64) as usize).cloned() else { continue };
+                    let (ino, data) = model.get_mut(&name).unwrap();
+                    let off = rng.below(data.len() as u64 + 1) as usize;
+                    let piece: Vec<u8> = (0..[10u64, 5_000, 300_000][rng.below(3) as usize]).map(|i| (i * 3 + step as u64) as u8).collect();
+                    match fs.insert(*ino, off as u64, &piece) {
+                        Ok(_) => {
+                            data.splice(off..off, piece);
+                        }
+                        Err(e) => {
+                            assert!(enospc(&e), "{ctx}: insert into {name}: {e:?}");
+                            refused += 1;
+                        }
+                    }
+                    let got = fs.read(*ino, 0, data.len() + 1).unwrap_or_else(|e| panic!("{ctx}: read {name}: {e:?}"));
+                    assert!(got == *data, "{ctx}: {name} after an insertion");
+                }
                 // What was accepted has its room: write-back never refuses it.
                 75..=89 => fs.sync().unwrap_or_else(|e| panic!("{ctx}: sync: {e:?}")),
                 90..=93 => {
