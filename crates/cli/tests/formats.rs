@@ -1,7 +1,8 @@
 //! Volumes written by earlier plyfs builds read back exactly (#31): every fixture in
 //! `tests/fixtures/formats` (made by `scripts/fixtures.sh`, each with the version that wrote it)
 //! is mounted with its stack and compared, entry by entry, with the manifest made through the
-//! mount that wrote it: kind, mode, size, content hash or link target. The tarballs keep the
+//! mount that wrote it: kind, mode, size, content hash or link target (an exodisk volume is
+//! served first, and exofs mounted from it). The tarballs keep the
 //! lower files' `user.*` extended attributes, where the layers keep their own metadata.
 
 mod common;
@@ -58,7 +59,7 @@ fn fixtures() -> Vec<PathBuf> {
 #[test]
 fn every_format_written_before_reads_back_exactly() {
     let all = fixtures();
-    assert!(all.len() >= 12, "the fixtures are missing: {all:?}");
+    assert!(all.len() >= 17, "the fixtures are missing: {all:?}");
     for tarball in all {
         let name = tarball.file_name().unwrap().to_str().unwrap().trim_end_matches(".tar.gz").to_owned();
         let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
@@ -72,12 +73,28 @@ fn every_format_written_before_reads_back_exactly() {
         let stack = std::fs::read_to_string(root.join("stack")).unwrap().trim().to_owned();
         let want: Vec<String> = std::fs::read_to_string(root.join("manifest")).unwrap().lines().map(str::to_owned).collect();
         let made_by = std::fs::read_to_string(root.join("made-by")).unwrap().trim().to_owned();
+        // Further mount arguments (branches), then the password when there is one.
+        let mut options: Vec<String> = std::fs::read_to_string(root.join("options"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| l.replace("@ROOT@", root.to_str().unwrap()))
+            .collect();
         let passfile = root.join("passfile");
-        let option = format!("--passfile={}", passfile.display());
-        let options: Vec<&str> = if passfile.exists() { vec![option.as_str()] } else { vec![] };
+        if passfile.exists() {
+            options.push(format!("--passfile={}", passfile.display()));
+        }
+        let options: Vec<&str> = options.iter().map(String::as_str).collect();
         let mnt = root.join("mnt");
         std::fs::create_dir(&mnt).unwrap();
-        let mut m = Mount::start(dir, root.join("lower"), mnt, &stack, &options);
+        // An exodisk volume is served, and mounted through its socket.
+        let volume = root.join("volume.img");
+        let (_service, lower) = if volume.exists() {
+            let sock = root.join("s.sock");
+            (Some(exodisk::Service::start(&volume, &sock)), PathBuf::from(format!("exodisk:{}", sock.display())))
+        } else {
+            (None, root.join("lower"))
+        };
+        let mut m = Mount::start(dir, lower, mnt, &stack, &options);
         let got = manifest(&m.mnt);
         for (w, g) in want.iter().zip(&got) {
             assert_eq!(w, g, "{name} (written by {made_by}, mounted with --stack {stack})");
