@@ -11,8 +11,9 @@
 #   made-by    `plyfs --version` of the plyfs that wrote it
 # crates/cli/tests/formats.rs mounts each one and checks it against its manifest.
 #
-#   scripts/fixtures.sh [NAME...]       (default: every format below; needs FUSE; new fixtures only:
-#                                        the old ones stay as they were written)
+#   scripts/fixtures.sh NAME...         (needs FUSE; with no NAME, every format below is made again)
+#
+# Make only the new formats' fixtures: the old ones stay as the plyfs of their day wrote them.
 #
 # A format change adds its fixtures here (and keeps the old ones), or ships a converter a test runs.
 set -euo pipefail
