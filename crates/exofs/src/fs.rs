@@ -253,7 +253,7 @@ impl Fs {
                 map_read: Instant::now(),
             }),
         };
-        let x = fs.client.map(&fs.rt(&[]), caps.read).map_err(|e| e.msg)?;
+        let x = fs.client.map(&fs.under_root(&[]), caps.read).map_err(|e| e.msg)?;
         if !x.entries.is_empty() {
             fs.load_tables(&x.entries)?;
         }
@@ -268,7 +268,9 @@ impl Fs {
         Ok(fs)
     }
 
-    fn rt(&self, path: &[u32]) -> Target {
+    /// The exonode at `path` below the file system's named root (R): `[]` is R itself, `[k]`
+    /// inode table k, `[k, j]` an inode, `[k, j, h]` an inode's extent holder.
+    fn under_root(&self, path: &[u32]) -> Target {
         Target::Exonode { at: self.r, path: path.to_vec() }
     }
 
@@ -276,13 +278,13 @@ impl Fs {
         let mut st = self.lock();
         let mut sb = MAGIC.to_vec();
         sb.extend_from_slice(&0u64.to_le_bytes());
-        self.client.add_data(&self.rt(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
+        self.client.add_data(&self.under_root(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
         let root = Inode::new(FileKind::Dir, 0o755, unsafe { libc::geteuid() }, unsafe { libc::getegid() });
         let ino = self.new_inode(&mut st, root, self.r)?;
         st.root = ino;
         let mut sb = MAGIC.to_vec();
         sb.extend_from_slice(&ino.to_le_bytes());
-        self.client.add_data(&self.rt(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
+        self.client.add_data(&self.under_root(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
         drop(st);
         self.sync()
     }
@@ -306,7 +308,7 @@ impl Fs {
         }
         for (k, e) in entries.iter().enumerate().skip(1) {
             if let WEntry::Descendant { at } = e {
-                let t = self.client.map(&self.rt(&[k as u32]), self.caps.read).map_err(|e| e.msg)?;
+                let t = self.client.map(&self.under_root(&[k as u32]), self.caps.read).map_err(|e| e.msg)?;
                 let mut count = 0;
                 for (j, ie) in t.entries.iter().enumerate() {
                     if let WEntry::Descendant { at: ino } = ie {
@@ -522,7 +524,7 @@ impl Fs {
         let table = match st.tables.iter().position(|(_, _, n)| *n + POOL as u32 <= cap) {
             Some(i) => i,
             None => {
-                let (k, at) = self.add_exonode(st, &self.rt(&[]), TABLE_SECTORS, self.r, Vec::new())?;
+                let (k, at) = self.add_exonode(st, &self.under_root(&[]), TABLE_SECTORS, self.r, Vec::new())?;
                 st.tables.push((k, at, 0));
                 st.tables.len() - 1
             }
@@ -549,7 +551,7 @@ impl Fs {
         if sectors.is_empty() {
             return Err(Error::Os(libc::ENOSPC));
         }
-        let table_target = WTarget::from(&self.rt(&[k]));
+        let table_target = WTarget::from(&self.under_root(&[k]));
         let reqs = sectors
             .iter()
             .map(|&at| Request::AddExonode {
@@ -602,7 +604,7 @@ impl Fs {
     fn node<'a>(&self, st: &'a mut State, ino: u64) -> Result<&'a mut Node> {
         if !st.nodes.contains_key(&ino) {
             let path = *st.paths.get(&ino).ok_or(Error::Os(libc::ESTALE))?;
-            let x = self.client.map(&self.rt(&path), self.caps.read).map_err(exo)?;
+            let x = self.client.map(&self.under_root(&path), self.caps.read).map_err(exo)?;
             let loaded = self.decode_node(ino, path, &x)?;
             st.buffered += loaded.immediate.len();
             st.nodes.insert(ino, loaded);
@@ -633,7 +635,7 @@ impl Fs {
             _ => None,
         });
         let held = match holder {
-            Some((h, _)) => Some(self.client.map(&self.rt(&[path[0], path[1], h]), self.caps.read).map_err(exo)?),
+            Some((h, _)) => Some(self.client.map(&self.under_root(&[path[0], path[1], h]), self.caps.read).map_err(exo)?),
             None => None,
         };
         let map_bytes = match held.as_ref().map_or(x.entries.get(MAP as usize), |h| h.entries.first()) {
@@ -1060,7 +1062,7 @@ impl Fs {
         if !missing.is_empty() {
             let reqs = missing
                 .iter()
-                .map(|(_, path)| Request::Map { target: WTarget::from(&self.rt(path)), rcap: wcap(self.caps.read) })
+                .map(|(_, path)| Request::Map { target: WTarget::from(&self.under_root(path)), rcap: wcap(self.caps.read) })
                 .collect();
             let (done, _) = self.client.batch(reqs);
             for ((i, path), rep) in missing.iter().zip(done) {
@@ -1088,7 +1090,7 @@ impl Fs {
             files.push((i, pieces.len(), parts.len(), n.attrs.size));
             for (_, len, disk) in parts {
                 let (at, held) = disk.expect("no holes");
-                pieces.push((self.xt(&shape, held), self.caps.read, at, (len * SECTOR) as usize));
+                pieces.push((self.extent_home(&shape, held), self.caps.read, at, (len * SECTOR) as usize));
             }
         }
         if pieces.is_empty() {
@@ -1138,10 +1140,10 @@ impl Fs {
     }
 
     /// The exonode that holds an extent of a file: its inode, or its holder.
-    fn xt(&self, n: &Shape, held: bool) -> Target {
+    fn extent_home(&self, n: &Shape, held: bool) -> Target {
         match (held, n.holder) {
-            (true, Some(h)) => self.rt(&[n.path[0], n.path[1], h]),
-            _ => self.rt(&n.path),
+            (true, Some(h)) => self.under_root(&[n.path[0], n.path[1], h]),
+            _ => self.under_root(&n.path),
         }
     }
 
@@ -1167,7 +1169,7 @@ impl Fs {
             }
         }
         let shape = self.node(st, ino)?.shape();
-        let entry = self.client.add_extent(&self.xt(&shape, held), self.caps.write, None, start, sectors).map_err(exo)?;
+        let entry = self.client.add_extent(&self.extent_home(&shape, held), self.caps.write, None, start, sectors).map_err(exo)?;
         let n = self.node(st, ino)?;
         n.fresh = false;
         n.map_dirty = true;
@@ -1181,7 +1183,7 @@ impl Fs {
             return Ok(());
         }
         let path = self.node(st, ino)?.path;
-        let (entry, at) = self.add_exonode(st, &self.rt(&path), HOLDER_SECTORS, ino, vec![Vec::new()])?;
+        let (entry, at) = self.add_exonode(st, &self.under_root(&path), HOLDER_SECTORS, ino, vec![Vec::new()])?;
         let n = self.node(st, ino)?;
         n.holder = Some((entry, at));
         (n.holder_dirty, n.map_dirty, n.dirty, n.fresh) = (true, true, true, false);
@@ -1194,7 +1196,7 @@ impl Fs {
         for (at, len, disk) in Self::pieces(n, first, first + count) {
             let range = ((at - first) * SECTOR) as usize..((at - first + len) * SECTOR) as usize;
             match disk {
-                Some((d, held)) => self.client.read(&self.xt(n, held), self.caps.read, d, &mut buf[range]).map_err(exo)?,
+                Some((d, held)) => self.client.read(&self.extent_home(n, held), self.caps.read, d, &mut buf[range]).map_err(exo)?,
                 None => buf[range].fill(0),
             }
         }
@@ -1207,7 +1209,7 @@ impl Fs {
         for (at, len, disk) in Self::pieces(n, first, first + count) {
             let range = ((at - first) * SECTOR) as usize..((at - first + len) * SECTOR) as usize;
             match disk {
-                Some((d, held)) => self.client.write(&self.xt(n, held), self.caps.write, d, &data[range]).map_err(exo)?,
+                Some((d, held)) => self.client.write(&self.extent_home(n, held), self.caps.write, d, &data[range]).map_err(exo)?,
                 None => return Err(Error::Corrupt(format!("exofs: writing into a hole at file sector {at}"))),
             }
         }
@@ -1543,7 +1545,7 @@ impl Fs {
                     }
                 };
                 let n = self.node(st, ino)?.shape();
-                let t = self.xt(&n, held);
+                let t = self.extent_home(&n, held);
                 let mut ext = Ext { entry, start, sectors: want, logical: at, held };
                 // Right after the previous extent on the volume and in the file: one extent.
                 let mut merged = None;
@@ -1853,7 +1855,7 @@ impl Fs {
                 continue;
             }
             // The part before `lo` stays as `e`; the part after `hi` becomes an extent of its own.
-            let t = self.xt(&shape, e.held);
+            let t = self.extent_home(&shape, e.held);
             held_changed |= e.held;
             let mut middle = e.entry;
             if lo > l {
@@ -2017,11 +2019,11 @@ impl Fs {
         let mut own = Vec::new();
         for f in &freeing {
             if let Some((h, _)) = f.holder {
-                let t = self.rt(&[f.path[0], f.path[1], h]);
+                let t = self.under_root(&[f.path[0], f.path[1], h]);
                 reqs.push(Request::ExonodeDeallocate { target: WTarget::from(&t), wcap: wc });
             }
             own.push(reqs.len());
-            reqs.push(Request::ExonodeDeallocate { target: WTarget::from(&self.rt(&f.path)), wcap: wc });
+            reqs.push(Request::ExonodeDeallocate { target: WTarget::from(&self.under_root(&f.path)), wcap: wc });
         }
         let (done, failed) = self.client.batch(reqs);
         for (f, &i) in freeing.iter().zip(&own) {
@@ -2103,7 +2105,7 @@ impl Fs {
             let mut reqs = Vec::new();
             for &(_, ino) in chunk {
                 let n = &st.nodes[&ino];
-                let target = WTarget::from(&self.rt(&n.path));
+                let target = WTarget::from(&self.under_root(&n.path));
                 let map = || {
                     let items: Vec<(u32, u64)> =
                         n.extents.iter().map(|e| (e.entry | if e.held { HELD } else { 0 }, e.logical)).collect();
@@ -2113,7 +2115,7 @@ impl Fs {
                 // A file of the memory model is never written: it lives in the service's memory.
                 let durable = Self::model(n) != Some(Persistence::Memory);
                 if let Some((h, _)) = n.holder.filter(|_| n.holder_dirty || n.map_dirty) {
-                    let ht = WTarget::from(&self.rt(&[n.path[0], n.path[1], h]));
+                    let ht = WTarget::from(&self.under_root(&[n.path[0], n.path[1], h]));
                     reqs.push(Request::AddData { target: ht.clone(), wcap: wc, idx: Some(0), data: ByteBuf::from(map()) });
                     if durable {
                         reqs.push(Request::WriteRecord { target: ht, wcap: wc });
@@ -2148,7 +2150,7 @@ impl Fs {
             }
         }
         if st.tables_dirty {
-            let reqs = st.tables.iter().map(|t| Request::WriteRecord { target: WTarget::from(&self.rt(&[t.0])), wcap: wc }).collect();
+            let reqs = st.tables.iter().map(|t| Request::WriteRecord { target: WTarget::from(&self.under_root(&[t.0])), wcap: wc }).collect();
             if let (_, Some(e)) = self.client.batch(reqs) {
                 return Err(exo(e));
             }
@@ -2187,7 +2189,7 @@ impl Fs {
                     }
                 };
                 planned.push((ino, start, want, logical));
-                reqs.push(Request::AddExtent { target: WTarget::from(&self.rt(&path)), wcap: wc, idx: None, start, sectors: want });
+                reqs.push(Request::AddExtent { target: WTarget::from(&self.under_root(&path)), wcap: wc, idx: None, start, sectors: want });
                 logical += want;
             }
         }
@@ -2207,7 +2209,7 @@ impl Fs {
             for (ino, exts) in added {
                 let path = st.nodes[&ino].path;
                 for x in exts {
-                    if self.client.remove_entry(&self.rt(&path), self.caps.write, x.entry).is_ok() {
+                    if self.client.remove_entry(&self.under_root(&path), self.caps.write, x.entry).is_ok() {
                         st.map_behind = true;
                     }
                 }
@@ -2235,7 +2237,7 @@ impl Fs {
                 let from = (x.logical * SECTOR) as usize;
                 let to = (from + b.len()).min(n.immediate.len());
                 b[..to - from].copy_from_slice(&n.immediate[from..to]);
-                bufs.push((self.rt(&n.path), x.start, b));
+                bufs.push((self.under_root(&n.path), x.start, b));
             }
         }
         let pieces: Vec<(Target, plyfs_exodisk::object::Cap, u64, &[u8])> =
