@@ -334,30 +334,31 @@ impl Fs {
     /// client took meanwhile; the map is then refreshed). Outside write-back the room kept for
     /// it stays free.
     fn find(&self, st: &mut State, n: u64, near: u64) -> Result<u64> {
-        for attempt in 0..2 {
-            if Self::free(st) >= n + Self::kept(st) {
-                if let Some(at) = st.map.find_free(n, near) {
-                    st.map.set(at, n, true);
-                    st.claimed.push((at, n));
-                    return Ok(at);
-                }
+        self.with_map_room(st, |st| {
+            if Self::free(st) < n + Self::kept(st) {
+                return None;
             }
-            if attempt > 0 || !self.make_room(st)? {
-                break;
+            let at = st.map.find_free(n, near)?;
+            st.map.set(at, n, true);
+            st.claimed.push((at, n));
+            Some(at)
+        })
+    }
+
+    /// What `take` finds in the map; when it finds nothing, the map is read again (unless that
+    /// was within the last second, outside a write-back: a full volume's every write would read
+    /// it, a bit per sector) and `take` tries once more; ENOSPC then.
+    fn with_map_room<T>(&self, st: &mut State, mut take: impl FnMut(&mut State) -> Option<T>) -> Result<T> {
+        if let Some(found) = take(st) {
+            return Ok(found);
+        }
+        if st.writing_back || st.map_read.elapsed() >= Duration::from_secs(1) {
+            self.reread_map(st)?;
+            if let Some(found) = take(st) {
+                return Ok(found);
             }
         }
         Err(Error::Os(libc::ENOSPC))
-    }
-
-    /// When the map has no room: it is read again, unless that was within the last second
-    /// (a full volume's every write would read it, a bit per sector) outside a write-back.
-    /// Whether it was.
-    fn make_room(&self, st: &mut State) -> Result<bool> {
-        if !st.writing_back && st.map_read.elapsed() < Duration::from_secs(1) {
-            return Ok(false);
-        }
-        self.reread_map(st)?;
-        Ok(true)
     }
 
     /// Run `op` (which leaves the file system as it was when it fails); if it finds no room
@@ -420,17 +421,12 @@ impl Fs {
         if want <= had {
             return Ok(());
         }
-        for attempt in 0..2 {
-            if Self::free(st) >= want - had + Self::kept(st) {
+        self.with_map_room(st, |st| {
+            (Self::free(st) >= want - had + Self::kept(st)).then(|| {
                 st.reserved.insert(ino, want);
                 st.reserved_total += want - had;
-                return Ok(());
-            }
-            if attempt > 0 || !self.make_room(st)? {
-                break;
-            }
-        }
-        Err(Error::Os(libc::ENOSPC))
+            })
+        })
     }
 
     /// A run [`find`](Self::find) took and the service did not get, back in the map.
@@ -451,6 +447,18 @@ impl Fs {
             Self::given(st, at, n);
         } else {
             Self::unclaim(st, at, n);
+        }
+    }
+
+    /// The runs of a batch from the request that failed with `e` on: that one refused, those
+    /// after it never tried.
+    fn not_made(st: &mut State, runs: impl IntoIterator<Item = (u64, u64)>, e: &Error) {
+        for (i, (at, n)) in runs.into_iter().enumerate() {
+            if i == 0 {
+                Self::refused(st, at, n, e);
+            } else {
+                Self::unclaim(st, at, n);
+            }
         }
     }
 
@@ -475,48 +483,42 @@ impl Fs {
 
     /// A `memory`-model exonode of `sectors` below `parent`, near `near`: its entry and sector.
     fn add_exonode(&self, st: &mut State, parent: &Target, sectors: u32, near: u64, data: Vec<Vec<u8>>) -> Result<(u32, u64)> {
-        let mut tries = 0;
-        loop {
+        self.retrying_races(st, |st| {
             let at = self.find(st, sectors as u64, near)?;
             let made =
                 self.client.add_exonode_as(parent, self.caps.write, None, at, sectors, Caps::random(), Some(Persistence::Memory), data.clone());
-            match made {
+            match made.map_err(exo) {
                 Ok(entry) => {
                     Self::given(st, at, sectors as u64);
-                    return Ok((entry, at));
+                    Ok((entry, at))
                 }
                 Err(e) => {
-                    let e = exo(e);
                     Self::refused(st, at, sectors as u64, &e);
-                    if !self.raced(st, &e, &mut tries)? {
-                        return Err(e);
-                    }
+                    Err(e)
                 }
             }
-        }
+        })
     }
 
-    /// Whether a refusal is the service's for sectors another client took since the map was
-    /// read (EEXIST), to be tried again (a few times) with the map read again.
-    fn raced(&self, st: &mut State, e: &Error, tries: &mut u32) -> Result<bool> {
-        if !matches!(e, Error::Os(libc::EEXIST)) || *tries >= 3 {
-            return Ok(false);
+    /// `op`, again (up to three times, with the map read again) while the service refuses
+    /// sectors another client took since the map was read (EEXIST).
+    fn retrying_races<T>(&self, st: &mut State, mut op: impl FnMut(&mut State) -> Result<T>) -> Result<T> {
+        let mut tries = 0;
+        loop {
+            match op(st) {
+                Err(Error::Os(libc::EEXIST)) if tries < 3 => {
+                    tries += 1;
+                    self.reread_map(st)?;
+                }
+                done => return done,
+            }
         }
-        *tries += 1;
-        self.reread_map(st)?;
-        Ok(true)
     }
 
     /// Make [`POOL`] inodes in one request, in a run of sectors near `near` (a directory's small
     /// files then sit together, thesis §5.3), each with empty entries ATTRS, IMMEDIATE and MAP.
     fn refill_pool(&self, st: &mut State, near: u64) -> Result<()> {
-        let mut tries = 0;
-        loop {
-            match self.refill_pool_once(st, near) {
-                Err(e) if self.raced(st, &e, &mut tries)? => continue,
-                done => return done,
-            }
-        }
+        self.retrying_races(st, |st| self.refill_pool_once(st, near))
     }
 
     fn refill_pool_once(&self, st: &mut State, near: u64) -> Result<()> {
@@ -578,17 +580,11 @@ impl Fs {
             Some(run) => Self::given(st, run, sectors.len() as u64 * INODE_SECTORS as u64),
             None => sectors.iter().for_each(|&at| Self::given(st, at, INODE_SECTORS as u64)),
         }
-        // The rest were not made: their sectors are free again, unless the service refused them
-        // as another client's (EEXIST: the map is read again).
+        // The rest were not made: their sectors are free again, but one the service refused as
+        // another client's (EEXIST).
         if let Some(e) = failed {
             let e = exo(e);
-            if matches!(e, Error::Os(libc::EEXIST)) {
-                self.reread_map(st)?;
-            } else {
-                for &at in &sectors[done.len()..] {
-                    st.map.set(at, INODE_SECTORS as u64, false);
-                }
-            }
+            Self::not_made(st, sectors[done.len()..].iter().map(|&at| (at, INODE_SECTORS as u64)), &e);
             if done.is_empty() {
                 return Err(e);
             }
@@ -1511,7 +1507,6 @@ impl Fs {
             (s0 / CHUNK_SECTORS * CHUNK_SECTORS, s1.div_ceil(CHUNK_SECTORS) * CHUNK_SECTORS)
         };
         let holes: Vec<(u64, u64)> = Self::pieces(&node, c0, c1).into_iter().filter(|p| p.2.is_none()).map(|p| (p.0, p.1)).collect();
-        let mut tries = 0;
         for (mut at, mut len) in holes {
             // A chunk piece entirely outside what is written stays a hole.
             if at + len <= s0 || at >= s1 {
@@ -1521,29 +1516,29 @@ impl Fs {
                 let n = self.node(st, ino)?.shape();
                 let prev = n.extents.iter().filter(|e| e.logical + e.sectors <= at).max_by_key(|e| e.logical).copied();
                 let near = prev.map_or(ino, |p| p.start + p.sectors);
-                let mut want = len.min(MAX_EXTENT_SECTORS);
-                let start = loop {
-                    match self.find(st, want, near) {
-                        Ok(s) => break s,
-                        Err(_) if want > 8 => want = want.div_ceil(2),
-                        // Only room taken ahead is left to cover: it is not needed.
-                        Err(_) if at >= s1 => return Ok(()),
-                        Err(e) => return Err(e),
-                    }
-                };
-                let (entry, held) = match self.new_extent(st, ino, start, want) {
-                    Ok(e) => {
-                        Self::given(st, start, want);
-                        e
-                    }
-                    Err(e) => {
-                        Self::refused(st, start, want, &e);
-                        if self.raced(st, &e, &mut tries)? {
-                            continue;
+                let taken = self.retrying_races(st, |st| {
+                    let mut want = len.min(MAX_EXTENT_SECTORS);
+                    let start = loop {
+                        match self.find(st, want, near) {
+                            Ok(s) => break s,
+                            Err(_) if want > 8 => want = want.div_ceil(2),
+                            // Only room taken ahead is left to cover: it is not needed.
+                            Err(_) if at >= s1 => return Ok(None),
+                            Err(e) => return Err(e),
                         }
-                        return Err(e);
+                    };
+                    match self.new_extent(st, ino, start, want) {
+                        Ok((entry, held)) => {
+                            Self::given(st, start, want);
+                            Ok(Some((start, want, entry, held)))
+                        }
+                        Err(e) => {
+                            Self::refused(st, start, want, &e);
+                            Err(e)
+                        }
                     }
-                };
+                })?;
+                let Some((start, want, entry, held)) = taken else { return Ok(()) };
                 let n = self.node(st, ino)?.shape();
                 let t = self.extent_home(&n, held);
                 let mut ext = Ext { entry, start, sectors: want, logical: at, held };
@@ -1986,17 +1981,7 @@ impl Fs {
 
     fn write_back(&self, st: &mut State) -> Result<()> {
         st.writing_back = true;
-        let mut tries = 0;
-        let done = loop {
-            match self.write_back_inodes(st) {
-                Err(e) => match self.raced(st, &e, &mut tries) {
-                    Ok(true) => continue,
-                    Ok(false) => break Err(e),
-                    Err(again) => break Err(again),
-                },
-                done => break done,
-            }
-        };
+        let done = self.retrying_races(st, |st| self.write_back_inodes(st));
         st.writing_back = false;
         done?;
         if std::mem::take(&mut st.map_behind) {
@@ -2006,7 +1991,7 @@ impl Fs {
     }
 
     /// Deallocate the inodes removed since the last write-back, with their extents and
-    /// holders (a full volume also does it at once, as ext4 commits its journal to free blocks).
+    /// holders: the first step of a write-back.
     fn free_removed(&self, st: &mut State) -> Result<()> {
         if st.freeing.is_empty() {
             return Ok(());
@@ -2216,15 +2201,8 @@ impl Fs {
             }
         };
         if let Some(e) = failed {
-            // The request refused, then those never tried.
             let e = exo(e);
-            for (i, p) in planned[done.len()..].iter().enumerate() {
-                if i == 0 {
-                    Self::refused(st, p.1, p.2, &e);
-                } else {
-                    Self::unclaim(st, p.1, p.2);
-                }
-            }
+            Self::not_made(st, planned[done.len()..].iter().map(|p| (p.1, p.2)), &e);
             undo(st, added);
             return Err(e);
         }
