@@ -163,16 +163,25 @@ impl Rng {
     }
 }
 
+/// The seeds to run: `PLYFS_SEED=N` alone, or `count` spread by `step`.
+fn seeds(count: u64, step: u64) -> Vec<u64> {
+    match std::env::var("PLYFS_SEED") {
+        Ok(s) => vec![s.parse().expect("PLYFS_SEED is a number")],
+        Err(_) => (1..=count).map(|i| i * step).collect(),
+    }
+}
+
+/// Operations per seed: the number in `var`, or `default`.
+fn ops(var: &str, default: usize) -> usize {
+    std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
 /// Random writes, truncations, insertions and removals in the middle, write-backs and restarts,
 /// each compared with the same operations on a plain vector. `PLYFS_SEED=N` replays one seed.
 #[test]
 fn insert_and_punch_match_a_reference_under_random_operations() {
-    let seeds: Vec<u64> = match std::env::var("PLYFS_SEED") {
-        Ok(s) => vec![s.parse().expect("PLYFS_SEED is a number")],
-        Err(_) => (1..=6).map(|i| i * 0x9E37_79B9_7F4A_7C15).collect(),
-    };
-    let ops: usize = std::env::var("PLYFS_FSX_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(400);
-    for seed in seeds {
+    let ops = ops("PLYFS_FSX_OPS", 400);
+    for seed in seeds(6, 0x9E37_79B9_7F4A_7C15) {
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
         let mut rng = Rng(seed);
         let mut model: Vec<u8> = Vec::new();
@@ -291,13 +300,9 @@ fn a_very_fragmented_file_keeps_its_extents_in_a_descendant() {
 /// back exactly after a restart. `PLYFS_SEED=N` replays one seed.
 #[test]
 fn filling_the_volume_and_freeing_room_loses_nothing() {
-    let seeds: Vec<u64> = match std::env::var("PLYFS_SEED") {
-        Ok(s) => vec![s.parse().expect("PLYFS_SEED is a number")],
-        Err(_) => (1..=4).map(|i| i * 0x2545_F491_4F6C_DD1D).collect(),
-    };
-    let ops: usize = std::env::var("PLYFS_FILL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(600);
+    let ops = ops("PLYFS_FILL_OPS", 600);
     let enospc = |e: &Error| matches!(e, Error::Os(libc::ENOSPC));
-    for seed in seeds {
+    for seed in seeds(4, 0x2545_F491_4F6C_DD1D) {
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
         let img = dir.path().join("v.img");
         layout::format(&img, Some(12 << 20), &default_key_path(&img)).unwrap();
