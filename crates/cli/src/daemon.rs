@@ -19,6 +19,7 @@ use clap::Args;
 use plyfs_fuse::control::{self, ControlServer};
 use plyfs_fuse::{unmount, FrontOptions, MountRequest, Mounted, Transport, Unmounted, UringChoice};
 use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
+use plyfs_assemble::dirs::{existing_dir, storage_dirs};
 use plyfs_stack::LowerDir;
 
 use crate::options;
@@ -129,16 +130,16 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
     let opts = options::parse(&args.options)?;
     // (A foreground mount logs them as it builds the stack.)
     if !args.foreground {
-        for w in plyfs_stack::order_warnings(&specs, plyfs_layers::registry()) {
+        for w in plyfs_stack::order_warnings(&specs, plyfs_assemble::registry()) {
             eprintln!("plyfs: warning: {w}");
         }
     }
-    let lower = crate::tree::Lower::parse(&args.lower, &mut specs, args.psk.as_deref())?;
+    let lower = plyfs_assemble::lower::Lower::parse(&args.lower, &mut specs, args.psk.as_deref())?;
     let dirs = match lower.dir() {
         Some(dir) => storage_dirs(dir, &args.tree.branches, &specs),
         None => Vec::new(),
     };
-    crate::nesting::check_storage_apart(&dirs, &args.mountpoint)?;
+    plyfs_assemble::nesting::check_storage_apart(&dirs, &args.mountpoint)?;
     let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
     // A lower in use is reported here; the mount's daemon takes the locks for its life.
     if args.ready_fd.is_none() {
@@ -174,52 +175,12 @@ fn lock_lowers(
     tree: &StackArgs,
     specs: &[plyfs_stack::spec::LayerSpec],
     opts: &options::MountOptions,
-    lower: &crate::tree::Lower,
+    lower: &plyfs_assemble::lower::Lower,
     mountpoint: &Path,
 ) -> Result<Vec<plyfs_stack::lowerlock::LowerLock>, String> {
     let Some(dir) = lower.dir() else { return Ok(Vec::new()) };
-    let how = crate::locks::Use::Mount { shared: opts.shared, read_only: opts.read_only };
-    crate::locks::take_all(dir, &tree.branches, specs, how, &format!("mounted at {}", mountpoint.display()))
-}
-
-/// Every directory a stack stores in: LOWER, the `--branch` directories and the directories
-/// branches name in the spec (`@DIR`), each once, in that order.
-pub fn storage_dirs(lower: &Path, branches: &[String], specs: &[plyfs_stack::spec::LayerSpec]) -> Vec<PathBuf> {
-    let mut dirs = vec![lower.to_owned()];
-    dirs.extend(branches.iter().filter_map(|b| crate::tree::parse_branch_arg(b).ok()).map(|(d, _)| d));
-    dirs.extend(spec_branch_dirs(specs).into_iter().map(|(d, _)| d));
-    let mut out: Vec<PathBuf> = Vec::new();
-    for d in dirs {
-        let d = d.canonicalize().unwrap_or(d);
-        if !out.contains(&d) {
-            out.push(d);
-        }
-    }
-    out
-}
-
-/// The directories the branches of `specs` name (`@DIR`, at any depth), each with its mode.
-pub fn spec_branch_dirs(specs: &[plyfs_stack::spec::LayerSpec]) -> Vec<(PathBuf, plyfs_stack::spec::BranchMode)> {
-    specs
-        .iter()
-        .flat_map(|s| &s.branches)
-        .flat_map(|branch| branch.dir.clone().map(|d| (d, branch.mode())).into_iter().chain(spec_branch_dirs(&branch.layers)))
-        .collect()
-}
-
-/// Read and check a rules file: every rule's layers must exist and take the parameters given.
-pub fn load_rules(path: &Path, lower: &Path) -> Result<plyfs_policy::Rules, String> {
-    let bottom = LowerDir::level(lower).map_err(|e| format!("lower directory {}: {e}", lower.display()))?;
-    plyfs_policy::Rules::load(path, plyfs_policy::rule_checker(plyfs_layers::registry(), &bottom)).map_err(|e| e.to_string())
-}
-
-/// `path` made canonical, if it is a directory; errors read "`what` PATH: cause".
-pub fn existing_dir(what: &str, path: &Path) -> Result<PathBuf, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
-    if !meta.is_dir() {
-        return Err(format!("{what} {}: not a directory", path.display()));
-    }
-    path.canonicalize().map_err(|e| format!("{what} {}: {e}", path.display()))
+    let how = plyfs_assemble::locks::Use::Mount { shared: opts.shared, read_only: opts.read_only };
+    plyfs_assemble::locks::take_all(dir, &tree.branches, specs, how, &format!("mounted at {}", mountpoint.display()))
 }
 
 pub(crate) fn init_logging(verbose: u8) {
@@ -321,7 +282,7 @@ fn mount_reverse(args: MountArgs) -> Result<(), String> {
     opts.read_only = true;
     let plain = existing_dir("plaintext directory", &args.lower)?;
     args.excludes()?;
-    crate::nesting::check_apart("the plaintext directory", &plain, &args.mountpoint)?;
+    plyfs_assemble::nesting::check_apart("the plaintext directory", &plain, &args.mountpoint)?;
     let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
     let found = [crate::secret::reverse_volume(&plain)?];
     let volumes = match args.key_fd {
@@ -332,7 +293,7 @@ fn mount_reverse(args: MountArgs) -> Result<(), String> {
         None => crate::secret::unlock_configs(&found, &args.secret)?,
     };
     if args.foreground {
-        return serve(&args, Vec::new(), opts, crate::tree::Lower::Dir(plain), mountpoint);
+        return serve(&args, Vec::new(), opts, plyfs_assemble::lower::Lower::Dir(plain), mountpoint);
     }
     spawn_background(&args, &mountpoint, volumes)
 }
@@ -348,14 +309,14 @@ fn reverse_stack(args: &MountArgs, plain: &Path) -> Result<plyfs_stack::Stack, S
     let bottom = LowerDir::level(plain).map_err(|e| format!("plaintext directory {}: {e}", plain.display()))?;
     let view = reverse::ReverseView::new(&volume, bottom.clone(), shown, &args.excludes()?).map_err(|e| e.to_string())?;
     // The view alone: the plaintext below is not offered as a level (`MNT/.plyfs/...`).
-    plyfs_stack::Stack::build_over(&[], plyfs_layers::registry(), vec![view.level()]).map_err(|e| e.to_string())
+    plyfs_stack::Stack::build_over(&[], plyfs_assemble::registry(), vec![view.level()]).map_err(|e| e.to_string())
 }
 
 fn serve(
     args: &MountArgs,
     specs: Vec<plyfs_stack::spec::LayerSpec>,
     opts: options::MountOptions,
-    lower: crate::tree::Lower,
+    lower: plyfs_assemble::lower::Lower,
     mountpoint: PathBuf,
 ) -> Result<(), String> {
     let mut ready = Ready(args.ready_fd.map(|fd| unsafe { File::from_raw_fd(fd) }));
@@ -370,7 +331,7 @@ fn serve_inner(
     args: &MountArgs,
     specs: Vec<plyfs_stack::spec::LayerSpec>,
     opts: options::MountOptions,
-    lower: crate::tree::Lower,
+    lower: plyfs_assemble::lower::Lower,
     mountpoint: PathBuf,
     ready: &mut Ready,
 ) -> Result<(), String> {
@@ -389,7 +350,7 @@ fn serve_inner(
     let _locks = if args.reverse { Vec::new() } else { lock_lowers(&args.tree, &specs, &opts, &lower, &mountpoint)? };
     let stack = match (args.reverse, lower.dir()) {
         (true, Some(plain)) => reverse_stack(args, plain)?,
-        _ => crate::tree::build_stack(&specs, &lower, &args.tree.branches, args.tree.rules.as_deref(), Some(&mountpoint))?,
+        _ => plyfs_assemble::tree::build_stack(&specs, &lower, &args.tree.branches, args.tree.rules.as_deref(), Some(&mountpoint))?,
     };
     let stack = Arc::new(stack);
     // Every level by name, branches included (a tree's trunk may have no layer of its own).
@@ -410,9 +371,9 @@ fn serve_inner(
             attr_ttl: opts.attr_ttl,
             passthrough: opts.passthrough && lower.dir().is_some(),
             no_passthrough_because: match &lower {
-                crate::tree::Lower::Dir(_) => None,
-                crate::tree::Lower::Remote { .. } => Some("a remote stack has no lower files to hand to the kernel".to_owned()),
-                crate::tree::Lower::Exodisk(_) => Some("exofs has no lower files to hand to the kernel".to_owned()),
+                plyfs_assemble::lower::Lower::Dir(_) => None,
+                plyfs_assemble::lower::Lower::Remote { .. } => Some("a remote stack has no lower files to hand to the kernel".to_owned()),
+                plyfs_assemble::lower::Lower::Exodisk(_) => Some("exofs has no lower files to hand to the kernel".to_owned()),
             },
             shared: opts.shared,
             fanin: opts.fanin,

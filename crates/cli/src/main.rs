@@ -4,15 +4,12 @@ mod daemon;
 mod exobench;
 mod exodisk;
 mod helper;
-mod locks;
-mod nesting;
 mod offline;
 mod options;
 mod policy;
 mod secret;
 mod serve;
 mod stats;
-mod tree;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -173,7 +170,7 @@ fn main() -> ExitCode {
             Ok(())
         }
         Command::Encode { src, dest, stack, secret } => offline_run(|| {
-            secret::unlock_and_register(&offline::encode_root(&src, &dest), &secret)?;
+            secret::unlock_and_register(&plyfs_assemble::offline::encode_root(&src, &dest), &secret)?;
             offline::encode(&src, &dest, &stack)
         }),
         Command::Decode { lower, dest, stack, path, branches, secret } => offline_run(|| {
@@ -265,7 +262,7 @@ fn finish(result: Result<(), String>) -> ExitCode {
 
 /// `plyfs LOWER MNT -o stack=SPEC,...`, as mount(8) (through mount.fuse3) and fstab call it.
 fn as_mount_helper(argv: &[std::ffi::OsString]) -> Result<(), String> {
-    let kinds: Vec<&str> = plyfs_layers::registry().iter().map(|f| f.kind).collect();
+    let kinds: Vec<&str> = plyfs_assemble::registry().iter().map(|f| f.kind).collect();
     match helper::translate(helper::parse(argv)?, &kinds)? {
         helper::Action::Remount { mountpoint, options } => helper::remount(&mountpoint, &options),
         helper::Action::Mount(args) => {
@@ -281,7 +278,7 @@ fn as_mount_helper(argv: &[std::ffi::OsString]) -> Result<(), String> {
 /// Unlock every crypt volume a stack over `lower` (with `--branch` directories) stores in.
 fn unlock_tree(lower: &Path, spec: &str, branches: &[String], secret: &secret::SecretArgs) -> Result<(), String> {
     let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| e.to_string())?;
-    secret::unlock_volumes(&daemon::storage_dirs(lower, branches, &specs), secret).map(|_| ())
+    secret::unlock_volumes(&plyfs_assemble::dirs::storage_dirs(lower, branches, &specs), secret).map(|_| ())
 }
 
 fn offline_run(work: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
@@ -379,7 +376,7 @@ fn op(path: &Path, name: &str, args: &[String]) -> Result<(), String> {
 }
 
 fn print_layers() {
-    for f in plyfs_layers::registry() {
+    for f in plyfs_assemble::registry() {
         println!("{:<8} {}", f.kind, f.summary);
         for p in f.params.iter().chain([&plyfs_stack::NAME_PARAM]) {
             let default = p.default.map(|d| format!(" (default: {d})")).unwrap_or_default();

@@ -189,9 +189,7 @@ pub fn unlock_volumes(dirs: &[std::path::PathBuf], secret: &SecretArgs) -> Resul
     unlock_configs(&configs, secret)
 }
 
-/// A crypt volume to unlock: its name (for the prompt), where its configuration was read (for
-/// errors), and the configuration.
-pub type FoundVolume = (String, String, VolumeConfig);
+pub use plyfs_assemble::FoundVolume;
 
 /// The crypt volumes among `dirs`.
 fn dir_configs(dirs: &[std::path::PathBuf]) -> Result<Vec<FoundVolume>, String> {

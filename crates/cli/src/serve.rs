@@ -9,8 +9,8 @@ use plyfs_stack::admission::ConnectionLimits;
 use plyfs_stack::spec::parse_stack_spec;
 use plyfs_transport::listen::{bind_unix, serve_unix, UnixPolicy};
 use plyfs_transport::server::{Identity, Server, ServerOptions};
-use plyfs_transport::tls::{Psk, TlsConnector, TlsServer};
-use plyfs_transport::{Addr, Connector, PlainConnector};
+use plyfs_transport::tls::{Psk, TlsServer};
+use plyfs_transport::Addr;
 
 #[derive(Args, Clone)]
 pub struct ServeArgs {
@@ -64,16 +64,16 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
     let specs = args.tree.specs()?;
     let addr =
         Addr::parse(&args.listen).unwrap_or_else(|| Err(format!("--listen {}: expected unix:PATH or tcp:HOST:PORT", args.listen)))?;
-    let lower = crate::daemon::existing_dir("lower directory", &args.lower)?;
+    let lower = plyfs_assemble::dirs::existing_dir("lower directory", &args.lower)?;
     let tls = match (&addr, &args.psk) {
         (Addr::Tcp(_), Some(psk)) => Some(Arc::new(TlsServer::new(Psk::load(psk)?)?)),
         (Addr::Tcp(_), None) => return Err(format!("--listen {addr}: TCP needs --psk FILE (clients must prove they hold the key)")),
         (Addr::Unix(_), Some(_)) => return Err("--psk is for tcp: addresses; a Unix socket checks its peers' user ids".into()),
         (Addr::Unix(_), None) => None,
     };
-    let dirs = crate::daemon::storage_dirs(&lower, &args.tree.branches, &specs);
+    let dirs = plyfs_assemble::dirs::storage_dirs(&lower, &args.tree.branches, &specs);
     // Held while the server runs.
-    let _locks = crate::locks::take_all(&lower, &args.tree.branches, &specs, crate::locks::Use::Serve, &format!("serving on {addr}"))?;
+    let _locks = plyfs_assemble::locks::take_all(&lower, &args.tree.branches, &specs, plyfs_assemble::locks::Use::Serve, &format!("serving on {addr}"))?;
     let _volumes = if args.as_stored {
         if args.secret.given() {
             return Err("--as-stored serves a crypt volume encrypted: the server takes no password or key file".into());
@@ -89,18 +89,18 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         if !args.tree.branches.is_empty() {
             return Err("--as-stored serves one directory: no --branch".into());
         }
-        crate::tree::build_stored_stack(&specs, &lower, args.tree.rules.as_deref())?
+        plyfs_assemble::tree::build_stored_stack(&specs, &lower, args.tree.rules.as_deref())?
     } else {
-        crate::tree::build_stack(
+        plyfs_assemble::tree::build_stack(
             &specs,
-            &crate::tree::Lower::Dir(lower.clone()),
+            &plyfs_assemble::lower::Lower::Dir(lower.clone()),
             &args.tree.branches,
             args.tree.rules.as_deref(),
             None,
         )?
     };
     let stack = Arc::new(stack);
-    let lower = crate::tree::Lower::Dir(lower);
+    let lower = plyfs_assemble::lower::Lower::Dir(lower);
     let server = Server::for_stack(
         &stack,
         ServerOptions {
@@ -200,15 +200,6 @@ fn bytes(s: &str) -> Result<u64, String> {
     }
 }
 
-/// How to reach a server at `addr`: a Unix socket, or TLS proving the key in `psk`.
-pub fn connector(addr: &Addr, psk: Option<&std::path::Path>) -> Result<Box<dyn Connector>, String> {
-    match (addr, psk) {
-        (Addr::Unix(_), _) => Ok(Box::new(PlainConnector(addr.clone()))),
-        (Addr::Tcp(_), Some(psk)) => Ok(Box::new(TlsConnector::new(addr.clone(), Psk::load(psk)?)?)),
-        (Addr::Tcp(_), None) => Err(format!("{addr}: a TCP server needs its key: --psk FILE (or remote:psk=FILE)")),
-    }
-}
-
 #[derive(Args, Clone)]
 pub struct HostArgs {
     /// The layers to host, top first (e.g. `trace` or `zstd:level=9`), as one layer of the
@@ -228,7 +219,7 @@ pub fn host(args: HostArgs) -> Result<(), String> {
     let signals = crate::daemon::block_signals();
     crate::daemon::init_logging(args.verbose);
     let specs = parse_stack_spec(&args.layers).map_err(|e| e.to_string())?;
-    let registry = plyfs_layers::registry();
+    let registry = plyfs_assemble::registry();
     if let Some(s) = specs.iter().find(|s| plyfs_stack::is_fan_out(registry, &s.kind)) {
         return Err(format!("layer '{}' fans out: only linear layers can be hosted", s.kind));
     }

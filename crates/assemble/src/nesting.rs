@@ -46,7 +46,7 @@ pub fn check_apart(what: &str, dir: &Path, mountpoint: &Path) -> Result<(), Stri
     Ok(())
 }
 
-/// [`check_apart`] for every directory of [`crate::daemon::storage_dirs`]: LOWER first, then
+/// [`check_apart`] for every directory of [`crate::dirs::storage_dirs`]: LOWER first, then
 /// the branches.
 pub fn check_storage_apart(dirs: &[PathBuf], mountpoint: &Path) -> Result<(), String> {
     for (i, dir) in dirs.iter().enumerate() {

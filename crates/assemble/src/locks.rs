@@ -41,7 +41,7 @@ impl Use {
 }
 
 /// Take the lock of every directory a stack over `lower` stores in (see
-/// [`crate::daemon::storage_dirs`]), each in the mode its branch is used in; `who` says what
+/// [`crate::dirs::storage_dirs`]), each in the mode its branch is used in; `who` says what
 /// holds them ("mounted at /mnt/a").
 pub fn take_all(lower: &Path, branches: &[String], specs: &[LayerSpec], how: Use, who: &str) -> Result<Vec<LowerLock>, String> {
     let mut held = Vec::new();
@@ -52,14 +52,14 @@ pub fn take_all(lower: &Path, branches: &[String], specs: &[LayerSpec], how: Use
     Ok(held)
 }
 
-/// The directories of [`crate::daemon::storage_dirs`], each with the mode of the branch it is
+/// The directories of [`crate::dirs::storage_dirs`], each with the mode of the branch it is
 /// (LOWER of a stack without fan-out, and a directory no branch takes, are read-write); a
 /// directory that two branches take is read-write if either is.
 fn storage_modes(lower: &Path, branches: &[String], specs: &[LayerSpec]) -> Vec<(PathBuf, BranchMode)> {
     let mut assigned = specs.to_vec();
     let cli = branches.iter().filter_map(|b| crate::tree::parse_branch_arg(b).ok()).collect();
-    let modes = match plyfs_stack::assign_branch_dirs(&mut assigned, plyfs_layers::registry(), lower.to_owned(), cli) {
-        Ok(_) => crate::daemon::spec_branch_dirs(&assigned),
+    let modes = match plyfs_stack::assign_branch_dirs(&mut assigned, crate::registry(), lower.to_owned(), cli) {
+        Ok(_) => crate::dirs::spec_branch_dirs(&assigned),
         Err(_) => Vec::new(),
     };
     let canonical = |d: &Path| d.canonicalize().unwrap_or_else(|_| d.to_owned());
@@ -71,5 +71,5 @@ fn storage_modes(lower: &Path, branches: &[String], specs: &[LayerSpec]) -> Vec<
             BranchMode::ReadOnly
         }
     };
-    crate::daemon::storage_dirs(lower, branches, specs).into_iter().map(|d| (d.clone(), mode_of(&d))).collect()
+    crate::dirs::storage_dirs(lower, branches, specs).into_iter().map(|d| (d.clone(), mode_of(&d))).collect()
 }

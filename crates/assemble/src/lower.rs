@@ -1,0 +1,159 @@
+//! What a stack stands on: a lower directory, exofs on an exodisk service, or a stack served
+//! elsewhere, which a `remote` layer at the bottom of the stack reaches.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use plyfs_stack::spec::LayerSpec;
+use plyfs_stack::{Level, LowerDir};
+use plyfs_transport::tls::{Psk, TlsConnector};
+use plyfs_transport::{Addr, Connector, PlainConnector};
+
+/// What a stack stands on: a lower directory, a stack served elsewhere (`remote`), or exofs on
+/// an exodisk service (`exodisk:SOCKET`).
+#[derive(Clone, Debug)]
+pub enum Lower {
+    Dir(PathBuf),
+    Exodisk(PathBuf),
+    Remote { addr: Addr, name: String, timeout: Duration, psk: Option<PathBuf>, sync: bool },
+}
+
+/// How long a `remote` layer waits for its server (reconnecting included) before `EIO`.
+const REMOTE_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Lower {
+    /// LOWER as given on the command line, with the stack's `remote` layer if it ends in one
+    /// (which is taken out of `specs`: it is the bottom, not a layer above it).
+    /// `psk` is the key file given with `--psk`, for a TCP server.
+    pub fn parse(arg: &Path, specs: &mut Vec<LayerSpec>, psk: Option<&Path>) -> Result<Lower, String> {
+        if let Some(i) = specs.iter().position(|s| s.kind == "remote") {
+            if i + 1 != specs.len() {
+                return Err("layer 'remote' is a bottom layer: it must come last in the stack".into());
+            }
+        }
+        if let Some(socket) = arg.to_str().and_then(|a| a.strip_prefix("exodisk:")) {
+            if specs.iter().any(|s| s.kind == "remote") {
+                return Err("exodisk:SOCKET is the bottom: no 'remote' layer over it".into());
+            }
+            return Ok(Lower::Exodisk(PathBuf::from(socket)));
+        }
+        let given = arg.to_str().and_then(Addr::parse).transpose()?;
+        let remote = match specs.last() {
+            Some(s) if s.kind == "remote" => specs.pop(),
+            _ => None,
+        };
+        let Some(spec) = remote else {
+            return match given {
+                Some(addr) => Ok(Lower::Remote {
+                    addr,
+                    name: "remote".into(),
+                    timeout: REMOTE_TIMEOUT,
+                    psk: psk.map(Path::to_owned),
+                    sync: false,
+                }),
+                None => crate::dirs::existing_dir("lower directory", arg).map(Lower::Dir),
+            };
+        };
+        let mut addr = None;
+        let mut name = "remote".to_owned();
+        let mut timeout = REMOTE_TIMEOUT;
+        let mut psk = psk.map(Path::to_owned);
+        let mut sync = false;
+        for (k, v) in &spec.params {
+            match k.as_str() {
+                "psk" => psk = Some(PathBuf::from(v)),
+                "addr" => {
+                    addr =
+                        Some(Addr::parse(v).unwrap_or_else(|| Err(format!("remote: addr={v}: expected unix:PATH or tcp:HOST:PORT")))?)
+                }
+                "name" => name = v.clone(),
+                "sync" => {
+                    sync = match v.as_str() {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(format!("remote: sync={v}: expected on or off")),
+                    }
+                }
+                "timeout" => {
+                    let secs: f64 =
+                        v.parse().ok().filter(|s: &f64| *s > 0.0).ok_or_else(|| format!("remote: timeout={v}: expected seconds"))?;
+                    timeout = Duration::from_secs_f64(secs);
+                }
+                _ => return Err(format!("layer 'remote': unknown parameter '{k}' (known: addr, psk, timeout, sync, name)")),
+            }
+        }
+        let addr = match (addr, given) {
+            (Some(a), None) if arg == Path::new("-") => a,
+            (Some(a), Some(g)) if a == g => a,
+            (None, Some(g)) => g,
+            (Some(a), _) => {
+                return Err(format!("the stack ends in remote:addr={a}, so LOWER must be '-' or that address, not {}", arg.display()))
+            }
+            (None, None) => {
+                return Err(format!(
+                    "layer 'remote' needs an address: LOWER unix:PATH or tcp:HOST:PORT, or remote:addr=..., not {}",
+                    arg.display()
+                ))
+            }
+        };
+        Ok(Lower::Remote { addr, name, timeout, psk, sync })
+    }
+
+    /// The bottom level: the directory's, or a connection to the server.
+    pub fn bottom(&self) -> Result<Level, String> {
+        match self {
+            Lower::Dir(dir) => LowerDir::level(dir).map_err(|e| e.to_string()),
+            Lower::Exodisk(socket) => {
+                let client = plyfs_exodisk::client::Client::connect(socket, 32 << 20)?;
+                let fs = plyfs_exofs::fs::Fs::open(client, "exofs").map_err(|e| format!("exodisk:{}: {e}", socket.display()))?;
+                Ok(plyfs_exofs::layer::Exofs::new("exofs", fs).level())
+            }
+            Lower::Remote { addr, name, timeout, psk, sync } => {
+                let connector = connector(addr, psk.as_deref())?;
+                let remote = plyfs_transport::Remote::connect(name, connector, *timeout).map_err(|e| format!("{addr}: {e}"))?;
+                Ok(remote.sync_writes(*sync).level())
+            }
+        }
+    }
+
+    /// The configuration of the crypt volume a remote stack is stored in, read through the
+    /// server, when the server serves it as stored and `specs` decrypt it here
+    /// (`--stack crypt,remote`). `None` for anything else.
+    pub fn remote_volume(&self, specs: &[LayerSpec]) -> Result<Option<crate::FoundVolume>, String> {
+        if !matches!(self, Lower::Remote { .. }) || !crate::tree::decrypts(specs) {
+            return Ok(None);
+        }
+        let bottom = self.bottom()?;
+        let config = plyfs_layers::crypt::config_below(&bottom).map_err(|e| format!("{self}: {e}"));
+        bottom.layer().shutdown();
+        let name = format!("the crypt volume served at {self}");
+        Ok(config?.map(|c| (name.clone(), name, c)))
+    }
+
+    pub fn dir(&self) -> Option<&Path> {
+        match self {
+            Lower::Dir(d) => Some(d),
+            Lower::Remote { .. } | Lower::Exodisk(_) => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Lower {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Lower::Dir(d) => write!(f, "{}", d.display()),
+            Lower::Remote { addr, .. } => write!(f, "{addr}"),
+            Lower::Exodisk(socket) => write!(f, "exodisk:{}", socket.display()),
+        }
+    }
+}
+
+
+/// How to reach a server at `addr`: a Unix socket, or TLS proving the key in `psk`.
+pub fn connector(addr: &Addr, psk: Option<&Path>) -> Result<Box<dyn Connector>, String> {
+    match (addr, psk) {
+        (Addr::Unix(_), _) => Ok(Box::new(PlainConnector(addr.clone()))),
+        (Addr::Tcp(_), Some(psk)) => Ok(Box::new(TlsConnector::new(addr.clone(), Psk::load(psk)?)?)),
+        (Addr::Tcp(_), None) => Err(format!("{addr}: a TCP server needs its key: --psk FILE (or remote:psk=FILE)")),
+    }
+}
