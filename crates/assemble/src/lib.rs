@@ -9,13 +9,17 @@
 //!   stack), and [`tree`]: the stack over it, linear or with a fan-out layer's branches;
 //! - [`dirs`], [`locks`] and [`nesting`]: the directories it stores in, found, locked against
 //!   other users, and kept apart from the mount point;
+//! - [`mount`]: a mount made and served until it is unmounted; [`serve`]: a stack served to
+//!   other processes and machines, and layers hosted for `ext` layers;
 //! - [`offline`]: `encode`, `decode`, `fsck` and `du`, which run a stack in this process.
 
 pub mod dirs;
 pub mod locks;
 pub mod lower;
+pub mod mount;
 pub mod nesting;
 pub mod offline;
+pub mod serve;
 pub mod tree;
 
 use plyfs_stack::LayerFactory;

@@ -16,11 +16,10 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use clap::Args;
-use plyfs_fuse::control::{self, ControlServer};
-use plyfs_fuse::{unmount, FrontOptions, MountRequest, Mounted, Transport, Unmounted, UringChoice};
+use plyfs_fuse::control;
 use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
 use plyfs_assemble::dirs::{existing_dir, storage_dirs};
-use plyfs_stack::LowerDir;
+use plyfs_assemble::mount::{block_signals, lock_lowers, MountOptions, MountPlan, MountReport};
 
 use crate::options;
 
@@ -143,7 +142,7 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
     let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
     // A lower in use is reported here; the mount's daemon takes the locks for its life.
     if args.ready_fd.is_none() {
-        lock_lowers(&args.tree, &specs, &opts, &lower, &mountpoint)?;
+        lock_lowers(&args.tree.branches, &specs, &opts, &lower, &mountpoint)?;
     }
     // Unlock the crypt volumes here (LOWER, and any branch that is one), so that a wrong
     // password is reported before anything starts (and rules naming crypt can be checked).
@@ -169,20 +168,6 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
     spawn_background(&args, &mountpoint, volumes)
 }
 
-/// The lower locks of a mount of `lower` at `mountpoint` (none for a remote stack: its server
-/// holds them).
-fn lock_lowers(
-    tree: &StackArgs,
-    specs: &[plyfs_stack::spec::LayerSpec],
-    opts: &options::MountOptions,
-    lower: &plyfs_assemble::lower::Lower,
-    mountpoint: &Path,
-) -> Result<Vec<plyfs_stack::lowerlock::LowerLock>, String> {
-    let Some(dir) = lower.dir() else { return Ok(Vec::new()) };
-    let how = plyfs_assemble::locks::Use::Mount { shared: opts.shared, read_only: opts.read_only };
-    plyfs_assemble::locks::take_all(dir, &tree.branches, specs, how, &format!("mounted at {}", mountpoint.display()))
-}
-
 pub(crate) fn init_logging(verbose: u8) {
     let default = match verbose {
         0 => "info",
@@ -203,18 +188,8 @@ pub(crate) fn init_logging(verbose: u8) {
         .try_init();
 }
 
-/// Block the termination signals in this thread before any other thread starts, so they all
-/// inherit the mask and only the signal thread receives them.
-pub(crate) fn block_signals() -> nix::sys::signal::SigSet {
-    use nix::sys::signal::{SigSet, Signal};
-    let mut set = SigSet::empty();
-    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
-        set.add(s);
-    }
-    let _ = set.thread_block();
-    set
-}
-
+/// The pipe a background daemon reports on to the process that started it: `NOTE` lines, then
+/// `OK` or `ERR` (none when the mount is in the foreground).
 struct Ready(Option<File>);
 
 impl Ready {
@@ -223,7 +198,9 @@ impl Ready {
             let _ = writeln!(f, "{line}");
         }
     }
+}
 
+impl MountReport for Ready {
     /// A line for the user, which the mounting process prints before its own.
     fn note(&mut self, line: &str) {
         tracing::warn!("{line}");
@@ -231,49 +208,10 @@ impl Ready {
             let _ = writeln!(f, "NOTE {line}");
         }
     }
-}
 
-/// What a user sharing `dir` must know about the file system it lives on, if anything.
-///
-/// A GlusterFS client keeps the content of small files (`quick-read`) and attributes
-/// (`stat-prefetch`) for a second whatever locks say, so a mount on another client may update
-/// a file from a stale copy and lose another mount's writes.
-///
-/// An NFS client mounted with `nolock` or `local_lock=all|posix` keeps locks to itself, so
-/// mounts on other machines do not wait for them.
-fn shared_lower_caveat(dir: &Path) -> Option<String> {
-    caveat_for(&plyfs_fuse::mountinfo::mount_containing(dir)?)
-}
-
-fn caveat_for(m: &plyfs_fuse::mountinfo::MountEntry) -> Option<String> {
-    if m.fstype == "fuse.glusterfs" {
-        return Some(format!(
-            "-o shared over GlusterFS ({}): mounts on other clients see each other's changes only if the volume does not cache \
-             file contents and attributes on clients: `gluster volume set VOLUME performance.quick-read off` and \
-             `... performance.stat-prefetch off` (and `... cluster.post-op-delay-secs 0`, or every hand-over of a file between \
-             clients waits a second)",
-            m.source
-        ));
+    fn mounted(&mut self, io: &str) {
+        self.send(&format!("OK {io}"));
     }
-    let local_locks = m.super_options.iter().find(|o| *o == "nolock" || *o == "local_lock=all" || *o == "local_lock=posix");
-    match (m.fstype.as_str(), local_locks) {
-        ("nfs" | "nfs4", Some(option)) => Some(format!(
-            "-o shared over NFS mounted with {option} ({}): locks stay on this machine, so mounts on other machines do not wait \
-             for them and may lose each other's writes; mount the export without it to share it between machines",
-            m.source
-        )),
-        _ => None,
-    }
-}
-
-/// A regular file of the lower directory to try passthrough with: one at its top, or else an
-/// unnamed one made for the purpose (`O_TMPFILE`, gone when closed).
-fn probe_file(dir: &Path) -> Option<File> {
-    let found = std::fs::read_dir(dir).ok()?.take(256).flatten().find(|e| e.file_type().is_ok_and(|t| t.is_file()));
-    if let Some(f) = found.and_then(|e| File::open(e.path()).ok()) {
-        return Some(f);
-    }
-    std::os::unix::fs::OpenOptionsExt::custom_flags(std::fs::OpenOptions::new().read(true).write(true), libc::O_TMPFILE).open(dir).ok()
 }
 
 /// `mount --reverse`: the encrypted view of a plaintext tree, always read-only.
@@ -298,194 +236,28 @@ fn mount_reverse(args: MountArgs) -> Result<(), String> {
     spawn_background(&args, &mountpoint, volumes)
 }
 
-/// The stack of a reverse view over the plaintext tree `plain`: the view over the directory.
-fn reverse_stack(args: &MountArgs, plain: &Path) -> Result<plyfs_stack::Stack, String> {
-    use plyfs_layers::crypt::{keys, reverse};
-    let config_path = plain.join(reverse::REVERSE_CONFIG_NAME);
-    let config = keys::VolumeConfig::load_file(plain, &config_path, " --reverse")?;
-    let volume = keys::registered(&config.id()?).ok_or("the reverse view's volume is locked")?;
-    // What the view shows as its configuration: the file as it is (a volume configuration).
-    let shown = std::fs::read(&config_path).map_err(|e| format!("{}: {e}", config_path.display()))?;
-    let bottom = LowerDir::level(plain).map_err(|e| format!("plaintext directory {}: {e}", plain.display()))?;
-    let view = reverse::ReverseView::new(&volume, bottom.clone(), shown, &args.excludes()?).map_err(|e| e.to_string())?;
-    // The view alone: the plaintext below is not offered as a level (`MNT/.plyfs/...`).
-    plyfs_stack::Stack::build_over(&[], plyfs_assemble::registry(), vec![view.level()]).map_err(|e| e.to_string())
-}
-
 fn serve(
     args: &MountArgs,
     specs: Vec<plyfs_stack::spec::LayerSpec>,
-    opts: options::MountOptions,
+    opts: MountOptions,
     lower: plyfs_assemble::lower::Lower,
     mountpoint: PathBuf,
 ) -> Result<(), String> {
     let mut ready = Ready(args.ready_fd.map(|fd| unsafe { File::from_raw_fd(fd) }));
-    let result = serve_inner(args, specs, opts, lower, mountpoint, &mut ready);
+    let signals = block_signals();
+    init_logging(args.verbose);
+    let result = match args.reverse.then(|| args.excludes()).transpose() {
+        Ok(reverse) => {
+            let (branches, rules) = (args.tree.branches.clone(), args.tree.rules.clone());
+            let plan = MountPlan { specs, opts, lower, mountpoint, branches, rules, reverse };
+            plyfs_assemble::mount::run(plan, signals, &mut ready)
+        }
+        Err(e) => Err(e),
+    };
     if let Err(e) = &result {
         ready.send(&format!("ERR {e}"));
     }
     result
-}
-
-fn serve_inner(
-    args: &MountArgs,
-    specs: Vec<plyfs_stack::spec::LayerSpec>,
-    opts: options::MountOptions,
-    lower: plyfs_assemble::lower::Lower,
-    mountpoint: PathBuf,
-    ready: &mut Ready,
-) -> Result<(), String> {
-    let signals = block_signals();
-    init_logging(args.verbose);
-    // Modes arrive already masked by the kernel; a umask here would mask them twice.
-    unsafe { libc::umask(0) };
-    let fd_limit = plyfs_stack::raise_fd_limit();
-    tracing::debug!("open-files limit: {fd_limit}");
-
-    if opts.shared {
-        plyfs_stack::shared::set_mode(Some(plyfs_stack::shared::SharedMode { revalidate: opts.attr_ttl }));
-    }
-    plyfs_stack::readonly::set_read_only(opts.read_only);
-    // Held until the daemon ends (a reverse view only reads a plaintext tree).
-    let _locks = if args.reverse { Vec::new() } else { lock_lowers(&args.tree, &specs, &opts, &lower, &mountpoint)? };
-    let stack = match (args.reverse, lower.dir()) {
-        (true, Some(plain)) => reverse_stack(args, plain)?,
-        _ => plyfs_assemble::tree::build_stack(&specs, &lower, &args.tree.branches, args.tree.rules.as_deref(), Some(&mountpoint))?,
-    };
-    let stack = Arc::new(stack);
-    // Every level by name, branches included (a tree's trunk may have no layer of its own).
-    let names: Vec<String> = stack
-        .named_levels()
-        .into_iter()
-        .filter(|n| n.below.is_some() || n.level.layer().lower().is_empty() && !n.level.layer().branches().is_empty())
-        .map(|n| n.name)
-        .collect();
-
-    const REMOTE_READAHEAD_KB: u32 = 512;
-    let request = MountRequest {
-        mountpoint: mountpoint.clone(),
-        fsname: opts.fsname.clone().unwrap_or_else(|| lower.to_string()),
-        // No lower file of a remote stack is here to hand to the kernel.
-        front: FrontOptions {
-            entry_ttl: opts.entry_ttl,
-            attr_ttl: opts.attr_ttl,
-            passthrough: opts.passthrough && lower.dir().is_some(),
-            no_passthrough_because: match &lower {
-                plyfs_assemble::lower::Lower::Dir(_) => None,
-                plyfs_assemble::lower::Lower::Remote { .. } => Some("a remote stack has no lower files to hand to the kernel".to_owned()),
-                plyfs_assemble::lower::Lower::Exodisk(_) => Some("exofs has no lower files to hand to the kernel".to_owned()),
-            },
-            shared: opts.shared,
-            fanin: opts.fanin,
-        },
-        threads: opts.threads,
-        // Across a transport, a longer read-ahead keeps several reads in flight.
-        readahead_kb: opts.readahead_kb.or(lower.dir().is_none().then_some(REMOTE_READAHEAD_KB)),
-        allow_other: opts.allow_other,
-        allow_root: opts.allow_root,
-        read_only: opts.read_only,
-        flags: opts.flags.clone(),
-        io_uring: opts.io_uring,
-    };
-    let mounted = Mounted::mount(stack.clone(), &request).map_err(|e| e.to_string())?;
-    match (mounted.uring_refused(), opts.io_uring) {
-        (Some(why), UringChoice::On) => tracing::warn!("-o io_uring: {why}; requests go through /dev/fuse"),
-        (Some(why), _) => tracing::info!("FUSE over io_uring not used: {why}; requests go through /dev/fuse"),
-        (None, _) => {}
-    }
-    if let Some(file) = lower.dir().and_then(probe_file) {
-        if let Err(why) = mounted.probe_passthrough(&file) {
-            tracing::warn!("{why}; every file uses FUSE I/O");
-        }
-    }
-    let io_mode = mounted.io_mode();
-    let io_mode = if opts.shared {
-        let caveat = lower.dir().and_then(shared_lower_caveat).map(|c| format!("; note: {c}")).unwrap_or_default();
-        format!(
-            "{io_mode}; shared with other mounts (-o shared): encoded files change under a lock on the lower file, pages are dropped at each open{caveat}"
-        )
-    } else {
-        io_mode.to_string()
-    };
-    let io_mode = match mounted.transport() {
-        Transport::DevFuse => io_mode,
-        uring => format!("{io_mode}; requests over {uring}"),
-    };
-    let control = match ControlServer::start(stack.clone(), &mountpoint) {
-        Ok(c) => Some(c),
-        Err(e) => {
-            tracing::warn!("control socket: {e}; `plyfs op` will not reach this mount");
-            None
-        }
-    };
-    let notes: String = stack.named_levels().iter().filter_map(|n| n.level.layer().mount_note()).map(|note| format!("; {note}")).collect();
-    tracing::info!("mounted {} on {} with stack [{}]; file I/O: {io_mode}{notes}", lower, mountpoint.display(), names.join(", "));
-    if let Some(plain) = lower.dir().and_then(|dir| crate::policy::plain_files_notice(&stack, dir, &mountpoint)) {
-        ready.note(&plain);
-    }
-    ready.send(&format!("OK {io_mode}{notes}"));
-
-    let signal_mountpoint = mountpoint.clone();
-    std::thread::Builder::new()
-        .name("signals".into())
-        .spawn(move || loop {
-            let Ok(sig) = signals.wait() else { continue };
-            tracing::info!("{sig}: unmounting {}", signal_mountpoint.display());
-            match unmount(&signal_mountpoint, false) {
-                Ok(_) => break,
-                Err(e) => {
-                    tracing::warn!("unmount {}: {e}; detaching it lazily", signal_mountpoint.display());
-                    match unmount(&signal_mountpoint, true) {
-                        Ok(Unmounted::Lazily | Unmounted::Done) => break,
-                        Err(e) => tracing::error!("unmount {}: {e}", signal_mountpoint.display()),
-                    }
-                }
-            }
-        })
-        .map_err(|e| e.to_string())?;
-
-    if let Some(idle) = opts.idle {
-        watch_idle(mounted.status(), mountpoint.clone(), idle)?;
-    }
-    // Do not keep any directory busy.
-    let _ = std::env::set_current_dir("/");
-    let result = mounted.run();
-    drop(control);
-    tracing::info!("{} unmounted", mountpoint.display());
-    result.map_err(|e| format!("serving {}: {e}", mountpoint.display()))
-}
-
-/// `-o idle`: unmount once no request came for `idle` and nothing is open, as gocryptfs
-/// `-idle` does. A mount still in use (a shell's working directory in it) refuses, and the watch
-/// tries again later.
-fn watch_idle(status: Arc<plyfs_fuse::FrontStatus>, mountpoint: PathBuf, idle: std::time::Duration) -> Result<(), String> {
-    let every = (idle / 4).clamp(std::time::Duration::from_millis(100), std::time::Duration::from_secs(10));
-    tracing::info!("-o idle: unmounting after {idle:?} without use");
-    std::thread::Builder::new()
-        .name("idle".into())
-        .spawn(move || {
-            let mut since = std::time::Instant::now();
-            loop {
-                std::thread::sleep(every);
-                if status.take_active() || status.open_count() > 0 {
-                    since = std::time::Instant::now();
-                    continue;
-                }
-                if since.elapsed() < idle {
-                    continue;
-                }
-                tracing::info!("unused for {:?}: unmounting {} (-o idle)", since.elapsed(), mountpoint.display());
-                match unmount(&mountpoint, false) {
-                    Ok(_) => break,
-                    Err(e) => {
-                        tracing::info!("-o idle: {} is still in use ({e}); trying again later", mountpoint.display());
-                        since = std::time::Instant::now();
-                    }
-                }
-            }
-        })
-        .map(|_| ())
-        .map_err(|e| e.to_string())
 }
 
 fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_layers::crypt::keys::Volume>>) -> Result<(), String> {
@@ -605,23 +377,4 @@ fn child_args(args: &MountArgs, ready_fd: i32, key_fd: Option<i32>) -> Vec<OsStr
         v.push(fd.to_string().into());
     }
     v
-}
-
-#[cfg(test)]
-mod tests {
-    use super::caveat_for;
-    use plyfs_fuse::mountinfo::parse_line;
-
-    #[test]
-    fn shared_lowers_that_need_a_word_get_one() {
-        let on = |fstype: &str, source: &str, opts: &str| {
-            parse_line(&format!("40 29 0:60 / /srv/vol rw,relatime shared:5 - {fstype} {source} {opts}")).unwrap()
-        };
-        assert!(caveat_for(&on("fuse.glusterfs", "host:/vol", "rw,user_id=0")).unwrap().contains("quick-read off"));
-        let nfs = caveat_for(&on("nfs", "host:/export", "rw,vers=3,nolock,proto=tcp")).unwrap();
-        assert!(nfs.contains("with nolock (host:/export)") && nfs.contains("locks stay on this machine"), "{nfs}");
-        assert!(caveat_for(&on("nfs4", "host:/e", "rw,vers=4.2,local_lock=posix")).is_some());
-        assert_eq!(caveat_for(&on("nfs4", "host:/e", "rw,vers=4.2,local_lock=none,addr=10.0.0.1")), None);
-        assert_eq!(caveat_for(&on("ext4", "/dev/vda1", "rw")), None);
-    }
 }

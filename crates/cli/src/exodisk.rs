@@ -163,7 +163,12 @@ pub fn run(args: ExodiskArgs) -> Result<(), String> {
             }
         }
         Action::Replay { log, volume, to_flush, unflushed } => replay(&log, volume.as_deref(), to_flush, unflushed),
-        Action::Bench { socket, group, files, size } => crate::exobench::run(&socket, &group, files, size as usize),
+        Action::Bench { socket, group, files, size } => {
+            for s in plyfs_exofs::bench::run(&socket, &group, files, size as usize)? {
+                println!("{},{},{},{:.4}", s.group, s.config, s.metric, s.value);
+            }
+            Ok(())
+        }
         Action::Stat { socket } => {
             quiet_pipe();
             stat(&socket)
@@ -198,7 +203,7 @@ fn hex_cap(s: &str) -> Result<u128, String> {
 }
 
 fn serve(volume: &Path, socket: &Path, key: &Path, record: Option<PathBuf>, limits: &crate::serve::LimitArgs) -> Result<(), String> {
-    let signals = crate::daemon::block_signals();
+    let signals = plyfs_assemble::mount::block_signals();
     crate::daemon::init_logging(0);
     if let Some(w) = layout::exposure_warning(volume) {
         tracing::warn!("{w}");

@@ -1,7 +1,6 @@
 //! `plyfs`: mount, unmount and inspect stacks of file-system layers.
 
 mod daemon;
-mod exobench;
 mod exodisk;
 mod helper;
 mod offline;

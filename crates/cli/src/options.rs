@@ -3,53 +3,8 @@
 use std::time::Duration;
 
 use plyfs_fuse::mount::KERNEL_FLAGS;
+use plyfs_assemble::mount::MountOptions;
 use plyfs_fuse::{FanIn, UringChoice};
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct MountOptions {
-    pub passthrough: bool,
-    /// Carry requests over FUSE io_uring (`-o io_uring=auto|on|off`; `auto`, the default, where
-    /// the kernel allows it).
-    pub io_uring: UringChoice,
-    pub entry_ttl: Duration,
-    pub attr_ttl: Duration,
-    pub threads: usize,
-    /// The kernel's read-ahead for the mount, in KiB (the kernel's own by default).
-    pub readahead_kb: Option<u32>,
-    pub allow_other: bool,
-    pub allow_root: bool,
-    pub read_only: bool,
-    /// Other mounts share the lower tree (`-o shared`).
-    pub shared: bool,
-    /// Unmount after this long without a request and with nothing open (`-o idle=DURATION`).
-    pub idle: Option<Duration>,
-    /// Who may use the fan-in paths under `MNT/.plyfs/` (`-o fanin=owner|all|none`).
-    pub fanin: FanIn,
-    /// What the mount shows as its source (`-o fsname=NAME`; the lower directory by default).
-    pub fsname: Option<String>,
-    pub flags: Vec<String>,
-}
-
-impl Default for MountOptions {
-    fn default() -> Self {
-        MountOptions {
-            passthrough: true,
-            io_uring: UringChoice::Auto,
-            entry_ttl: Duration::from_secs(1),
-            attr_ttl: Duration::from_secs(1),
-            threads: 4,
-            readahead_kb: None,
-            allow_other: false,
-            allow_root: false,
-            read_only: false,
-            shared: false,
-            idle: None,
-            fanin: FanIn::Owner,
-            fsname: None,
-            flags: Vec::new(),
-        }
-    }
-}
 
 pub const HELP: &str = "comma-separated: passthrough=on|off, io_uring=auto|on|off (auto: where the kernel allows it), entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
 idle=DURATION (unmount after that long unused: 90s, 10m, 1h30m), fanin=owner|all|none (who may use MNT/.plyfs/: the mount's owner and root, the default; \

@@ -90,27 +90,6 @@ pub fn apply(path: &Path, recursive: bool) -> Result<(), String> {
     }
 }
 
-/// How many files a mount looks at for plain ones before it serves: a bound on the time it
-/// takes. Beyond it, the count is a lower bound.
-const PLAIN_SCAN_FILES: u64 = 1000;
-
-/// What the mount says when `lower` holds plain files (there before the mount's data layers,
-/// served as they are): how many, and how to encode them. `None` when there are none, or the
-/// stack has no per-file policy.
-pub fn plain_files_notice(stack: &plyfs_stack::Stack, lower: &Path, mountpoint: &Path) -> Option<String> {
-    let cx = plyfs_stack::Caller::daemon();
-    let v = stack.top().extended(&cx, plyfs_stack::NodeId::ROOT, "policy-plain", &[PLAIN_SCAN_FILES.to_string()]).ok()?;
-    let plain = v.get("plain").and_then(Value::as_u64).filter(|n| *n > 0)?;
-    let at_least = if v.get("complete").and_then(Value::as_bool) == Some(false) { "at least " } else { "" };
-    let chain = v.get("chain").and_then(Value::as_str).unwrap_or("?");
-    let (files, are) = if plain == 1 { ("file", "is") } else { ("files", "are") };
-    Some(format!(
-        "{at_least}{plain} {files} in {} {are} plain (not {chain}-encoded), and served as they are; run 'plyfs policy apply -r {}' to encode them",
-        lower.display(),
-        mountpoint.display()
-    ))
-}
-
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), String> {
     let mut entries: Vec<_> = fs::read_dir(dir)
         .map_err(|e| format!("{}: {e}", dir.display()))?

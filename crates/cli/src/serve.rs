@@ -2,14 +2,12 @@
 //! layers elsewhere.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use clap::Args;
 use plyfs_stack::admission::ConnectionLimits;
 use plyfs_stack::spec::parse_stack_spec;
-use plyfs_transport::listen::{bind_unix, serve_unix, UnixPolicy};
-use plyfs_transport::server::{Identity, Server, ServerOptions};
-use plyfs_transport::tls::{Psk, TlsServer};
+use plyfs_assemble::serve::ServePlan;
+use plyfs_transport::server::{Identity, ServerOptions};
 use plyfs_transport::Addr;
 
 #[derive(Args, Clone)]
@@ -59,18 +57,13 @@ pub struct ServeArgs {
 }
 
 pub fn serve(args: ServeArgs) -> Result<(), String> {
-    let signals = crate::daemon::block_signals();
+    let signals = plyfs_assemble::mount::block_signals();
     crate::daemon::init_logging(args.verbose);
     let specs = args.tree.specs()?;
     let addr =
         Addr::parse(&args.listen).unwrap_or_else(|| Err(format!("--listen {}: expected unix:PATH or tcp:HOST:PORT", args.listen)))?;
     let lower = plyfs_assemble::dirs::existing_dir("lower directory", &args.lower)?;
-    let tls = match (&addr, &args.psk) {
-        (Addr::Tcp(_), Some(psk)) => Some(Arc::new(TlsServer::new(Psk::load(psk)?)?)),
-        (Addr::Tcp(_), None) => return Err(format!("--listen {addr}: TCP needs --psk FILE (clients must prove they hold the key)")),
-        (Addr::Unix(_), Some(_)) => return Err("--psk is for tcp: addresses; a Unix socket checks its peers' user ids".into()),
-        (Addr::Unix(_), None) => None,
-    };
+    let tls = plyfs_assemble::serve::tls_for(&addr, args.psk.as_deref())?;
     let dirs = plyfs_assemble::dirs::storage_dirs(&lower, &args.tree.branches, &specs);
     // Held while the server runs.
     let _locks = plyfs_assemble::locks::take_all(&lower, &args.tree.branches, &specs, plyfs_assemble::locks::Use::Serve, &format!("serving on {addr}"))?;
@@ -82,28 +75,15 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
     } else {
         crate::secret::unlock_volumes(&dirs, &args.secret)?
     };
-    // Modes arrive already masked by the client's kernel.
-    unsafe { libc::umask(0) };
-    plyfs_stack::raise_fd_limit();
-    let stack = if args.as_stored {
-        if !args.tree.branches.is_empty() {
-            return Err("--as-stored serves one directory: no --branch".into());
-        }
-        plyfs_assemble::tree::build_stored_stack(&specs, &lower, args.tree.rules.as_deref())?
-    } else {
-        plyfs_assemble::tree::build_stack(
-            &specs,
-            &plyfs_assemble::lower::Lower::Dir(lower.clone()),
-            &args.tree.branches,
-            args.tree.rules.as_deref(),
-            None,
-        )?
-    };
-    let stack = Arc::new(stack);
-    let lower = plyfs_assemble::lower::Lower::Dir(lower);
-    let server = Server::for_stack(
-        &stack,
-        ServerOptions {
+    let plan = ServePlan {
+        specs,
+        lower,
+        addr,
+        tls,
+        branches: args.tree.branches.clone(),
+        rules: args.tree.rules.clone(),
+        as_stored: args.as_stored,
+        options: ServerOptions {
             workers: args.workers.max(1),
             handshake_timeout: args.limits.handshake_timeout,
             limits: args.limits.connections(),
@@ -111,41 +91,10 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             allow_devices: args.allow_devices,
             allow_privileged_xattrs: args.allow_privileged_xattrs,
         },
-    );
-    let names: Vec<String> = stack.named_levels().into_iter().map(|n| n.name).collect();
-
-    let cleanup_path = match &addr {
-        Addr::Unix(p) => Some(p.clone()),
-        Addr::Tcp(_) => None,
+        allow_uids: args.allow_uids.clone(),
+        identity: if args.no_root_squash { Identity::AsSent } else { Identity::RootSquash },
     };
-    let stop_stack = stack.clone();
-    std::thread::Builder::new()
-        .name("signals".into())
-        .spawn(move || {
-            if let Ok(sig) = signals.wait() {
-                tracing::info!("{sig}: stopping");
-            }
-            stop_stack.shutdown();
-            if let Some(p) = cleanup_path {
-                let _ = std::fs::remove_file(p);
-            }
-            std::process::exit(0);
-        })
-        .map_err(|e| e.to_string())?;
-
-    match &addr {
-        Addr::Unix(path) => {
-            let listener = bind_unix(path)?;
-            tracing::info!("serving {lower} with stack [{}] on {addr}", names.join(", "));
-            serve_unix(server, listener, UnixPolicy { allow_uids: args.allow_uids.clone() })
-        }
-        Addr::Tcp(hostport) => {
-            let listener = std::net::TcpListener::bind(hostport).map_err(|e| format!("--listen {addr}: {e}"))?;
-            let identity = if args.no_root_squash { Identity::AsSent } else { Identity::RootSquash };
-            tracing::info!("serving {lower} with stack [{}] on {addr} (TLS, pre-shared key)", names.join(", "));
-            tls.expect("made above for TCP").serve(server, listener, identity)
-        }
-    }
+    plyfs_assemble::serve::run(plan, signals)
 }
 
 /// What a server takes from its clients before it refuses or waits (#28; `docs/protocol.md`,
@@ -216,42 +165,8 @@ pub struct HostArgs {
 /// `plyfs host`: run layers in this process for mounts that reach them with `ext:socket=`.
 /// Each mount that connects gets layers of its own over its own lower levels.
 pub fn host(args: HostArgs) -> Result<(), String> {
-    let signals = crate::daemon::block_signals();
+    let signals = plyfs_assemble::mount::block_signals();
     crate::daemon::init_logging(args.verbose);
     let specs = parse_stack_spec(&args.layers).map_err(|e| e.to_string())?;
-    let registry = plyfs_assemble::registry();
-    if let Some(s) = specs.iter().find(|s| plyfs_stack::is_fan_out(registry, &s.kind)) {
-        return Err(format!("layer '{}' fans out: only linear layers can be hosted", s.kind));
-    }
-    // Check the layers build before listening, so mistakes are reported now.
-    let probe = plyfs_transport::host::Below::new();
-    plyfs_stack::Stack::build_over(&specs, registry, vec![plyfs_stack::Level::new(probe)]).map_err(|e| e.to_string())?;
-    let listener = bind_unix(&args.socket)?;
-    let path = args.socket.clone();
-    std::thread::Builder::new()
-        .name("signals".into())
-        .spawn(move || {
-            let _ = signals.wait();
-            let _ = std::fs::remove_file(path);
-            std::process::exit(0);
-        })
-        .map_err(|e| e.to_string())?;
-    tracing::info!("hosting [{}] on {}", args.layers, args.socket.display());
-    for stream in listener.incoming() {
-        let stream = stream.map_err(|e| format!("accept: {e}"))?;
-        let specs = specs.clone();
-        std::thread::spawn(move || {
-            let below = plyfs_transport::host::Below::new();
-            let stack = match plyfs_stack::Stack::build_over(&specs, registry, vec![plyfs_stack::Level::new(below.clone())]) {
-                Ok(s) => s,
-                Err(e) => return tracing::error!("building the layers: {e}"),
-            };
-            let top = stack.top().layer().clone();
-            if let Err(e) = plyfs_transport::host::serve_layer(Box::new(stream), top, &below) {
-                tracing::warn!("a mount: {e}");
-            }
-            stack.shutdown();
-        });
-    }
-    Ok(())
+    plyfs_assemble::serve::host(specs, &args.layers, &args.socket, signals)
 }

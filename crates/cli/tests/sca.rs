@@ -312,7 +312,7 @@ fn offline_encode_fsck_du_and_decode_round_trip() {
     let src = dir.path().join("src");
     fs::create_dir_all(src.join("sub")).unwrap();
     fs::write(src.join("a.txt"), text(100_000)).unwrap();
-    fs::write(src.join("sub/b.bin"), (0..50_000u32).map(|i| (i * 2_654_435_761u32 >> 24) as u8).collect::<Vec<_>>()).unwrap();
+    fs::write(src.join("sub/b.bin"), (0..50_000u32).map(|i| (i.wrapping_mul(2_654_435_761u32) >> 24) as u8).collect::<Vec<_>>()).unwrap();
     fs::write(src.join("sub/empty"), b"").unwrap();
     std::os::unix::fs::symlink("a.txt", src.join("link")).unwrap();
     let enc = dir.path().join("enc");

@@ -3,7 +3,9 @@
 //!
 //! - [`format`]: how an inode and a directory are laid out in exonode entries.
 //! - [`fs`]: the file system over the exodisk client.
+//! - [`bench`]: the thesis's micro-benchmarks (`plyfs exodisk bench`).
 
+pub mod bench;
 pub mod format;
 pub mod fs;
 pub mod layer;

@@ -1,6 +1,7 @@
 //! `plyfs exodisk bench`: the thesis's micro-benchmarks (Grimm, chapter 5) against a served
-//! volume, one group at a time. Each measurement is one line `group,config,metric,value` on
-//! standard output; `bench/bench exodisk` runs them several times and reports medians.
+//! volume, one group at a time. Each measurement is a [`Sample`], which `plyfs` prints as one
+//! line `group,config,metric,value`; `bench/bench exodisk` runs them several times and reports
+//! medians.
 
 use std::ffi::OsStr;
 use std::path::Path;
@@ -10,14 +11,30 @@ use plyfs_exodisk::client::Client;
 use plyfs_exodisk::core::{Persistence, Target};
 use plyfs_exodisk::object::Caps;
 use plyfs_exodisk::proto::{wcap, IoReq, Reply, Request, WPersistence, WTarget};
-use plyfs_exofs::format::Inode;
-use plyfs_exofs::fs::Fs;
+use crate::format::Inode;
+use crate::fs::Fs;
 use plyfs_stack::FileKind;
 
 const SECTOR: usize = 512;
 
-fn emit(group: &str, config: &str, metric: &str, value: f64) {
-    println!("{group},{config},{metric},{value:.4}");
+/// One measurement.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub group: String,
+    pub config: String,
+    pub metric: String,
+    pub value: f64,
+}
+
+/// The measurements of a run, in the order they were taken.
+#[derive(Default)]
+struct Samples(std::cell::RefCell<Vec<Sample>>);
+
+impl Samples {
+    fn emit(&self, group: &str, config: &str, metric: &str, value: f64) {
+        let sample = Sample { group: group.into(), config: config.into(), metric: metric.into(), value };
+        self.0.borrow_mut().push(sample);
+    }
 }
 
 fn ms_per(d: Duration, n: usize) -> f64 {
@@ -40,24 +57,27 @@ fn room(c: &Client, sectors: u64) -> Result<u64, String> {
     c.free_map().map_err(e)?.find_free(sectors, c.data_start).ok_or_else(|| format!("no {sectors} free sectors in a row"))
 }
 
-pub fn run(socket: &Path, group: &str, files: usize, size: usize) -> Result<(), String> {
+/// Run the benchmarks of `group` against the volume served at `socket`.
+pub fn run(socket: &Path, group: &str, files: usize, size: usize) -> Result<Vec<Sample>, String> {
     let c = Client::connect(socket, 16 << 20)?;
+    let out = Samples::default();
     match group {
-        "small" => small(&c, files, size),
-        "large" => large(&c, socket, size),
-        "two" => two(socket, files, size),
-        "insert" => insert(socket),
-        "ddio" => ddio(&c),
-        "persist" => persist(&c, socket, files, size),
+        "small" => small(&out, &c, files, size),
+        "large" => large(&out, &c, socket, size),
+        "two" => two(&out, socket, files, size),
+        "insert" => insert(&out, socket),
+        "ddio" => ddio(&out, &c),
+        "persist" => persist(&out, &c, socket, files, size),
         _ => Err(format!("unknown group '{group}' (small, large, two, insert, ddio, persist)")),
-    }
+    }?;
+    Ok(out.0.into_inner())
 }
 
 /// FILES files of SIZE bytes: allocated and written, read, deallocated, as self-protected
 /// extents, as extents of exonodes, and on the raw path (one extent made beforehand, the files
 /// at fixed places in it: only the service's access check, no allocation). Allocation and
 /// writes are batched the same way for all three.
-fn small(c: &Client, files: usize, size: usize) -> Result<(), String> {
+fn small(out: &Samples, c: &Client, files: usize, size: usize) -> Result<(), String> {
     let sectors = size.div_ceil(SECTOR) as u64;
     let data: Vec<u8> = (0..sectors as usize * SECTOR).map(|i| (i % 253) as u8).collect();
     let caps = Caps::random();
@@ -78,9 +98,9 @@ fn small(c: &Client, files: usize, size: usize) -> Result<(), String> {
         let pieces: Vec<(Target, u128, u64, &[u8])> = places.iter().map(|(t, at)| (t.clone(), caps.write, *at, &data[..])).collect();
         let t0 = Instant::now();
         c.write_many(&pieces).map_err(e)?;
-        emit("small", "raw", "alloc_write_ms", ms_per(t0.elapsed(), files));
-        emit("small", "raw", "read_ms", ms_per(read_all(&places)?, files));
-        emit("small", "raw", "dealloc_ms", 0.0);
+        out.emit("small", "raw", "alloc_write_ms", ms_per(t0.elapsed(), files));
+        out.emit("small", "raw", "read_ms", ms_per(read_all(&places)?, files));
+        out.emit("small", "raw", "dealloc_ms", 0.0);
         c.extent_deallocate(base, caps.write).map_err(e)?;
     }
     // Self-protected extents: a header sector each.
@@ -100,13 +120,13 @@ fn small(c: &Client, files: usize, size: usize) -> Result<(), String> {
         batch(c, reqs)?;
         let pieces: Vec<(Target, u128, u64, &[u8])> = places.iter().map(|(t, at)| (t.clone(), caps.write, *at, &data[..])).collect();
         c.write_many(&pieces).map_err(e)?;
-        emit("small", "extent", "alloc_write_ms", ms_per(t0.elapsed(), files));
-        emit("small", "extent", "read_ms", ms_per(read_all(&places)?, files));
+        out.emit("small", "extent", "alloc_write_ms", ms_per(t0.elapsed(), files));
+        out.emit("small", "extent", "read_ms", ms_per(read_all(&places)?, files));
         let t0 = Instant::now();
         let reqs =
             (0..files as u64).map(|i| Request::ExtentDeallocate { at: base + i * (sectors + 1), wcap: wcap(caps.write) }).collect();
         batch(c, reqs)?;
-        emit("small", "extent", "dealloc_ms", ms_per(t0.elapsed(), files));
+        out.emit("small", "extent", "dealloc_ms", ms_per(t0.elapsed(), files));
     }
     // Exonodes: the files' extents in exonodes of 64 KiB (about 3,000 each), written once
     // their entries are in (the application chooses when its metadata goes to disk).
@@ -135,13 +155,13 @@ fn small(c: &Client, files: usize, size: usize) -> Result<(), String> {
             })
             .collect();
         batch(c, reqs)?;
-        emit("small", "exonode", "alloc_write_ms", ms_per(t0.elapsed(), files));
-        emit("small", "exonode", "read_ms", ms_per(read_all(&places)?, files));
+        out.emit("small", "exonode", "alloc_write_ms", ms_per(t0.elapsed(), files));
+        out.emit("small", "exonode", "read_ms", ms_per(read_all(&places)?, files));
         let t0 = Instant::now();
         for k in 0..nodes {
             c.exonode_deallocate(&Target::Exonode { at: base + k * 128, path: vec![] }, caps.write).map_err(e)?;
         }
-        emit("small", "exonode", "dealloc_ms", ms_per(t0.elapsed(), files));
+        out.emit("small", "exonode", "dealloc_ms", ms_per(t0.elapsed(), files));
     }
     Ok(())
 }
@@ -173,7 +193,7 @@ fn clear(fs: &Fs) -> Result<(), String> {
 
 /// One file of SIZE bytes, sequential (1 MiB requests) and random (4 KiB), on the raw path and
 /// as an exofs file.
-fn large(c: &Client, socket: &Path, size: usize) -> Result<(), String> {
+fn large(out: &Samples, c: &Client, socket: &Path, size: usize) -> Result<(), String> {
     let chunk = 1 << 20;
     let size = size.div_ceil(chunk) * chunk;
     let data: Vec<u8> = (0..chunk).map(|i| (i % 251) as u8).collect();
@@ -201,23 +221,23 @@ fn large(c: &Client, socket: &Path, size: usize) -> Result<(), String> {
         for i in 0..size / chunk {
             c.write(&t, caps.write, base + 1 + (i * chunk / SECTOR) as u64, &data).map_err(e)?;
         }
-        emit("large", "raw", "seq_write_mibs", mibs(t0.elapsed(), size));
+        out.emit("large", "raw", "seq_write_mibs", mibs(t0.elapsed(), size));
         let mut buf = vec![0u8; chunk];
         let t0 = Instant::now();
         for i in 0..size / chunk {
             c.read(&t, caps.read, base + 1 + (i * chunk / SECTOR) as u64, &mut buf).map_err(e)?;
         }
-        emit("large", "raw", "seq_read_mibs", mibs(t0.elapsed(), size));
+        out.emit("large", "raw", "seq_read_mibs", mibs(t0.elapsed(), size));
         let t0 = Instant::now();
         for r in &randoms {
             c.write(&t, caps.write, base + 1 + r * 8, &data[..4096]).map_err(e)?;
         }
-        emit("large", "raw", "rand_write_mibs", mibs(t0.elapsed(), rand_bytes));
+        out.emit("large", "raw", "rand_write_mibs", mibs(t0.elapsed(), rand_bytes));
         let t0 = Instant::now();
         for r in &randoms {
             c.read(&t, caps.read, base + 1 + r * 8, &mut buf[..4096]).map_err(e)?;
         }
-        emit("large", "raw", "rand_read_mibs", mibs(t0.elapsed(), rand_bytes));
+        out.emit("large", "raw", "rand_read_mibs", mibs(t0.elapsed(), rand_bytes));
         c.extent_deallocate(base, caps.write).map_err(e)?;
     }
     // exofs.
@@ -230,22 +250,22 @@ fn large(c: &Client, socket: &Path, size: usize) -> Result<(), String> {
             fs.write(f, (i * chunk) as u64, &data).map_err(fe)?;
         }
         fs.sync().map_err(fe)?;
-        emit("large", "exofs", "seq_write_mibs", mibs(t0.elapsed(), size));
+        out.emit("large", "exofs", "seq_write_mibs", mibs(t0.elapsed(), size));
         let t0 = Instant::now();
         for i in 0..size / chunk {
             fs.read(f, (i * chunk) as u64, chunk).map_err(fe)?;
         }
-        emit("large", "exofs", "seq_read_mibs", mibs(t0.elapsed(), size));
+        out.emit("large", "exofs", "seq_read_mibs", mibs(t0.elapsed(), size));
         let t0 = Instant::now();
         for r in &randoms {
             fs.write(f, r * 4096, &data[..4096]).map_err(fe)?;
         }
-        emit("large", "exofs", "rand_write_mibs", mibs(t0.elapsed(), rand_bytes));
+        out.emit("large", "exofs", "rand_write_mibs", mibs(t0.elapsed(), rand_bytes));
         let t0 = Instant::now();
         for r in &randoms {
             fs.read(f, r * 4096, 4096).map_err(fe)?;
         }
-        emit("large", "exofs", "rand_read_mibs", mibs(t0.elapsed(), rand_bytes));
+        out.emit("large", "exofs", "rand_read_mibs", mibs(t0.elapsed(), rand_bytes));
         clear(&fs)?;
     }
     Ok(())
@@ -254,7 +274,7 @@ fn large(c: &Client, socket: &Path, size: usize) -> Result<(), String> {
 /// Two clients at once, each allocating and writing, reading, randomly writing, randomly
 /// reading and deallocating FILES files of SIZE bytes in exonodes (thesis §5.3): their objects
 /// interleaved ten files at a time, or partitioned 250 MB apart.
-fn two(socket: &Path, files: usize, size: usize) -> Result<(), String> {
+fn two(out: &Samples, socket: &Path, files: usize, size: usize) -> Result<(), String> {
     let sectors = size.div_ceil(SECTOR) as u64;
     let group = 10u64;
     let span = files as u64 * sectors + 128 * files.div_ceil(3000) as u64;
@@ -341,7 +361,7 @@ fn two(socket: &Path, files: usize, size: usize) -> Result<(), String> {
             }
         }
         for (k, m) in ["seq_write_ms", "seq_read_ms", "rand_write_ms", "rand_read_ms", "dealloc_ms"].iter().enumerate() {
-            emit("two", layout, m, sum[k]);
+            out.emit("two", layout, m, sum[k]);
         }
     }
     Ok(())
@@ -349,7 +369,7 @@ fn two(socket: &Path, files: usize, size: usize) -> Result<(), String> {
 
 /// 16 bytes put in the middle of files of 10 KB, 100 KB and 1000 KB: exofs's indexed insert
 /// against copying the second half (read it, write the bytes and it back), each made durable.
-fn insert(socket: &Path) -> Result<(), String> {
+fn insert(out: &Samples, socket: &Path) -> Result<(), String> {
     let fs = scratch_fs(socket)?;
     let fe = |x: plyfs_stack::Error| format!("{x:?}");
     let root = fs.root();
@@ -374,7 +394,7 @@ fn insert(socket: &Path) -> Result<(), String> {
                 }
                 fs.sync().map_err(fe)?;
             }
-            emit("insert", method, &format!("ms_{kb}kb"), ms_per(t0.elapsed(), reps));
+            out.emit("insert", method, &format!("ms_{kb}kb"), ms_per(t0.elapsed(), reps));
         }
     }
     clear(&fs)
@@ -382,7 +402,7 @@ fn insert(socket: &Path) -> Result<(), String> {
 
 /// Random 4 KiB reads over 200 MB, N requests outstanding at a time (N = 1, 32, 128):
 /// requests per second.
-fn ddio(c: &Client) -> Result<(), String> {
+fn ddio(out: &Samples, c: &Client) -> Result<(), String> {
     let caps = Caps::random();
     let sectors = (200u64 << 20) / SECTOR as u64 + 1;
     let base = room(c, sectors)?;
@@ -420,14 +440,14 @@ fn ddio(c: &Client) -> Result<(), String> {
             }
             done += n;
         }
-        emit("ddio", &format!("n{n}"), "requests_per_s", total as f64 / t0.elapsed().as_secs_f64());
+        out.emit("ddio", &format!("n{n}"), "requests_per_s", total as f64 / t0.elapsed().as_secs_f64());
     }
     c.extent_deallocate(base, caps.write).map_err(e)
 }
 
 /// Per-file allocation and write of FILES files of SIZE bytes under each persistence model:
 /// self-protected extents of that model, and exofs files whose directory picks it.
-fn persist(c: &Client, socket: &Path, files: usize, size: usize) -> Result<(), String> {
+fn persist(out: &Samples, c: &Client, socket: &Path, files: usize, size: usize) -> Result<(), String> {
     let sectors = size.div_ceil(SECTOR) as u64;
     let data = vec![0x5au8; sectors as usize * SECTOR];
     for (name, model) in [("memory", Persistence::Memory), ("metadata", Persistence::Metadata), ("data", Persistence::Data)] {
@@ -439,7 +459,7 @@ fn persist(c: &Client, socket: &Path, files: usize, size: usize) -> Result<(), S
             c.extent_allocate(at, sectors + 1, caps, model).map_err(e)?;
             c.write(&Target::Extent(at), caps.write, at + 1, &data).map_err(e)?;
         }
-        emit("persist", &format!("extent-{name}"), "ms_per_file", ms_per(t0.elapsed(), files));
+        out.emit("persist", &format!("extent-{name}"), "ms_per_file", ms_per(t0.elapsed(), files));
         for i in 0..files as u64 {
             c.extent_deallocate(base + i * (sectors + 1), caps.write).map_err(e)?;
         }
@@ -455,7 +475,7 @@ fn persist(c: &Client, socket: &Path, files: usize, size: usize) -> Result<(), S
             let f = fs.make(d, OsStr::new(&format!("f{i}")), attrs(FileKind::File), b"").map_err(fe)?;
             fs.write(f, 0, &data[..size]).map_err(fe)?;
         }
-        emit("persist", &format!("exofs-{name}"), "ms_per_file", ms_per(t0.elapsed(), files));
+        out.emit("persist", &format!("exofs-{name}"), "ms_per_file", ms_per(t0.elapsed(), files));
     }
     clear(&fs)
 }
