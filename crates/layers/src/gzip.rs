@@ -1,11 +1,12 @@
 //! `gzip`: deflate compression of each chunk (Gzipfs in Fast Indexing §7.1), through `flate2`.
 
 use std::cell::RefCell;
+use std::ops::RangeInclusive;
 use std::sync::Arc;
 
 use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
-use plyfs_stack::spec::ParamSpec;
+use plyfs_stack::spec::{ParamSpec, Params};
 use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
 pub struct Gzip {
@@ -72,11 +73,22 @@ impl Codec for Gzip {
     }
 }
 
+/// The levels `level=` may give, fastest first.
+pub const LEVELS: RangeInclusive<i64> = 1..=9;
+/// The level when `level=` is not given.
+pub const DEFAULT_LEVEL: i64 = 6;
+
 const LEVEL: ParamSpec = ParamSpec { name: "level", help: "compression level, 1 (fastest) to 9 (smallest)", default: Some("6") };
 
+/// The codec at the level `params` give (`level=`, checked against [`LEVELS`]): this layer's,
+/// and the one a crypt layer runs when `gzip` is collapsed into it (`gzip,crypt`).
+pub fn codec(params: &Params) -> Result<Gzip> {
+    Ok(Gzip::new(params.int_in(LEVEL.name, DEFAULT_LEVEL, LEVELS)? as u32))
+}
+
 fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
-    let level = args.params.int_in(LEVEL.name, 6, 1..=9)? as u32;
-    build_sca_layer(args, "gzip", Arc::new(Gzip { level }))
+    let gzip = codec(&args.params)?;
+    build_sca_layer(args, "gzip", Arc::new(gzip))
 }
 
 pub const FACTORY: LayerFactory = LayerFactory {
@@ -87,3 +99,25 @@ pub const FACTORY: LayerFactory = LayerFactory {
     build: Build::Linear(build),
     absorbs: &[],
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_level_parameter_says_what_the_codec_takes() {
+        assert_eq!(LEVEL.default, Some(DEFAULT_LEVEL.to_string().as_str()));
+        assert!(LEVEL.help.contains(&format!("{} (fastest) to {} (smallest)", LEVELS.start(), LEVELS.end())), "{}", LEVEL.help);
+        assert!(LEVELS.contains(&DEFAULT_LEVEL));
+    }
+
+    #[test]
+    fn levels_outside_the_range_are_refused_naming_the_parameter_and_the_range() {
+        let at = |v: &str| codec(&Params::new("gzip", vec![("level".into(), v.into())]));
+        assert_eq!(at("9").unwrap().level, 9);
+        assert_eq!(codec(&Params::new("gzip", vec![])).unwrap().level, 6);
+        let e = at("10").err().expect("10 is refused").to_string();
+        assert!(e.contains("'level'") && e.contains("expected 1 to 9"), "{e}");
+        assert!(at("0").is_err());
+    }
+}

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use plyfs_sca::codec::decode_in_place;
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
+use plyfs_stack::spec::Params;
 use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
 pub struct Lz4;
@@ -31,8 +32,21 @@ impl Codec for Lz4 {
     }
 }
 
+/// The parameter that gives the other compressors their level.
+const LEVEL_PARAM: &str = "level";
+
+/// The codec for `params`: this layer's, and the one a crypt layer runs when `lz4` is collapsed
+/// into it (`lz4,crypt`). lz4 has no levels, so a `level=` is refused.
+pub fn codec(params: &Params) -> Result<Lz4> {
+    if let Some(v) = params.get(LEVEL_PARAM) {
+        return Err(params.bad(LEVEL_PARAM, v, "lz4 has no levels"));
+    }
+    Ok(Lz4)
+}
+
 fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
-    build_sca_layer(args, "lz4", Arc::new(Lz4))
+    let lz4 = codec(&args.params)?;
+    build_sca_layer(args, "lz4", Arc::new(lz4))
 }
 
 pub const FACTORY: LayerFactory = LayerFactory {
@@ -43,3 +57,15 @@ pub const FACTORY: LayerFactory = LayerFactory {
     build: Build::Linear(build),
     absorbs: &[],
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_level_is_refused_naming_the_parameter() {
+        assert!(codec(&Params::new("lz4", vec![])).is_ok());
+        let e = codec(&Params::new("lz4", vec![("level".into(), "3".into())])).err().expect("refused").to_string();
+        assert!(e.contains("'level'") && e.contains("lz4 has no levels"), "{e}");
+    }
+}

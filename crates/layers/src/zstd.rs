@@ -1,12 +1,13 @@
 //! `zstd`: Zstandard compression of each chunk, through the `zstd` crate.
 
 use std::cell::RefCell;
+use std::ops::RangeInclusive;
 use std::sync::Arc;
 
 use ::zstd::bulk::{Compressor, Decompressor};
 use plyfs_sca::codec::decode_in_place;
 use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
-use plyfs_stack::spec::ParamSpec;
+use plyfs_stack::spec::{ParamSpec, Params};
 use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
 pub struct Zstd {
@@ -59,11 +60,22 @@ impl Codec for Zstd {
     }
 }
 
+/// The levels `level=` may give, fastest first.
+pub const LEVELS: RangeInclusive<i64> = 1..=19;
+/// The level when `level=` is not given.
+pub const DEFAULT_LEVEL: i64 = 3;
+
 const LEVEL: ParamSpec = ParamSpec { name: "level", help: "compression level, 1 (fastest) to 19 (smallest)", default: Some("3") };
 
+/// The codec at the level `params` give (`level=`, checked against [`LEVELS`]): this layer's,
+/// and the one a crypt layer runs when `zstd` is collapsed into it (`zstd,crypt`).
+pub fn codec(params: &Params) -> Result<Zstd> {
+    Ok(Zstd::new(params.int_in(LEVEL.name, DEFAULT_LEVEL, LEVELS)? as i32))
+}
+
 fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
-    let level = args.params.int_in(LEVEL.name, 3, 1..=19)? as i32;
-    build_sca_layer(args, "zstd", Arc::new(Zstd { level }))
+    let zstd = codec(&args.params)?;
+    build_sca_layer(args, "zstd", Arc::new(zstd))
 }
 
 pub const FACTORY: LayerFactory = LayerFactory {
@@ -74,3 +86,25 @@ pub const FACTORY: LayerFactory = LayerFactory {
     build: Build::Linear(build),
     absorbs: &[],
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_level_parameter_says_what_the_codec_takes() {
+        assert_eq!(LEVEL.default, Some(DEFAULT_LEVEL.to_string().as_str()));
+        assert!(LEVEL.help.contains(&format!("{} (fastest) to {} (smallest)", LEVELS.start(), LEVELS.end())), "{}", LEVEL.help);
+        assert!(LEVELS.contains(&DEFAULT_LEVEL));
+    }
+
+    #[test]
+    fn levels_outside_the_range_are_refused_naming_the_parameter_and_the_range() {
+        let at = |v: &str| codec(&Params::new("zstd", vec![("level".into(), v.into())]));
+        assert_eq!(at("19").unwrap().level, 19);
+        assert_eq!(codec(&Params::new("zstd", vec![])).unwrap().level, 3);
+        let e = at("20").err().expect("20 is refused").to_string();
+        assert!(e.contains("'level'") && e.contains("expected 1 to 19"), "{e}");
+        assert!(at("0").is_err());
+    }
+}

@@ -59,8 +59,9 @@ pub fn kind_of(layer_kind: &str) -> Option<u8> {
 }
 
 fn decoder_for(kind: u8) -> Option<&'static dyn Codec> {
-    static ZSTD: crate::zstd::Zstd = crate::zstd::Zstd::new(3);
-    static DEFLATE: crate::gzip::Gzip = crate::gzip::Gzip::new(6);
+    // Levels matter only to encoding.
+    static ZSTD: crate::zstd::Zstd = crate::zstd::Zstd::new(crate::zstd::DEFAULT_LEVEL as i32);
+    static DEFLATE: crate::gzip::Gzip = crate::gzip::Gzip::new(crate::gzip::DEFAULT_LEVEL as u32);
     static LZ4: crate::lz4::Lz4 = crate::lz4::Lz4;
     match kind {
         KIND_ZSTD => Some(&ZSTD),

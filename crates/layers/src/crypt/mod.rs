@@ -16,7 +16,7 @@ use std::ffi::OsStr;
 use std::sync::Arc;
 
 use plyfs_sca::{build_sca_layer_padded, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
-use plyfs_stack::spec::ParamSpec;
+use plyfs_stack::spec::{ParamSpec, Params};
 use plyfs_stack::{Build, BuildArgs, Caller, Error, ExtOpInfo, Layer, LayerFactory, Level, NodeId, Result, COLLAPSE_PARAM};
 
 use codec::CryptCodec;
@@ -101,24 +101,26 @@ pub fn build_crypt(args: BuildArgs, kind: &'static str, inner: Option<(&str, Arc
     build_sca_layer_padded(args, kind, Arc::new(CryptCodec::new(volume.cipher, &volume.key, inner)), pad)
 }
 
-fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
-    let inner: Option<(&str, Arc<dyn Codec>)> = match args.params.get(COLLAPSE_PARAM) {
+/// The compressor `collapse=` names, by layer kind, with its codec at the level `level=` gives:
+/// each compressor checks its own levels.
+fn collapsed(params: &Params) -> Result<Option<(&'static str, Arc<dyn Codec>)>> {
+    let inner: Option<(&'static str, Arc<dyn Codec>)> = match params.get(COLLAPSE_PARAM) {
         None | Some("none") => {
-            if let Some(v) = args.params.get(LEVEL.name) {
-                return Err(args.params.bad(LEVEL.name, v, "a level needs a compressor (collapse=zstd, gzip or lz4)"));
+            if let Some(v) = params.get(LEVEL.name) {
+                return Err(params.bad(LEVEL.name, v, "a level needs a compressor (collapse=zstd, gzip or lz4)"));
             }
             None
         }
-        Some("zstd") => Some(("zstd", Arc::new(crate::zstd::Zstd::new(args.params.int_in(LEVEL.name, 3, 1..=19)? as i32)))),
-        Some("gzip") => Some(("gzip", Arc::new(crate::gzip::Gzip::new(args.params.int_in(LEVEL.name, 6, 1..=9)? as u32)))),
-        Some("lz4") => {
-            if let Some(v) = args.params.get(LEVEL.name) {
-                return Err(args.params.bad(LEVEL.name, v, "lz4 has no levels"));
-            }
-            Some(("lz4", Arc::new(crate::lz4::Lz4)))
-        }
-        Some(other) => return Err(args.params.bad(COLLAPSE_PARAM, other, "expected zstd, gzip, lz4 or none")),
+        Some("zstd") => Some(("zstd", Arc::new(crate::zstd::codec(params)?))),
+        Some("gzip") => Some(("gzip", Arc::new(crate::gzip::codec(params)?))),
+        Some("lz4") => Some(("lz4", Arc::new(crate::lz4::codec(params)?))),
+        Some(other) => return Err(params.bad(COLLAPSE_PARAM, other, "expected zstd, gzip, lz4 or none")),
     };
+    Ok(inner)
+}
+
+fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
+    let inner = collapsed(&args.params)?;
     build_crypt(args, "crypt", inner)
 }
 
@@ -146,3 +148,41 @@ pub const FACTORY: LayerFactory = LayerFactory {
     build: Build::Linear(build),
     absorbs: &["zstd", "gzip", "lz4"],
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn collapse(values: &[(&str, &str)]) -> Result<Option<(&'static str, [u8; 4])>> {
+        let params = Params::new("crypt", values.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+        collapsed(&params).map(|inner| inner.map(|(kind, codec)| (kind, codec.tag())))
+    }
+
+    fn refusal(values: &[(&str, &str)]) -> String {
+        collapse(values).expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn each_compressor_collapses_at_its_own_levels() {
+        assert_eq!(collapse(&[]).unwrap(), None);
+        assert_eq!(collapse(&[("collapse", "none")]).unwrap(), None);
+        assert_eq!(collapse(&[("collapse", "zstd")]).unwrap(), Some(("zstd", *b"zstd")));
+        assert_eq!(collapse(&[("collapse", "zstd"), ("level", "19")]).unwrap(), Some(("zstd", *b"zstd")));
+        assert_eq!(collapse(&[("collapse", "gzip"), ("level", "9")]).unwrap(), Some(("gzip", *b"gzip")));
+        assert_eq!(collapse(&[("collapse", "lz4")]).unwrap(), Some(("lz4", *b"lz4\0")));
+    }
+
+    #[test]
+    fn a_bad_level_is_refused_naming_the_parameter_and_what_it_takes() {
+        let zstd = refusal(&[("collapse", "zstd"), ("level", "20")]);
+        assert!(zstd.contains("layer 'crypt'") && zstd.contains("'level'") && zstd.contains("expected 1 to 19"), "{zstd}");
+        let gzip = refusal(&[("collapse", "gzip"), ("level", "10")]);
+        assert!(gzip.contains("'level'") && gzip.contains("expected 1 to 9"), "{gzip}");
+        let lz4 = refusal(&[("collapse", "lz4"), ("level", "1")]);
+        assert!(lz4.contains("'level'") && lz4.contains("lz4 has no levels"), "{lz4}");
+        let alone = refusal(&[("level", "3")]);
+        assert!(alone.contains("'level'") && alone.contains("a level needs a compressor"), "{alone}");
+        let other = refusal(&[("collapse", "brotli")]);
+        assert!(other.contains("'collapse'") && other.contains("expected zstd, gzip, lz4 or none"), "{other}");
+    }
+}
