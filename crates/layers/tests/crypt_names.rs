@@ -46,7 +46,7 @@ fn name_of(len: usize, seed: u8) -> OsString {
         if len - v.len() >= 2 && (v.len() / 2 + seed as usize).is_multiple_of(3) {
             v.extend_from_slice("é".as_bytes());
         } else {
-            v.push(b'a' + (v.len() as u8 + seed) % 26);
+            v.push(b'a' + (v.len() as u8).wrapping_add(seed) % 26);
         }
     }
     OsString::from_vec(v)

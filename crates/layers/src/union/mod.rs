@@ -10,7 +10,7 @@
 //!   read-write branch happen in place; removing it removes it there.
 //! - **Whiteouts** hide names of lower branches: a symbolic link to [`WHITEOUT_TARGET`]. An opaque
 //!   directory ([`OPAQUE_XATTR`]) hides the directories of the same name below it.
-//! - **Inode numbers** come from where an object originated (see [`nodes`]), so they are unique
+//! - **Inode numbers** come from where an object originated (see [`crate::ids`]), so they are unique
 //!   across branches and stay the same through a copy-up and across remounts.
 //! - **Renaming a directory** that lower branches also hold fails with `EXDEV`, as in overlayfs
 //!   without `redirect_dir`: `mv` then copies it.
