@@ -7,6 +7,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use plyfs_stack::{Error, Result};
 
+use crate::chunks::{chunk_start, whole_chunks};
 use crate::codec::Place;
 
 use super::{Engine, LowerIo, ScaFile};
@@ -72,15 +73,15 @@ impl<L: LowerIo> ScaFile<L> {
     /// enough to pay for it (judged by the time its first chunk took), all of them, encoded
     /// on this thread and the encoder pool's at once; otherwise the first one only, or none.
     pub(super) fn encode_whole_chunks(&mut self, off: u64, data: &[u8]) -> Result<Encoded> {
-        let cs = self.ix.chunk_bytes();
-        let first = off.div_ceil(cs);
-        let last = (off + data.len() as u64) / cs; // exclusive
+        let (shift, cs) = (self.ix.chunk_shift, self.ix.chunk_bytes());
+        let whole = whole_chunks(shift, off, off + data.len() as u64);
+        let (first, last) = (whole.start, whole.end); // `last` exclusive
         let Some(pool) = encoder_pool() else { return Ok(Vec::new()) };
         if last <= first || (last - first) * cs < PARALLEL_ENCODE_BYTES {
             return Ok(Vec::new());
         }
         let place = self.place(first, 1);
-        let bytes_of = |c: u64| (c * cs - off) as usize..((c + 1) * cs - off) as usize;
+        let bytes_of = |c: u64| (chunk_start(shift, c) - off) as usize..(chunk_start(shift, c + 1) - off) as usize;
         let started = std::time::Instant::now();
         let mut all = vec![(first, self.engine.encode(&place, &data[bytes_of(first)])?)];
         if started.elapsed() * ((last - first) as u32) < PARALLEL_ENCODE_TIME {

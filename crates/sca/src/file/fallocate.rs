@@ -4,6 +4,7 @@
 use plyfs_stack::shared::LockKind;
 use plyfs_stack::Result;
 
+use crate::chunks::{chunk_bytes, chunk_start, chunks_touched, whole_chunks};
 use crate::format::{record_bytes, DATA_START};
 
 use super::{LowerIo, ScaFile, IO_WINDOW_BYTES};
@@ -24,11 +25,13 @@ impl<L: LowerIo> ScaFile<L> {
     pub fn zero_range(&mut self, off: u64, len: u64) -> Result<()> {
         self.locked(LockKind::Exclusive, |f| {
             let end = (off + len).min(f.size());
-            let cs = f.ix.chunk_bytes();
+            let shift = f.ix.chunk_shift;
             // The chunks the range covers whole become a run of zero chunks, as a truncate's
             // zeros do: a hole to SEEK_HOLE, and no data to store (xfstests generic/539).
-            let (first, last) = (off.div_ceil(cs), end / cs);
-            let (whole_from, whole_to) = if f.padded || last <= first { (end, end) } else { (first * cs, last * cs) };
+            let whole = whole_chunks(shift, off, end);
+            let (first, last) = (whole.start, whole.end);
+            let (whole_from, whole_to) =
+                if f.padded || last <= first { (end, end) } else { (chunk_start(shift, first), chunk_start(shift, last)) };
             let zeros = |f: &mut Self, from: u64, to: u64| -> Result<()> {
                 let mut at = from;
                 while at < to {
@@ -64,9 +67,9 @@ pub fn reserve_bytes(shift: u8, offset: u64, length: u64, max_payload: impl Fn(u
     if length == 0 {
         return 0;
     }
-    let last = offset.saturating_add(length - 1);
-    let chunks = (last >> shift) - (offset >> shift) + 1;
-    let payload = u32::try_from(max_payload(1 << shift)).unwrap_or(u32::MAX);
+    let touched = chunks_touched(shift, offset, length);
+    let chunks = touched.end - touched.start;
+    let payload = u32::try_from(max_payload(chunk_bytes(shift) as usize)).unwrap_or(u32::MAX);
     let checkpoint = u32::try_from(chunks.saturating_mul(CHECKPOINT_EXTENT_BYTES).saturating_add(64)).unwrap_or(u32::MAX);
     chunks.saturating_mul(record_bytes(payload)).saturating_add(record_bytes(checkpoint))
 }

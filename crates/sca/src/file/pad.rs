@@ -3,6 +3,7 @@
 
 use plyfs_stack::Result;
 
+use crate::chunks::chunk_of;
 use crate::format::{padme, Kind, PAD_MAGIC, PAD_TRAILER_BYTES};
 
 use super::{Fault, LowerIo, ScaFile, IO_WINDOW_BYTES, NOT_KNOWN};
@@ -145,7 +146,7 @@ impl<L: LowerIo> ScaFile<L> {
         // A file that ends in a hole (but for its last chunk) shows no end of data for the
         // padding to hide: its padding joins the hole (a sparse image of a terabyte is not to be followed by gigabytes of
         // sealed zeros).
-        let last = (n - 1) >> self.ix.chunk_shift;
+        let last = chunk_of(self.ix.chunk_shift, n - 1);
         let is_hole = |c: u64| self.ix.map.get(c).is_some_and(|r| r.kind == Kind::Run);
         if is_hole(last) || (last > 0 && is_hole(last - 1)) {
             self.set_real_size(n);

@@ -4,6 +4,7 @@
 use plyfs_stack::shared::LockKind;
 use plyfs_stack::{Error, Result};
 
+use crate::chunks::{chunk_of, chunk_start, chunks_touched, span_in_chunk};
 use crate::chunkmap::RecordRef;
 use crate::codec::Place;
 use crate::format::{payload_ok, Kind, RecordHeader, RECORD_HEADER_BYTES};
@@ -26,11 +27,11 @@ impl<L: LowerIo> ScaFile<L> {
             return Ok(None);
         }
         let (shift, chunks) = (self.ix.chunk_shift, self.ix.chunks());
-        let mut chunk = offset >> shift;
+        let mut chunk = chunk_of(shift, offset);
         while chunk < chunks {
             let hole_end = self.hole_end(chunk);
             if hole_end.is_some() != data {
-                return Ok(Some((chunk << shift).max(offset)));
+                return Ok(Some(chunk_start(shift, chunk).max(offset)));
             }
             chunk = hole_end.unwrap_or(chunk + 1);
         }
@@ -62,11 +63,12 @@ impl<L: LowerIo> ScaFile<L> {
         let shift = self.ix.chunk_shift;
         let cs = self.ix.chunk_bytes();
         let mut out = Vec::with_capacity((end - off) as usize);
-        let mut chunk = off >> shift;
-        let last = (end - 1) >> shift;
+        let touched = chunks_touched(shift, off, end - off);
+        let mut chunk = touched.start;
+        let last = touched.end - 1;
         let range_in = |c: u64| {
-            let start = c << shift;
-            ((off.max(start) - start) as usize, (end.min(start + cs) - start) as usize)
+            let span = span_in_chunk(shift, c, off, end);
+            (span.start, span.end)
         };
         while chunk <= last {
             self.check_not_lost(chunk)?;
@@ -80,7 +82,7 @@ impl<L: LowerIo> ScaFile<L> {
             // Chunks whose records sit back to back in the log are read with one request.
             let first = self.record_of(chunk)?;
             let mut span = vec![(chunk, first)];
-            let (span_start, mut span_end) = (first.off, first.off + first.bytes());
+            let (span_start, mut span_end) = (first.off, first.end());
             while chunk + (span.len() as u64) <= last {
                 let next = chunk + span.len() as u64;
                 if self.lost.contains(&next) || self.ix.tail.as_ref().is_some_and(|t| t.chunk == next) {
@@ -91,7 +93,7 @@ impl<L: LowerIo> ScaFile<L> {
                 if !same_run && (rec.off != span_end || span_end - span_start >= IO_WINDOW_BYTES) {
                     break;
                 }
-                span_end = span_end.max(rec.off + rec.bytes());
+                span_end = span_end.max(rec.end());
                 span.push((next, rec));
             }
             let bytes = self.log_bytes(span_start, (span_end - span_start) as usize)?;
@@ -128,7 +130,7 @@ impl<L: LowerIo> ScaFile<L> {
             return Err(Fault::Fail(Error::Corrupt(format!(
                 "{}: data at offset {} is lost (its newest record is missing or damaged)",
                 self.lower.describe(),
-                chunk << self.ix.chunk_shift
+                chunk_start(self.ix.chunk_shift, chunk)
             ))));
         }
         Ok(())
@@ -154,7 +156,7 @@ impl<L: LowerIo> ScaFile<L> {
         }
         let payload = bytes.get(RECORD_HEADER_BYTES as usize..(RECORD_HEADER_BYTES + u64::from(h.payload_len)) as usize);
         // Bytes still as they were checked while loading need no second check.
-        let checked = self.verified.start <= rec.off && rec.off + rec.bytes() <= self.verified.end;
+        let checked = self.verified.start <= rec.off && rec.end() <= self.verified.end;
         let place = Place { file_id: self.file_id, chunk: h.chunk, count };
         match payload {
             Some(p) if checked || payload_ok(&h, p) => Ok((p, place)),
@@ -188,7 +190,7 @@ impl<L: LowerIo> ScaFile<L> {
         Error::Corrupt(format!(
             "{}: corrupt data at offset {} (record at lower offset {lower_off}): {why}",
             self.lower.describe(),
-            chunk << self.ix.chunk_shift
+            chunk_start(self.ix.chunk_shift, chunk)
         ))
     }
 
@@ -220,7 +222,7 @@ impl<L: LowerIo> ScaFile<L> {
     /// [`Self::chunk_content`] into `out`, which is cleared first.
     pub(super) fn chunk_content_into(&mut self, chunk: u64, out: &mut Vec<u8>) -> std::result::Result<(), Fault> {
         out.clear();
-        let start = chunk << self.ix.chunk_shift;
+        let start = chunk_start(self.ix.chunk_shift, chunk);
         let len = self.ix.chunk_len(chunk) as usize;
         if len == 0 {
             return Ok(());

@@ -7,6 +7,7 @@ use plyfs_stack::shared::LockKind;
 use plyfs_stack::{Error, Result};
 use serde_json::{json, Value};
 
+use crate::chunks::chunk_start;
 use crate::format::{FileHeader, Kind, RecordHeader, Slot, DATA_START, PAD_TRAILER_BYTES};
 use crate::index::FileIndex;
 
@@ -159,7 +160,7 @@ impl<L: LowerIo> ScaFile<L> {
                 "{}: the newest data of {} chunk(s) is missing or damaged (first at offset {}); they read as I/O errors until rewritten",
                 self.lower.describe(),
                 lost.len(),
-                lost.first().map_or(0, |c| c << shift)
+                lost.first().map_or(0, |&c| chunk_start(shift, c))
             );
         }
         self.replace_index(ix);

@@ -4,6 +4,7 @@
 use plyfs_stack::shared::LockKind;
 use plyfs_stack::Result;
 
+use crate::chunks::{chunk_of, offset_in_chunk};
 use crate::format::{Kind, RecordHeader};
 
 use super::{Fault, LowerIo, ScaFile};
@@ -53,8 +54,8 @@ impl<L: LowerIo> ScaFile<L> {
             return self.extend(size);
         }
         let shift = self.ix.chunk_shift;
-        let chunk = size >> shift;
-        let keep = (size - (chunk << shift)) as u32;
+        let chunk = chunk_of(shift, size);
+        let keep = offset_in_chunk(shift, size) as u32;
         let in_tail = self.ix.tail.as_ref().is_some_and(|t| t.chunk == chunk);
         if keep == 0 {
             let header = RecordHeader { kind: Kind::Size, ..self.header_for(chunk, size) };

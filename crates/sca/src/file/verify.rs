@@ -5,6 +5,8 @@ use plyfs_stack::shared::LockKind;
 use plyfs_stack::Result;
 use serde_json::{json, Value};
 
+use crate::chunks::chunk_start;
+
 use super::{Fault, LowerIo, ScaFile};
 
 impl<L: LowerIo> ScaFile<L> {
@@ -28,10 +30,10 @@ impl<L: LowerIo> ScaFile<L> {
             let cs = self.ix.chunk_bytes();
             let mut chunk = 0;
             while stale.is_none() && chunk < self.ix.chunks() {
-                match self.read_stored(chunk * cs, cs as usize) {
+                match self.read_stored(chunk_start(self.ix.chunk_shift, chunk), cs as usize) {
                     Ok(_) => {}
                     Err(Fault::Stale(why)) => stale = Some(why),
-                    Err(Fault::Fail(e)) => problems.push(json!({ "offset": chunk * cs, "error": e.to_string() })),
+                    Err(Fault::Fail(e)) => problems.push(json!({ "offset": chunk_start(self.ix.chunk_shift, chunk), "error": e.to_string() })),
                 }
                 chunk += 1;
             }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use plyfs_stack::shared::LockKind;
 use plyfs_stack::Result;
 
+use crate::chunks::{chunk_count, chunk_of, chunk_start, chunks_touched, offset_in_chunk, span_in_chunk};
 use crate::codec::Place;
 use crate::format::{Kind, RecordHeader, DATA_START, FLAG_RAW, RECORD_HEADER_BYTES};
 
@@ -47,13 +48,14 @@ impl<L: LowerIo> ScaFile<L> {
         let shift = self.ix.chunk_shift;
         let cs = self.ix.chunk_bytes();
         let end = off + data.len() as u64;
-        let chunks = ((end - 1) >> shift) - (off >> shift) + 1;
+        let touched = chunks_touched(shift, off, data.len() as u64);
+        let chunks = touched.end - touched.start;
         self.pending.reserve(DATA_START as usize + data.len() + chunks as usize * (RECORD_HEADER_BYTES as usize + 8));
         let mut ready = self.encode_whole_chunks(off, data)?.into_iter();
-        for chunk in (off >> shift)..=((end - 1) >> shift) {
-            let start = chunk << shift;
-            let s = (off.max(start) - start) as usize;
-            let e = (end.min(start + cs) - start) as usize;
+        for chunk in touched {
+            let start = chunk_start(shift, chunk);
+            let span = span_in_chunk(shift, chunk, off, end);
+            let (s, e) = (span.start, span.end);
             let piece = &data[(start + s as u64 - off) as usize..(start + e as u64 - off) as usize];
             let current = self.ix.chunk_len(chunk) as usize;
             let new_size = self.ix.size.max(start + e as u64);
@@ -86,12 +88,12 @@ impl<L: LowerIo> ScaFile<L> {
         let shift = self.ix.chunk_shift;
         let cs = self.ix.chunk_bytes();
         let old = self.ix.size;
-        if old % cs != 0 {
+        if offset_in_chunk(shift, old) != 0 {
             // Fill out the partial last chunk (as far as the new size reaches into it).
-            let chunk = old >> shift;
-            let current = (old % cs) as usize;
-            let target = (size - (chunk << shift)).min(cs) as usize;
-            let new_size = (chunk << shift) + target as u64;
+            let chunk = chunk_of(shift, old);
+            let current = offset_in_chunk(shift, old) as usize;
+            let target = (size - chunk_start(shift, chunk)).min(cs) as usize;
+            let new_size = chunk_start(shift, chunk) + target as u64;
             if self.engine.fast_tails && (target as u64) < cs {
                 self.append_tail(chunk, current as u32, &vec![0; target - current], new_size)?;
             } else {
@@ -100,14 +102,14 @@ impl<L: LowerIo> ScaFile<L> {
                 self.store_chunk(chunk, &content, new_size)?;
             }
         }
-        let first_hole = self.ix.size.div_ceil(cs);
-        let full_end = size >> shift;
+        let first_hole = chunk_count(shift, self.ix.size);
+        let full_end = chunk_of(shift, size);
         if full_end > first_hole {
             self.zero_run(first_hole, full_end - first_hole, None)?;
         }
         if size > self.ix.size {
-            let chunk = size >> shift;
-            let zeros = vec![0; (size - (chunk << shift)) as usize];
+            let chunk = chunk_of(shift, size);
+            let zeros = vec![0; offset_in_chunk(shift, size) as usize];
             if self.engine.fast_tails {
                 self.append_tail(chunk, 0, &zeros, size)?;
             } else {
@@ -138,7 +140,7 @@ impl<L: LowerIo> ScaFile<L> {
                 flags: if z.raw { FLAG_RAW } else { 0 },
                 count: n as u32,
                 decoded_len: 1 << shift,
-                ..self.header_for(chunk, size.unwrap_or((chunk + n) << shift))
+                ..self.header_for(chunk, size.unwrap_or(chunk_start(shift, chunk + n)))
             };
             self.append_record(header, &z.payload)?;
             chunk += n;
@@ -160,7 +162,7 @@ impl<L: LowerIo> ScaFile<L> {
     /// Store a chunk's whole content: encoded, or raw as the fast tail when it is the partial
     /// last chunk and fast tails are on.
     pub(super) fn store_chunk(&mut self, chunk: u64, content: &[u8], new_size: u64) -> std::result::Result<(), Fault> {
-        let is_partial_last = (content.len() as u64) < self.ix.chunk_bytes() && new_size >> self.ix.chunk_shift == chunk;
+        let is_partial_last = (content.len() as u64) < self.ix.chunk_bytes() && chunk_of(self.ix.chunk_shift, new_size) == chunk;
         if self.engine.fast_tails && is_partial_last {
             return self.append_tail(chunk, 0, content, new_size);
         }
