@@ -4,8 +4,8 @@
 use plyfs_stack::shared::LockKind;
 use plyfs_stack::{Error, Result};
 
-use crate::chunks::{chunk_of, chunk_start, chunks_touched, span_in_chunk};
 use crate::chunkmap::RecordRef;
+use crate::chunks::{chunk_of, chunk_start, chunks_touched, span_in_chunk};
 use crate::codec::Place;
 use crate::format::{payload_ok, Kind, RecordHeader, RECORD_HEADER_BYTES};
 
@@ -67,8 +67,8 @@ impl<L: LowerIo> ScaFile<L> {
         let mut chunk = touched.start;
         let last = touched.end - 1;
         let range_in = |c: u64| {
-            let span = span_in_chunk(shift, c, off, end);
-            (span.start, span.end)
+            let within = span_in_chunk(shift, c, off, end);
+            (within.start, within.end)
         };
         while chunk <= last {
             self.check_not_lost(chunk)?;
