@@ -24,6 +24,11 @@ impl RecordRef {
     pub fn bytes(&self) -> u64 {
         record_bytes(self.payload_len)
     }
+
+    /// One past the record's last byte in the log: where the record after it starts.
+    pub fn end(&self) -> u64 {
+        self.off + self.bytes()
+    }
 }
 
 /// A map from chunk number to the record that holds it.
@@ -121,6 +126,7 @@ impl ChunkMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::{RECORD_ALIGN, RECORD_HEADER_BYTES};
     use proptest::prelude::*;
 
     fn rec(off: u64) -> RecordRef {
@@ -158,6 +164,17 @@ mod tests {
     }
 
     proptest! {
+        /// A record ends where the next may start: after its header and payload, on the record
+        /// alignment.
+        #[test]
+        fn a_record_ends_after_its_payload_aligned(off in (0u64..1 << 50).prop_map(|o| o * RECORD_ALIGN), payload_len in any::<u32>()) {
+            let r = RecordRef { off, payload_len, ..rec(0) };
+            let unaligned_end = off + RECORD_HEADER_BYTES + u64::from(payload_len);
+            prop_assert_eq!(r.end() - r.off, r.bytes());
+            prop_assert!(unaligned_end <= r.end() && r.end() < unaligned_end + RECORD_ALIGN);
+            prop_assert_eq!(r.end() % RECORD_ALIGN, 0);
+        }
+
         /// The extent map agrees with a plain per-chunk vector under any sequence of updates,
         /// and what it reports as displaced is exactly what the vector lost.
         #[test]

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 
 use crate::chunkmap::{ChunkMap, Displaced, RecordRef};
+use crate::chunks;
 use crate::format::{record_bytes, varint, Kind, RecordHeader, DATA_START, FLAG_RAW};
 
 /// A fast tail (§4.2): the last, partial chunk kept unencoded. Its content is the first `keep`
@@ -70,12 +71,12 @@ impl FileIndex {
     }
 
     pub fn chunk_bytes(&self) -> u64 {
-        1 << self.chunk_shift
+        chunks::chunk_bytes(self.chunk_shift)
     }
 
     /// The number of chunks the decoded size spans.
     pub fn chunks(&self) -> u64 {
-        self.size.div_ceil(self.chunk_bytes())
+        chunks::chunk_count(self.chunk_shift, self.size)
     }
 
     /// Bytes of the lower file still needed: header, live records, the current checkpoint.
@@ -90,8 +91,7 @@ impl FileIndex {
 
     /// How many decoded bytes chunk `chunk` holds within the file.
     pub fn chunk_len(&self, chunk: u64) -> u64 {
-        let start = chunk << self.chunk_shift;
-        self.size.saturating_sub(start).min(self.chunk_bytes())
+        chunks::chunk_len(self.chunk_shift, self.size, chunk)
     }
 
     /// Apply one record found at `off`. `payload` is needed for `Tail` records only.
@@ -453,7 +453,7 @@ impl Prev {
         varint::put_signed(out, r.seq as i64 - self.seq as i64);
         varint::put(out, r.payload_len.into());
         varint::put(out, r.decoded_len.into());
-        self.off_end = r.off + r.bytes();
+        self.off_end = r.end();
         self.seq = r.seq;
     }
 

@@ -13,6 +13,7 @@
 //! - [`layer`]: the [`plyfs_stack::Layer`] that serves upper files from all this.
 
 pub mod chunkmap;
+mod chunks;
 pub mod codec;
 pub mod file;
 pub mod format;

@@ -8,6 +8,7 @@
 //! Each payload is its chunk plus a fixed number of bytes (a cipher's nonce, kind byte and
 //! tag), so payload lengths are known before any chunk is encoded.
 
+use crate::chunks;
 use crate::format::*;
 
 /// The layout of one file written sequentially.
@@ -28,16 +29,16 @@ fn varint_len(v: u64) -> u64 {
 
 impl Sequential {
     pub fn chunk_bytes(&self) -> u64 {
-        1 << self.chunk_shift
+        chunks::chunk_bytes(self.chunk_shift)
     }
 
     pub fn chunks(&self) -> u64 {
-        self.size.div_ceil(self.chunk_bytes())
+        chunks::chunk_count(self.chunk_shift, self.size)
     }
 
     /// The decoded length of chunk `i`.
     pub fn chunk_len(&self, i: u64) -> u64 {
-        self.size.saturating_sub(i << self.chunk_shift).min(self.chunk_bytes())
+        chunks::chunk_len(self.chunk_shift, self.size, i)
     }
 
     fn payload_len(&self, i: u64) -> u64 {
@@ -119,7 +120,7 @@ impl Sequential {
             decoded_len: self.chunk_len(i) as u32,
             payload_len: 0,
             payload_crc: 0,
-            file_size: ((i + 1) << self.chunk_shift).min(self.size),
+            file_size: chunks::chunk_start(self.chunk_shift, i + 1).min(self.size),
         }
     }
 
