@@ -9,7 +9,8 @@ use plyfs_exodisk::core::{Persistence, Target};
 use plyfs_exodisk::object::Caps;
 use plyfs_stack::{Error, Result};
 
-use super::{exo, Ext, Fs, State, IMMEDIATE_MAX, SECTOR};
+use super::sectors::placed_sectors;
+use super::{exo, Ext, Fs, State, IMMEDIATE_MAX};
 
 impl Fs {
     /// Sectors for `n` near `near`, taken from the local map (the service refuses a run another
@@ -88,7 +89,7 @@ impl Fs {
     /// rounds them; none while they fit in the inode, or once the file has extents).
     fn to_place(extents: &[Ext], len: usize) -> u64 {
         if extents.is_empty() && len > IMMEDIATE_MAX {
-            (len as u64).div_ceil(SECTOR).div_ceil(8) * 8
+            placed_sectors(len as u64)
         } else {
             0
         }

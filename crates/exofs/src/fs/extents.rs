@@ -6,15 +6,41 @@ use plyfs_exodisk::core::Target;
 use plyfs_exodisk::object::Exonode;
 use plyfs_stack::{Error, Result};
 
-use super::{exo, Ext, Fs, Piece, Shape, State, CHUNK_SECTORS, HOLDER_SECTORS, INODE_SECTORS, MAX_EXTENT_SECTORS, PREALLOC_SECTORS, SECTOR};
+use super::sectors::whole_blocks;
+use super::{exo, Ext, Fs, Shape, State, CHUNK_SECTORS, HOLDER_SECTORS, INODE_SECTORS, MAX_EXTENT_SECTORS, PREALLOC_SECTORS, SECTOR};
 
-impl Fs {
-    /// The pieces of file sectors `s0..s1`: (file sector, count, volume sector or `None` for a
-    /// hole).
-    pub(super) fn pieces(n: &Shape, s0: u64, s1: u64) -> Vec<Piece> {
+/// File sectors `file_sector..file_sector + sectors`, and where they are on the volume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct SectorRun {
+    pub(super) file_sector: u64,
+    pub(super) sectors: u64,
+    /// `None` for a hole.
+    pub(super) on_volume: Option<OnVolume>,
+}
+
+/// Where a run of file sectors starts on the volume, and whether its extent is in the inode's
+/// holder (rather than in the inode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct OnVolume {
+    pub(super) sector: u64,
+    pub(super) held: bool,
+}
+
+impl Ext {
+    /// The volume sector holding `file_sector`, which lies in this extent.
+    pub(super) fn volume_sector(&self, file_sector: u64) -> u64 {
+        self.start + (file_sector - self.logical)
+    }
+}
+
+impl Shape {
+    /// File sectors `s0..s1` cut into runs, in order: each within one extent, or a hole between
+    /// them.
+    pub(super) fn sector_runs(&self, s0: u64, s1: u64) -> Vec<SectorRun> {
+        let run = |file_sector, sectors, on_volume| SectorRun { file_sector, sectors, on_volume };
         let mut out = Vec::new();
         let mut at = s0;
-        for e in &n.extents {
+        for e in &self.extents {
             if at >= s1 {
                 break;
             }
@@ -26,19 +52,21 @@ impl Fs {
                 break;
             }
             if lo > at {
-                out.push((at, lo - at, None));
+                out.push(run(at, lo - at, None));
                 at = lo;
             }
             let end = hi.min(s1);
-            out.push((at, end - at, Some((e.start + (at - lo), e.held))));
+            out.push(run(at, end - at, Some(OnVolume { sector: e.volume_sector(at), held: e.held })));
             at = end;
         }
         if at < s1 {
-            out.push((at, s1 - at, None));
+            out.push(run(at, s1 - at, None));
         }
         out
     }
+}
 
+impl Fs {
     /// The exonode that holds an extent of a file: its inode, or its holder.
     pub(super) fn extent_home(&self, n: &Shape, held: bool) -> Target {
         match (held, n.holder) {
@@ -93,10 +121,10 @@ impl Fs {
     /// Read file sectors from `first` into `buf` (holes are zeros).
     pub(super) fn read_sectors(&self, n: &Shape, first: u64, buf: &mut [u8]) -> Result<()> {
         let count = buf.len() as u64 / SECTOR;
-        for (at, len, disk) in Self::pieces(n, first, first + count) {
+        for SectorRun { file_sector: at, sectors: len, on_volume } in n.sector_runs(first, first + count) {
             let range = ((at - first) * SECTOR) as usize..((at - first + len) * SECTOR) as usize;
-            match disk {
-                Some((d, held)) => self.client.read(&self.extent_home(n, held), self.caps.read, d, &mut buf[range]).map_err(exo)?,
+            match on_volume {
+                Some(OnVolume { sector: d, held }) => self.client.read(&self.extent_home(n, held), self.caps.read, d, &mut buf[range]).map_err(exo)?,
                 None => buf[range].fill(0),
             }
         }
@@ -106,10 +134,10 @@ impl Fs {
     /// Write `data` (whole sectors) at file sector `first`; every sector must be covered.
     pub(super) fn write_sectors(&self, n: &Shape, first: u64, data: &[u8]) -> Result<()> {
         let count = data.len() as u64 / SECTOR;
-        for (at, len, disk) in Self::pieces(n, first, first + count) {
+        for SectorRun { file_sector: at, sectors: len, on_volume } in n.sector_runs(first, first + count) {
             let range = ((at - first) * SECTOR) as usize..((at - first + len) * SECTOR) as usize;
-            match disk {
-                Some((d, held)) => self.client.write(&self.extent_home(n, held), self.caps.write, d, &data[range]).map_err(exo)?,
+            match on_volume {
+                Some(OnVolume { sector: d, held }) => self.client.write(&self.extent_home(n, held), self.caps.write, d, &data[range]).map_err(exo)?,
                 None => return Err(Error::Corrupt(format!("exofs: writing into a hole at file sector {at}"))),
             }
         }
@@ -153,13 +181,14 @@ impl Fs {
         let appending = s0 >= last && plain;
         let (c0, c1) = if appending {
             let ahead = (size / SECTOR).clamp(8, PREALLOC_SECTORS);
-            (s0, (s1.max(s0 + ahead)).div_ceil(8) * 8)
+            (s0, whole_blocks(s1.max(s0 + ahead)))
         } else if s0 >= last {
-            (s0, s1.div_ceil(8) * 8)
+            (s0, whole_blocks(s1))
         } else {
             (s0 / CHUNK_SECTORS * CHUNK_SECTORS, s1.div_ceil(CHUNK_SECTORS) * CHUNK_SECTORS)
         };
-        let holes: Vec<(u64, u64)> = Self::pieces(&node, c0, c1).into_iter().filter(|p| p.2.is_none()).map(|p| (p.0, p.1)).collect();
+        let holes: Vec<(u64, u64)> =
+            node.sector_runs(c0, c1).into_iter().filter(|r| r.on_volume.is_none()).map(|r| (r.file_sector, r.sectors)).collect();
         for (mut at, mut len) in holes {
             // A chunk piece entirely outside what is written stays a hole.
             if at + len <= s0 || at >= s1 {
@@ -260,7 +289,7 @@ impl Fs {
             }
             if hi < h {
                 let tail = self.client.split(&t, w, middle, hi - lo, None).map_err(exo)?;
-                kept.push(Ext { entry: tail, start: e.start + (hi - l), sectors: h - hi, logical: hi, held: e.held });
+                kept.push(Ext { entry: tail, start: e.volume_sector(hi), sectors: h - hi, logical: hi, held: e.held });
             }
             self.client.remove_entry(&t, w, middle).map_err(exo)?;
             // The service frees these sectors only once the inode is written back (its record
@@ -274,5 +303,60 @@ impl Fs {
         n.holder_dirty |= held_changed;
         n.fresh = false;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Extents in file order from (hole before, sectors, volume sector, held) each.
+    fn shape_of(parts: &[(u64, u64, u64, bool)]) -> Shape {
+        let mut logical = 0;
+        let extents = parts
+            .iter()
+            .enumerate()
+            .map(|(i, &(gap, sectors, start, held))| {
+                logical += gap;
+                let e = Ext { entry: i as u32, start, sectors, logical, held };
+                logical += sectors;
+                e
+            })
+            .collect();
+        Shape { path: [1, 1], extents, holder: Some(3) }
+    }
+
+    /// Where file sector `s` is, as the extents have it.
+    fn where_is(shape: &Shape, s: u64) -> Option<(u64, bool)> {
+        shape.extents.iter().find(|e| e.logical <= s && s < e.logical + e.sectors).map(|e| (e.start + (s - e.logical), e.held))
+    }
+
+    proptest! {
+        #[test]
+        fn sector_runs_cover_the_range_and_place_each_sector_as_the_extents_do(
+            parts in prop::collection::vec((0u64..40, 1u64..40, 0u64..100_000, any::<bool>()), 0..10),
+            s0 in 0u64..500,
+            len in 0u64..500,
+        ) {
+            let shape = shape_of(&parts);
+            let s1 = s0 + len;
+            let runs = shape.sector_runs(s0, s1);
+            let mut at = s0;
+            for (i, r) in runs.iter().enumerate() {
+                prop_assert_eq!(r.file_sector, at);
+                prop_assert!(r.sectors > 0);
+                for k in 0..r.sectors {
+                    let placed = r.on_volume.map(|v| (v.sector + k, v.held));
+                    prop_assert_eq!(placed, where_is(&shape, at + k));
+                }
+                // A hole is one run, however it falls.
+                if i > 0 && r.on_volume.is_none() {
+                    prop_assert!(runs[i - 1].on_volume.is_some());
+                }
+                at += r.sectors;
+            }
+            prop_assert_eq!(at, s1);
+        }
     }
 }

@@ -32,6 +32,7 @@ mod inodes;
 mod namespace;
 mod pieces;
 mod read;
+mod sectors;
 mod write;
 mod writeback;
 
@@ -124,10 +125,6 @@ struct Node {
     /// Extended attributes (kept after the attributes, in entry ATTRS).
     xattrs: Xattrs,
 }
-
-/// File sector, sectors, and where they are (volume sector and whether the extent is in the
-/// holder), or `None` for a hole.
-type Piece = (u64, u64, Option<(u64, bool)>);
 
 /// Where a file's bytes are: what reading and writing its sectors needs (cheap to copy, unlike
 /// a node with its bytes held in memory).

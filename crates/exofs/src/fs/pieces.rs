@@ -5,6 +5,7 @@ use std::time::SystemTime;
 use plyfs_stack::{Error, FileKind, Result};
 use crate::format::{Inode, Seg};
 
+use super::sectors::sectors_spanning;
 use super::{Fs, Node, State, MAX_PIECES, SECTOR};
 
 impl Fs {
@@ -149,7 +150,7 @@ impl Fs {
             let s = segs[i];
             let head = at - s.logical;
             segs[i].len = head;
-            segs.insert(i + 1, Seg { logical: at, len: s.len - head, store: s.store + head });
+            segs.insert(i + 1, Seg { logical: at, len: s.len - head, store: store_byte(&s, at) });
         }
     }
 
@@ -174,7 +175,7 @@ impl Fs {
                 break;
             }
             let (a, b) = (off.max(s.logical), end.min(s.logical + s.len));
-            out.push((a, b - a, s.store + (a - s.logical)));
+            out.push((a, b - a, store_byte(s, a)));
         }
         out
     }
@@ -182,7 +183,7 @@ impl Fs {
     /// Store bytes `off..off + len` (holes read as zeros).
     fn read_store(&self, st: &mut State, ino: u64, off: u64, len: u64) -> Result<Vec<u8>> {
         let shape = self.node(st, ino)?.shape();
-        let (s0, s1) = (off / SECTOR, (off + len).div_ceil(SECTOR));
+        let (s0, s1) = sectors_spanning(off, off + len);
         let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
         self.read_sectors(&shape, s0, &mut buf)?;
         let skip = (off - s0 * SECTOR) as usize;
@@ -256,5 +257,85 @@ impl Fs {
             self.remove_range_at(st, ino, size, old - size)?;
         }
         Ok(())
+    }
+}
+
+/// The store byte holding `file_byte`, which lies in piece `s`.
+fn store_byte(s: &Seg, file_byte: u64) -> u64 {
+    s.store + (file_byte - s.logical)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Pieces following each other from file byte 0, of the given lengths and store bytes.
+    fn segs_of(parts: &[(u64, u64)]) -> Vec<Seg> {
+        let mut logical = 0;
+        parts
+            .iter()
+            .map(|&(len, store)| {
+                let s = Seg { logical, len, store };
+                logical += len;
+                s
+            })
+            .collect()
+    }
+
+    /// The store byte of every file byte, as the pieces say.
+    fn byte_map(segs: &[Seg]) -> Vec<u64> {
+        segs.iter().flat_map(|s| s.store..s.store + s.len).collect()
+    }
+
+    fn follow_each_other(segs: &[Seg]) -> bool {
+        segs.first().is_none_or(|s| s.logical == 0)
+            && segs.windows(2).all(|w| w[0].logical + w[0].len == w[1].logical)
+            && segs.iter().all(|s| s.len > 0)
+    }
+
+    fn parts() -> impl Strategy<Value = Vec<(u64, u64)>> {
+        prop::collection::vec((1u64..300, 0u64..5000), 0..12)
+    }
+
+    proptest! {
+        #[test]
+        fn cutting_makes_a_piece_start_there_and_moves_no_byte(parts in parts(), at in 0u64..4000) {
+            let mut segs = segs_of(&parts);
+            let before = byte_map(&segs);
+            Fs::cut(&mut segs, at);
+            prop_assert_eq!(byte_map(&segs), before.clone());
+            prop_assert!(follow_each_other(&segs));
+            if at > 0 && at < before.len() as u64 {
+                prop_assert!(segs.iter().any(|s| s.logical == at));
+            }
+        }
+
+        #[test]
+        fn merging_joins_neighbours_in_the_store_and_moves_no_byte(parts in parts()) {
+            let mut segs = segs_of(&parts);
+            let before = byte_map(&segs);
+            Fs::merge(&mut segs);
+            prop_assert_eq!(byte_map(&segs), before);
+            prop_assert!(follow_each_other(&segs));
+            prop_assert!(segs.windows(2).all(|w| w[0].store + w[0].len != w[1].store));
+        }
+
+        #[test]
+        fn the_pieces_of_a_range_map_each_byte_as_the_file_does(parts in parts(), off in 0u64..4000, len in 0u64..4000) {
+            let segs = segs_of(&parts);
+            let map = byte_map(&segs);
+            let end = (off + len).min(map.len() as u64);
+            let mut at = off;
+            let mut got = Vec::new();
+            for (file_byte, bytes, store) in Fs::seg_pieces(&segs, off, end) {
+                prop_assert_eq!(file_byte, at);
+                prop_assert!(bytes > 0);
+                got.extend(store..store + bytes);
+                at += bytes;
+            }
+            let want = if off < end { map[off as usize..end as usize].to_vec() } else { Vec::new() };
+            prop_assert_eq!(got, want);
+        }
     }
 }

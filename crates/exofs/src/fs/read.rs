@@ -4,6 +4,8 @@ use plyfs_exodisk::core::Target;
 use plyfs_exodisk::proto::{wcap, Reply, Request, WTarget};
 use plyfs_stack::{FileKind, Result};
 
+use super::extents::{OnVolume, SectorRun};
+use super::sectors::sectors_spanning;
 use super::{Fs, State, AHEAD_TOTAL, READ_AHEAD, READ_AHEAD_MAX, SECTOR};
 
 impl Fs {
@@ -38,7 +40,7 @@ impl Fs {
             return Ok(b[a..z].to_vec());
         }
         let n = self.node(st, ino)?.shape();
-        let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
+        let (s0, s1) = sectors_spanning(off, end);
         let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
         self.read_sectors(&n, s0, &mut buf)?;
         // The bytes asked for, without another copy when they start on a sector.
@@ -88,13 +90,13 @@ impl Fs {
                 continue;
             }
             let shape = n.shape();
-            let parts = Self::pieces(&shape, 0, n.attrs.size.div_ceil(SECTOR));
-            if parts.iter().any(|p| p.2.is_none()) {
+            let parts = shape.sector_runs(0, n.attrs.size.div_ceil(SECTOR));
+            if parts.iter().any(|p| p.on_volume.is_none()) {
                 continue;
             }
             files.push((i, pieces.len(), parts.len(), n.attrs.size));
-            for (_, len, disk) in parts {
-                let (at, held) = disk.expect("no holes");
+            for SectorRun { sectors: len, on_volume, .. } in parts {
+                let OnVolume { sector: at, held } = on_volume.expect("no holes");
                 pieces.push((self.extent_home(&shape, held), self.caps.read, at, (len * SECTOR) as usize));
             }
         }

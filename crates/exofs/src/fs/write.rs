@@ -4,6 +4,8 @@
 use plyfs_exodisk::core::Persistence;
 use plyfs_stack::Result;
 
+use super::extents::SectorRun;
+use super::sectors::sectors_spanning;
 use super::{Fs, Node, State, BUFFER_MAX, BUFFER_TOTAL, IMMEDIATE_MAX, SECTOR};
 
 impl Fs {
@@ -61,7 +63,7 @@ impl Fs {
     /// pieces), giving holes extents of their own.
     pub(super) fn write_store(&self, st: &mut State, ino: u64, off: u64, data: &[u8]) -> Result<()> {
         let end = off + data.len() as u64;
-        let (s0, s1) = (off / SECTOR, end.div_ceil(SECTOR));
+        let (s0, s1) = sectors_spanning(off, end);
         if off.is_multiple_of(SECTOR) && end.is_multiple_of(SECTOR) {
             // Whole sectors: written as they are.
             let added = self.cover(st, ino, s0, s1)?;
@@ -159,9 +161,9 @@ impl Fs {
         if from >= to {
             return Ok(());
         }
-        let (s0, s1) = (from / SECTOR, to.div_ceil(SECTOR));
-        for (at, len, disk) in Self::pieces(&shape, s0, s1) {
-            if disk.is_none() {
+        let (s0, s1) = sectors_spanning(from, to);
+        for SectorRun { file_sector: at, sectors: len, on_volume } in shape.sector_runs(s0, s1) {
+            if on_volume.is_none() {
                 continue;
             }
             // Whole sectors, keeping the bytes before `from` in the first one.
@@ -224,7 +226,7 @@ impl Fs {
         let node = node.shape();
         if !size.is_multiple_of(SECTOR) {
             let s = size / SECTOR;
-            if Self::pieces(&node, s, s + 1)[0].2.is_some() {
+            if node.sector_runs(s, s + 1)[0].on_volume.is_some() {
                 let mut buf = vec![0u8; SECTOR as usize];
                 self.read_sectors(&node, s, &mut buf)?;
                 buf[(size % SECTOR) as usize..].fill(0);

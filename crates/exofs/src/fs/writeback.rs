@@ -10,6 +10,7 @@ use plyfs_stack::{FileKind, Result};
 use serde_bytes::ByteBuf;
 use crate::format::{encode_dir, encode_map, encode_xattrs, ATTRS, IMMEDIATE, MAP};
 
+use super::sectors::{placed_sectors, whole_blocks};
 use super::{exo, Ext, Freeing, Fs, Node, State, BATCH_NODES, HELD, HOLDER_SECTORS, IMMEDIATE_MAX, INODE_SECTORS, PERSISTENCE_XATTR, SECTOR};
 
 impl Fs {
@@ -210,14 +211,14 @@ impl Fs {
         let mut reqs = Vec::new();
         for &ino in inos {
             let path = st.nodes[&ino].path;
-            let total = (st.nodes[&ino].immediate.len() as u64).div_ceil(SECTOR).div_ceil(8) * 8;
+            let total = placed_sectors(st.nodes[&ino].immediate.len() as u64);
             let (mut logical, mut want) = (0u64, total);
             while logical < total {
                 want = want.min(total - logical);
                 let start = match self.find(st, want, ino) {
                     Ok(s) => s,
                     Err(_) if want > 8 => {
-                        want = (want / 2).div_ceil(8) * 8;
+                        want = whole_blocks(want / 2);
                         continue;
                     }
                     Err(e) => {
