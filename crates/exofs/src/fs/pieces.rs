@@ -8,6 +8,15 @@ use crate::format::{Inode, Seg};
 use super::sectors::sectors_spanning;
 use super::{Fs, Node, State, MAX_PIECES, SECTOR};
 
+/// File bytes `file_byte..file_byte + bytes`, within one piece, and the store byte they start
+/// at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PieceSpan {
+    file_byte: u64,
+    bytes: u64,
+    store_byte: u64,
+}
+
 impl Fs {
     /// Put `data` before byte `off` of file `ino` (`off` = its size appends), moving what follows
     /// without copying it: the file becomes pieces of its store, and the new bytes a piece of
@@ -166,8 +175,8 @@ impl Fs {
         *segs = out;
     }
 
-    /// The pieces of file bytes `off..end`: (file byte, bytes, store byte).
-    fn seg_pieces(segs: &[Seg], off: u64, end: u64) -> Vec<(u64, u64, u64)> {
+    /// File bytes `off..end` cut where the pieces are.
+    fn seg_pieces(segs: &[Seg], off: u64, end: u64) -> Vec<PieceSpan> {
         let first = segs.partition_point(|s| s.logical + s.len <= off);
         let mut out = Vec::new();
         for s in &segs[first..] {
@@ -175,7 +184,7 @@ impl Fs {
                 break;
             }
             let (a, b) = (off.max(s.logical), end.min(s.logical + s.len));
-            out.push((a, b - a, store_byte(s, a)));
+            out.push(PieceSpan { file_byte: a, bytes: b - a, store_byte: store_byte(s, a) });
         }
         out
     }
@@ -198,8 +207,8 @@ impl Fs {
         }
         let pieces = Self::seg_pieces(n.segs.as_deref().expect("in pieces"), off, end);
         let mut out = Vec::with_capacity((end - off) as usize);
-        for (_, l, at) in pieces {
-            out.extend_from_slice(&self.read_store(st, ino, at, l)?);
+        for PieceSpan { bytes, store_byte, .. } in pieces {
+            out.extend_from_slice(&self.read_store(st, ino, store_byte, bytes)?);
         }
         Ok(out)
     }
@@ -211,9 +220,9 @@ impl Fs {
         }
         let n = self.node(st, ino)?;
         let pieces = Self::seg_pieces(n.segs.as_deref().expect("in pieces"), off, end);
-        for (at, l, store) in pieces {
-            let from = (at - off) as usize;
-            self.write_store(st, ino, store, &data[from..from + l as usize])?;
+        for PieceSpan { file_byte, bytes, store_byte } in pieces {
+            let from = (file_byte - off) as usize;
+            self.write_store(st, ino, store_byte, &data[from..from + bytes as usize])?;
         }
         let n = self.node(st, ino)?;
         n.attrs.size = n.attrs.size.max(end);
@@ -328,10 +337,10 @@ mod tests {
             let end = (off + len).min(map.len() as u64);
             let mut at = off;
             let mut got = Vec::new();
-            for (file_byte, bytes, store) in Fs::seg_pieces(&segs, off, end) {
+            for PieceSpan { file_byte, bytes, store_byte } in Fs::seg_pieces(&segs, off, end) {
                 prop_assert_eq!(file_byte, at);
                 prop_assert!(bytes > 0);
-                got.extend(store..store + bytes);
+                got.extend(store_byte..store_byte + bytes);
                 at += bytes;
             }
             let want = if off < end { map[off as usize..end as usize].to_vec() } else { Vec::new() };
