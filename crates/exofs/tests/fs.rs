@@ -167,7 +167,7 @@ impl Rng {
 fn seeds(count: u64, step: u64) -> Vec<u64> {
     match std::env::var("PLYFS_SEED") {
         Ok(s) => vec![s.parse().expect("PLYFS_SEED is a number")],
-        Err(_) => (1..=count).map(|i| i * step).collect(),
+        Err(_) => (1..=count).map(|i| i.wrapping_mul(step)).collect(),
     }
 }
 
