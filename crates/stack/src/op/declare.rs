@@ -88,7 +88,7 @@ macro_rules! declare_operations {
         /// An [`Op`] in owned, serialisable form, as the header of a request carries it (see
         /// `docs/protocol.md`): named by [`OpKind::name`], with its arguments by name, node ids
         /// and handles as numbers and names as bytes. Its bulk data (`write`, `setxattr`,
-        /// `ioctl`) is not in it ([`op_header::Payload`](super::header::Payload)): it travels
+        /// `ioctl`) is not in it ([`op_header::Payload`](crate::op_header::Payload)): it travels
         /// beside it as the frame's payload, so it is never copied through the serialiser.
         #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
         #[serde(tag = "op", content = "args")]
