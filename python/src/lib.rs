@@ -13,7 +13,7 @@ use std::sync::Arc;
 use plyfs_stack::Error;
 use plyfs_transport::client::Incoming;
 use plyfs_transport::host::{self, Below};
-use plyfs_transport::wire::{Hosted, WireCaller, WireError, WireExtOp, WireOp, WireReply};
+use plyfs_transport::wire::{CodecOp, Hosted, OpHeader, RequestOp, WireCaller, WireError, WireExtOp, WireReply};
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
@@ -88,7 +88,7 @@ fn from_py(o: &Bound<'_, PyAny>) -> PyResult<rmpv::Value> {
 }
 
 /// An operation and its arguments as a Python dict (names as bytes).
-fn op_args<'py>(py: Python<'py>, op: &WireOp) -> PyResult<(String, Bound<'py, PyAny>)> {
+fn op_args<'py>(py: Python<'py>, op: &RequestOp) -> PyResult<(String, Bound<'py, PyAny>)> {
     let bytes = rmp_serde::to_vec_named(op).map_err(|e| PyValueError::new_err(e.to_string()))?;
     let v: rmpv::Value = rmp_serde::from_slice(&bytes).map_err(|e| PyValueError::new_err(e.to_string()))?;
     let get = |k: &str| v.as_map().and_then(|m| m.iter().find(|(key, _)| key.as_str() == Some(k)).map(|(_, x)| x.clone()));
@@ -97,7 +97,7 @@ fn op_args<'py>(py: Python<'py>, op: &WireOp) -> PyResult<(String, Bound<'py, Py
     Ok((name, to_py(py, &args)?))
 }
 
-fn wire_op(name: &str, args: &Bound<'_, PyAny>) -> PyResult<WireOp> {
+fn wire_op(name: &str, args: &Bound<'_, PyAny>) -> PyResult<OpHeader> {
     let v = rmpv::Value::Map(vec![(rmpv::Value::from("op"), rmpv::Value::from(name)), (rmpv::Value::from("args"), from_py(args)?)]);
     let bytes = rmp_serde::to_vec_named(&v).map_err(|e| PyValueError::new_err(e.to_string()))?;
     rmp_serde::from_slice(&bytes).map_err(|e| PyValueError::new_err(format!("operation '{name}': {e}")))
@@ -158,7 +158,7 @@ impl Reply {
 /// One request from the mount.
 #[pyclass(module = "plyfs._native")]
 struct Request {
-    op: WireOp,
+    op: RequestOp,
     caller: WireCaller,
     payload: Vec<u8>,
     below: Arc<Below>,
@@ -214,7 +214,7 @@ impl Request {
         let op = wire_op(op, args)?;
         let (caller, below) = (self.caller, self.below.clone());
         let payload = data.unwrap_or_default();
-        let (wire, payload) = py.detach(move || below.call_wire(caller, op, &payload));
+        let (wire, payload) = py.detach(move || below.call_wire(caller, op.into(), &payload));
         raise_if_error(Reply { wire, payload })
     }
 
@@ -248,16 +248,16 @@ fn answer(py: Python<'_>, req: &Request, result: PyResult<Bound<'_, PyAny>>) -> 
         let r = r.borrow();
         return (r.wire.clone(), r.payload.clone());
     }
-    let is_ext = matches!(req.op, WireOp::Extended { .. });
+    let is_ext = matches!(req.op, RequestOp::Stack(OpHeader::Extended { .. }));
     if !is_ext {
         if let Ok(b) = value.cast::<PyBytes>() {
             let reply = match req.op {
-                WireOp::GetXattr { .. } | WireOp::ListXattr { .. } => WireReply::Xattr,
+                RequestOp::Stack(OpHeader::GetXattr { .. } | OpHeader::ListXattr { .. }) => WireReply::Xattr,
                 _ => WireReply::Data,
             };
             return (reply, b.as_bytes().to_vec());
         }
-        if let (WireOp::Write { .. }, Ok(n)) = (&req.op, value.extract::<u32>()) {
+        if let (RequestOp::Stack(OpHeader::Write { .. }), Ok(n)) = (&req.op, value.extract::<u32>()) {
             return (WireReply::Written(n), Vec::new());
         }
         return fail(Error::Corrupt(format!("the Python layer answered {} with a {}", req.op.name(), value.get_type())));
@@ -270,11 +270,11 @@ fn answer(py: Python<'_>, req: &Request, result: PyResult<Bound<'_, PyAny>>) -> 
 }
 
 /// `encode` or `decode` of one chunk by the codec object.
-fn run_codec(py: Python<'_>, codec: &Bound<'_, PyAny>, op: &WireOp, payload: &[u8]) -> (WireReply, Vec<u8>) {
+fn run_codec(py: Python<'_>, codec: &Bound<'_, PyAny>, op: &RequestOp, payload: &[u8]) -> (WireReply, Vec<u8>) {
     let err = |errno: i32, msg: String| (WireReply::Error(WireError { errno, msg, class: None }), Vec::new());
     let (method, expect) = match op {
-        WireOp::Encode { .. } => ("encode", None),
-        WireOp::Decode { decoded_len, .. } => ("decode", Some(*decoded_len as usize)),
+        RequestOp::Codec(CodecOp::Encode { .. }) => ("encode", None),
+        RequestOp::Codec(CodecOp::Decode { decoded_len, .. }) => ("decode", Some(*decoded_len as usize)),
         other => return err(libc::ENOSYS, format!("a codec does not answer {}", other.name())),
     };
     let result = codec.call_method1(method, (PyBytes::new(py, payload),));

@@ -508,7 +508,7 @@ fn the_exodisk_service_holds_against_oversized_and_slow_hellos() {
 /// being read. Before #28, the workers' queues held up to 22 such writes: 176 MiB.
 #[test]
 fn pipelined_writes_hold_at_most_the_in_flight_bytes() {
-    use plyfs_transport::wire::{self, Message, WireCaller, WireOp, WireReply};
+    use plyfs_transport::wire::{self, Message, OpHeader, Payload, WireCaller, WireReply};
     let (_dir, root, [lower]) = scratch_dirs(["lower"]);
     let rules = root.join("rules");
     std::fs::write(&rules, "op=write delay=2s\n").unwrap();
@@ -530,8 +530,8 @@ fn pipelined_writes_hold_at_most_the_in_flight_bytes() {
     let mut files = Vec::new();
     for i in 0..3u64 {
         let name = serde_bytes::ByteBuf::from(format!("f{i}").into_bytes());
-        let op = WireOp::Create { parent: 1, name, mode: 0o644, flags: libc::O_RDWR };
-        wire::write_frame(&mut s, &wire::encode(&Message::Req { id: 1 + i, caller, op }), &[]).unwrap();
+        let op = OpHeader::Create { parent: 1, name, mode: 0o644, flags: libc::O_RDWR };
+        wire::write_frame(&mut s, &wire::encode(&Message::Req { id: 1 + i, caller, op: op.into() }), &[]).unwrap();
         match wire::decode(&wire::read_frame(&mut s).unwrap().header) {
             Ok(Message::Rep { reply: WireReply::Created(entry, opened), .. }) => files.push((entry.node, opened.fh)),
             other => panic!("create: {other:?}"),
@@ -544,8 +544,8 @@ fn pipelined_writes_hold_at_most_the_in_flight_bytes() {
         let data = vec![7u8; 8 << 20];
         for i in 0..24u64 {
             let (node, fh) = files[i as usize % 3];
-            let op = WireOp::Write { node, fh, offset: (i / 3) * (8 << 20) };
-            if wire::write_frame(&mut writer, &wire::encode(&Message::Req { id: 10 + i, caller, op }), &data).is_err() {
+            let op = OpHeader::Write { node, fh, offset: (i / 3) * (8 << 20), data: Payload };
+            if wire::write_frame(&mut writer, &wire::encode(&Message::Req { id: 10 + i, caller, op: op.into() }), &data).is_err() {
                 return i;
             }
         }

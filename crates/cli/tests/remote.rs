@@ -301,7 +301,7 @@ fn rss_mib(pid: u32) -> u64 {
 
 #[test]
 fn a_client_that_floods_the_server_with_writes_is_slowed_down_not_buffered() {
-    use plyfs_transport::wire::{self, Message, WireCaller, WireOp, WireReply};
+    use plyfs_transport::wire::{self, Message, OpHeader, Payload, WireCaller, WireReply};
     use std::io::Write;
     let s = setup();
     let (server, addr) = unix(&s);
@@ -314,18 +314,18 @@ fn a_client_that_floods_the_server_with_writes_is_slowed_down_not_buffered() {
     wire::read_preamble(&mut c).unwrap();
     wire::read_frame(&mut c).unwrap();
     let caller = WireCaller { uid: 0, gid: 0, pid: 1 };
-    let mut ask = |id: u64, op: WireOp| {
-        wire::write_frame(&mut c, &wire::encode(&Message::Req { id, caller, op }), &[]).unwrap();
+    let mut ask = |id: u64, op: OpHeader| {
+        wire::write_frame(&mut c, &wire::encode(&Message::Req { id, caller, op: op.into() }), &[]).unwrap();
         match wire::decode(&wire::read_frame(&mut c).unwrap().header).unwrap() {
             Message::Rep { reply, .. } => reply,
             other => panic!("{other:?}"),
         }
     };
-    let node = match ask(1, WireOp::Lookup { parent: 1, name: serde_bytes::ByteBuf::from(b"f".to_vec()) }) {
+    let node = match ask(1, OpHeader::Lookup { parent: 1, name: serde_bytes::ByteBuf::from(b"f".to_vec()) }) {
         WireReply::Entry(e) => e.node,
         other => panic!("{other:?}"),
     };
-    let fh = match ask(2, WireOp::Open { node, flags: libc::O_WRONLY }) {
+    let fh = match ask(2, OpHeader::Open { node, flags: libc::O_WRONLY }) {
         WireReply::Opened(o) => o.fh,
         other => panic!("{other:?}"),
     };
@@ -336,8 +336,8 @@ fn a_client_that_floods_the_server_with_writes_is_slowed_down_not_buffered() {
     std::thread::spawn(move || {
         let data = vec![7u8; 8 << 20];
         for id in 10..1000u64 {
-            let op = WireOp::Write { node, fh, offset: 0 };
-            if wire::write_frame(&mut flood, &wire::encode(&Message::Req { id, caller, op }), &data).is_err() {
+            let op = OpHeader::Write { node, fh, offset: 0, data: Payload };
+            if wire::write_frame(&mut flood, &wire::encode(&Message::Req { id, caller, op: op.into() }), &data).is_err() {
                 return;
             }
             counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

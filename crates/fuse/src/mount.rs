@@ -242,16 +242,7 @@ impl Mounted {
         if !matches!(self.io_mode(), IoMode::Passthrough | IoMode::Mixed) {
             return Ok(());
         }
-        // FUSE_DEV_IOC_BACKING_OPEN and _CLOSE: _IOW(229, 1, struct fuse_backing_map) and
-        // _IOW(229, 2, uint32_t).
-        const BACKING_OPEN: libc::c_ulong = 0x4010_e501;
-        const BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
-        #[repr(C)]
-        struct BackingMap {
-            fd: i32,
-            flags: u32,
-            padding: u64,
-        }
+        use crate::fs::{BackingMap, BACKING_CLOSE, BACKING_OPEN};
         let map = BackingMap { fd: file.as_raw_fd(), flags: 0, padding: 0 };
         let dev = self.session.as_fd().as_raw_fd();
         let id = unsafe { libc::ioctl(dev, BACKING_OPEN, &map) };

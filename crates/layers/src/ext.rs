@@ -26,7 +26,7 @@ use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, FAST_TAILS_PARAM};
 use plyfs_stack::spec::{ParamSpec, ANY_PARAM};
 use plyfs_stack::{Build, BuildArgs, Caller, DataPath, Error, ExtOpInfo, Layer, LayerFactory, Level, Op, Reply, Result};
 use plyfs_transport::client::{CallError, Connection, Incoming};
-use plyfs_transport::wire::{Hosted, WireOp, WireReply};
+use plyfs_transport::wire::{CodecOp, Hosted, RequestOp, WireReply};
 
 const SOCKET: ParamSpec = ParamSpec { name: "socket", help: "the Unix socket the layer's process listens on", default: None };
 const SCRIPT: ParamSpec = ParamSpec { name: "script", help: "the Python file that defines the layer or codec", default: None };
@@ -124,7 +124,7 @@ impl Peer {
     fn start(&self) -> std::result::Result<Arc<Connection>, String> {
         let incoming: Option<Incoming> = self.below.clone().map(|below| -> Incoming {
             Arc::new(move |caller, op, payload| {
-                let result = op.to_op(&payload).and_then(|op| below.call(&caller.into(), &op));
+                let result = op.stack_op(&payload).and_then(|op| below.call(&caller.into(), &op));
                 WireReply::from_result(result)
             })
         });
@@ -144,7 +144,7 @@ impl Peer {
     }
 
     /// Send one request; a lost process is one log line and `EIO`.
-    fn call(&self, cx: &Caller, op: WireOp, payload: &[u8]) -> Result<(WireReply, Vec<u8>)> {
+    fn call(&self, cx: &Caller, op: RequestOp, payload: &[u8]) -> Result<(WireReply, Vec<u8>)> {
         let conn = self.connection()?;
         let name = op.name().to_owned();
         match conn.call(cx.into(), op, payload, Instant::now() + self.timeout) {
@@ -344,8 +344,8 @@ impl Layer for Ext {
         if !self.answers(op) {
             return self.lower[0].call(cx, op);
         }
-        let (wire, payload) = WireOp::from_op(op);
-        let (reply, data) = self.peer.call(cx, wire, payload)?;
+        let (header, payload) = op.to_header();
+        let (reply, data) = self.peer.call(cx, header.into(), payload)?;
         reply.into_result(data, op.name())
     }
 
@@ -363,7 +363,8 @@ struct RemoteCodec {
 }
 
 impl RemoteCodec {
-    fn run(&self, op: WireOp, input: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn run(&self, op: CodecOp, input: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        let op = RequestOp::from(op);
         let what = op.name().to_owned();
         match self.peer.call(&Caller::daemon(), op, input) {
             Ok((WireReply::Data, data)) => {
@@ -383,12 +384,12 @@ impl Codec for RemoteCodec {
     }
 
     fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
-        self.run(WireOp::Encode { chunk: 0 }, chunk, out)
+        self.run(CodecOp::Encode { chunk: 0 }, chunk, out)
     }
 
     fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
         let before = out.len();
-        self.run(WireOp::Decode { chunk: 0, decoded_len: decoded_len as u64 }, encoded, out)?;
+        self.run(CodecOp::Decode { chunk: 0, decoded_len: decoded_len as u64 }, encoded, out)?;
         if out.len() - before != decoded_len {
             return Err(format!("decode gave {} bytes instead of {decoded_len}", out.len() - before));
         }

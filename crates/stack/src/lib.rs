@@ -2,7 +2,8 @@
 //!
 //! The heart of plyfs: a stack of layers that all speak one symmetric interface.
 //!
-//! - [`Op`] is an operation with its descriptor (name, typed arguments); [`Reply`] its answer.
+//! - [`Op`] is an operation with its descriptor (name, typed arguments); [`Reply`] its answer;
+//!   [`OpHeader`] its owned form, which a transport sends.
 //! - [`Layer`] is what a layer implements: [`Layer::call`] for the operations it cares about,
 //!   [`bypass`] for the rest. Extended operations ([`Op::Extended`]) travel down the same way.
 //! - [`Level`] is a layer as seen from above; [`Stack`] is the built stack, top to bottom.
@@ -35,7 +36,8 @@ mod watch;
 pub use error::{Error, Result};
 pub use layer::{bypass, unsupported, DataPath, ExtOpInfo, Invalidator, Layer, Level, FILE_HEAD_BYTES};
 pub use lowerdir::{has_capability, raise_fd_limit, LowerDir};
-pub use op::{Arg, Op, OpKind, Reply};
+pub use op::header as op_header;
+pub use op::{Arg, Op, OpHeader, OpKind, Reply};
 pub use stack::{
     assign_branch_dirs, check_branch_dirs, collapse_specs, is_fan_out, order_warnings, Branch, BranchBuilder, Build,
     BuildArgs, FanOutArgs, LayerFactory, NamedLevel, Stack, COLLAPSE_PARAM, MAX_VIEWS, NAME_PARAM,

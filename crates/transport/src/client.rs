@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::stream::{spin_time, wait_readable, Control, Duplex, FrameRead};
-use crate::wire::{self, Change, Frame, Message, WireCaller, WireExtOp, WireLayer, WireOp, WireReply};
+use crate::wire::{self, Change, Frame, Message, WireCaller, WireExtOp, WireLayer, RequestOp, WireReply};
 
 /// What the server said about itself in the handshake.
 #[derive(Clone, Debug)]
@@ -133,7 +133,7 @@ pub type OnChange = Arc<dyn Fn(Vec<Change>) + Send + Sync>;
 
 /// Answers requests from the other end, for connections where both ends call (a mount and the
 /// process hosting one of its layers: the layer calls the levels below it back).
-pub type Incoming = Arc<dyn Fn(WireCaller, WireOp, Vec<u8>) -> (WireReply, Vec<u8>) + Send + Sync>;
+pub type Incoming = Arc<dyn Fn(WireCaller, RequestOp, Vec<u8>) -> (WireReply, Vec<u8>) + Send + Sync>;
 
 /// Threads that answer the other end's requests: a request may wait on a call of its own over
 /// the same connection, whose reply the reader thread must stay free to deliver.
@@ -345,20 +345,21 @@ impl Connection {
     }
 
     /// Send a request that wants no reply (`forget`).
-    pub fn send_only(&self, caller: WireCaller, op: WireOp) -> Result<(), String> {
-        let header = wire::encode(&Message::Req { id: 0, caller, op });
+    pub fn send_only(&self, caller: WireCaller, op: impl Into<RequestOp>) -> Result<(), String> {
+        let header = wire::encode(&Message::Req { id: 0, caller, op: op.into() });
         let mut w = self.writer.lock();
         wire::write_frame(&mut *w, &header, &[]).map_err(|e| e.to_string())
     }
 
     /// Send a request and wait for its reply, at most until `deadline`.
-    pub fn call(&self, caller: WireCaller, op: WireOp, payload: &[u8], deadline: Instant) -> Result<(WireReply, Vec<u8>), CallError> {
+    pub fn call(&self, caller: WireCaller, op: impl Into<RequestOp>, payload: &[u8], deadline: Instant) -> Result<(WireReply, Vec<u8>), CallError> {
         self.send(caller, op, payload)?.wait(self, deadline)
     }
 
     /// Send a request whose reply is collected later with [`Ticket::wait`] (the reply is
     /// kept until then, whoever reads it).
-    pub fn send(&self, caller: WireCaller, op: WireOp, payload: &[u8]) -> Result<Ticket, CallError> {
+    pub fn send(&self, caller: WireCaller, op: impl Into<RequestOp>, payload: &[u8]) -> Result<Ticket, CallError> {
+        let op = op.into();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(Slot { reply: Mutex::new(None), ready: Condvar::new(), waiting: AtomicBool::new(false) });
         self.pending.lock().insert(id, slot.clone());

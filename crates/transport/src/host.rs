@@ -11,7 +11,7 @@ use plyfs_stack::{Caller, Error, Layer, Level, Op, Reply, Result};
 
 use crate::client::{CallError, Connection, Incoming, Welcome};
 use crate::stream::Duplex;
-use crate::wire::{Hosted, WireCaller, WireOp, WireReply};
+use crate::wire::{Hosted, RequestOp, WireCaller, WireReply};
 
 /// How long a hosted layer waits on the mount for a call below it.
 const BELOW_TIMEOUT: Duration = Duration::from_secs(300);
@@ -27,7 +27,7 @@ impl Below {
     }
 
     /// Call the mount with an operation in its wire form (what a generic bypass sends).
-    pub fn call_wire(&self, caller: WireCaller, op: WireOp, payload: &[u8]) -> (WireReply, Vec<u8>) {
+    pub fn call_wire(&self, caller: WireCaller, op: RequestOp, payload: &[u8]) -> (WireReply, Vec<u8>) {
         let Some(conn) = self.conn.get() else {
             return error_reply(&Error::Os(libc::EIO));
         };
@@ -57,8 +57,8 @@ impl Layer for Below {
     }
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
-        let (wire, payload) = WireOp::from_op(op);
-        let (reply, data) = self.call_wire(cx.into(), wire, payload);
+        let (header, payload) = op.to_header();
+        let (reply, data) = self.call_wire(cx.into(), header.into(), payload);
         reply.into_result(data, op.name())
     }
 }
@@ -94,7 +94,7 @@ pub fn serve_layer(stream: Box<dyn Duplex>, layer: Arc<dyn Layer>, below: &Arc<B
     let welcome = welcome(layer.name(), layer.kind(), hosted, ext_ops);
     let level = Level::new(layer);
     let incoming: Incoming = Arc::new(move |caller, op, payload| {
-        let result = op.to_op(&payload).and_then(|op| level.call(&caller.into(), &op));
+        let result = op.stack_op(&payload).and_then(|op| level.call(&caller.into(), &op));
         WireReply::from_result(result)
     });
     serve(stream, welcome, below, incoming)

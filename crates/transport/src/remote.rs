@@ -22,7 +22,7 @@ use parking_lot::{Mutex, RwLock};
 use plyfs_stack::{Caller, DirEntry, Error, ExtOpInfo, Invalidator, Layer, Level, NodeId, Op, Reply, Result};
 
 use crate::client::{CallError, ConnectError, Connection, OnChange, Ticket};
-use crate::wire::{Change, WireCaller, WireOp, WireReply};
+use crate::wire::{Change, OpHeader, WireCaller, WireReply};
 
 /// Opens connections to the server: a socket, TLS and the key's proof as configured.
 pub trait Connector: Send + Sync {
@@ -197,20 +197,20 @@ impl Remote {
     }
 }
 
-fn idempotent(op: &WireOp, append: bool) -> bool {
+fn idempotent(op: &OpHeader, append: bool) -> bool {
     match op {
-        WireOp::MkNod { .. }
-        | WireOp::MkDir { .. }
-        | WireOp::Unlink { .. }
-        | WireOp::RmDir { .. }
-        | WireOp::SymLink { .. }
-        | WireOp::Rename { .. }
-        | WireOp::Link { .. }
-        | WireOp::Create { .. }
-        | WireOp::RemoveXattr { .. }
-        | WireOp::Extended { .. } => false,
-        WireOp::SetXattr { flags, .. } => flags & libc::XATTR_CREATE == 0,
-        WireOp::Write { .. } => !append,
+        OpHeader::MkNod { .. }
+        | OpHeader::MkDir { .. }
+        | OpHeader::Unlink { .. }
+        | OpHeader::RmDir { .. }
+        | OpHeader::SymLink { .. }
+        | OpHeader::Rename { .. }
+        | OpHeader::Link { .. }
+        | OpHeader::Create { .. }
+        | OpHeader::RemoveXattr { .. }
+        | OpHeader::Extended { .. } => false,
+        OpHeader::SetXattr { flags, .. } => flags & libc::XATTR_CREATE == 0,
+        OpHeader::Write { .. } => !append,
         _ => true,
     }
 }
@@ -352,7 +352,7 @@ impl Inner {
             return Err(Error::Os(libc::ESTALE));
         }
         let server_parent = self.server_node_at(conn, epoch, cx, parent, deadline, depth + 1)?;
-        let op = WireOp::Lookup { parent: server_parent, name: serde_bytes::ByteBuf::from(name.as_bytes().to_vec()) };
+        let op = OpHeader::Lookup { parent: server_parent, name: serde_bytes::ByteBuf::from(name.as_bytes().to_vec()) };
         let found = match conn.call(cx, op, &[], deadline) {
             Ok((WireReply::Entry(e), _)) => e.node,
             Ok((WireReply::Error(e), _)) => {
@@ -365,12 +365,12 @@ impl Inner {
         let mut t = self.table.lock();
         let Some(n) = t.nodes.get_mut(&id) else {
             // Forgotten meanwhile: give the lookup back.
-            let _ = conn.send_only(cx, WireOp::Forget { node: found, nlookup: 1 });
+            let _ = conn.send_only(cx, OpHeader::Forget { node: found, nlookup: 1 });
             return Err(Error::Os(libc::ESTALE));
         };
         if found != server && server != 0 {
             drop(t);
-            let _ = conn.send_only(cx, WireOp::Forget { node: found, nlookup: 1 });
+            let _ = conn.send_only(cx, OpHeader::Forget { node: found, nlookup: 1 });
             tracing::warn!("{}: {:?} is another object on the server now", self.name, name);
             return Err(Error::Os(libc::ESTALE));
         }
@@ -378,7 +378,7 @@ impl Inner {
             // Another thread found it first.
             let s = n.server;
             drop(t);
-            let _ = conn.send_only(cx, WireOp::Forget { node: found, nlookup: 1 });
+            let _ = conn.send_only(cx, OpHeader::Forget { node: found, nlookup: 1 });
             return Ok(s);
         }
         n.server = found;
@@ -400,9 +400,9 @@ impl Inner {
         }
         let server_node = self.server_node(conn, epoch, cx, node, deadline)?;
         let op = if dir {
-            WireOp::OpenDir { node: server_node }
+            OpHeader::OpenDir { node: server_node }
         } else {
-            WireOp::Open { node: server_node, flags: flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC) }
+            OpHeader::Open { node: server_node, flags: flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC) }
         };
         let opened = match conn.call(cx, op, &[], deadline) {
             Ok((WireReply::Opened(o), _)) => o.fh,
@@ -424,9 +424,9 @@ impl Inner {
                 let result = other.map(|f| f.server_fh).ok_or(Error::Os(libc::EBADF));
                 drop(files);
                 let release = if dir {
-                    WireOp::ReleaseDir { node: server_node, fh: opened }
+                    OpHeader::ReleaseDir { node: server_node, fh: opened }
                 } else {
-                    WireOp::Release { node: server_node, fh: opened }
+                    OpHeader::Release { node: server_node, fh: opened }
                 };
                 let _ = conn.call(cx, release, &[], deadline);
                 result
@@ -491,13 +491,13 @@ impl Inner {
         };
         if let Some((server, nlookup)) = give_back {
             if let Some(conn) = self.conn.read().as_ref().filter(|c| !c.is_dead()) {
-                let _ = conn.send_only(WireCaller { uid: 0, gid: 0, pid: 0 }, WireOp::Forget { node: server, nlookup });
+                let _ = conn.send_only(WireCaller { uid: 0, gid: 0, pid: 0 }, OpHeader::Forget { node: server, nlookup });
             }
         }
     }
 
     /// Map the ids in `op` to the server's.
-    fn to_server(&self, conn: &Connection, epoch: u64, cx: WireCaller, op: &mut WireOp, deadline: Instant) -> Result<()> {
+    fn to_server(&self, conn: &Connection, epoch: u64, cx: WireCaller, op: &mut OpHeader, deadline: Instant) -> Result<()> {
         let node = |id: &mut u64| -> Result<()> {
             *id = self.server_node(conn, epoch, cx, *id, deadline)?;
             Ok(())
@@ -506,7 +506,7 @@ impl Inner {
             *h = self.server_fh(conn, epoch, cx, *h, deadline)?;
             Ok(())
         };
-        use WireOp::*;
+        use OpHeader::*;
         match op {
             Lookup { parent, .. }
             | MkNod { parent, .. }
@@ -558,7 +558,6 @@ impl Inner {
             | ListXattr { node: n, .. }
             | RemoveXattr { node: n, .. }
             | Extended { node: n, .. } => node(n),
-            Encode { .. } | Decode { .. } => Err(Error::Os(libc::EINVAL)),
         }
     }
 
@@ -747,7 +746,7 @@ impl Inner {
             t.nodes.get(&f.node).filter(|n| n.epoch == epoch).map(|n| n.server)
         };
         let (Some(node), Some(conn)) = (server_node, self.conn.read().clone()) else { return };
-        let op = if f.dir { WireOp::ReleaseDir { node, fh: f.server_fh } } else { WireOp::Release { node, fh: f.server_fh } };
+        let op = if f.dir { OpHeader::ReleaseDir { node, fh: f.server_fh } } else { OpHeader::Release { node, fh: f.server_fh } };
         let _ = conn.send_only(WireCaller::from(cx), op);
     }
 
@@ -789,7 +788,7 @@ impl Inner {
         let Ok(conn) = self.connection(deadline) else { return self.call_remote(cx, op) };
         let epoch = self.epoch.load(Ordering::Acquire);
         let wcx = WireCaller::from(cx);
-        let (mut server_op, payload) = WireOp::from_op(op);
+        let (mut server_op, payload) = op.to_header();
         if self.to_server(&conn, epoch, wcx, &mut server_op, deadline).is_err() {
             return self.call_remote(cx, op);
         }
@@ -879,7 +878,7 @@ impl Inner {
     }
 
     fn call_remote(self: &Arc<Self>, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
-        let (wire_op, payload) = WireOp::from_op(op);
+        let (wire_op, payload) = op.to_header();
         let append = match *op {
             Op::Write { fh, .. } => self.files.lock().get(&fh.0).is_some_and(|f| f.flags & libc::O_APPEND != 0),
             _ => false,

@@ -26,13 +26,13 @@ use std::time::Instant;
 use plyfs_stack::{Caller, Error, Groups, Level, NodeId, Op, Reply, XattrReply};
 
 use crate::stream::{spin_time, wait_readable, Control, Duplex, FrameRead};
-use crate::wire::{self, Change, FrameError, FrameLimits, JustId, Message, WireCaller, WireExtOp, WireLayer, WireOp, WireReply};
+use crate::wire::{self, Change, FrameError, FrameLimits, JustId, Message, WireCaller, WireExtOp, WireLayer, OpHeader, RequestOp, WireReply};
 
 /// A request read from a connection.
 struct Request {
     id: u64,
     caller: WireCaller,
-    op: WireOp,
+    op: RequestOp,
     payload: Vec<u8>,
     /// The connection's in-flight bytes this request holds until it is answered.
     held: Permit,
@@ -363,15 +363,17 @@ impl Server {
             };
             let slow = matches!(
                 req.op,
-                WireOp::Read { .. }
-                    | WireOp::Write { .. }
-                    | WireOp::Fsync { .. }
-                    | WireOp::FsyncDir { .. }
-                    | WireOp::Flush { .. }
-                    | WireOp::Release { .. }
-                    | WireOp::Fallocate { .. }
-                    | WireOp::Extended { .. }
-                    | WireOp::SetAttr { size: Some(_), .. }
+                RequestOp::Stack(
+                    OpHeader::Read { .. }
+                        | OpHeader::Write { .. }
+                        | OpHeader::Fsync { .. }
+                        | OpHeader::FsyncDir { .. }
+                        | OpHeader::Flush { .. }
+                        | OpHeader::Release { .. }
+                        | OpHeader::Fallocate { .. }
+                        | OpHeader::Extended { .. }
+                        | OpHeader::SetAttr { set: wire::SetAttrHeader { size: Some(_), .. }, .. }
+                )
             );
             // A data request waits for a worker only when something else is going on: another
             // request in the workers' hands, or the next one already here. A single writer's
@@ -427,7 +429,7 @@ impl Server {
         // `_held` keeps the request's bytes counted until it is answered.
         let Request { id, caller, op, payload, held: _held } = req;
         let cx = self.caller(conn.identity, caller);
-        let result = op.to_op(&payload).and_then(|op| self.dispatch(conn, &cx, &op));
+        let result = op.stack_op(&payload).and_then(|op| self.dispatch(conn, &cx, &op));
         let changes = match &result {
             Ok(_) => changes_of(&op),
             Err(_) => Vec::new(),
@@ -861,40 +863,33 @@ fn readable_now(fd: std::os::fd::RawFd) -> bool {
 }
 
 /// The node a request that goes to a worker concerns (0 for none).
-fn op_node(op: &WireOp) -> u64 {
+fn op_node(op: &RequestOp) -> u64 {
     match op {
-        WireOp::Read { node, .. }
-        | WireOp::Write { node, .. }
-        | WireOp::Fsync { node, .. }
-        | WireOp::FsyncDir { node, .. }
-        | WireOp::Flush { node, .. }
-        | WireOp::Release { node, .. }
-        | WireOp::Fallocate { node, .. }
-        | WireOp::Extended { node, .. }
-        | WireOp::SetAttr { node, .. } => *node,
-        _ => 0,
+        RequestOp::Stack(op) => op.node(),
+        RequestOp::Codec(_) => 0,
     }
 }
 
 /// What clients' caches must forget after `op` succeeded.
-fn changes_of(op: &WireOp) -> Vec<Change> {
+fn changes_of(op: &RequestOp) -> Vec<Change> {
     let entry = |parent: u64, name: &[u8]| Change::Entry { parent, name: serde_bytes::ByteBuf::from(name.to_vec()) };
+    let RequestOp::Stack(op) = op else { return Vec::new() };
     match op {
-        WireOp::SetAttr { node, .. }
-        | WireOp::Write { node, .. }
-        | WireOp::Fallocate { node, .. }
-        | WireOp::SetXattr { node, .. }
-        | WireOp::RemoveXattr { node, .. } => vec![Change::Node { node: *node }],
-        WireOp::MkNod { parent, name, .. }
-        | WireOp::MkDir { parent, name, .. }
-        | WireOp::SymLink { parent, name, .. }
-        | WireOp::Create { parent, name, .. }
-        | WireOp::Unlink { parent, name }
-        | WireOp::RmDir { parent, name } => vec![entry(*parent, name), Change::Node { node: *parent }],
-        WireOp::Link { node, new_parent, new_name } => {
+        OpHeader::SetAttr { node, .. }
+        | OpHeader::Write { node, .. }
+        | OpHeader::Fallocate { node, .. }
+        | OpHeader::SetXattr { node, .. }
+        | OpHeader::RemoveXattr { node, .. } => vec![Change::Node { node: *node }],
+        OpHeader::MkNod { parent, name, .. }
+        | OpHeader::MkDir { parent, name, .. }
+        | OpHeader::SymLink { parent, name, .. }
+        | OpHeader::Create { parent, name, .. }
+        | OpHeader::Unlink { parent, name }
+        | OpHeader::RmDir { parent, name } => vec![entry(*parent, name), Change::Node { node: *parent }],
+        OpHeader::Link { node, new_parent, new_name } => {
             vec![entry(*new_parent, new_name), Change::Node { node: *new_parent }, Change::Node { node: *node }]
         }
-        WireOp::Rename { parent, name, new_parent, new_name, .. } => {
+        OpHeader::Rename { parent, name, new_parent, new_name, .. } => {
             let mut v = vec![entry(*parent, name), entry(*new_parent, new_name), Change::Node { node: *parent }];
             if new_parent != parent {
                 v.push(Change::Node { node: *new_parent });

@@ -15,13 +15,8 @@
 use std::ffi::OsStr;
 use std::io::{self, IoSlice, Read, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
-use std::time::SystemTime;
 
-use plyfs_stack::{
-    from_unix_time, unix_time, Attr, Caller, DirEntry, Entry, Error, FileHandle, FileKind, NodeId, Op, Opened, Reply, SetAttr,
-    StatFs, TimeSet, XattrReply,
-};
+use plyfs_stack::{Attr, Caller, DirEntry, Entry, Error, FileHandle, FileKind, NodeId, Op, Opened, Reply, StatFs, XattrReply};
 use serde::{Deserialize, Serialize};
 
 /// Sent first by both sides. The last byte is the frame format's version, which has no reason to
@@ -71,29 +66,6 @@ impl FrameLimits {
     pub const HELLO: FrameLimits = FrameLimits { header: limits::MAX_HELLO_HEADER, payload: 0 };
 }
 
-/// A time as seconds and nanoseconds since the epoch (seconds may be negative).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireTime(pub i64, pub u32);
-
-impl WireTime {
-    pub fn from_system(t: SystemTime) -> WireTime {
-        let (secs, nanos) = unix_time(t);
-        WireTime(secs, nanos)
-    }
-
-    pub fn to_system(self) -> SystemTime {
-        from_unix_time(self.0, self.1)
-    }
-}
-
-/// A time to set: `"now"` or a time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum WireTimeSet {
-    Now,
-    At(WireTime),
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WireCaller {
     pub uid: u32,
@@ -119,404 +91,135 @@ fn bytes(b: &[u8]) -> Bytes {
     Bytes::from(b.to_vec())
 }
 
-/// An operation by name with named arguments: the header of a request. `write` and `setxattr`
-/// carry their data as the frame's payload.
+pub use plyfs_stack::op_header::{Payload, SetAttrHeader, WireTime, WireTimeSet};
+pub use plyfs_stack::OpHeader;
+
+/// What a hosted codec is asked: not a stack operation (the mount asks a codec process,
+/// `py:script=`). The chunk travels as the payload.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", content = "args", rename_all = "lowercase")]
-pub enum WireOp {
-    Lookup {
-        parent: u64,
-        name: Bytes,
-    },
-    Forget {
-        node: u64,
-        nlookup: u64,
-    },
-    GetAttr {
-        node: u64,
-        fh: Option<u64>,
-    },
-    SetAttr {
-        node: u64,
-        fh: Option<u64>,
-        mode: Option<u32>,
-        uid: Option<u32>,
-        gid: Option<u32>,
-        size: Option<u64>,
-        atime: Option<WireTimeSet>,
-        mtime: Option<WireTimeSet>,
-    },
-    ReadLink {
-        node: u64,
-    },
-    MkNod {
-        parent: u64,
-        name: Bytes,
-        mode: u32,
-        rdev: u32,
-    },
-    MkDir {
-        parent: u64,
-        name: Bytes,
-        mode: u32,
-    },
-    Unlink {
-        parent: u64,
-        name: Bytes,
-    },
-    RmDir {
-        parent: u64,
-        name: Bytes,
-    },
-    SymLink {
-        parent: u64,
-        name: Bytes,
-        target: Bytes,
-    },
-    Rename {
-        parent: u64,
-        name: Bytes,
-        new_parent: u64,
-        new_name: Bytes,
-        flags: u32,
-    },
-    Link {
-        node: u64,
-        new_parent: u64,
-        new_name: Bytes,
-    },
-    Open {
-        node: u64,
-        flags: i32,
-    },
-    Create {
-        parent: u64,
-        name: Bytes,
-        mode: u32,
-        flags: i32,
-    },
-    Read {
-        node: u64,
-        fh: u64,
-        offset: u64,
-        size: u32,
-    },
-    Write {
-        node: u64,
-        fh: u64,
-        offset: u64,
-    },
-    Flush {
-        node: u64,
-        fh: u64,
-    },
-    Fsync {
-        node: u64,
-        fh: u64,
-        datasync: bool,
-    },
-    Release {
-        node: u64,
-        fh: u64,
-    },
-    OpenDir {
-        node: u64,
-    },
-    ReadDir {
-        node: u64,
-        fh: u64,
-        offset: u64,
-        max_entries: u32,
-        plus: bool,
-    },
-    ReleaseDir {
-        node: u64,
-        fh: u64,
-    },
-    FsyncDir {
-        node: u64,
-        fh: u64,
-        datasync: bool,
-    },
-    StatFs {
-        node: u64,
-    },
-    Access {
-        node: u64,
-        mask: i32,
-    },
-    GetXattr {
-        node: u64,
-        name: Bytes,
-        size: u32,
-    },
-    SetXattr {
-        node: u64,
-        name: Bytes,
-        flags: i32,
-    },
-    ListXattr {
-        node: u64,
-        size: u32,
-    },
-    RemoveXattr {
-        node: u64,
-        name: Bytes,
-    },
-    Fallocate {
-        node: u64,
-        fh: u64,
-        offset: u64,
-        length: u64,
-        mode: i32,
-    },
-    Lseek {
-        node: u64,
-        fh: u64,
-        offset: i64,
-        whence: i32,
-    },
-    Extended {
-        node: u64,
-        name: String,
-        args: Vec<String>,
-    },
-    /// A hosted codec's encoding of the chunk in the payload (not a stack operation: the mount
-    /// asks a codec process, `py:script=`).
-    Encode {
-        chunk: u64,
-    },
-    /// A hosted codec's decoding of the payload, which must decode to `decoded_len` bytes.
-    Decode {
-        chunk: u64,
-        decoded_len: u64,
-    },
-    /// A file-attribute ioctl ([`plyfs_stack::ioctl`]); its input is the payload.
-    Ioctl {
-        node: u64,
-        fh: u64,
-        cmd: u32,
-        out_size: u32,
-    },
+pub enum CodecOp {
+    /// The codec's encoding of the chunk in the payload.
+    Encode { chunk: u64 },
+    /// The codec's decoding of the payload, which must decode to `decoded_len` bytes.
+    Decode { chunk: u64, decoded_len: u64 },
 }
 
-impl WireOp {
-    /// Whether this is an operation of the stack (and not of a hosted codec).
-    pub fn is_stack_op(&self) -> bool {
-        !matches!(self, WireOp::Encode { .. } | WireOp::Decode { .. })
-    }
+/// The operation of a request, by name with named arguments: one of the stack's (its
+/// [`OpHeader`]) or a hosted codec's. Both spell the name as `op` and the arguments as `args`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RequestOp {
+    Stack(OpHeader),
+    Codec(CodecOp),
+}
 
+impl From<OpHeader> for RequestOp {
+    fn from(op: OpHeader) -> RequestOp {
+        RequestOp::Stack(op)
+    }
+}
+
+impl From<CodecOp> for RequestOp {
+    fn from(op: CodecOp) -> RequestOp {
+        RequestOp::Codec(op)
+    }
+}
+
+impl RequestOp {
     /// The operation's name on the wire.
     pub fn name(&self) -> &str {
         match self {
-            WireOp::Extended { name, .. } => name,
-            WireOp::Encode { .. } => "encode",
-            WireOp::Decode { .. } => "decode",
-            other => match other.to_op(&[]) {
-                Ok(op) => op.kind().name(),
-                Err(_) => "?",
-            },
+            RequestOp::Stack(op) => op.name(),
+            RequestOp::Codec(CodecOp::Encode { .. }) => "encode",
+            RequestOp::Codec(CodecOp::Decode { .. }) => "decode",
         }
     }
 
-    /// The wire form of `op` and its payload.
-    pub fn from_op<'a>(op: &Op<'a>) -> (WireOp, &'a [u8]) {
-        use Op::*;
-        let time = |t: Option<TimeSet>| {
-            t.map(|t| match t {
-                TimeSet::Now => WireTimeSet::Now,
-                TimeSet::At(t) => WireTimeSet::At(WireTime::from_system(t)),
-            })
-        };
-        let n = |name: &OsStr| bytes(name.as_bytes());
-        let wire = match *op {
-            Lookup { parent, name } => WireOp::Lookup { parent: parent.0, name: n(name) },
-            Forget { node, nlookup } => WireOp::Forget { node: node.0, nlookup },
-            GetAttr { node, fh } => WireOp::GetAttr { node: node.0, fh: fh.map(|f| f.0) },
-            SetAttr { node, fh, set } => WireOp::SetAttr {
-                node: node.0,
-                fh: fh.map(|f| f.0),
-                mode: set.mode,
-                uid: set.uid,
-                gid: set.gid,
-                size: set.size,
-                atime: time(set.atime),
-                mtime: time(set.mtime),
-            },
-            ReadLink { node } => WireOp::ReadLink { node: node.0 },
-            MkNod { parent, name, mode, rdev } => WireOp::MkNod { parent: parent.0, name: n(name), mode, rdev },
-            MkDir { parent, name, mode } => WireOp::MkDir { parent: parent.0, name: n(name), mode },
-            Unlink { parent, name } => WireOp::Unlink { parent: parent.0, name: n(name) },
-            RmDir { parent, name } => WireOp::RmDir { parent: parent.0, name: n(name) },
-            SymLink { parent, name, target } => {
-                WireOp::SymLink { parent: parent.0, name: n(name), target: bytes(target.as_os_str().as_bytes()) }
-            }
-            Rename { parent, name, new_parent, new_name, flags } => {
-                WireOp::Rename { parent: parent.0, name: n(name), new_parent: new_parent.0, new_name: n(new_name), flags }
-            }
-            Link { node, new_parent, new_name } => WireOp::Link { node: node.0, new_parent: new_parent.0, new_name: n(new_name) },
-            Open { node, flags } => WireOp::Open { node: node.0, flags },
-            Create { parent, name, mode, flags } => WireOp::Create { parent: parent.0, name: n(name), mode, flags },
-            Read { node, fh, offset, size } => WireOp::Read { node: node.0, fh: fh.0, offset, size },
-            Write { node, fh, offset, data } => return (WireOp::Write { node: node.0, fh: fh.0, offset }, data),
-            Ioctl { node, fh, cmd, data, out_size } => return (WireOp::Ioctl { node: node.0, fh: fh.0, cmd, out_size }, data),
-            Flush { node, fh } => WireOp::Flush { node: node.0, fh: fh.0 },
-            Fsync { node, fh, datasync } => WireOp::Fsync { node: node.0, fh: fh.0, datasync },
-            Release { node, fh } => WireOp::Release { node: node.0, fh: fh.0 },
-            OpenDir { node } => WireOp::OpenDir { node: node.0 },
-            ReadDir { node, fh, offset, max_entries, plus } => WireOp::ReadDir { node: node.0, fh: fh.0, offset, max_entries, plus },
-            ReleaseDir { node, fh } => WireOp::ReleaseDir { node: node.0, fh: fh.0 },
-            FsyncDir { node, fh, datasync } => WireOp::FsyncDir { node: node.0, fh: fh.0, datasync },
-            StatFs { node } => WireOp::StatFs { node: node.0 },
-            Access { node, mask } => WireOp::Access { node: node.0, mask },
-            GetXattr { node, name, size } => WireOp::GetXattr { node: node.0, name: n(name), size },
-            SetXattr { node, name, value, flags } => return (WireOp::SetXattr { node: node.0, name: n(name), flags }, value),
-            ListXattr { node, size } => WireOp::ListXattr { node: node.0, size },
-            RemoveXattr { node, name } => WireOp::RemoveXattr { node: node.0, name: n(name) },
-            Fallocate { node, fh, offset, length, mode } => WireOp::Fallocate { node: node.0, fh: fh.0, offset, length, mode },
-            Lseek { node, fh, offset, whence } => WireOp::Lseek { node: node.0, fh: fh.0, offset, whence },
-            Extended { node, name, args } => WireOp::Extended { node: node.0, name: name.to_owned(), args: args.to_vec() },
-        };
-        (wire, &[])
+    /// The stack operation this asks for, borrowing its names and `payload`, once it is checked
+    /// against the protocol's limits ([`checked_op`]).
+    pub fn stack_op<'a>(&'a self, payload: &'a [u8]) -> Result<Op<'a>, Error> {
+        match self {
+            RequestOp::Stack(op) => checked_op(op, payload),
+            RequestOp::Codec(_) => Err(Error::BadArgs(format!("'{}' is for a hosted codec, not a stack", self.name()))),
+        }
     }
+}
 
-    /// The operation this describes, borrowing its names and `payload`. Arguments over the
-    /// protocol's limits are refused here, before any layer sees them.
-    pub fn to_op<'a>(&'a self, payload: &'a [u8]) -> Result<Op<'a>, Error> {
-        use limits::*;
-        let name = |b: &'a Bytes| -> Result<&'a OsStr, Error> {
-            if b.len() > MAX_NAME {
+/// The operation `header` describes, borrowing its names and `payload`. Arguments over the
+/// protocol's limits are refused here, before any layer sees them.
+pub fn checked_op<'a>(header: &'a OpHeader, payload: &'a [u8]) -> Result<Op<'a>, Error> {
+    use limits::*;
+    let name = |n: &'a OsStr| -> Result<&'a OsStr, Error> {
+        let b = n.as_bytes();
+        if b.len() > MAX_NAME {
+            return Err(Error::Os(libc::ENAMETOOLONG));
+        }
+        if b.is_empty() || b.contains(&0) {
+            return Err(Error::BadArgs(format!("bad name of {} bytes", b.len())));
+        }
+        Ok(n)
+    };
+    let entry_name = |n: &'a OsStr| -> Result<&'a OsStr, Error> {
+        let n = name(n)?;
+        let b = n.as_bytes();
+        // One component inside its directory: never a way up or out of the exported tree.
+        if b.contains(&b'/') || b == b"." || b == b".." {
+            return Err(Error::Os(libc::EPERM));
+        }
+        Ok(n)
+    };
+    if !header.takes_payload() && !payload.is_empty() {
+        return Err(Error::BadArgs("this operation takes no payload".into()));
+    }
+    Ok(match header.to_op(payload) {
+        // `..` is looked up (the per-file policy climbs directories that way); the server
+        // refuses it at the root of the export.
+        Op::Lookup { parent, name } if name == ".." => Op::Lookup { parent, name },
+        Op::Lookup { parent, name } => Op::Lookup { parent, name: entry_name(name)? },
+        Op::MkNod { parent, name, mode, rdev } => Op::MkNod { parent, name: entry_name(name)?, mode, rdev },
+        Op::MkDir { parent, name, mode } => Op::MkDir { parent, name: entry_name(name)?, mode },
+        Op::Unlink { parent, name } => Op::Unlink { parent, name: entry_name(name)? },
+        Op::RmDir { parent, name } => Op::RmDir { parent, name: entry_name(name)? },
+        Op::SymLink { parent, name, target } => {
+            let t = target.as_os_str().as_bytes();
+            if t.len() >= MAX_PATH {
                 return Err(Error::Os(libc::ENAMETOOLONG));
             }
-            if b.is_empty() || b.contains(&0) {
-                return Err(Error::BadArgs(format!("bad name of {} bytes", b.len())));
+            if t.is_empty() || t.contains(&0) {
+                return Err(Error::BadArgs(format!("bad symlink target of {} bytes", t.len())));
             }
-            Ok(OsStr::from_bytes(b))
-        };
-        let entry_name = |b: &'a Bytes| -> Result<&'a OsStr, Error> {
-            let n = name(b)?;
-            // One component inside its directory: never a way up or out of the exported tree.
-            if b.contains(&b'/') || &b[..] == b"." || &b[..] == b".." {
-                return Err(Error::Os(libc::EPERM));
-            }
-            Ok(n)
-        };
-        let time = |t: Option<WireTimeSet>| {
-            t.map(|t| match t {
-                WireTimeSet::Now => TimeSet::Now,
-                WireTimeSet::At(t) => TimeSet::At(t.to_system()),
-            })
-        };
-        let node = NodeId;
-        let fh = FileHandle;
-        let no_payload = |op: &str| {
-            if payload.is_empty() {
-                Ok(())
-            } else {
-                Err(Error::BadArgs(format!("{op} takes no payload")))
-            }
-        };
-        if !matches!(self, WireOp::Write { .. } | WireOp::SetXattr { .. } | WireOp::Encode { .. } | WireOp::Decode { .. } | WireOp::Ioctl { .. }) {
-            no_payload("this operation")?;
+            Op::SymLink { parent, name: entry_name(name)?, target }
         }
-        Ok(match self {
-            // `..` is looked up (the per-file policy climbs directories that way); the server
-            // refuses it at the root of the export.
-            WireOp::Lookup { parent, name: n } if &n[..] == b".." => Op::Lookup { parent: node(*parent), name: OsStr::new("..") },
-            WireOp::Lookup { parent, name } => Op::Lookup { parent: node(*parent), name: entry_name(name)? },
-            WireOp::Forget { node: n, nlookup } => Op::Forget { node: node(*n), nlookup: *nlookup },
-            WireOp::GetAttr { node: n, fh: h } => Op::GetAttr { node: node(*n), fh: h.map(fh) },
-            WireOp::SetAttr { node: n, fh: h, mode, uid, gid, size, atime, mtime } => Op::SetAttr {
-                node: node(*n),
-                fh: h.map(fh),
-                set: SetAttr { mode: *mode, uid: *uid, gid: *gid, size: *size, atime: time(*atime), mtime: time(*mtime) },
-            },
-            WireOp::ReadLink { node: n } => Op::ReadLink { node: node(*n) },
-            WireOp::MkNod { parent, name, mode, rdev } => {
-                Op::MkNod { parent: node(*parent), name: entry_name(name)?, mode: *mode, rdev: *rdev }
+        Op::Rename { parent, name, new_parent, new_name, flags } => {
+            Op::Rename { parent, name: entry_name(name)?, new_parent, new_name: entry_name(new_name)?, flags }
+        }
+        Op::Link { node, new_parent, new_name } => Op::Link { node, new_parent, new_name: entry_name(new_name)? },
+        Op::Create { parent, name, mode, flags } => Op::Create { parent, name: entry_name(name)?, mode, flags },
+        Op::Read { size, .. } if size as usize > MAX_IO => {
+            return Err(Error::BadArgs(format!("a read of {size} bytes (at most {MAX_IO})")));
+        }
+        Op::ReadDir { node, fh, offset, max_entries, plus } => {
+            Op::ReadDir { node, fh, offset, max_entries: max_entries.min(MAX_DIR_ENTRIES), plus }
+        }
+        Op::GetXattr { node, name: x, size } => Op::GetXattr { node, name: name(x)?, size: size.min(MAX_XATTR as u32) },
+        Op::SetXattr { node, name: x, value, flags } => {
+            if value.len() > MAX_XATTR {
+                return Err(Error::Os(libc::E2BIG));
             }
-            WireOp::MkDir { parent, name, mode } => Op::MkDir { parent: node(*parent), name: entry_name(name)?, mode: *mode },
-            WireOp::Unlink { parent, name } => Op::Unlink { parent: node(*parent), name: entry_name(name)? },
-            WireOp::RmDir { parent, name } => Op::RmDir { parent: node(*parent), name: entry_name(name)? },
-            WireOp::SymLink { parent, name, target } => {
-                if target.len() >= MAX_PATH {
-                    return Err(Error::Os(libc::ENAMETOOLONG));
-                }
-                if target.is_empty() || target.contains(&0) {
-                    return Err(Error::BadArgs(format!("bad symlink target of {} bytes", target.len())));
-                }
-                Op::SymLink { parent: node(*parent), name: entry_name(name)?, target: Path::new(OsStr::from_bytes(target)) }
-            }
-            WireOp::Rename { parent, name, new_parent, new_name, flags } => Op::Rename {
-                parent: node(*parent),
-                name: entry_name(name)?,
-                new_parent: node(*new_parent),
-                new_name: entry_name(new_name)?,
-                flags: *flags,
-            },
-            WireOp::Link { node: n, new_parent, new_name } => {
-                Op::Link { node: node(*n), new_parent: node(*new_parent), new_name: entry_name(new_name)? }
-            }
-            WireOp::Open { node: n, flags } => Op::Open { node: node(*n), flags: *flags },
-            WireOp::Create { parent, name, mode, flags } => {
-                Op::Create { parent: node(*parent), name: entry_name(name)?, mode: *mode, flags: *flags }
-            }
-            WireOp::Read { node: n, fh: h, offset, size } => {
-                if *size as usize > MAX_IO {
-                    return Err(Error::BadArgs(format!("a read of {size} bytes (at most {MAX_IO})")));
-                }
-                Op::Read { node: node(*n), fh: fh(*h), offset: *offset, size: *size }
-            }
-            WireOp::Write { node: n, fh: h, offset } => Op::Write { node: node(*n), fh: fh(*h), offset: *offset, data: payload },
-            WireOp::Flush { node: n, fh: h } => Op::Flush { node: node(*n), fh: fh(*h) },
-            WireOp::Fsync { node: n, fh: h, datasync } => Op::Fsync { node: node(*n), fh: fh(*h), datasync: *datasync },
-            WireOp::Release { node: n, fh: h } => Op::Release { node: node(*n), fh: fh(*h) },
-            WireOp::OpenDir { node: n } => Op::OpenDir { node: node(*n) },
-            WireOp::ReadDir { node: n, fh: h, offset, max_entries, plus } => Op::ReadDir {
-                node: node(*n),
-                fh: fh(*h),
-                offset: *offset,
-                max_entries: (*max_entries).min(MAX_DIR_ENTRIES),
-                plus: *plus,
-            },
-            WireOp::ReleaseDir { node: n, fh: h } => Op::ReleaseDir { node: node(*n), fh: fh(*h) },
-            WireOp::FsyncDir { node: n, fh: h, datasync } => Op::FsyncDir { node: node(*n), fh: fh(*h), datasync: *datasync },
-            WireOp::StatFs { node: n } => Op::StatFs { node: node(*n) },
-            WireOp::Access { node: n, mask } => Op::Access { node: node(*n), mask: *mask },
-            WireOp::GetXattr { node: n, name: x, size } => {
-                Op::GetXattr { node: node(*n), name: name(x)?, size: (*size).min(MAX_XATTR as u32) }
-            }
-            WireOp::SetXattr { node: n, name: x, flags } => {
-                if payload.len() > MAX_XATTR {
-                    return Err(Error::Os(libc::E2BIG));
-                }
-                Op::SetXattr { node: node(*n), name: name(x)?, value: payload, flags: *flags }
-            }
-            WireOp::ListXattr { node: n, size } => Op::ListXattr { node: node(*n), size: (*size).min(MAX_XATTR as u32) },
-            WireOp::RemoveXattr { node: n, name: x } => Op::RemoveXattr { node: node(*n), name: name(x)? },
-            WireOp::Fallocate { node: n, fh: h, offset, length, mode } => {
-                Op::Fallocate { node: node(*n), fh: fh(*h), offset: *offset, length: *length, mode: *mode }
-            }
-            WireOp::Lseek { node: n, fh: h, offset, whence } => {
-                Op::Lseek { node: node(*n), fh: fh(*h), offset: *offset, whence: *whence }
-            }
-            WireOp::Ioctl { node: n, fh: h, cmd, out_size } => {
-                if !plyfs_stack::ioctl::known(*cmd) || payload.len() > 64 || *out_size > 64 {
-                    return Err(Error::BadArgs(format!("ioctl {cmd:#x}: not one a stack answers")));
-                }
-                Op::Ioctl { node: node(*n), fh: fh(*h), cmd: *cmd, data: payload, out_size: *out_size }
-            }
-            WireOp::Encode { .. } | WireOp::Decode { .. } => {
-                return Err(Error::BadArgs(format!("'{}' is for a hosted codec, not a stack", self.name())))
-            }
-            WireOp::Extended { node: n, name, args } => {
-                if args.len() > MAX_EXT_ARGS || args.iter().any(|a| a.len() > MAX_EXT_ARG) || name.len() > MAX_NAME {
-                    return Err(Error::BadArgs(format!("extended operation '{name}': too many or too long arguments")));
-                }
-                Op::Extended { node: node(*n), name, args }
-            }
-        })
-    }
+            Op::SetXattr { node, name: name(x)?, value, flags }
+        }
+        Op::ListXattr { node, size } => Op::ListXattr { node, size: size.min(MAX_XATTR as u32) },
+        Op::RemoveXattr { node, name: x } => Op::RemoveXattr { node, name: name(x)? },
+        Op::Ioctl { cmd, data, out_size, .. } if !plyfs_stack::ioctl::known(cmd) || data.len() > 64 || out_size > 64 => {
+            return Err(Error::BadArgs(format!("ioctl {cmd:#x}: not one a stack answers")));
+        }
+        Op::Extended { name, args, .. } if args.len() > MAX_EXT_ARGS || args.iter().any(|a| a.len() > MAX_EXT_ARG) || name.len() > MAX_NAME => {
+            return Err(Error::BadArgs(format!("extended operation '{name}': too many or too long arguments")));
+        }
+        // The others carry nothing a limit applies to.
+        op => op,
+    })
 }
 
 /// A file type, by name.
@@ -929,7 +632,7 @@ pub enum Message {
         id: u64,
         caller: WireCaller,
         #[serde(flatten)]
-        op: WireOp,
+        op: RequestOp,
     },
     Rep {
         id: u64,
@@ -963,7 +666,23 @@ pub fn encode(msg: &Message) -> Vec<u8> {
 
 /// Decode a header.
 pub fn decode(header: &[u8]) -> Result<Message, String> {
-    rmp_serde::from_slice(header).map_err(|e| e.to_string())
+    rmp_serde::from_slice(header).map_err(|e| {
+        // A request's operation has two forms (`RequestOp` is untagged), so serde's reason is
+        // only that neither fits. For a stack operation, the stack's form says what is wrong.
+        let stack_op = matches!(rmp_serde::from_slice::<JustId>(header),
+            Ok(JustId { t, op: Some(op), .. }) if t == "req" && op != "encode" && op != "decode");
+        match stack_op.then(|| rmp_serde::from_slice::<StackOpOnly>(header)) {
+            Some(Err(why)) => why.to_string(),
+            _ => e.to_string(),
+        }
+    })
+}
+
+/// A request's stack operation alone, decoded for its error.
+#[derive(Deserialize)]
+struct StackOpOnly {
+    #[serde(flatten)]
+    _op: OpHeader,
 }
 
 /// Why a frame could not be read.
@@ -1092,13 +811,13 @@ mod tests {
         let req = Message::Req {
             id: 7,
             caller: WireCaller { uid: 1, gid: 2, pid: 3 },
-            op: WireOp::Rename { parent: 1, name: bytes(b"a"), new_parent: 9, new_name: bytes(b"\xffb"), flags: 1 },
+            op: OpHeader::Rename { parent: 1, name: bytes(b"a"), new_parent: 9, new_name: bytes(b"\xffb"), flags: 1 }.into(),
         };
         assert_eq!(round_trip(&req), req);
         let ext = Message::Req {
             id: 8,
             caller: WireCaller { uid: 0, gid: 0, pid: 0 },
-            op: WireOp::Extended { node: 1, name: "stats".into(), args: vec!["x".into()] },
+            op: OpHeader::Extended { node: 1, name: "stats".into(), args: vec!["x".into()] }.into(),
         };
         assert_eq!(round_trip(&ext), ext);
         let attr = WireAttr {
@@ -1130,7 +849,7 @@ mod tests {
     #[test]
     fn headers_are_named_maps() {
         // Another language reads the operation and its arguments by name.
-        let req = Message::Req { id: 1, caller: WireCaller { uid: 0, gid: 0, pid: 0 }, op: WireOp::GetAttr { node: 1, fh: None } };
+        let req = Message::Req { id: 1, caller: WireCaller { uid: 0, gid: 0, pid: 0 }, op: OpHeader::GetAttr { node: 1, fh: None }.into() };
         let value: rmpv::Value = rmp_serde::from_slice(&encode(&req)).unwrap();
         let map = value.as_map().expect("a map");
         let get = |k: &str| map.iter().find(|(key, _)| key.as_str() == Some(k)).map(|(_, v)| v.clone());
@@ -1159,6 +878,18 @@ mod tests {
     }
 
     #[test]
+    fn a_malformed_operation_says_what_is_wrong() {
+        let caller = rmpv::Value::Map(vec![("uid".into(), 0.into()), ("gid".into(), 0.into()), ("pid".into(), 0.into())]);
+        let request = |op: &str, args: Vec<(rmpv::Value, rmpv::Value)>| {
+            let fields = [("t", "req".into()), ("id", 42.into()), ("caller", caller.clone()), ("op", op.into()), ("args", rmpv::Value::Map(args))];
+            let raw = rmpv::Value::Map(fields.into_iter().map(|(k, v)| (k.into(), v)).collect());
+            decode(&rmp_serde::to_vec_named(&raw).unwrap()).unwrap_err()
+        };
+        assert!(request("lookup", vec![("parent".into(), 1.into())]).contains("name"));
+        assert!(request("teleport", vec![]).contains("teleport"));
+    }
+
+    #[test]
     fn oversized_frames_are_refused_before_allocating() {
         let mut frame = Vec::new();
         frame.extend_from_slice(&u32::MAX.to_be_bytes());
@@ -1169,13 +900,13 @@ mod tests {
     #[test]
     fn bad_names_are_refused() {
         for name in [&b""[..], b"a/b", b"a\0b", b"..", b".", &[b'x'; 256]] {
-            let op = WireOp::MkDir { parent: 1, name: bytes(name), mode: 0o755 };
-            assert!(op.to_op(&[]).is_err(), "{name:?}");
+            let op = OpHeader::MkDir { parent: 1, name: bytes(name), mode: 0o755 };
+            assert!(checked_op(&op, &[]).is_err(), "{name:?}");
             if name == b".." {
                 continue;
             }
-            let op = WireOp::Lookup { parent: 1, name: bytes(name) };
-            assert!(op.to_op(&[]).is_err(), "{name:?}");
+            let op = OpHeader::Lookup { parent: 1, name: bytes(name) };
+            assert!(checked_op(&op, &[]).is_err(), "{name:?}");
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The decoder against arbitrary, truncated and mutated input: it answers with an error, never a
 //! panic, and never reserves memory beyond the protocol's limits.
 
-use plyfs_transport::wire::{self, limits, Message, WireCaller, WireOp, WireReply};
+use plyfs_transport::wire::{self, limits, Message, OpHeader, Payload, SetAttrHeader, WireCaller, WireReply};
 use proptest::prelude::*;
 
 fn samples() -> Vec<Vec<u8>> {
@@ -9,23 +9,19 @@ fn samples() -> Vec<Vec<u8>> {
     let b = |s: &[u8]| serde_bytes::ByteBuf::from(s.to_vec());
     let msgs = [
         Message::Hello { versions: vec![1], software: "x".into(), auth: Some(b(&[1; 32])) },
-        Message::Req { id: 1, caller, op: WireOp::Lookup { parent: 1, name: b(b"name") } },
-        Message::Req { id: 2, caller, op: WireOp::Write { node: 5, fh: 3, offset: 1 << 40 } },
-        Message::Req { id: 3, caller, op: WireOp::Rename { parent: 1, name: b(b"a"), new_parent: 2, new_name: b(b"b"), flags: 1 } },
-        Message::Req { id: 4, caller, op: WireOp::Extended { node: 1, name: "stats".into(), args: vec!["a".into(), "b".into()] } },
+        Message::Req { id: 1, caller, op: OpHeader::Lookup { parent: 1, name: b(b"name") }.into() },
+        Message::Req { id: 2, caller, op: OpHeader::Write { node: 5, fh: 3, offset: 1 << 40, data: Payload }.into() },
+        Message::Req { id: 3, caller, op: OpHeader::Rename { parent: 1, name: b(b"a"), new_parent: 2, new_name: b(b"b"), flags: 1 }.into() },
+        Message::Req { id: 4, caller, op: OpHeader::Extended { node: 1, name: "stats".into(), args: vec!["a".into(), "b".into()] }.into() },
         Message::Req {
             id: 5,
             caller,
-            op: WireOp::SetAttr {
+            op: OpHeader::SetAttr {
                 node: 1,
                 fh: Some(2),
-                mode: Some(0o644),
-                uid: None,
-                gid: Some(3),
-                size: Some(9),
-                atime: None,
-                mtime: None,
-            },
+                set: SetAttrHeader { mode: Some(0o644), uid: None, gid: Some(3), size: Some(9), atime: None, mtime: None },
+            }
+            .into(),
         },
         Message::Rep { id: 6, reply: WireReply::Extended(serde_json::json!({"k": [1, 2, {"z": null}]})) },
         Message::Changed { changes: vec![wire::Change::Entry { parent: 1, name: b(b"x") }, wire::Change::Node { node: 9 }] },
@@ -36,7 +32,7 @@ fn samples() -> Vec<Vec<u8>> {
 /// Decode as a server would: the header, then the operation with a payload.
 fn exercise(header: &[u8], payload: &[u8]) {
     if let Ok(Message::Req { op, .. }) = wire::decode(header) {
-        let _ = op.to_op(payload);
+        let _ = op.stack_op(payload);
     }
     let _ = rmp_serde::from_slice::<wire::JustId>(header);
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use plyfs_stack::{Caller, Error, Level, LowerDir, NodeId, Op, Reply};
 use plyfs_transport::listen::{bind_unix, serve_unix, UnixPolicy};
 use plyfs_transport::server::{Server, ServerOptions};
-use plyfs_transport::wire::{self, Message, WireCaller, WireOp, WireReply};
+use plyfs_transport::wire::{self, Message, OpHeader, WireCaller, WireReply};
 use plyfs_transport::{Addr, PlainConnector, Remote};
 
 struct Served {
@@ -76,8 +76,8 @@ fn raw(socket: &Path) -> UnixStream {
     s
 }
 
-fn request(s: &mut UnixStream, op: WireOp) -> WireReply {
-    let req = Message::Req { id: 9, caller: WireCaller { uid: 0, gid: 0, pid: 1 }, op };
+fn request(s: &mut UnixStream, op: OpHeader) -> WireReply {
+    let req = Message::Req { id: 9, caller: WireCaller { uid: 0, gid: 0, pid: 1 }, op: op.into() };
     wire::write_frame(s, &wire::encode(&req), &[]).unwrap();
     let f = wire::read_frame(s).unwrap();
     match wire::decode(&f.header).unwrap() {
@@ -100,31 +100,31 @@ fn a_client_cannot_reach_outside_the_export() {
     std::os::unix::fs::symlink("/etc", s.lower.join("out")).unwrap();
     let mut c = raw(&s.socket);
     let name = |n: &str| serde_bytes::ByteBuf::from(n.as_bytes().to_vec());
-    assert_eq!(errno(request(&mut c, WireOp::Lookup { parent: 1, name: name("..") })), libc::EPERM);
-    assert_eq!(errno(request(&mut c, WireOp::Lookup { parent: 1, name: name("../x") })), libc::EPERM);
+    assert_eq!(errno(request(&mut c, OpHeader::Lookup { parent: 1, name: name("..") })), libc::EPERM);
+    assert_eq!(errno(request(&mut c, OpHeader::Lookup { parent: 1, name: name("../x") })), libc::EPERM);
     // A node id this connection never looked up (a real inode number outside the tree).
     use std::os::unix::fs::MetadataExt;
     let etc = std::fs::metadata("/etc").unwrap().ino();
-    assert_eq!(errno(request(&mut c, WireOp::GetAttr { node: etc, fh: None })), libc::ESTALE);
+    assert_eq!(errno(request(&mut c, OpHeader::GetAttr { node: etc, fh: None })), libc::ESTALE);
     // Nor through a symlink: the lookup gives the link, never what it points to.
-    let out = match request(&mut c, WireOp::Lookup { parent: 1, name: name("out") }) {
+    let out = match request(&mut c, OpHeader::Lookup { parent: 1, name: name("out") }) {
         WireReply::Entry(e) => e,
         other => panic!("{other:?}"),
     };
     assert_eq!(out.attr.kind, wire::WireKind::Symlink);
-    assert_eq!(errno(request(&mut c, WireOp::Lookup { parent: out.node, name: name("passwd") })), libc::ENOTDIR);
+    assert_eq!(errno(request(&mut c, OpHeader::Lookup { parent: out.node, name: name("passwd") })), libc::ENOTDIR);
     // Another connection's handle.
-    let inside = match request(&mut c, WireOp::Lookup { parent: 1, name: name("inside") }) {
+    let inside = match request(&mut c, OpHeader::Lookup { parent: 1, name: name("inside") }) {
         WireReply::Entry(e) => e.node,
         other => panic!("{other:?}"),
     };
-    let fh = match request(&mut c, WireOp::Open { node: inside, flags: libc::O_RDONLY }) {
+    let fh = match request(&mut c, OpHeader::Open { node: inside, flags: libc::O_RDONLY }) {
         WireReply::Opened(o) => o.fh,
         other => panic!("{other:?}"),
     };
     let mut other = raw(&s.socket);
-    let _ = request(&mut other, WireOp::Lookup { parent: 1, name: name("inside") });
-    assert_eq!(errno(request(&mut other, WireOp::Read { node: inside, fh, offset: 0, size: 1 })), libc::EBADF);
+    let _ = request(&mut other, OpHeader::Lookup { parent: 1, name: name("inside") });
+    assert_eq!(errno(request(&mut other, OpHeader::Read { node: inside, fh, offset: 0, size: 1 })), libc::EBADF);
 }
 
 #[test]
@@ -148,9 +148,9 @@ fn garbage_gets_an_error_or_a_closed_connection_and_the_server_lives_on() {
         Message::Rep { id: 5, reply: WireReply::Error(e) } => assert_eq!(e.errno, libc::ENOSYS, "{}", e.msg),
         other => panic!("{other:?}"),
     }
-    assert!(matches!(request(&mut c, WireOp::GetAttr { node: 1, fh: None }), WireReply::Attr(_)));
+    assert!(matches!(request(&mut c, OpHeader::GetAttr { node: 1, fh: None }), WireReply::Attr(_)));
     // A payload where none belongs, and arguments of the wrong type.
-    let req = Message::Req { id: 9, caller: WireCaller { uid: 0, gid: 0, pid: 1 }, op: WireOp::GetAttr { node: 1, fh: None } };
+    let req = Message::Req { id: 9, caller: WireCaller { uid: 0, gid: 0, pid: 1 }, op: OpHeader::GetAttr { node: 1, fh: None }.into() };
     wire::write_frame(&mut c, &wire::encode(&req), b"junk").unwrap();
     let f = wire::read_frame(&mut c).unwrap();
     assert!(matches!(wire::decode(&f.header).unwrap(), Message::Rep { reply: WireReply::Error(_), .. }));
@@ -265,8 +265,8 @@ fn root_squash_takes_group_0_away_too() {
     let f = wire::read_frame(&mut s).unwrap();
     assert!(matches!(wire::decode(&f.header), Ok(Message::Welcome { .. })));
     for (name, uid, gid) in [("as-1000-group-0", 1000, 0), ("as-root", 0, 0)] {
-        let op = WireOp::MkDir { parent: 1, name: serde_bytes::ByteBuf::from(name.as_bytes().to_vec()), mode: 0o2777 };
-        let req = Message::Req { id: 9, caller: WireCaller { uid, gid, pid: 1 }, op };
+        let op = OpHeader::MkDir { parent: 1, name: serde_bytes::ByteBuf::from(name.as_bytes().to_vec()), mode: 0o2777 };
+        let req = Message::Req { id: 9, caller: WireCaller { uid, gid, pid: 1 }, op: op.into() };
         wire::write_frame(&mut s, &wire::encode(&req), &[]).unwrap();
         let f = wire::read_frame(&mut s).unwrap();
         assert!(matches!(wire::decode(&f.header).unwrap(), Message::Rep { id: 9, .. }));
