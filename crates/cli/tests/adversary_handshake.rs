@@ -144,7 +144,7 @@ fn at_once<T: Send + 'static>(n: usize, attack: impl Fn(usize) -> T + Send + Syn
 }
 
 fn honest_client(connector: Box<dyn plyfs_transport::Connector>) {
-    let level = plyfs_transport::Remote::connect("remote", connector, Duration::from_secs(10)).expect("an honest client connects").level();
+    let level = plyfs_layers::remote::Remote::connect("remote", connector, Duration::from_secs(10)).expect("an honest client connects").level();
     let attr = level.getattr(&plyfs_stack::Caller::daemon(), plyfs_stack::NodeId::ROOT).expect("and is served");
     assert_eq!(attr.kind, plyfs_stack::FileKind::Dir);
 }

@@ -3,6 +3,9 @@
 //! One module per layer. [`registry`] lists them all for stack building and `plyfs layers`.
 //! The size-changing layers (`copy`, `uuencode`, `gzip`, `zstd`, `lz4`) are each a codec; the
 //! `plyfs-sca` framework does the rest. `crypt` is a codec too, with its volume keys.
+//! `remote` (a stack served elsewhere, as a bottom layer) and `ext`/`py` (layers hosted in
+//! another process, or in Python) reach other processes through the `plyfs-transport`
+//! protocol.
 
 pub mod copy;
 pub mod crypt;
@@ -15,6 +18,7 @@ pub mod mirror;
 pub mod lz4;
 pub mod null;
 mod paths;
+pub mod remote;
 pub mod trace;
 pub mod transfer;
 pub mod union;

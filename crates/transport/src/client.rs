@@ -584,3 +584,10 @@ fn _assert_send_sync() {
     fn is<T: Send + Sync>() {}
     is::<Connection>();
 }
+
+/// Opens connections to the server: a socket, TLS and the key's proof as configured.
+pub trait Connector: Send + Sync {
+    /// Where it connects, for log lines.
+    fn describe(&self) -> String;
+    fn connect(&self, timeout: Duration, on_change: OnChange) -> std::result::Result<Arc<Connection>, ConnectError>;
+}

@@ -5,19 +5,23 @@
 //!
 //! - [`wire`] is the protocol: frames, messages, operation descriptors, limits.
 //! - [`server`] exports a level to clients; [`listen`] accepts them.
-//! - [`client`] is one connection; [`remote`] is the bottom layer that reaches a served stack,
-//!   reconnecting by itself.
+//! - [`client`] is one connection, and the [`Connector`] that opens it (a Unix socket, or
+//!   [`tls`] proving a pre-shared key).
+//! - [`host`] runs layers for mounts in other processes.
+//!
+//! The layers that use the protocol from inside a stack live with the other layers:
+//! `plyfs_layers::remote` (a stack served elsewhere, as the bottom of this one) and
+//! `plyfs_layers::ext` (layers hosted in another process, or in Python).
 
 pub mod client;
 pub mod host;
 pub mod listen;
-pub mod remote;
 pub mod server;
 pub mod stream;
 pub mod tls;
 pub mod wire;
 
-pub use remote::{Connector, Remote};
+pub use client::Connector;
 pub use stream::Addr;
 
 /// Connects over a plain socket (a Unix socket, or TCP without TLS in tests).

@@ -24,7 +24,7 @@ use rustls::{ClientConfig, ClientConnection, Connection, DigitallySignedStruct, 
 use zeroize::Zeroizing;
 
 use crate::client::{ConnectError, Connection as Client, OnChange};
-use crate::remote::Connector;
+use crate::client::Connector;
 use crate::server::{Authenticator, Identity, Origin, Server};
 use plyfs_stack::admission::Deadline;
 use crate::stream::{Addr, Control, Duplex, Halves};

@@ -217,8 +217,28 @@ pub fn checked_op<'a>(header: &'a OpHeader, payload: &'a [u8]) -> Result<Op<'a>,
         Op::Extended { name, args, .. } if args.len() > MAX_EXT_ARGS || args.iter().any(|a| a.len() > MAX_EXT_ARG) || name.len() > MAX_NAME => {
             return Err(Error::BadArgs(format!("extended operation '{name}': too many or too long arguments")));
         }
-        // The others carry nothing a limit applies to.
-        op => op,
+        // The others carry nothing a limit applies to. They are named, not caught by a
+        // wildcard, so that a new operation does not pass unchecked: the compiler asks for it
+        // here, where its names and sizes get their limits.
+        op @ (Op::Forget { .. }
+        | Op::GetAttr { .. }
+        | Op::SetAttr { .. }
+        | Op::ReadLink { .. }
+        | Op::Open { .. }
+        | Op::Read { .. }
+        | Op::Write { .. }
+        | Op::Flush { .. }
+        | Op::Fsync { .. }
+        | Op::Release { .. }
+        | Op::OpenDir { .. }
+        | Op::ReleaseDir { .. }
+        | Op::FsyncDir { .. }
+        | Op::StatFs { .. }
+        | Op::Access { .. }
+        | Op::Fallocate { .. }
+        | Op::Lseek { .. }
+        | Op::Ioctl { .. }
+        | Op::Extended { .. }) => op,
     })
 }
 

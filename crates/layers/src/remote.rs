@@ -21,15 +21,9 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, RwLock};
 use plyfs_stack::{Caller, DirEntry, Error, ExtOpInfo, Invalidator, Layer, Level, NodeId, Op, Reply, Result};
 
-use crate::client::{CallError, ConnectError, Connection, OnChange, Ticket};
-use crate::wire::{Change, OpHeader, WireCaller, WireReply};
-
-/// Opens connections to the server: a socket, TLS and the key's proof as configured.
-pub trait Connector: Send + Sync {
-    /// Where it connects, for log lines.
-    fn describe(&self) -> String;
-    fn connect(&self, timeout: Duration, on_change: OnChange) -> std::result::Result<Arc<Connection>, ConnectError>;
-}
+use plyfs_transport::client::{CallError, Connection, OnChange, Ticket};
+use plyfs_transport::Connector;
+use plyfs_transport::wire::{Change, OpHeader, WireCaller, WireReply};
 
 /// Nodes (with a name: an entry of the directory) whose cached state must go.
 type Notices = Vec<(u64, Option<OsString>)>;
@@ -352,7 +346,7 @@ impl Inner {
             return Err(Error::Os(libc::ESTALE));
         }
         let server_parent = self.server_node_at(conn, epoch, cx, parent, deadline, depth + 1)?;
-        let op = OpHeader::Lookup { parent: server_parent, name: serde_bytes::ByteBuf::from(name.as_bytes().to_vec()) };
+        let op = OpHeader::Lookup { parent: server_parent, name: plyfs_stack::op_header::ByteBuf::from(name.as_bytes().to_vec()) };
         let found = match conn.call(cx, op, &[], deadline) {
             Ok((WireReply::Entry(e), _)) => e.node,
             Ok((WireReply::Error(e), _)) => {

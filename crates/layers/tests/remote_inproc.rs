@@ -11,7 +11,8 @@ use plyfs_stack::{Caller, Error, Level, LowerDir, NodeId, Op, Reply};
 use plyfs_transport::listen::{bind_unix, serve_unix, UnixPolicy};
 use plyfs_transport::server::{Server, ServerOptions};
 use plyfs_transport::wire::{self, Message, OpHeader, WireCaller, WireReply};
-use plyfs_transport::{Addr, PlainConnector, Remote};
+use plyfs_layers::remote::Remote;
+use plyfs_transport::{Addr, PlainConnector};
 
 struct Served {
     _dir: tempfile::TempDir,
