@@ -6,12 +6,12 @@ use plyfs_stack::spec::{BranchMode, LayerSpec};
 use plyfs_stack::LowerDir;
 
 /// `path` made canonical, if it is a directory; errors read "`what` PATH: cause".
-pub fn existing_dir(what: &str, path: &Path) -> Result<PathBuf, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
+pub fn existing_dir(what: &str, path: &Path) -> crate::Result<PathBuf> {
+    let meta = std::fs::metadata(path).map_err(|e| crate::Error::path(what, path, e))?;
     if !meta.is_dir() {
-        return Err(format!("{what} {}: not a directory", path.display()));
+        return Err(crate::Error::path(what, path, "not a directory"));
     }
-    path.canonicalize().map_err(|e| format!("{what} {}: {e}", path.display()))
+    path.canonicalize().map_err(|e| crate::Error::path(what, path, e))
 }
 
 /// Every directory a stack stores in: LOWER, the `--branch` directories and the directories
@@ -40,7 +40,7 @@ pub fn spec_branch_dirs(specs: &[LayerSpec]) -> Vec<(PathBuf, BranchMode)> {
 }
 
 /// Read and check a rules file: every rule's layers must exist and take the parameters given.
-pub fn load_rules(path: &Path, lower: &Path) -> Result<plyfs_policy::Rules, String> {
-    let bottom = LowerDir::level(lower).map_err(|e| format!("lower directory {}: {e}", lower.display()))?;
-    plyfs_policy::Rules::load(path, plyfs_policy::rule_checker(crate::registry(), &bottom)).map_err(|e| e.to_string())
+pub fn load_rules(path: &Path, lower: &Path) -> crate::Result<plyfs_policy::Rules> {
+    let bottom = LowerDir::level(lower).map_err(|e| crate::Error::path("lower directory", lower, e))?;
+    plyfs_policy::Rules::load(path, plyfs_policy::rule_checker(crate::registry(), &bottom)).map_err(|e| crate::Error::Spec(e.to_string()))
 }

@@ -14,6 +14,7 @@
 //! - [`offline`]: `encode`, `decode`, `fsck` and `du`, which run a stack in this process.
 
 pub mod dirs;
+mod error;
 pub mod locks;
 pub mod lower;
 pub mod mount;
@@ -22,6 +23,7 @@ pub mod offline;
 pub mod serve;
 pub mod tree;
 
+pub use error::{Error, Result};
 use plyfs_stack::LayerFactory;
 
 /// Every layer this build knows.

@@ -43,7 +43,7 @@ impl Use {
 /// Take the lock of every directory a stack over `lower` stores in (see
 /// [`crate::dirs::storage_dirs`]), each in the mode its branch is used in; `who` says what
 /// holds them ("mounted at /mnt/a").
-pub fn take_all(lower: &Path, branches: &[String], specs: &[LayerSpec], how: Use, who: &str) -> Result<Vec<LowerLock>, String> {
+pub fn take_all(lower: &Path, branches: &[String], specs: &[LayerSpec], how: Use, who: &str) -> crate::Result<Vec<LowerLock>> {
     let mut held = Vec::new();
     // (A directory that is not there is the stack's to report.)
     for (dir, mode) in storage_modes(lower, branches, specs).into_iter().filter(|(d, _)| d.is_dir()) {

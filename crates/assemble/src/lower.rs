@@ -25,15 +25,15 @@ impl Lower {
     /// LOWER as given on the command line, with the stack's `remote` layer if it ends in one
     /// (which is taken out of `specs`: it is the bottom, not a layer above it).
     /// `psk` is the key file given with `--psk`, for a TCP server.
-    pub fn parse(arg: &Path, specs: &mut Vec<LayerSpec>, psk: Option<&Path>) -> Result<Lower, String> {
+    pub fn parse(arg: &Path, specs: &mut Vec<LayerSpec>, psk: Option<&Path>) -> crate::Result<Lower> {
         if let Some(i) = specs.iter().position(|s| s.kind == "remote") {
             if i + 1 != specs.len() {
-                return Err("layer 'remote' is a bottom layer: it must come last in the stack".into());
+                return Err(crate::Error::Spec("layer 'remote' is a bottom layer: it must come last in the stack".into()));
             }
         }
         if let Some(socket) = arg.to_str().and_then(|a| a.strip_prefix("exodisk:")) {
             if specs.iter().any(|s| s.kind == "remote") {
-                return Err("exodisk:SOCKET is the bottom: no 'remote' layer over it".into());
+                return Err(crate::Error::Spec("exodisk:SOCKET is the bottom: no 'remote' layer over it".into()));
             }
             return Ok(Lower::Exodisk(PathBuf::from(socket)));
         }
@@ -64,14 +64,14 @@ impl Lower {
                 "psk" => psk = Some(PathBuf::from(v)),
                 "addr" => {
                     addr =
-                        Some(Addr::parse(v).unwrap_or_else(|| Err(format!("remote: addr={v}: expected unix:PATH or tcp:HOST:PORT")))?)
+                        Some(Addr::parse(v).unwrap_or_else(|| Err(format!("remote: addr={v}: expected unix:PATH or tcp:HOST:PORT"))).map_err(crate::Error::Spec)?)
                 }
                 "name" => name = v.clone(),
                 "sync" => {
                     sync = match v.as_str() {
                         "on" => true,
                         "off" => false,
-                        _ => return Err(format!("remote: sync={v}: expected on or off")),
+                        _ => return Err(crate::Error::Spec(format!("remote: sync={v}: expected on or off"))),
                     }
                 }
                 "timeout" => {
@@ -79,7 +79,7 @@ impl Lower {
                         v.parse().ok().filter(|s: &f64| *s > 0.0).ok_or_else(|| format!("remote: timeout={v}: expected seconds"))?;
                     timeout = Duration::from_secs_f64(secs);
                 }
-                _ => return Err(format!("layer 'remote': unknown parameter '{k}' (known: addr, psk, timeout, sync, name)")),
+                _ => return Err(crate::Error::Spec(format!("layer 'remote': unknown parameter '{k}' (known: addr, psk, timeout, sync, name)"))),
             }
         }
         let addr = match (addr, given) {
@@ -87,22 +87,22 @@ impl Lower {
             (Some(a), Some(g)) if a == g => a,
             (None, Some(g)) => g,
             (Some(a), _) => {
-                return Err(format!("the stack ends in remote:addr={a}, so LOWER must be '-' or that address, not {}", arg.display()))
+                return Err(crate::Error::Spec(format!("the stack ends in remote:addr={a}, so LOWER must be '-' or that address, not {}", arg.display())))
             }
             (None, None) => {
-                return Err(format!(
+                return Err(crate::Error::Spec(format!(
                     "layer 'remote' needs an address: LOWER unix:PATH or tcp:HOST:PORT, or remote:addr=..., not {}",
                     arg.display()
-                ))
+                )))
             }
         };
         Ok(Lower::Remote { addr, name, timeout, psk, sync })
     }
 
     /// The bottom level: the directory's, or a connection to the server.
-    pub fn bottom(&self) -> Result<Level, String> {
+    pub fn bottom(&self) -> crate::Result<Level> {
         match self {
-            Lower::Dir(dir) => LowerDir::level(dir).map_err(|e| e.to_string()),
+            Lower::Dir(dir) => LowerDir::level(dir).map_err(|e| crate::Error::Spec(e.to_string())),
             Lower::Exodisk(socket) => {
                 let client = plyfs_exodisk::client::Client::connect(socket, 32 << 20)?;
                 let fs = plyfs_exofs::fs::Fs::open(client, "exofs").map_err(|e| format!("exodisk:{}: {e}", socket.display()))?;
@@ -119,7 +119,7 @@ impl Lower {
     /// The configuration of the crypt volume a remote stack is stored in, read through the
     /// server, when the server serves it as stored and `specs` decrypt it here
     /// (`--stack crypt,remote`). `None` for anything else.
-    pub fn remote_volume(&self, specs: &[LayerSpec]) -> Result<Option<crate::FoundVolume>, String> {
+    pub fn remote_volume(&self, specs: &[LayerSpec]) -> crate::Result<Option<crate::FoundVolume>> {
         if !matches!(self, Lower::Remote { .. }) || !crate::tree::decrypts(specs) {
             return Ok(None);
         }
@@ -150,10 +150,10 @@ impl std::fmt::Display for Lower {
 
 
 /// How to reach a server at `addr`: a Unix socket, or TLS proving the key in `psk`.
-pub fn connector(addr: &Addr, psk: Option<&Path>) -> Result<Box<dyn Connector>, String> {
+pub fn connector(addr: &Addr, psk: Option<&Path>) -> crate::Result<Box<dyn Connector>> {
     match (addr, psk) {
         (Addr::Unix(_), _) => Ok(Box::new(PlainConnector(addr.clone()))),
         (Addr::Tcp(_), Some(psk)) => Ok(Box::new(TlsConnector::new(addr.clone(), Psk::load(psk)?)?)),
-        (Addr::Tcp(_), None) => Err(format!("{addr}: a TCP server needs its key: --psk FILE (or remote:psk=FILE)")),
+        (Addr::Tcp(_), None) => Err(crate::Error::Spec(format!("{addr}: a TCP server needs its key: --psk FILE (or remote:psk=FILE)"))),
     }
 }

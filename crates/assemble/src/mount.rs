@@ -101,7 +101,7 @@ pub fn block_signals() -> SigSet {
 
 /// Mount `plan` and serve it until it is unmounted: by `plyfs umount`, by one of the blocked
 /// `signals`, or by `-o idle`. `report` hears of the mount once it is up.
-pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> Result<(), String> {
+pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> crate::Result<()> {
     let MountPlan { specs, opts, lower, mountpoint, branches, rules, reverse } = plan;
     // Modes arrive already masked by the kernel; a umask here would mask them twice.
     unsafe { libc::umask(0) };
@@ -153,7 +153,7 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> Re
         flags: opts.flags.clone(),
         io_uring: opts.io_uring,
     };
-    let mounted = Mounted::mount(stack.clone(), &request).map_err(|e| e.to_string())?;
+    let mounted = Mounted::mount(stack.clone(), &request).map_err(|e| crate::Error::Run(e.to_string()))?;
     match (mounted.uring_refused(), opts.io_uring) {
         (Some(why), UringChoice::On) => tracing::warn!("-o io_uring: {why}; requests go through /dev/fuse"),
         (Some(why), _) => tracing::info!("FUSE over io_uring not used: {why}; requests go through /dev/fuse"),
@@ -208,7 +208,7 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> Re
                 }
             }
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| crate::Error::Run(e.to_string()))?;
 
     if let Some(idle) = opts.idle {
         watch_idle(mounted.status(), mountpoint.clone(), idle)?;
@@ -218,14 +218,14 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> Re
     let result = mounted.run();
     drop(control);
     tracing::info!("{} unmounted", mountpoint.display());
-    result.map_err(|e| format!("serving {}: {e}", mountpoint.display()))
+    result.map_err(|e| crate::Error::Run(format!("serving {}: {e}", mountpoint.display())))
 }
 
 
 /// `-o idle`: unmount once no request came for `idle` and nothing is open, as gocryptfs
 /// `-idle` does. A mount still in use (a shell's working directory in it) refuses, and the watch
 /// tries again later.
-fn watch_idle(status: Arc<plyfs_fuse::FrontStatus>, mountpoint: PathBuf, idle: std::time::Duration) -> Result<(), String> {
+fn watch_idle(status: Arc<plyfs_fuse::FrontStatus>, mountpoint: PathBuf, idle: std::time::Duration) -> crate::Result<()> {
     let every = (idle / 4).clamp(std::time::Duration::from_millis(100), std::time::Duration::from_secs(10));
     tracing::info!("-o idle: unmounting after {idle:?} without use");
     std::thread::Builder::new()
@@ -252,7 +252,7 @@ fn watch_idle(status: Arc<plyfs_fuse::FrontStatus>, mountpoint: PathBuf, idle: s
             }
         })
         .map(|_| ())
-        .map_err(|e| e.to_string())
+        .map_err(|e| crate::Error::Run(e.to_string()))
 }
 
 /// The lower locks of a mount of `lower` at `mountpoint` (none for a remote stack: its server
@@ -263,7 +263,7 @@ pub fn lock_lowers(
     opts: &MountOptions,
     lower: &Lower,
     mountpoint: &Path,
-) -> Result<Vec<plyfs_stack::lowerlock::LowerLock>, String> {
+) -> crate::Result<Vec<plyfs_stack::lowerlock::LowerLock>> {
     let Some(dir) = lower.dir() else { return Ok(Vec::new()) };
     let how = crate::locks::Use::Mount { shared: opts.shared, read_only: opts.read_only };
     crate::locks::take_all(dir, branches, specs, how, &format!("mounted at {}", mountpoint.display()))
@@ -314,7 +314,7 @@ fn probe_file(dir: &Path) -> Option<File> {
 
 
 /// The stack of a reverse view over the plaintext tree `plain`: the view over the directory.
-fn reverse_stack(plain: &Path, excludes: &[String]) -> Result<plyfs_stack::Stack, String> {
+fn reverse_stack(plain: &Path, excludes: &[String]) -> crate::Result<plyfs_stack::Stack> {
     use plyfs_layers::crypt::{keys, reverse};
     let config_path = plain.join(reverse::REVERSE_CONFIG_NAME);
     let config = keys::VolumeConfig::load_file(plain, &config_path, " --reverse")?;
@@ -322,9 +322,9 @@ fn reverse_stack(plain: &Path, excludes: &[String]) -> Result<plyfs_stack::Stack
     // What the view shows as its configuration: the file as it is (a volume configuration).
     let shown = std::fs::read(&config_path).map_err(|e| format!("{}: {e}", config_path.display()))?;
     let bottom = LowerDir::level(plain).map_err(|e| format!("plaintext directory {}: {e}", plain.display()))?;
-    let view = reverse::ReverseView::new(&volume, bottom.clone(), shown, excludes).map_err(|e| e.to_string())?;
+    let view = reverse::ReverseView::new(&volume, bottom.clone(), shown, excludes).map_err(|e| crate::Error::Run(e.to_string()))?;
     // The view alone: the plaintext below is not offered as a level (`MNT/.plyfs/...`).
-    plyfs_stack::Stack::build_over(&[], crate::registry(), vec![view.level()]).map_err(|e| e.to_string())
+    plyfs_stack::Stack::build_over(&[], crate::registry(), vec![view.level()]).map_err(|e| crate::Error::Run(e.to_string()))
 }
 
 /// How many files a mount looks at for plain ones before it serves: a bound on the time it

@@ -31,24 +31,24 @@ fn ids_up_to_root(path: &Path) -> Vec<DirId> {
 /// Refuse (with the line to show) if the storage directory `dir` (`what`: "the lower", "branch
 /// 'b'") is the mount point, holds it or lies inside it. Paths that do not exist pass: the
 /// checks that need them name what is missing.
-pub fn check_apart(what: &str, dir: &Path, mountpoint: &Path) -> Result<(), String> {
+pub fn check_apart(what: &str, dir: &Path, mountpoint: &Path) -> crate::Result<()> {
     let (Some(storage), Some(mount)) = (dir_id(dir), dir_id(mountpoint)) else { return Ok(()) };
     let (d, m) = (dir.display(), mountpoint.display());
     if storage == mount {
-        return Err(format!("mount point {m} is {what} {d} itself (the daemon would wait on itself); choose a mount point outside it"));
+        return Err(crate::Error::Nested(format!("mount point {m} is {what} {d} itself (the daemon would wait on itself); choose a mount point outside it")));
     }
     if ids_up_to_root(mountpoint).contains(&storage) {
-        return Err(format!("mount point {m} lies inside {what} {d} (the daemon would wait on itself); choose a mount point outside it"));
+        return Err(crate::Error::Nested(format!("mount point {m} lies inside {what} {d} (the daemon would wait on itself); choose a mount point outside it")));
     }
     if ids_up_to_root(dir).contains(&mount) {
-        return Err(format!("{what} {d} lies inside the mount point {m} (the mount would hide it); choose a mount point outside it"));
+        return Err(crate::Error::Nested(format!("{what} {d} lies inside the mount point {m} (the mount would hide it); choose a mount point outside it")));
     }
     Ok(())
 }
 
 /// [`check_apart`] for every directory of [`crate::dirs::storage_dirs`]: LOWER first, then
 /// the branches.
-pub fn check_storage_apart(dirs: &[PathBuf], mountpoint: &Path) -> Result<(), String> {
+pub fn check_storage_apart(dirs: &[PathBuf], mountpoint: &Path) -> crate::Result<()> {
     for (i, dir) in dirs.iter().enumerate() {
         check_apart(if i == 0 { "the lower" } else { "the branch" }, dir, mountpoint)?;
     }

@@ -19,12 +19,14 @@ use plyfs_layers::transfer::{for_each_data_extent, read_range, seek_fd, seek_lev
 use plyfs_stack::lowerlock::LowerLock;
 use plyfs_stack::{Caller, Entry, FileKind, Level, NodeId, Op, SetAttr, Stack, TimeSet};
 
-type Res<T> = Result<T, String>;
+use crate::Error;
+
+type Res<T> = crate::Result<T>;
 
 /// Build the stack `spec` over `lower`, in process, holding the lower locks of `plyfs
 /// COMMAND` (which `writes` the lower or only reads it) while the stack is in use.
 pub fn open_stack(lower: &Path, spec: &str, branches: &[String], command: &str, writes: bool) -> Res<(Stack, Vec<LowerLock>)> {
-    let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| e.to_string())?;
+    let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| Error::Spec(e.to_string()))?;
     let who = format!("running plyfs {command}");
     let locks = crate::locks::take_all(lower, branches, &specs, crate::locks::Use::Tool { writes }, &who)?;
     // The same stack as a mount: each file is read through the chain recorded with it, and a
@@ -61,17 +63,17 @@ impl Progress for Quiet {
 }
 
 fn lookup(level: &Level, parent: NodeId, name: &OsStr) -> Res<Entry> {
-    level.lookup(&cx(), parent, name).map_err(|e| format!("{}: {e}", name.to_string_lossy()))
+    level.lookup(&cx(), parent, name).map_err(|e| Error::file(name, "looking up", e))
 }
 
 /// The node at `rel` (relative to the root), looked up one component at a time. Every lookup
 /// but the last is forgotten again.
 fn resolve(level: &Level, rel: &Path) -> Res<Entry> {
-    let mut entry = Entry { node: NodeId::ROOT, attr: level.getattr(&cx(), NodeId::ROOT).map_err(|e| e.to_string())?, generation: 0 };
+    let mut entry = Entry { node: NodeId::ROOT, attr: level.getattr(&cx(), NodeId::ROOT).map_err(|e| Error::file("/", "reading attributes", e))?, generation: 0 };
     let mut held: Option<NodeId> = None;
     for part in rel.components() {
         let std::path::Component::Normal(name) = part else { continue };
-        let next = lookup(level, entry.node, name).map_err(|e| format!("{}: {e}", rel.display()))?;
+        let next = level.lookup(&cx(), entry.node, name).map_err(|e| Error::file(rel, "looking up", e))?;
         if let Some(prev) = held.replace(next.node) {
             level.forget(&cx(), prev, 1);
         }
@@ -83,10 +85,10 @@ fn resolve(level: &Level, rel: &Path) -> Res<Entry> {
 /// Visit every object below `dir` (depth first, parents before children) with its path
 /// relative to the walk's root.
 fn walk(level: &Level, dir: NodeId, rel: &Path, visit: &mut dyn FnMut(&Path, &Entry) -> Res<()>) -> Res<()> {
-    let entries = level.list_dir(&cx(), dir).map_err(|e| format!("{}: {e}", rel.display()))?;
+    let entries = level.list_dir(&cx(), dir).map_err(|e| Error::file(rel, "listing", e))?;
     for d in entries {
         let path = rel.join(&d.name);
-        let entry = lookup(level, dir, &d.name).map_err(|e| format!("{}: {e}", path.display()))?;
+        let entry = level.lookup(&cx(), dir, &d.name).map_err(|e| Error::file(&path, "looking up", e))?;
         let result = visit(&path, &entry).and_then(|()| match entry.attr.kind {
             FileKind::Dir => walk(level, entry.node, &path, visit),
             _ => Ok(()),
@@ -102,7 +104,7 @@ fn time_set(t: SystemTime) -> Option<TimeSet> {
 }
 
 /// Give `node` the mode, owner (when running as root) and times of `meta`.
-fn copy_attrs_in(level: &Level, node: NodeId, meta: &fs::Metadata, is_link: bool) -> Res<()> {
+fn copy_attrs_in(level: &Level, node: NodeId, meta: &fs::Metadata, is_link: bool) -> plyfs_stack::Result<()> {
     let root = unsafe { libc::geteuid() } == 0;
     let set = SetAttr {
         mode: (!is_link).then_some(meta.mode() & 0o7777),
@@ -112,7 +114,7 @@ fn copy_attrs_in(level: &Level, node: NodeId, meta: &fs::Metadata, is_link: bool
         atime: meta.accessed().ok().and_then(time_set),
         mtime: meta.modified().ok().and_then(time_set),
     };
-    level.call(&cx(), &Op::SetAttr { node, fh: None, set }).map(|_| ()).map_err(|e| e.to_string())
+    level.call(&cx(), &Op::SetAttr { node, fh: None, set }).map(|_| ())
 }
 
 /// The lower directory `encode` writes into: `dest` for a tree, its parent for a file.
@@ -127,24 +129,24 @@ pub fn encode_root(src: &Path, dest: &Path) -> PathBuf {
 /// Write plain `src` (a file or a tree) into `dest` in the lower format of `spec`; returns the
 /// plain bytes written.
 pub fn encode(src: &Path, dest: &Path, spec: &str, bar: &dyn Progress) -> Res<u64> {
-    let meta = fs::symlink_metadata(src).map_err(|e| format!("{}: {e}", src.display()))?;
+    let meta = fs::symlink_metadata(src).map_err(|e| Error::path("", src, e))?;
     let (lower_root, name) = if meta.is_dir() {
         // A crypt volume made for it holds its configuration already, and a lower once used its
         // lock file.
         let config = OsStr::new(plyfs_layers::crypt::keys::CONFIG_NAME);
         let ours = |name: &OsStr| name == config || plyfs_stack::lowerlock::is_lock_file(name);
         match fs::read_dir(dest).map(|mut d| d.any(|e| e.map_or(true, |e| !ours(&e.file_name())))) {
-            Ok(true) => return Err(format!("{}: not empty; encode into a new or empty directory", dest.display())),
+            Ok(true) => return Err(Error::path("", dest, "not empty; encode into a new or empty directory")),
             Ok(false) => {}
-            Err(_) => fs::create_dir_all(dest).map_err(|e| format!("{}: {e}", dest.display()))?,
+            Err(_) => fs::create_dir_all(dest).map_err(|e| Error::path("", dest, e))?,
         }
         (dest.to_path_buf(), None)
     } else {
         if fs::symlink_metadata(dest).is_ok() {
-            return Err(format!("{}: already exists", dest.display()));
+            return Err(Error::path("", dest, "already exists"));
         }
         let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let name = dest.file_name().ok_or_else(|| format!("{}: not a file name", dest.display()))?;
+        let name = dest.file_name().ok_or_else(|| Error::path("", dest, "not a file name"))?;
         (parent.to_path_buf(), Some(name.to_owned()))
     };
     let (stack, _locks) = open_stack(&lower_root, spec, &[], "encode", true)?;
@@ -154,7 +156,8 @@ pub fn encode(src: &Path, dest: &Path, spec: &str, bar: &dyn Progress) -> Res<u6
     let mut links = HashMap::new();
     let result = match &name {
         Some(name) => encode_one(&top, NodeId::ROOT, name, src, &meta, bar, &mut links),
-        None => encode_tree(&top, NodeId::ROOT, src, bar, &mut links).and_then(|()| copy_attrs_in(&top, NodeId::ROOT, &meta, false)),
+        None => encode_tree(&top, NodeId::ROOT, src, bar, &mut links)
+            .and_then(|()| copy_attrs_in(&top, NodeId::ROOT, &meta, false).map_err(|e| Error::file(src, "setting attributes", e))),
     };
     stack.shutdown();
     bar.finish();
@@ -163,11 +166,11 @@ pub fn encode(src: &Path, dest: &Path, spec: &str, bar: &dyn Progress) -> Res<u6
 }
 
 fn encode_tree(top: &Level, dir: NodeId, src: &Path, bar: &dyn Progress, links: &mut HashMap<(u64, u64), NodeId>) -> Res<()> {
-    let mut entries: Vec<_> = fs::read_dir(src).map_err(|e| format!("{}: {e}", src.display()))?.flatten().collect();
+    let mut entries: Vec<_> = fs::read_dir(src).map_err(|e| Error::path("", src, e))?.flatten().collect();
     entries.sort_by_key(|e| e.file_name());
     for e in entries {
         let path = e.path();
-        let meta = fs::symlink_metadata(&path).map_err(|err| format!("{}: {err}", path.display()))?;
+        let meta = fs::symlink_metadata(&path).map_err(|err| Error::path("", &path, err))?;
         encode_one(top, dir, &e.file_name(), &path, &meta, bar, links)?;
     }
     Ok(())
@@ -182,40 +185,40 @@ fn encode_one(
     bar: &dyn Progress,
     links: &mut HashMap<(u64, u64), NodeId>,
 ) -> Res<()> {
-    let at = |e: plyfs_stack::Error| format!("{}: {e}", src.display());
+    let at = |op: &'static str| move |e: plyfs_stack::Error| Error::file(src, op, e);
     let ft = meta.file_type();
     if meta.nlink() > 1 && !ft.is_dir() {
         if let Some(&first) = links.get(&(meta.dev(), meta.ino())) {
-            top.call(&cx(), &Op::Link { node: first, new_parent: parent, new_name: name }).map_err(at)?;
+            top.call(&cx(), &Op::Link { node: first, new_parent: parent, new_name: name }).map_err(at("linking"))?;
             top.forget(&cx(), first, 1);
             bar.advance(meta.len());
             return Ok(());
         }
     }
     let entry = if ft.is_dir() {
-        let e = top.mkdir(&cx(), parent, name, 0o700).map_err(at)?;
+        let e = top.mkdir(&cx(), parent, name, 0o700).map_err(at("making the directory"))?;
         encode_tree(top, e.node, src, bar, links)?;
         e
     } else if ft.is_symlink() {
-        let target = fs::read_link(src).map_err(|e| format!("{}: {e}", src.display()))?;
-        match top.call(&cx(), &Op::SymLink { parent, name, target: &target }).map_err(at)? {
+        let target = fs::read_link(src).map_err(|e| Error::path("", src, e))?;
+        match top.call(&cx(), &Op::SymLink { parent, name, target: &target }).map_err(at("making the symlink"))? {
             plyfs_stack::Reply::Entry(e) => e,
-            _ => return Err(format!("{}: symlink gave no entry", src.display())),
+            _ => return Err(Error::file(src, "making the symlink", "no entry came back")),
         }
     } else if ft.is_file() {
-        let (e, opened) = top.create(&cx(), parent, name, 0o600, libc::O_WRONLY | libc::O_EXCL).map_err(at)?;
+        let (e, opened) = top.create(&cx(), parent, name, 0o600, libc::O_WRONLY | libc::O_EXCL).map_err(at("creating"))?;
         let copied = copy_into(top, e.node, opened.fh, src, bar);
-        let released = top.release(&cx(), e.node, opened.fh).map_err(at);
+        let released = top.release(&cx(), e.node, opened.fh).map_err(at("closing"));
         copied.and(released)?;
         e
     } else {
         let mode = meta.mode();
-        match top.call(&cx(), &Op::MkNod { parent, name, mode, rdev: meta.rdev() as u32 }).map_err(at)? {
+        match top.call(&cx(), &Op::MkNod { parent, name, mode, rdev: meta.rdev() as u32 }).map_err(at("making the node"))? {
             plyfs_stack::Reply::Entry(e) => e,
-            _ => return Err(format!("{}: mknod gave no entry", src.display())),
+            _ => return Err(Error::file(src, "making the node", "no entry came back")),
         }
     };
-    copy_attrs_in(top, entry.node, meta, ft.is_symlink()).map_err(|e| format!("{}: {e}", src.display()))?;
+    copy_attrs_in(top, entry.node, meta, ft.is_symlink()).map_err(|e| Error::file(src, "setting attributes", e))?;
     if meta.nlink() > 1 && !ft.is_dir() {
         links.insert((meta.dev(), meta.ino()), entry.node);
     } else {
@@ -226,9 +229,8 @@ fn encode_one(
 
 /// The plain file `src` into the stack's open file `node`, holes kept.
 fn copy_into(top: &Level, node: NodeId, fh: plyfs_stack::FileHandle, src: &Path, bar: &dyn Progress) -> Res<()> {
-    let at = |e: plyfs_stack::Error| format!("{}: {e}", src.display());
-    let f = fs::File::open(src).map_err(|e| format!("{}: {e}", src.display()))?;
-    let size = f.metadata().map_err(|e| format!("{}: {e}", src.display()))?.len();
+    let f = fs::File::open(src).map_err(|e| Error::path("", src, e))?;
+    let size = f.metadata().map_err(|e| Error::path("", src, e))?.len();
     let mut buf = vec![0u8; 1 << 20];
     let mut data_bytes = 0;
     let copied = for_each_data_extent(size, seek_fd(f.as_raw_fd()), |start, end| {
@@ -245,7 +247,7 @@ fn copy_into(top: &Level, node: NodeId, fh: plyfs_stack::FileHandle, src: &Path,
         }
         Ok(())
     });
-    copied.and_then(|()| set_length(top, node, fh, size)).map_err(at)?;
+    copied.and_then(|()| set_length(top, node, fh, size)).map_err(|e| Error::file(src, "writing", e))?;
     // The holes count as done.
     bar.advance(size.saturating_sub(data_bytes));
     Ok(())
@@ -261,7 +263,7 @@ fn set_length(top: &Level, node: NodeId, fh: plyfs_stack::FileHandle, size: u64)
 /// the plain bytes written.
 pub fn decode(lower: &Path, dest: &Path, spec: &str, branches: &[String], sub: Option<&Path>, bar: &dyn Progress) -> Res<u64> {
     if fs::symlink_metadata(dest).is_ok() {
-        return Err(format!("{}: already exists; decode into a new path", dest.display()));
+        return Err(Error::path("", dest, "already exists; decode into a new path"));
     }
     let (stack, _locks) = open_stack(lower, spec, branches, "decode", false)?;
     let top = stack.top().clone();
@@ -290,7 +292,7 @@ pub fn decode(lower: &Path, dest: &Path, spec: &str, branches: &[String], sub: O
             if e.attr.nlink > 1 && e.attr.kind != FileKind::Dir {
                 if let Some(first) = links.get(&e.node) {
                     bar.advance(e.attr.size);
-                    return fs::hard_link(first, &out).map_err(|err| format!("{}: {err}", out.display()));
+                    return fs::hard_link(first, &out).map_err(|err| Error::path("", &out, err));
                 }
                 links.insert(e.node, out.clone());
             }
@@ -325,7 +327,7 @@ fn attr_meta(a: &plyfs_stack::Attr) -> PlainAttrs {
 }
 
 fn set_plain_attrs(path: &Path, a: &PlainAttrs, is_link: bool) -> Res<()> {
-    let at = |e: std::io::Error| format!("{}: {e}", path.display());
+    let at = |e: std::io::Error| Error::path("", path, e);
     if unsafe { libc::geteuid() } == 0 {
         std::os::unix::fs::lchown(path, Some(a.uid), Some(a.gid)).map_err(at)?;
     }
@@ -341,22 +343,22 @@ fn set_plain_attrs(path: &Path, a: &PlainAttrs, is_link: bool) -> Res<()> {
 }
 
 fn decode_one(top: &Level, e: &Entry, out: &Path, bar: &dyn Progress) -> Res<()> {
-    let at = |err: plyfs_stack::Error| format!("{}: {err}", out.display());
+    let at = |op: &'static str| move |err: plyfs_stack::Error| Error::file(out, op, err);
     match e.attr.kind {
-        FileKind::Dir => fs::create_dir(out).map_err(|err| format!("{}: {err}", out.display())),
+        FileKind::Dir => fs::create_dir(out).map_err(|err| Error::path("", out, err)),
         FileKind::Symlink => {
-            let target = match top.call(&cx(), &Op::ReadLink { node: e.node }).map_err(at)? {
+            let target = match top.call(&cx(), &Op::ReadLink { node: e.node }).map_err(at("reading the link"))? {
                 plyfs_stack::Reply::Data(d) => d,
-                _ => return Err(format!("{}: readlink gave no target", out.display())),
+                _ => return Err(Error::file(out, "reading the link", "no target came back")),
             };
-            std::os::unix::fs::symlink(OsStr::from_bytes(&target), out).map_err(|err| format!("{}: {err}", out.display()))?;
+            std::os::unix::fs::symlink(OsStr::from_bytes(&target), out).map_err(|err| Error::path("", out, err))?;
             set_plain_attrs(out, &attr_meta(&e.attr), true)
         }
         FileKind::File => {
-            let opened = top.open(&cx(), e.node, libc::O_RDONLY).map_err(at)?;
+            let opened = top.open(&cx(), e.node, libc::O_RDONLY).map_err(at("opening"))?;
             // Only the data the stack holds is written, so the decoded file keeps its holes.
             let copied = (|| -> Res<()> {
-                let f = fs::File::create(out).map_err(|err| format!("{}: {err}", out.display()))?;
+                let f = fs::File::create(out).map_err(|err| Error::path("", out, err))?;
                 let file = (e.node, opened.fh);
                 let mut data_bytes = 0;
                 for_each_data_extent(e.attr.size, seek_level(top, e.node, opened.fh), |start, end| {
@@ -366,8 +368,8 @@ fn decode_one(top: &Level, e: &Entry, out: &Path, bar: &dyn Progress) -> Res<()>
                         Ok(f.write_all_at(data, off)?)
                     })
                 })
-                .map_err(at)?;
-                f.set_len(e.attr.size).map_err(|err| format!("{}: {err}", out.display()))?;
+                .map_err(at("decoding"))?;
+                f.set_len(e.attr.size).map_err(|err| Error::path("", out, err))?;
                 // The holes count as done.
                 bar.advance(e.attr.size.saturating_sub(data_bytes));
                 Ok(())
@@ -383,9 +385,9 @@ fn decode_one(top: &Level, e: &Entry, out: &Path, bar: &dyn Progress) -> Res<()>
                 FileKind::CharDevice => libc::S_IFCHR,
                 _ => libc::S_IFBLK,
             };
-            let c = std::ffi::CString::new(out.as_os_str().as_bytes()).map_err(|err| err.to_string())?;
+            let c = std::ffi::CString::new(out.as_os_str().as_bytes()).map_err(|err| Error::path("", out, err))?;
             if unsafe { libc::mknod(c.as_ptr(), kind | u32::from(e.attr.perm), e.attr.rdev.into()) } != 0 {
-                return Err(format!("{}: {}", out.display(), std::io::Error::last_os_error()));
+                return Err(Error::path("", out, std::io::Error::last_os_error()));
             }
             set_plain_attrs(out, &attr_meta(&e.attr), false)
         }
@@ -423,22 +425,28 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool, bar: &d
                     Ok(_) => {}
                     Err(err) => {
                         top.forget(&cx(), e.node, 1);
-                        return Err(format!("--rebind: {}", stack.explain(err)));
+                        return Err(Error::file(rel, "binding to its place (--rebind)", stack.explain(err)));
                     }
                 }
             }
-            let v = top.extended(&cx(), e.node, "verify", &[]).map_err(|err| stack.explain(err).to_string());
+            let v = top.extended(&cx(), e.node, "verify", &[]);
             top.forget(&cx(), e.node, 1);
-            v
+            match v {
+                // A file that no size-changing layer encodes (its chain is `none`): nothing to check.
+                Err(plyfs_stack::Error::UnsupportedOp { .. }) => Ok(None),
+                Err(err) => Err(Error::file(rel, "verifying", stack.explain(err))),
+                Ok(v) => Ok(Some(v)),
+            }
         });
         match outcome {
-            Ok(v) if v.get("ok").and_then(|o| o.as_bool()) == Some(true) => {
+            Ok(None) => plain += 1,
+            Ok(Some(v)) if v.get("ok").and_then(|o| o.as_bool()) == Some(true) => {
                 if let Some(why) = v.get("index_rebuilt").and_then(|w| w.as_str()) {
                     bar.note(&format!("{}: repaired: the index was inconsistent ({why}); rebuilt from the data", rel.display()));
                     repaired += 1;
                 }
             }
-            Ok(v) => {
+            Ok(Some(v)) => {
                 let problems = v.get("problems").and_then(|p| p.as_array()).cloned().unwrap_or_default();
                 for p in &problems {
                     let what = p.get("error").and_then(|e| e.as_str()).unwrap_or("?");
@@ -446,10 +454,8 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool, bar: &d
                 }
                 damaged.push(rel.clone());
             }
-            // A file that no size-changing layer encodes (its chain is `none`): nothing to check.
-            Err(e) if e.starts_with("unsupported operation") => plain += 1,
             Err(e) => {
-                bar.note(&format!("{}: {e}", rel.display()));
+                bar.note(&e.to_string());
                 damaged.push(rel.clone());
             }
         }
@@ -482,7 +488,7 @@ pub fn du(path: &Path, spec: Option<&str>, branches: &[String]) -> Res<Vec<(Stri
     let mut rows: Vec<(String, u64, u64)> = Vec::new();
     match spec {
         None => {
-            let mut entries: Vec<_> = fs::read_dir(path).map_err(|e| format!("{}: {e}", path.display()))?.flatten().collect();
+            let mut entries: Vec<_> = fs::read_dir(path).map_err(|e| Error::path("", path, e))?.flatten().collect();
             entries.sort_by_key(|e| e.file_name());
             for e in entries {
                 let (decoded, stored) = plain_usage(&e.path());
@@ -493,7 +499,7 @@ pub fn du(path: &Path, spec: Option<&str>, branches: &[String]) -> Res<Vec<(Stri
             let (stack, _locks) = open_stack(path, spec, branches, "du", false)?;
             let top = stack.top().clone();
             let bottom = stack.levels().last().expect("bottom").clone();
-            for d in top.list_dir(&cx(), NodeId::ROOT).map_err(|e| e.to_string())? {
+            for d in top.list_dir(&cx(), NodeId::ROOT).map_err(|e| Error::file(path, "listing", e))? {
                 let e = lookup(&top, NodeId::ROOT, &d.name)?;
                 let (mut decoded, mut stored) = usage_of(&bottom, &e);
                 if e.attr.kind == FileKind::Dir {

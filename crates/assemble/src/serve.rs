@@ -36,25 +36,25 @@ pub struct ServePlan {
 }
 
 /// The TLS a server on `addr` needs: `psk` for a `tcp:` address, nothing for a Unix socket.
-pub fn tls_for(addr: &Addr, psk: Option<&Path>) -> Result<Option<Arc<TlsServer>>, String> {
+pub fn tls_for(addr: &Addr, psk: Option<&Path>) -> crate::Result<Option<Arc<TlsServer>>> {
     match (addr, psk) {
         (Addr::Tcp(_), Some(psk)) => Ok(Some(Arc::new(TlsServer::new(Psk::load(psk)?)?))),
-        (Addr::Tcp(_), None) => Err(format!("--listen {addr}: TCP needs --psk FILE (clients must prove they hold the key)")),
-        (Addr::Unix(_), Some(_)) => Err("--psk is for tcp: addresses; a Unix socket checks its peers' user ids".into()),
+        (Addr::Tcp(_), None) => Err(crate::Error::Run(format!("--listen {addr}: TCP needs --psk FILE (clients must prove they hold the key)"))),
+        (Addr::Unix(_), Some(_)) => Err(crate::Error::Run("--psk is for tcp: addresses; a Unix socket checks its peers' user ids".into())),
         (Addr::Unix(_), None) => Ok(None),
     }
 }
 
 /// Build the stack of `plan` and serve it until one of the blocked `signals` comes. The caller
 /// holds the lower locks and has unlocked the crypt volumes.
-pub fn run(plan: ServePlan, signals: SigSet) -> Result<(), String> {
+pub fn run(plan: ServePlan, signals: SigSet) -> crate::Result<()> {
     let ServePlan { specs, lower, addr, tls, branches, rules, as_stored, options, allow_uids, identity } = plan;
     // Modes arrive already masked by the client's kernel.
     unsafe { libc::umask(0) };
     plyfs_stack::raise_fd_limit();
     let stack = if as_stored {
         if !branches.is_empty() {
-            return Err("--as-stored serves one directory: no --branch".into());
+            return Err(crate::Error::Run("--as-stored serves one directory: no --branch".into()));
         }
         crate::tree::build_stored_stack(&specs, &lower, rules.as_deref())?
     } else {
@@ -82,18 +82,18 @@ pub fn run(plan: ServePlan, signals: SigSet) -> Result<(), String> {
             }
             std::process::exit(0);
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| crate::Error::Run(e.to_string()))?;
 
     match &addr {
         Addr::Unix(path) => {
             let listener = bind_unix(path)?;
             tracing::info!("serving {lower} with stack [{}] on {addr}", names.join(", "));
-            serve_unix(server, listener, UnixPolicy { allow_uids })
+            serve_unix(server, listener, UnixPolicy { allow_uids }).map_err(crate::Error::Run)
         }
         Addr::Tcp(hostport) => {
             let listener = std::net::TcpListener::bind(hostport).map_err(|e| format!("--listen {addr}: {e}"))?;
             tracing::info!("serving {lower} with stack [{}] on {addr} (TLS, pre-shared key)", names.join(", "));
-            tls.ok_or_else(|| format!("--listen {addr}: TCP needs TLS"))?.serve(server, listener, identity)
+            tls.ok_or_else(|| crate::Error::Spec(format!("--listen {addr}: TCP needs TLS")))?.serve(server, listener, identity).map_err(crate::Error::Run)
         }
     }
 }
@@ -101,14 +101,14 @@ pub fn run(plan: ServePlan, signals: SigSet) -> Result<(), String> {
 /// Run the layers `specs` (linear, no fan-out; `what` as the user gave them) for every mount
 /// that connects to `socket`, each with layers of its own over its own lower levels, until one
 /// of the blocked `signals` comes.
-pub fn host(specs: Vec<LayerSpec>, what: &str, socket: &Path, signals: SigSet) -> Result<(), String> {
+pub fn host(specs: Vec<LayerSpec>, what: &str, socket: &Path, signals: SigSet) -> crate::Result<()> {
     let registry = crate::registry();
     if let Some(s) = specs.iter().find(|s| plyfs_stack::is_fan_out(registry, &s.kind)) {
-        return Err(format!("layer '{}' fans out: only linear layers can be hosted", s.kind));
+        return Err(crate::Error::Run(format!("layer '{}' fans out: only linear layers can be hosted", s.kind)));
     }
     // Check the layers build before listening, so mistakes are reported now.
     let probe = plyfs_transport::host::Below::new();
-    plyfs_stack::Stack::build_over(&specs, registry, vec![plyfs_stack::Level::new(probe)]).map_err(|e| e.to_string())?;
+    plyfs_stack::Stack::build_over(&specs, registry, vec![plyfs_stack::Level::new(probe)]).map_err(|e| crate::Error::Run(e.to_string()))?;
     let listener = bind_unix(socket)?;
     let path = socket.to_owned();
     std::thread::Builder::new()
@@ -118,7 +118,7 @@ pub fn host(specs: Vec<LayerSpec>, what: &str, socket: &Path, signals: SigSet) -
             let _ = std::fs::remove_file(path);
             std::process::exit(0);
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| crate::Error::Run(e.to_string()))?;
     tracing::info!("hosting [{what}] on {}", socket.display());
     for stream in listener.incoming() {
         let stream = stream.map_err(|e| format!("accept: {e}"))?;

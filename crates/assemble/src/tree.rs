@@ -22,19 +22,19 @@ pub struct MountBranches {
 }
 
 /// A `--branch DIR[=ro|rw]` argument.
-pub fn parse_branch_arg(arg: &str) -> Result<(PathBuf, Option<BranchMode>), String> {
+pub fn parse_branch_arg(arg: &str) -> crate::Result<(PathBuf, Option<BranchMode>)> {
     match arg.rsplit_once('=') {
         Some((dir, mode)) => match BranchMode::parse(mode) {
             Some(m) if !dir.is_empty() => Ok((PathBuf::from(dir), Some(m))),
-            _ => Err(format!("--branch {arg}: expected DIR, DIR=ro or DIR=rw")),
+            _ => Err(crate::Error::Spec(format!("--branch {arg}: expected DIR, DIR=ro or DIR=rw"))),
         },
-        None if arg.is_empty() => Err("--branch: empty directory".into()),
+        None if arg.is_empty() => Err(crate::Error::Spec("--branch: empty directory".into())),
         None => Ok((PathBuf::from(arg), None)),
     }
 }
 
 impl MountBranches {
-    fn branch_dir(&self, name: &str, dir: &Path) -> Result<PathBuf, String> {
+    fn branch_dir(&self, name: &str, dir: &Path) -> crate::Result<PathBuf> {
         let dir = crate::dirs::existing_dir(&format!("branch '{name}':"), dir)?;
         if let Some(mnt) = &self.mountpoint {
             crate::nesting::check_apart(&format!("branch '{name}'"), &dir, mnt)?;
@@ -46,7 +46,7 @@ impl MountBranches {
 impl BranchBuilder for MountBranches {
     fn build(&self, name: &str, spec: &BranchSpec) -> plyfs_stack::Result<Branch> {
         let dir = spec.dir.as_deref().ok_or_else(|| Error::config(format!("branch '{name}': no directory")))?;
-        let dir = self.branch_dir(name, dir).map_err(Error::Config)?;
+        let dir = self.branch_dir(name, dir).map_err(|e| Error::config(e.to_string()))?;
         let rules = match &self.rules {
             Some(path) => Some(crate::dirs::load_rules(path, &dir).map_err(|e| Error::config(format!("branch '{name}': {e}")))?),
             None => None,
@@ -71,7 +71,7 @@ pub(crate) fn decrypts(specs: &[LayerSpec]) -> bool {
 /// `plyfs serve --as-stored`: a linear stack over the directory as it is stored, without the
 /// names layer a crypt volume gets otherwise, so that names and contents leave the server
 /// encrypted (the server holds no key; its clients decrypt with `--stack crypt,remote`).
-pub fn build_stored_stack(specs: &[LayerSpec], lower: &Path, rules: Option<&Path>) -> Result<Stack, String> {
+pub fn build_stored_stack(specs: &[LayerSpec], lower: &Path, rules: Option<&Path>) -> crate::Result<Stack> {
     if decrypts(specs) {
         return Err(
             "--as-stored serves a crypt volume encrypted, for clients to decrypt: a crypt layer in --stack would need its key here"
@@ -79,10 +79,10 @@ pub fn build_stored_stack(specs: &[LayerSpec], lower: &Path, rules: Option<&Path
         );
     }
     if let Some(s) = specs.iter().find(|s| plyfs_stack::is_fan_out(crate::registry(), &s.kind)) {
-        return Err(format!("--as-stored: layer '{}' fans out; --as-stored serves one directory", s.kind));
+        return Err(crate::Error::Spec(format!("--as-stored: layer '{}' fans out; --as-stored serves one directory", s.kind)));
     }
     let rules = rules.map(|r| crate::dirs::load_rules(r, lower)).transpose()?;
-    linear_stack(specs, rules, lower, false).map_err(|e| e.to_string())
+    linear_stack(specs, rules, lower, false).map_err(|e| crate::Error::Spec(e.to_string()))
 }
 
 /// Build a mount's stack over `lower` (with `--branch` directories for a fan-out layer).
@@ -92,7 +92,7 @@ pub fn build_stack(
     branches: &[String],
     rules: Option<&Path>,
     mountpoint: Option<&Path>,
-) -> Result<Stack, String> {
+) -> crate::Result<Stack> {
     let lower = match lower {
         Lower::Dir(dir) => dir,
         Lower::Exodisk(_) => {
@@ -100,56 +100,56 @@ pub fn build_stack(
                 || !branches.is_empty()
                 || rules.is_some()
             {
-                return Err(format!("{lower}: fan-out layers and --rules need lower directories"));
+                return Err(crate::Error::Spec(format!("{lower}: fan-out layers and --rules need lower directories")));
             }
             let bottom = lower.bottom()?;
-            return Stack::build_over(specs, crate::registry(), vec![bottom]).map_err(|e| e.to_string());
+            return Stack::build_over(specs, crate::registry(), vec![bottom]).map_err(|e| crate::Error::Spec(e.to_string()));
         }
         Lower::Remote { .. } => {
             if specs.iter().any(|s| plyfs_stack::is_fan_out(crate::registry(), &s.kind)) || !branches.is_empty() {
-                return Err(format!("{lower}: a fan-out layer over a remote stack is not supported; serve the tree instead (plyfs serve --stack 'union[...]')"));
+                return Err(crate::Error::Spec(format!("{lower}: a fan-out layer over a remote stack is not supported; serve the tree instead (plyfs serve --stack 'union[...]')")));
             }
             // Per-file chains and crypt volumes are the server's: its own policy layer keeps
             // the attributes they are recorded in, and refuses them to clients.
             if rules.is_some() {
-                return Err(format!("--rules: per-file rules of a remote stack run on the server (plyfs serve {lower} --rules FILE)"));
+                return Err(crate::Error::Spec(format!("--rules: per-file rules of a remote stack run on the server (plyfs serve {lower} --rules FILE)")));
             }
             let mut bottom = lower.bottom()?;
             if decrypts(specs) {
                 // A crypt volume served as it is stored: its names are decrypted here too.
                 bottom = plyfs_layers::crypt::with_names(bottom).map_err(|e| format!("{lower}: {e}"))?;
             }
-            return Stack::build_over(specs, crate::registry(), vec![bottom]).map_err(|e| e.to_string());
+            return Stack::build_over(specs, crate::registry(), vec![bottom]).map_err(|e| crate::Error::Spec(e.to_string()));
         }
     };
     let registry = crate::registry();
     let cli = branches.iter().map(|b| parse_branch_arg(b)).collect::<Result<Vec<_>, _>>()?;
     let mut specs = specs.to_vec();
-    plyfs_stack::assign_branch_dirs(&mut specs, registry, lower.to_owned(), cli).map_err(|e| e.to_string())?;
+    plyfs_stack::assign_branch_dirs(&mut specs, registry, lower.to_owned(), cli).map_err(|e| crate::Error::Spec(e.to_string()))?;
     let Some(pos) = specs.iter().position(|s| plyfs_stack::is_fan_out(registry, &s.kind)) else {
         let rules = rules.map(|r| crate::dirs::load_rules(r, lower)).transpose()?;
-        return linear_stack(&specs, rules, lower, true).map_err(|e| e.to_string());
+        return linear_stack(&specs, rules, lower, true).map_err(|e| crate::Error::Spec(e.to_string()));
     };
     let (trunk, fan) = (&specs[..pos], &specs[pos]);
     if let Some(below) = specs.get(pos + 1) {
-        return Err(format!(
+        return Err(crate::Error::Spec(format!(
             "layer '{}' sits below the fan-out layer '{}': layers below a fan-out layer go in its branches ({}[{}|...])",
             below.kind, fan.kind, fan.kind, below.kind
-        ));
+        )));
     }
     let builder = Arc::new(MountBranches { mountpoint: mountpoint.map(Path::to_owned), rules: rules.map(Path::to_owned) });
     let fan_name = fan.params.iter().find(|(k, _)| k == "name").map_or(fan.kind.as_str(), |(_, v)| v.as_str());
-    let fan_level = Stack::build_fan_out(fan, fan_name, registry, builder).map_err(|e| e.to_string())?;
-    let stack = Stack::build_over(trunk, registry, vec![fan_level]).map_err(|e| e.to_string())?;
+    let fan_level = Stack::build_fan_out(fan, fan_name, registry, builder).map_err(|e| crate::Error::Spec(e.to_string()))?;
+    let stack = Stack::build_over(trunk, registry, vec![fan_level]).map_err(|e| crate::Error::Spec(e.to_string()))?;
     if let Some(l) = stack.layers().iter().find(|l| l.layer().data_path() == DataPath::Transforms) {
-        return Err(format!(
+        return Err(crate::Error::Spec(format!(
             "layer '{}' transforms data, so it cannot sit above the fan-out layer '{}': put it in the branches ({}[{}|{}])",
             l.name(),
             fan_name,
             fan.kind,
             l.layer().kind(),
             l.layer().kind()
-        ));
+        )));
     }
     Ok(stack)
 }

@@ -250,7 +250,7 @@ fn serve(
         Ok(reverse) => {
             let (branches, rules) = (args.tree.branches.clone(), args.tree.rules.clone());
             let plan = MountPlan { specs, opts, lower, mountpoint, branches, rules, reverse };
-            plyfs_assemble::mount::run(plan, signals, &mut ready)
+            plyfs_assemble::mount::run(plan, signals, &mut ready).map_err(String::from)
         }
         Err(e) => Err(e),
     };

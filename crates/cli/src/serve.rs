@@ -94,7 +94,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         allow_uids: args.allow_uids.clone(),
         identity: if args.no_root_squash { Identity::AsSent } else { Identity::RootSquash },
     };
-    plyfs_assemble::serve::run(plan, signals)
+    Ok(plyfs_assemble::serve::run(plan, signals)?)
 }
 
 /// What a server takes from its clients before it refuses or waits (#28; `docs/protocol.md`,
@@ -168,5 +168,5 @@ pub fn host(args: HostArgs) -> Result<(), String> {
     let signals = plyfs_assemble::mount::block_signals();
     crate::daemon::init_logging(args.verbose);
     let specs = parse_stack_spec(&args.layers).map_err(|e| e.to_string())?;
-    plyfs_assemble::serve::host(specs, &args.layers, &args.socket, signals)
+    Ok(plyfs_assemble::serve::host(specs, &args.layers, &args.socket, signals)?)
 }
