@@ -87,7 +87,7 @@ impl SecretArgs {
         }
         if self.masterkey {
             let text = prompt_for("Master key (nine groups of eight hex digits): ", "master key", "--masterkey-file FILE")?;
-            return MasterKey::from_recovery_text(&text).map(Secret::MasterKey);
+            return MasterKey::from_recovery_text(&text).map(Secret::MasterKey).map_err(String::from);
         }
         if let Some(path) = &self.keyfile {
             let bytes = std::fs::read(path).map_err(|e| format!("key file {}: {e}", path.display()))?;
@@ -164,7 +164,7 @@ pub fn unlock_if_volume(lower: &Path, secret: &SecretArgs) -> Result<Option<Volu
         return Ok(None);
     }
     let s = secret.get(&format!("Password for {}", lower.display()), false)?;
-    keys::unlock(lower, &s).map(Some)
+    keys::unlock(lower, &s).map(Some).map_err(String::from)
 }
 
 /// Unlock as [`unlock_if_volume`] and register the key.
@@ -205,7 +205,7 @@ pub fn unlock_configs(configs: &[FoundVolume], secret: &SecretArgs) -> Result<Ve
         .iter()
         .map(|(name, file, config)| {
             let s = secret.get(&format!("Password for {name}"), false)?;
-            keys::unlock_config(config, file, &s).map(keys::register)
+            keys::unlock_config(config, file, &s).map(keys::register).map_err(String::from)
         })
         .collect()
 }

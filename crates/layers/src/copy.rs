@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
+use plyfs_sca::{build_sca_layer, Codec, Error as CodecError, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
 use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
 pub struct Copy;
@@ -13,12 +13,12 @@ impl Codec for Copy {
         *b"copy"
     }
 
-    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
         out.extend_from_slice(chunk);
         Ok(())
     }
 
-    fn decode(&self, encoded: &[u8], _decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn decode(&self, encoded: &[u8], _decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
         out.extend_from_slice(encoded);
         Ok(())
     }

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
-use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, FAST_TAILS_PARAM};
+use plyfs_sca::{build_sca_layer, Codec, Error as CodecError, CHUNK_PARAM, FAST_TAILS_PARAM};
 use plyfs_stack::spec::{ParamSpec, ANY_PARAM};
 use plyfs_stack::{Build, BuildArgs, Caller, DataPath, Error, ExtOpInfo, Layer, LayerFactory, Level, Op, Reply, Result};
 use plyfs_transport::client::{CallError, Connection, Incoming};
@@ -115,13 +115,15 @@ impl Peer {
                 Ok(c)
             }
             Err(e) => {
-                tracing::error!("{}: {e}", self.describe());
+                tracing::error!("{e}");
                 Err(Error::Os(libc::EIO))
             }
         }
     }
 
-    fn start(&self) -> std::result::Result<Arc<Connection>, String> {
+    /// Connect to the process, starting it first if it is a script.
+    fn start(&self) -> std::result::Result<Arc<Connection>, crate::Error> {
+        let failed = |doing: &str, e: &dyn std::fmt::Display| crate::Error::Connect { peer: self.describe(), why: format!("{doing}: {e}") };
         let incoming: Option<Incoming> = self.below.clone().map(|below| -> Incoming {
             Arc::new(move |caller, op, payload| {
                 let result = op.stack_op(&payload).and_then(|op| below.call(&caller.into(), &op));
@@ -129,10 +131,11 @@ impl Peer {
             })
         });
         let stream: UnixStream = match &self.endpoint {
-            Endpoint::Socket(path) => UnixStream::connect(path).map_err(|e| format!("{}: {e}", path.display()))?,
+            Endpoint::Socket(path) => UnixStream::connect(path).map_err(|e| failed(&format!("connecting to {}", path.display()), &e))?,
             Endpoint::Script { python, script, params } => {
-                let (ours, theirs) = UnixStream::pair().map_err(|e| e.to_string())?;
-                let child = spawn_script(python, script, params, theirs.into())?;
+                let (ours, theirs) = UnixStream::pair().map_err(|e| failed("making a socket pair", &e))?;
+                let child = spawn_script(python, script, params, theirs.into())
+                    .map_err(|e| failed(&format!("cannot run {python} {}", script.display()), &e))?;
                 if let Some(mut old) = self.child.lock().replace(child) {
                     let _ = old.kill();
                     let _ = old.wait();
@@ -140,7 +143,7 @@ impl Peer {
                 ours
             }
         };
-        Connection::open_with(Box::new(stream), None, self.timeout, Arc::new(|_| {}), incoming).map_err(|e| e.to_string())
+        Connection::open_with(Box::new(stream), None, self.timeout, Arc::new(|_| {}), incoming).map_err(|e| failed("opening the connection", &e))
     }
 
     /// Send one request; a lost process is one log line and `EIO`.
@@ -192,7 +195,7 @@ fn spawn_script(
     script: &std::path::Path,
     params: &[(String, String)],
     sock: OwnedFd,
-) -> std::result::Result<Child, String> {
+) -> std::io::Result<Child> {
     let params = serde_json::Value::Object(params.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect());
     let raw = sock.as_raw_fd();
     let mut cmd = Command::new(python);
@@ -208,7 +211,7 @@ fn spawn_script(
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(|e| format!("cannot run {python} {}: {e}", script.display()))?;
+    let child = cmd.spawn()?;
     drop(sock);
     Ok(child)
 }
@@ -363,17 +366,19 @@ struct RemoteCodec {
 }
 
 impl RemoteCodec {
-    fn run(&self, op: CodecOp, input: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    /// Run `op` in the process; `failed` makes the error (an encoding's or a decoding's) from
+    /// what went wrong.
+    fn run(&self, op: CodecOp, input: &[u8], out: &mut Vec<u8>, failed: fn(String) -> CodecError) -> std::result::Result<(), CodecError> {
         let op = RequestOp::from(op);
-        let what = op.name().to_owned();
+        let fail = |why: &dyn std::fmt::Display| failed(format!("{}: {why}", self.peer.describe()));
         match self.peer.call(&Caller::daemon(), op, input) {
             Ok((WireReply::Data, data)) => {
                 out.extend_from_slice(&data);
                 Ok(())
             }
-            Ok((WireReply::Error(e), _)) => Err(format!("{what}: {}", e.msg)),
-            Ok(_) => Err(format!("{what}: the codec answered with something else than data")),
-            Err(e) => Err(format!("{what}: {}: {e}", self.peer.describe())),
+            Ok((WireReply::Error(e), _)) => Err(fail(&e.msg)),
+            Ok(_) => Err(fail(&"the codec answered with something else than data")),
+            Err(e) => Err(fail(&e)),
         }
     }
 }
@@ -383,15 +388,15 @@ impl Codec for RemoteCodec {
         self.tag
     }
 
-    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
-        self.run(CodecOp::Encode { chunk: 0 }, chunk, out)
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
+        self.run(CodecOp::Encode { chunk: 0 }, chunk, out, CodecError::encode)
     }
 
-    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
         let before = out.len();
-        self.run(CodecOp::Decode { chunk: 0, decoded_len: decoded_len as u64 }, encoded, out)?;
+        self.run(CodecOp::Decode { chunk: 0, decoded_len: decoded_len as u64 }, encoded, out, CodecError::decode)?;
         if out.len() - before != decoded_len {
-            return Err(format!("decode gave {} bytes instead of {decoded_len}", out.len() - before));
+            return Err(CodecError::DecodedLength { got: out.len() - before, expected: decoded_len });
         }
         Ok(())
     }

@@ -105,20 +105,24 @@ const ERRNOS: &[(&str, i32)] = &[
     ("ENXIO", libc::ENXIO),
 ];
 
-fn parse_errno(text: &str) -> std::result::Result<i32, String> {
+fn rule_error(why: impl Into<String>) -> crate::Error {
+    crate::Error::BadRule { why: why.into() }
+}
+
+fn parse_errno(text: &str) -> std::result::Result<i32, crate::Error> {
     if let Ok(n) = text.parse::<i32>() {
-        return if n > 0 && n < 4096 { Ok(n) } else { Err(format!("error={text}: not an errno")) };
+        return if n > 0 && n < 4096 { Ok(n) } else { Err(rule_error(format!("error={text}: not an errno"))) };
     }
     let upper = text.to_ascii_uppercase();
     ERRNOS.iter().find(|(n, _)| *n == upper).map(|(_, e)| *e).ok_or_else(|| {
         let names: Vec<&str> = ERRNOS.iter().map(|(n, _)| *n).collect();
-        format!("error={text}: unknown error (a number, or one of {})", names.join(", "))
+        rule_error(format!("error={text}: unknown error (a number, or one of {})", names.join(", ")))
     })
 }
 
 /// `250ms`, `2s`, `1.5s`, `100us`.
-fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
-    let bad = || format!("delay={text}: expected a duration such as 200ms or 1.5s");
+fn parse_duration(text: &str) -> std::result::Result<Duration, crate::Error> {
+    let bad = || rule_error(format!("delay={text}: expected a duration such as 200ms or 1.5s"));
     let split = text.find(|c: char| c.is_ascii_alphabetic()).ok_or_else(bad)?;
     let value: f64 = text[..split].parse().map_err(|_| bad())?;
     let unit = match &text[split..] {
@@ -130,23 +134,23 @@ fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
     };
     let secs = value * unit;
     if !(0.0..=3600.0).contains(&secs) {
-        return Err(format!("delay={text}: between 0 and one hour"));
+        return Err(rule_error(format!("delay={text}: between 0 and one hour")));
     }
     Ok(Duration::from_secs_f64(secs))
 }
 
-fn parse_amount(key: &str, text: &str) -> std::result::Result<Amount, String> {
+fn parse_amount(key: &str, text: &str) -> std::result::Result<Amount, crate::Error> {
     match text.strip_suffix('%') {
         Some(p) => match p.parse::<u64>() {
             Ok(p) if p <= 100 => Ok(Amount::Percent(p)),
-            _ => Err(format!("{key}={text}: a percentage is 0% to 100%")),
+            _ => Err(rule_error(format!("{key}={text}: a percentage is 0% to 100%"))),
         },
-        None => parse_size(text).map(Amount::Bytes).ok_or_else(|| format!("{key}={text}: expected bytes (4096, 4k) or a percentage")),
+        None => parse_size(text).map(Amount::Bytes).ok_or_else(|| rule_error(format!("{key}={text}: expected bytes (4096, 4k) or a percentage"))),
     }
 }
 
 /// Parse one rule from its words (`key=value`, separated by spaces or commas).
-fn parse_rule(id: u64, text: &str) -> std::result::Result<Rule, String> {
+fn parse_rule(id: u64, text: &str) -> std::result::Result<Rule, crate::Error> {
     let mut rule = Rule {
         id,
         text: String::new(),
@@ -160,17 +164,17 @@ fn parse_rule(id: u64, text: &str) -> std::result::Result<Rule, String> {
     let mut action = None;
     let words: Vec<&str> = text.split(|c: char| c.is_whitespace() || c == ',').filter(|w| !w.is_empty()).collect();
     if words.is_empty() {
-        return Err("an empty rule: say what to inject (error=, delay=, short= or torn=)".into());
+        return Err(rule_error("an empty rule: say what to inject (error=, delay=, short= or torn=)"));
     }
     for word in &words {
-        let (key, value) = word.split_once('=').ok_or_else(|| format!("'{word}' is not key=value"))?;
+        let (key, value) = word.split_once('=').ok_or_else(|| rule_error(format!("'{word}' is not key=value")))?;
         let mut set_action = |a: Action| match action.replace(a) {
             None => Ok(()),
-            Some(_) => Err("a rule does one thing: give only one of error=, delay=, short= and torn=".to_owned()),
+            Some(_) => Err(rule_error("a rule does one thing: give only one of error=, delay=, short= and torn=")),
         };
         match key {
             "op" => rule.ops = value.split('|').filter(|o| !o.is_empty() && *o != "*").map(str::to_owned).collect(),
-            "path" => rule.glob = Some(Glob::new(value).map_err(|e| format!("path={value}: {e}"))?),
+            "path" => rule.glob = Some(Glob::new(value).map_err(|e| rule_error(format!("path={value}: {e}")))?),
             "p" => {
                 let p = match value.strip_suffix('%') {
                     Some(pct) => pct.parse::<f64>().map(|v| v / 100.0),
@@ -179,17 +183,17 @@ fn parse_rule(id: u64, text: &str) -> std::result::Result<Rule, String> {
                 rule.probability = p
                     .ok()
                     .filter(|p| (0.0..=1.0).contains(p))
-                    .ok_or_else(|| format!("p={value}: a probability is 0 to 1 (or 0% to 100%)"))?;
+                    .ok_or_else(|| rule_error(format!("p={value}: a probability is 0 to 1 (or 0% to 100%)")))?;
             }
-            "count" => rule.remaining = Some(value.parse().map_err(|_| format!("count={value}: expected a number"))?),
+            "count" => rule.remaining = Some(value.parse().map_err(|_| rule_error(format!("count={value}: expected a number")))?),
             "error" => set_action(Action::Error(parse_errno(value)?))?,
             "delay" => set_action(Action::Delay(parse_duration(value)?))?,
             "short" => set_action(Action::Short(parse_amount(key, value)?))?,
-            "torn" => set_action(Action::Torn(parse_size(value).ok_or_else(|| format!("torn={value}: expected bytes (4096, 4k)"))?))?,
-            other => return Err(format!("unknown key '{other}' (op, path, p, count, error, delay, short, torn)")),
+            "torn" => set_action(Action::Torn(parse_size(value).ok_or_else(|| rule_error(format!("torn={value}: expected bytes (4096, 4k)")))?))?,
+            other => return Err(rule_error(format!("unknown key '{other}' (op, path, p, count, error, delay, short, torn)"))),
         }
     }
-    rule.action = action.ok_or("say what to inject: error=, delay=, short= or torn=")?;
+    rule.action = action.ok_or_else(|| rule_error("say what to inject: error=, delay=, short= or torn="))?;
     rule.text = words.join(" ");
     Ok(rule)
 }
@@ -277,7 +281,7 @@ impl Fault {
         Some(rule.action.clone())
     }
 
-    fn add(&self, text: &str) -> std::result::Result<Value, String> {
+    fn add(&self, text: &str) -> std::result::Result<Value, crate::Error> {
         let rule = parse_rule(self.next_id.fetch_add(1, Ordering::Relaxed), text)?;
         let shown = json!({ "id": rule.id, "rule": rule.text });
         tracing::info!("fault '{}': rule {} added: {}", self.name, rule.id, rule.text);
@@ -372,7 +376,7 @@ impl Layer for Fault {
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         match *op {
-            Op::Extended { name: "fault-add", args, .. } => self.add(&args.join(" ")).map(Reply::Extended).map_err(Error::BadArgs),
+            Op::Extended { name: "fault-add", args, .. } => self.add(&args.join(" ")).map(Reply::Extended).map_err(|e| Error::BadArgs(e.to_string())),
             Op::Extended { name: "fault-list", .. } => Ok(Reply::Extended(self.list())),
             Op::Extended { name: "fault-clear", args, .. } => self.clear(args).map(Reply::Extended),
             Op::Forget { node, nlookup } => {
@@ -443,7 +447,7 @@ mod tests {
         assert_eq!(parse_rule(1, "op=read,short=25%").unwrap().action, Action::Short(Amount::Percent(25)));
         assert_eq!(parse_rule(1, "torn=4k").unwrap().action, Action::Torn(4096));
         assert_eq!(parse_rule(1, "error=5").unwrap().action, Action::Error(5));
-        let err = |t: &str| parse_rule(1, t).unwrap_err();
+        let err = |t: &str| parse_rule(1, t).unwrap_err().to_string();
         assert!(err("").contains("empty rule"));
         assert!(err("op=write").contains("say what to inject"));
         assert!(err("error=EIO delay=1s").contains("only one of"));

@@ -5,7 +5,7 @@ use std::ops::RangeInclusive;
 use std::sync::Arc;
 
 use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
-use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
+use plyfs_sca::{build_sca_layer, Codec, Error as CodecError, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
 use plyfs_stack::spec::{ParamSpec, Params};
 use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
@@ -30,7 +30,7 @@ impl Codec for Gzip {
         *b"gzip"
     }
 
-    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
         DEFLATE.with_borrow_mut(|slot| {
             let (_, deflate) = match slot {
                 Some((level, d)) if *level == self.level => {
@@ -43,13 +43,13 @@ impl Codec for Gzip {
             out.reserve(chunk.len() + chunk.len() / 1000 + 64);
             match deflate.compress_vec(chunk, out, FlushCompress::Finish) {
                 Ok(Status::StreamEnd) => Ok(()),
-                Ok(status) => Err(format!("deflate stopped early ({status:?})")),
-                Err(e) => Err(e.to_string()),
+                Ok(status) => Err(CodecError::encode(format!("deflate stopped early ({status:?})"))),
+                Err(e) => Err(CodecError::encode(e)),
             }
         })
     }
 
-    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
         INFLATE.with_borrow_mut(|slot| {
             let inflate = match slot {
                 Some(d) => {
@@ -62,8 +62,8 @@ impl Codec for Gzip {
             let before = out.len();
             match inflate.decompress_vec(encoded, out, FlushDecompress::Finish) {
                 Ok(Status::StreamEnd) if out.len() - before == decoded_len => Ok(()),
-                Ok(_) => Err("the deflate stream does not decode to the chunk".into()),
-                Err(e) => Err(e.to_string()),
+                Ok(_) => Err(CodecError::decode("the deflate stream does not decode to the chunk")),
+                Err(e) => Err(CodecError::decode(e)),
             }
         })
     }

@@ -9,6 +9,7 @@
 
 pub mod copy;
 pub mod crypt;
+mod error;
 pub mod ext;
 pub mod fault;
 pub mod gzip;
@@ -26,6 +27,7 @@ pub mod uuencode;
 pub mod version;
 pub mod zstd;
 
+pub use error::Error;
 use plyfs_stack::LayerFactory;
 
 /// Every layer this build knows.

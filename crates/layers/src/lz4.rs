@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use plyfs_sca::codec::decode_in_place;
-use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
+use plyfs_sca::{build_sca_layer, Codec, Error as CodecError, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
 use plyfs_stack::spec::Params;
 use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
@@ -15,16 +15,16 @@ impl Codec for Lz4 {
         *b"lz4\0"
     }
 
-    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
         let start = out.len();
         out.resize(start + lz4_flex::block::get_maximum_output_size(chunk.len()), 0);
-        let n = lz4_flex::block::compress_into(chunk, &mut out[start..]).map_err(|e| e.to_string())?;
+        let n = lz4_flex::block::compress_into(chunk, &mut out[start..]).map_err(CodecError::encode)?;
         out.truncate(start + n);
         Ok(())
     }
 
-    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
-        decode_in_place(out, decoded_len, |dst| lz4_flex::block::decompress_into(encoded, dst).map_err(|e| e.to_string()))
+    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
+        decode_in_place(out, decoded_len, |dst| lz4_flex::block::decompress_into(encoded, dst).map_err(CodecError::decode))
     }
 
     fn store_raw_if_larger(&self) -> bool {

@@ -161,9 +161,9 @@ impl Remote {
                     }
                 }
             })
-            .map_err(|e| Error::config(e.to_string()))?;
+            .map_err(|e| Error::config(format!("{}: starting the thread that passes on invalidations: {e}", inner.name)))?;
         // One try: a server that is not there at mount time is a mistake to report, not wait out.
-        let conn = inner.reconnect(None, Instant::now()).map_err(Error::Config)?;
+        let conn = inner.reconnect(None, Instant::now()).map_err(|e| Error::Config(e.to_string()))?;
         // The server's extended operations, leaked once: layers describe theirs statically.
         let ext: Vec<ExtOpInfo> =
             conn.welcome.ext_ops.iter().map(|o| o.to_static(&format!("{} (on the server's '{}')", o.help, o.level))).collect();
@@ -216,7 +216,7 @@ impl Inner {
     }
 
     /// The current connection, or a new one if it is gone.
-    fn connection(self: &Arc<Self>, deadline: Instant) -> std::result::Result<Arc<Connection>, String> {
+    fn connection(self: &Arc<Self>, deadline: Instant) -> std::result::Result<Arc<Connection>, crate::Error> {
         if let Some(c) = self.conn.read().as_ref().filter(|c| !c.is_dead()) {
             return Ok(c.clone());
         }
@@ -229,7 +229,7 @@ impl Inner {
         self: &Arc<Self>,
         broken: Option<Arc<Connection>>,
         deadline: Instant,
-    ) -> std::result::Result<Arc<Connection>, String> {
+    ) -> std::result::Result<Arc<Connection>, crate::Error> {
         let _one = self.connecting.lock();
         if let Some(c) = self.conn.read().as_ref() {
             if !c.is_dead() && broken.as_ref().is_none_or(|b| !Arc::ptr_eq(b, c)) {
@@ -265,7 +265,9 @@ impl Inner {
                     *self.conn.write() = Some(conn.clone());
                     return Ok(conn);
                 }
-                Err(e) if e.refused || Instant::now() + pause >= deadline => return Err(e.msg),
+                Err(e) if e.refused || Instant::now() + pause >= deadline => {
+                    return Err(crate::Error::Connect { peer: self.connector.describe(), why: e.msg })
+                }
                 Err(e) => {
                     if !logged && broken.is_some() {
                         tracing::warn!("{}: lost {} ({e}); reconnecting", self.name, self.connector.describe());
@@ -401,7 +403,7 @@ impl Inner {
         let opened = match conn.call(cx, op, &[], deadline) {
             Ok((WireReply::Opened(o), _)) => o.fh,
             Ok((WireReply::Error(e), _)) => {
-                tracing::warn!("{}: cannot open node {node} again after reconnecting: {}", self.name, e.msg);
+                tracing::warn!("{}: cannot open inode {node} again after reconnecting: {}", self.name, e.msg);
                 return Err(Error::Os(libc::EIO));
             }
             Ok(_) => return Err(self.eio("an open got the wrong reply")),
@@ -886,7 +888,7 @@ impl Inner {
             attempts += 1;
             let conn = match self.connection(deadline) {
                 Ok(c) => c,
-                Err(e) => return Err(self.eio(&format!("{}: {e}", self.connector.describe()))),
+                Err(e) => return Err(self.eio(&e.to_string())),
             };
             let epoch = self.epoch.load(Ordering::Acquire);
             let mut server_op = wire_op.clone();

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
+use plyfs_sca::{build_sca_layer, Codec, Error as CodecError, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
 use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
 pub struct Uuencode;
@@ -29,7 +29,7 @@ impl Codec for Uuencode {
         *b"uuen"
     }
 
-    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
         out.reserve(chunk.len() / 3 * 4 + chunk.len() / LINE_BYTES * 2 + 8);
         for line in chunk.chunks(LINE_BYTES) {
             out.push(char_of(line.len() as u8));
@@ -54,17 +54,17 @@ impl Codec for Uuencode {
         (chunk_len.div_ceil(3) + lines) * 4 + lines * 2
     }
 
-    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
         out.reserve(decoded_len);
         for line in encoded.split(|&c| c == b'\n').filter(|l| !l.is_empty()) {
-            let len = value_of(line[0]).ok_or("bad length character")? as usize;
+            let len = value_of(line[0]).ok_or_else(|| CodecError::decode("bad length character"))? as usize;
             let body = &line[1..];
             if len > LINE_BYTES || body.len() != len.div_ceil(3) * 4 {
-                return Err(format!("a line of {} characters cannot hold {len} bytes", body.len()));
+                return Err(CodecError::decode(format!("a line of {} characters cannot hold {len} bytes", body.len())));
             }
             let mut bytes = Vec::with_capacity(len + 2);
             for quad in body.chunks(4) {
-                let v: Vec<u8> = quad.iter().map(|&c| value_of(c)).collect::<Option<_>>().ok_or("bad character")?;
+                let v: Vec<u8> = quad.iter().map(|&c| value_of(c)).collect::<Option<_>>().ok_or_else(|| CodecError::decode("bad character"))?;
                 bytes.extend_from_slice(&[(v[0] << 2) | (v[1] >> 4), (v[1] << 4) | (v[2] >> 2), (v[2] << 6) | v[3]]);
             }
             out.extend_from_slice(&bytes[..len]);

@@ -375,7 +375,7 @@ impl Version {
     fn prune_if_over(&self) {
         if self.over_space() {
             if let Err(e) = self.prune_all() {
-                tracing::error!("version '{}': the store could not be pruned to max_space: {e}", self.name);
+                tracing::error!("version '{}': {STORE}: pruning the store to max_space: {e}", self.name);
             }
         }
     }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use ::zstd::bulk::{Compressor, Decompressor};
 use plyfs_sca::codec::decode_in_place;
-use plyfs_sca::{build_sca_layer, Codec, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
+use plyfs_sca::{build_sca_layer, Codec, Error as CodecError, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};
 use plyfs_stack::spec::{ParamSpec, Params};
 use plyfs_stack::{Build, BuildArgs, Layer, LayerFactory, Result};
 
@@ -31,27 +31,27 @@ impl Codec for Zstd {
         *b"zstd"
     }
 
-    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
         COMPRESSOR.with_borrow_mut(|slot| {
             if slot.as_ref().is_none_or(|(level, _)| *level != self.level) {
-                *slot = Some((self.level, Compressor::new(self.level).map_err(|e| e.to_string())?));
+                *slot = Some((self.level, Compressor::new(self.level).map_err(CodecError::encode)?));
             }
             let (_, c) = slot.as_mut().expect("set above");
             let start = out.len();
             out.resize(start + ::zstd::zstd_safe::compress_bound(chunk.len()), 0);
-            let n = c.compress_to_buffer(chunk, &mut out[start..]).map_err(|e| e.to_string())?;
+            let n = c.compress_to_buffer(chunk, &mut out[start..]).map_err(CodecError::encode)?;
             out.truncate(start + n);
             Ok(())
         })
     }
 
-    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
         DECOMPRESSOR.with_borrow_mut(|slot| {
             if slot.is_none() {
-                *slot = Some(Decompressor::new().map_err(|e| e.to_string())?);
+                *slot = Some(Decompressor::new().map_err(CodecError::decode)?);
             }
             let d = slot.as_mut().expect("set above");
-            decode_in_place(out, decoded_len, |dst| d.decompress_to_buffer(encoded, dst).map_err(|e| e.to_string()))
+            decode_in_place(out, decoded_len, |dst| d.decompress_to_buffer(encoded, dst).map_err(CodecError::decode))
         })
     }
 

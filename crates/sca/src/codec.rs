@@ -1,6 +1,8 @@
 //! What a size-changing layer implements: the two routines of Fast Indexing §6 (`encode_data`,
 //! `decode_data`) and a few facts about them. The framework does everything else.
 
+use crate::Error;
+
 /// Where an encoded payload belongs: its file and the chunks it stands for. A codec that binds
 /// its output to its place (a cipher authenticating it as associated data) sees it in
 /// [`Codec::encode_at`] and [`Codec::decode_at`], so that a payload moved to another chunk or
@@ -32,11 +34,11 @@ pub trait Codec: Send + Sync + 'static {
     fn tag(&self) -> [u8; 4];
 
     /// Append the encoding of `chunk` to `out`.
-    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String>;
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), Error>;
 
     /// Append the decoding of `encoded` to `out`. `decoded_len` is what it decoded to when it
     /// was written; the framework checks that it still does.
-    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> Result<(), String>;
+    fn decode(&self, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> Result<(), Error>;
 
     /// Whether the lower file may hold data unencoded: fast tails, and chunks a compressor
     /// could not shrink. A cipher says no.
@@ -71,7 +73,7 @@ pub trait Codec: Send + Sync + 'static {
 
     /// [`Codec::encode`] for the payload at `place`. Codecs that bind their output to its place
     /// implement this instead.
-    fn encode_at(&self, place: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
+    fn encode_at(&self, place: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), Error> {
         let _ = place;
         self.encode(chunk, out)
     }
@@ -88,7 +90,7 @@ pub trait Codec: Send + Sync + 'static {
     }
 
     /// [`Codec::decode`] of the payload found at `place`.
-    fn decode_at(&self, place: &Place, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> Result<(), String> {
+    fn decode_at(&self, place: &Place, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> Result<(), Error> {
         let _ = place;
         self.decode(encoded, decoded_len, out)
     }
@@ -105,15 +107,15 @@ pub fn tag_name(tag: [u8; 4]) -> String {
 pub fn decode_in_place(
     out: &mut Vec<u8>,
     decoded_len: usize,
-    fill: impl FnOnce(&mut [u8]) -> Result<usize, String>,
-) -> Result<(), String> {
+    fill: impl FnOnce(&mut [u8]) -> Result<usize, Error>,
+) -> Result<(), Error> {
     let start = out.len();
     out.resize(start + decoded_len, 0);
     match fill(&mut out[start..]) {
         Ok(n) if n == decoded_len => Ok(()),
         Ok(n) => {
             out.truncate(start);
-            Err(format!("decoded to {n} bytes, not {decoded_len}"))
+            Err(Error::DecodedLength { got: n, expected: decoded_len })
         }
         Err(e) => {
             out.truncate(start);

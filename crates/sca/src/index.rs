@@ -9,6 +9,7 @@ use std::collections::HashMap;
 
 use crate::chunkmap::{ChunkMap, Displaced, RecordRef};
 use crate::chunks;
+use crate::Error;
 use crate::format::{record_bytes, varint, Kind, RecordHeader, DATA_START, FLAG_RAW};
 
 /// A fast tail (§4.2): the last, partial chunk kept unencoded. Its content is the first `keep`
@@ -95,7 +96,7 @@ impl FileIndex {
     }
 
     /// Apply one record found at `off`. `payload` is needed for `Tail` records only.
-    pub fn apply(&mut self, off: u64, h: &RecordHeader, payload: &[u8]) -> Result<(), String> {
+    pub fn apply(&mut self, off: u64, h: &RecordHeader, payload: &[u8]) -> Result<(), Error> {
         let rec = RecordRef {
             off,
             seq: h.seq,
@@ -131,10 +132,10 @@ impl FileIndex {
         Ok(())
     }
 
-    fn apply_tail(&mut self, rec: RecordRef, chunk: u64, keep: u32, payload: &[u8]) -> Result<(), String> {
+    fn apply_tail(&mut self, rec: RecordRef, chunk: u64, keep: u32, payload: &[u8]) -> Result<(), Error> {
         if let Some(t) = self.tail.as_mut().filter(|t| t.chunk == chunk) {
             if u64::from(keep) > t.len() {
-                return Err(format!("a fast-tail record keeps {keep} bytes of chunk {chunk}, which has {}", t.len()));
+                return Err(Error::index(format!("a fast-tail record keeps {keep} bytes of chunk {chunk}, which has {}", t.len())));
             }
             if keep == 0 {
                 let old = std::mem::take(t);
@@ -161,7 +162,7 @@ impl FileIndex {
                         self.map.remove(chunk);
                         Some(r)
                     }
-                    _ => return Err(format!("a fast-tail record keeps {keep} bytes of chunk {chunk}, which has no such record")),
+                    _ => return Err(Error::index(format!("a fast-tail record keeps {keep} bytes of chunk {chunk}, which has no such record"))),
                 }
             };
             self.tail = Some(Tail { chunk, base, keep, bytes: Vec::new(), fragments: Vec::new() });
@@ -250,41 +251,41 @@ impl FileIndex {
 
     /// Check the index against itself and the lower file (Fast Indexing §5: offsets, entry
     /// count, size, flags). `Err` names the first inconsistency.
-    pub fn validate(&self, lower_len: u64) -> Result<(), String> {
+    pub fn validate(&self, lower_len: u64) -> Result<(), Error> {
         let cs = self.chunk_bytes();
         let chunks = self.chunks();
         if lower_len == 0 {
             // An empty lower file is an empty upper file.
             return match self.size == 0 && self.map.is_empty() && self.tail.is_none() {
                 true => Ok(()),
-                false => Err(format!("the lower file is empty but the index says {} bytes", self.size)),
+                false => Err(Error::index(format!("the lower file is empty but the index says {} bytes", self.size))),
             };
         }
         if self.log_end > lower_len {
-            return Err(format!("the log ends at {} but the lower file has only {lower_len} bytes", self.log_end));
+            return Err(Error::index(format!("the log ends at {} but the lower file has only {lower_len} bytes", self.log_end)));
         }
         let tail_chunk = self.tail.as_ref().map(|t| t.chunk);
         if let Some(t) = &self.tail {
             if t.chunk + 1 != chunks {
-                return Err(format!("the fast tail is chunk {} but the file has {chunks} chunks", t.chunk));
+                return Err(Error::index(format!("the fast tail is chunk {} but the file has {chunks} chunks", t.chunk)));
             }
             if t.len() < self.chunk_len(t.chunk) || t.len() >= cs {
-                return Err(format!("the fast tail holds {} bytes for a last chunk of {}", t.len(), self.chunk_len(t.chunk)));
+                return Err(Error::index(format!("the fast tail holds {} bytes for a last chunk of {}", t.len(), self.chunk_len(t.chunk))));
             }
             if let Some(b) = t.base.filter(|b| b.decoded_len < t.keep) {
-                return Err(format!("the fast tail keeps {} bytes of a record of {}", t.keep, b.decoded_len));
+                return Err(Error::index(format!("the fast tail keeps {} bytes of a record of {}", t.keep, b.decoded_len)));
             }
         }
         let expected = chunks - u64::from(tail_chunk.is_some());
         if self.map.mapped() != expected || self.map.end() > expected {
-            return Err(format!("the index maps {} chunks; the size {} needs {expected}", self.map.mapped(), self.size));
+            return Err(Error::index(format!("the index maps {} chunks; the size {} needs {expected}", self.map.mapped(), self.size)));
         }
         for (first, count, rec) in self.map.iter() {
             let last = first + count - 1;
             let needed = if last + 1 == chunks { self.chunk_len(last) } else { cs };
             let short_inside = count > 1 && u64::from(rec.decoded_len) != cs;
             if u64::from(rec.decoded_len) < needed || short_inside {
-                return Err(format!("chunk {last} decodes to {} bytes but needs {needed}", rec.decoded_len));
+                return Err(Error::index(format!("chunk {last} decodes to {} bytes but needs {needed}", rec.decoded_len)));
             }
         }
         let mut records = self.live_records();
@@ -296,15 +297,15 @@ impl FileIndex {
         for r in &records {
             let bytes = if r.kind == Kind::Index { self.checkpoint.map_or(0, |c| c.bytes) } else { r.bytes() };
             if r.off < prev_end || r.off % 8 != 0 {
-                return Err(format!("record at {} overlaps the one before it", r.off));
+                return Err(Error::index(format!("record at {} overlaps the one before it", r.off)));
             }
             if r.seq >= self.next_seq {
-                return Err(format!("record at {} has sequence number {} beyond the log's {}", r.off, r.seq, self.next_seq));
+                return Err(Error::index(format!("record at {} has sequence number {} beyond the log's {}", r.off, r.seq, self.next_seq)));
             }
             prev_end = r.off + bytes;
         }
         if prev_end > self.log_end {
-            return Err(format!("a record ends at {prev_end}, past the end of the log at {}", self.log_end));
+            return Err(Error::index(format!("a record ends at {prev_end}, past the end of the log at {}", self.log_end)));
         }
         Ok(())
     }
@@ -351,8 +352,8 @@ impl FileIndex {
 
     /// Rebuild an index from a checkpoint found at `off`. The records after it still have to be
     /// applied, and the result validated.
-    pub fn from_checkpoint(chunk_shift: u8, off: u64, h: &RecordHeader, payload: &[u8]) -> Result<FileIndex, String> {
-        let bad = |what: &str| format!("checkpoint at {off}: {what}");
+    pub fn from_checkpoint(chunk_shift: u8, off: u64, h: &RecordHeader, payload: &[u8]) -> Result<FileIndex, Error> {
+        let bad = |why: &'static str| Error::Checkpoint { off, why };
         let mut ix = FileIndex::new(chunk_shift);
         let mut at = 0;
         let get = |at: &mut usize| varint::get(payload, at).ok_or_else(|| bad("truncated"));

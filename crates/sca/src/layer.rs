@@ -344,7 +344,7 @@ impl ScaLayer {
             ScaFile::created(self.engine.clone(), lower)
         } else {
             ScaFile::open(self.engine.clone(), lower).inspect_err(|e| {
-                tracing::error!("{}: {e}", self.name);
+                tracing::error!("{}: inode {}: opening: {e}", self.name, node.0);
                 self.release_lower(node, fh);
             })?
         };
@@ -379,7 +379,7 @@ impl ScaLayer {
         let reloaded = file.reload();
         drop(file);
         self.invalidate.node(node);
-        reloaded.inspect_err(|e| tracing::error!("{}: {e}", self.name))
+        reloaded.inspect_err(|e| tracing::error!("{}: inode {}: reloading after another mount changed it: {e}", self.name, node.0))
     }
 
     /// Run `op` on an open file; if it found that another mount had changed the file, the

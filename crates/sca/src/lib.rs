@@ -15,6 +15,7 @@
 pub mod chunkmap;
 mod chunks;
 pub mod codec;
+mod error;
 pub mod file;
 pub mod format;
 pub mod index;
@@ -23,5 +24,6 @@ pub mod mem;
 pub mod synth;
 
 pub use codec::{Codec, FileFacts, Place};
+pub use error::Error;
 pub use file::{Engine, LowerIo, ScaFile};
 pub use layer::{build_sca_layer, build_sca_layer_padded, CHUNK_PARAM, EXT_OPS, FAST_TAILS_PARAM};

@@ -9,6 +9,7 @@
 //! tag), so payload lengths are known before any chunk is encoded.
 
 use crate::chunks;
+use crate::Error;
 use crate::format::*;
 
 /// The layout of one file written sequentially.
@@ -206,7 +207,7 @@ impl Sequential {
     /// The bytes at `off..off + len` (fewer at the end). `payload` appends the payload of the
     /// chunk it is given to its buffer; it is called for the chunks of
     /// [`Sequential::chunks_overlapping`], in order.
-    pub fn read_at(&self, off: u64, len: u64, mut payload: impl FnMut(u64, &mut Vec<u8>) -> Result<(), String>) -> Result<Vec<u8>, String> {
+    pub fn read_at(&self, off: u64, len: u64, mut payload: impl FnMut(u64, &mut Vec<u8>) -> Result<(), Error>) -> Result<Vec<u8>, Error> {
         let total = self.len();
         let end = (off + len).min(total);
         let mut out = Vec::with_capacity(end.saturating_sub(off) as usize);
@@ -230,7 +231,7 @@ impl Sequential {
             payload(i, &mut record)?;
             let got = record.len() - start - RECORD_HEADER_BYTES as usize;
             if got as u64 != self.payload_len(i) {
-                return Err(format!("chunk {i} encoded to {got} bytes, not {}", self.payload_len(i)));
+                return Err(Error::PayloadLength { chunk: i, got, expected: self.payload_len(i) });
             }
             finish_record(self.record_header(i), &mut record, start);
             copy(self.record_off(i), &record);
@@ -277,15 +278,15 @@ mod tests {
         fn tag(&self) -> [u8; 4] {
             *b"test"
         }
-        fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
+        fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), Error> {
             out.extend_from_slice(b"<<");
             out.extend(chunk.iter().rev());
             out.extend_from_slice(b">>>");
             Ok(())
         }
-        fn decode(&self, e: &[u8], n: usize, out: &mut Vec<u8>) -> Result<(), String> {
+        fn decode(&self, e: &[u8], n: usize, out: &mut Vec<u8>) -> Result<(), Error> {
             if e.len() != n + 5 || !e.starts_with(b"<<") || !e.ends_with(b">>>") {
-                return Err("not framed".into());
+                return Err(Error::decode("not framed"));
             }
             out.extend(e[2..e.len() - 3].iter().rev());
             Ok(())
@@ -299,7 +300,7 @@ mod tests {
         fn new_file_id(&self) -> Option<[u8; 16]> {
             Some([7; 16])
         }
-        fn encode_at(&self, p: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
+        fn encode_at(&self, p: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), Error> {
             assert_eq!(p.file_id, [7; 16]);
             self.encode(chunk, out)
         }
@@ -390,6 +391,6 @@ mod tests {
             out.push(1);
             Ok(())
         });
-        assert!(short.unwrap_err().contains("encoded to 1 bytes"));
+        assert!(short.unwrap_err().to_string().contains("encoded to 1 bytes"));
     }
 }

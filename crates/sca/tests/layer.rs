@@ -14,15 +14,15 @@ impl Codec for Sealed {
     fn tag(&self) -> [u8; 4] {
         *b"seal"
     }
-    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), plyfs_sca::Error> {
         out.extend(chunk.iter().map(|b| b ^ 0x5a));
         out.push(0);
         Ok(())
     }
-    fn decode(&self, encoded: &[u8], _len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn decode(&self, encoded: &[u8], _len: usize, out: &mut Vec<u8>) -> std::result::Result<(), plyfs_sca::Error> {
         let (body, trailer) = encoded.split_at(encoded.len().saturating_sub(1));
         if trailer != [0] {
-            return Err("no trailer".into());
+            return Err(plyfs_sca::Error::decode("no trailer"));
         }
         out.extend(body.iter().map(|b| b ^ 0x5a));
         Ok(())

@@ -33,7 +33,7 @@ use chacha20poly1305::XChaCha20Poly1305;
 use parking_lot::RwLock;
 use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
 use zeroize::Zeroizing;
-use plyfs_sca::{Codec, FileFacts, Place};
+use plyfs_sca::{Codec, Error as CodecError, FileFacts, Place};
 use plyfs_stack::ExtOpInfo;
 use serde_json::json;
 
@@ -148,7 +148,7 @@ impl CryptCodec {
     /// Seal `chunk` for `place` under `nonce` (of [`CryptCodec::nonce_len`] bytes), appending
     /// the payload to `out`. A nonce must never seal two different chunks of a file: callers
     /// take it fresh and random, or derive it from the chunk itself (a reverse view).
-    pub fn seal_chunk(&self, place: &Place, nonce: &[u8], chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
+    pub fn seal_chunk(&self, place: &Place, nonce: &[u8], chunk: &[u8], out: &mut Vec<u8>) -> Result<(), CodecError> {
         let start = out.len();
         out.extend_from_slice(nonce);
         let body = out.len();
@@ -226,8 +226,8 @@ impl CryptCodec {
         ad
     }
 
-    fn seal(&self, place: &Place, nonce: &[u8], ad: &[u8], buf: &mut [u8]) -> Result<[u8; TAG_BYTES], String> {
-        let failed = |_| "sealing failed".to_owned();
+    fn seal(&self, place: &Place, nonce: &[u8], ad: &[u8], buf: &mut [u8]) -> Result<[u8; TAG_BYTES], CodecError> {
+        let failed = |_| CodecError::encode("sealing failed");
         match &self.sealer {
             Sealer::Gcm { data_key, files } => {
                 let key = Self::file_key(data_key, files, &place.file_id);
@@ -235,7 +235,7 @@ impl CryptCodec {
                 let tag = key.seal_in_place_separate_tag(nonce, Aad::from(ad), buf).map_err(failed)?;
                 Ok(tag.as_ref().try_into().expect("16-byte tag"))
             }
-            Sealer::XChaCha(c) => c.encrypt_in_place_detached(nonce.into(), ad, buf).map(|t| t.into()).map_err(|_| "sealing failed".to_owned()),
+            Sealer::XChaCha(c) => c.encrypt_in_place_detached(nonce.into(), ad, buf).map(|t| t.into()).map_err(|_| CodecError::encode("sealing failed")),
         }
     }
 
@@ -259,12 +259,12 @@ impl Codec for CryptCodec {
         }
     }
 
-    fn encode(&self, _chunk: &[u8], _out: &mut Vec<u8>) -> Result<(), String> {
-        Err("a chunk cannot be encrypted without its place".into())
+    fn encode(&self, _chunk: &[u8], _out: &mut Vec<u8>) -> Result<(), CodecError> {
+        Err(CodecError::encode("a chunk cannot be encrypted without its place"))
     }
 
-    fn decode(&self, _encoded: &[u8], _decoded_len: usize, _out: &mut Vec<u8>) -> Result<(), String> {
-        Err("a chunk cannot be decrypted without its place".into())
+    fn decode(&self, _encoded: &[u8], _decoded_len: usize, _out: &mut Vec<u8>) -> Result<(), CodecError> {
+        Err(CodecError::decode("a chunk cannot be decrypted without its place"))
     }
 
     /// A chunk is stored (compressed or not) and sealed: nonce, kind and tag come on top.
@@ -272,20 +272,20 @@ impl Codec for CryptCodec {
         chunk_len + self.overhead() as usize
     }
 
-    fn encode_at(&self, place: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
+    fn encode_at(&self, place: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), CodecError> {
         let mut nonce = [0u8; 24];
         let nonce = &mut nonce[..self.nonce_len()];
         self.nonces.fill(nonce);
         self.seal_chunk(place, nonce, chunk, out)
     }
 
-    fn decode_at(&self, place: &Place, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> Result<(), String> {
+    fn decode_at(&self, place: &Place, encoded: &[u8], decoded_len: usize, out: &mut Vec<u8>) -> Result<(), CodecError> {
         if place.file_id == [0; 16] {
-            return Err("the file's header has lost its file id, without which no chunk can be authenticated".into());
+            return Err(CodecError::decode("the file's header has lost its file id, without which no chunk can be authenticated"));
         }
         let n = self.nonce_len();
         if encoded.len() < n + 1 + TAG_BYTES {
-            return Err(format!("a sealed chunk of {} bytes is too short", encoded.len()));
+            return Err(CodecError::decode(format!("a sealed chunk of {} bytes is too short", encoded.len())));
         }
         let (nonce, rest) = encoded.split_at(n);
         let (sealed, tag) = rest.split_at(rest.len() - TAG_BYTES);
@@ -293,7 +293,7 @@ impl Codec for CryptCodec {
         out.extend_from_slice(sealed);
         if !self.open(place, nonce, &Self::associated_data(place), &mut out[start..], tag) {
             out.truncate(start);
-            return Err("authentication failed: the chunk was altered, moved from another place or file, or is not this volume's".into());
+            return Err(CodecError::decode("authentication failed: the chunk was altered, moved from another place or file, or is not this volume's"));
         }
         let kind = out.pop().expect("at least the kind byte");
         if kind == KIND_STORED {
@@ -301,7 +301,7 @@ impl Codec for CryptCodec {
         }
         let Some(decoder) = decoder_for(kind) else {
             out.truncate(start);
-            return Err(format!("unknown compression kind {kind} inside an authentic chunk (written by a newer plyfs?)"));
+            return Err(CodecError::decode(format!("unknown compression kind {kind} inside an authentic chunk (written by a newer plyfs?)")));
         };
         SCRATCH.with_borrow_mut(|scratch| {
             scratch.clear();

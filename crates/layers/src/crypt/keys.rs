@@ -28,6 +28,8 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use zeroize::{Zeroize, Zeroizing};
 
+use crate::Error;
+
 /// The configuration file's name in the lower directory's root.
 pub const CONFIG_NAME: &str = ".plyfs-crypt.conf";
 const CONFIG_VERSION: u32 = 1;
@@ -60,11 +62,11 @@ impl CipherKind {
         }
     }
 
-    pub fn parse(s: &str) -> Result<CipherKind, String> {
+    pub fn parse(s: &str) -> Result<CipherKind, Error> {
         match s.to_ascii_lowercase().as_str() {
             "aes-256-gcm" | "aes" | "aes-gcm" | "gcm" => Ok(CipherKind::Aes256Gcm),
             "xchacha20-poly1305" | "xchacha" | "xchacha20" | "chacha" => Ok(CipherKind::XChaCha20Poly1305),
-            _ => Err(format!("unknown cipher '{s}': use aes-256-gcm (the default) or xchacha20-poly1305")),
+            _ => Err(Error::UnknownCipher { name: s.to_owned() }),
         }
     }
 }
@@ -117,22 +119,23 @@ impl MasterKey {
 
     /// Read a key written as [`MasterKey::recovery_text`] shows it; dashes, spaces and case do
     /// not matter, and the check group may be left out.
-    pub fn from_recovery_text(text: &str) -> Result<MasterKey, String> {
+    pub fn from_recovery_text(text: &str) -> Result<MasterKey, Error> {
+        let bad = |why: String| Error::BadMasterKey { why };
         let digits: Zeroizing<String> =
             Zeroizing::new(text.chars().filter(|c| !c.is_whitespace() && *c != '-').map(|c| c.to_ascii_lowercase()).collect());
         if digits.is_empty() {
-            return Err("the master key is empty".into());
+            return Err(bad("is empty".into()));
         }
-        if let Some(bad) = digits.chars().find(|c| !c.is_ascii_hexdigit()) {
-            return Err(format!("the master key holds '{bad}', which is not a hex digit"));
+        if let Some(c) = digits.chars().find(|c| !c.is_ascii_hexdigit()) {
+            return Err(bad(format!("holds '{c}', which is not a hex digit")));
         }
         if digits.len() != 64 && digits.len() != 72 {
-            return Err(format!("the master key has {} hex digits, not 72 (nine groups of eight)", digits.len()));
+            return Err(bad(format!("has {} hex digits, not 72 (nine groups of eight)", digits.len())));
         }
-        let key: [u8; 32] = unhex(&digits[..64]).ok_or("the master key is not hex")?;
+        let key: [u8; 32] = unhex(&digits[..64]).ok_or_else(|| bad("is not hex".into()))?;
         let key = MasterKey::from_bytes(key);
         if digits.len() == 72 && digits[64..] != hex(&recovery_check(&key.0)) {
-            return Err("the master key is mistyped: its last group does not match the others".into());
+            return Err(bad("is mistyped: its last group does not match the others".into()));
         }
         Ok(key)
     }
@@ -280,82 +283,81 @@ impl VolumeConfig {
         ad.into_bytes()
     }
 
-    fn derive_kek(&self, secret: &Secret) -> Result<Zeroizing<[u8; 32]>, String> {
+    /// The key-encryption key from `secret`, for the volume configured in `shown`.
+    fn derive_kek(&self, secret: &Secret, shown: &str) -> Result<Zeroizing<[u8; 32]>, Error> {
+        let kdf = |why: String| Error::Kdf { path: shown.to_owned(), why };
         let mut kek = Zeroizing::new([0u8; 32]);
         match (&self.kdf, secret) {
             (Kdf::Argon2id { salt, memory_kib, iterations, lanes }, Secret::Password(pw)) => {
-                let salt = B64.decode(salt).map_err(|e| format!("kdf salt: {e}"))?;
-                let params = argon2::Params::new(*memory_kib, *iterations, *lanes, Some(32)).map_err(|e| format!("kdf parameters: {e}"))?;
+                let salt = B64.decode(salt).map_err(|e| kdf(format!("kdf salt: {e}")))?;
+                let params = argon2::Params::new(*memory_kib, *iterations, *lanes, Some(32)).map_err(|e| kdf(format!("kdf parameters: {e}")))?;
                 argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params)
                     .hash_password_into(pw.as_bytes(), &salt, &mut kek[..])
-                    .map_err(|e| format!("argon2id: {e}"))?;
+                    .map_err(|e| kdf(format!("argon2id: {e}")))?;
             }
             (Kdf::Keyfile { salt }, Secret::KeyFile(bytes)) => {
-                let salt = B64.decode(salt).map_err(|e| format!("kdf salt: {e}"))?;
+                let salt = B64.decode(salt).map_err(|e| kdf(format!("kdf salt: {e}")))?;
                 hkdf::Hkdf::<sha2::Sha256>::new(Some(&salt), bytes)
                     .expand(b"plyfs crypt key file", &mut kek[..])
                     .expect("HKDF output length is small");
             }
-            (_, Secret::MasterKey(_)) => return Err("a master key is not wrapped: it is the key".into()),
-            (Kdf::Argon2id { .. }, s) => return Err(format!("this volume is unlocked with a password, not a {}", s.kind())),
-            (Kdf::Keyfile { .. }, s) => return Err(format!("this volume is unlocked with a key file, not a {}", s.kind())),
+            (_, Secret::MasterKey(_)) => return Err(kdf("a master key is not wrapped: it is the key".into())),
+            (Kdf::Argon2id { .. }, s) => return Err(Error::WrongSecretKind { path: shown.to_owned(), takes: "password", given: s.kind() }),
+            (Kdf::Keyfile { .. }, s) => return Err(Error::WrongSecretKind { path: shown.to_owned(), takes: "key file", given: s.kind() }),
         }
         Ok(kek)
     }
 
-    fn wrap(&mut self, key: &MasterKey, secret: &Secret) -> Result<(), String> {
-        let kek = self.derive_kek(secret)?;
+    fn wrap(&mut self, key: &MasterKey, secret: &Secret, shown: &str) -> Result<(), Error> {
+        let kek = self.derive_kek(secret, shown)?;
         let nonce: [u8; 12] = random_bytes();
         let sealed = Aes256Gcm::new_from_slice(&kek[..])
             .expect("32-byte key")
             .encrypt((&nonce).into(), Payload { msg: key.bytes(), aad: &self.associated_data() })
-            .map_err(|_| "sealing the master key failed".to_owned())?;
+            .map_err(|_| Error::Seal { path: shown.to_owned() })?;
         let mut blob = nonce.to_vec();
         blob.extend_from_slice(&sealed);
         self.wrapped_key = B64.encode(&blob);
         Ok(())
     }
 
-    fn unwrap_key(&self, secret: &Secret, shown: &str) -> Result<MasterKey, String> {
+    fn unwrap_key(&self, secret: &Secret, shown: &str) -> Result<MasterKey, Error> {
         if let Secret::MasterKey(key) = secret {
             return match &self.key_check {
                 Some(check) if *check == key.check_value() => Ok(key.clone()),
-                Some(_) => Err(format!("{shown}: wrong master key: it is not this volume's")),
-                None => Err(format!(
-                    "{shown}: this volume was made before master keys could be checked, so it cannot be unlocked with one; \
-                     unlock it with its password or key file"
-                )),
+                Some(_) => Err(Error::WrongSecret { path: shown.to_owned(), secret: secret.kind() }),
+                None => Err(Error::MasterKeyUnchecked { path: shown.to_owned() }),
             };
         }
-        let kek = self.derive_kek(secret).map_err(|e| format!("{shown}: {e}"))?;
-        let blob = B64.decode(&self.wrapped_key).map_err(|e| format!("{shown}: corrupt: wrapped_key: {e}"))?;
+        let kek = self.derive_kek(secret, shown)?;
+        let corrupt = |why: String| Error::Corrupt { path: shown.to_owned(), why };
+        let blob = B64.decode(&self.wrapped_key).map_err(|e| corrupt(format!("wrapped_key: {e}")))?;
         if blob.len() != 12 + 32 + 16 {
-            return Err(format!("{shown}: corrupt: wrapped_key has {} bytes, not 60", blob.len()));
+            return Err(corrupt(format!("wrapped_key has {} bytes, not 60", blob.len())));
         }
         let mut opened = Aes256Gcm::new_from_slice(&kek[..])
             .expect("32-byte key")
             .decrypt(blob[..12].into(), Payload { msg: &blob[12..], aad: &self.associated_data() })
-            .map_err(|_| match secret {
-                Secret::Password(_) => format!("{shown}: wrong password (or the file was altered)"),
-                Secret::KeyFile(_) => format!("{shown}: wrong key file (or the file was altered)"),
-                Secret::MasterKey(_) => unreachable!("handled above"),
-            })?;
+            .map_err(|_| Error::WrongSecret { path: shown.to_owned(), secret: secret.kind() })?;
         let mut bytes = [0u8; 32];
         bytes.copy_from_slice(&opened);
         opened.zeroize();
         Ok(MasterKey::from_bytes(bytes))
     }
 
-    pub fn id(&self) -> Result<[u8; 16], String> {
-        unhex(&self.volume_id).ok_or_else(|| format!("corrupt: volume_id '{}' is not 32 hex digits", self.volume_id))
+    pub fn id(&self) -> Result<[u8; 16], Error> {
+        unhex(&self.volume_id).ok_or_else(|| Error::BadVolumeId { id: self.volume_id.clone() })
     }
 
     /// Whether new files are padded, as the configuration says.
-    pub fn pads(&self) -> Result<bool, String> {
+    pub fn pads(&self) -> Result<bool, Error> {
         match self.pad.as_deref() {
             None | Some("none") => Ok(false),
             Some("padme") => Ok(true),
-            Some(other) => Err(format!("pad = \"{other}\" is not known to this plyfs (it knows padme)")),
+            Some(other) => Err(Error::Unsupported {
+                path: "the volume configuration".into(),
+                why: format!("pad = \"{other}\" is not known to this plyfs (it knows padme)"),
+            }),
         }
     }
 
@@ -364,53 +366,53 @@ impl VolumeConfig {
     }
 
     /// Parse and check a configuration file's text.
-    pub fn parse(text: &str, shown: &str) -> Result<VolumeConfig, String> {
+    pub fn parse(text: &str, shown: &str) -> Result<VolumeConfig, Error> {
+        let corrupt = |why: String| Error::Corrupt { path: shown.to_owned(), why };
         /// The version alone, read first: a newer file's other fields are not this plyfs's to judge.
         #[derive(Deserialize)]
         struct Version {
             version: u32,
         }
-        let v: Version = toml::from_str(text).map_err(|e| format!("{shown}: corrupt: {}", e.message()))?;
+        let v: Version = toml::from_str(text).map_err(|e| corrupt(e.message().to_owned()))?;
         if v.version != CONFIG_VERSION && v.version != CONFIG_VERSION_BOUND {
-            return Err(format!(
-                "{shown}: version {} is not supported by this plyfs (it knows versions {CONFIG_VERSION} and {CONFIG_VERSION_BOUND})",
-                v.version
-            ));
+            return Err(Error::Unsupported {
+                path: shown.to_owned(),
+                why: format!(
+                    "version {} is not supported by this plyfs (it knows versions {CONFIG_VERSION} and {CONFIG_VERSION_BOUND})",
+                    v.version
+                ),
+            });
         }
-        let mut c: VolumeConfig = toml::from_str(text).map_err(|e| format!("{shown}: corrupt: {}", e.message()))?;
+        let mut c: VolumeConfig = toml::from_str(text).map_err(|e| corrupt(e.message().to_owned()))?;
         c.bind_paths = c.version == CONFIG_VERSION_BOUND;
-        c.id().map_err(|e| format!("{shown}: {e}"))?;
+        c.id().map_err(|_| corrupt(format!("volume_id '{}' is not 32 hex digits", c.volume_id)))?;
         Ok(c)
     }
 
     /// Read the configuration of the volume at `lower`.
-    pub fn load(lower: &Path) -> Result<VolumeConfig, String> {
+    pub fn load(lower: &Path) -> Result<VolumeConfig, Error> {
         Self::load_file(lower, &config_path(lower), " --layer crypt")
     }
 
     /// Read the configuration in `path`, of the volume at `lower`; `init_flag` is what
     /// `plyfs init` takes to make one (for the message when it is missing).
-    pub fn load_file(lower: &Path, path: &Path, init_flag: &str) -> Result<VolumeConfig, String> {
+    pub fn load_file(lower: &Path, path: &Path, init_flag: &str) -> Result<VolumeConfig, Error> {
         let shown = path.display().to_string();
         let text = match std::fs::read(path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-                return Err(format!(
-                    "{}: not a crypt volume ({file} is missing); create one with `plyfs init {}{init_flag}`",
-                    lower.display(),
-                    lower.display()
-                ));
+                return Err(Error::NotAVolume { dir: lower.to_owned(), file, init_flag: init_flag.to_owned() });
             }
-            Err(e) => return Err(format!("{shown}: {e}")),
+            Err(e) => return Err(Error::io("reading the volume configuration", path)(e)),
         };
-        let text = String::from_utf8(text).map_err(|_| format!("{shown}: corrupt: not text"))?;
+        let text = String::from_utf8(text).map_err(|_| Error::Corrupt { path: shown.clone(), why: "not text".into() })?;
         VolumeConfig::parse(&text, &shown)
     }
 
     /// Write the configuration atomically: a temporary file, fsynced, renamed over the old
     /// one, and the directory fsynced. A crash leaves the old file or the new one.
-    fn store(&self, path: &Path) -> Result<(), String> {
+    fn store(&self, path: &Path) -> Result<(), Error> {
         let dir = path.parent().unwrap_or(Path::new("."));
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");
@@ -418,7 +420,7 @@ impl VolumeConfig {
         let text = format!(
             "# plyfs crypt volume: the settings and the wrapped master key. Without this file the\n\
              # data cannot be decrypted: back it up. Editing it makes unlocking fail.\n{}",
-            toml::to_string(self).map_err(|e| e.to_string())?
+            toml::to_string(self).map_err(|e| Error::io("writing the volume configuration", path)(std::io::Error::other(e)))?
         );
         let write = || -> std::io::Result<()> {
             let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode_0400().open(&tmp)?;
@@ -429,7 +431,7 @@ impl VolumeConfig {
         };
         write().map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
-            format!("{}: {e}", path.display())
+            Error::io("writing the volume configuration", path)(e)
         })
     }
 }
@@ -445,52 +447,52 @@ impl Mode0400 for std::fs::OpenOptions {
     }
 }
 
-fn new_kdf(secret: &Secret, memory_kib: u32) -> Result<Kdf, String> {
+fn new_kdf(secret: &Secret, memory_kib: u32) -> Result<Kdf, Error> {
+    let bad = |why: String| Error::BadSecret { why };
     let salt = B64.encode(random_bytes::<32>());
     Ok(match secret {
         Secret::Password(pw) => {
             if pw.is_empty() {
-                return Err("the password is empty".into());
+                return Err(bad("the password is empty".into()));
             }
             if memory_kib < MIN_KDF_MEMORY_KIB {
-                return Err(format!("kdf memory {memory_kib} KiB is below the least allowed, {MIN_KDF_MEMORY_KIB} KiB"));
+                return Err(bad(format!("kdf memory {memory_kib} KiB is below the least allowed, {MIN_KDF_MEMORY_KIB} KiB")));
             }
             Kdf::Argon2id { salt, memory_kib, iterations: KDF_ITERATIONS, lanes: KDF_LANES }
         }
         Secret::KeyFile(bytes) => {
             if bytes.len() < 32 {
-                return Err(format!("the key file holds {} bytes: at least 32 random bytes are needed", bytes.len()));
+                return Err(bad(format!("the key file holds {} bytes: at least 32 random bytes are needed", bytes.len())));
             }
             Kdf::Keyfile { salt }
         }
-        Secret::MasterKey(_) => return Err("the new secret must be a password or a key file, not a master key".into()),
+        Secret::MasterKey(_) => return Err(bad("the new secret must be a password or a key file, not a master key".into())),
     })
 }
 
 /// Create a volume at `lower`: a new random master key, wrapped with `secret`. Returns the
 /// configuration and the master key (for the owner to write down).
-pub fn init(lower: &Path, settings: &VolumeSettings, secret: &Secret) -> Result<(VolumeConfig, MasterKey), String> {
+pub fn init(lower: &Path, settings: &VolumeSettings, secret: &Secret) -> Result<(VolumeConfig, MasterKey), Error> {
     init_file(lower, &config_path(lower), settings, secret, true)
 }
 
 /// Create a volume whose configuration is the file `path` (for a directory `lower` that
 /// holds the data; `empty`: it must hold nothing yet, unless names stay plaintext).
-pub fn init_file(lower: &Path, path: &Path, settings: &VolumeSettings, secret: &Secret, empty: bool) -> Result<(VolumeConfig, MasterKey), String> {
+pub fn init_file(lower: &Path, path: &Path, settings: &VolumeSettings, secret: &Secret, empty: bool) -> Result<(VolumeConfig, MasterKey), Error> {
     if path.exists() {
         let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        return Err(format!("{}: already a crypt volume ({file} exists)", lower.display()));
+        return Err(Error::AlreadyAVolume { dir: lower.to_owned(), file });
     }
     if settings.bind_paths && settings.plaintext_names {
-        return Err("--bind-paths binds files to their directories' ids, which only encrypted names have: leave out --plaintext-names".into());
+        return Err(Error::BadSettings {
+            why: "--bind-paths binds files to their directories' ids, which only encrypted names have: leave out --plaintext-names",
+        });
     }
     if empty && !settings.plaintext_names {
         // (The lower lock's file is hidden from every mount, so it needs no name.)
-        let mut entries = std::fs::read_dir(lower).map_err(|e| format!("{}: {e}", lower.display()))?;
+        let mut entries = std::fs::read_dir(lower).map_err(Error::io("listing the directory", lower))?;
         if entries.any(|e| e.map_or(true, |e| !plyfs_stack::lowerlock::is_lock_file(&e.file_name()))) {
-            return Err(format!(
-                "{}: not empty: with encrypted names the names already there would not decrypt (use an empty directory, or --plaintext-names)",
-                lower.display()
-            ));
+            return Err(Error::NotEmpty { dir: lower.to_owned() });
         }
     }
     let mut config = VolumeConfig {
@@ -506,37 +508,42 @@ pub fn init_file(lower: &Path, path: &Path, settings: &VolumeSettings, secret: &
     };
     let key = MasterKey::from_bytes(random_bytes());
     config.key_check = Some(key.check_value());
-    config.wrap(&key, secret)?;
+    config.wrap(&key, secret, &path.display().to_string())?;
     config.store(path)?;
     Ok((config, key))
 }
 
 /// Unlock the volume at `lower` with `secret`.
-pub fn unlock(lower: &Path, secret: &Secret) -> Result<Volume, String> {
+pub fn unlock(lower: &Path, secret: &Secret) -> Result<Volume, Error> {
     let config = VolumeConfig::load(lower)?;
     unlock_config(&config, &config_path(lower).display().to_string(), secret)
 }
 
 /// Unlock the volume of `config` (read from `shown`) with `secret`.
-pub fn unlock_config(config: &VolumeConfig, shown: &str, secret: &Secret) -> Result<Volume, String> {
+pub fn unlock_config(config: &VolumeConfig, shown: &str, secret: &Secret) -> Result<Volume, Error> {
     let key = config.unwrap_key(secret, shown)?;
+    let in_file = |e: Error| match e {
+        Error::Unsupported { why, .. } => Error::Unsupported { path: shown.to_owned(), why },
+        Error::BadVolumeId { id } => Error::Corrupt { path: shown.to_owned(), why: format!("volume_id '{id}' is not 32 hex digits") },
+        other => other,
+    };
     Ok(Volume {
-        id: config.id()?,
+        id: config.id().map_err(in_file)?,
         cipher: config.cipher,
         plaintext_names: config.plaintext_names,
-        pad: config.pads()?,
+        pad: config.pads().map_err(in_file)?,
         bind_paths: config.bind_paths,
         key,
     })
 }
 
 /// Re-wrap the master key of the volume at `lower` for `new`, after unlocking it with `old`.
-pub fn change_secret(lower: &Path, old: &Secret, new: &Secret) -> Result<(), String> {
+pub fn change_secret(lower: &Path, old: &Secret, new: &Secret) -> Result<(), Error> {
     change_secret_file(lower, &config_path(lower), old, new)
 }
 
 /// [`change_secret`] of the volume configured in the file `path`.
-pub fn change_secret_file(lower: &Path, path: &Path, old: &Secret, new: &Secret) -> Result<(), String> {
+pub fn change_secret_file(lower: &Path, path: &Path, old: &Secret, new: &Secret) -> Result<(), Error> {
     let mut config = VolumeConfig::load_file(lower, path, " --layer crypt")?;
     let shown = path.display().to_string();
     let key = config.unwrap_key(old, &shown)?;
@@ -547,7 +554,7 @@ pub fn change_secret_file(lower: &Path, path: &Path, old: &Secret, new: &Secret)
     config.kdf = new_kdf(new, memory_kib)?;
     // The key was checked (by its wrap, or against the check value): keep its check value.
     config.key_check = Some(key.check_value());
-    config.wrap(&key, new)?;
+    config.wrap(&key, new, &shown)?;
     config.store(path)
 }
 
@@ -592,12 +599,12 @@ mod tests {
         init(dir.path(), &fast(), &pw("hunter2")).unwrap();
         let v = unlock(dir.path(), &pw("hunter2")).unwrap();
         let err = unlock(dir.path(), &pw("hunter3")).unwrap_err();
-        assert!(err.contains("wrong password"), "{err}");
+        assert!(err.to_string().contains("wrong password"), "{err}");
         change_secret(dir.path(), &pw("hunter2"), &pw("correct horse")).unwrap();
-        assert!(unlock(dir.path(), &pw("hunter2")).unwrap_err().contains("wrong password"));
+        assert!(unlock(dir.path(), &pw("hunter2")).unwrap_err().to_string().contains("wrong password"));
         let again = unlock(dir.path(), &pw("correct horse")).unwrap();
         assert_eq!(v.key.bytes(), again.key.bytes(), "the master key is kept");
-        assert!(init(dir.path(), &fast(), &pw("x")).unwrap_err().contains("already a crypt volume"));
+        assert!(init(dir.path(), &fast(), &pw("x")).unwrap_err().to_string().contains("already a crypt volume"));
     }
 
     #[test]
@@ -608,11 +615,11 @@ mod tests {
         let text = std::fs::read_to_string(&path).unwrap();
         std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
         std::fs::write(&path, text.replace("plaintext_names = false", "plaintext_names = true")).unwrap();
-        assert!(unlock(dir.path(), &pw("pw")).unwrap_err().contains("wrong password (or the file was altered)"));
+        assert!(unlock(dir.path(), &pw("pw")).unwrap_err().to_string().contains("wrong password (or the file was altered)"));
         std::fs::write(&path, "version = 1\nvolume_id = [").unwrap();
-        assert!(unlock(dir.path(), &pw("pw")).unwrap_err().contains("corrupt"));
+        assert!(unlock(dir.path(), &pw("pw")).unwrap_err().to_string().contains("corrupt"));
         std::fs::remove_file(&path).unwrap();
-        assert!(unlock(dir.path(), &pw("pw")).unwrap_err().contains("not a crypt volume"));
+        assert!(unlock(dir.path(), &pw("pw")).unwrap_err().to_string().contains("not a crypt volume"));
     }
 
     #[test]
@@ -621,10 +628,10 @@ mod tests {
         let kf = Secret::KeyFile(Zeroizing::new(random_bytes::<32>().to_vec()));
         init(dir.path(), &fast(), &kf).unwrap();
         unlock(dir.path(), &kf).unwrap();
-        assert!(unlock(dir.path(), &pw("x")).unwrap_err().contains("key file, not a password"));
+        assert!(unlock(dir.path(), &pw("x")).unwrap_err().to_string().contains("key file, not a password"));
         let short = Secret::KeyFile(Zeroizing::new(vec![1; 8]));
         let other = tempfile::tempdir().unwrap();
-        assert!(init(other.path(), &fast(), &short).unwrap_err().contains("at least 32"));
+        assert!(init(other.path(), &fast(), &short).unwrap_err().to_string().contains("at least 32"));
     }
 
     #[test]
@@ -640,22 +647,22 @@ mod tests {
         // A typo is caught by the check group; another key by the configuration.
         let mut typo = text.to_string();
         typo.replace_range(0..1, if typo.starts_with('0') { "1" } else { "0" });
-        assert!(MasterKey::from_recovery_text(&typo).unwrap_err().contains("mistyped"));
+        assert!(MasterKey::from_recovery_text(&typo).unwrap_err().to_string().contains("mistyped"));
         let other = MasterKey::from_bytes(random_bytes());
-        assert!(unlock(dir.path(), &Secret::MasterKey(other.clone())).unwrap_err().contains("wrong master key"));
-        assert!(MasterKey::from_recovery_text("12-zz").unwrap_err().contains("not a hex digit"));
+        assert!(unlock(dir.path(), &Secret::MasterKey(other.clone())).unwrap_err().to_string().contains("wrong master key"));
+        assert!(MasterKey::from_recovery_text("12-zz").unwrap_err().to_string().contains("not a hex digit"));
         // The key wraps under a new password; the lost one no longer opens it.
         change_secret(dir.path(), &Secret::MasterKey(key.clone()), &pw("found")).unwrap();
         assert_eq!(unlock(dir.path(), &pw("found")).unwrap().key.bytes(), key.bytes());
         assert!(unlock(dir.path(), &pw("lost")).is_err());
-        assert!(change_secret(dir.path(), &pw("found"), &Secret::MasterKey(other)).unwrap_err().contains("not a master key"));
+        assert!(change_secret(dir.path(), &pw("found"), &Secret::MasterKey(other)).unwrap_err().to_string().contains("not a master key"));
         // The check value is bound to the wrap: editing it makes the password fail.
         let path = config_path(dir.path());
         let t = std::fs::read_to_string(&path).unwrap();
         std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
         let check = VolumeConfig::load(dir.path()).unwrap().key_check.unwrap();
         std::fs::write(&path, t.replace(&check, &"0".repeat(32))).unwrap();
-        assert!(unlock(dir.path(), &pw("found")).unwrap_err().contains("altered"));
+        assert!(unlock(dir.path(), &pw("found")).unwrap_err().to_string().contains("altered"));
     }
 
     #[test]
@@ -672,18 +679,18 @@ mod tests {
         let edited = text.replace("version = 2", "version = 1");
         let c = VolumeConfig::parse(&edited, "c").unwrap();
         assert!(!c.bind_paths);
-        assert!(unlock_config(&c, "c", &pw("q")).unwrap_err().contains("wrong password"));
+        assert!(unlock_config(&c, "c", &pw("q")).unwrap_err().to_string().contains("wrong password"));
         let later = text.replace("version = 2", "version = 3").replace("cipher =", "new_setting = 1\ncipher =");
-        assert!(VolumeConfig::parse(&later, "c").unwrap_err().contains("version 3 is not supported"));
+        assert!(VolumeConfig::parse(&later, "c").unwrap_err().to_string().contains("version 3 is not supported"));
         let with_names = VolumeSettings { bind_paths: true, plaintext_names: true, ..fast() };
-        assert!(init(tempfile::tempdir().unwrap().path(), &with_names, &pw("p")).unwrap_err().contains("--bind-paths"));
+        assert!(init(tempfile::tempdir().unwrap().path(), &with_names, &pw("p")).unwrap_err().to_string().contains("--bind-paths"));
     }
 
     #[test]
     fn a_non_empty_directory_needs_plaintext_names() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("f"), b"x").unwrap();
-        assert!(init(dir.path(), &fast(), &pw("p")).unwrap_err().contains("not empty"));
+        assert!(init(dir.path(), &fast(), &pw("p")).unwrap_err().to_string().contains("not empty"));
         init(dir.path(), &VolumeSettings { plaintext_names: true, ..fast() }, &pw("p")).unwrap();
     }
 }

@@ -519,7 +519,7 @@ impl ReverseView {
             };
             self.codec.seal_chunk(&Place { file_id, chunk: i, count: 1 }, &nonce[..nonce_len], chunk, out)
         });
-        bytes.map(Reply::Data).map_err(|e| Error::Corrupt(format!("reverse view, inode {}: {e}", node.0)))
+        bytes.map(Reply::Data).map_err(|e| Error::Corrupt(format!("reverse view, inode {}: reading {size} bytes at offset {offset}: {e}", node.0)))
     }
 
     fn read_plain(&self, cx: &Caller, node: NodeId, fh: FileHandle, from: u64, len: u64) -> Result<Vec<u8>> {

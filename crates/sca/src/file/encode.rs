@@ -9,6 +9,7 @@ use plyfs_stack::{Error, Result};
 
 use crate::chunks::{chunk_start, whole_chunks};
 use crate::codec::Place;
+use crate::Error as CodecError;
 
 use super::{Engine, LowerIo, ScaFile};
 
@@ -67,6 +68,10 @@ pub(super) struct EncodedChunk {
 /// Chunks encoded ahead of the loop that stores them: `(chunk, encoding)`, in order.
 pub(super) type Encoded = Vec<(u64, EncodedChunk)>;
 
+/// What an encoder thread sends back for its group: the encodings, or the chunk the codec
+/// failed on and why.
+type GroupResult = std::result::Result<Encoded, (u64, CodecError)>;
+
 impl<L: LowerIo> ScaFile<L> {
     /// The chunks that `data`, written at `off`, covers whole and that [`Self::write_chunks`]
     /// need not encode itself: `(chunk, encoding)`, in order. For a large write of a codec slow
@@ -83,7 +88,7 @@ impl<L: LowerIo> ScaFile<L> {
         let place = self.place(first, 1);
         let bytes_of = |c: u64| (chunk_start(shift, c) - off) as usize..(chunk_start(shift, c + 1) - off) as usize;
         let started = std::time::Instant::now();
-        let mut all = vec![(first, self.engine.encode(&place, &data[bytes_of(first)])?)];
+        let mut all = vec![(first, self.engine.encode(&place, &data[bytes_of(first)]).map_err(|e| self.encode_failed(first, e))?)];
         if started.elapsed() * ((last - first) as u32) < PARALLEL_ENCODE_TIME {
             return Ok(all);
         }
@@ -101,32 +106,37 @@ impl<L: LowerIo> ScaFile<L> {
             let (engine, done, range) = (self.engine.clone(), done.clone(), range.clone());
             let copy = data[bytes_of(range.start).start..bytes_of(range.end - 1).end].to_vec();
             pool.run(Box::new(move || {
-                let encoded: Result<Encoded> = range
+                let encoded: GroupResult = range
                     .clone()
                     .zip(copy.chunks(cs as usize))
-                    .map(|(c, chunk)| Ok((c, engine.encode(&Place { chunk: c, ..place }, chunk)?)))
+                    .map(|(c, chunk)| Ok((c, engine.encode(&Place { chunk: c, ..place }, chunk).map_err(|e| (c, e))?)))
                     .collect();
                 let _ = done.send((i, encoded));
             }));
         }
         drop(done);
         for c in ranges[0].clone() {
-            all.push((c, self.engine.encode(&Place { chunk: c, ..place }, &data[bytes_of(c)])?));
+            all.push((c, self.engine.encode(&Place { chunk: c, ..place }, &data[bytes_of(c)]).map_err(|e| self.encode_failed(c, e))?));
         }
-        let mut theirs: Vec<(usize, Result<Encoded>)> = results.iter().collect();
+        let mut theirs: Vec<(usize, GroupResult)> = results.iter().collect();
         if theirs.len() != ranges.len() - 1 {
-            return Err(Error::Corrupt(format!("{}: an encoder thread failed", self.engine.kind)));
+            return Err(Error::Corrupt(format!("{}: an encoder thread failed ({})", self.lower.describe(), self.engine.kind)));
         }
         theirs.sort_by_key(|(i, _)| *i);
         for (_, encoded) in theirs {
-            all.extend(encoded?);
+            all.extend(encoded.map_err(|(c, e)| self.encode_failed(c, e))?);
         }
         Ok(all)
+    }
+
+    /// The error for a chunk the codec could not encode: the file, the upper offset, the cause.
+    pub(super) fn encode_failed(&self, chunk: u64, e: CodecError) -> Error {
+        Error::Corrupt(format!("{}: the chunk at offset {}: {e}", self.lower.describe(), chunk_start(self.ix.chunk_shift, chunk)))
     }
 }
 
 impl Engine {
-    pub(super) fn encode(&self, place: &Place, chunk: &[u8]) -> Result<EncodedChunk> {
+    pub(super) fn encode(&self, place: &Place, chunk: &[u8]) -> std::result::Result<EncodedChunk, CodecError> {
         let mut payload = Vec::with_capacity(chunk.len() / 2 + 64);
         let raw = self.encode_into(place, chunk, &mut payload)?;
         Ok(EncodedChunk { payload, raw })
@@ -135,7 +145,7 @@ impl Engine {
     /// Append the encoding of `chunk` (for `place`) to `out`, or the chunk itself when the
     /// codec stores chunks it cannot shrink as they are; returns whether it did the latter
     /// (raw). On failure `out` is left as it was.
-    pub(super) fn encode_into(&self, place: &Place, chunk: &[u8], out: &mut Vec<u8>) -> Result<bool> {
+    pub(super) fn encode_into(&self, place: &Place, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<bool, CodecError> {
         if self.codec.store_raw_if_larger() && crate::codec::looks_incompressible(chunk) {
             out.extend_from_slice(chunk);
             return Ok(true);
@@ -143,7 +153,7 @@ impl Engine {
         let start = out.len();
         if let Err(e) = self.codec.encode_at(place, chunk, out) {
             out.truncate(start);
-            return Err(Error::Corrupt(format!("{}: encoding failed: {e}", self.kind)));
+            return Err(e);
         }
         if self.codec.store_raw_if_larger() && out.len() - start >= chunk.len() {
             out.truncate(start);
@@ -155,7 +165,7 @@ impl Engine {
 
     /// A zero chunk encoded once, for runs of holes, for a deterministic codec whose output
     /// does not depend on its place.
-    pub(super) fn zero_chunk(&self, chunk_shift: u8) -> Result<Arc<EncodedChunk>> {
+    pub(super) fn zero_chunk(&self, chunk_shift: u8) -> std::result::Result<Arc<EncodedChunk>, CodecError> {
         if let Some(z) = self.zero_chunks.lock().get(&chunk_shift) {
             return Ok(z.clone());
         }

@@ -90,7 +90,7 @@ impl<L: LowerIo> ScaFile<L> {
                 if h.kind != Kind::Index || h.seq != s.checkpoint_seq || h.chunk_shift != shift {
                     return Err(Fault::Stale(format!("the record at {} is not the checkpoint the header names", s.checkpoint_off)));
                 }
-                FileIndex::from_checkpoint(shift, s.checkpoint_off, &h, &payload).map_err(Fault::Stale)?
+                FileIndex::from_checkpoint(shift, s.checkpoint_off, &h, &payload).map_err(|e| Fault::Stale(e.to_string()))?
             }
         };
         let after = ix.checkpoint.map_or(0, |c| c.seq);
@@ -103,7 +103,7 @@ impl<L: LowerIo> ScaFile<L> {
             if !ok {
                 failure = Some(format!("the record at {off} has a bad checksum"));
             } else if let Err(e) = ix.apply(off, h, payload) {
-                failure = Some(e);
+                failure = Some(e.to_string());
             }
         })?;
         if let Some(why) = failure {
@@ -133,7 +133,7 @@ impl<L: LowerIo> ScaFile<L> {
             }
         }
         ix.log_end = ix.log_end.max(end);
-        ix.validate(ix.log_end).map_err(Fault::Stale)?;
+        ix.validate(ix.log_end).map_err(|e| Fault::Stale(e.to_string()))?;
         self.replace_index(ix);
         Ok(())
     }

@@ -350,9 +350,10 @@ impl<L: LowerIo> ScaFile<L> {
     }
 }
 
-fn fault_to_error(f: Fault) -> Error {
+/// A fault as the layer interface reports it, naming the file.
+fn fault_to_error(lower: &impl LowerIo, f: Fault) -> Error {
     match f {
         Fault::Fail(e) => e,
-        Fault::Stale(why) => Error::Corrupt(why),
+        Fault::Stale(why) => Error::Corrupt(format!("{}: {why}", lower.describe())),
     }
 }

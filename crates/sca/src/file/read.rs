@@ -174,7 +174,7 @@ impl<L: LowerIo> ScaFile<L> {
             out.extend_from_slice(payload);
         } else if let Err(e) = self.engine.codec.decode_at(&place, payload, rec.decoded_len as usize, out) {
             out.truncate(before);
-            return Err(Fault::Fail(self.corrupt(chunk, rec.off, &e)));
+            return Err(Fault::Fail(self.corrupt(chunk, rec.off, &e.to_string())));
         }
         if out.len() - before != rec.decoded_len as usize {
             let got = out.len() - before;

@@ -22,7 +22,7 @@ impl<L: LowerIo> ScaFile<L> {
         self.scan(DATA_START, len, true, |_, h, _, _| {
             shift.get_or_insert(h.chunk_shift);
         })
-        .map_err(fault_to_error)?;
+        .map_err(|f| fault_to_error(&self.lower, f))?;
         match shift {
             Some(shift) => {
                 tracing::warn!("{}: the file header is damaged; rebuilding it and the index from the data", self.lower.describe());
@@ -70,7 +70,7 @@ impl<L: LowerIo> ScaFile<L> {
                 found.push((*h, off, if keep { payload.to_vec() } else { Vec::new() }, ok));
             }
         })
-        .map_err(fault_to_error)?;
+        .map_err(|f| fault_to_error(&self.lower, f))?;
         let sound = found.iter().any(|(_, _, _, ok)| *ok);
         if !sound && self.lower.read_at(0, DATA_START as usize).ok().and_then(|h| FileHeader::decode(&h)).is_none() {
             // Neither a header nor a sound record: the file is no longer an encoded file

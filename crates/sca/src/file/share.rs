@@ -174,7 +174,7 @@ impl<L: LowerIo> ScaFile<L> {
             Ok(end) => end,
             Err(e) => {
                 self.ix = ix;
-                return Err(fault_to_error(e));
+                return Err(fault_to_error(&self.lower, e));
             }
         };
         let slot = slot.expect("checked above");

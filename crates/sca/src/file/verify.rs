@@ -26,7 +26,7 @@ impl<L: LowerIo> ScaFile<L> {
             let mut problems = Vec::new();
             // Lost chunks have no records, which the index check would call inconsistent: the
             // reads below report them instead.
-            let mut stale = if self.lost.is_empty() { self.ix.validate(len).err() } else { None };
+            let mut stale = if self.lost.is_empty() { self.ix.validate(len).err().map(|e| e.to_string()) } else { None };
             let cs = self.ix.chunk_bytes();
             let mut chunk = 0;
             while stale.is_none() && chunk < self.ix.chunks() {

@@ -130,10 +130,10 @@ impl<L: LowerIo> ScaFile<L> {
         while chunk < first + count {
             let n = (first + count - chunk).min(u64::from(u32::MAX));
             let z = if shared {
-                self.engine.zero_chunk(shift)?
+                self.engine.zero_chunk(shift).map_err(|e| self.encode_failed(chunk, e))?
             } else {
                 let place = self.place(chunk, n);
-                Arc::new(self.engine.encode(&place, &vec![0; 1 << shift])?)
+                Arc::new(self.engine.encode(&place, &vec![0; 1 << shift]).map_err(|e| self.encode_failed(chunk, e))?)
             };
             let header = RecordHeader {
                 kind: Kind::Run,
@@ -169,7 +169,18 @@ impl<L: LowerIo> ScaFile<L> {
         let header = RecordHeader { kind: Kind::Data, count: 1, decoded_len: content.len() as u32, ..self.header_for(chunk, new_size) };
         let engine = self.engine.clone();
         let place = self.place(chunk, 1);
-        self.append_with(header, |out| Ok(if engine.encode_into(&place, content, out)? { FLAG_RAW } else { 0 }))?;
+        let mut failure = None;
+        let stored = self.append_with(header, |out| match engine.encode_into(&place, content, out) {
+            Ok(raw) => Ok(if raw { FLAG_RAW } else { 0 }),
+            Err(e) => {
+                failure = Some(e);
+                Err(plyfs_stack::Error::Os(libc::EIO)) // replaced below by the error naming the file
+            }
+        });
+        if let Some(e) = failure {
+            return Err(Fault::Fail(self.encode_failed(chunk, e)));
+        }
+        stored?;
         if is_partial_last {
             // Reuse the buffer of the chunk last kept.
             let mut kept = self.hot.take().map(|(_, _, v)| v).unwrap_or_default();

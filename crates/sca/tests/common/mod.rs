@@ -10,7 +10,7 @@ impl Codec for Rle {
         *b"rle\0"
     }
 
-    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), plyfs_sca::Error> {
         let mut i = 0;
         while i < chunk.len() {
             let b = chunk[i];
@@ -25,9 +25,9 @@ impl Codec for Rle {
         Ok(())
     }
 
-    fn decode(&self, encoded: &[u8], _len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn decode(&self, encoded: &[u8], _len: usize, out: &mut Vec<u8>) -> std::result::Result<(), plyfs_sca::Error> {
         if encoded.len() % 2 != 0 {
-            return Err("odd length".into());
+            return Err(plyfs_sca::Error::decode("odd length"));
         }
         for pair in encoded.chunks(2) {
             out.extend(std::iter::repeat_n(pair[1], pair[0] as usize));
@@ -49,12 +49,12 @@ impl Codec for SlowRle {
         Rle.tag()
     }
 
-    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), plyfs_sca::Error> {
         std::thread::sleep(std::time::Duration::from_micros(20));
         Rle.encode(chunk, out)
     }
 
-    fn decode(&self, encoded: &[u8], len: usize, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+    fn decode(&self, encoded: &[u8], len: usize, out: &mut Vec<u8>) -> std::result::Result<(), plyfs_sca::Error> {
         Rle.decode(encoded, len, out)
     }
 

@@ -114,13 +114,13 @@ impl CryptNames {
         let op = Op::GetXattr { node: dir, name: OsStr::new(DIRID_XATTR), size: 64 };
         let id = match self.below().call(&internal(), &op) {
             Ok(Reply::Xattr(XattrReply::Data(d))) if d.len() == 16 => d.try_into().expect("16 bytes"),
-            Ok(_) => return Err(Error::Corrupt(format!("directory {}: its {DIRID_XATTR} is damaged", dir.0))),
+            Ok(_) => return Err(Error::Corrupt(format!("directory inode {}: its {DIRID_XATTR} is damaged", dir.0))),
             Err(Error::Os(libc::ENODATA | libc::ENOTSUP)) => match self.below().read_small_file(&internal(), dir, OsStr::new(DIRID_FILE), 64) {
                 Ok(d) if d.len() == 16 => d.try_into().expect("16 bytes"),
-                Ok(_) => return Err(Error::Corrupt(format!("directory {}: its {DIRID_FILE} is damaged", dir.0))),
+                Ok(_) => return Err(Error::Corrupt(format!("directory inode {}: its {DIRID_FILE} is damaged", dir.0))),
                 Err(Error::Os(libc::ENOENT)) => {
                     // A directory made without one (by hand, below): give it one now.
-                    tracing::warn!("directory {}: no {DIRID_XATTR}; giving it a new one", dir.0);
+                    tracing::warn!("directory inode {}: no {DIRID_XATTR}; giving it a new one", dir.0);
                     self.set_dir_id(dir, libc::XATTR_CREATE)?
                 }
                 Err(e) => return Err(e),
@@ -195,7 +195,7 @@ impl CryptNames {
             let full = self.read_companion(dir, OsStr::new(&companion))?;
             let hash = B64.encode(sha2::Sha256::digest(full.as_bytes()));
             if text.strip_prefix(LONG_PREFIX) != Some(hash.as_str()) {
-                tracing::warn!("directory {}: {companion} does not belong to {text}; hiding it", dir.0);
+                tracing::warn!("directory inode {}: {companion} does not belong to {text}; hiding it", dir.0);
                 return None;
             }
             return self.decrypt(id, &full).map(OsString::from_vec);
@@ -204,10 +204,10 @@ impl CryptNames {
         // The layer's own files (a directory's id file, companions) are hidden without a word.
         if name.is_none() && !is_aux(bytes) && !(dir == NodeId::ROOT && is_config(bytes)) {
             if self.warned_hidden.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                tracing::debug!("directory {}: hiding {text}, which does not decrypt", dir.0);
+                tracing::debug!("directory inode {}: hiding {text}, which does not decrypt", dir.0);
             } else {
                 tracing::warn!(
-                    "directory {}: hiding {text}, which does not decrypt: put there from outside the mount? (a crypt volume serves only its own files; further such names are debug lines)",
+                    "directory inode {}: hiding {text}, which does not decrypt: put there from outside the mount? (a crypt volume serves only its own files; further such names are debug lines)",
                     dir.0
                 );
             }
@@ -253,7 +253,7 @@ impl CryptNames {
             companion.push(COMPANION_SUFFIX);
             if let Err(e) = self.below().unlink(cx, dir, &companion) {
                 if !matches!(e, Error::Os(libc::ENOENT)) {
-                    tracing::warn!("directory {}: removing {}: {e}", dir.0, companion.to_string_lossy());
+                    tracing::warn!("directory inode {}: removing {}: {e}", dir.0, companion.to_string_lossy());
                 }
             }
         }

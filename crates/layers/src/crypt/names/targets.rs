@@ -48,7 +48,7 @@ impl CryptNames {
             return Ok(stored.to_vec());
         }
         let bad = |why: &str| {
-            tracing::error!("symlink {}: its target {why}", node.0);
+            tracing::error!("symlink inode {}: its target {why}", node.0);
             Error::Os(libc::EIO)
         };
         let blob = match parse_marker(stored) {
@@ -141,7 +141,7 @@ impl CryptNames {
         if nlink <= 1 {
             if let Err(e) = self.below().unlink(cx, dir, companion) {
                 if !matches!(e, Error::Os(libc::ENOENT)) {
-                    tracing::warn!("directory {}: removing {}: {e}", dir.0, companion.to_string_lossy());
+                    tracing::warn!("directory inode {}: removing {}: {e}", dir.0, companion.to_string_lossy());
                 }
             }
         }
@@ -220,7 +220,7 @@ impl CryptNames {
             drop(t);
             if from_dir != to_dir && nlink <= 1 {
                 if let Err(e) = self.below().unlink(cx, from_dir, &companion) {
-                    tracing::warn!("directory {}: removing {}: {e}", from_dir.0, companion.to_string_lossy());
+                    tracing::warn!("directory inode {}: removing {}: {e}", from_dir.0, companion.to_string_lossy());
                 }
             }
         }
