@@ -88,12 +88,12 @@ pub fn run(plan: ServePlan, signals: SigSet) -> Result<(), String> {
         Addr::Unix(path) => {
             let listener = bind_unix(path)?;
             tracing::info!("serving {lower} with stack [{}] on {addr}", names.join(", "));
-            serve_unix(server, listener, UnixPolicy { allow_uids })
+            Ok(serve_unix(server, listener, UnixPolicy { allow_uids })?)
         }
         Addr::Tcp(hostport) => {
             let listener = std::net::TcpListener::bind(hostport).map_err(|e| format!("--listen {addr}: {e}"))?;
             tracing::info!("serving {lower} with stack [{}] on {addr} (TLS, pre-shared key)", names.join(", "));
-            tls.ok_or_else(|| format!("--listen {addr}: TCP needs TLS"))?.serve(server, listener, identity)
+            Ok(tls.ok_or_else(|| format!("--listen {addr}: TCP needs TLS"))?.serve(server, listener, identity)?)
         }
     }
 }
