@@ -94,11 +94,36 @@ pub struct FuseFs {
     kernel: std::sync::OnceLock<fuser::Notifier>,
 }
 
-fn errno(e: &Error) -> i32 {
+/// A request as it entered the stack: its name (`read`, `lookup`...) and the object it was
+/// on, to name them if it meets a corrupt object.
+#[derive(Clone, Copy)]
+pub(crate) struct RequestOn<'a> {
+    pub name: &'a str,
+    pub level: &'a Level,
+    pub node: NodeId,
+}
+
+/// The errno a failed request answers. A corrupt object is logged, naming the request and the
+/// object; other errors (`ENOENT`, `EACCES`...) are ordinary answers and log nothing.
+fn errno(e: &Error, request: RequestOn<'_>) -> i32 {
     if let Error::Corrupt(msg) = e {
-        tracing::error!("{msg}");
+        tracing::error!("{}: {}: {msg}", object_name(request.level, request.node), request.name);
     }
     e.errno()
+}
+
+/// How a log line names `node` of `level`: its path in the mount, as the bottom layer's
+/// `lower-info` gives it (translated by the layers between), else its path in the lower
+/// directory, else its inode number. Asked only when something is to be logged.
+fn object_name(level: &Level, node: NodeId) -> String {
+    let info = level.extended(&Caller::daemon(), node, "lower-info", &[]).ok();
+    let field = |name| info.as_ref().and_then(|v| v.get(name)).and_then(serde_json::Value::as_str).filter(|p| !p.is_empty());
+    match (field("path"), field("lower_path")) {
+        (Some(path), _) => format!("/{path} (inode {})", node.0),
+        (None, _) if node == NodeId::ROOT => "the mount's root".to_owned(),
+        (None, Some(lower)) => format!("{lower} (inode {})", node.0),
+        (None, None) => format!("inode {}", node.0),
+    }
 }
 
 /// Attributes for answers whose attributes the kernel ignores: negative entries, and `.` and
@@ -121,10 +146,10 @@ fn blank(ino: u64) -> NodeOut {
     NodeOut { ino, generation: 0, attr }
 }
 
-fn expect<T>(r: plyfs_stack::Result<Reply>, pick: impl FnOnce(Reply) -> Option<T>) -> Res<T> {
+fn expect<T>(r: plyfs_stack::Result<Reply>, request: RequestOn<'_>, pick: impl FnOnce(Reply) -> Option<T>) -> Res<T> {
     match r {
         Ok(reply) => pick(reply).ok_or(libc::EIO),
-        Err(e) => Err(errno(&e)),
+        Err(e) => Err(errno(&e, request)),
     }
 }
 
@@ -239,7 +264,8 @@ impl FuseFs {
             return Err(libc::EEXIST);
         }
         let (level, view, node) = self.level_of(parent)?;
-        expect(level.call(cx, &op(node)), |r| match r {
+        let op = op(node);
+        expect(level.call(cx, &op), RequestOn { name: op.name(), level: &level, node }, |r| match r {
             Reply::Entry(e) => Some(Self::node_out(view, e)),
             _ => None,
         })
@@ -247,13 +273,15 @@ impl FuseFs {
 
     fn empty_op<'a>(&self, cx: &Caller, ino: u64, op: impl FnOnce(NodeId) -> Op<'a>) -> Res<()> {
         let (level, _, node) = self.level_of(ino)?;
-        level.call(cx, &op(node)).map(drop).map_err(|e| errno(&e))
+        let op = op(node);
+        level.call(cx, &op).map(drop).map_err(|e| errno(&e, RequestOn { name: op.name(), level: &level, node }))
     }
 
     /// `getxattr` or `listxattr`: the answer is a value, or only its size.
     fn xattr_op<'a>(&self, cx: &Caller, ino: u64, op: impl FnOnce(NodeId) -> Op<'a>) -> Res<XattrReply> {
         let (level, _, node) = self.level_of(ino)?;
-        expect(level.call(cx, &op(node)), |r| match r {
+        let op = op(node);
+        expect(level.call(cx, &op), RequestOn { name: op.name(), level: &level, node }, |r| match r {
             Reply::Xattr(x) => Some(x),
             _ => None,
         })
@@ -349,7 +377,7 @@ impl FuseFs {
                 }
                 Err(e) => {
                     if !self.status.passthrough_failed.swap(true, Ordering::Relaxed) {
-                        tracing::warn!("passthrough refused by the kernel ({e}); such files use FUSE I/O");
+                        tracing::warn!("inode {ino}: passthrough refused by the kernel ({e}); such files use FUSE I/O");
                     }
                     return None;
                 }
@@ -475,7 +503,8 @@ impl FuseFs {
         }
         let max_entries = if plus { 128 } else { 512 };
         let op = Op::ReadDir { node, fh: FileHandle(fh), offset, max_entries, plus };
-        expect(level.call(cx, &op), |r| match r {
+        let request = RequestOn { name: if plus { "readdirplus" } else { "readdir" }, level: &level, node };
+        expect(level.call(cx, &op), request, |r| match r {
             Reply::Dir(entries) => Some((view, entries.into())),
             _ => None,
         })
