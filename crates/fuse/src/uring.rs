@@ -715,7 +715,7 @@ fn serve(
                 // The connection ends (unmount, abort): the kernel hands every entry back.
                 live -= 1;
                 if !matches!(-res, libc::ENOTCONN | libc::ECANCELED | libc::ENODEV | libc::ECONNABORTED) {
-                    tracing::warn!("FUSE over io_uring, queue {qid}: an entry came back: {}", io::Error::from_raw_os_error(-res));
+                    tracing::warn!("FUSE over io_uring, queue {qid}: an entry failed: {}", io::Error::from_raw_os_error(-res));
                 }
                 continue;
             }

@@ -225,7 +225,7 @@ impl Server {
         let halves = match stream.split() {
             Ok(h) => h,
             Err(e) => {
-                tracing::warn!("client {peer}: {e}");
+                tracing::warn!("client {peer}: splitting the connection: {e}");
                 return;
             }
         };
