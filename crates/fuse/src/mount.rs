@@ -112,16 +112,17 @@ fn flag_option(name: &str) -> Option<MountOption> {
 /// empty (mounting would hide what it holds).
 pub fn check_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountError> {
     let path = || mountpoint.to_owned();
-    let failed = |op: &str, e: io::Error| Error::MountPoint { path: path(), why: format!("{op}: {e}") };
-    let meta = std::fs::metadata(mountpoint).map_err(|e| failed("reading its attributes", e))?;
+    // Checking the mount point is the operation; the system's reason says the rest.
+    let failed = |e: io::Error| Error::MountPoint { path: path(), why: e.to_string() };
+    let meta = std::fs::metadata(mountpoint).map_err(failed)?;
     if !meta.is_dir() {
         return Err(Error::MountPoint { path: path(), why: "not a directory".into() });
     }
-    let canonical = mountpoint.canonicalize().map_err(|e| failed("resolving it", e))?;
+    let canonical = mountpoint.canonicalize().map_err(failed)?;
     if let Some(m) = mountinfo::mount_at(&canonical) {
         return Err(Error::MountPointBusy { path: path(), fstype: m.fstype });
     }
-    let mut entries = std::fs::read_dir(&canonical).map_err(|e| failed("listing it", e))?;
+    let mut entries = std::fs::read_dir(&canonical).map_err(failed)?;
     if entries.next().is_some() {
         return Err(Error::MountPointNotEmpty { path: path() });
     }
