@@ -335,7 +335,7 @@ fn serve_stream(stream: UnixStream, info: &(String, Hosted, Vec<WireExtOp>), han
             answer(py, &req, result)
         })
     });
-    host::serve(Box::new(stream), welcome, &below, incoming)
+    Ok(host::serve(Box::new(stream), welcome, &below, incoming)?)
 }
 
 /// Serve the mount at the other end of descriptor `fd` until it goes.

@@ -88,12 +88,13 @@ pub fn run(plan: ServePlan, signals: SigSet) -> crate::Result<()> {
         Addr::Unix(path) => {
             let listener = bind_unix(path)?;
             tracing::info!("serving {lower} with stack [{}] on {addr}", names.join(", "));
-            serve_unix(server, listener, UnixPolicy { allow_uids }).map_err(crate::Error::Run)
+            serve_unix(server, listener, UnixPolicy { allow_uids }).map_err(|e| crate::Error::Run(e.to_string()))
         }
         Addr::Tcp(hostport) => {
             let listener = std::net::TcpListener::bind(hostport).map_err(|e| format!("--listen {addr}: {e}"))?;
             tracing::info!("serving {lower} with stack [{}] on {addr} (TLS, pre-shared key)", names.join(", "));
-            tls.ok_or_else(|| crate::Error::Spec(format!("--listen {addr}: TCP needs TLS")))?.serve(server, listener, identity).map_err(crate::Error::Run)
+            let tls = tls.ok_or_else(|| crate::Error::Spec(format!("--listen {addr}: TCP needs TLS")))?;
+            tls.serve(server, listener, identity).map_err(|e| crate::Error::Run(e.to_string()))
         }
     }
 }

@@ -9,13 +9,17 @@
 //! - [`mount`] mounts and unmounts, directly or through `fusermount3`.
 //! - [`control`] is the socket that carries extended operations from `plyfs op` to the stack.
 //! - [`mountinfo`] finds the mount a path is on.
+//! - [`Error`] is what fails around the requests (mounting, unmounting, the transports), naming
+//!   the mount point or the transport.
 
 pub mod classic;
 pub mod control;
+mod error;
 pub mod fs;
 pub mod mount;
 pub mod mountinfo;
 pub mod uring;
 
+pub use error::Error;
 pub use fs::{FanIn, FrontOptions, FrontStatus, IoMode, LEVELS_DIR};
 pub use mount::{check_mountpoint, unmount, MountError, MountRequest, Mounted, Transport, Unmounted, UringChoice};

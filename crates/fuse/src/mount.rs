@@ -16,7 +16,7 @@ use plyfs_stack::Stack;
 
 use crate::classic::{Classic, MAX_WRITE};
 use crate::fs::{FrontOptions, FrontStatus, FuseFs, IoMode};
-use crate::{mountinfo, uring};
+use crate::{mountinfo, uring, Error};
 
 /// Everything `plyfs mount` decides before mounting.
 #[derive(Clone, Debug)]
@@ -82,16 +82,8 @@ pub struct Mounted {
     dev: Option<String>,
 }
 
-#[derive(Debug)]
-pub struct MountError(pub String);
-
-impl std::fmt::Display for MountError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for MountError {}
+/// Why a mount failed: the crate's [`Error`], by the name callers know it under.
+pub type MountError = Error;
 
 /// Kernel mount flags `-o` accepts besides plyfs's own options.
 pub const KERNEL_FLAGS: &[&str] =
@@ -119,18 +111,20 @@ fn flag_option(name: &str) -> Option<MountOption> {
 /// Check that `mountpoint` can take a mount: it exists, is a directory, is not mounted on, and is
 /// empty (mounting would hide what it holds).
 pub fn check_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountError> {
-    let shown = mountpoint.display();
-    let meta = std::fs::metadata(mountpoint).map_err(|e| MountError(format!("mount point {shown}: {e}")))?;
+    let path = || mountpoint.to_owned();
+    // Checking the mount point is the operation; the system's reason says the rest.
+    let failed = |e: io::Error| Error::MountPoint { path: path(), why: e.to_string() };
+    let meta = std::fs::metadata(mountpoint).map_err(failed)?;
     if !meta.is_dir() {
-        return Err(MountError(format!("mount point {shown}: not a directory")));
+        return Err(Error::MountPoint { path: path(), why: "not a directory".into() });
     }
-    let canonical = mountpoint.canonicalize().map_err(|e| MountError(format!("mount point {shown}: {e}")))?;
+    let canonical = mountpoint.canonicalize().map_err(failed)?;
     if let Some(m) = mountinfo::mount_at(&canonical) {
-        return Err(MountError(format!("mount point {shown} is busy: {} is already mounted there", m.fstype)));
+        return Err(Error::MountPointBusy { path: path(), fstype: m.fstype });
     }
-    let mut entries = std::fs::read_dir(&canonical).map_err(|e| MountError(format!("mount point {shown}: {e}")))?;
+    let mut entries = std::fs::read_dir(&canonical).map_err(failed)?;
     if entries.next().is_some() {
-        return Err(MountError(format!("mount point {shown} is not empty: mounting would hide what it holds")));
+        return Err(Error::MountPointNotEmpty { path: path() });
     }
     Ok(canonical)
 }
@@ -149,7 +143,7 @@ impl Mounted {
             if req.read_only { MountOption::RO } else { MountOption::RW },
         ];
         for flag in &req.flags {
-            let opt = flag_option(flag).ok_or_else(|| MountError(format!("unknown mount option '{flag}'")))?;
+            let opt = flag_option(flag).ok_or_else(|| Error::UnknownOption { flag: flag.clone() })?;
             if !options.contains(&opt) {
                 options.push(opt);
             }
@@ -173,7 +167,7 @@ impl Mounted {
             None => fusermount(&mountpoint, &config)?,
         };
         let top = stack.top().layer().clone();
-        let dev = Arc::new(fd.try_clone().map_err(|e| MountError(format!("/dev/fuse: {e}")))?);
+        let dev = Arc::new(fd.try_clone().map_err(|e| Error::Device { why: format!("duplicating its descriptor: {e}") })?);
         let (fs, status) = FuseFs::new(stack, req.front.clone(), dev.clone());
         let fs = Arc::new(fs);
         // Once the kernel agrees to io_uring, requests wait for the rings: ask only when they
@@ -184,7 +178,7 @@ impl Mounted {
             uring::kernel_allows().and_then(|()| uring::can_make_rings())?;
             can_yield = uring::can_yield();
             if req.io_uring == UringChoice::Auto && !can_yield {
-                return Err("its threads could not give their CPU to callers (SCHED_IDLE needs CAP_SYS_NICE here), which makes it slower than /dev/fuse".to_owned());
+                return Err(Error::Uring { why: "its threads could not give their CPU to callers (SCHED_IDLE needs CAP_SYS_NICE here), which makes it slower than /dev/fuse".to_owned() });
             }
             Ok(())
         };
@@ -192,7 +186,7 @@ impl Mounted {
             match usable() {
                 Ok(()) => true,
                 Err(why) => {
-                    uring_refused = Some(why);
+                    uring_refused = Some(why.to_string());
                     false
                 }
             }
@@ -201,7 +195,7 @@ impl Mounted {
         let classic = Classic { fs: fs.clone(), want_uring, uring_agreed: uring_agreed.clone() };
         let session = Session::from_fd(classic, fd, config.acl, config.clone()).map_err(|e| {
             let _ = unmount(&mountpoint, true);
-            MountError(format!("mount {}: FUSE handshake failed: {e}", mountpoint.display()))
+            Error::Mount { mountpoint: mountpoint.clone(), why: format!("FUSE handshake failed: {e}") }
         })?;
         top.set_invalidator(Arc::new(KernelCache(session.notifier())));
         fs.set_notifier(session.notifier());
@@ -211,7 +205,7 @@ impl Mounted {
         } else if want_uring {
             match uring::start(fs, dev, ring_payload_size(), can_yield) {
                 Ok(r) => rings = Some(r),
-                Err(why) => uring_refused = Some(why),
+                Err(why) => uring_refused = Some(why.to_string()),
             }
         }
         let dev = mountinfo::mount_at(&mountpoint).filter(|m| m.is_plyfs()).map(|m| m.dev);
@@ -238,7 +232,7 @@ impl Mounted {
     /// `file`, one of them. A lower that is itself a stacked file system (a FUSE mount using
     /// passthrough, overlayfs) may be one level too deep: then every file uses FUSE I/O, and
     /// the error says why.
-    pub fn probe_passthrough(&self, file: &std::fs::File) -> Result<(), String> {
+    pub fn probe_passthrough(&self, file: &std::fs::File) -> Result<(), Error> {
         if !matches!(self.io_mode(), IoMode::Passthrough | IoMode::Mixed) {
             return Ok(());
         }
@@ -259,7 +253,7 @@ impl Mounted {
             _ => format!("the kernel refuses passthrough to the lower files ({e})"),
         };
         self.status.refuse_passthrough(why.clone());
-        Err(why)
+        Err(Error::Passthrough { why })
     }
 
     pub fn io_mode(&self) -> IoMode {
@@ -368,7 +362,7 @@ fn mount_directly(mountpoint: &Path, config: &Config) -> Result<Option<OwnedFd>,
         let e = io::Error::last_os_error();
         return match e.raw_os_error() {
             Some(libc::EACCES | libc::EPERM) => Ok(None),
-            _ => Err(MountError(format!("/dev/fuse: {e} (is the fuse module loaded?)"))),
+            _ => Err(Error::Device { why: format!("opening it: {e} (is the fuse module loaded?)") }),
         };
     }
     let dev = unsafe { OwnedFd::from_raw_fd(dev) };
@@ -401,8 +395,9 @@ fn mount_directly(mountpoint: &Path, config: &Config) -> Result<Option<OwnedFd>,
             _ => {}
         }
     }
-    let source = CString::new(fsname(config)).map_err(|_| MountError("fsname has a NUL byte".into()))?;
-    let target = CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| MountError("mount point has a NUL byte".into()))?;
+    let failed = |why: &str| Error::Mount { mountpoint: mountpoint.to_owned(), why: why.to_owned() };
+    let source = CString::new(fsname(config)).map_err(|_| failed("fsname has a NUL byte"))?;
+    let target = CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| failed("the path has a NUL byte"))?;
     let data = CString::new(data).expect("no NUL in options");
     let rc = unsafe {
         libc::mount(source.as_ptr(), target.as_ptr(), c"fuse.plyfs".as_ptr(), flags, data.as_ptr().cast())
@@ -413,7 +408,7 @@ fn mount_directly(mountpoint: &Path, config: &Config) -> Result<Option<OwnedFd>,
     let e = io::Error::last_os_error();
     match e.raw_os_error() {
         Some(libc::EPERM) => Ok(None),
-        _ => Err(MountError(format!("mount {}: {e}", mountpoint.display()))),
+        _ => Err(failed(&e.to_string())),
     }
 }
 
@@ -444,7 +439,8 @@ fn fusermount(mountpoint: &Path, config: &Config) -> Result<OwnedFd, MountError>
         };
         opts.push(s);
     }
-    let (ours, theirs) = UnixStream::pair().map_err(|e| MountError(format!("fusermount3: {e}")))?;
+    let failed = |why: String| Error::Mount { mountpoint: mountpoint.to_owned(), why };
+    let (ours, theirs) = UnixStream::pair().map_err(|e| failed(format!("fusermount3: making its socket: {e}")))?;
     let their_fd = theirs.as_raw_fd();
     let mut cmd = Command::new("fusermount3");
     cmd.arg("-o").arg(opts.join(",")).arg("--").arg(mountpoint);
@@ -459,19 +455,19 @@ fn fusermount(mountpoint: &Path, config: &Config) -> Result<OwnedFd, MountError>
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(|e| {
-        MountError(format!("cannot open /dev/fuse and cannot run fusermount3 ({e}): install the fuse3 package"))
-    })?;
+    let child = cmd
+        .spawn()
+        .map_err(|e| failed(format!("cannot open /dev/fuse and cannot run fusermount3 ({e}): install the fuse3 package")))?;
     drop(theirs);
     let received = receive_fd(&ours);
     drop(ours);
-    let output = child.wait_with_output().map_err(|e| MountError(format!("fusermount3: {e}")))?;
+    let output = child.wait_with_output().map_err(|e| failed(format!("fusermount3: waiting for it: {e}")))?;
     match received {
         Some(fd) => Ok(fd),
         None => {
             let msg = String::from_utf8_lossy(&output.stderr);
             let msg = msg.trim().trim_start_matches("fusermount3: ");
-            Err(MountError(format!("mount {}: fusermount3: {msg}", mountpoint.display())))
+            Err(failed(format!("fusermount3: {msg}")))
         }
     }
 }
@@ -497,15 +493,16 @@ fn receive_fd(sock: &UnixStream) -> Option<OwnedFd> {
     None
 }
 
-fn fusermount_unmount(mountpoint: &Path, lazy: bool) -> Result<(), String> {
+fn fusermount_unmount(mountpoint: &Path, lazy: bool) -> Result<(), Error> {
+    let failed = |why: String| Error::Unmount { mountpoint: mountpoint.to_owned(), why };
     let mut cmd = Command::new("fusermount3");
     cmd.arg(if lazy { "-uz" } else { "-u" }).arg("--").arg(mountpoint);
-    let out = cmd.output().map_err(|e| format!("fusermount3: {e}"))?;
+    let out = cmd.output().map_err(|e| failed(format!("running fusermount3: {e}")))?;
     if out.status.success() {
         Ok(())
     } else {
         let msg = String::from_utf8_lossy(&out.stderr);
-        Err(msg.trim().trim_start_matches("fusermount3: ").to_owned())
+        Err(failed(msg.trim().trim_start_matches("fusermount3: ").to_owned()))
     }
 }
 
@@ -523,8 +520,9 @@ pub enum Unmounted {
 /// A mount is also busy for as long as another process's `statfs` of it takes (`df`, and
 /// anything else that looks at every mount, holds it meanwhile): such an `EBUSY` passes within
 /// moments, so it is tried again for up to two seconds before it is the answer.
-pub fn unmount(mountpoint: &Path, lazy: bool) -> Result<Unmounted, String> {
-    let c = CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| "path has a NUL byte".to_owned())?;
+pub fn unmount(mountpoint: &Path, lazy: bool) -> Result<Unmounted, Error> {
+    let failed = |why: &str| Error::Unmount { mountpoint: mountpoint.to_owned(), why: why.to_owned() };
+    let c = CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| failed("the path has a NUL byte"))?;
     let flags = if lazy { libc::MNT_DETACH } else { 0 };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
     let err = loop {
@@ -539,8 +537,8 @@ pub fn unmount(mountpoint: &Path, lazy: bool) -> Result<Unmounted, String> {
     };
     match err.raw_os_error() {
         Some(libc::EPERM) => fusermount_unmount(mountpoint, lazy).map(|()| if lazy { Unmounted::Lazily } else { Unmounted::Done }),
-        Some(libc::EBUSY) => Err("busy: files on it are in use (close them, or unmount with --lazy)".into()),
-        Some(libc::EINVAL) => Err("not a mount point".into()),
-        _ => Err(err.to_string()),
+        Some(libc::EBUSY) => Err(failed("busy: files on it are in use (close them, or unmount with --lazy)")),
+        Some(libc::EINVAL) => Err(failed("not a mount point")),
+        _ => Err(failed(&err.to_string())),
     }
 }

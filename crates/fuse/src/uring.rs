@@ -27,6 +27,7 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use plyfs_stack::{from_unix_time, unix_time, Attr, Caller, FileKind, SetAttr, TimeSet, XattrReply};
 
 use crate::fs::{DirSink, FuseFs, NodeOut, OpenOut, Res};
+use crate::Error;
 
 const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
@@ -506,19 +507,20 @@ fn possible_cpus() -> usize {
 /// Whether this process can make the rings at all (io_uring may be off: the
 /// `kernel.io_uring_disabled` sysctl, seccomp, a container). Asked before INIT, since once the
 /// kernel agrees to FUSE over io_uring, requests wait until the rings are ready.
-pub fn can_make_rings() -> Result<(), String> {
+pub fn can_make_rings() -> Result<(), Error> {
     IoUring::<squeue::Entry128, cqueue::Entry>::builder()
         .build(4)
         .map(drop)
-        .map_err(|e| format!("cannot make an io_uring with 128-byte entries ({e})"))
+        .map_err(|e| Error::Uring { why: format!("cannot make an io_uring with 128-byte entries ({e})") })
 }
 
 /// Whether the kernel allows FUSE over io_uring (`/sys/module/fuse/parameters/enable_uring`).
-pub fn kernel_allows() -> Result<(), String> {
+pub fn kernel_allows() -> Result<(), Error> {
+    let refused = |why: &str| Error::Uring { why: why.to_owned() };
     match std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring") {
         Ok(v) if v.trim() == "Y" || v.trim() == "1" => Ok(()),
-        Ok(_) => Err("the kernel has it turned off (as root: echo 1 > /sys/module/fuse/parameters/enable_uring)".into()),
-        Err(_) => Err("this kernel has no FUSE over io_uring (needs Linux 6.14 or later, CONFIG_FUSE_IO_URING)".into()),
+        Ok(_) => Err(refused("the kernel has it turned off (as root: echo 1 > /sys/module/fuse/parameters/enable_uring)")),
+        Err(_) => Err(refused("this kernel has no FUSE over io_uring (needs Linux 6.14 or later, CONFIG_FUSE_IO_URING)")),
     }
 }
 
@@ -526,7 +528,7 @@ pub fn kernel_allows() -> Result<(), String> {
 /// the threads yield their CPU to callers when `can_yield` (see [`can_yield`]). Returns once
 /// every queue is registered, or the reason it could not be; then the kernel has gone back to
 /// `/dev/fuse` for this connection.
-pub fn start(fs: Arc<FuseFs>, dev: Arc<OwnedFd>, payload_size: usize, can_yield: bool) -> Result<Rings, String> {
+pub fn start(fs: Arc<FuseFs>, dev: Arc<OwnedFd>, payload_size: usize, can_yield: bool) -> Result<Rings, Error> {
     let queues = possible_cpus();
     let yielding = if can_yield {
         Yielding::start(queues * THREADS_PER_QUEUE)
@@ -546,7 +548,7 @@ pub fn start(fs: Arc<FuseFs>, dev: Arc<OwnedFd>, payload_size: usize, can_yield:
                 Ok(t) => threads.push(t),
                 Err(e) => {
                     abandon(dev.as_raw_fd());
-                    return Err(format!("cannot start a ring thread ({e})"));
+                    return Err(Error::Uring { why: format!("cannot start a ring thread ({e})") });
                 }
             }
         }
@@ -571,7 +573,7 @@ pub fn start(fs: Arc<FuseFs>, dev: Arc<OwnedFd>, payload_size: usize, can_yield:
             // The threads that did register wait for requests that no longer come; the
             // kernel hands their entries back at unmount, and they end.
             abandon(dev.as_raw_fd());
-            Err(e)
+            Err(Error::Uring { why: e })
         }
     }
 }
@@ -694,7 +696,7 @@ fn serve(
             Ok(_) => {}
             Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
             Err(e) => {
-                tracing::error!("FUSE over io_uring, queue {qid}: {e}; this thread stops");
+                tracing::error!("FUSE over io_uring, queue {qid}: waiting for requests: {e}; this thread stops");
                 return;
             }
         }
@@ -713,7 +715,7 @@ fn serve(
                 // The connection ends (unmount, abort): the kernel hands every entry back.
                 live -= 1;
                 if !matches!(-res, libc::ENOTCONN | libc::ECANCELED | libc::ENODEV | libc::ECONNABORTED) {
-                    tracing::warn!("FUSE over io_uring, queue {qid}: {}", io::Error::from_raw_os_error(-res));
+                    tracing::warn!("FUSE over io_uring, queue {qid}: an entry failed: {}", io::Error::from_raw_os_error(-res));
                 }
                 continue;
             }

@@ -18,6 +18,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::stream::{spin_time, wait_readable, Control, Duplex, FrameRead};
 use crate::wire::{self, Change, Frame, Message, WireCaller, WireExtOp, WireLayer, RequestOp, WireReply};
+use crate::Error;
 
 /// What the server said about itself in the handshake.
 #[derive(Clone, Debug)]
@@ -48,6 +49,12 @@ impl ConnectError {
 impl From<String> for ConnectError {
     fn from(msg: String) -> ConnectError {
         ConnectError { msg, refused: false }
+    }
+}
+
+impl From<Error> for ConnectError {
+    fn from(e: Error) -> ConnectError {
+        ConnectError { msg: e.to_string(), refused: false }
     }
 }
 
@@ -226,17 +233,20 @@ impl Connection {
         welcome: Welcome,
         timeout: Duration,
         incoming: Incoming,
-    ) -> Result<Arc<Connection>, String> {
-        let halves = stream.split().map_err(|e| e.to_string())?;
+    ) -> Result<Arc<Connection>, Error> {
+        const MOUNT: &str = "the mount";
+        let halves = stream.split().map_err(Error::io("splitting the connection", MOUNT))?;
         let (mut reader, mut writer, control) = (halves.reader, halves.writer, halves.control);
         control.set_read_timeout(Some(timeout));
-        writer.write_all(&wire::PREAMBLE).map_err(|e| e.to_string())?;
-        wire::read_preamble(&mut reader).map_err(|e| e.to_string())?;
-        let frame = wire::read_frame(&mut reader).map_err(|e| e.to_string())?;
-        match wire::decode(&frame.header)? {
+        writer.write_all(&wire::PREAMBLE).map_err(Error::io("sending the preamble", MOUNT))?;
+        wire::read_preamble(&mut reader).map_err(Error::io("reading the preamble", MOUNT))?;
+        let frame = wire::read_frame(&mut reader).map_err(Error::peer(MOUNT))?;
+        match wire::decode(&frame.header).map_err(Error::peer(MOUNT))? {
             Message::Hello { versions, .. } if versions.contains(&welcome.version) => {}
-            Message::Hello { versions, .. } => return Err(format!("no common protocol version (the mount speaks {versions:?})")),
-            _ => return Err("the first message was not hello".into()),
+            Message::Hello { versions, .. } => {
+                return Err(Error::peer(MOUNT)(format!("no common protocol version (the mount speaks {versions:?})")))
+            }
+            _ => return Err(Error::peer(MOUNT)("the first message was not hello")),
         }
         let msg = Message::Welcome {
             version: welcome.version,
@@ -247,7 +257,7 @@ impl Connection {
             auth: None,
             hosted: welcome.hosted.clone(),
         };
-        wire::write_frame(&mut writer, &wire::encode(&msg), &[]).map_err(|e| e.to_string())?;
+        wire::write_frame(&mut writer, &wire::encode(&msg), &[]).map_err(Error::io("sending welcome", MOUNT))?;
         control.set_read_timeout(None);
         Connection::start(reader, writer, control, welcome, Arc::new(|_| {}), Some(incoming), true)
     }
@@ -260,7 +270,7 @@ impl Connection {
         on_change: OnChange,
         incoming: Option<Incoming>,
         inline_incoming: bool,
-    ) -> Result<Arc<Connection>, String> {
+    ) -> Result<Arc<Connection>, Error> {
         let fd = reader.fd();
         let conn = Arc::new(Connection {
             writer: Mutex::new(writer),
@@ -293,12 +303,13 @@ impl Connection {
                         let Some(conn) = weak.upgrade() else { return };
                         conn.reply(id, reply, &payload);
                     })
-                    .map_err(|e| e.to_string())?;
+                    .map_err(Error::io("starting a thread for the peer's calls", "a connection"))?;
             }
             *conn.incoming.lock() = Some(tx);
         }
         let weak = Arc::downgrade(&conn);
-        std::thread::Builder::new().name("peer-idle-reader".into()).spawn(move || read_when_idle(weak)).map_err(|e| e.to_string())?;
+        std::thread::Builder::new().name("peer-idle-reader".into()).spawn(move || read_when_idle(weak))
+            .map_err(Error::io("starting its reader thread", "a connection"))?;
         Ok(conn)
     }
 
@@ -345,10 +356,10 @@ impl Connection {
     }
 
     /// Send a request that wants no reply (`forget`).
-    pub fn send_only(&self, caller: WireCaller, op: impl Into<RequestOp>) -> Result<(), String> {
+    pub fn send_only(&self, caller: WireCaller, op: impl Into<RequestOp>) -> std::io::Result<()> {
         let header = wire::encode(&Message::Req { id: 0, caller, op: op.into() });
         let mut w = self.writer.lock();
-        wire::write_frame(&mut *w, &header, &[]).map_err(|e| e.to_string())
+        wire::write_frame(&mut *w, &header, &[])
     }
 
     /// Send a request and wait for its reply, at most until `deadline`.
@@ -393,7 +404,7 @@ impl Connection {
             match wire::read_frame(&mut **reader) {
                 Ok(frame) => {
                     if let Err(reason) = self.dispatch(frame) {
-                        return self.close(&reason);
+                        return self.close(reason);
                     }
                 }
                 Err(wire::FrameError::Closed) => return self.close("the other side closed the connection"),
@@ -435,8 +446,8 @@ impl Connection {
         }
     }
 
-    /// Hand one frame to whom it is for.
-    fn dispatch(&self, frame: Frame) -> Result<(), String> {
+    /// Hand one frame to whom it is for; otherwise, why the connection must end.
+    fn dispatch(&self, frame: Frame) -> Result<(), &'static str> {
         // Only the message type and id are needed here; the caller decodes the rest.
         match peek(&frame.header) {
             Some(("rep", id)) => {
@@ -449,7 +460,7 @@ impl Connection {
             }
             Some(("req", _)) => match self.incoming.lock().as_ref().map(|tx| tx.send(frame).is_ok()) {
                 Some(true) => Ok(()),
-                _ => Err("a request from a peer that takes none".into()),
+                _ => Err("a request from a peer that takes none"),
             },
             Some(("changed", _)) => {
                 if let Ok(Message::Changed { changes }) = wire::decode(&frame.header) {
@@ -457,7 +468,7 @@ impl Connection {
                 }
                 Ok(())
             }
-            _ => Err("a malformed message".into()),
+            _ => Err("a malformed message"),
         }
     }
 }
@@ -523,7 +534,7 @@ fn read_when_idle(conn: std::sync::Weak<Connection>) {
             Ok(frame) => {
                 if let Err(reason) = c.dispatch(frame) {
                     drop(reader);
-                    c.close(&reason);
+                    c.close(reason);
                     return;
                 }
             }
@@ -556,27 +567,28 @@ fn peek(header: &[u8]) -> Option<(&str, u64)> {
 }
 
 /// Connect to `addr` (no TLS: Unix sockets, and tests).
-pub fn connect_plain(addr: &crate::stream::Addr, timeout: Duration) -> Result<Box<dyn Duplex>, String> {
+pub fn connect_plain(addr: &crate::stream::Addr, timeout: Duration) -> Result<Box<dyn Duplex>, Error> {
     match addr {
         crate::stream::Addr::Unix(path) => {
-            std::os::unix::net::UnixStream::connect(path).map(|s| Box::new(s) as Box<dyn Duplex>).map_err(|e| format!("{addr}: {e}"))
+            std::os::unix::net::UnixStream::connect(path).map(|s| Box::new(s) as Box<dyn Duplex>).map_err(Error::io("connecting", addr))
         }
         crate::stream::Addr::Tcp(hp) => connect_tcp(hp, timeout).map(|s| Box::new(s) as Box<dyn Duplex>),
     }
 }
 
 /// Connect to `HOST:PORT`, trying each of its addresses.
-pub fn connect_tcp(hostport: &str, timeout: Duration) -> Result<std::net::TcpStream, String> {
+pub fn connect_tcp(hostport: &str, timeout: Duration) -> Result<std::net::TcpStream, Error> {
     use std::net::ToSocketAddrs;
-    let addrs: Vec<_> = hostport.to_socket_addrs().map_err(|e| format!("tcp:{hostport}: {e}"))?.collect();
-    let mut last = format!("tcp:{hostport}: no address");
+    let shown = format!("tcp:{hostport}");
+    let addrs: Vec<_> = hostport.to_socket_addrs().map_err(Error::io("resolving", &shown))?.collect();
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
     for a in addrs {
         match std::net::TcpStream::connect_timeout(&a, timeout) {
             Ok(s) => return Ok(s),
-            Err(e) => last = format!("tcp:{hostport}: {e}"),
+            Err(e) => last = e,
         }
     }
-    Err(last)
+    Err(Error::io("connecting", shown)(last))
 }
 
 #[allow(dead_code)]

@@ -78,7 +78,7 @@ pub fn welcome(layer_name: &str, layer_kind: &str, hosted: Hosted, ext_ops: Vec<
 
 /// Serve `incoming` for the mount at the other end of `stream` until it goes; `below` becomes
 /// the way back to it.
-pub fn serve(stream: Box<dyn Duplex>, welcome: Welcome, below: &Arc<Below>, incoming: Incoming) -> std::result::Result<(), String> {
+pub fn serve(stream: Box<dyn Duplex>, welcome: Welcome, below: &Arc<Below>, incoming: Incoming) -> std::result::Result<(), crate::Error> {
     let conn = Connection::accept(stream, welcome, Duration::from_secs(30), incoming)?;
     let _ = below.conn.set(conn.clone());
     conn.wait_closed();
@@ -86,7 +86,7 @@ pub fn serve(stream: Box<dyn Duplex>, welcome: Welcome, below: &Arc<Below>, inco
 }
 
 /// Host a Rust layer: every operation the mount sends goes to it.
-pub fn serve_layer(stream: Box<dyn Duplex>, layer: Arc<dyn Layer>, below: &Arc<Below>) -> std::result::Result<(), String> {
+pub fn serve_layer(stream: Box<dyn Duplex>, layer: Arc<dyn Layer>, below: &Arc<Below>) -> std::result::Result<(), crate::Error> {
     let data = layer.data_path().to_string();
     let ops: Vec<String> = plyfs_stack::OpKind::ALL.iter().map(|k| k.name().to_owned()).collect();
     let ext_ops = layer.extended_ops().iter().map(|o| crate::wire::WireExtOp::of(o, layer.name())).collect();

@@ -8,12 +8,15 @@
 //! - [`client`] is one connection, and the [`Connector`] that opens it (a Unix socket, or
 //!   [`tls`] proving a pre-shared key).
 //! - [`host`] runs layers for mounts in other processes.
+//! - [`Error`] is what fails in setting up, accepting and keeping connections, naming the
+//!   socket, peer or key file.
 //!
 //! The layers that use the protocol from inside a stack live with the other layers:
 //! `plyfs_layers::remote` (a stack served elsewhere, as the bottom of this one) and
 //! `plyfs_layers::ext` (layers hosted in another process, or in Python).
 
 pub mod client;
+mod error;
 pub mod host;
 pub mod listen;
 pub mod server;
@@ -22,6 +25,7 @@ pub mod tls;
 pub mod wire;
 
 pub use client::Connector;
+pub use error::Error;
 pub use stream::Addr;
 
 /// Connects over a plain socket (a Unix socket, or TCP without TLS in tests).

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use plyfs_stack::Groups;
 
 use crate::server::{Authenticator, Identity, Origin, Server};
+use crate::Error;
 use crate::wire::{self, Message};
 
 /// Which local users may connect to a Unix socket, and who the server acts as for them.
@@ -20,52 +21,56 @@ impl UnixPolicy {
     /// Root's requests run as the ids they carry; anyone else's run as that user, whatever
     /// they claim.
     /// `groups` are the peer's supplementary groups, as the kernel gives them (`SO_PEERGROUPS`).
-    pub fn admit(&self, uid: u32, gid: u32, groups: &[u32]) -> Result<Identity, String> {
+    pub fn admit(&self, uid: u32, gid: u32, groups: &[u32]) -> Result<Identity, Error> {
         let me = unsafe { libc::geteuid() };
         if uid == 0 {
             Ok(Identity::AsSent)
         } else if uid == me || self.allow_uids.contains(&uid) {
             Ok(if me == 0 { Identity::Fixed { uid, gid, groups: Groups::new(groups) } } else { Identity::AsSent })
         } else {
-            Err(format!("user {uid} may not use this server (allow it with --allow-uid {uid})"))
+            Err(Error::NotAllowed { uid })
         }
     }
 }
 
 /// Bind a Unix socket at `path` (replacing a stale one), readable and writable by its owner only.
-pub fn bind_unix(path: &Path) -> Result<UnixListener, String> {
+pub fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
         if !meta.file_type().is_socket() {
-            return Err(format!("{}: exists and is not a socket", path.display()));
+            return Err(Error::SocketTaken { path: path.to_owned(), why: "exists and is not a socket" });
         }
         if UnixStream::connect(path).is_ok() {
-            return Err(format!("{}: another server is listening there", path.display()));
+            return Err(Error::SocketTaken { path: path.to_owned(), why: "another server is listening there" });
         }
-        std::fs::remove_file(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        std::fs::remove_file(path).map_err(Error::io("removing a stale socket", path.display()))?;
     }
     let old = unsafe { libc::umask(0o177) };
     let listener = UnixListener::bind(path);
     unsafe { libc::umask(old) };
-    listener.map_err(|e| format!("{}: {e}", path.display()))
+    listener.map_err(Error::io("binding a socket", path.display()))
 }
 
 /// Accept clients on `listener` until it fails, each on a thread of its own.
-pub fn serve_unix(server: Arc<Server>, listener: UnixListener, policy: UnixPolicy) -> Result<(), String> {
+pub fn serve_unix(server: Arc<Server>, listener: UnixListener, policy: UnixPolicy) -> Result<(), Error> {
+    let socket = match listener.local_addr().ok().and_then(|a| a.as_pathname().map(|p| p.display().to_string())) {
+        Some(path) => format!("unix:{path}"),
+        None => "a unix socket".to_owned(),
+    };
     for stream in listener.incoming() {
         let stream = match stream {
             Ok(s) => s,
             Err(e) if e.raw_os_error() == Some(libc::EMFILE) || e.raw_os_error() == Some(libc::ENFILE) => {
-                tracing::warn!("accept: {e}");
+                tracing::warn!("{socket}: accepting a client: {e}; trying again");
                 std::thread::sleep(std::time::Duration::from_millis(100));
                 continue;
             }
-            Err(e) => return Err(format!("accept: {e}")),
+            Err(e) => return Err(Error::io("accepting a client", &socket)(e)),
         };
         let cred = match nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials) {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!("a client whose credentials cannot be read ({e}): refused");
+                tracing::warn!("{socket}: a client whose credentials cannot be read ({e}): refused");
                 continue;
             }
         };
@@ -74,13 +79,14 @@ pub fn serve_unix(server: Arc<Server>, listener: UnixListener, policy: UnixPolic
         let groups = match peer_groups(&stream) {
             Ok(g) => g,
             Err(e) => {
-                tracing::warn!("client {peer}: its groups cannot be read ({e}): refused");
+                tracing::warn!("{socket}: client {peer}: its groups cannot be read ({e}): refused");
                 continue;
             }
         };
         let identity = match policy.admit(cred.uid(), cred.gid(), &groups) {
             Ok(i) => i,
-            Err(reason) => {
+            Err(e) => {
+                let reason = e.to_string();
                 server.log_refusal(&Origin::User(cred.uid()), &reason);
                 refuse(&stream, &reason);
                 continue;
@@ -100,7 +106,7 @@ pub fn serve_unix(server: Arc<Server>, listener: UnixListener, policy: UnixPolic
             server.serve_until(Box::new(stream), &peer, Some(&client), identity, None::<&dyn Authenticator>, deadline)
         });
         if let Err(e) = spawned {
-            tracing::warn!("a client of uid {}: no thread to serve it: {e}", cred.uid());
+            tracing::warn!("{socket}: a client of uid {}: no thread to serve it: {e}", cred.uid());
         }
     }
     Ok(())

@@ -150,6 +150,13 @@ struct Conn {
     closed: AtomicBool,
 }
 
+impl Conn {
+    /// Why this connection must end, naming its client.
+    fn broke(&self, why: impl std::fmt::Display) -> crate::Error {
+        crate::Error::Peer { peer: format!("client {}", self.peer), why: why.to_string() }
+    }
+}
+
 impl Server {
     /// Serve `top`, whose stack has `layers` (top first) and answers `ext_ops`.
     pub fn new(top: Level, layers: Vec<WireLayer>, ext_ops: Vec<WireExtOp>, options: ServerOptions) -> Arc<Server> {
@@ -225,7 +232,7 @@ impl Server {
         let halves = match stream.split() {
             Ok(h) => h,
             Err(e) => {
-                tracing::warn!("client {peer}: {e}");
+                tracing::warn!("client {peer}: splitting the connection: {e}");
                 return;
             }
         };
@@ -354,7 +361,7 @@ impl Server {
             let (frame, held) = match frame {
                 Ok(f) => f,
                 Err(FrameError::Closed) => return self.close(conn, None),
-                Err(e) => return self.close(conn, Some(e.to_string())),
+                Err(e) => return self.close(conn, Some(conn.broke(e))),
             };
             let req = match self.decode(conn, frame, held) {
                 Ok(Some(r)) => r,
@@ -382,7 +389,7 @@ impl Server {
             let done = if slow && !alone() {
                 busy.fetch_add(1, Ordering::AcqRel);
                 let worker = &workers[(op_node(&req.op) % workers.len() as u64) as usize];
-                worker.send((req, busy.clone())).map_err(|_| "the workers are gone".to_owned())
+                worker.send((req, busy.clone())).map_err(|_| conn.broke("the workers are gone"))
             } else {
                 self.run(conn, req)
             };
@@ -392,10 +399,11 @@ impl Server {
         }
     }
 
-    fn close(&self, conn: &Conn, reason: Option<String>) {
+    /// End `conn`, logging why when it is not the client's own doing (`reason` names the client).
+    fn close(&self, conn: &Conn, reason: Option<crate::Error>) {
         if !conn.closed.swap(true, Ordering::Relaxed) {
             if let Some(reason) = reason {
-                tracing::warn!("client {}: {reason}; closing the connection", conn.peer);
+                tracing::warn!("{reason}; closing the connection");
             }
             conn.control.close();
         }
@@ -403,16 +411,16 @@ impl Server {
 
     /// A request from a frame. A request that cannot be read but has an id is answered with an
     /// error here (`None`); anything else unreadable ends the connection.
-    fn decode(&self, conn: &Conn, frame: wire::Frame, held: Permit) -> Result<Option<Request>, String> {
+    fn decode(&self, conn: &Conn, frame: wire::Frame, held: Permit) -> Result<Option<Request>, crate::Error> {
         match wire::decode(&frame.header) {
             Ok(Message::Req { id, caller, op }) => Ok(Some(Request { id, caller, op, payload: frame.payload, held })),
-            Ok(other) => Err(format!("unexpected message {:?}", message_type(&other))),
+            Ok(other) => Err(conn.broke(format!("unexpected message {:?}", message_type(&other)))),
             Err(e) => {
                 let Ok(JustId { t, id, op }) = rmp_serde::from_slice::<JustId>(&frame.header) else {
-                    return Err(format!("a malformed message: {e}"));
+                    return Err(conn.broke(format!("a malformed message: {e}")));
                 };
                 if t != "req" {
-                    return Err(format!("a malformed message: {e}"));
+                    return Err(conn.broke(format!("a malformed message: {e}")));
                 }
                 let (errno, msg) = match op {
                     Some(op) if !is_known(&op) => (libc::ENOSYS, format!("unknown operation '{op}'")),
@@ -425,7 +433,7 @@ impl Server {
     }
 
     /// Run one request and answer it. An error ends the connection.
-    fn run(&self, conn: &Conn, req: Request) -> Result<(), String> {
+    fn run(&self, conn: &Conn, req: Request) -> Result<(), crate::Error> {
         // `_held` keeps the request's bytes counted until it is answered.
         let Request { id, caller, op, payload, held: _held } = req;
         let cx = self.caller(conn.identity, caller);
@@ -456,10 +464,10 @@ impl Server {
         }
     }
 
-    fn send(&self, conn: &Conn, id: u64, reply: WireReply, payload: Vec<u8>) -> Result<(), String> {
+    fn send(&self, conn: &Conn, id: u64, reply: WireReply, payload: Vec<u8>) -> Result<(), crate::Error> {
         let header = wire::encode(&Message::Rep { id, reply });
         let mut w = conn.writer.lock();
-        wire::write_frame(&mut *w, &header, &payload).map_err(|e| format!("sending a reply: {e}"))
+        wire::write_frame(&mut *w, &header, &payload).map_err(|e| conn.broke(format!("sending a reply: {e}")))
     }
 
     /// Tell every other client that holds one of the objects concerned.

@@ -28,6 +28,7 @@ use crate::client::Connector;
 use crate::server::{Authenticator, Identity, Origin, Server};
 use plyfs_stack::admission::Deadline;
 use crate::stream::{Addr, Control, Duplex, Halves};
+use crate::Error;
 
 const EXPORTER_LABEL: &[u8] = b"EXPORTER-plyfs-psk-binding";
 
@@ -39,37 +40,34 @@ impl Psk {
     /// Read the key file at `path`. As ssh does with a private key, a file that the group or
     /// others may read or write is refused (`chmod 600` it), and so is one owned by another user
     /// than the one running plyfs (root may use anyone's).
-    pub fn load(path: &Path) -> Result<Psk, String> {
+    pub fn load(path: &Path) -> Result<Psk, Error> {
         use std::io::Read;
         use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
         let shown = path.display();
+        let bad = |why: String| Error::BadKeyFile { path: path.to_owned(), why };
         let mut file = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
             .open(path)
-            .map_err(|e| format!("key file {shown}: {e}"))?;
-        let meta = file.metadata().map_err(|e| format!("key file {shown}: {e}"))?;
+            .map_err(|e| bad(format!("opening it: {e}")))?;
+        let meta = file.metadata().map_err(|e| bad(format!("reading its attributes: {e}")))?;
         if !meta.is_file() {
-            return Err(format!("key file {shown}: not a regular file"));
+            return Err(bad("not a regular file".into()));
         }
         let me = unsafe { libc::geteuid() };
         if me != 0 && meta.uid() != me {
-            return Err(format!("key file {shown}: owned by uid {}, not by uid {me} who runs plyfs; refusing it", meta.uid()));
+            return Err(bad(format!("owned by uid {}, not by uid {me} who runs plyfs; refusing it", meta.uid())));
         }
         if meta.mode() & 0o077 != 0 {
-            return Err(format!(
-                "key file {shown}: mode {:04o} lets others read or change it; refusing it (chmod 600 {shown})",
+            return Err(bad(format!(
+                "mode {:04o} lets others read or change it; refusing it (chmod 600 {shown})",
                 meta.mode() & 0o7777
-            ));
+            )));
         }
         let mut key = Zeroizing::new(Vec::with_capacity(64));
-        file.read_to_end(&mut key).map_err(|e| format!("key file {shown}: {e}"))?;
+        file.read_to_end(&mut key).map_err(|e| bad(format!("reading the pre-shared key: {e}")))?;
         if key.len() < 32 {
-            return Err(format!(
-                "key file {}: {} bytes, at least 32 needed (make one with `head -c 32 /dev/urandom > FILE`)",
-                path.display(),
-                key.len()
-            ));
+            return Err(bad(format!("{} bytes, at least 32 needed (make one with `head -c 32 /dev/urandom > FILE`)", key.len())));
         }
         Ok(Psk(Arc::new(key)))
     }
@@ -107,16 +105,17 @@ pub struct TlsServer {
 }
 
 impl TlsServer {
-    pub fn new(psk: Psk) -> Result<TlsServer, String> {
-        let cert = rcgen::generate_simple_self_signed(vec!["plyfs".to_owned()]).map_err(|e| format!("TLS certificate: {e}"))?;
+    pub fn new(psk: Psk) -> Result<TlsServer, Error> {
+        let tls = |op: &'static str, e: &dyn std::fmt::Display| Error::Tls { op, why: e.to_string() };
+        let cert = rcgen::generate_simple_self_signed(vec!["plyfs".to_owned()]).map_err(|e| tls("making the server's certificate", &e))?;
         let der = CertificateDer::from(cert.cert.der().to_vec());
-        let key = PrivateKeyDer::try_from(cert.signing_key.serialize_der()).map_err(|e| format!("TLS key: {e}"))?;
+        let key = PrivateKeyDer::try_from(cert.signing_key.serialize_der()).map_err(|e| tls("reading the certificate's key", &e))?;
         let mut config = ServerConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(|e| e.to_string())?
+            .map_err(|e| tls("choosing TLS 1.3", &e))?
             .with_no_client_auth()
             .with_single_cert(vec![der], key)
-            .map_err(|e| format!("TLS: {e}"))?;
+            .map_err(|e| tls("setting up the server", &e))?;
         // No resumption: every connection proves the key afresh.
         config.send_tls13_tickets = 0;
         config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
@@ -124,16 +123,20 @@ impl TlsServer {
     }
 
     /// Accept clients on `listener` until it fails, each on a thread of its own.
-    pub fn serve(self: Arc<Self>, server: Arc<Server>, listener: TcpListener, identity: Identity) -> Result<(), String> {
+    pub fn serve(self: Arc<Self>, server: Arc<Server>, listener: TcpListener, identity: Identity) -> Result<(), Error> {
+        let socket = match listener.local_addr() {
+            Ok(a) => format!("tcp:{a}"),
+            Err(_) => "a TCP socket".to_owned(),
+        };
         for stream in listener.incoming() {
             let stream = match stream {
                 Ok(s) => s,
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ECONNABORTED)) => {
-                    tracing::warn!("accept: {e}");
+                    tracing::warn!("{socket}: accepting a client: {e}; trying again");
                     std::thread::sleep(Duration::from_millis(100));
                     continue;
                 }
-                Err(e) => return Err(format!("accept: {e}")),
+                Err(e) => return Err(Error::io("accepting a client", &socket)(e)),
             };
             // The whole handshake, TLS included, must be over by this.
             let deadline = server.handshake_deadline();
@@ -148,7 +151,7 @@ impl TlsServer {
                 let _admitted = admitted;
                 let conn = match ServerConnection::new(tls.config.clone()) {
                     Ok(c) => c,
-                    Err(e) => return tracing::warn!("client {peer}: TLS: {e}"),
+                    Err(e) => return tracing::warn!("client {peer}: starting a TLS session: {e}"),
                 };
                 let stream = match TlsStream::handshake(stream, conn.into(), deadline) {
                     Ok(s) => s,
@@ -188,10 +191,10 @@ pub struct TlsConnector {
 }
 
 impl TlsConnector {
-    pub fn new(addr: Addr, psk: Psk) -> Result<TlsConnector, String> {
+    pub fn new(addr: Addr, psk: Psk) -> Result<TlsConnector, Error> {
         let config = ClientConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(|e| e.to_string())?
+            .map_err(|e| Error::Tls { op: "choosing TLS 1.3", why: e.to_string() })?
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(KeyProves(provider())))
             .with_no_client_auth();

@@ -94,11 +94,56 @@ pub struct FuseFs {
     kernel: std::sync::OnceLock<fuser::Notifier>,
 }
 
-fn errno(e: &Error) -> i32 {
+/// A request as it entered the stack: its name (`read`, `lookup`...) and the object it was
+/// on (`node`, or `entry` in directory `node`), to name them if it meets a corrupt object.
+#[derive(Clone, Copy)]
+pub(crate) struct RequestOn<'a> {
+    request: &'a str,
+    level: &'a Level,
+    node: NodeId,
+    entry: Option<&'a OsStr>,
+}
+
+impl<'a> RequestOn<'a> {
+    pub(crate) fn new(request: &'a str, level: &'a Level, node: NodeId) -> Self {
+        RequestOn { request, level, node, entry: None }
+    }
+
+    /// The request is on the entry `name` of directory `node`.
+    pub(crate) fn entry(self, name: &'a OsStr) -> Self {
+        RequestOn { entry: Some(name), ..self }
+    }
+}
+
+/// The errno a failed request answers. A corrupt object is logged, naming the request and the
+/// object; other errors (`ENOENT`, `EACCES`...) are ordinary answers and log nothing.
+fn errno(e: &Error, on: RequestOn<'_>) -> i32 {
     if let Error::Corrupt(msg) = e {
-        tracing::error!("{msg}");
+        tracing::error!("{}: {}: {msg}", object_name(&on), on.request);
     }
     e.errno()
+}
+
+/// How a log line names the object of a request: its path in the mount, as the bottom layer's
+/// `lower-info` gives it (translated by the layers between), else its path in the lower
+/// directory, else its inode number. Asked only when something is to be logged.
+fn object_name(on: &RequestOn<'_>) -> String {
+    let node = on.node.0;
+    let info = on.level.extended(&Caller::daemon(), on.node, "lower-info", &[]).ok();
+    let field = |name| info.as_ref().and_then(|v| v.get(name)).and_then(serde_json::Value::as_str);
+    let dir = match (field("path"), field("lower_path")) {
+        (Some(path), _) if !path.is_empty() || on.node == NodeId::ROOT => Some(format!("/{path}")),
+        (_, Some(lower)) if !lower.is_empty() => Some(lower.to_owned()),
+        _ => None,
+    };
+    match (dir, on.entry) {
+        (Some(dir), Some(name)) => {
+            format!("{}/{} (in directory inode {node})", dir.trim_end_matches('/'), name.to_string_lossy())
+        }
+        (Some(path), None) => format!("{path} (inode {node})"),
+        (None, Some(name)) => format!("{} in directory inode {node}", name.to_string_lossy()),
+        (None, None) => format!("inode {node}"),
+    }
 }
 
 /// Attributes for answers whose attributes the kernel ignores: negative entries, and `.` and
@@ -121,10 +166,10 @@ fn blank(ino: u64) -> NodeOut {
     NodeOut { ino, generation: 0, attr }
 }
 
-fn expect<T>(r: plyfs_stack::Result<Reply>, pick: impl FnOnce(Reply) -> Option<T>) -> Res<T> {
+fn expect<T>(r: plyfs_stack::Result<Reply>, request: RequestOn<'_>, pick: impl FnOnce(Reply) -> Option<T>) -> Res<T> {
     match r {
         Ok(reply) => pick(reply).ok_or(libc::EIO),
-        Err(e) => Err(errno(&e)),
+        Err(e) => Err(errno(&e, request)),
     }
 }
 
@@ -239,7 +284,8 @@ impl FuseFs {
             return Err(libc::EEXIST);
         }
         let (level, view, node) = self.level_of(parent)?;
-        expect(level.call(cx, &op(node)), |r| match r {
+        let op = op(node);
+        expect(level.call(cx, &op), RequestOn::new(op.name(), &level, node).entry(name), |r| match r {
             Reply::Entry(e) => Some(Self::node_out(view, e)),
             _ => None,
         })
@@ -247,13 +293,15 @@ impl FuseFs {
 
     fn empty_op<'a>(&self, cx: &Caller, ino: u64, op: impl FnOnce(NodeId) -> Op<'a>) -> Res<()> {
         let (level, _, node) = self.level_of(ino)?;
-        level.call(cx, &op(node)).map(drop).map_err(|e| errno(&e))
+        let op = op(node);
+        level.call(cx, &op).map(drop).map_err(|e| errno(&e, RequestOn::new(op.name(), &level, node)))
     }
 
     /// `getxattr` or `listxattr`: the answer is a value, or only its size.
     fn xattr_op<'a>(&self, cx: &Caller, ino: u64, op: impl FnOnce(NodeId) -> Op<'a>) -> Res<XattrReply> {
         let (level, _, node) = self.level_of(ino)?;
-        expect(level.call(cx, &op(node)), |r| match r {
+        let op = op(node);
+        expect(level.call(cx, &op), RequestOn::new(op.name(), &level, node), |r| match r {
             Reply::Xattr(x) => Some(x),
             _ => None,
         })
@@ -265,7 +313,9 @@ impl FuseFs {
         if self.is_levels_dir_name(parent, name) {
             return Err(libc::EBUSY);
         }
-        self.empty_op(cx, parent, op)
+        let (level, _, node) = self.level_of(parent)?;
+        let op = op(node);
+        level.call(cx, &op).map(drop).map_err(|e| errno(&e, RequestOn::new(op.name(), &level, node).entry(name)))
     }
 
     /// Open flags for a file opened without passthrough.
@@ -349,7 +399,7 @@ impl FuseFs {
                 }
                 Err(e) => {
                     if !self.status.passthrough_failed.swap(true, Ordering::Relaxed) {
-                        tracing::warn!("passthrough refused by the kernel ({e}); such files use FUSE I/O");
+                        tracing::warn!("inode {ino}: passthrough refused by the kernel ({e}); such files use FUSE I/O");
                     }
                     return None;
                 }
@@ -475,7 +525,8 @@ impl FuseFs {
         }
         let max_entries = if plus { 128 } else { 512 };
         let op = Op::ReadDir { node, fh: FileHandle(fh), offset, max_entries, plus };
-        expect(level.call(cx, &op), |r| match r {
+        let request = RequestOn::new(if plus { "readdirplus" } else { "readdir" }, &level, node);
+        expect(level.call(cx, &op), request, |r| match r {
             Reply::Dir(entries) => Some((view, entries.into())),
             _ => None,
         })
@@ -492,5 +543,29 @@ impl FuseFs {
 
     fn hides(&self, view: usize, dir: u64, name: &OsStr) -> bool {
         view == 0 && dir == NodeId::ROOT.0 && name == LEVELS_DIR
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_corrupt_object_is_named_by_its_path_else_its_inode() {
+        let dir = std::env::temp_dir().join(format!("plyfs-fuse-object-name-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("docs")).unwrap();
+        std::fs::write(dir.join("docs/a.txt"), b"x").unwrap();
+        let level = Level::new(Arc::new(plyfs_stack::LowerDir::open(&dir).unwrap()));
+        let cx = Caller::daemon();
+        let docs = level.lookup(&cx, NodeId::ROOT, OsStr::new("docs")).unwrap();
+        let file = level.lookup(&cx, docs.node, OsStr::new("a.txt")).unwrap();
+        let named = |node, entry| object_name(&RequestOn { request: "read", level: &level, node, entry });
+        assert_eq!(named(file.node, None), format!("/docs/a.txt (inode {})", file.node.0));
+        assert_eq!(named(docs.node, Some(OsStr::new("b"))), format!("/docs/b (in directory inode {})", docs.node.0));
+        assert_eq!(named(NodeId::ROOT, None), format!("/ (inode {})", NodeId::ROOT.0));
+        assert_eq!(named(NodeId::ROOT, Some(OsStr::new("c"))), format!("/c (in directory inode {})", NodeId::ROOT.0));
+        assert_eq!(named(NodeId(999_999), None), "inode 999999");
+        assert_eq!(named(NodeId(999_999), Some(OsStr::new("d"))), "d in directory inode 999999");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use plyfs_stack::{Caller, Error, FileHandle, FileKind, Level, NodeId, Op, Reply, SetAttr, StatFs, XattrReply};
 
 use super::inode::{pack_ino, unpack_ino, LEVELS_DIR_INO};
-use super::{blank, errno, expect, fopen, DirSink, FuseFs, NodeOut, OpenOut, Res};
+use super::{blank, errno, expect, fopen, DirSink, FuseFs, NodeOut, OpenOut, RequestOn, Res};
 
 /// The requests, one method each, as the transports call them.
 impl FuseFs {
@@ -28,7 +28,8 @@ impl FuseFs {
             };
             // The kernel will forget this root like any looked-up node; take the lookup that
             // forget will drop.
-            return expect(level.call(cx, &Op::GetAttr { node: NodeId::ROOT, fh: None }), |r| match r {
+            let request = RequestOn::new("lookup", &level, NodeId::ROOT);
+            return expect(level.call(cx, &Op::GetAttr { node: NodeId::ROOT, fh: None }), request, |r| match r {
                 Reply::Attr(attr) => Some(Self::node_out(view, plyfs_stack::Entry { node: NodeId::ROOT, attr, generation: 0 })),
                 _ => None,
             });
@@ -38,7 +39,7 @@ impl FuseFs {
             Ok(e) => Ok(Self::node_out(view, e)),
             // A negative entry: the kernel remembers the name is absent for the entry TTL.
             Err(Error::Os(libc::ENOENT)) => Ok(blank(0)),
-            Err(e) => Err(errno(&e)),
+            Err(e) => Err(errno(&e, RequestOn::new("lookup", &level, node).entry(name))),
         }
     }
 
@@ -57,7 +58,8 @@ impl FuseFs {
             return Ok(self.levels_dir_attr());
         }
         let (level, _, node) = self.level_of(ino)?;
-        expect(level.call(cx, &Op::GetAttr { node, fh: fh.map(FileHandle) }), |r| match r {
+        let request = RequestOn::new("getattr", &level, node);
+        expect(level.call(cx, &Op::GetAttr { node, fh: fh.map(FileHandle) }), request, |r| match r {
             Reply::Attr(attr) => Some(NodeOut { ino, generation: 0, attr }),
             _ => None,
         })
@@ -71,9 +73,9 @@ impl FuseFs {
         let fh = fh.map(FileHandle);
         let unprivileged = cx.uid != 0;
         if set == SetAttr::default() || (set.size.is_some() && unprivileged) {
-            self.kill_privileges(&level, cx, node).map_err(|e| errno(&e))?;
+            self.kill_privileges(&level, cx, node).map_err(|e| errno(&e, RequestOn::new("setattr", &level, node)))?;
         }
-        expect(level.call(cx, &Op::SetAttr { node, fh, set }), |r| match r {
+        expect(level.call(cx, &Op::SetAttr { node, fh, set }), RequestOn::new("setattr", &level, node), |r| match r {
             Reply::Attr(attr) => Some(NodeOut { ino, generation: 0, attr }),
             _ => None,
         })
@@ -81,7 +83,7 @@ impl FuseFs {
 
     pub(crate) fn readlink(&self, cx: &Caller, ino: u64) -> Res<Vec<u8>> {
         let (level, _, node) = self.level_of(ino)?;
-        expect(level.call(cx, &Op::ReadLink { node }), |r| match r {
+        expect(level.call(cx, &Op::ReadLink { node }), RequestOn::new("readlink", &level, node), |r| match r {
             Reply::Data(d) => Some(d),
             _ => None,
         })
@@ -142,7 +144,7 @@ impl FuseFs {
             return Err(libc::EXDEV);
         }
         let op = Op::Rename { parent, name, new_parent, new_name: newname, flags };
-        level.call(cx, &op).map(drop).map_err(|e| errno(&e))
+        level.call(cx, &op).map(drop).map_err(|e| errno(&e, RequestOn::new("rename", &level, parent).entry(name)))
     }
 
     pub(crate) fn link(&self, cx: &Caller, ino: u64, newparent: u64, newname: &OsStr) -> Res<NodeOut> {
@@ -156,7 +158,7 @@ impl FuseFs {
 
     pub(crate) fn open(&self, cx: &Caller, ino: u64, flags: i32) -> Res<OpenOut> {
         let (level, view, node) = self.level_of(ino)?;
-        let opened = level.open(cx, node, flags).map_err(|e| errno(&e))?;
+        let opened = level.open(cx, node, flags).map_err(|e| errno(&e, RequestOn::new("open", &level, node)))?;
         self.status.opened(1);
         Ok(self.open_out(ino, view, &opened, flags, false))
     }
@@ -167,7 +169,8 @@ impl FuseFs {
         }
         let mode = self.new_mode(cx, parent, mode, umask);
         let (level, view, parent) = self.level_of(parent)?;
-        let (entry, opened) = level.create(cx, parent, name, mode, flags).map_err(|e| errno(&e))?;
+        let (entry, opened) =
+            level.create(cx, parent, name, mode, flags).map_err(|e| errno(&e, RequestOn::new("create", &level, parent).entry(name)))?;
         self.status.opened(1);
         let node = Self::node_out(view, entry);
         let open = self.open_out(node.ino, view, &opened, flags, true);
@@ -176,15 +179,15 @@ impl FuseFs {
 
     pub(crate) fn read(&self, cx: &Caller, ino: u64, fh: u64, offset: u64, size: u32) -> Res<Vec<u8>> {
         let (level, _, node) = self.level_of(ino)?;
-        level.read(cx, node, FileHandle(fh), offset, size).map_err(|e| errno(&e))
+        level.read(cx, node, FileHandle(fh), offset, size).map_err(|e| errno(&e, RequestOn::new("read", &level, node)))
     }
 
     pub(crate) fn write(&self, cx: &Caller, ino: u64, fh: u64, offset: u64, data: &[u8], kill_suidgid: bool) -> Res<u32> {
         let (level, _, node) = self.level_of(ino)?;
         if kill_suidgid {
-            self.kill_privileges(&level, cx, node).map_err(|e| errno(&e))?;
+            self.kill_privileges(&level, cx, node).map_err(|e| errno(&e, RequestOn::new("write", &level, node)))?;
         }
-        level.write(cx, node, FileHandle(fh), offset, data).map_err(|e| errno(&e))
+        level.write(cx, node, FileHandle(fh), offset, data).map_err(|e| errno(&e, RequestOn::new("write", &level, node)))
     }
 
     pub(crate) fn flush(&self, cx: &Caller, ino: u64, fh: u64) -> Res<()> {
@@ -206,7 +209,7 @@ impl FuseFs {
             return Ok(OpenOut { fh: 0, flags: 0, backing: None });
         }
         let (level, view, node) = self.level_of(ino)?;
-        expect(level.call(cx, &Op::OpenDir { node }), |r| match r {
+        expect(level.call(cx, &Op::OpenDir { node }), RequestOn::new("opendir", &level, node), |r| match r {
             Reply::Opened(o) => {
                 // The kernel may cache the listing; it drops it when the directory changes
                 // through this mount or its mtime moves.
@@ -291,7 +294,7 @@ impl FuseFs {
     pub(crate) fn statfs(&self, cx: &Caller, ino: u64) -> Res<StatFs> {
         let ino = if ino == LEVELS_DIR_INO { NodeId::ROOT.0 } else { ino };
         let (level, _, node) = self.level_of(ino)?;
-        expect(level.call(cx, &Op::StatFs { node }), |r| match r {
+        expect(level.call(cx, &Op::StatFs { node }), RequestOn::new("statfs", &level, node), |r| match r {
             Reply::StatFs(s) => Some(s),
             _ => None,
         })
@@ -304,7 +307,7 @@ impl FuseFs {
         self.empty_op(cx, ino, |node| Op::SetXattr { node, name, value, flags })?;
         if self.posix_acl.load(Ordering::Relaxed) && name == "system.posix_acl_access" {
             let (level, _, node) = self.level_of(ino)?;
-            if self.acl_drops_setgid(&level, cx, node).map_err(|e| errno(&e))? {
+            if self.acl_drops_setgid(&level, cx, node).map_err(|e| errno(&e, RequestOn::new("setxattr", &level, node)))? {
                 self.drop_cached_attributes(ino);
             }
         }
@@ -395,7 +398,8 @@ impl FuseFs {
             return Err(libc::ENOTTY);
         }
         let (level, _, node) = self.level_of(ino)?;
-        let out = expect(level.call(cx, &Op::Ioctl { node, fh: FileHandle(fh), cmd, data, out_size }), |r| match r {
+        let request = RequestOn::new("ioctl", &level, node);
+        let out = expect(level.call(cx, &Op::Ioctl { node, fh: FileHandle(fh), cmd, data, out_size }), request, |r| match r {
             Reply::Data(d) => Some(d),
             _ => None,
         });
@@ -407,7 +411,8 @@ impl FuseFs {
 
     pub(crate) fn lseek(&self, cx: &Caller, ino: u64, fh: u64, offset: i64, whence: i32) -> Res<u64> {
         let (level, _, node) = self.level_of(ino)?;
-        expect(level.call(cx, &Op::Lseek { node, fh: FileHandle(fh), offset, whence }), |r| match r {
+        let request = RequestOn::new("lseek", &level, node);
+        expect(level.call(cx, &Op::Lseek { node, fh: FileHandle(fh), offset, whence }), request, |r| match r {
             Reply::Offset(o) => Some(o),
             _ => None,
         })
