@@ -55,7 +55,7 @@ impl WriteLog {
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path)
-            .map_err(io("making the write log", path))?;
+            .map_err(io("cannot make the write log", path))?;
         let mut header = MAGIC.to_vec();
         header.extend_from_slice(&volume_sectors.to_le_bytes());
         file.write_all(&header).map_err(io("writing the write log's header", path))?;
