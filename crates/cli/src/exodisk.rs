@@ -195,7 +195,7 @@ use plyfs_exodisk::object::Caps;
 use plyfs_exodisk::proto::WEntry;
 
 fn connect(socket: &Path) -> Result<Client, String> {
-    Client::connect(socket, 1 << 20)
+    Ok(Client::connect(socket, 1 << 20)?)
 }
 
 fn hex_cap(s: &str) -> Result<u128, String> {

@@ -40,7 +40,7 @@ fn another_user_cannot_read_the_image_its_key_or_its_log() {
     let out = run(plyfs().args(["exodisk", "serve", "--daemon"]).arg(&v).arg("--socket").arg(&sock).arg("--log").arg(&log));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stop = || {
-        let _ = plyfs_exodisk::client::Client::connect(&sock, 1 << 20).and_then(|c| c.shutdown().map_err(|e| e.to_string()));
+        let _ = plyfs_exodisk::client::Client::connect(&sock, 1 << 20).map_err(String::from).and_then(|c| c.shutdown().map_err(|e| e.to_string()));
     };
     open_the_way(&v);
     for f in [&v, &key, &log] {

@@ -492,7 +492,7 @@ fn the_exodisk_service_holds_against_oversized_and_slow_hellos() {
         assert!(text.contains(&format!("maximum of {PER_CLIENT}")), "over the limit: {answer:?}");
     }
     assert_logged_once(&service.log_text(), "user 0 has its maximum");
-    let refused = plyfs_exodisk::client::Client::connect(&socket, 1 << 20).err().expect("over the limit");
+    let refused = plyfs_exodisk::client::Client::connect(&socket, 1 << 20).err().expect("over the limit").to_string();
     assert!(refused.contains("refused") && refused.contains("maximum"), "{refused}");
     drop(held);
     std::thread::sleep(Duration::from_millis(200));

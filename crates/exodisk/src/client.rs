@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
@@ -17,6 +17,7 @@ use parking_lot::{Condvar, Mutex};
 use serde_bytes::ByteBuf;
 
 use crate::core::{ExoError, Persistence, Result, Target};
+use crate::error::{io, Error};
 use crate::freemap::FreeMap;
 use crate::object::{Cap, Caps};
 use crate::proto::{self, wcap, IoReq, Message, Reply, Request, WExonode, WTarget};
@@ -47,6 +48,8 @@ pub struct Client {
     pub sectors: u64,
     pub data_start: u64,
     pub id: u64,
+    /// The service's socket, for messages.
+    socket: PathBuf,
 }
 
 fn lost() -> ExoError {
@@ -54,22 +57,27 @@ fn lost() -> ExoError {
 }
 
 impl Client {
+    /// The socket of the service this client is connected to.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
     /// Connect to the service at `socket`, with `shm` bytes of shared memory for data.
-    pub fn connect(socket: &Path, shm: usize) -> std::result::Result<Client, String> {
-        let shown = socket.display();
-        let stream = UnixStream::connect(socket).map_err(|e| format!("{shown}: {e}"))?;
-        let shm = Shm::create(shm.max(SLOT)).map_err(|e| format!("shared memory: {e}"))?;
-        let mut w = stream.try_clone().map_err(|e| e.to_string())?;
+    pub fn connect(socket: &Path, shm: usize) -> std::result::Result<Client, Error> {
+        let stream = UnixStream::connect(socket).map_err(io("connecting", socket))?;
+        let shm = Shm::create(shm.max(SLOT)).map_err(io("making the shared memory", socket))?;
+        let mut w = stream.try_clone().map_err(io("cloning the connection", socket))?;
         let hello = Message::Req { id: 0, req: Request::Hello { version: proto::VERSION, shm: shm.len() as u64 } };
         // A service over its limits answers before it reads anything and closes: its reason is
         // worth more than the failed write.
         let sent = crate::shm::send_fd(&stream, shm.fd()).and_then(|()| proto::write_message(&mut w, &hello));
-        let mut r = std::io::BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
-        let answer = proto::read_message(&mut r).map_err(|e| format!("{shown}: {}", sent.err().unwrap_or(e)))?;
+        let mut r = std::io::BufReader::new(stream.try_clone().map_err(io("cloning the connection", socket))?);
+        let answer = proto::read_message(&mut r)
+            .map_err(|e| Error::Io { op: "saying hello", path: socket.to_owned(), source: sent.err().unwrap_or(e) })?;
         let (sectors, data_start, id) = match answer {
             Message::Rep { result: Ok(Reply::Welcome { sectors, data_start, client, .. }), .. } => (sectors, data_start, client),
-            Message::Rep { result: Err((_, msg)), .. } => return Err(format!("{shown}: refused: {msg}")),
-            _ => return Err(format!("{shown}: not an exodisk service")),
+            Message::Rep { result: Err((_, msg)), .. } => return Err(Error::Refused { socket: socket.to_owned(), why: msg }),
+            _ => return Err(Error::NotAService { socket: socket.to_owned() }),
         };
         let shared = Arc::new(Shared {
             pending: Mutex::new(HashMap::new()),
@@ -100,7 +108,7 @@ impl Client {
                 let _g = s.done.lock();
                 s.arrived.notify_all();
             })
-            .map_err(|e| e.to_string())?;
+            .map_err(io("starting the reply reader", socket))?;
         let slots = shm.len() / SLOT;
         Ok(Client {
             writer: Mutex::new(w),
@@ -112,6 +120,7 @@ impl Client {
             sectors,
             data_start,
             id,
+            socket: socket.to_owned(),
         })
     }
 

@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::RawFd;
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -54,15 +55,19 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Start the engine on the volume's descriptor, recording what it writes in `log` if any.
-    pub fn start(fd: RawFd, log: Option<Arc<WriteLog>>) -> std::io::Result<Engine> {
+    /// Start the engine on the descriptor of the volume at `volume` (named in its logs),
+    /// recording what it writes in `log` if any.
+    pub fn start(volume: &Path, fd: RawFd, log: Option<Arc<WriteLog>>) -> std::io::Result<Engine> {
         let ring = IoUring::new(DEPTH as u32 * 2)?;
         let (tx, rx) = std::sync::mpsc::channel();
         let queue = Arc::new(Mutex::new(Vec::new()));
         let pending = Arc::new(AtomicU64::new(0));
         let outstanding = Arc::new(Mutex::new(HashMap::new()));
         let (q, p, o) = (queue.clone(), pending.clone(), outstanding.clone());
-        let thread = std::thread::Builder::new().name("exodisk-io".into()).spawn(move || run(ring, fd, log, rx, q, p, o))?;
+        let thread = std::thread::Builder::new().name("exodisk-io".into()).spawn({
+            let volume = volume.to_owned();
+            move || run(ring, &volume, fd, log, rx, q, p, o)
+        })?;
         Ok(Engine { tx: Mutex::new(Some(tx)), queue, pending, outstanding, thread: Mutex::new(Some(thread)) })
     }
 
@@ -124,8 +129,10 @@ fn done_with(outstanding: &Mutex<HashMap<(u64, u64), u32>>, range: (u64, u64)) {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run(
     mut ring: IoUring,
+    volume: &Path,
     fd: RawFd,
     log: Option<Arc<WriteLog>>,
     rx: Receiver<Job>,
@@ -197,7 +204,7 @@ fn run(
         }
         if let Err(e) = ring.submit_and_wait(1) {
             if e.raw_os_error() != Some(libc::EINTR) {
-                tracing::error!("exodisk: io_uring: {e}");
+                tracing::error!("exodisk: {}: submitting to io_uring: {e}", volume.display());
             }
         }
         let done: Vec<(usize, i32)> = ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
@@ -239,7 +246,7 @@ mod tests {
         let path = dir.path().join("img");
         std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
         let disk = crate::disk::Disk::open(&path, true).unwrap();
-        let engine = Engine::start(disk.fd(), None).unwrap();
+        let engine = Engine::start(&path, disk.fd(), None).unwrap();
         let buf = Arc::new(Mutex::new(Aligned::from_bytes(&[9u8; 4096])));
         let (tx, rx) = std::sync::mpsc::channel();
         for i in (0..16u64).rev() {

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use zeroize::Zeroizing;
 
 use crate::disk::{Aligned, Disk, SECTOR};
+use crate::error::{io, Error, SuperblockFault};
 use crate::object::{Caps, Exonode};
 use crate::seal::{self, body_len, VolumeKey};
 
@@ -45,7 +46,7 @@ pub struct Superblock {
 }
 
 /// The format: 2 seals extent data (the tag area); 1 kept it in clear.
-const VERSION: u8 = 2;
+pub(crate) const VERSION: u8 = 2;
 
 impl Superblock {
     pub fn for_size(sectors: u64) -> Superblock {
@@ -67,17 +68,15 @@ impl Superblock {
         key.seal(seal::SUPERBLOCK, 0, 1, &b)
     }
 
-    pub fn open(key: &VolumeKey, sector: &[u8]) -> Result<Superblock, String> {
-        let b = key.open(seal::SUPERBLOCK, 0, sector).map_err(|e| format!("superblock: {e}"))?;
+    pub fn open(key: &VolumeKey, sector: &[u8]) -> Result<Superblock, SuperblockFault> {
+        let b = key.open(seal::SUPERBLOCK, 0, sector).map_err(SuperblockFault::Unsealed)?;
         if b[0] == 1 {
             // Its extent data is in clear and it has no tag area: read as this format, every
             // sector would fail to open. Refused rather than misread.
-            return Err("superblock: a version 1 volume (extent data stored in clear); this plyfs serves version 2 only, \
-                 which seals extent data: copy its files out with the plyfs that made it, then format a new volume"
-                .into());
+            return Err(SuperblockFault::Version1);
         }
         if b[0] != VERSION {
-            return Err(format!("superblock: version {} is not supported (this plyfs knows {VERSION})", b[0]));
+            return Err(SuperblockFault::Version(b[0]));
         }
         let u = |i: usize| u64::from_le_bytes(b[1 + 8 * i..9 + 8 * i].try_into().expect("8"));
         let c = |i: usize| u128::from_le_bytes(b[41 + 16 * i..57 + 16 * i].try_into().expect("16"));
@@ -91,7 +90,7 @@ impl Superblock {
             ..expect.clone()
         };
         if (sb.map_start, sb.map_blocks, sb.data_start) != (expect.map_start, expect.map_blocks, expect.data_start) {
-            return Err("superblock: authentic but inconsistent layout".into());
+            return Err(SuperblockFault::Inconsistent);
         }
         Ok(sb)
     }
@@ -110,8 +109,8 @@ pub fn default_key_path(volume: &Path) -> PathBuf {
 }
 
 /// Read a key file.
-pub fn load_key(path: &Path) -> Result<VolumeKey, String> {
-    let text = Zeroizing::new(std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?);
+pub fn load_key(path: &Path) -> Result<VolumeKey, Error> {
+    let text = Zeroizing::new(std::fs::read_to_string(path).map_err(io("reading the key file", path))?);
     let mut key = None;
     let mut id = None;
     for line in text.lines() {
@@ -123,7 +122,7 @@ pub fn load_key(path: &Path) -> Result<VolumeKey, String> {
     }
     match (text.lines().next(), key, id) {
         (Some(KEY_HEADER), Some(k), Some(id)) => Ok(VolumeKey::new(&k, *id)),
-        _ => Err(format!("{}: not an exodisk key file", path.display())),
+        _ => Err(Error::BadKeyFile { path: path.to_owned() }),
     }
 }
 
@@ -173,17 +172,16 @@ pub fn exposure_warning(path: &Path) -> Option<String> {
 /// Format `path` (an image file, made if missing, or a block device) as a volume of `size`
 /// bytes (the whole of it when `None`), with a new key written to `key_path`. Refuses a volume
 /// that already is one, one that is too small, and one in use, without changing anything.
-pub fn format(path: &Path, size: Option<u64>, key_path: &Path) -> Result<Formatted, String> {
-    let shown = path.display();
+pub fn format(path: &Path, size: Option<u64>, key_path: &Path) -> Result<Formatted, Error> {
     if is_volume(path) {
-        return Err(format!("{shown}: already an exodisk volume; nothing changed"));
+        return Err(Error::AlreadyAVolume { path: path.to_owned() });
     }
     if key_path.exists() {
-        return Err(format!("{}: a key file is already there (another volume's?); remove it or choose --key", key_path.display()));
+        return Err(Error::KeyFileThere { path: key_path.to_owned() });
     }
     let existed = path.exists();
     if !existed {
-        let size = size.ok_or_else(|| format!("{shown}: no such file; give --size to make an image"))?;
+        let size = size.ok_or_else(|| Error::NoSize { path: path.to_owned() })?;
         check_size(path, size)?;
         // 0600, made here and now (O_EXCL), never through a symlink (O_NOFOLLOW).
         use std::os::unix::fs::OpenOptionsExt;
@@ -193,18 +191,18 @@ pub fn format(path: &Path, size: Option<u64>, key_path: &Path) -> Result<Formatt
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path)
-            .map_err(|e| format!("{shown}: {e}"))?;
+            .map_err(io("making the image", path))?;
         // The image's space is taken now, as a disk's is: the service never finds the host
         // file system full, and its first writes do not pay for allocating the file's blocks.
         use std::os::fd::AsRawFd;
         let r = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, size as libc::off_t) };
         match r {
             0 => {}
-            libc::EOPNOTSUPP | libc::EINVAL => f.set_len(size).map_err(|e| format!("{shown}: {e}"))?,
+            libc::EOPNOTSUPP | libc::EINVAL => f.set_len(size).map_err(io("sizing the image", path))?,
             e => {
                 drop(f);
                 let _ = std::fs::remove_file(path);
-                return Err(format!("{shown}: reserving {size} bytes: {}", std::io::Error::from_raw_os_error(e)));
+                return Err(Error::Reserve { path: path.to_owned(), bytes: size, source: std::io::Error::from_raw_os_error(e) });
             }
         }
     }
@@ -223,29 +221,28 @@ fn is_volume(path: &Path) -> bool {
         && seal::record_sectors(&first, seal::SUPERBLOCK).is_some()
 }
 
-fn check_size(path: &Path, size: u64) -> Result<(), String> {
+fn check_size(path: &Path, size: u64) -> Result<(), Error> {
     if size / SECTOR as u64 >= MIN_SECTORS {
         return Ok(());
     }
-    Err(format!("{}: {size} bytes is too small for a volume (at least {} KiB)", path.display(), MIN_SECTORS * SECTOR as u64 / 1024))
+    Err(Error::TooSmall { path: path.to_owned(), bytes: size, min_bytes: MIN_SECTORS * SECTOR as u64 })
 }
 
-fn format_existing(path: &Path, size: Option<u64>, key_path: &Path, existed: bool) -> Result<Formatted, String> {
-    let shown = path.display();
-    let disk = Disk::open(path, true).map_err(|e| format!("{shown}: {e}"))?;
+fn format_existing(path: &Path, size: Option<u64>, key_path: &Path, existed: bool) -> Result<Formatted, Error> {
+    let disk = Disk::open(path, true).map_err(io("opening the volume", path))?;
     let mut first = Aligned::zeroed(SECTOR);
-    disk.read(0, &mut first).map_err(|e| format!("{shown}: {e}"))?;
+    disk.read(0, &mut first).map_err(io("reading the first sector", path))?;
     if existed && seal::record_sectors(&first, seal::SUPERBLOCK).is_some() {
-        return Err(format!("{shown}: already an exodisk volume; nothing changed"));
+        return Err(Error::AlreadyAVolume { path: path.to_owned() });
     }
     let available = disk.sectors * SECTOR as u64;
     let bytes = match size {
         Some(s) if s > available && disk.is_device => {
-            return Err(format!("{shown}: --size {s} is larger than the device ({available} bytes)"))
+            return Err(Error::LargerThanDevice { path: path.to_owned(), size: s, available })
         }
         Some(s) if s > available => {
             drop(disk);
-            std::fs::OpenOptions::new().write(true).open(path).and_then(|f| f.set_len(s)).map_err(|e| format!("{shown}: {e}"))?;
+            std::fs::OpenOptions::new().write(true).open(path).and_then(|f| f.set_len(s)).map_err(io("growing the image", path))?;
             return format_existing(path, size, key_path, existed);
         }
         Some(s) => s,
@@ -259,7 +256,8 @@ fn format_existing(path: &Path, size: Option<u64>, key_path: &Path, existed: boo
     sb.roots = Caps::random();
     sb.created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     if sb.data_start + ROOTS_SECTORS as u64 >= sectors {
-        return Err(format!("{shown}: too small for a volume"));
+        let min_bytes = (sb.data_start + ROOTS_SECTORS as u64 + 1) * SECTOR as u64;
+        return Err(Error::TooSmall { path: path.to_owned(), bytes, min_bytes });
     }
     // The free map: the superblock, the map and the root exonode are allocated.
     let mut map = crate::freemap::FreeMap::new(sectors);
@@ -271,7 +269,6 @@ fn format_existing(path: &Path, size: Option<u64>, key_path: &Path, existed: boo
         parent: 0,
         entries: Vec::new(),
     };
-    let io = |e: io::Error| format!("{shown}: {e}");
     // The key first: a volume whose key was lost is lost.
     write_key(key_path, &raw_key, &key.volume_id)?;
     let write = || -> io::Result<()> {
@@ -282,13 +279,13 @@ fn format_existing(path: &Path, size: Option<u64>, key_path: &Path, existed: boo
     };
     if let Err(e) = write() {
         let _ = std::fs::remove_file(key_path);
-        return Err(io(e));
+        return Err(Error::Io { op: "writing the new volume's metadata", path: path.to_owned(), source: e });
     }
     let warning = if existed { exposure_warning(path) } else { None };
     Ok(Formatted { superblock: sb, key_path: key_path.to_owned(), warning })
 }
 
-fn write_key(path: &Path, key: &[u8; 32], id: &[u8; 16]) -> Result<(), String> {
+fn write_key(path: &Path, key: &[u8; 32], id: &[u8; 16]) -> Result<(), Error> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let text = Zeroizing::new(format!(
@@ -302,23 +299,23 @@ fn write_key(path: &Path, key: &[u8; 32], id: &[u8; 16]) -> Result<(), String> {
         .mode(0o400)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    f.write_all(text.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| format!("{}: {e}", path.display()))
+        .map_err(io("making the key file", path))?;
+    f.write_all(text.as_bytes()).and_then(|()| f.sync_all()).map_err(io("writing the key file", path))
 }
 
 /// Open a volume: its disk (held exclusively), key and superblock.
-pub fn open(path: &Path, key_path: &Path) -> Result<(Disk, VolumeKey, Superblock), String> {
-    let shown = path.display();
-    let disk = Disk::open(path, true).map_err(|e| format!("{shown}: {e}"))?;
+pub fn open(path: &Path, key_path: &Path) -> Result<(Disk, VolumeKey, Superblock), Error> {
+    let disk = Disk::open(path, true).map_err(io("opening the volume", path))?;
     let mut first = Aligned::zeroed(SECTOR);
-    disk.read(0, &mut first).map_err(|e| format!("{shown}: {e}"))?;
+    disk.read(0, &mut first).map_err(io("reading the superblock", path))?;
     if seal::record_sectors(&first, seal::SUPERBLOCK).is_none() {
-        return Err(format!("{shown}: not an exodisk volume (no superblock)"));
+        return Err(Error::NotAVolume { path: path.to_owned() });
     }
     let key = load_key(key_path)?;
-    let sb = Superblock::open(&key, &first).map_err(|e| format!("{shown}: {e} (is {} its key?)", key_path.display()))?;
+    let sb = Superblock::open(&key, &first)
+        .map_err(|why| Error::Superblock { path: path.to_owned(), key: key_path.to_owned(), why })?;
     if sb.sectors > disk.sectors {
-        return Err(format!("{shown}: the superblock says {} sectors, the volume has {}", sb.sectors, disk.sectors));
+        return Err(Error::Truncated { path: path.to_owned(), claimed: sb.sectors, sectors: disk.sectors });
     }
     Ok((disk, key, sb))
 }

@@ -10,12 +10,15 @@
 //! - [`scan`]: the start-up scan and `fsck`.
 //! - [`disk`]: the volume, with direct I/O.
 //! - [`record`]: the write log of a service (`serve --record`) and its replay.
+//! - [`Error`]: what goes wrong managing a volume, naming the file or socket; an operation's
+//!   error is [`core::ExoError`], the errno and line the wire carries.
 
 pub mod client;
 pub mod content;
 pub mod core;
 pub mod disk;
 pub mod engine;
+mod error;
 pub mod freemap;
 pub mod layout;
 pub mod object;
@@ -25,3 +28,5 @@ pub mod scan;
 pub mod seal;
 pub mod service;
 pub mod shm;
+
+pub use error::{Error, SuperblockFault};

@@ -25,11 +25,12 @@
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use parking_lot::Mutex;
 
 use crate::disk::{Aligned, Disk, SECTOR};
+use crate::error::{io, Error};
 
 pub const MAGIC: &[u8; 8] = b"EXOWLOG1";
 const HEADER_BYTES: u64 = 16;
@@ -39,6 +40,7 @@ const FLUSH: u8 = b'F';
 
 /// The service's side: appends to the log.
 pub struct WriteLog {
+    path: PathBuf,
     /// The file and the next sequence number, together so that numbers follow the file's order.
     file: Mutex<(File, u64)>,
 }
@@ -46,19 +48,18 @@ pub struct WriteLog {
 impl WriteLog {
     /// Make a new log at `path` for a volume of `volume_sectors` sectors. An existing file is
     /// refused: a log means something only from the state it started at.
-    pub fn create(path: &Path, volume_sectors: u64) -> Result<WriteLog, String> {
-        let shown = path.display();
+    pub fn create(path: &Path, volume_sectors: u64) -> Result<WriteLog, Error> {
         let mut file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path)
-            .map_err(|e| format!("{shown}: cannot make the write log: {e}"))?;
+            .map_err(io("cannot make the write log", path))?;
         let mut header = MAGIC.to_vec();
         header.extend_from_slice(&volume_sectors.to_le_bytes());
-        file.write_all(&header).map_err(|e| format!("{shown}: {e}"))?;
-        Ok(WriteLog { file: Mutex::new((file, 1)) })
+        file.write_all(&header).map_err(io("writing the write log's header", path))?;
+        Ok(WriteLog { path: path.to_owned(), file: Mutex::new((file, 1)) })
     }
 
     /// `bytes` were written at `sector`.
@@ -84,7 +85,7 @@ impl WriteLog {
         // for it: say so once, and go on without it.
         if *next != u64::MAX {
             if let Err(e) = file.write_all(&entry) {
-                tracing::error!("exodisk: the write log stops at entry {next}: {e}");
+                tracing::error!("exodisk: {}: writing entry {next}: {e}; the write log stops here", self.path.display());
                 *next = u64::MAX;
                 return;
             }
@@ -109,14 +110,14 @@ pub struct Log {
 impl Log {
     /// Read the entries of the log at `path`. A partial last entry (a log being written, or cut
     /// by a crash) is left out; anything else out of shape is an error naming the file and where.
-    pub fn read(path: &Path) -> Result<Log, String> {
-        let shown = path.display();
-        let mut file = File::open(path).map_err(|e| format!("{shown}: {e}"))?;
-        let len = file.metadata().map_err(|e| format!("{shown}: {e}"))?.len();
+    pub fn read(path: &Path) -> Result<Log, Error> {
+        let bad = |why: String| Error::WriteLog { path: path.to_owned(), why };
+        let mut file = File::open(path).map_err(io("opening the write log", path))?;
+        let len = file.metadata().map_err(io("reading the write log's size", path))?.len();
         let mut header = [0u8; HEADER_BYTES as usize];
-        file.read_exact(&mut header).map_err(|_| format!("{shown}: not an exodisk write log (too short)"))?;
+        file.read_exact(&mut header).map_err(|_| bad("not an exodisk write log (too short)".into()))?;
         if &header[..8] != MAGIC {
-            return Err(format!("{shown}: not an exodisk write log (no {} magic)", String::from_utf8_lossy(MAGIC)));
+            return Err(bad(format!("not an exodisk write log (no {} magic)", String::from_utf8_lossy(MAGIC))));
         }
         let volume_sectors = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
         let mut entries = Vec::new();
@@ -124,26 +125,26 @@ impl Log {
         let mut reader = std::io::BufReader::new(file);
         let mut head = [0u8; ENTRY_HEAD_BYTES];
         while at + ENTRY_HEAD_BYTES as u64 <= len {
-            reader.read_exact(&mut head).map_err(|e| format!("{shown}: {e}"))?;
+            reader.read_exact(&mut head).map_err(io("reading the write log", path))?;
             let (kind, seq, sector, sectors) = parse_head(&head);
             let expected = entries.len() as u64 + 1;
             if seq != expected {
-                return Err(format!("{shown}: entry at byte {at} has sequence number {seq}, expected {expected}"));
+                return Err(bad(format!("entry at byte {at} has sequence number {seq}, expected {expected}")));
             }
             let bytes = sectors as u64 * SECTOR as u64;
             let bytes_at = at + ENTRY_HEAD_BYTES as u64;
             match kind {
                 WRITE if bytes_at + bytes > len => break,
                 WRITE if sectors == 0 || sector.checked_add(sectors as u64).is_none_or(|end| end > volume_sectors) => {
-                    return Err(format!(
-                        "{shown}: entry {seq} writes sectors {sector}+{sectors}, outside the volume of {volume_sectors}"
-                    ));
+                    return Err(bad(format!(
+                        "entry {seq} writes sectors {sector}+{sectors}, outside the volume of {volume_sectors}"
+                    )));
                 }
                 WRITE => entries.push(Entry::Write { seq, sector, sectors, bytes_at }),
                 FLUSH if sectors == 0 && sector == 0 => entries.push(Entry::Flush { seq }),
-                _ => return Err(format!("{shown}: entry {seq} at byte {at} is neither a write nor a flush")),
+                _ => return Err(bad(format!("entry {seq} at byte {at} is neither a write nor a flush"))),
             }
-            reader.seek_relative(if kind == WRITE { bytes as i64 } else { 0 }).map_err(|e| format!("{shown}: {e}"))?;
+            reader.seek_relative(if kind == WRITE { bytes as i64 } else { 0 }).map_err(io("reading the write log", path))?;
             at = bytes_at + if kind == WRITE { bytes } else { 0 };
         }
         Ok(Log { volume_sectors, entries })
@@ -207,33 +208,34 @@ pub struct Replayed {
 /// made durable at flush `to_flush` (all of them when `None`), and with `unflushed` (a seed)
 /// some of the writes after it ([`Log::some_unflushed`]). Everything is checked before
 /// anything is written: a bad log or a volume of another size changes nothing.
-pub fn replay(log_path: &Path, volume: &Path, to_flush: Option<u64>, unflushed: Option<u64>) -> Result<Replayed, String> {
+pub fn replay(log_path: &Path, volume: &Path, to_flush: Option<u64>, unflushed: Option<u64>) -> Result<Replayed, Error> {
     let log = Log::read(log_path)?;
     let flushes = log.flushes();
     let n = to_flush.unwrap_or(flushes);
-    let entries = log.before_flush(n).ok_or_else(|| format!("{}: has {flushes} flushes, not {n}", log_path.display()))?;
+    let entries = log
+        .before_flush(n)
+        .ok_or_else(|| Error::WriteLog { path: log_path.to_owned(), why: format!("has {flushes} flushes, not {n}") })?;
     let extra = unflushed.map(|seed| log.some_unflushed(n, seed)).unwrap_or_default();
-    let disk = Disk::open(volume, true).map_err(|e| format!("{}: {e}", volume.display()))?;
+    let disk = Disk::open(volume, true).map_err(io("opening the volume", volume))?;
     if disk.sectors != log.volume_sectors {
-        return Err(format!(
-            "{}: {} sectors, but {} records a volume of {}",
-            volume.display(),
-            disk.sectors,
-            log_path.display(),
-            log.volume_sectors
-        ));
+        return Err(Error::LogOfAnotherVolume {
+            path: volume.to_owned(),
+            sectors: disk.sectors,
+            log: log_path.to_owned(),
+            logged: log.volume_sectors,
+        });
     }
-    let mut file = File::open(log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
+    let mut file = File::open(log_path).map_err(io("opening the write log", log_path))?;
     let mut writes = 0;
     for entry in entries.iter().chain(&extra) {
         if let Entry::Write { sector, sectors, bytes_at, .. } = *entry {
             let mut buf = Aligned::zeroed(sectors as usize * SECTOR);
-            file.seek(SeekFrom::Start(bytes_at)).and_then(|_| file.read_exact(&mut buf)).map_err(|e| format!("{}: {e}", log_path.display()))?;
-            disk.write(sector, &buf).map_err(|e| format!("{}: sector {sector}: {e}", volume.display()))?;
+            file.seek(SeekFrom::Start(bytes_at)).and_then(|_| file.read_exact(&mut buf)).map_err(io("reading the write log", log_path))?;
+            disk.write(sector, &buf).map_err(|source| Error::Sector { op: "writing", path: volume.to_owned(), sector, source })?;
             writes += 1;
         }
     }
-    disk.sync().map_err(|e| format!("{}: {e}", volume.display()))?;
+    disk.sync().map_err(io("syncing the volume", volume))?;
     Ok(Replayed { writes, flushes: n })
 }
 
@@ -270,7 +272,7 @@ mod tests {
             let bytes = std::fs::read(&volume).unwrap();
             assert_eq!([bytes[SECTOR], bytes[3 * SECTOR], bytes[4 * SECTOR]], want, "at flush {n}");
         }
-        assert!(replay(&path, &dir.path().join("v0"), Some(3), None).unwrap_err().contains("has 2 flushes"));
+        assert!(replay(&path, &dir.path().join("v0"), Some(3), None).unwrap_err().to_string().contains("has 2 flushes"));
     }
 
     #[test]
@@ -285,12 +287,12 @@ mod tests {
         let mut bad = whole.clone();
         bad[HEADER_BYTES as usize + 1] = 9; // the first entry's sequence number
         std::fs::write(&path, &bad).unwrap();
-        assert!(replay(&path, &volume, None, None).unwrap_err().contains("sequence number 9"));
+        assert!(replay(&path, &volume, None, None).unwrap_err().to_string().contains("sequence number 9"));
         std::fs::write(&path, b"EXOWLOG0........").unwrap();
-        assert!(replay(&path, &volume, None, None).unwrap_err().contains("not an exodisk write log"));
+        assert!(replay(&path, &volume, None, None).unwrap_err().to_string().contains("not an exodisk write log"));
         std::fs::write(&path, &whole).unwrap();
         std::fs::write(&volume, vec![7u8; 32 * SECTOR]).unwrap();
-        assert!(replay(&path, &volume, None, None).unwrap_err().contains("records a volume of 64"));
+        assert!(replay(&path, &volume, None, None).unwrap_err().to_string().contains("records a volume of 64"));
         assert_eq!(std::fs::read(&volume).unwrap(), vec![7u8; 32 * SECTOR]);
         assert!(WriteLog::create(&path, 64).is_err(), "an existing log is never appended to");
     }

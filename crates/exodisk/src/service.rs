@@ -28,6 +28,7 @@ use crate::content::DataSeal;
 use crate::core::{Access, Core, ExoError, Persistence, Target};
 use crate::disk::Aligned;
 use crate::engine::{Buffer, Engine, Job};
+use crate::error::{io, Error};
 use crate::layout;
 use crate::object::{Caps, Entry};
 use crate::proto::{self, cap, Message, Reply, Request};
@@ -84,6 +85,8 @@ pub struct Service {
     next_client: AtomicU64,
     stopping: AtomicBool,
     socket: PathBuf,
+    /// The volume served, named in logs.
+    volume: PathBuf,
     /// The service's own user, which may stop it like root.
     uid: u32,
     /// Each client's socket and thread, to close and wait for at shutdown.
@@ -125,38 +128,34 @@ impl Outbox {
 
 /// Open and check the volume, reconcile its free map, and get ready to serve. A volume whose
 /// invariants do not hold is not served: `plyfs exodisk fsck` says why.
-pub fn start(volume: &Path, key: &Path, socket: &Path) -> Result<(Arc<Service>, Started), String> {
+pub fn start(volume: &Path, key: &Path, socket: &Path) -> Result<(Arc<Service>, Started), Error> {
     start_with(volume, key, socket, ServiceOptions::default())
 }
 
 /// [`start`] with limits other than the default ones.
-pub fn start_with(volume: &Path, key: &Path, socket: &Path, options: ServiceOptions) -> Result<(Arc<Service>, Started), String> {
+pub fn start_with(volume: &Path, key: &Path, socket: &Path, options: ServiceOptions) -> Result<(Arc<Service>, Started), Error> {
     let (mut disk, key, sb) = layout::open(volume, key)?;
     if let Some(path) = &options.record {
         disk.record_to(Arc::new(crate::record::WriteLog::create(path, disk.sectors)?));
     }
-    let (_, report, map) = crate::scan::scan(&disk, &key, &sb).map_err(|e| format!("{}: {e}", volume.display()))?;
+    let (_, report, map) = crate::scan::scan(&disk, &key, &sb).map_err(io("scanning the volume", volume))?;
     if !report.clean() {
-        return Err(format!(
-            "{}: {} (and {} more); not serving it: see `plyfs exodisk fsck {}`",
-            volume.display(),
-            report.problems[0],
-            report.problems.len() - 1,
-            volume.display()
-        ));
+        return Err(Error::Inconsistent { path: volume.to_owned(), problem: report.problems[0].clone(), count: report.problems.len() });
     }
     crate::scan::erase_orphans(&disk, &report, &map)
         .and_then(|()| map.store(&disk, &key, &sb))
-        .and_then(|()| disk.sync()).map_err(|e| format!("{}: {e}", volume.display()))?;
-    let engine = Engine::start(disk.fd(), disk.write_log()).map_err(|e| format!("io_uring: {e}"))?;
+        .and_then(|()| disk.sync()).map_err(io("giving back the sectors of orphaned exonodes", volume))?;
+    let engine = Engine::start(volume, disk.fd(), disk.write_log()).map_err(io("starting io_uring", volume))?;
     let mut core = Core::new(disk, key, sb, map);
-    core.drop_dangling(&report.dangling).map_err(|e| format!("{}: dropping entries of removed exonodes: {e}", volume.display()))?;
+    core.drop_dangling(&report.dangling)
+        .map_err(|source| Error::Exo { op: "dropping entries of removed exonodes", path: volume.to_owned(), source })?;
     let service = Arc::new(Service {
         core: Mutex::new(core),
         engine,
         next_client: AtomicU64::new(1),
         stopping: AtomicBool::new(false),
         socket: socket.to_owned(),
+        volume: volume.to_owned(),
         uid: unsafe { libc::geteuid() },
         clients: Mutex::new(Vec::new()),
         listener: std::sync::atomic::AtomicI32::new(-1),
@@ -176,7 +175,7 @@ pub struct Background {
 }
 
 /// [`start`], then serve on a thread; returns once the socket is there (at most 10 s).
-pub fn spawn(volume: &Path, key: &Path, socket: &Path) -> Result<Background, String> {
+pub fn spawn(volume: &Path, key: &Path, socket: &Path) -> Result<Background, Error> {
     let (service, _) = start(volume, key, socket)?;
     let s = service.clone();
     let thread = std::thread::Builder::new()
@@ -186,13 +185,13 @@ pub fn spawn(volume: &Path, key: &Path, socket: &Path) -> Result<Background, Str
                 tracing::error!("exodisk: {e}");
             }
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(io("starting the service's thread", socket))?;
     let running = Background { service, socket: socket.to_owned(), thread: Some(thread) };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     // Listening, not merely bound: a client that connects between the two is refused.
     while running.service.listener.load(Ordering::Acquire) < 0 {
         if std::time::Instant::now() > deadline || running.thread.as_ref().is_some_and(|t| t.is_finished()) {
-            return Err(format!("{}: the service did not start listening", socket.display()));
+            return Err(Error::NotListening { socket: socket.to_owned() });
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
@@ -210,21 +209,21 @@ impl Drop for Background {
 
 impl Service {
     /// Listen on the socket and serve until `SHUTDOWN` (or `stop`).
-    pub fn serve(self: &Arc<Self>) -> Result<(), String> {
-        let shown = self.socket.display();
+    pub fn serve(self: &Arc<Self>) -> Result<(), Error> {
         if self.socket.exists() {
             if UnixStream::connect(&self.socket).is_ok() {
-                return Err(format!("{shown}: another service listens there"));
+                return Err(Error::SocketInUse { socket: self.socket.clone() });
             }
-            std::fs::remove_file(&self.socket).map_err(|e| format!("{shown}: {e}"))?;
+            std::fs::remove_file(&self.socket).map_err(io("removing a stale socket", &self.socket))?;
         }
-        let listener = UnixListener::bind(&self.socket).map_err(|e| format!("{shown}: {e}"))?;
+        let listener = UnixListener::bind(&self.socket).map_err(io("binding the socket", &self.socket))?;
         self.listener.store(std::os::fd::AsRawFd::as_raw_fd(&listener), Ordering::Release);
         if self.stopping.load(Ordering::Acquire) {
             return Ok(());
         }
         use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&self.socket, std::fs::Permissions::from_mode(0o666)).map_err(|e| format!("{shown}: {e}"))?;
+        std::fs::set_permissions(&self.socket, std::fs::Permissions::from_mode(0o666))
+            .map_err(io("opening the socket to every user", &self.socket))?;
         for stream in listener.incoming() {
             if self.stopping.load(Ordering::Acquire) {
                 break;
@@ -295,7 +294,7 @@ impl Service {
         }
         self.engine.stop();
         if let Err(e) = self.core.lock().flush() {
-            tracing::error!("exodisk: writing at shutdown: {e}");
+            tracing::error!("exodisk: {}: writing back at shutdown: {e}", self.volume.display());
         }
         let _ = std::fs::remove_file(&self.socket);
     }
@@ -631,7 +630,7 @@ impl Staged {
                 result
             }
             Err(u) => {
-                tracing::warn!("exodisk: {}", crate::core::unsealed(u));
+                tracing::warn!("exodisk: reading for a client: {}", crate::core::unsealed(u));
                 -libc::EIO
             }
         }

@@ -38,27 +38,27 @@ fn a_new_volume_scans_clean_and_bad_input_changes_nothing() {
     assert_eq!((found.extents.len(), found.exonodes.len(), report.reclaimed), (0, 1, 0));
     assert_eq!(map.allocated(), sb.data_start + layout::ROOTS_SECTORS as u64);
     // In use: a second opener is refused at once.
-    let err = layout::open(&img, &key).err().unwrap();
+    let err = layout::open(&img, &key).err().unwrap().to_string();
     assert!(err.contains("in use"), "{err}");
     drop(disk);
 
     let before = std::fs::read(&img).unwrap();
-    let err = layout::format(&img, None, &dir.path().join("other.key")).err().unwrap();
+    let err = layout::format(&img, None, &dir.path().join("other.key")).err().unwrap().to_string();
     assert!(err.contains("already an exodisk volume"), "{err}");
     assert!(std::fs::read(&img).unwrap() == before && !dir.path().join("other.key").exists());
     // Another volume's key is never overwritten.
     let fresh = dir.path().join("fresh.img");
-    let err = layout::format(&fresh, Some(4 << 20), &key).err().unwrap();
+    let err = layout::format(&fresh, Some(4 << 20), &key).err().unwrap().to_string();
     assert!(err.contains("key file is already there") && !fresh.exists(), "{err}");
 
     let small = dir.path().join("small.img");
-    let err = layout::format(&small, Some(100 << 10), &dir.path().join("small.key")).err().unwrap();
+    let err = layout::format(&small, Some(100 << 10), &dir.path().join("small.key")).err().unwrap().to_string();
     assert!(err.contains("too small"), "{err}");
     assert!(!small.exists() && !dir.path().join("small.key").exists());
 
     let plain = dir.path().join("plain.img");
     std::fs::write(&plain, vec![0u8; 4 << 20]).unwrap();
-    let err = layout::open(&plain, &key).err().unwrap();
+    let err = layout::open(&plain, &key).err().unwrap().to_string();
     assert!(err.contains("not an exodisk volume"), "{err}");
     // A key of another volume.
     let (img2, _) = {
@@ -66,7 +66,7 @@ fn a_new_volume_scans_clean_and_bad_input_changes_nothing() {
         std::fs::create_dir(&d2).unwrap();
         image(&d2)
     };
-    let err = layout::open(&img2, &key).err().unwrap();
+    let err = layout::open(&img2, &key).err().unwrap().to_string();
     assert!(err.contains("authentication failed"), "{err}");
 }
 
@@ -179,7 +179,7 @@ fn a_version_1_volume_is_refused_not_misread() {
     let mut body = key.open(plyfs_exodisk::seal::SUPERBLOCK, 0, &first).unwrap().to_vec();
     body[0] = 1;
     write_at(&img, 0, &key.seal(plyfs_exodisk::seal::SUPERBLOCK, 0, 1, &body));
-    let e = layout::open(&img, &key_path).err().expect("a version 1 volume opened");
+    let e = layout::open(&img, &key_path).err().expect("a version 1 volume opened").to_string();
     assert!(e.contains("version 1") && e.contains("format a new volume"), "{e}");
 }
 

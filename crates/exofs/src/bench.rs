@@ -8,11 +8,12 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use plyfs_exodisk::client::Client;
-use plyfs_exodisk::core::{Persistence, Target};
+use plyfs_exodisk::core::{ExoError, Persistence, Target};
 use plyfs_exodisk::object::Caps;
 use plyfs_exodisk::proto::{wcap, IoReq, Reply, Request, WPersistence, WTarget};
 use crate::format::Inode;
 use crate::fs::Fs;
+use crate::Error;
 use plyfs_stack::FileKind;
 
 const SECTOR: usize = 512;
@@ -41,24 +42,31 @@ fn ms_per(d: Duration, n: usize) -> f64 {
     d.as_secs_f64() * 1000.0 / n as f64
 }
 
-fn e(x: plyfs_exodisk::core::ExoError) -> String {
-    x.msg
+/// `map_err(exo(c, "benchmark small"))`: a request's error, naming the service and the benchmark.
+fn exo<'a>(c: &'a Client, op: &'static str) -> impl Fn(ExoError) -> Error + Copy + 'a {
+    move |source| Error::Exo { socket: c.socket().to_owned(), op, source }
 }
 
-fn batch(c: &Client, reqs: Vec<Request>) -> Result<Vec<Reply>, String> {
+/// [`exo`] for an operation on a file of exofs.
+fn fs_err<'a>(fs: &'a Fs, op: &'static str) -> impl Fn(plyfs_stack::Error) -> Error + Copy + 'a {
+    move |source| Error::Fs { socket: fs.socket().to_owned(), op, source }
+}
+
+fn batch(c: &Client, reqs: Vec<Request>) -> Result<Vec<Reply>, Error> {
     match c.batch(reqs) {
         (done, None) => Ok(done),
-        (_, Some(x)) => Err(x.msg),
+        (_, Some(x)) => Err(exo(c, "benchmark small: a batch of requests")(x)),
     }
 }
 
 /// Room for `sectors` sectors somewhere on the volume.
-fn room(c: &Client, sectors: u64) -> Result<u64, String> {
-    c.free_map().map_err(e)?.find_free(sectors, c.data_start).ok_or_else(|| format!("no {sectors} free sectors in a row"))
+fn room(c: &Client, sectors: u64) -> Result<u64, Error> {
+    let map = c.free_map().map_err(exo(c, "reading the free map"))?;
+    map.find_free(sectors, c.data_start).ok_or_else(|| Error::NoRoom { socket: c.socket().to_owned(), sectors })
 }
 
 /// Run the benchmarks of `group` against the volume served at `socket`.
-pub fn run(socket: &Path, group: &str, files: usize, size: usize) -> Result<Vec<Sample>, String> {
+pub fn run(socket: &Path, group: &str, files: usize, size: usize) -> Result<Vec<Sample>, Error> {
     let c = Client::connect(socket, 16 << 20)?;
     let out = Samples::default();
     match group {
@@ -68,7 +76,7 @@ pub fn run(socket: &Path, group: &str, files: usize, size: usize) -> Result<Vec<
         "insert" => insert(&out, socket),
         "ddio" => ddio(&out, &c),
         "persist" => persist(&out, &c, socket, files, size),
-        _ => Err(format!("unknown group '{group}' (small, large, two, insert, ddio, persist)")),
+        _ => Err(Error::UnknownGroup { group: group.to_owned() }),
     }?;
     Ok(out.0.into_inner())
 }
@@ -77,11 +85,12 @@ pub fn run(socket: &Path, group: &str, files: usize, size: usize) -> Result<Vec<
 /// extents, as extents of exonodes, and on the raw path (one extent made beforehand, the files
 /// at fixed places in it: only the service's access check, no allocation). Allocation and
 /// writes are batched the same way for all three.
-fn small(out: &Samples, c: &Client, files: usize, size: usize) -> Result<(), String> {
+fn small(out: &Samples, c: &Client, files: usize, size: usize) -> Result<(), Error> {
+    let e = exo(c, "benchmark small");
     let sectors = size.div_ceil(SECTOR) as u64;
     let data: Vec<u8> = (0..sectors as usize * SECTOR).map(|i| (i % 253) as u8).collect();
     let caps = Caps::random();
-    let read_all = |targets: &[(Target, u64)]| -> Result<Duration, String> {
+    let read_all = |targets: &[(Target, u64)]| -> Result<Duration, Error> {
         let mut buf = vec![0u8; data.len()];
         let t0 = Instant::now();
         for (t, at) in targets {
@@ -171,29 +180,31 @@ fn attrs(kind: FileKind) -> Inode {
 }
 
 /// exofs in a root of its own (not a mounted file system's), emptied when done.
-fn scratch_fs(socket: &Path) -> Result<Fs, String> {
+fn scratch_fs(socket: &Path) -> Result<Fs, Error> {
     let fs = Fs::open(Client::connect(socket, 16 << 20)?, "exofs-bench")?;
     clear(&fs)?;
     Ok(fs)
 }
 
-fn clear(fs: &Fs) -> Result<(), String> {
+fn clear(fs: &Fs) -> Result<(), Error> {
+    let fe = fs_err(fs, "emptying the benchmarks' root");
     let root = fs.root();
-    for (name, ino) in fs.names(root).map_err(|x| format!("{x:?}"))? {
-        let dir = fs.getattr(ino).map_err(|x| format!("{x:?}"))?.kind == FileKind::Dir;
+    for (name, ino) in fs.names(root).map_err(fe)? {
+        let dir = fs.getattr(ino).map_err(fe)?.kind == FileKind::Dir;
         if dir {
-            for (n, _) in fs.names(ino).map_err(|x| format!("{x:?}"))? {
-                fs.remove(ino, &n, false).map_err(|x| format!("{x:?}"))?;
+            for (n, _) in fs.names(ino).map_err(fe)? {
+                fs.remove(ino, &n, false).map_err(fe)?;
             }
         }
-        fs.remove(root, &name, dir).map_err(|x| format!("{x:?}"))?;
+        fs.remove(root, &name, dir).map_err(fe)?;
     }
-    fs.close().map_err(|x| format!("{x:?}"))
+    fs.close().map_err(fe)
 }
 
 /// One file of SIZE bytes, sequential (1 MiB requests) and random (4 KiB), on the raw path and
 /// as an exofs file.
-fn large(out: &Samples, c: &Client, socket: &Path, size: usize) -> Result<(), String> {
+fn large(out: &Samples, c: &Client, socket: &Path, size: usize) -> Result<(), Error> {
+    let e = exo(c, "benchmark large");
     let chunk = 1 << 20;
     let size = size.div_ceil(chunk) * chunk;
     let data: Vec<u8> = (0..chunk).map(|i| (i % 251) as u8).collect();
@@ -243,8 +254,8 @@ fn large(out: &Samples, c: &Client, socket: &Path, size: usize) -> Result<(), St
     // exofs.
     {
         let fs = scratch_fs(socket)?;
-        let f = fs.make(fs.root(), OsStr::new("large"), attrs(FileKind::File), b"").map_err(|x| format!("{x:?}"))?;
-        let fe = |x: plyfs_stack::Error| format!("{x:?}");
+        let fe = fs_err(&fs, "benchmark large");
+        let f = fs.make(fs.root(), OsStr::new("large"), attrs(FileKind::File), b"").map_err(fe)?;
         let t0 = Instant::now();
         for i in 0..size / chunk {
             fs.write(f, (i * chunk) as u64, &data).map_err(fe)?;
@@ -274,7 +285,7 @@ fn large(out: &Samples, c: &Client, socket: &Path, size: usize) -> Result<(), St
 /// Two clients at once, each allocating and writing, reading, randomly writing, randomly
 /// reading and deallocating FILES files of SIZE bytes in exonodes (thesis §5.3): their objects
 /// interleaved ten files at a time, or partitioned 250 MB apart.
-fn two(out: &Samples, socket: &Path, files: usize, size: usize) -> Result<(), String> {
+fn two(out: &Samples, socket: &Path, files: usize, size: usize) -> Result<(), Error> {
     let sectors = size.div_ceil(SECTOR) as u64;
     let group = 10u64;
     let span = files as u64 * sectors + 128 * files.div_ceil(3000) as u64;
@@ -297,8 +308,9 @@ fn two(out: &Samples, socket: &Path, files: usize, size: usize) -> Result<(), St
         let mut handles = Vec::new();
         for who in 0..2u64 {
             let socket = socket.to_owned();
-            handles.push(std::thread::spawn(move || -> Result<[Duration; 5], String> {
+            handles.push(std::thread::spawn(move || -> Result<[Duration; 5], Error> {
                 let c = Client::connect(&socket, 4 << 20)?;
+                let e = exo(&c, "benchmark two");
                 let caps = Caps::random();
                 let data = vec![who as u8 + 1; sectors as usize * SECTOR];
                 let x = Target::Exonode { at: node_at(who), path: vec![] };
@@ -355,7 +367,7 @@ fn two(out: &Samples, socket: &Path, files: usize, size: usize) -> Result<(), St
         }
         let mut sum = [0f64; 5];
         for h in handles {
-            let t = h.join().map_err(|_| "a client thread panicked".to_string())??;
+            let t = h.join().map_err(|_| Error::Panicked { socket: socket.to_owned(), group: "two" })??;
             for k in 0..5 {
                 sum[k] += ms_per(t[k], files) / 2.0;
             }
@@ -369,9 +381,9 @@ fn two(out: &Samples, socket: &Path, files: usize, size: usize) -> Result<(), St
 
 /// 16 bytes put in the middle of files of 10 KB, 100 KB and 1000 KB: exofs's indexed insert
 /// against copying the second half (read it, write the bytes and it back), each made durable.
-fn insert(out: &Samples, socket: &Path) -> Result<(), String> {
+fn insert(out: &Samples, socket: &Path) -> Result<(), Error> {
     let fs = scratch_fs(socket)?;
-    let fe = |x: plyfs_stack::Error| format!("{x:?}");
+    let fe = fs_err(&fs, "benchmark insert");
     let root = fs.root();
     let reps = 10;
     for kb in [10usize, 100, 1000] {
@@ -402,7 +414,8 @@ fn insert(out: &Samples, socket: &Path) -> Result<(), String> {
 
 /// Random 4 KiB reads over 200 MB, N requests outstanding at a time (N = 1, 32, 128):
 /// requests per second.
-fn ddio(out: &Samples, c: &Client) -> Result<(), String> {
+fn ddio(out: &Samples, c: &Client) -> Result<(), Error> {
+    let e = exo(c, "benchmark ddio");
     let caps = Caps::random();
     let sectors = (200u64 << 20) / SECTOR as u64 + 1;
     let base = room(c, sectors)?;
@@ -435,7 +448,8 @@ fn ddio(out: &Samples, c: &Client) -> Result<(), String> {
             for id in ids {
                 let res = c.wait_io(id);
                 if res < 0 {
-                    return Err(format!("a read failed: {}", std::io::Error::from_raw_os_error(-res)));
+                    let msg = format!("a read failed: {}", std::io::Error::from_raw_os_error(-res));
+                    return Err(e(ExoError { errno: -res, msg }));
                 }
             }
             done += n;
@@ -447,7 +461,8 @@ fn ddio(out: &Samples, c: &Client) -> Result<(), String> {
 
 /// Per-file allocation and write of FILES files of SIZE bytes under each persistence model:
 /// self-protected extents of that model, and exofs files whose directory picks it.
-fn persist(out: &Samples, c: &Client, socket: &Path, files: usize, size: usize) -> Result<(), String> {
+fn persist(out: &Samples, c: &Client, socket: &Path, files: usize, size: usize) -> Result<(), Error> {
+    let e = exo(c, "benchmark persist");
     let sectors = size.div_ceil(SECTOR) as u64;
     let data = vec![0x5au8; sectors as usize * SECTOR];
     for (name, model) in [("memory", Persistence::Memory), ("metadata", Persistence::Metadata), ("data", Persistence::Data)] {
@@ -465,7 +480,7 @@ fn persist(out: &Samples, c: &Client, socket: &Path, files: usize, size: usize) 
         }
     }
     let fs = scratch_fs(socket)?;
-    let fe = |x: plyfs_stack::Error| format!("{x:?}");
+    let fe = fs_err(&fs, "benchmark persist");
     for name in ["memory", "metadata", "data"] {
         let d = fs.make(fs.root(), OsStr::new(name), attrs(FileKind::Dir), b"").map_err(fe)?;
         fs.set_xattr(d, b"user.exofs.persistence", Some(name.as_bytes()), 0).map_err(fe)?;

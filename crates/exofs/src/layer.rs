@@ -58,7 +58,7 @@ impl Exofs {
             std::thread::sleep(WRITE_BACK);
             let Some(fs) = weak.upgrade() else { return };
             if let Err(e) = fs.sync() {
-                tracing::error!("exofs: write-back: {e:?}");
+                tracing::error!("exofs: {}: periodic write-back: {e}", fs.socket().display());
             }
         });
         Exofs {
@@ -432,7 +432,7 @@ impl Layer for Exofs {
 
     fn shutdown(&self) {
         if let Err(e) = self.fs.close() {
-            tracing::error!("exofs: writing back at unmount: {e:?}");
+            tracing::error!("exofs: {}: writing back at unmount: {e}", self.fs.socket().display());
         }
     }
 }

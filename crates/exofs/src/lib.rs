@@ -4,8 +4,12 @@
 //! - [`format`]: how an inode and a directory are laid out in exonode entries.
 //! - [`fs`]: the file system over the exodisk client.
 //! - [`bench`]: the thesis's micro-benchmarks (`plyfs exodisk bench`).
+//! - [`Error`]: what goes wrong opening exofs or benchmarking, naming the service's socket.
 
 pub mod bench;
+mod error;
 pub mod format;
 pub mod fs;
 pub mod layer;
+
+pub use error::Error;

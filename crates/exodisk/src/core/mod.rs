@@ -75,6 +75,8 @@ impl std::fmt::Display for ExoError {
     }
 }
 
+impl std::error::Error for ExoError {}
+
 pub type Result<T> = std::result::Result<T, ExoError>;
 
 fn err<T>(errno: i32, msg: impl Into<String>) -> Result<T> {

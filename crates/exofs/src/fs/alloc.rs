@@ -10,7 +10,7 @@ use plyfs_exodisk::object::Caps;
 use plyfs_stack::{Error, Result};
 
 use super::sectors::placed_sectors;
-use super::{exo, Ext, Fs, State, IMMEDIATE_MAX};
+use super::{Ext, Fs, State, IMMEDIATE_MAX};
 
 impl Fs {
     /// Sectors for `n` near `near`, taken from the local map (the service refuses a run another
@@ -147,7 +147,7 @@ impl Fs {
 
     /// The service's free map, with the runs this operation took and has not given it yet.
     pub(super) fn reread_map(&self, st: &mut State) -> Result<()> {
-        st.map = self.client.free_map().map_err(exo)?;
+        st.map = self.client.free_map().map_err(self.exo("reading the free map"))?;
         st.map_read = Instant::now();
         for &(at, n) in &st.claimed {
             st.map.set(at, n, true);
@@ -161,7 +161,7 @@ impl Fs {
             let at = self.find(st, sectors as u64, near)?;
             let made =
                 self.client.add_exonode_as(parent, self.caps.write, None, at, sectors, Caps::random(), Some(Persistence::Memory), data.clone());
-            match made.map_err(exo) {
+            match made.map_err(self.exo("making an exonode")) {
                 Ok(entry) => {
                     Self::given(st, at, sectors as u64);
                     Ok((entry, at))

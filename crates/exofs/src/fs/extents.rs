@@ -7,7 +7,7 @@ use plyfs_exodisk::object::Exonode;
 use plyfs_stack::{Error, Result};
 
 use super::sectors::whole_blocks;
-use super::{exo, Ext, Fs, Shape, State, CHUNK_SECTORS, HOLDER_SECTORS, INODE_SECTORS, MAX_EXTENT_SECTORS, PREALLOC_SECTORS, SECTOR};
+use super::{Ext, Fs, Shape, State, CHUNK_SECTORS, HOLDER_SECTORS, INODE_SECTORS, MAX_EXTENT_SECTORS, PREALLOC_SECTORS, SECTOR};
 
 /// File sectors `file_sector..file_sector + sectors`, and where they are on the volume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,7 +97,7 @@ impl Fs {
             }
         }
         let shape = self.node(st, ino)?.shape();
-        let entry = self.client.add_extent(&self.extent_home(&shape, held), self.caps.write, None, start, sectors).map_err(exo)?;
+        let entry = self.client.add_extent(&self.extent_home(&shape, held), self.caps.write, None, start, sectors).map_err(self.exo_at(ino, "adding an extent"))?;
         let n = self.node(st, ino)?;
         n.fresh = false;
         n.map_dirty = true;
@@ -124,7 +124,7 @@ impl Fs {
         for SectorRun { file_sector: at, sectors: len, on_volume } in n.sector_runs(first, first + count) {
             let range = ((at - first) * SECTOR) as usize..((at - first + len) * SECTOR) as usize;
             match on_volume {
-                Some(OnVolume { sector: d, held }) => self.client.read(&self.extent_home(n, held), self.caps.read, d, &mut buf[range]).map_err(exo)?,
+                Some(OnVolume { sector: d, held }) => self.client.read(&self.extent_home(n, held), self.caps.read, d, &mut buf[range]).map_err(self.exo("reading file data"))?,
                 None => buf[range].fill(0),
             }
         }
@@ -137,7 +137,7 @@ impl Fs {
         for SectorRun { file_sector: at, sectors: len, on_volume } in n.sector_runs(first, first + count) {
             let range = ((at - first) * SECTOR) as usize..((at - first + len) * SECTOR) as usize;
             match on_volume {
-                Some(OnVolume { sector: d, held }) => self.client.write(&self.extent_home(n, held), self.caps.write, d, &data[range]).map_err(exo)?,
+                Some(OnVolume { sector: d, held }) => self.client.write(&self.extent_home(n, held), self.caps.write, d, &data[range]).map_err(self.exo("writing file data"))?,
                 None => return Err(Error::Corrupt(format!("exofs: writing into a hole at file sector {at}"))),
             }
         }
@@ -163,7 +163,7 @@ impl Fs {
     pub(super) fn uncover(&self, st: &mut State, ino: u64, added: &[(u64, u64)]) {
         for &(at, n) in added {
             if let Err(e) = self.free_store(st, ino, at, at + n) {
-                tracing::warn!("exofs: inode {ino}: sectors {at}..{} left allocated after a failed write: {e:?}", at + n);
+                tracing::warn!("exofs: inode {ino}: sectors {at}..{} left allocated after a failed write: {e}", at + n);
             }
         }
     }
@@ -245,7 +245,7 @@ impl Fs {
                 let zero = |from: u64, to: u64| -> Result<()> {
                     if from < to {
                         let zeros = vec![0u8; ((to - from) * SECTOR) as usize];
-                        self.client.write(&t, self.caps.write, start + (from - at), &zeros).map_err(exo)?;
+                        self.client.write(&t, self.caps.write, start + (from - at), &zeros).map_err(self.exo_at(ino, "zeroing a new extent"))?;
                     }
                     Ok(())
                 };
@@ -284,14 +284,14 @@ impl Fs {
             held_changed |= e.held;
             let mut middle = e.entry;
             if lo > l {
-                middle = self.client.split(&t, w, e.entry, lo - l, None).map_err(exo)?;
+                middle = self.client.split(&t, w, e.entry, lo - l, None).map_err(self.exo_at(ino, "splitting an extent"))?;
                 kept.push(Ext { sectors: lo - l, ..e });
             }
             if hi < h {
-                let tail = self.client.split(&t, w, middle, hi - lo, None).map_err(exo)?;
+                let tail = self.client.split(&t, w, middle, hi - lo, None).map_err(self.exo_at(ino, "splitting an extent"))?;
                 kept.push(Ext { entry: tail, start: e.volume_sector(hi), sectors: h - hi, logical: hi, held: e.held });
             }
-            self.client.remove_entry(&t, w, middle).map_err(exo)?;
+            self.client.remove_entry(&t, w, middle).map_err(self.exo_at(ino, "freeing part of an extent"))?;
             // The service frees these sectors only once the inode is written back (its record
             // on the disk names them until then): the map is read again after that.
             st.map_behind = true;

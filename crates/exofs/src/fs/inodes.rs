@@ -8,7 +8,7 @@ use plyfs_stack::{Error, Result};
 use serde_bytes::ByteBuf;
 use crate::format::{decode_map, decode_xattrs, Inode, Xattrs, ATTRS, IMMEDIATE, MAP};
 
-use super::{exo, Ext, Freeing, Fs, Node, State, HELD, INODE_SECTORS, POOL, TABLE_SECTORS};
+use super::{Ext, Freeing, Fs, Node, State, HELD, INODE_SECTORS, POOL, TABLE_SECTORS};
 
 impl Fs {
     pub(super) fn new_inode(&self, st: &mut State, attrs: Inode, near: u64) -> Result<u64> {
@@ -88,7 +88,7 @@ impl Fs {
         // The rest were not made: their sectors are free again, but one the service refused as
         // another client's (EEXIST).
         if let Some(e) = failed {
-            let e = exo(e);
+            let e = self.exo("making new inodes")(e);
             Self::not_made(st, sectors[done.len()..].iter().map(|&at| (at, INODE_SECTORS as u64)), &e);
             if done.is_empty() {
                 return Err(e);
@@ -100,7 +100,7 @@ impl Fs {
     pub(super) fn node<'a>(&self, st: &'a mut State, ino: u64) -> Result<&'a mut Node> {
         if !st.nodes.contains_key(&ino) {
             let path = *st.paths.get(&ino).ok_or(Error::Os(libc::ESTALE))?;
-            let x = self.client.map(&self.under_root(&path), self.caps.read).map_err(exo)?;
+            let x = self.client.map(&self.under_root(&path), self.caps.read).map_err(self.exo_at(ino, "reading the inode"))?;
             let loaded = self.decode_node(ino, path, &x)?;
             st.buffered += loaded.immediate.len();
             st.nodes.insert(ino, loaded);
@@ -131,7 +131,7 @@ impl Fs {
             _ => None,
         });
         let held = match holder {
-            Some((h, _)) => Some(self.client.map(&self.under_root(&[path[0], path[1], h]), self.caps.read).map_err(exo)?),
+            Some((h, _)) => Some(self.client.map(&self.under_root(&[path[0], path[1], h]), self.caps.read).map_err(self.exo_at(ino, "reading the inode's extent holder"))?),
             None => None,
         };
         let map_bytes = match held.as_ref().map_or(x.entries.get(MAP as usize), |h| h.entries.first()) {

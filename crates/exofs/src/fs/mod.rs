@@ -76,12 +76,6 @@ const SECTOR: u64 = 512;
 /// The superblock (entry 0 of the named root): this magic, then the root directory's inode.
 pub const MAGIC: &[u8; 8] = b"EXOFS\0\0\x01";
 
-fn exo(e: ExoError) -> Error {
-    if e.errno == libc::EIO {
-        tracing::error!("exofs: {}", e.msg);
-    }
-    Error::Os(e.errno)
-}
 
 /// An extent of a file: its entry in the inode, where it is on the volume, and where in the file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -225,9 +219,14 @@ pub struct Fs {
 
 impl Fs {
     /// The file system in the caller's root `name` on the service behind `client`, made if new.
-    pub fn open(client: Client, name: &str) -> std::result::Result<Fs, String> {
-        let (r, caps) = client.root_exclusive(name).map_err(|e| e.msg)?;
-        let map = client.free_map().map_err(|e| e.msg)?;
+    pub fn open(client: Client, name: &str) -> std::result::Result<Fs, crate::Error> {
+        let socket = client.socket().to_owned();
+        let exo = |op| {
+            let socket = &socket;
+            move |source| crate::Error::Exo { socket: socket.clone(), op, source }
+        };
+        let (r, caps) = client.root_exclusive(name).map_err(exo("claiming the named root"))?;
+        let map = client.free_map().map_err(exo("reading the free map"))?;
         let fs = Fs {
             client,
             r,
@@ -255,19 +254,45 @@ impl Fs {
                 map_read: Instant::now(),
             }),
         };
-        let x = fs.client.map(&fs.under_root(&[]), caps.read).map_err(|e| e.msg)?;
+        let socket = || socket.clone();
+        let x = fs
+            .client
+            .map(&fs.under_root(&[]), caps.read)
+            .map_err(|source| crate::Error::Exo { socket: socket(), op: "reading the named root", source })?;
         if !x.entries.is_empty() {
-            fs.load_tables(&x.entries)?;
+            fs.load_tables(name, &x.entries)?;
         }
         if x.entries.is_empty() || fs.mkfs_was_cut_short() {
-            fs.mkfs().map_err(|e| format!("making the file system: {e:?}"))?;
+            fs.mkfs().map_err(|source| crate::Error::Fs { socket: socket(), op: "making the file system", source })?;
         }
         let st = fs.state.lock();
         if !st.paths.contains_key(&st.root) && !st.nodes.contains_key(&st.root) {
-            return Err(format!("the root directory's inode {} is not on the volume", st.root));
+            return Err(crate::Error::RootLost { socket: socket(), ino: st.root });
         }
         drop(st);
         Ok(fs)
+    }
+
+    /// `map_err(self.exo("writing file data"))`: a request's error as the layer's errno. A
+    /// failing volume (`EIO`) is logged, naming the service and what was being done.
+    fn exo(&self, op: &'static str) -> impl FnOnce(ExoError) -> Error + '_ {
+        move |e| self.exo_error(None, op, e)
+    }
+
+    /// [`Fs::exo`] for a request on inode `ino`.
+    fn exo_at(&self, ino: u64, op: &'static str) -> impl FnOnce(ExoError) -> Error + '_ {
+        move |e| self.exo_error(Some(ino), op, e)
+    }
+
+    fn exo_error(&self, ino: Option<u64>, op: &'static str, e: ExoError) -> Error {
+        if e.errno == libc::EIO {
+            let socket = self.client.socket().display();
+            match ino {
+                Some(ino) => tracing::error!("exofs: {socket}: inode {ino}: {op}: {}", e.msg),
+                None => tracing::error!("exofs: {socket}: {op}: {}", e.msg),
+            }
+        }
+        Error::Os(e.errno)
     }
 
     /// The exonode at `path` below the file system's named root (R): `[]` is R itself, `[k]`
@@ -280,13 +305,13 @@ impl Fs {
         let mut st = self.lock();
         let mut sb = MAGIC.to_vec();
         sb.extend_from_slice(&0u64.to_le_bytes());
-        self.client.add_data(&self.under_root(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
+        self.client.add_data(&self.under_root(&[]), self.caps.write, Some(0), &sb).map_err(self.exo("writing the superblock"))?;
         let root = Inode::new(FileKind::Dir, 0o755, unsafe { libc::geteuid() }, unsafe { libc::getegid() });
         let ino = self.new_inode(&mut st, root, self.r)?;
         st.root = ino;
         let mut sb = MAGIC.to_vec();
         sb.extend_from_slice(&ino.to_le_bytes());
-        self.client.add_data(&self.under_root(&[]), self.caps.write, Some(0), &sb).map_err(exo)?;
+        self.client.add_data(&self.under_root(&[]), self.caps.write, Some(0), &sb).map_err(self.exo("writing the superblock"))?;
         drop(st);
         self.sync()
     }
@@ -300,17 +325,21 @@ impl Fs {
         st.root == 0 || st.paths.is_empty()
     }
 
-    fn load_tables(&self, entries: &[WEntry]) -> std::result::Result<(), String> {
+    fn load_tables(&self, name: &str, entries: &[WEntry]) -> std::result::Result<(), crate::Error> {
+        let socket = || self.client.socket().to_owned();
         let mut st = self.lock();
         match entries.first() {
             Some(WEntry::Data(d)) if d.len() == 16 && &d[..8] == MAGIC => {
                 st.root = u64::from_le_bytes(d[8..16].try_into().expect("8"))
             }
-            _ => return Err("the root exonode does not hold an exofs file system".into()),
+            _ => return Err(crate::Error::NotExofs { socket: socket(), root: name.to_owned() }),
         }
         for (k, e) in entries.iter().enumerate().skip(1) {
             if let WEntry::Descendant { at } = e {
-                let t = self.client.map(&self.under_root(&[k as u32]), self.caps.read).map_err(|e| e.msg)?;
+                let t = self
+                    .client
+                    .map(&self.under_root(&[k as u32]), self.caps.read)
+                    .map_err(|source| crate::Error::Exo { socket: socket(), op: "reading an inode table", source })?;
                 let mut count = 0;
                 for (j, ie) in t.entries.iter().enumerate() {
                     if let WEntry::Descendant { at: ino } = ie {
@@ -330,6 +359,11 @@ impl Fs {
         let mut st = self.state.lock();
         st.claimed.clear();
         st
+    }
+
+    /// The socket of the exodisk service the file system is on.
+    pub fn socket(&self) -> &std::path::Path {
+        self.client.socket()
     }
 
     /// The root directory's inode number.

@@ -11,7 +11,7 @@ use serde_bytes::ByteBuf;
 use crate::format::{encode_dir, encode_map, encode_xattrs, ATTRS, IMMEDIATE, MAP};
 
 use super::sectors::{placed_sectors, whole_blocks};
-use super::{exo, Ext, Freeing, Fs, Node, State, BATCH_NODES, HELD, HOLDER_SECTORS, IMMEDIATE_MAX, INODE_SECTORS, PERSISTENCE_XATTR, SECTOR};
+use super::{Ext, Freeing, Fs, Node, State, BATCH_NODES, HELD, HOLDER_SECTORS, IMMEDIATE_MAX, INODE_SECTORS, PERSISTENCE_XATTR, SECTOR};
 
 impl Fs {
     /// Write back everything changed: removed inodes are deallocated; directories' entries are
@@ -96,7 +96,7 @@ impl Fs {
         }
         st.tables_dirty |= !done.is_empty();
         if let Some(e) = failed {
-            return Err(exo(e));
+            return Err(self.exo("deallocating removed inodes")(e));
         }
         Ok(())
     }
@@ -182,7 +182,7 @@ impl Fs {
             }
             let (_, failed) = self.client.batch(reqs);
             if let Some(e) = failed {
-                return Err(exo(e));
+                return Err(self.exo("writing back inodes")(e));
             }
             for &(_, ino) in chunk {
                 let n = st.nodes.get_mut(&ino).expect("listed");
@@ -192,7 +192,7 @@ impl Fs {
         if st.tables_dirty {
             let reqs = st.tables.iter().map(|t| Request::WriteRecord { target: WTarget::from(&self.under_root(&[t.0])), wcap: wc }).collect();
             if let (_, Some(e)) = self.client.batch(reqs) {
-                return Err(exo(e));
+                return Err(self.exo("writing back the inode tables")(e));
             }
             st.tables_dirty = false;
         }
@@ -256,7 +256,7 @@ impl Fs {
             }
         };
         if let Some(e) = failed {
-            let e = exo(e);
+            let e = self.exo("allocating extents for buffered files")(e);
             Self::not_made(st, planned[done.len()..].iter().map(|p| (p.1, p.2)), &e);
             undo(st, added);
             return Err(e);
@@ -278,7 +278,7 @@ impl Fs {
         if let Err(e) = self.client.write_many(&pieces) {
             drop(pieces);
             undo(st, added);
-            return Err(exo(e));
+            return Err(self.exo("writing buffered files")(e));
         }
         for (ino, mut exts) in added {
             exts.sort_by_key(|e| e.logical);
