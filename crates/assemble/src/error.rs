@@ -20,6 +20,9 @@ pub enum Error {
     File { path: PathBuf, op: &'static str, cause: String },
     /// Something of this process that failed while it ran: a mount, a server, a listener.
     Run(String),
+    /// An error of a crate below (transport, layers, exodisk, exofs), which names its object
+    /// itself.
+    Below(Box<dyn std::error::Error + Send + Sync>),
     /// A message from a crate that reports its errors in words.
     Msg(String),
 }
@@ -41,11 +44,31 @@ impl fmt::Display for Error {
             Error::Path { what, path, cause } => write!(f, "{what} {}: {cause}", path.display()),
             Error::File { path, op, cause } => write!(f, "{}: {op}: {cause}", path.display()),
             Error::Spec(m) | Error::InUse(m) | Error::Nested(m) | Error::Run(m) | Error::Msg(m) => f.write_str(m),
+            Error::Below(e) => write!(f, "{e}"),
         }
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Below(e) => e.source(),
+            _ => None,
+        }
+    }
+}
+
+macro_rules! from_below {
+    ($($t:ty),*) => {$(
+        impl From<$t> for Error {
+            fn from(e: $t) -> Error {
+                Error::Below(Box::new(e))
+            }
+        }
+    )*};
+}
+
+from_below!(plyfs_transport::Error, plyfs_layers::Error, plyfs_exodisk::Error, plyfs_exofs::Error, plyfs_fuse::Error);
 
 impl From<String> for Error {
     fn from(m: String) -> Error {

@@ -105,7 +105,7 @@ impl Lower {
             Lower::Dir(dir) => LowerDir::level(dir).map_err(|e| crate::Error::Spec(e.to_string())),
             Lower::Exodisk(socket) => {
                 let client = plyfs_exodisk::client::Client::connect(socket, 32 << 20)?;
-                let fs = plyfs_exofs::fs::Fs::open(client, "exofs").map_err(|e| format!("exodisk:{}: {e}", socket.display()))?;
+                let fs = plyfs_exofs::fs::Fs::open(client, "exofs")?;
                 Ok(plyfs_exofs::layer::Exofs::new("exofs", fs).level())
             }
             Lower::Remote { addr, name, timeout, psk, sync } => {

@@ -200,10 +200,10 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> cr
             match unmount(&signal_mountpoint, false) {
                 Ok(_) => break,
                 Err(e) => {
-                    tracing::warn!("unmount {}: {e}; detaching it lazily", signal_mountpoint.display());
+                    tracing::warn!("{e}; detaching it lazily");
                     match unmount(&signal_mountpoint, true) {
                         Ok(Unmounted::Lazily | Unmounted::Done) => break,
-                        Err(e) => tracing::error!("unmount {}: {e}", signal_mountpoint.display()),
+                        Err(e) => tracing::error!("{e}"),
                     }
                 }
             }

@@ -316,7 +316,7 @@ fn umount(path: &Path, lazy: bool) -> Result<(), String> {
     let stale = unanswered
         || matches!(std::fs::metadata(&mountpoint),
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)));
-    match unmount(&mountpoint, lazy).map_err(|e| format!("unmount {shown}: {e}"))? {
+    match unmount(&mountpoint, lazy).map_err(String::from)? {
         Unmounted::Done => {}
         Unmounted::Lazily => eprintln!("plyfs: {shown} detached; its daemon exits when the last open file is closed"),
     }
