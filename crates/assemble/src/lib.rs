@@ -11,7 +11,8 @@
 //!   other users, and kept apart from the mount point;
 //! - [`mount`]: a mount made and served until it is unmounted; [`serve`]: a stack served to
 //!   other processes and machines, and layers hosted for `ext` layers;
-//! - [`offline`]: `encode`, `decode`, `fsck` and `du`, which run a stack in this process.
+//! - [`offline`]: `encode`, `decode`, `fsck` and `du`, which run a stack in this process;
+//! - [`umount`]: unmounting, and cleaning up after a daemon that died.
 
 pub mod dirs;
 mod error;
@@ -20,8 +21,10 @@ pub mod lower;
 pub mod mount;
 pub mod nesting;
 pub mod offline;
+pub mod policy;
 pub mod serve;
 pub mod tree;
+pub mod umount;
 
 pub use error::{Error, Result};
 use plyfs_stack::LayerFactory;

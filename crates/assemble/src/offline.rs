@@ -48,6 +48,12 @@ pub trait Progress {
     fn advance(&self, bytes: u64);
     /// A line for the user about one file ("PATH: repaired: ..."), shown as it is found.
     fn note(&self, line: &str);
+    /// The file being worked on now.
+    fn item(&self, _name: &str) {}
+    /// A line of the work's result ("PATH: FROM -> TO"), shown as it comes.
+    fn result(&self, line: &str) {
+        self.note(line)
+    }
     /// The work is over, done or failed.
     fn finish(&self);
 }

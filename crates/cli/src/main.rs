@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
-use plyfs_fuse::{control, mountinfo, unmount, Unmounted};
+use plyfs_assemble::umount::Umounted;
+use plyfs_fuse::control;
 
 #[derive(Parser)]
 #[command(name = "plyfs", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("PLYFS_COMMIT"), ")"), about = "A user-space stackable file system", propagate_version = true)]
@@ -285,51 +286,17 @@ fn offline_run(work: impl FnOnce() -> Result<(), String>) -> Result<(), String> 
     work()
 }
 
-/// The absolute form of a mount point, without looking through it (a stale mount cannot be
-/// looked through).
-fn mountpoint_path(path: &Path) -> Result<PathBuf, String> {
-    let abs = std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    match (abs.parent(), abs.file_name()) {
-        (Some(parent), Some(name)) => {
-            let parent = parent.canonicalize().map_err(|e| format!("{}: {e}", parent.display()))?;
-            Ok(parent.join(name))
-        }
-        _ => Ok(abs),
-    }
-}
-
 fn umount(path: &Path, lazy: bool) -> Result<(), String> {
-    let mountpoint = mountpoint_path(path)?;
-    let shown = mountpoint.display();
-    let entry = mountinfo::mount_at(&mountpoint).ok_or_else(|| format!("{shown}: not mounted"))?;
-    if !entry.is_plyfs() {
-        return Err(format!("{shown}: not a plyfs mount (it is {})", entry.fstype));
-    }
-    // A dead daemon's mount answers ENOTCONN; when its requests went over io_uring, ECONNABORTED,
-    // or ECANCELED while the kernel is still taking its rings down.
-    // None: the runtime directory is not one the mount's owner could have used (its socket
-    // cannot be there).
-    let socket = control::socket_path(entry.user_id.unwrap_or(0), &mountpoint).ok();
-    // The kernel may still answer a stat of the root from its cache; a control socket nobody
-    // listens on tells of a dead daemon too.
-    let unanswered = socket.as_ref().is_some_and(|s| s.exists() && std::os::unix::net::UnixStream::connect(s).is_err());
-    let stale = unanswered
-        || matches!(std::fs::metadata(&mountpoint),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)));
-    match unmount(&mountpoint, lazy).map_err(String::from)? {
-        Unmounted::Done => {}
-        Unmounted::Lazily => eprintln!("plyfs: {shown} detached; its daemon exits when the last open file is closed"),
-    }
-    if stale {
-        if let Some(socket) = &socket {
-            let _ = std::fs::remove_file(socket);
-        }
-        eprintln!("plyfs: {shown}: its daemon had died; the stale mount is cleaned up");
-    } else if let (false, Some(socket)) = (lazy, &socket) {
-        // Return once the daemon has finished (flushed its logs and removed its socket).
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while socket.exists() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(20));
+    let shown = plyfs_assemble::umount::mountpoint_path(path)?;
+    let shown = shown.display();
+    match plyfs_assemble::umount::umount(path, lazy)? {
+        Umounted::Done => {}
+        Umounted::Lazily => eprintln!("plyfs: {shown} detached; its daemon exits when the last open file is closed"),
+        Umounted::Stale { lazily } => {
+            if lazily {
+                eprintln!("plyfs: {shown} detached; its daemon exits when the last open file is closed");
+            }
+            eprintln!("plyfs: {shown}: its daemon had died; the stale mount is cleaned up");
         }
     }
     Ok(())

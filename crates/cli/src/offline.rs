@@ -10,13 +10,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use plyfs_assemble::offline::{self, Progress};
 
 /// A bar over the bytes of the work, on standard error when it is a terminal.
-struct Bar(ProgressBar);
+pub struct Bar(ProgressBar);
 
 impl Bar {
-    fn new() -> Bar {
+    pub fn new() -> Bar {
         let bar = ProgressBar::hidden();
         bar.set_style(
-            ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            ProgressStyle::with_template("{prefix} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}")
                 .expect("valid template")
                 .progress_chars("=> "),
         );
@@ -28,7 +28,7 @@ impl Progress for Bar {
     fn start(&self, what: &str, total: u64) {
         self.0.set_draw_target(indicatif::ProgressDrawTarget::stderr());
         self.0.set_length(total);
-        self.0.set_message(what.to_owned());
+        self.0.set_prefix(what.to_owned());
         self.0.enable_steady_tick(Duration::from_millis(200));
         LOG_BAR.with(|b| *b.borrow_mut() = Some(self.0.clone()));
     }
@@ -37,6 +37,12 @@ impl Progress for Bar {
     }
     fn note(&self, line: &str) {
         self.0.suspend(|| eprintln!("plyfs: {line}"));
+    }
+    fn item(&self, name: &str) {
+        self.0.set_message(name.to_owned());
+    }
+    fn result(&self, line: &str) {
+        self.0.suspend(|| println!("{line}"));
     }
     fn finish(&self) {
         self.0.finish_and_clear();
