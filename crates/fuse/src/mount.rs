@@ -15,7 +15,7 @@ use fuser::{Config, MountOption, Session, SessionACL};
 use plyfs_stack::Stack;
 
 use crate::classic::{Classic, MAX_WRITE};
-use crate::fs::{FrontOptions, FrontStatus, FuseFs, IoMode};
+use crate::fs::{FrontOptions, FrontStatus, FuseFs, IoMode, KernelCache};
 use crate::{mountinfo, uring, Error};
 
 /// Everything `plyfs mount` decides before mounting.
@@ -197,8 +197,9 @@ impl Mounted {
             let _ = unmount(&mountpoint, true);
             Error::Mount { mountpoint: mountpoint.clone(), why: format!("FUSE handshake failed: {e}") }
         })?;
-        top.set_invalidator(Arc::new(KernelCache(session.notifier())));
-        fs.set_notifier(session.notifier());
+        let cache = Arc::new(KernelCache(session.notifier()));
+        top.set_invalidator(cache.clone());
+        fs.set_kernel_cache(cache);
         let mut rings = None;
         if want_uring && !uring_agreed.load(std::sync::atomic::Ordering::Relaxed) {
             uring_refused = Some("the kernel did not offer it at INIT".into());
@@ -313,21 +314,6 @@ fn set_readahead(dev: &str, kb: u32) {
     match std::fs::write(&path, kb.to_string()) {
         Ok(()) => tracing::debug!("read-ahead {kb} KiB ({path})"),
         Err(e) => tracing::warn!("cannot set the read-ahead to {kb} KiB ({path}: {e}); the kernel's default stays"),
-    }
-}
-
-/// The kernel's caches of a mount, invalidated for changes made behind its back. Node ids of the
-/// top level are the mount's inode numbers.
-struct KernelCache(fuser::Notifier);
-
-impl plyfs_stack::Invalidator for KernelCache {
-    fn node(&self, node: plyfs_stack::NodeId) {
-        // ENOENT: the kernel does not know the inode (any more); nothing to drop.
-        let _ = self.0.inval_inode(fuser::INodeNo(node.0), 0, 0);
-    }
-
-    fn entry(&self, parent: plyfs_stack::NodeId, name: &std::ffi::OsStr) {
-        let _ = self.0.inval_entry(fuser::INodeNo(parent.0), name);
     }
 }
 

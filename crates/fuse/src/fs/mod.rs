@@ -90,8 +90,9 @@ pub struct FuseFs {
     posix_acl: AtomicBool,
     /// The user the daemon runs as: the mount's owner (for `-o fanin=owner`).
     owner: u32,
-    /// Tells the kernel to drop what it caches, once the session is up.
-    kernel: std::sync::OnceLock<fuser::Notifier>,
+    /// Tells the kernel to drop what it caches, once the session is up: the same handle the
+    /// stack's layers use for the changes they see behind the kernel's back.
+    kernel: std::sync::OnceLock<Arc<KernelCache>>,
 }
 
 /// A request as it entered the stack: its name (`read`, `lookup`...) and the object it was
@@ -143,6 +144,31 @@ fn object_name(on: &RequestOn<'_>) -> String {
         (Some(path), None) => format!("{path} (inode {node})"),
         (None, Some(name)) => format!("{} in directory inode {node}", name.to_string_lossy()),
         (None, None) => format!("inode {node}"),
+    }
+}
+
+/// The kernel's caches of a mount, dropped for changes made behind its back: by the layers
+/// (through [`plyfs_stack::Invalidator`]; node ids of the top level are the mount's inode
+/// numbers) and by the front end itself.
+pub(crate) struct KernelCache(pub(crate) fuser::Notifier);
+
+impl KernelCache {
+    /// The attributes of `ino` only, not its pages.
+    fn attributes(&self, ino: u64) {
+        // Offset -1: the attributes only, not the page cache. ENOENT: the kernel has
+        // forgotten the inode; nothing to drop.
+        let _ = self.0.inval_inode(fuser::INodeNo(ino), -1, 0);
+    }
+}
+
+impl plyfs_stack::Invalidator for KernelCache {
+    fn node(&self, node: NodeId) {
+        // ENOENT: the kernel does not know the inode (any more); nothing to drop.
+        let _ = self.0.inval_inode(fuser::INodeNo(node.0), 0, 0);
+    }
+
+    fn entry(&self, parent: NodeId, name: &std::ffi::OsStr) {
+        let _ = self.0.inval_entry(fuser::INodeNo(parent.0), name);
     }
 }
 
@@ -199,8 +225,8 @@ impl FuseFs {
         (fs, status)
     }
 
-    pub(crate) fn set_notifier(&self, notifier: fuser::Notifier) {
-        let _ = self.kernel.set(notifier);
+    pub(crate) fn set_kernel_cache(&self, cache: Arc<KernelCache>) {
+        let _ = self.kernel.set(cache);
     }
 
     /// Make the kernel ask for `ino`'s attributes again, for a change it did not see: an ioctl
@@ -209,10 +235,8 @@ impl FuseFs {
     /// before the reply, so that the caller's next `stat` sees the change (a kernel file
     /// system's times change at once).
     fn drop_cached_attributes(&self, ino: u64) {
-        if let Some(n) = self.kernel.get() {
-            // Offset -1: the attributes only, not the page cache. ENOENT: the kernel has
-            // forgotten the inode; nothing to drop.
-            let _ = n.inval_inode(fuser::INodeNo(ino), -1, 0);
+        if let Some(cache) = self.kernel.get() {
+            cache.attributes(ino);
         }
     }
 
