@@ -47,7 +47,7 @@ pub fn take_all(lower: &Path, branches: &[String], specs: &[LayerSpec], how: Use
     let mut held = Vec::new();
     // (A directory that is not there is the stack's to report.)
     for (dir, mode) in storage_modes(lower, branches, specs).into_iter().filter(|(d, _)| d.is_dir()) {
-        held.extend(lowerlock::take(&dir, how.claim(mode), who)?);
+        held.extend(lowerlock::take(&dir, how.claim(mode), who).map_err(crate::Error::InUse)?);
     }
     Ok(held)
 }

@@ -37,7 +37,7 @@ impl Lower {
             }
             return Ok(Lower::Exodisk(PathBuf::from(socket)));
         }
-        let given = arg.to_str().and_then(Addr::parse).transpose()?;
+        let given = arg.to_str().and_then(Addr::parse).transpose().map_err(crate::Error::Spec)?;
         let remote = match specs.last() {
             Some(s) if s.kind == "remote" => specs.pop(),
             _ => None,

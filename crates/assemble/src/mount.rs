@@ -320,8 +320,8 @@ fn reverse_stack(plain: &Path, excludes: &[String]) -> crate::Result<plyfs_stack
     let config = keys::VolumeConfig::load_file(plain, &config_path, " --reverse")?;
     let volume = keys::registered(&config.id()?).ok_or("the reverse view's volume is locked")?;
     // What the view shows as its configuration: the file as it is (a volume configuration).
-    let shown = std::fs::read(&config_path).map_err(|e| format!("{}: {e}", config_path.display()))?;
-    let bottom = LowerDir::level(plain).map_err(|e| format!("plaintext directory {}: {e}", plain.display()))?;
+    let shown = std::fs::read(&config_path).map_err(|e| crate::Error::path("", &config_path, e))?;
+    let bottom = LowerDir::level(plain).map_err(|e| crate::Error::path("plaintext directory", plain, e))?;
     let view = reverse::ReverseView::new(&volume, bottom.clone(), shown, excludes).map_err(|e| crate::Error::Run(e.to_string()))?;
     // The view alone: the plaintext below is not offered as a level (`MNT/.plyfs/...`).
     plyfs_stack::Stack::build_over(&[], crate::registry(), vec![view.level()]).map_err(|e| crate::Error::Run(e.to_string()))

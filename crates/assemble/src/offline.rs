@@ -68,8 +68,9 @@ impl Progress for Quiet {
     fn finish(&self) {}
 }
 
-fn lookup(level: &Level, parent: NodeId, name: &OsStr) -> Res<Entry> {
-    level.lookup(&cx(), parent, name).map_err(|e| Error::file(name, "looking up", e))
+/// `name` in `parent`; errors name it as `shown`.
+fn lookup(level: &Level, parent: NodeId, name: &OsStr, shown: &Path) -> Res<Entry> {
+    level.lookup(&cx(), parent, name).map_err(|e| Error::file(shown, "looking up", e))
 }
 
 /// The node at `rel` (relative to the root), looked up one component at a time. Every lookup
@@ -79,7 +80,7 @@ fn resolve(level: &Level, rel: &Path) -> Res<Entry> {
     let mut held: Option<NodeId> = None;
     for part in rel.components() {
         let std::path::Component::Normal(name) = part else { continue };
-        let next = level.lookup(&cx(), entry.node, name).map_err(|e| Error::file(rel, "looking up", e))?;
+        let next = lookup(level, entry.node, name, rel)?;
         if let Some(prev) = held.replace(next.node) {
             level.forget(&cx(), prev, 1);
         }
@@ -94,7 +95,7 @@ fn walk(level: &Level, dir: NodeId, rel: &Path, visit: &mut dyn FnMut(&Path, &En
     let entries = level.list_dir(&cx(), dir).map_err(|e| Error::file(rel, "listing", e))?;
     for d in entries {
         let path = rel.join(&d.name);
-        let entry = level.lookup(&cx(), dir, &d.name).map_err(|e| Error::file(&path, "looking up", e))?;
+        let entry = lookup(level, dir, &d.name, &path)?;
         let result = visit(&path, &entry).and_then(|()| match entry.attr.kind {
             FileKind::Dir => walk(level, entry.node, &path, visit),
             _ => Ok(()),
@@ -506,7 +507,7 @@ pub fn du(path: &Path, spec: Option<&str>, branches: &[String]) -> Res<Vec<(Stri
             let top = stack.top().clone();
             let bottom = stack.levels().last().expect("bottom").clone();
             for d in top.list_dir(&cx(), NodeId::ROOT).map_err(|e| Error::file(path, "listing", e))? {
-                let e = lookup(&top, NodeId::ROOT, &d.name)?;
+                let e = lookup(&top, NodeId::ROOT, &d.name, Path::new(&d.name))?;
                 let (mut decoded, mut stored) = usage_of(&bottom, &e);
                 if e.attr.kind == FileKind::Dir {
                     walk(&top, e.node, Path::new(""), &mut |_, inner| {
