@@ -143,7 +143,8 @@ fn generate(rng: &mut Rng) -> Op {
         78..=80 => {
             // Relative targets, resolved from the link's directory, and a dangling one; `..`
             // only below the top. (A rename can still carry such a link to the top, whence `..`
-            // leads out of the tree: what lies beside each tree has names no sequence uses.)
+            // leads out of the tree: what lies beside each tree has names no sequence uses, and
+            // each side has its own such directory; see `reference_in`.)
             let path = pick_path(rng);
             let up = if path.contains('/') { "../" } else { "" };
             let target = match rng.below(3) {
@@ -480,6 +481,16 @@ fn copy_tree(from: &Path, to: &Path) {
     assert!(out.status.success(), "cp -a: {}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// Where the reference tree goes in `dir`: `reference/top`, with `reference` made here. A rename
+/// can carry a relative link with `..` to the top of a tree, and a create through it then makes a
+/// file beside the tree; each side must find its own empty directory there, or both sides would
+/// share that file (a create on one side would make the other's fail with EEXIST).
+fn reference_in(dir: &Path) -> PathBuf {
+    let parent = dir.join("reference");
+    std::fs::create_dir(&parent).unwrap();
+    parent.join("top")
+}
+
 fn scratch_in(parent: &str) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in(parent).unwrap();
     let root = dir.path().canonicalize().unwrap();
@@ -491,7 +502,7 @@ impl Setup {
         match self {
             Setup::Plain { stack, tmpfs } => {
                 let (dir, root) = scratch_in(if tmpfs { "/dev/shm" } else { "/tmp" });
-                let (lower, mnt, reference) = (root.join("lower"), root.join("mnt"), root.join("reference"));
+                let (lower, mnt, reference) = (root.join("lower"), root.join("mnt"), reference_in(&root));
                 for d in [&lower, &mnt, &reference] {
                     std::fs::create_dir(d).unwrap();
                 }
@@ -499,7 +510,7 @@ impl Setup {
             }
             Setup::Crypt { stack } => {
                 let m = Mount::crypt(stack, &[], &[]);
-                let reference = m.dir.path().join("reference");
+                let reference = reference_in(m.dir.path());
                 std::fs::create_dir(&reference).unwrap();
                 Target { mount: Some(m), _keep: vec![], reference }
             }
@@ -509,7 +520,7 @@ impl Setup {
                 // (both trees' neighbours must be out of every sequence's reach).
                 let (dir, root) = scratch_in("/tmp");
                 let (lower, second, mnt, reference) =
-                    (root.join("lower"), root.join("second"), root.join("mnt"), root.join("reference"));
+                    (root.join("lower"), root.join("second"), root.join("mnt"), reference_in(&root));
                 for d in [&lower, &second, &mnt, &reference] {
                     std::fs::create_dir(d).unwrap();
                 }
@@ -519,7 +530,7 @@ impl Setup {
             Setup::Union => {
                 let (dir, root) = scratch_in("/tmp");
                 let (upper, ro, mnt, reference) =
-                    (root.join("upper"), root.join("ro"), root.join("mnt"), root.join("reference"));
+                    (root.join("upper"), root.join("ro"), root.join("mnt"), reference_in(&root));
                 for d in [&upper, &ro, &mnt] {
                     std::fs::create_dir(d).unwrap();
                 }
@@ -530,7 +541,7 @@ impl Setup {
             }
             Setup::Exofs { stack } => {
                 let ExofsMount { m, service, dir } = exofs_mount(stack);
-                let reference = dir.path().join("reference");
+                let reference = reference_in(dir.path());
                 std::fs::create_dir(&reference).unwrap();
                 // Dropped after the mount: the service, then its directory.
                 Target { mount: Some(m), _keep: vec![Box::new(service), Box::new(dir)], reference }
@@ -788,6 +799,34 @@ fn truncating_an_empty_file_marks_it_modified() {
     ];
     for setup in [Setup::Crypt { stack: "crypt" }, Setup::Plain { stack: "null", tmpfs: true }] {
         if let Err(d) = run_sequence(setup, &ops) {
+            panic!("{setup:?}: step {}: {}", d.step, d.what);
+        }
+    }
+}
+
+/// A rename carried the link `a/d -> ../d` to the top, and a create through it made a file
+/// beside the tree. Both sides once shared that directory, so the second side's
+/// `setxattr(XATTR_CREATE)` found the first side's attribute (a fault of this harness, which
+/// `reference_in` mends; found in CI as seed 1795794011949265821 of the union).
+#[test]
+fn a_link_out_of_the_top_leads_each_side_to_its_own_neighbour() {
+    let value = DataSpec { seed: 1995713147799674043, len: 22 };
+    let union = [
+        Op::Symlink { target: "../d".into(), path: "a/d".into() },
+        Op::Rename { from: "b".into(), to: "a/d".into(), flags: libc::RENAME_EXCHANGE },
+        Op::Create { path: "b".into(), excl: false, trunc: false, mode: 0o644 },
+        Op::Rename { from: "b".into(), to: "d".into(), flags: 0 },
+        Op::SetXattr { path: "d".into(), name: XATTRS[0], value, flags: libc::XATTR_CREATE },
+    ];
+    let plain = [
+        Op::Mkdir { path: "a".into(), mode: 0o755 },
+        Op::Symlink { target: "../d".into(), path: "a/d".into() },
+        Op::Rename { from: "a/d".into(), to: "b".into(), flags: 0 },
+        Op::Create { path: "b".into(), excl: false, trunc: false, mode: 0o644 },
+        Op::SetXattr { path: "b".into(), name: XATTRS[0], value, flags: libc::XATTR_CREATE },
+    ];
+    for (setup, ops) in [(Setup::Union, &union), (Setup::Plain { stack: "null", tmpfs: true }, &plain)] {
+        if let Err(d) = run_sequence(setup, ops) {
             panic!("{setup:?}: step {}: {}", d.step, d.what);
         }
     }
