@@ -455,11 +455,14 @@ fn the_server_killed_under_writes_sent_ahead_loses_nothing_and_fsync_finds_it_al
     }
     // Killed with writes in flight, back a little later.
     let back = server.kill_and_restart_after(Duration::from_millis(500));
+    let logs = |server: &Server, e: std::io::Error| -> ! {
+        panic!("{e}\nthe server's log:\n{}\nthe mount's log:\n{}", server.log_text(), m.daemon_log())
+    };
     for i in 16..48 {
-        f.write_all(&block(i)).unwrap();
+        f.write_all(&block(i)).unwrap_or_else(|e| logs(&server, e));
     }
     server.wait_restarted(back);
-    f.sync_all().unwrap();
+    f.sync_all().unwrap_or_else(|e| logs(&server, e));
     drop(f);
     let expected: Vec<u8> = (0..48).flat_map(block).collect();
     let stored = std::fs::read(s.lower.join("big")).unwrap();

@@ -379,14 +379,18 @@ impl Server {
         self.wait_serving(before);
     }
 
-    /// `plyfs serve` with this server's arguments and log; started after `delay` if one is given.
-    fn command(&self, delay: Option<Duration>) -> Command {
+    /// `plyfs serve` with this server's arguments and log; with `after`, started `delay` after
+    /// process `pid` is gone.
+    fn command(&self, after: Option<(u32, Duration)>) -> Command {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
-        let mut cmd = match delay {
+        let mut cmd = match after {
             None => plyfs(),
-            Some(d) => {
+            Some((pid, delay)) => {
+                // The old server holds the lower lock until it has exited, which a busy machine
+                // can make take longer than `delay`; the new one would find the lower in use.
+                let script = r#"while kill -0 "$1" 2>/dev/null; do sleep 0.02; done; sleep "$0"; shift; exec "$@""#;
                 let mut sh = Command::new("sh");
-                sh.args(["-c", r#"sleep "$0"; exec "$@""#, &format!("{}", d.as_secs_f64())]).arg(plyfs().get_program());
+                sh.args(["-c", script, &format!("{}", delay.as_secs_f64()), &pid.to_string()]).arg(plyfs().get_program());
                 sh
             }
         };
@@ -428,14 +432,14 @@ impl Server {
         self.spawn();
     }
 
-    /// Kill the server with SIGKILL and have it start again `delay` later, without waiting for
-    /// it. The new server is started before the kill, so call this while files of a mount of it
+    /// Kill the server with SIGKILL and have it start again `delay` after it has exited, without
+    /// waiting for it. The new server is started before the kill, so call this while files of a mount of it
     /// have writes in flight: a process started later, from this one, would close its copies of
     /// those files when it execs, and the kernel would make that close wait for the writes, so
     /// for the very server it is starting.
     pub fn kill_and_restart_after(&mut self, delay: Duration) -> Restarting {
         let serving = self.log_text().matches("serving ").count();
-        let next = self.command(Some(delay)).spawn().unwrap();
+        let next = self.command(Some((self.pid(), delay))).spawn().unwrap();
         self.kill();
         self.child = Some(next);
         Restarting(serving)
