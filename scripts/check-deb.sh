@@ -9,6 +9,10 @@ version=$(/usr/bin/plyfs --version)
 if head=$(git rev-parse --short=12 HEAD 2>/dev/null); then
   case $version in *"$head"*) ;; *) fail "plyfs --version says '$version', not commit $head" ;; esac
 fi
+# Stripped: its debug information stays beside the package (target/debian/plyfs.debug).
+if readelf -S /usr/bin/plyfs | grep -q '\.debug_info'; then fail "/usr/bin/plyfs carries its debug information"; fi
+size=$(stat -c %s /usr/bin/plyfs)
+[ "$size" -lt 40000000 ] || fail "/usr/bin/plyfs is $size bytes"
 [ -x /usr/sbin/mount.fuse.plyfs ] || fail "the mount helper /usr/sbin/mount.fuse.plyfs is missing"
 man -w plyfs >/dev/null || fail "man cannot find plyfs(1)"
 MANPAGER=cat man plyfs 2>/dev/null | grep -q "fuse.plyfs" || fail "plyfs(1) does not tell of mount -t fuse.plyfs"

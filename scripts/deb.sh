@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the Debian package of plyfs with cargo-deb: target/debian/plyfs_VERSION_ARCH.deb, with the
 # binary, the mount(8) helper /usr/sbin/mount.fuse.plyfs, the manual pages and the bash, zsh and
-# fish completions (made by the binary just built). Installs cargo-deb if it is missing.
+# fish completions (made by the binary just built), and the binary's debug information apart in
+# target/debian/plyfs.debug. Installs cargo-deb if it is missing.
 #
 #   scripts/deb.sh            # then: apt-get install ./target/debian/plyfs_*.deb
 set -euo pipefail
@@ -16,6 +17,12 @@ cargo build --release -p plyfs >&2
 assets=target/release/deb-assets
 rm -rf "$assets"
 mkdir -p "$assets/man" "$assets/completions"
+# The package's binary without its debug information (98 MB with it, as the release profile keeps
+# it for backtraces in the build tree); the information goes beside the package, as
+# target/debian/plyfs.debug, for a debugger to load (the binary names it in .gnu_debuglink).
+mkdir -p target/debian
+objcopy --only-keep-debug --compress-debug-sections=zlib target/release/plyfs target/debian/plyfs.debug
+objcopy --strip-debug --strip-unneeded --add-gnu-debuglink=target/debian/plyfs.debug target/release/plyfs "$assets/plyfs"
 target/release/plyfs manpages "$assets/man"
 gzip -9n "$assets"/man/*.1
 target/release/plyfs completions bash > "$assets/completions/plyfs"
