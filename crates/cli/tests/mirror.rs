@@ -209,6 +209,23 @@ fn scrub_finds_and_repairs_what_differs() {
     assert_eq!(op_json(&m.mnt, &["scrub"])["repaired"].as_array().unwrap().len(), 0);
 }
 
+/// A name with control characters (a terminal escape, a newline) is logged escaped, one line
+/// that cannot recolour a terminal or forge another line; the answer keeps it as it is (#32).
+#[test]
+fn names_in_the_log_have_their_control_characters_escaped() {
+    let (m, b) = mirror("mirror");
+    let evil = "red\u{1b}[31mname\nWARN forged";
+    fs::write(m.path(evil), "x").unwrap();
+    fs::write(b.join(evil), "rotten").unwrap();
+    let report = op_json(&m.mnt, &["scrub"]);
+    assert_eq!(report["repaired"], serde_json::json!([evil]));
+    let log = m.daemon_log();
+    let line = log.lines().find(|l| l.contains("scrub repaired")).unwrap_or_else(|| panic!("{log}"));
+    assert!(line.ends_with("red\\x1b[31mname\\x0aWARN forged"), "{line:?}");
+    assert!(!log.contains('\u{1b}') && !log.lines().any(|l| l.starts_with("WARN forged")), "{log:?}");
+    assert_eq!(fs::read(b.join(evil)).unwrap(), b"x");
+}
+
 /// SIGKILL while a large file is being written: the next mount makes it the same on both
 /// branches before serving.
 /// A copy that a resync or scrub left halfway (a directory under its hidden temporary name) is
