@@ -183,9 +183,16 @@ pub(crate) fn init_logging(verbose: u8) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(stderr_wants_colour())
         .with_target(false)
         .log_internal_errors(false)
         .try_init();
+}
+
+/// Colour codes are for a person at a terminal: a log file, a pipe or a journal gets plain
+/// text, and so does anyone who set `NO_COLOR` (no-color.org), as other tools do.
+pub(crate) fn stderr_wants_colour() -> bool {
+    std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 /// The pipe a background daemon reports on to the process that started it: `NOTE` lines, then

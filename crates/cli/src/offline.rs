@@ -73,6 +73,7 @@ pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("PLYFS_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(|| AboveBar)
+        .with_ansi(crate::daemon::stderr_wants_colour())
         .without_time()
         .with_target(false)
         .try_init();

@@ -629,3 +629,41 @@ fn a_mount_whose_log_cannot_be_written_still_serves() {
     let out = run(plyfs().arg("umount").arg(&mnt));
     assert!(out.status.success(), "umount: {}", stderr_of(&out));
 }
+
+/// Colour codes only for a person at a terminal: a background daemon's log file, `plyfs serve`
+/// into a file and `plyfs fsck` into a pipe are plain text, and `NO_COLOR` turns colour off on
+/// a terminal too (#32).
+#[test]
+fn logs_are_coloured_only_on_a_terminal() {
+    // A colour (SGR) sequence, `ESC [ 33 m`; a progress bar's line clearing (`ESC [ 2 K`) is not.
+    let coloured = |text: &str| {
+        text.split('\u{1b}').skip(1).any(|rest| rest.strip_prefix('[').is_some_and(|r| r.trim_start_matches(|c: char| c.is_ascii_digit() || c == ';').starts_with('m')))
+    };
+    let (dir, lower, mnt) = scratch();
+    let log = dir.path().join("daemon.log");
+    let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).args(["--stack", "null", "--log"]).arg(&log));
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let _unmount = scopeguard(&mnt);
+    fs::write(mnt.join("f"), b"x").unwrap();
+    assert!(run(plyfs().arg("umount").arg(&mnt)).status.success());
+    let text = fs::read_to_string(&log).unwrap();
+    assert!(text.contains(" INFO ") && text.contains("unmounted") && !coloured(&text), "{text:?}");
+
+    let served = common::Server::start(&lower, &format!("unix:{}", dir.path().join("s.sock").display()), &[], &dir.path().join("serve.log"));
+    let text = served.log_text();
+    assert!(text.contains(" INFO ") && !coloured(&text), "{text:?}");
+    drop(served);
+
+    let fsck = |name: &str| {
+        let mut cmd = plyfs();
+        cmd.arg("fsck").arg(common::damaged_zstd_tree(dir.path(), name)).args(["--stack", "zstd", "-v"]).env_remove("NO_COLOR");
+        cmd
+    };
+    let out = run(&mut fsck("piped"));
+    let text = stderr_of(&out);
+    assert!(text.contains("WARN") && !text.contains('\u{1b}'), "{text:?}");
+    let (_, text) = common::run_on_terminal(&mut fsck("on-a-terminal"));
+    assert!(text.contains("WARN") && coloured(&text), "{text:?}");
+    let (_, text) = common::run_on_terminal(fsck("no-color").env("NO_COLOR", "1"));
+    assert!(text.contains("WARN") && !coloured(&text), "{text:?}");
+}
