@@ -96,6 +96,9 @@ enum Command {
         branches: Vec<String>,
         #[command(flatten)]
         secret: secret::SecretArgs,
+        /// Also show the layers' own log lines (warnings; -vv for more).
+        #[arg(short, long, action = clap::ArgAction::Count)]
+        verbose: u8,
     },
     /// Decoded size against the space used, for each entry of a directory: inside a mount, or
     /// a lower directory read through --stack.
@@ -177,10 +180,10 @@ fn main() -> ExitCode {
             unlock_tree(&lower, &stack, &branches, &secret)?;
             offline::decode(&lower, &dest, &stack, &branches, path.as_deref())
         }),
-        Command::Fsck { lower, stack, rebind, branches, secret } => offline_run(|| {
-            unlock_tree(&lower, &stack, &branches, &secret)?;
-            offline::fsck(&lower, &stack, &branches, rebind)
-        }),
+        Command::Fsck { lower, stack, rebind, branches, secret, verbose } => {
+            offline::init_fsck_logging(verbose);
+            unlock_tree(&lower, &stack, &branches, &secret).and_then(|()| offline::fsck(&lower, &stack, &branches, rebind))
+        }
         Command::Du { path, stack, branches, secret } => offline_run(|| {
             if let Some(stack) = &stack {
                 unlock_tree(&path, stack, &branches, &secret)?;
