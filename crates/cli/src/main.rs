@@ -9,6 +9,7 @@ mod policy;
 mod secret;
 mod serve;
 mod stats;
+mod table;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -46,7 +47,8 @@ enum Command {
     /// address one layer.
     Op {
         path: PathBuf,
-        /// The operation (e.g. `stats`), or `--list` to list what the stack offers.
+        /// The operation (e.g. `stats`), or `--list` to list what the stack offers. On a
+        /// terminal the answer is drawn as a table; `--json` (among ARGS) keeps it JSON.
         #[arg(allow_hyphen_values = true)]
         name: String,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -306,10 +308,13 @@ fn umount(path: &Path, lazy: bool) -> Result<(), String> {
 }
 
 fn op(path: &Path, name: &str, args: &[String]) -> Result<(), String> {
-    // `stats`: latency histograms drawn for people on a terminal (or who ask), JSON for scripts.
+    // Answers are drawn for people on a terminal (`stats` as latency histograms, or with
+    // --histogram), JSON for scripts and with --json.
     let is_stats = name == "stats" || name.starts_with("stats@");
-    let draw = is_stats && (args.iter().any(|a| a == "--histogram") || std::io::IsTerminal::is_terminal(&std::io::stdout()));
-    let args: Vec<String> = args.iter().filter(|a| !(is_stats && *a == "--histogram")).cloned().collect();
+    let json = args.iter().any(|a| a == "--json");
+    let for_people = !json && std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let draw = is_stats && !json && (args.iter().any(|a| a == "--histogram") || for_people);
+    let args: Vec<String> = args.iter().filter(|a| !(is_stats && *a == "--histogram") && *a != "--json").cloned().collect();
     let args = &args[..];
     // Long operations (a resync, a scrub) report progress: draw it on a terminal.
     let mut bar: Option<indicatif::ProgressBar> = None;
@@ -335,6 +340,10 @@ fn op(path: &Path, name: &str, args: &[String]) -> Result<(), String> {
     let value = result.map_err(|e| if name == "--list" { e } else { format!("op '{name}' on {}: {e}", path.display()) })?;
     if draw && value["ops"].is_object() {
         print!("{}", stats::draw(&value));
+        return Ok(());
+    }
+    if for_people {
+        print!("{}", table::draw(&value));
         return Ok(());
     }
     match value {

@@ -226,6 +226,20 @@ fn names_in_the_log_have_their_control_characters_escaped() {
     assert_eq!(fs::read(b.join(evil)).unwrap(), b"x");
 }
 
+/// On a terminal, `mirror-status` reads as fields and a table of the branches (#32).
+#[test]
+fn mirror_status_is_a_table_on_a_terminal() {
+    let (m, _b) = mirror("mirror");
+    let (status, text) = run_on_terminal(plyfs().arg("op").arg(&m.mnt).arg("mirror-status"));
+    assert!(status.success(), "{text}");
+    assert!(text.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["degraded:", "false"]), "{text}");
+    let header = text.lines().position(|l| l.trim_start().starts_with("NAME ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(text.lines().nth(header - 1) == Some("branches:"), "{text}");
+    let rows: Vec<Vec<&str>> = text.lines().skip(header + 1).map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    assert!(rows.iter().all(|r| r.contains(&"in-sync")), "{text}");
+}
+
 /// SIGKILL while a large file is being written: the next mount makes it the same on both
 /// branches before serving.
 /// A copy that a resync or scrub left halfway (a directory under its hidden temporary name) is
