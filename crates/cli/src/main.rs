@@ -9,6 +9,8 @@ mod policy;
 mod secret;
 mod serve;
 mod stats;
+mod status;
+mod syslog;
 mod table;
 
 use std::path::{Path, PathBuf};
@@ -42,6 +44,14 @@ enum Command {
         /// Detach now even if files are open; the daemon exits when the last one is closed.
         #[arg(short, long)]
         lazy: bool,
+    },
+    /// The plyfs mounts of this user (every user's, for root): mount point, lower, stack,
+    /// daemon pid, transport, log, and whether the daemon still runs.
+    #[command(visible_alias = "list")]
+    Status {
+        /// Print JSON, for scripts.
+        #[arg(long)]
+        json: bool,
     },
     /// Run an extended operation on a path inside a mounted stack: NAME, or NAME@LAYER to
     /// address one layer.
@@ -156,7 +166,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(
         cli.command,
-        Command::Layers | Command::Op { .. } | Command::Du { .. } | Command::Policy { action: PolicyAction::Explain { .. } } | Command::Completions { .. }
+        Command::Layers | Command::Status { .. } | Command::Op { .. } | Command::Du { .. } | Command::Policy { action: PolicyAction::Explain { .. } } | Command::Completions { .. }
     ) {
         // Commands that only report end quietly when their reader does (`plyfs layers | head`),
         // as other command-line tools do. Daemons and commands that change things keep SIGPIPE
@@ -169,6 +179,7 @@ fn main() -> ExitCode {
         Command::Host(args) => serve::host(args),
         Command::Exodisk(args) => exodisk::run(args),
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
+        Command::Status { json } => status::status(json),
         Command::Op { path, name, args } => op(&path, &name, &args),
         Command::Layers => {
             print_layers();

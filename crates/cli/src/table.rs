@@ -40,6 +40,13 @@ fn object(out: &mut String, fields: &Map<String, Value>) {
     }
 }
 
+/// `rows` as a table with exactly these columns, in this order.
+pub fn draw_columns(rows: &[Value], columns: &[&str]) -> String {
+    let mut out = String::new();
+    columns_table(&mut out, "", rows, columns);
+    out
+}
+
 fn table(out: &mut String, indent: &str, rows: &[Value]) {
     let mut keys: Vec<&str> = Vec::new();
     for row in rows.iter().filter_map(Value::as_object) {
@@ -114,6 +121,15 @@ pub fn local_time(epoch_secs: f64) -> String {
     match local_tm(epoch_secs.floor() as i64) {
         Some(tm) => format!("{:04}-{:02}-{:02} {:02}:{:02}:{:02}", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec),
         None => format!("{epoch_secs}"),
+    }
+}
+
+/// `Nov 27 15:40:51` (the day padded with a space), local, as syslog lines carry it.
+pub fn syslog_time(epoch_secs: i64) -> String {
+    const MONTHS: [&str; 12] = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+    match local_tm(epoch_secs) {
+        Some(tm) => format!("{} {:>2} {:02}:{:02}:{:02}", MONTHS[tm.tm_mon.clamp(0, 11) as usize], tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec),
+        None => "Jan  1 00:00:00".into(),
     }
 }
 
