@@ -70,7 +70,7 @@ fn columns_table(out: &mut String, indent: &str, rows: &[Value], keys: &[&str]) 
     // Columns of numbers (counts, sizes) line up on the right, header included.
     let right: Vec<bool> = keys
         .iter()
-        .map(|k| !is_time(k) && rows.iter().all(|r| r[*k].is_number() || r[*k].is_null()) && rows.iter().any(|r| r[*k].is_number()))
+        .map(|k| rows.iter().all(|r| (r[*k].is_number() && local(k, &r[*k]).is_none()) || r[*k].is_null()) && rows.iter().any(|r| r[*k].is_number()))
         .collect();
     let widths: Vec<usize> = keys
         .iter()
@@ -91,20 +91,29 @@ fn columns_table(out: &mut String, indent: &str, rows: &[Value], keys: &[&str]) 
     }
 }
 
-/// Whether a field's name says it holds a time (seconds since the epoch): `saved`, `mtime`,
-/// `started_at`, `since`... but not a duration (`uptime_s`) or a count (`records_since_x`).
+/// Whether a field's name says it holds a time: `saved`, `mtime`, `started_at`, `since`... but
+/// not a duration (`uptime_s`) or a count (`records_since_x`).
 fn is_time(key: &str) -> bool {
     matches!(key, "saved" | "modified" | "mtime" | "atime" | "ctime" | "time" | "since" | "when")
         || ["_at", "_time", "_since", "_mtime"].iter().any(|suffix| key.ends_with(suffix))
 }
 
+/// A time field's value as a local time: seconds since the epoch, from 1973 on (a count that
+/// happens to end in `_at`, such as `looked_at`, stays a number).
+fn local(key: &str, v: &Value) -> Option<String> {
+    let secs = v.as_f64().filter(|s| is_time(key) && *s >= 1.0e8)?;
+    Some(local_time(secs))
+}
+
 /// One value as a cell: a time field as a local time, a list of plain values joined, anything
 /// nested as compact JSON, nothing as `-`.
 fn cell(key: &str, v: &Value) -> String {
+    if let Some(time) = local(key, v) {
+        return time;
+    }
     match v {
         Value::Null => "-".into(),
         Value::String(s) => s.escape_debug().to_string().replace("\\'", "'").replace("\\\"", "\""),
-        Value::Number(n) if is_time(key) => n.as_f64().map(local_time).unwrap_or_else(|| n.to_string()),
         Value::Array(items) if items.iter().all(|i| !i.is_object() && !i.is_array()) => {
             if items.is_empty() {
                 "-".into()
@@ -159,6 +168,7 @@ mod tests {
         assert_eq!(saved.len(), "2026-11-27 15:30:51".len());
         assert!(lines[2].starts_with("    12  "), "{text}");
         assert!(!is_time("uptime_s") && !is_time("records_since_checkpoint") && is_time("started_at"));
+        assert_eq!(draw(&json!({"looked_at": 12})), "looked_at: 12\n", "a count, not a time");
     }
 
     #[test]
