@@ -18,6 +18,8 @@ pub fn draw(value: &Value) -> String {
         Value::Array(items) if items.is_empty() => out.push_str("(none)\n"),
         Value::Array(items) => items.iter().for_each(|v| _ = writeln!(out, "{}", cell("", v))),
         Value::Object(fields) => object(&mut out, fields),
+        // A message, as the layer wrote it (its lines are not a table's cells).
+        Value::String(text) => _ = writeln!(out, "{text}"),
         other => _ = writeln!(out, "{}", cell("", other)),
     }
     out
