@@ -11,7 +11,8 @@
 //!
 //! The path is resolved inside the stack, through the same lookups a FUSE request would make;
 //! `.plyfs/NAME/...` paths resolve in the view below layer NAME. `"op":"--list"` lists the
-//! extended operations of the stack.
+//! extended operations of the stack; `"op":"--about"` answers what the mount is (lower, stack,
+//! pid, transport, log), for `plyfs status`.
 
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Write};
