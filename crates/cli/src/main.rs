@@ -158,7 +158,13 @@ enum PolicyAction {
 
 fn main() -> ExitCode {
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let subcommands: Vec<String> = Cli::command().get_subcommands().map(|c| c.get_name().to_owned()).chain(["help".to_owned()]).collect();
+    // Aliases too (`plyfs list`): a subcommand is never read as a mount helper's LOWER.
+    let subcommands: Vec<String> = Cli::command()
+        .get_subcommands()
+        .flat_map(|c| std::iter::once(c.get_name()).chain(c.get_all_aliases()))
+        .map(str::to_owned)
+        .chain(["help".to_owned()])
+        .collect();
     let names: Vec<&str> = subcommands.iter().map(String::as_str).collect();
     if helper::is_helper_form(&argv, &names) {
         return finish(as_mount_helper(&argv));

@@ -697,6 +697,11 @@ fn status_lists_each_mount_with_its_daemon_and_log() {
     assert!(out.status.success() && table.starts_with("MOUNTPOINT "), "{table}{}", stderr_of(&out));
     let row = table.lines().find(|l| l.starts_with(&format!("{} ", m.mnt.display()))).unwrap_or_else(|| panic!("{table}"));
     assert!(row.contains(&m.pid().to_string()) && row.ends_with("running"), "{row}");
+    // The alias is a subcommand even where a file of its name makes it look like a mount
+    // helper's LOWER.
+    fs::write(m.dir.path().join("list"), b"").unwrap();
+    let out = run(plyfs().args(["list", "--json"]).current_dir(m.dir.path()));
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains(&m.mnt.display().to_string()), "{}", stderr_of(&out));
     if is_root() {
         let (ok, err) = common::as_nobody(&[env!("CARGO_BIN_EXE_plyfs"), "status"]);
         assert!(ok && err.trim() == "plyfs: no plyfs mounts of yours", "{err}");
