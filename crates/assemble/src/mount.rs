@@ -63,6 +63,9 @@ pub struct MountOptions {
     pub fanin: FanIn,
     /// What the mount shows as its source (`-o fsname=NAME`; the lower directory by default).
     pub fsname: Option<String>,
+    /// The daemon logs to syslog rather than to a file (`-o syslog`); the binary sets the log
+    /// up, the mount names it in its status.
+    pub syslog: bool,
     pub flags: Vec<String>,
 }
 
@@ -82,6 +85,7 @@ impl Default for MountOptions {
             idle: None,
             fanin: FanIn::Owner,
             fsname: None,
+            syslog: false,
             flags: Vec::new(),
         }
     }
@@ -177,7 +181,19 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> cr
         Transport::DevFuse => io_mode,
         uring => format!("{io_mode}; requests over {uring}"),
     };
-    let control = match ControlServer::start(stack.clone(), &mountpoint) {
+    // What `plyfs status` shows of this mount.
+    let about = serde_json::json!({
+        "mountpoint": mountpoint.display().to_string(),
+        "lower": lower.to_string(),
+        "stack": names.join(","),
+        "pid": std::process::id(),
+        "transport": match mounted.transport() {
+            Transport::DevFuse => "/dev/fuse",
+            Transport::IoUring { .. } => "io_uring",
+        },
+        "log": log_destination(opts.syslog),
+    });
+    let control = match ControlServer::start(stack.clone(), &mountpoint, about) {
         Ok(c) => Some(c),
         Err(e) => {
             tracing::warn!("control socket: {e}; `plyfs op` will not reach this mount");
@@ -221,6 +237,14 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> cr
     result.map_err(|e| crate::Error::Run(format!("serving {}: {e}", mountpoint.display())))
 }
 
+
+/// Where this daemon's log goes: syslog, or the file (or terminal) its standard error is.
+fn log_destination(syslog: bool) -> String {
+    if syslog {
+        return "syslog".into();
+    }
+    std::fs::read_link("/proc/self/fd/2").map(|p| p.display().to_string()).unwrap_or_else(|_| "-".into())
+}
 
 /// `-o idle`: unmount once no request came for `idle` and nothing is open, as gocryptfs
 /// `-idle` does. A mount still in use (a shell's working directory in it) refuses, and the watch

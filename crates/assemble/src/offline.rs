@@ -417,6 +417,8 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool, bar: &d
         Ok(())
     })?;
     bar.start("checking", files.iter().map(|f| f.1).sum());
+    // The layers name a lower file by its absolute path.
+    let lower_abs = lower.canonicalize().unwrap_or_else(|_| lower.to_owned());
     let mut damaged = Vec::new();
     let mut plain = 0usize;
     let mut repaired = 0usize;
@@ -454,10 +456,9 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool, bar: &d
                 }
             }
             Ok(Some(v)) => {
-                let problems = v.get("problems").and_then(|p| p.as_array()).cloned().unwrap_or_default();
-                for p in &problems {
-                    let what = p.get("error").and_then(|e| e.as_str()).unwrap_or("?");
-                    bar.note(&format!("{}: {what}", rel.display()));
+                bar.note(&damage_line(rel, &lower_abs.join(rel), &v));
+                if v.get("index_rebuilt").is_some_and(|w| w.is_string()) {
+                    repaired += 1;
                 }
                 damaged.push(rel.clone());
             }
@@ -471,6 +472,21 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool, bar: &d
     stack.shutdown();
     bar.finish();
     Ok(Checked { checked: files.len() - plain, plain, repaired, rebound, damaged })
+}
+
+/// The one line `fsck` gives a damaged file: its path, the first problem the layers found (less
+/// the lower path they name it by), how many more, and whether its index was rebuilt.
+fn damage_line(rel: &Path, lower_file: &Path, verified: &serde_json::Value) -> String {
+    let problems: Vec<&str> =
+        verified.get("problems").and_then(|p| p.as_array()).map(|a| a.iter().filter_map(|p| p["error"].as_str()).collect()).unwrap_or_default();
+    let named = format!("{}: ", lower_file.display());
+    let first = problems.first().map(|p| p.strip_prefix(&named).unwrap_or(p)).unwrap_or("damaged");
+    let more = match problems.len() {
+        0 | 1 => String::new(),
+        n => format!(" (and {} more damaged chunks)", n - 1),
+    };
+    let rebuilt = if verified.get("index_rebuilt").is_some_and(|w| w.is_string()) { "; its index was rebuilt" } else { "" };
+    format!("{}: {first}{more}{rebuilt}", rel.display())
 }
 
 /// What `fsck` found.

@@ -165,10 +165,16 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
     if args.foreground {
         return serve(&args, specs, opts, lower, mountpoint);
     }
-    spawn_background(&args, &mountpoint, volumes)
+    spawn_background(&args, &mountpoint, volumes, opts.syslog)
 }
 
 pub(crate) fn init_logging(verbose: u8) {
+    init_logging_to(verbose, false)
+}
+
+/// The log of a daemon: standard error, or syslog (`-o syslog`), which dates and ranks each
+/// line itself.
+fn init_logging_to(verbose: u8, syslog: bool) {
     let default = match verbose {
         0 => "info",
         1 => "debug",
@@ -180,12 +186,31 @@ pub(crate) fn init_logging(verbose: u8) {
     // A log that cannot be written (its file system full) loses lines; it must not stop the
     // daemon, as tracing's own complaint on standard error (the same full file) would by
     // panicking (xfstests, with a disk filled by another test, found it).
+    if syslog {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(crate::syslog::Syslog::new())
+            .with_ansi(false)
+            .without_time()
+            .with_level(false)
+            .with_target(false)
+            .log_internal_errors(false)
+            .try_init();
+        return;
+    }
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(stderr_wants_colour())
         .with_target(false)
         .log_internal_errors(false)
         .try_init();
+}
+
+/// Colour codes are for a person at a terminal: a log file, a pipe or a journal gets plain
+/// text, and so does anyone who set `NO_COLOR` (no-color.org), as other tools do.
+pub(crate) fn stderr_wants_colour() -> bool {
+    std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 /// The pipe a background daemon reports on to the process that started it: `NOTE` lines, then
@@ -233,7 +258,8 @@ fn mount_reverse(args: MountArgs) -> Result<(), String> {
     if args.foreground {
         return serve(&args, Vec::new(), opts, plyfs_assemble::lower::Lower::Dir(plain), mountpoint);
     }
-    spawn_background(&args, &mountpoint, volumes)
+    let syslog = opts.syslog;
+    spawn_background(&args, &mountpoint, volumes, syslog)
 }
 
 fn serve(
@@ -245,7 +271,7 @@ fn serve(
 ) -> Result<(), String> {
     let mut ready = Ready(args.ready_fd.map(|fd| unsafe { File::from_raw_fd(fd) }));
     let signals = block_signals();
-    init_logging(args.verbose);
+    init_logging_to(args.verbose, opts.syslog);
     let result = match args.reverse.then(|| args.excludes()).transpose() {
         Ok(reverse) => {
             let (branches, rules) = (args.tree.branches.clone(), args.tree.rules.clone());
@@ -260,13 +286,28 @@ fn serve(
     result
 }
 
-fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_layers::crypt::keys::Volume>>) -> Result<(), String> {
+fn spawn_background(
+    args: &MountArgs,
+    mountpoint: &Path,
+    volumes: Vec<Arc<plyfs_layers::crypt::keys::Volume>>,
+    syslog: bool,
+) -> Result<(), String> {
     let uid = unsafe { libc::geteuid() };
-    let log = match &args.log {
-        Some(l) => std::path::absolute(l).map_err(|e| format!("--log {}: {e}", l.display()))?,
-        None => control::log_path(uid, mountpoint).map_err(|e| e.to_string())?,
+    // With `-o syslog` the daemon writes no file: what it prints besides its log goes nowhere.
+    let (log, log_file) = match (&args.log, syslog) {
+        (Some(_), true) => return Err("--log and -o syslog name two places for the log: give one".into()),
+        (None, true) => (PathBuf::from("syslog"), File::options().write(true).open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?),
+        (Some(l), false) => {
+            let log = std::path::absolute(l).map_err(|e| format!("--log {}: {e}", l.display()))?;
+            let file = plyfs_stack::private::open_log(&log).map_err(|e| e.to_string())?;
+            (log, file)
+        }
+        (None, false) => {
+            let log = control::log_path(uid, mountpoint).map_err(|e| e.to_string())?;
+            let file = plyfs_stack::private::open_log(&log).map_err(|e| e.to_string())?;
+            (log, file)
+        }
     };
-    let log_file = plyfs_stack::private::open_log(&log).map_err(|e| e.to_string())?;
 
     let (read_end, write_end) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
     let write_fd = write_end.as_raw_fd();

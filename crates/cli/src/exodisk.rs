@@ -66,6 +66,9 @@ enum Action {
     },
     /// The volume behind a service: size, space, and the disk queue.
     Stat { socket: PathBuf },
+    /// Stop the service listening on SOCKET, as SIGTERM would: it finishes the disk queue and
+    /// writes back what is dirty. Only the service's user and root may.
+    Stop { socket: PathBuf },
     /// Run one group of the thesis's micro-benchmarks against the service (lines of
     /// `group,config,metric,value`; `bench/bench exodisk` runs them all).
     Bench {
@@ -173,6 +176,7 @@ pub fn run(args: ExodiskArgs) -> Result<(), String> {
             quiet_pipe();
             stat(&socket)
         }
+        Action::Stop { socket } => stop(&socket),
         Action::Alloc { socket, sectors, at, exonode, persistence } => alloc(&socket, sectors, at, exonode, &persistence),
         Action::Free { socket, at, wcap, exonode } => {
             let c = connect(&socket)?;
@@ -305,6 +309,27 @@ fn stat(socket: &Path) -> Result<(), String> {
     println!("allocated: {used} sectors ({:.1}%)", used as f64 * 100.0 / c.sectors as f64);
     println!("free:      {} sectors", c.sectors - used);
     println!("queue:     {pending} pending, {} waiting", queue.len());
+    Ok(())
+}
+
+/// `exodisk stop`: ask the service to stop, then wait until its socket is gone (it removes it
+/// once the volume is written back), so that the volume is free when this returns.
+fn stop(socket: &Path) -> Result<(), String> {
+    let shown = socket.display();
+    if let Err(e) = UnixStream::connect(socket) {
+        return Err(format!("{shown}: no exodisk service listens there ({e})"));
+    }
+    let c = connect(socket)?;
+    c.shutdown().map_err(|e| format!("{shown}: {e}"))?;
+    drop(c);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while UnixStream::connect(socket).is_ok() || socket.exists() {
+        if std::time::Instant::now() > deadline {
+            return Err(format!("{shown}: the service was asked to stop and still runs after 60 s"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    println!("stopped the service on {shown}");
     Ok(())
 }
 

@@ -9,6 +9,9 @@ mod policy;
 mod secret;
 mod serve;
 mod stats;
+mod status;
+mod syslog;
+mod table;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -42,11 +45,20 @@ enum Command {
         #[arg(short, long)]
         lazy: bool,
     },
+    /// The plyfs mounts of this user (every user's, for root): mount point, lower, stack,
+    /// daemon pid, transport, log, and whether the daemon still runs.
+    #[command(visible_alias = "list")]
+    Status {
+        /// Print JSON, for scripts.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run an extended operation on a path inside a mounted stack: NAME, or NAME@LAYER to
     /// address one layer.
     Op {
         path: PathBuf,
-        /// The operation (e.g. `stats`), or `--list` to list what the stack offers.
+        /// The operation (e.g. `stats`), or `--list` to list what the stack offers. On a
+        /// terminal the answer is drawn as a table; `--json` (among ARGS) keeps it JSON.
         #[arg(allow_hyphen_values = true)]
         name: String,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -96,6 +108,9 @@ enum Command {
         branches: Vec<String>,
         #[command(flatten)]
         secret: secret::SecretArgs,
+        /// Also show the layers' own log lines (warnings; -vv for more).
+        #[arg(short, long, action = clap::ArgAction::Count)]
+        verbose: u8,
     },
     /// Decoded size against the space used, for each entry of a directory: inside a mount, or
     /// a lower directory read through --stack.
@@ -143,7 +158,13 @@ enum PolicyAction {
 
 fn main() -> ExitCode {
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let subcommands: Vec<String> = Cli::command().get_subcommands().map(|c| c.get_name().to_owned()).chain(["help".to_owned()]).collect();
+    // Aliases too (`plyfs list`): a subcommand is never read as a mount helper's LOWER.
+    let subcommands: Vec<String> = Cli::command()
+        .get_subcommands()
+        .flat_map(|c| std::iter::once(c.get_name()).chain(c.get_all_aliases()))
+        .map(str::to_owned)
+        .chain(["help".to_owned()])
+        .collect();
     let names: Vec<&str> = subcommands.iter().map(String::as_str).collect();
     if helper::is_helper_form(&argv, &names) {
         return finish(as_mount_helper(&argv));
@@ -151,7 +172,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(
         cli.command,
-        Command::Layers | Command::Op { .. } | Command::Du { .. } | Command::Policy { action: PolicyAction::Explain { .. } } | Command::Completions { .. }
+        Command::Layers | Command::Status { .. } | Command::Op { .. } | Command::Du { .. } | Command::Policy { action: PolicyAction::Explain { .. } } | Command::Completions { .. }
     ) {
         // Commands that only report end quietly when their reader does (`plyfs layers | head`),
         // as other command-line tools do. Daemons and commands that change things keep SIGPIPE
@@ -164,6 +185,7 @@ fn main() -> ExitCode {
         Command::Host(args) => serve::host(args),
         Command::Exodisk(args) => exodisk::run(args),
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
+        Command::Status { json } => status::status(json),
         Command::Op { path, name, args } => op(&path, &name, &args),
         Command::Layers => {
             print_layers();
@@ -177,10 +199,10 @@ fn main() -> ExitCode {
             unlock_tree(&lower, &stack, &branches, &secret)?;
             offline::decode(&lower, &dest, &stack, &branches, path.as_deref())
         }),
-        Command::Fsck { lower, stack, rebind, branches, secret } => offline_run(|| {
-            unlock_tree(&lower, &stack, &branches, &secret)?;
-            offline::fsck(&lower, &stack, &branches, rebind)
-        }),
+        Command::Fsck { lower, stack, rebind, branches, secret, verbose } => {
+            offline::init_fsck_logging(verbose);
+            unlock_tree(&lower, &stack, &branches, &secret).and_then(|()| offline::fsck(&lower, &stack, &branches, rebind))
+        }
         Command::Du { path, stack, branches, secret } => offline_run(|| {
             if let Some(stack) = &stack {
                 unlock_tree(&path, stack, &branches, &secret)?;
@@ -303,10 +325,13 @@ fn umount(path: &Path, lazy: bool) -> Result<(), String> {
 }
 
 fn op(path: &Path, name: &str, args: &[String]) -> Result<(), String> {
-    // `stats`: latency histograms drawn for people on a terminal (or who ask), JSON for scripts.
+    // Answers are drawn for people on a terminal (`stats` as latency histograms, or with
+    // --histogram), JSON for scripts and with --json.
     let is_stats = name == "stats" || name.starts_with("stats@");
-    let draw = is_stats && (args.iter().any(|a| a == "--histogram") || std::io::IsTerminal::is_terminal(&std::io::stdout()));
-    let args: Vec<String> = args.iter().filter(|a| !(is_stats && *a == "--histogram")).cloned().collect();
+    let json = args.iter().any(|a| a == "--json");
+    let for_people = !json && std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let draw = is_stats && !json && (args.iter().any(|a| a == "--histogram") || for_people);
+    let args: Vec<String> = args.iter().filter(|a| !(is_stats && *a == "--histogram") && *a != "--json").cloned().collect();
     let args = &args[..];
     // Long operations (a resync, a scrub) report progress: draw it on a terminal.
     let mut bar: Option<indicatif::ProgressBar> = None;
@@ -332,6 +357,10 @@ fn op(path: &Path, name: &str, args: &[String]) -> Result<(), String> {
     let value = result.map_err(|e| if name == "--list" { e } else { format!("op '{name}' on {}: {e}", path.display()) })?;
     if draw && value["ops"].is_object() {
         print!("{}", stats::draw(&value));
+        return Ok(());
+    }
+    if for_people {
+        print!("{}", table::draw(&value));
         return Ok(());
     }
     match value {

@@ -56,6 +56,22 @@ thread_local! {
 
 /// Logs from the layers (index rebuilt, data lost) go to standard error above the bar.
 pub fn init_logging() {
+    init_logging_at("warn");
+}
+
+/// `fsck` names each damaged file and its cause in one line of its own, so the layers' lines
+/// about the same files are shown only when asked for: warnings with `-v`, more with `-vv`
+/// (or as `PLYFS_LOG` says).
+pub fn init_fsck_logging(verbose: u8) {
+    init_logging_at(match verbose {
+        0 => "off",
+        1 => "warn",
+        2 => "info",
+        _ => "debug",
+    });
+}
+
+fn init_logging_at(default: &str) {
     struct AboveBar;
     impl Write for AboveBar {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -71,8 +87,9 @@ pub fn init_logging() {
         }
     }
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("PLYFS_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("PLYFS_LOG").unwrap_or_else(|_| default.into()))
         .with_writer(|| AboveBar)
+        .with_ansi(crate::daemon::stderr_wants_colour())
         .without_time()
         .with_target(false)
         .try_init();
@@ -92,20 +109,27 @@ pub fn decode(lower: &Path, dest: &Path, spec: &str, branches: &[String], sub: O
     Ok(())
 }
 
-/// `plyfs fsck`: the damaged files are listed as they are found; any makes the result an error.
+/// `plyfs fsck`: a line for each damaged file as it is found, then one that sums up; any
+/// damage makes the result an error.
 pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool) -> Result<(), String> {
     let found = offline::fsck(lower, spec, branches, rebind, &Bar::new())?;
-    let (checked, plain, repaired) = (found.checked, found.plain, found.repaired);
-    let plain_note = if plain > 0 { format!(" ({plain} plain files, which no layer encodes, need no check)") } else { String::new() };
+    let plain_note = match found.plain {
+        0 => String::new(),
+        n => format!(" ({n} plain files, which no layer encodes, need no check)"),
+    };
     if rebind {
         eprintln!("plyfs: fsck: {} files bound anew to where they are", found.rebound);
     }
+    let indexes = match found.repaired {
+        1 => "1 index".to_owned(),
+        n => format!("{n} indexes"),
+    };
+    let summary = format!("fsck: {} files checked, {} damaged, {indexes} rebuilt{plain_note}", found.checked, found.damaged.len());
     if found.damaged.is_empty() {
-        let repaired_note = if repaired > 0 { format!(", {repaired} of them after rebuilding the index") } else { String::new() };
-        eprintln!("plyfs: fsck: {checked} files checked, all sound{repaired_note}{plain_note}");
+        eprintln!("plyfs: {summary}");
         Ok(())
     } else {
-        Err(format!("fsck: {} of {checked} files have damaged data (listed above){plain_note}", found.damaged.len()))
+        Err(summary)
     }
 }
 

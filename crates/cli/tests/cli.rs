@@ -629,3 +629,132 @@ fn a_mount_whose_log_cannot_be_written_still_serves() {
     let out = run(plyfs().arg("umount").arg(&mnt));
     assert!(out.status.success(), "umount: {}", stderr_of(&out));
 }
+
+/// Colour codes only for a person at a terminal: a background daemon's log file, `plyfs serve`
+/// into a file and `plyfs fsck` into a pipe are plain text, and `NO_COLOR` turns colour off on
+/// a terminal too (#32).
+#[test]
+fn logs_are_coloured_only_on_a_terminal() {
+    // A colour (SGR) sequence, `ESC [ 33 m`; a progress bar's line clearing (`ESC [ 2 K`) is not.
+    let coloured = |text: &str| {
+        text.split('\u{1b}').skip(1).any(|rest| rest.strip_prefix('[').is_some_and(|r| r.trim_start_matches(|c: char| c.is_ascii_digit() || c == ';').starts_with('m')))
+    };
+    let (dir, lower, mnt) = scratch();
+    let log = dir.path().join("daemon.log");
+    let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).args(["--stack", "null", "--log"]).arg(&log));
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let _unmount = scopeguard(&mnt);
+    fs::write(mnt.join("f"), b"x").unwrap();
+    assert!(run(plyfs().arg("umount").arg(&mnt)).status.success());
+    let text = fs::read_to_string(&log).unwrap();
+    assert!(text.contains(" INFO ") && text.contains("unmounted") && !coloured(&text), "{text:?}");
+
+    let served = common::Server::start(&lower, &format!("unix:{}", dir.path().join("s.sock").display()), &[], &dir.path().join("serve.log"));
+    let text = served.log_text();
+    assert!(text.contains(" INFO ") && !coloured(&text), "{text:?}");
+    drop(served);
+
+    let fsck = |name: &str| {
+        let mut cmd = plyfs();
+        cmd.arg("fsck").arg(common::damaged_zstd_tree(dir.path(), name)).args(["--stack", "zstd", "-v"]).env_remove("NO_COLOR");
+        cmd
+    };
+    let out = run(&mut fsck("piped"));
+    let text = stderr_of(&out);
+    assert!(text.contains("WARN") && !text.contains('\u{1b}'), "{text:?}");
+    let (_, text) = common::run_on_terminal(&mut fsck("on-a-terminal"));
+    assert!(text.contains("WARN") && coloured(&text), "{text:?}");
+    let (_, text) = common::run_on_terminal(fsck("no-color").env("NO_COLOR", "1"));
+    assert!(text.contains("WARN") && !coloured(&text), "{text:?}");
+}
+
+/// The `status --json` entry of the mount at `mnt`.
+fn status_of(mnt: &Path) -> serde_json::Value {
+    let out = run(plyfs().args(["status", "--json"]));
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let shown = mnt.display().to_string();
+    all.as_array().unwrap().iter().find(|e| e["mountpoint"] == shown.as_str()).cloned().unwrap_or_else(|| panic!("{shown} not listed: {all}"))
+}
+
+/// `plyfs status` (or `plyfs list`): each mount with its lower, stack, daemon, transport, log
+/// and state, as a table or JSON; a killed daemon's mount shows as stale; another user sees
+/// none of root's (#32).
+#[test]
+fn status_lists_each_mount_with_its_daemon_and_log() {
+    let mut m = Mount::new("trace,null");
+    let e = status_of(&m.mnt);
+    assert_eq!(e["lower"], m.lower.display().to_string().as_str(), "{e}");
+    assert!(e["stack"].as_str().unwrap().starts_with("trace,null"), "{e}");
+    assert_eq!(e["pid"], m.pid(), "{e}");
+    assert!(matches!(e["transport"].as_str(), Some("/dev/fuse" | "io_uring")), "{e}");
+    let log = e["log"].as_str().unwrap();
+    assert!(log.ends_with(".log") && fs::read_to_string(log).unwrap().contains("mounted "), "{e}");
+    assert_eq!(e["state"], "running", "{e}");
+
+    let out = run(plyfs().arg("list"));
+    let table = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success() && table.starts_with("MOUNTPOINT "), "{table}{}", stderr_of(&out));
+    let row = table.lines().find(|l| l.starts_with(&format!("{} ", m.mnt.display()))).unwrap_or_else(|| panic!("{table}"));
+    assert!(row.contains(&m.pid().to_string()) && row.ends_with("running"), "{row}");
+    // The alias is a subcommand even where a file of its name makes it look like a mount
+    // helper's LOWER.
+    fs::write(m.dir.path().join("list"), b"").unwrap();
+    let out = run(plyfs().args(["list", "--json"]).current_dir(m.dir.path()));
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains(&m.mnt.display().to_string()), "{}", stderr_of(&out));
+    if is_root() {
+        let (ok, err) = common::as_nobody(&[env!("CARGO_BIN_EXE_plyfs"), "status"]);
+        assert!(ok && err.trim() == "plyfs: no plyfs mounts of yours", "{err}");
+    }
+
+    m.child().kill().unwrap();
+    m.child().wait().unwrap();
+    let e = status_of(&m.mnt);
+    assert!(e["state"].as_str().unwrap().starts_with("daemon dead: stale mount"), "{e}");
+    assert!(e["pid"].is_null(), "{e}");
+    let out = run(plyfs().arg("umount").arg(&m.mnt));
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let out = run(plyfs().args(["status", "--json"]));
+    assert!(!String::from_utf8_lossy(&out.stdout).contains(&m.mnt.display().to_string()));
+}
+
+/// `-o syslog`: the daemon's lines go to /dev/log as RFC 3164 datagrams of the daemon facility,
+/// and `status` names syslog as its log. Needs /dev/log free (no syslog daemon on the machine).
+#[test]
+fn syslog_option_sends_the_daemon_log_to_dev_log() {
+    use std::os::unix::net::UnixDatagram;
+    if Path::new("/dev/log").exists() || !is_root() {
+        eprintln!("skipped: /dev/log is taken (a syslog daemon runs), or not root");
+        return;
+    }
+    struct Listening(UnixDatagram);
+    impl Drop for Listening {
+        fn drop(&mut self) {
+            let _ = fs::remove_file("/dev/log");
+        }
+    }
+    let syslog = Listening(UnixDatagram::bind("/dev/log").unwrap());
+    syslog.0.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let (_dir, lower, mnt) = scratch();
+    let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).args(["--stack", "null", "-o", "syslog"]));
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let _unmount = scopeguard(&mnt);
+    assert!(stderr_of(&out).trim_end().ends_with("log: syslog"), "{}", stderr_of(&out));
+    let e = status_of(&mnt);
+    assert_eq!(e["log"], "syslog", "{e}");
+    let pid = e["pid"].as_u64().unwrap();
+    assert!(run(plyfs().arg("umount").arg(&mnt)).status.success());
+    let mut lines = Vec::new();
+    let mut buf = [0u8; 9000];
+    while !lines.iter().any(|l: &String| l.contains("unmounted")) {
+        let n = syslog.0.recv(&mut buf).unwrap_or_else(|e| panic!("{e}; received so far: {lines:#?}"));
+        lines.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+    }
+    let form = |l: &String| {
+        let (pri, rest) = l.strip_prefix('<').and_then(|r| r.split_once('>')).unwrap();
+        pri.parse::<u8>().unwrap() / 8 == 3 && rest.len() > 16 && rest[16..].starts_with(&format!("plyfs[{pid}]: "))
+    };
+    assert!(lines.iter().all(form), "{lines:#?}");
+    assert!(lines.iter().any(|l| l.starts_with("<30>") && l.contains(&format!("mounted {} on {}", lower.display(), mnt.display()))), "{lines:#?}");
+}
+

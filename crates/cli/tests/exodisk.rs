@@ -472,3 +472,58 @@ fn a_full_volume_refuses_writes_when_they_are_made_and_loses_none_it_took() {
     let names: Vec<String> = std::fs::read_dir(x.m.path("")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     assert_eq!(names.len(), kept.len(), "{names:?}");
 }
+
+/// `exodisk stat` leaves nothing in the service's log (it needs no shared memory), and
+/// `exodisk stop` stops the service as SIGTERM does: only for its user or root, and with one
+/// line when nothing listens (#32).
+#[test]
+fn stat_leaves_the_log_quiet_and_stop_stops_the_service() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let v = format(dir.path(), "32M");
+    let sock = dir.path().join("s.sock");
+    let log = dir.path().join("service.log");
+    let out = run(plyfs().args(["exodisk", "serve", "--daemon"]).arg(&v).arg("--socket").arg(&sock).arg("--log").arg(&log));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let pid: i32 = String::from_utf8_lossy(&out.stdout).split("(pid ").nth(1).and_then(|r| r.split(')').next()).unwrap().parse().unwrap();
+    // Killed if the test fails while it still runs (and is still this service).
+    struct Killer(i32, std::path::PathBuf);
+    impl Drop for Killer {
+        fn drop(&mut self) {
+            let cmdline = std::fs::read(format!("/proc/{}/cmdline", self.0)).unwrap_or_default();
+            if cmdline.windows(self.1.as_os_str().len()).any(|w| w == self.1.as_os_str().as_encoded_bytes()) {
+                unsafe { libc::kill(self.0, libc::SIGKILL) };
+            }
+        }
+    }
+    let _killer = Killer(pid, sock.clone());
+    for _ in 0..2 {
+        let out = run(plyfs().args(["exodisk", "stat"]).arg(&sock));
+        assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("sectors:"));
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(!text.contains("WARN") && !text.contains("shared memory"), "{text}");
+
+    let one_line = |out: &std::process::Output, want: &str| {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.code() == Some(1) && err.lines().count() == 1 && err.starts_with("plyfs: ") && err.contains(want), "{err}");
+    };
+    let mut nobody = plyfs();
+    nobody.args(["exodisk", "stop"]).arg(&sock).uid(65534).gid(65534);
+    one_line(&run(&mut nobody), "only root or the service's user may stop it");
+    assert!(run(plyfs().args(["exodisk", "stat"]).arg(&sock)).status.success(), "a refused stop stops nothing");
+
+    let out = run(plyfs().args(["exodisk", "stop"]).arg(&sock));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while unsafe { libc::kill(pid, 0) } == 0 {
+        assert!(Instant::now() < deadline, "the service still runs after stop");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!sock.exists());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("asked the service to stop") && text.contains("is consistent"), "{text}");
+    assert!(fsck(&v).0, "the volume is consistent after stop: {}", fsck(&v).1);
+    one_line(&run(plyfs().args(["exodisk", "stop"]).arg(&sock)), "no exodisk service listens there");
+}
+

@@ -209,6 +209,37 @@ fn scrub_finds_and_repairs_what_differs() {
     assert_eq!(op_json(&m.mnt, &["scrub"])["repaired"].as_array().unwrap().len(), 0);
 }
 
+/// A name with control characters (a terminal escape, a newline) is logged escaped, one line
+/// that cannot recolour a terminal or forge another line; the answer keeps it as it is (#32).
+#[test]
+fn names_in_the_log_have_their_control_characters_escaped() {
+    let (m, b) = mirror("mirror");
+    let evil = "red\u{1b}[31mname\nWARN forged";
+    fs::write(m.path(evil), "x").unwrap();
+    fs::write(b.join(evil), "rotten").unwrap();
+    let report = op_json(&m.mnt, &["scrub"]);
+    assert_eq!(report["repaired"], serde_json::json!([evil]));
+    let log = m.daemon_log();
+    let line = log.lines().find(|l| l.contains("scrub repaired")).unwrap_or_else(|| panic!("{log}"));
+    assert!(line.ends_with("red\\x1b[31mname\\x0aWARN forged"), "{line:?}");
+    assert!(!log.contains('\u{1b}') && !log.lines().any(|l| l.starts_with("WARN forged")), "{log:?}");
+    assert_eq!(fs::read(b.join(evil)).unwrap(), b"x");
+}
+
+/// On a terminal, `mirror-status` reads as fields and a table of the branches (#32).
+#[test]
+fn mirror_status_is_a_table_on_a_terminal() {
+    let (m, _b) = mirror("mirror");
+    let (status, text) = run_on_terminal(plyfs().arg("op").arg(&m.mnt).arg("mirror-status"));
+    assert!(status.success(), "{text}");
+    assert!(text.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["degraded:", "false"]), "{text}");
+    let header = text.lines().position(|l| l.trim_start().starts_with("NAME ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(text.lines().nth(header - 1) == Some("branches:"), "{text}");
+    let rows: Vec<Vec<&str>> = text.lines().skip(header + 1).map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    assert!(rows.iter().all(|r| r.contains(&"in-sync")), "{text}");
+}
+
 /// SIGKILL while a large file is being written: the next mount makes it the same on both
 /// branches before serving.
 /// A copy that a resync or scrub left halfway (a directory under its hidden temporary name) is

@@ -208,3 +208,26 @@ fn an_idle_mount_unmounts_itself_unless_a_file_is_open() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a duration"));
 }
+
+/// `df` asks every few seconds how full each mount is (`stat`, then `statfs`): that is no use
+/// of the mount, and an idle one still goes (#32).
+#[test]
+fn df_does_not_keep_an_idle_mount() {
+    let mut m = Mount::with("null", &["idle=1s", "attr_timeout=0"]);
+    fs::write(m.path("f"), b"x").unwrap();
+    let start = Instant::now();
+    let mut status = None;
+    while status.is_none() && start.elapsed() < Duration::from_secs(15) {
+        let _ = std::process::Command::new("df").arg(&m.mnt).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).status();
+        let c = cpath(&m.mnt);
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        unsafe { libc::statvfs(c.as_ptr(), &mut s) };
+        status = m.wait_exit(Duration::from_millis(200));
+    }
+    let status = status.unwrap_or_else(|| panic!("df kept the mount alive: {}", m.daemon_log()));
+    assert!(status.success(), "{}", m.daemon_log());
+    assert!(m.daemon_log().contains("(-o idle)"), "{}", m.daemon_log());
+    assert!(mounted_fstype(&m.mnt).is_none());
+    assert_eq!(fs::read(m.lower_path("f")).unwrap(), b"x");
+}
+

@@ -347,6 +347,33 @@ fn offline_encode_fsck_du_and_decode_round_trip() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("sub/b.bin"), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// `plyfs fsck` gives one line per damaged file, naming it and the cause, then one line that
+/// sums up, and fails; the layers' own lines about the same file only with `-v` (#32).
+#[test]
+fn fsck_says_one_line_per_damaged_file_then_a_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let stderr = |out: &std::process::Output| String::from_utf8_lossy(&out.stderr).into_owned();
+    let enc = common::damaged_zstd_tree(dir.path(), "enc");
+    let out = run(plyfs().arg("fsck").arg(&enc).args(["--stack", "zstd"]));
+    let said = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    let lines: Vec<&str> = said.lines().collect();
+    assert_eq!(lines.len(), 2, "{said}");
+    assert!(lines[0].starts_with("plyfs: damaged.txt: corrupt data at offset "), "{said}");
+    assert!(lines[0].contains("more damaged chunk") || lines[0].contains("checksum"), "{said}");
+    assert!(!lines[0].contains(&enc.display().to_string()), "the lower path is not repeated: {said}");
+    assert_eq!(lines[1], "plyfs: fsck: 2 files checked, 1 damaged, 1 index rebuilt", "{said}");
+    assert!(out.stdout.is_empty());
+    // Asked for, the layers' warnings come too.
+    let enc = common::damaged_zstd_tree(dir.path(), "enc-v");
+    let said = stderr(&run(plyfs().arg("fsck").arg(&enc).args(["--stack", "zstd", "-v"])));
+    assert!(said.lines().any(|l| l.contains("WARN") && l.contains("rebuilding it from the data")), "{said}");
+    assert!(said.lines().last().unwrap().ends_with("1 damaged, 1 index rebuilt"), "{said}");
+    // A sound tree: the same summary, and success.
+    let out = run(plyfs().arg("fsck").arg(dir.path().join("enc.src")).args(["--stack", "zstd"]));
+    assert!(out.status.success() && stderr(&out) == "plyfs: fsck: 0 files checked, 0 damaged, 0 indexes rebuilt (2 plain files, which no layer encodes, need no check)\n", "{}", stderr(&out));
+}
+
 /// `echo >> log` in a loop: every append opens and closes the file, and the kernel sends each
 /// `release` asynchronously, so it often races with the next `open`. The two must share one
 /// state: a second one loaded from a file still being closed once lost data here.

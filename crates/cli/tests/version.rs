@@ -187,3 +187,47 @@ fn writes_after_the_version_is_taken_use_passthrough() {
     assert_eq!(stats["ops"]["write"]["count"].as_u64().unwrap_or(0), 0, "{stats}");
     assert_eq!(versions(&m, "big")[0].as_bytes(), vec![1u8; 1 << 20]);
 }
+
+/// On a terminal, `versions` and `deleted` are tables with local times (`2026-11-27 15:40:51`),
+/// not JSON with epoch seconds; `--json`, or a pipe, keeps the JSON (#32).
+#[test]
+fn versions_and_deleted_are_tables_on_a_terminal() {
+    let m = Mount::new("version");
+    fs::write(m.path("f"), "one").unwrap();
+    fs::write(m.path("f"), "two").unwrap();
+    fs::write(m.path("f"), "three").unwrap();
+    let is_local_time = |s: &str| {
+        let b = s.as_bytes();
+        b.len() == 19 && s.chars().enumerate().all(|(i, c)| match i {
+            4 | 7 => c == '-',
+            10 => c == ' ',
+            13 | 16 => c == ':',
+            _ => c.is_ascii_digit(),
+        })
+    };
+    let (status, table) = run_on_terminal(plyfs().arg("op").arg(m.path("f")).arg("versions"));
+    assert!(status.success(), "{table}");
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 3, "a header and two versions: {table}");
+    assert!(lines[0].starts_with("NUMBER  MODIFIED ") && lines[0].ends_with("PATH"), "{table}");
+    for (i, row) in lines[1..].iter().enumerate() {
+        let saved_at = lines[0].find("SAVED").unwrap();
+        assert!(is_local_time(&row[saved_at..saved_at + 19]), "{row}");
+        assert!(row.trim_start().starts_with(&format!("{} ", i + 1)) && row.ends_with(&format!("@{}", i + 1)), "{row}");
+    }
+    // JSON when asked, and into a pipe, with the times as they were.
+    let (status, json) = run_on_terminal(plyfs().arg("op").arg(m.path("f")).args(["versions", "--json"]));
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
+    assert!(status.success() && v[0]["saved"].as_f64().unwrap() > 1.0e9, "{json}");
+    assert_eq!(op_json(&m.path("f"), &["versions"]).as_array().unwrap().len(), 2);
+
+    fs::remove_file(m.path("f")).unwrap();
+    let (status, table) = run_on_terminal(plyfs().arg("op").arg(&m.mnt).arg("deleted"));
+    assert!(status.success(), "{table}");
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines[0].split_whitespace().collect::<Vec<_>>(), ["NAME", "LATEST", "SIZE", "VERSIONS"], "{table}");
+    assert_eq!(lines[1].split_whitespace().collect::<Vec<_>>(), ["f", "3", "5", "3"], "{table}");
+    // Nothing changed: the versions are all still there.
+    assert_eq!(fs::read_to_string(m.path(".plyfs-versions/f/@3")).unwrap(), "three");
+}
+

@@ -257,8 +257,12 @@ impl Service {
                 let _hangup = stream.try_clone().map(Hangup);
                 // Only a handshake ends in an error (a session ends when its client goes): logged
                 // as a refusal, once per user and minute.
-                if let Err(e) = me.clone().client(stream, uid, deadline) {
-                    me.admission.log_refusal(&User(uid), &format!("exodisk: {e}"));
+                match me.clone().client(stream, uid, deadline) {
+                    Ok(()) => {}
+                    // A connection that closed before its handshake (someone checking that the
+                    // service listens, a client that gave up) refused nothing.
+                    Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => tracing::debug!("exodisk: user {uid}: {e}"),
+                    Err(e) => me.admission.log_refusal(&User(uid), &format!("exodisk: {e}")),
                 }
             });
             if let Ok(t) = thread {
@@ -353,6 +357,7 @@ impl Service {
             };
             if let Request::Shutdown = req {
                 if uid == 0 || uid == self.uid {
+                    tracing::info!("user {uid} asked the service to stop: stopping");
                     // Answer first (the writer sends it), then stop.
                     outbox.reply(&Message::Rep { id, result: Ok(Reply::Ok) });
                     drop(outbox);

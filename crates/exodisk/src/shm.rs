@@ -107,6 +107,10 @@ pub fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
     let mut iov = [io::IoSliceMut::new(&mut byte)];
     let mut space = nix::cmsg_space!([RawFd; 1]);
     let msg = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC).map_err(io::Error::from)?;
+    if msg.bytes == 0 {
+        // Closed before saying anything: a probe of whether the service listens, not a client.
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the connection closed before its handshake"));
+    }
     for c in msg.cmsgs().map_err(io::Error::from)? {
         if let ControlMessageOwned::ScmRights(fds) = c {
             if let Some(&fd) = fds.first() {

@@ -11,7 +11,8 @@
 //!
 //! The path is resolved inside the stack, through the same lookups a FUSE request would make;
 //! `.plyfs/NAME/...` paths resolve in the view below layer NAME. `"op":"--list"` lists the
-//! extended operations of the stack.
+//! extended operations of the stack; `"op":"--about"` answers what the mount is (lower, stack,
+//! pid, transport, log), for `plyfs status`.
 
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Write};
@@ -82,6 +83,12 @@ pub fn log_path(uid: u32, mountpoint: &Path) -> std::io::Result<PathBuf> {
     Ok(runtime_dir(uid, true)?.join(format!("{}.log", mount_key(mountpoint))))
 }
 
+/// Where the background daemon of `uid`'s mount at `mountpoint` logs by default, without making
+/// anything (`plyfs status` on a mount whose daemon is gone).
+pub fn log_path_of(uid: u32, mountpoint: &Path) -> Option<PathBuf> {
+    Some(runtime_dir(uid, false).ok()?.join(format!("{}.log", mount_key(mountpoint))))
+}
+
 /// Create the runtime directory, private to its user.
 pub fn ensure_runtime_dir(uid: u32) -> std::io::Result<PathBuf> {
     runtime_dir(uid, true)
@@ -93,7 +100,9 @@ pub struct ControlServer {
 }
 
 impl ControlServer {
-    pub fn start(stack: Arc<Stack>, mountpoint: &Path) -> std::io::Result<ControlServer> {
+    /// Serve `stack`'s operations, and `about` (what `plyfs status` shows: lower, stack, pid,
+    /// transport, log) to the `--about` request.
+    pub fn start(stack: Arc<Stack>, mountpoint: &Path, about: Value) -> std::io::Result<ControlServer> {
         let uid = unsafe { libc::geteuid() };
         let path = ensure_runtime_dir(uid)?.join(format!("{}.sock", mount_key(mountpoint)));
         if path.exists() {
@@ -105,11 +114,12 @@ impl ControlServer {
         let listener = UnixListener::bind(&path)?;
         // Only the owner connects (root too, whatever the mode); the daemon's umask is 0.
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+        let about = Arc::new(about);
         std::thread::Builder::new().name("control".into()).spawn(move || {
             for conn in listener.incoming() {
                 let Ok(conn) = conn else { continue };
-                let stack = stack.clone();
-                let _ = std::thread::Builder::new().name("control-op".into()).spawn(move || serve(&stack, conn));
+                let (stack, about) = (stack.clone(), about.clone());
+                let _ = std::thread::Builder::new().name("control-op".into()).spawn(move || serve(&stack, &about, conn));
             }
         })?;
         Ok(ControlServer { path })
@@ -131,7 +141,10 @@ fn peer(conn: &UnixStream) -> Option<Caller> {
     Some(Caller::new(cred.uid(), cred.gid(), cred.pid() as u32))
 }
 
-fn serve(stack: &Arc<Stack>, conn: UnixStream) {
+/// The request for what the mount is (its answer is the `about` it was started with).
+const ABOUT_OP: &str = "--about";
+
+fn serve(stack: &Arc<Stack>, about: &Value, conn: UnixStream) {
     let mut line = String::new();
     let mut reader = BufReader::new(&conn);
     let answer = match (reader.read_line(&mut line), peer(&conn)) {
@@ -139,6 +152,8 @@ fn serve(stack: &Arc<Stack>, conn: UnixStream) {
             let me = unsafe { libc::geteuid() };
             if cx.uid != me && cx.uid != 0 {
                 json!({ "error": "permission denied: only the mount's owner may run operations" })
+            } else if serde_json::from_str::<Value>(&line).is_ok_and(|r| r["op"] == ABOUT_OP) {
+                json!({ "ok": about })
             } else {
                 run_reporting_progress(stack, cx, line, &conn)
             }
@@ -286,23 +301,7 @@ pub fn call_op_with_progress(path: &Path, op: &str, args: &[String], progress: &
         Some((n, l)) => (n, Some(l)),
         None => (op, None),
     };
-    let owner = mount.user_id.unwrap_or(0);
-    let socket = socket_path(owner, &mount.mountpoint)
-        .map_err(|e| format!("cannot reach the daemon of {}: {e}", mount.mountpoint.display()))?;
-    let conn = UnixStream::connect(&socket).map_err(|e| {
-        format!(
-            "cannot reach the daemon of {} ({}: {e}); if it was killed, `plyfs umount {}` cleans up",
-            mount.mountpoint.display(),
-            socket.display(),
-            mount.mountpoint.display()
-        )
-    })?;
-    // The socket must be served by the mount's owner (or root), not by someone who took its
-    // place.
-    match peer(&conn) {
-        Some(p) if p.uid == owner || p.uid == 0 => {}
-        _ => return Err(format!("{}: not served by uid {owner}, the owner of the mount; refusing it", socket.display())),
-    }
+    let conn = connect(mount.user_id.unwrap_or(0), &mount.mountpoint)?;
     let request = json!({ "path": rel.to_string_lossy(), "op": name, "args": args, "layer": layer, "progress": true });
     let mut out = &conn;
     writeln!(out, "{request}").map_err(|e| format!("control socket: {e}"))?;
@@ -321,4 +320,31 @@ pub fn call_op_with_progress(path: &Path, op: &str, args: &[String], progress: &
         (_, Some(e)) => Err(e.as_str().unwrap_or("error").to_owned()),
         _ => Err("malformed answer from the daemon".into()),
     }
+}
+
+/// A connection to the daemon of `owner`'s mount at `mountpoint`, served by that owner (or
+/// root), not by someone who took the socket's place.
+fn connect(owner: u32, mountpoint: &Path) -> Result<UnixStream, String> {
+    let shown = mountpoint.display();
+    let socket = socket_path(owner, mountpoint).map_err(|e| format!("cannot reach the daemon of {shown}: {e}"))?;
+    let conn = UnixStream::connect(&socket).map_err(|e| {
+        format!("cannot reach the daemon of {shown} ({}: {e}); if it was killed, `plyfs umount {shown}` cleans up", socket.display())
+    })?;
+    match peer(&conn) {
+        Some(p) if p.uid == owner || p.uid == 0 => Ok(conn),
+        _ => Err(format!("{}: not served by uid {owner}, the owner of the mount; refusing it", socket.display())),
+    }
+}
+
+/// What the daemon of `owner`'s mount at `mountpoint` says it is (`plyfs status`): lower,
+/// stack, pid, transport, log. An error when no daemon answers within `wait`.
+pub fn about(owner: u32, mountpoint: &Path, wait: std::time::Duration) -> Result<Value, String> {
+    let conn = connect(owner, mountpoint)?;
+    let _ = conn.set_read_timeout(Some(wait));
+    let mut out = &conn;
+    writeln!(out, "{}", json!({ "op": ABOUT_OP })).map_err(|e| format!("control socket: {e}"))?;
+    let mut line = String::new();
+    BufReader::new(&conn).read_line(&mut line).map_err(|e| format!("the daemon of {} does not answer: {e}", mountpoint.display()))?;
+    let reply: Value = serde_json::from_str(&line).map_err(|_| "the daemon closed the connection without answering".to_owned())?;
+    reply.get("ok").cloned().ok_or_else(|| reply["error"].as_str().unwrap_or("malformed answer from the daemon").to_owned())
 }

@@ -25,6 +25,51 @@ pub fn run(cmd: &mut Command) -> Output {
     cmd.stdin(Stdio::null()).output().expect("run command")
 }
 
+/// Run `cmd` with its standard output and error on a terminal of its own (a pseudo-terminal),
+/// as a person at a shell would: its exit status and what it printed there (`\r\n` read as
+/// `\n`).
+pub fn run_on_terminal(cmd: &mut Command) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+    let (mut master, mut slave) = (-1, -1);
+    let made = unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), std::ptr::null()) };
+    assert_eq!(made, 0, "openpty: {}", std::io::Error::last_os_error());
+    let (mut master, slave) = unsafe { (std::fs::File::from_raw_fd(master), std::fs::File::from_raw_fd(slave)) };
+    let mut child = cmd.stdin(Stdio::null()).stdout(slave.try_clone().unwrap()).stderr(slave).spawn().expect("run command");
+    // Read while it runs (a full terminal would hold it up); the end reads as EIO once the
+    // last copy of the other side is closed, `cmd`'s own included.
+    cmd.stdout(Stdio::null()).stderr(Stdio::null());
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match master.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    let status = child.wait().unwrap();
+    (status, String::from_utf8_lossy(&out).replace("\r\n", "\n"))
+}
+
+/// A tree encoded with `zstd:chunk=16k` in a new directory `name` under `root`: `sound.txt`,
+/// and `damaged.txt`, whose stored bytes are overwritten in the middle (its index is then found
+/// inconsistent and rebuilt, and two of its chunks fail their checks).
+pub fn damaged_zstd_tree(root: &Path, name: &str) -> PathBuf {
+    use std::os::unix::fs::FileExt;
+    let src = root.join(format!("{name}.src"));
+    std::fs::create_dir_all(&src).unwrap();
+    let text: String = (0..20_000).map(|i| format!("line {i}\n")).collect();
+    std::fs::write(src.join("sound.txt"), &text).unwrap();
+    std::fs::write(src.join("damaged.txt"), &text).unwrap();
+    let enc = root.join(name);
+    let out = run(plyfs().arg("encode").arg(&src).arg(&enc).args(["--stack", "zstd:chunk=16k"]));
+    assert!(out.status.success(), "encode: {}", String::from_utf8_lossy(&out.stderr));
+    let victim = std::fs::OpenOptions::new().write(true).open(enc.join("damaged.txt")).unwrap();
+    let len = victim.metadata().unwrap().len();
+    victim.write_all_at(&[0x5a; 3000], len / 3).unwrap();
+    enc
+}
+
 /// Run `argv` as the user nobody (65534), with no supplementary groups: its success and standard
 /// error.
 pub fn as_nobody(argv: &[&str]) -> (bool, String) {

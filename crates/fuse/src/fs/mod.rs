@@ -249,6 +249,24 @@ impl FuseFs {
         if !self.status.active.load(Ordering::Relaxed) {
             self.status.active.store(true, Ordering::Relaxed);
         }
+        self.level_unused(ino)
+    }
+
+    /// [`FuseFs::level_of`] for requests that only look at the mount as a whole when they name
+    /// its root: `df` and desktop monitors stat the mount point, open and close it, and ask how
+    /// full it is every few seconds, and an idle mount must still go (`-o idle`), as
+    /// gocryptfs's `-idle` does. Reading the root's listing, or anything below it, is use.
+    fn level_of_unless_root(&self, ino: u64) -> Res<(Cow<'_, Level>, usize, NodeId)> {
+        if ino == NodeId::ROOT.0 {
+            self.level_unused(ino)
+        } else {
+            self.level_of(ino)
+        }
+    }
+
+    /// [`FuseFs::level_of`] without counting the request as use of the mount (`statfs`, and
+    /// see [`FuseFs::level_of_unless_root`]).
+    fn level_unused(&self, ino: u64) -> Res<(Cow<'_, Level>, usize, NodeId)> {
         let (view, node) = unpack_ino(ino);
         if view == 0 {
             return Ok((Cow::Borrowed(self.stack.top()), 0, node));

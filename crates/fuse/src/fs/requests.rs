@@ -57,7 +57,7 @@ impl FuseFs {
         if ino == LEVELS_DIR_INO {
             return Ok(self.levels_dir_attr());
         }
-        let (level, _, node) = self.level_of(ino)?;
+        let (level, _, node) = self.level_of_unless_root(ino)?;
         let request = RequestOn::new("getattr", &level, node);
         expect(level.call(cx, &Op::GetAttr { node, fh: fh.map(FileHandle) }), request, |r| match r {
             Reply::Attr(attr) => Some(NodeOut { ino, generation: 0, attr }),
@@ -208,7 +208,7 @@ impl FuseFs {
         if ino == LEVELS_DIR_INO {
             return Ok(OpenOut { fh: 0, flags: 0, backing: None });
         }
-        let (level, view, node) = self.level_of(ino)?;
+        let (level, view, node) = self.level_of_unless_root(ino)?;
         expect(level.call(cx, &Op::OpenDir { node }), RequestOn::new("opendir", &level, node), |r| match r {
             Reply::Opened(o) => {
                 // The kernel may cache the listing; it drops it when the directory changes
@@ -276,12 +276,13 @@ impl FuseFs {
             return Ok(());
         }
         self.status.opened(-1);
-        if let Some(pending) = self.dir_pending.lock().remove(&(ino, fh)) {
-            if let Ok((level, _, _)) = self.level_of(ino) {
-                self.forget_entries(&level, pending);
-            }
+        let pending = self.dir_pending.lock().remove(&(ino, fh));
+        let (level, _, node) = self.level_of_unless_root(ino)?;
+        if let Some(pending) = pending {
+            self.forget_entries(&level, pending);
         }
-        self.empty_op(cx, ino, |node| Op::ReleaseDir { node, fh: FileHandle(fh) })
+        let op = Op::ReleaseDir { node, fh: FileHandle(fh) };
+        level.call(cx, &op).map(drop).map_err(|e| errno(&e, RequestOn::new(op.name(), &level, node)))
     }
 
     pub(crate) fn fsyncdir(&self, cx: &Caller, ino: u64, fh: u64, datasync: bool) -> Res<()> {
@@ -293,7 +294,7 @@ impl FuseFs {
 
     pub(crate) fn statfs(&self, cx: &Caller, ino: u64) -> Res<StatFs> {
         let ino = if ino == LEVELS_DIR_INO { NodeId::ROOT.0 } else { ino };
-        let (level, _, node) = self.level_of(ino)?;
+        let (level, _, node) = self.level_unused(ino)?;
         expect(level.call(cx, &Op::StatFs { node }), RequestOn::new("statfs", &level, node), |r| match r {
             Reply::StatFs(s) => Some(s),
             _ => None,

@@ -123,7 +123,10 @@ impl Mirror {
                 match f(b) {
                     Ok(reply) => others.push((b, reply)),
                     Err(e) if path_list.is_empty() => self.fail(b, &e),
-                    Err(e) => self.fail(b, &format!("{}: {e}", path_list.join(" -> "))),
+                    Err(e) => {
+                        let paths: Vec<String> = path_list.iter().map(|p| super::printable(p)).collect();
+                        self.fail(b, &format!("{}: {e}", paths.join(" -> ")))
+                    }
                 }
             }
         }
@@ -179,7 +182,7 @@ impl Mirror {
         let Some(answer) = answer else {
             let (b, first) = results.into_iter().next().ok_or(Error::Os(libc::EIO))?;
             let err = first.err().unwrap_or(Error::Os(libc::EIO));
-            self.fail(b, &format!("{}: {err}", file.path));
+            self.fail(b, &format!("{}: {err}", super::printable(&file.path)));
             return Err(err);
         };
         let summary = |r: &Result<Reply>| match r {
@@ -194,7 +197,7 @@ impl Mirror {
                     Err(e) => Error::Os(e.errno()),
                     Ok(_) => Error::Corrupt("it did not do what the reading branch did".into()),
                 };
-                self.fail(*b, &format!("{}: {why}", file.path));
+                self.fail(*b, &format!("{}: {why}", super::printable(&file.path)));
             }
         }
         for b in (0..self.branches.len()).filter(|b| self.is_failed(*b)) {

@@ -149,6 +149,21 @@ pub struct Mirror {
     sharing: Option<Sharing>,
 }
 
+/// A path as the log shows it: control characters (a terminal escape, a newline that would
+/// forge a log line) become `\xNN`, and a backslash `\\`, so a name made of any bytes stays
+/// one readable line.
+fn printable(path: &str) -> String {
+    let mut shown = String::with_capacity(path.len());
+    for c in path.chars() {
+        match c {
+            '\\' => shown.push_str("\\\\"),
+            c if c.is_control() => shown.push_str(&format!("\\x{:02x}", c as u32)),
+            c => shown.push(c),
+        }
+    }
+    shown
+}
+
 fn entry_of(reply: &Reply) -> Option<Entry> {
     match reply {
         Reply::Entry(e) | Reply::Created(e, _) => Some(*e),

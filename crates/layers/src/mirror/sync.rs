@@ -386,7 +386,8 @@ impl Mirror {
             self.scrub_dir(a, b, NodeId::ROOT, NodeId::ROOT, "", &mut checked, &mut repaired, &meter)?;
         }
         if !repaired.is_empty() {
-            tracing::warn!("mirror '{}': scrub repaired {} paths: {}", self.name, repaired.len(), repaired.join(", "));
+            let shown: Vec<String> = repaired.iter().map(|p| super::printable(p)).collect();
+            tracing::warn!("mirror '{}': scrub repaired {} paths: {}", self.name, repaired.len(), shown.join(", "));
         }
         self.skipped_by_scrub(checked, repaired.len())?;
         Ok(json!({ "checked": checked, "repaired": repaired }))

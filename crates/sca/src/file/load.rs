@@ -66,12 +66,14 @@ impl<L: LowerIo> ScaFile<L> {
         self.slot_seq = slot.map_or(0, |s| s.slot_seq);
         if slot.is_none() && len > DATA_START {
             tracing::warn!("{}: the index is missing; rebuilding it from the data", self.lower.describe());
+            self.rebuilt_at_load = Some("it was missing".into());
             return self.rebuild(header.chunk_shift, None);
         }
         match self.load_from_checkpoint(slot, len) {
             Ok(()) => Ok(()),
             Err(Fault::Stale(why)) => {
                 tracing::warn!("{}: the index is inconsistent ({why}); rebuilding it from the data", self.lower.describe());
+                self.rebuilt_at_load = Some(why);
                 self.rebuild(header.chunk_shift, None)
             }
             Err(Fault::Fail(e)) => Err(e),

@@ -160,6 +160,9 @@ pub struct ScaFile<L: LowerIo> {
     seen: Option<Seen>,
     /// Within an operation under a shared (read) lock: nothing may be written.
     read_locked: bool,
+    /// Why loading the file had to rebuild its index, until `verify` reports it (`fsck`
+    /// counts the indexes it rebuilt).
+    rebuilt_at_load: Option<String>,
     /// A repair was needed under a read lock: the operation must run again under the write lock.
     needs_write_lock: bool,
     /// Another mount changed the file since this was last told (see [`Self::take_changed`]).
@@ -208,6 +211,7 @@ impl<L: LowerIo> ScaFile<L> {
             scratch: Vec::new(),
             seen: None,
             read_locked: false,
+            rebuilt_at_load: None,
             needs_write_lock: false,
             changed_outside: false,
             told_no_locks: false,

@@ -21,6 +21,7 @@ impl<L: LowerIo> ScaFile<L> {
 
     fn verify_now(&mut self) -> Result<Value> {
         let mut rebuilt = None;
+        let rebuilt_at_load = self.rebuilt_at_load.take();
         loop {
             let len = self.lower.len()?;
             let mut problems = Vec::new();
@@ -53,7 +54,7 @@ impl<L: LowerIo> ScaFile<L> {
                 "ok": problems.is_empty(),
                 "chunks": self.ix.chunks(),
                 "size": self.ix.size,
-                "index_rebuilt": rebuilt,
+                "index_rebuilt": rebuilt.or(rebuilt_at_load),
                 "problems": problems,
             }));
         }
