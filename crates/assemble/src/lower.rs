@@ -110,7 +110,7 @@ impl Lower {
             }
             Lower::Remote { addr, name, timeout, psk, sync } => {
                 let connector = connector(addr, psk.as_deref())?;
-                let remote = plyfs_layers::remote::Remote::connect(name, connector, *timeout).map_err(|e| format!("{addr}: {e}"))?;
+                let remote = plyfs_layers::remote::Remote::connect(name, connector, *timeout).map_err(|e| crate::Error::Below(Box::new(e)))?;
                 Ok(remote.sync_writes(*sync).level())
             }
         }

@@ -240,6 +240,47 @@ fn bad_remote_arguments_get_one_clear_line() {
     let _ = Path::new("");
 }
 
+/// A server that is not there, or that answers TLS with nonsense, is one line naming its address
+/// once, then the cause (#32: the address used to come two or three times).
+#[test]
+fn a_failed_connection_names_the_address_once() {
+    let s = setup();
+    let mnt = s.root.join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let key = s.root.join("psk");
+    write_key(&key, [7u8; 32]);
+    let refuse = |lower: &str, args: &[&std::ffi::OsStr], cause: &str| {
+        let out = run(plyfs().arg("mount").arg(lower).arg(&mnt).args(args));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{lower}: {err}");
+        assert_eq!(err.lines().count(), 1, "{lower}: {err}");
+        assert!(err.starts_with(&format!("plyfs: {lower}: {cause}")), "{lower}: {err}");
+        assert_eq!(err.matches(lower).count(), 1, "{err}");
+        assert!(mounted_fstype(&mnt).is_none());
+        assert_eq!(std::fs::read_dir(&mnt).unwrap().count(), 0);
+    };
+    let sock = format!("unix:{}", s.root.join("x.sock").display());
+    refuse(&sock, &[], "connecting: No such file or directory");
+    let psk = [std::ffi::OsStr::new("--psk"), key.as_os_str()];
+    let nobody_there = format!("tcp:127.0.0.1:{}", free_port());
+    refuse(&nobody_there, &psk, "connecting: Connection refused");
+    // Something that is not a plyfs server: it answers the TLS client hello with plain text.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let not_tls = format!("tcp:{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for mut c in listener.incoming().flatten() {
+            let _ = c.write_all(b"HTTP/1.0 400 Bad Request\r\n\r\n");
+        }
+    });
+    refuse(&not_tls, &psk, "TLS handshake: ");
+    // A server with another key refuses the client.
+    let other = s.root.join("other");
+    write_key(&other, [8u8; 32]);
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let _server = Server::start(&s.lower, &addr, &[&format!("--psk={}", other.display())], &s.root.join("server.log"));
+    refuse(&addr, &psk, "refused: ");
+}
+
 /// A raw protocol client connecting from this thread with effective user `uid` (the kernel
 /// reports the connecting thread's credentials); returns the server's first answer.
 fn hello_as(sock: &std::path::Path, uid: u32) -> std::io::Result<String> {
