@@ -55,7 +55,7 @@ fn bad_input_gets_one_clear_line_and_mounts_nothing() {
     assert_refused(&mount(&[l, m, "-o", "turbo"]), "unknown mount option 'turbo'");
     let config = dir.path().join("bad.toml");
     fs::write(&config, "[[layer]]\ntype = \"null\"\n[[layer\n").unwrap();
-    assert_refused(&mount(&[l, m, "--config", config.to_str().unwrap()]), "bad.toml: line 3:");
+    assert_refused(&mount(&[l, m, "--config", config.to_str().unwrap()]), "bad.toml:3: ");
     assert_refused(&mount(&[l, m, "--config", "/nonexistent.toml"]), "/nonexistent.toml: No such file or directory");
 
     let file_mnt = dir.path().join("file");
@@ -68,6 +68,41 @@ fn bad_input_gets_one_clear_line_and_mounts_nothing() {
     assert!(mounted_fstype(&mnt).is_none());
     assert_eq!(fs::read(lower.join("keep.txt")).unwrap(), b"precious");
     assert_eq!(fs::read_dir(&lower).unwrap().count(), 1);
+}
+
+/// A mistake in a `--config` or `--rules` file is one line, `FILE:LINE: cause`, as a compiler
+/// says it, and nothing is mounted (#32).
+#[test]
+fn a_mistake_in_a_config_or_rules_file_names_the_file_and_its_line() {
+    let (dir, lower, mnt) = scratch();
+    let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let mount = |args: &[&str]| run(plyfs().arg("mount").arg(l).arg(m).args(args));
+    let config = file("unknown-key.toml", "[[layer]]\ntype = \"trace\"\nio = true\ncolour = \"red\"\n\n[[layer]]\ntype = \"null\"\n");
+    assert_refused(&mount(&["--config", &config]), &format!("{config}:4: layer 'trace': unknown parameter 'colour'"));
+    let config = file(
+        "branch.toml",
+        "[[layer]]\ntype = \"union\"\n[[layer.branch]]\ndir = \"/tmp\"\n[[layer.branch.layer]]\ntype = \"zstd\"\nlevle = 3\n",
+    );
+    assert_refused(&mount(&["--config", &config]), &format!("{config}:7: layer 'zstd': unknown parameter 'levle'"));
+    let config = file("top-level.toml", "colour = 1\n[[layer]]\ntype = \"null\"\n");
+    assert_refused(&mount(&["--config", &config]), &format!("{config}:1: unknown field `colour`"));
+
+    let rules = "[[rule]]\nglob = \"*.log\"\nlayers = \"zstd\"\n\n[[rule]]\n";
+    let syntax = file("syntax.toml", &format!("{rules}glob = \"*.txt\nlayers = \"gzip\"\n"));
+    assert_refused(&mount(&["--stack", "zstd", "--rules", &syntax]), &format!("{syntax}:6: "));
+    let glob = file("glob.toml", &format!("{rules}glob = \"[x\"\nlayers = \"gzip\"\n"));
+    assert_refused(&mount(&["--stack", "zstd", "--rules", &glob]), &format!("{glob}:5: rule 2: glob \"[x\": '[' without ']'"));
+    let layer = file("layer.toml", &format!("{rules}glob = \"*.txt\"\nlayers = \"gzipp\"\n"));
+    assert_refused(&mount(&["--stack", "zstd", "--rules", &layer]), &format!("{layer}:5: rule 2: unknown layer 'gzipp'"));
+
+    assert!(mounted_fstype(&mnt).is_none());
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1);
+    assert_eq!(fs::read(lower.join("keep.txt")).unwrap(), b"precious");
 }
 
 /// A reader that goes away (`plyfs layers | head -1`) ends a reporting command as it ends `ls`:

@@ -488,19 +488,52 @@ fn find_factory<'r>(registry: &'r [LayerFactory], spec: &LayerSpec) -> Result<&'
 }
 
 fn check_params(factory: &LayerFactory, spec: &LayerSpec) -> Result<()> {
-    for (key, _) in &spec.params {
-        let known = factory.params.iter().any(|p| p.name == key || p.name == crate::spec::ANY_PARAM);
-        if key != NAME_PARAM.name && !known {
-            let mut known: Vec<_> = factory.params.iter().map(|p| p.name).collect();
-            known.push(NAME_PARAM.name);
-            return Err(Error::config(format!(
-                "layer '{}': unknown parameter '{key}' (known: {})",
-                spec.kind,
-                known.join(", ")
-            )));
-        }
+    match unknown_param(factory, spec) {
+        Some(bad) => Err(bad.error),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// The first parameter of `spec` that its layer does not take.
+fn unknown_param(factory: &LayerFactory, spec: &LayerSpec) -> Option<BadParam> {
+    let (key, _) = spec.params.iter().find(|(key, _)| {
+        key != NAME_PARAM.name && !factory.params.iter().any(|p| p.name == key || p.name == crate::spec::ANY_PARAM)
+    })?;
+    let mut known: Vec<_> = factory.params.iter().map(|p| p.name).collect();
+    known.push(NAME_PARAM.name);
+    let error = Error::config(format!("layer '{}': unknown parameter '{key}' (known: {})", spec.kind, known.join(", ")));
+    Some(BadParam { layer: 0, key: key.clone(), error })
+}
+
+/// A parameter that its layer does not take, found by [`check_all_params`].
+#[derive(Debug)]
+pub struct BadParam {
+    /// The layer's position, counting top first and depth first (branches' layers included).
+    pub layer: usize,
+    pub key: String,
+    pub error: Error,
+}
+
+/// Check the parameter names of every layer of `specs`, branches included, before anything is
+/// built, so that a configuration file's mistake can be traced to its line. Layers that
+/// `registry` does not have are left for the build to name.
+pub fn check_all_params(specs: &[LayerSpec], registry: &[LayerFactory]) -> std::result::Result<(), BadParam> {
+    fn walk(specs: &[LayerSpec], registry: &[LayerFactory], position: &mut usize) -> std::result::Result<(), BadParam> {
+        for spec in specs {
+            let layer = *position;
+            *position += 1;
+            if let Some(factory) = registry.iter().find(|f| f.kind == spec.kind) {
+                if let Some(bad) = unknown_param(factory, spec) {
+                    return Err(BadParam { layer, ..bad });
+                }
+            }
+            for branch in &spec.branches {
+                walk(&branch.layers, registry, position)?;
+            }
+        }
+        Ok(())
+    }
+    walk(specs, registry, &mut 0)
 }
 
 /// Instance names, top first: the `name=` parameter, else the kind, numbered from the top when
