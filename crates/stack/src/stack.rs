@@ -320,15 +320,52 @@ impl Stack {
         out
     }
 
-    /// Fill in the layer names of an "unsupported operation" error from the bottom.
+    /// Fill in the layer names of an "unsupported operation" error from the bottom, and the
+    /// addresses of the levels below a fan-out layer that handle it: a fan-out layer passes an
+    /// extended operation to one branch at most, so `OP@NAME` must name the level.
     pub fn explain(&self, err: Error) -> Error {
         match err {
             Error::UnsupportedOp { op, .. } => Error::UnsupportedOp {
-                op,
+                handled_below: self.handled_below(&op),
                 layers: self.levels.iter().map(|l| l.name().to_owned()).collect(),
+                op,
             },
             other => other,
         }
+    }
+
+    /// An error if `op`, sent to the whole mount, is handled by no level of the stack's main line
+    /// but by several levels below a fan-out layer: the fan-out layer would pick one of them (its
+    /// first or reading branch) without saying so.
+    pub fn ambiguous(&self, op: &str) -> Option<Error> {
+        if self.levels.iter().any(|l| l.layer().extended_ops().iter().any(|o| o.name == op)) {
+            return None;
+        }
+        let handled = self.handled_below(op);
+        (handled.len() > 1).then(|| {
+            Error::BadArgs(format!(
+                "ambiguous operation '{op}': no layer of the stack ({}) handles it, and levels below a fan-out layer do, each for itself: {}; name one",
+                self.levels.iter().map(|l| l.name()).collect::<Vec<_>>().join(", "),
+                handled.join(", ")
+            ))
+        })
+    }
+
+    /// `OP@NAME` for each level below a fan-out layer that handles extended operation `op`.
+    fn handled_below(&self, op: &str) -> Vec<String> {
+        // A branch's top level is named twice (`mirror.1`, `mirror.1.fault`): the longer name
+        // says which layer it is.
+        let mut handled: Vec<NamedLevel> = Vec::new();
+        for n in self.named_levels().into_iter().skip(self.levels.len()) {
+            if !n.level.layer().extended_ops().iter().any(|o| o.name == op) {
+                continue;
+            }
+            match handled.iter_mut().find(|h| h.level.same(&n.level)) {
+                Some(h) => h.name = n.name,
+                None => handled.push(n),
+            }
+        }
+        handled.into_iter().map(|n| format!("{op}@{}", n.name)).collect()
     }
 
     /// Flush and stop every layer, top first, branches included.
