@@ -467,6 +467,58 @@ impl Drop for Unmounter {
     }
 }
 
+/// A Python layer whose interpreter lacks the plyfs package says so on standard error, in one
+/// line, with the script's own last words; the interpreter of an active virtual environment is
+/// found without being named, and `python=` names one (#32).
+#[test]
+fn a_python_layer_that_cannot_start_says_why_and_a_virtual_environment_is_found() {
+    let (dir, lower, mnt) = scratch();
+    let rot13 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/python/rot13.py").canonicalize().unwrap();
+    let mount = |stack: &str, env: &[(&str, &std::ffi::OsStr)]| {
+        let mut cmd = plyfs();
+        cmd.arg("mount").arg(&lower).arg(&mnt).args(["--stack", stack]).env_remove("PLYFS_PYTHON").env_remove("VIRTUAL_ENV");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        run(&mut cmd)
+    };
+    // An interpreter without site-packages: no plyfs package there.
+    let bare = dir.path().join("bare-python");
+    fs::write(&bare, "#!/bin/sh\nexec python3 -S \"$@\"\n").unwrap();
+    fs::set_permissions(&bare, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let stack = format!("py:script={}:python={}", rot13.display(), bare.display());
+    assert_refused(&mount(&stack, &[]), &format!("layer 'py' ({}): {} ended at start: exit status: 1: ", rot13.display(), bare.display()));
+    let err = stderr_of(&mount(&stack, &[]));
+    assert!(err.contains("ModuleNotFoundError: No module named 'plyfs' (install the plyfs package"), "{err}");
+    // A script that fails its own way: its last line is the cause.
+    let broken = dir.path().join("broken.py");
+    fs::write(&broken, "import sys\nprint('some noise', file=sys.stderr)\nraise SystemExit('broken.py: no layer today')\n").unwrap();
+    let stack = format!("py:script={}:python={}", broken.display(), bare.display());
+    assert_refused(&mount(&stack, &[]), "ended at start: exit status: 1: broken.py: no layer today");
+    assert!(mounted_fstype(&mnt).is_none());
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1);
+
+    // The interpreter with the package, as the test suite is given it (scripts/test.sh).
+    let Some(python) = std::env::var_os("PLYFS_PYTHON") else {
+        eprintln!("skipped the rest: PLYFS_PYTHON names no interpreter with the plyfs package");
+        return;
+    };
+    let venv = Path::new(&python).parent().and_then(Path::parent).unwrap().to_owned();
+    assert!(venv.join("pyvenv.cfg").is_file(), "PLYFS_PYTHON={python:?} is not in a virtual environment");
+    let by_venv = format!("py:script={}", rot13.display());
+    let by_param = format!("py:script={}:python={}", rot13.display(), python.to_string_lossy());
+    for (stack, env) in [(&by_venv, vec![("VIRTUAL_ENV", venv.as_os_str())]), (&by_param, vec![])] {
+        let out = mount(stack, &env);
+        let _unmount = scopeguard(&mnt);
+        assert!(out.status.success(), "{stack}: {}", stderr_of(&out));
+        fs::write(mnt.join("note"), "Hello").unwrap();
+        assert_eq!(fs::read_to_string(mnt.join("note")).unwrap(), "Hello");
+        assert!(run(plyfs().arg("umount").arg(&mnt)).status.success());
+        assert!(!fs::read(lower.join("note")).unwrap().windows(5).any(|w| w == b"Hello"), "rot13 rotated it");
+        fs::remove_file(lower.join("note")).unwrap();
+    }
+}
+
 /// An unprivileged write or truncate clears set-user-ID, and set-group-ID where the kernel
 /// would, through passthrough and the cached path alike (the daemon does it for the kernel,
 /// which hands the duty over with FUSE_HANDLE_KILLPRIV_V2). Native ext4 is the reference.
