@@ -562,6 +562,49 @@ fn a_crypt_volume_served_as_stored_is_decrypted_only_by_the_client() {
     );
 }
 
+/// The README's example of end-to-end encryption, as written: a volume made by root, served as
+/// stored over TCP with root squash, mounted by root on the client. The client, `nobody` on the
+/// server, reads the volume's configuration (0400, root's), and nothing else it could not
+/// before (#32: the mount failed with "Permission denied").
+#[test]
+fn a_root_client_mounts_a_volume_served_as_stored_over_tcp_as_the_readme_shows() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let s = setup();
+    let passfile = crypt_init(&s.root, &s.lower, &[]);
+    let config = s.lower.join(".plyfs-crypt.conf");
+    let before = std::fs::metadata(&config).unwrap();
+    assert_eq!((before.mode() & 0o7777, before.uid()), (0o400, 0));
+    let key = s.root.join("plyfs.psk");
+    write_key(&key, [9u8; 32]);
+    let key_arg = format!("--psk={}", key.display());
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let _server = Server::start(&s.lower, &addr, &["--as-stored", &key_arg], &s.root.join("server.log"));
+    {
+        let m = mount(&s, "vault", &addr, "zstd,crypt", &[&key_arg, &format!("--passfile={}", passfile.display())]);
+        assert_eq!(std::fs::read_dir(m.path("")).unwrap().count(), 0);
+        // Root squash, as the README says: nobody may not write into root's directory...
+        let err = std::fs::write(m.path("letter"), "x").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EACCES), "{err}");
+        // ... until the directory is nobody's.
+        std::os::unix::fs::chown(&s.lower, Some(65534), Some(65534)).unwrap();
+        std::thread::sleep(Duration::from_millis(1100));
+        std::fs::write(m.path("letter"), "a secret letter").unwrap();
+        assert_eq!(std::fs::read_to_string(m.path("letter")).unwrap(), "a secret letter");
+    }
+    let after = std::fs::metadata(&config).unwrap();
+    assert_eq!((after.mode() & 0o7777, after.uid(), after.len()), (0o400, 0, before.len()));
+    // Through a mount of the stored tree itself: the configuration is the one file the server
+    // opens for any client; another file of root's stays closed to nobody.
+    let private = s.lower.join("private");
+    std::fs::write(&private, "root's").unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o400)).unwrap();
+    let raw = mount(&s, "raw", &addr, "null", &[&key_arg]);
+    assert_eq!(std::fs::read(raw.path(".plyfs-crypt.conf")).unwrap(), std::fs::read(&config).unwrap());
+    assert_eq!(std::fs::read(raw.path("private")).unwrap_err().raw_os_error(), Some(libc::EACCES));
+    let err = std::fs::OpenOptions::new().append(true).open(raw.path(".plyfs-crypt.conf")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EACCES), "{err}");
+}
+
 fn walk(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).unwrap() {
