@@ -340,11 +340,22 @@ fn set_plain_attrs(path: &Path, a: &PlainAttrs, is_link: bool) -> Res<()> {
     }
     if !is_link {
         fs::set_permissions(path, fs::Permissions::from_mode(a.mode)).map_err(at)?;
-        let f = fs::File::options().read(true).open(path).or_else(|_| fs::File::open(path)).map_err(at)?;
-        let times = fs::FileTimes::new().set_accessed(a.atime).set_modified(a.mtime);
-        if let Err(e) = f.set_times(times) {
-            return Err(at(e));
-        }
+    }
+    // By path, without opening: a symlink keeps its own times (not its target's), and a FIFO
+    // or a device is not opened.
+    set_times_nofollow(path, a.atime, a.mtime).map_err(at)
+}
+
+/// `utimensat(2)` with `AT_SYMLINK_NOFOLLOW`.
+fn set_times_nofollow(path: &Path, atime: SystemTime, mtime: SystemTime) -> std::io::Result<()> {
+    let timespec = |t: SystemTime| {
+        let (secs, nanos) = plyfs_stack::unix_time(t);
+        libc::timespec { tv_sec: secs, tv_nsec: i64::from(nanos) }
+    };
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    let times = [timespec(atime), timespec(mtime)];
+    if unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) } != 0 {
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ mod common;
 use std::fs::{self, File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::io::{Read, Write};
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -345,6 +345,40 @@ fn offline_encode_fsck_du_and_decode_round_trip() {
     let out = run(plyfs().arg("fsck").arg(&enc).args(["--stack", "zstd"]));
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("sub/b.bin"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// `plyfs decode` keeps the modification times of every kind of entry: symlinks their own (not
+/// their targets'), directories theirs after their contents are written, and a FIFO is not
+/// opened to set them (#32: every symlink got the time of the decode).
+#[test]
+fn decode_keeps_the_times_of_files_symlinks_directories_and_fifos() {
+    let dir = tempfile::tempdir().unwrap();
+    let (src, enc, dec) = (dir.path().join("src"), dir.path().join("enc"), dir.path().join("dec"));
+    fs::create_dir_all(src.join("docs/deep")).unwrap();
+    fs::write(src.join("docs/a.txt"), text(10_000)).unwrap();
+    fs::write(src.join("docs/deep/b.txt"), text(100)).unwrap();
+    std::os::unix::fs::symlink("a.txt", src.join("docs/link")).unwrap();
+    std::os::unix::fs::symlink("/nonexistent", src.join("docs/deep/dangling")).unwrap();
+    let out = run(plyfs().arg("encode").arg(&src).arg(&enc).args(["--stack", "zstd"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let fifo = std::ffi::CString::new(enc.join("docs/fifo").to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o640) }, 0);
+    // Times of the encoded tree, each its own, set deepest first so that no later change moves them.
+    let entries = ["docs/deep/b.txt", "docs/deep/dangling", "docs/deep", "docs/a.txt", "docs/link", "docs/fifo", "docs", ""];
+    for (i, rel) in entries.iter().enumerate() {
+        let at = format!("@{}", 1_000_000_000 + i * 86_400);
+        let out = run(std::process::Command::new("touch").args(["-h", "-d", &at]).arg(enc.join(rel)));
+        assert!(out.status.success(), "touch {rel}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let out = run(plyfs().arg("decode").arg(&enc).arg(&dec).args(["--stack", "zstd"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for (i, rel) in entries.iter().enumerate() {
+        let meta = fs::symlink_metadata(dec.join(rel)).unwrap();
+        assert_eq!(meta.mtime(), 1_000_000_000 + i as i64 * 86_400, "mtime of {rel:?}");
+    }
+    assert_eq!(fs::read_link(dec.join("docs/link")).unwrap(), Path::new("a.txt"));
+    assert_eq!(fs::read(dec.join("docs/a.txt")).unwrap(), text(10_000));
+    assert!(fs::symlink_metadata(dec.join("docs/fifo")).unwrap().file_type().is_fifo());
 }
 
 /// `echo >> log` in a loop: every append opens and closes the file, and the kernel sends each
