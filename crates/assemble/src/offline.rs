@@ -448,6 +448,11 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool, bar: &d
                 }
             }
             let v = top.extended(&cx(), e.node, "verify", &[]);
+            if v.is_ok() {
+                if let Some(warning) = other_chain(&top, e.node, rel) {
+                    bar.note(&warning);
+                }
+            }
             top.forget(&cx(), e.node, 1);
             match v {
                 // A file that no size-changing layer encodes (its chain is `none`): nothing to check.
@@ -482,6 +487,21 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool, bar: &d
     stack.shutdown();
     bar.finish();
     Ok(Checked { checked: files.len() - plain, plain, repaired, rebound, damaged })
+}
+
+/// A warning line when the file at `node` is encoded with another chain than its policy gives
+/// (written under another `--stack` or rule): the mount reads it with the chain it records, and
+/// so `fsck` checks it, but the user may think it is in another format.
+fn other_chain(top: &Level, node: NodeId, rel: &Path) -> Option<String> {
+    let explained = top.extended(&cx(), node, "policy-explain", &[]).ok()?;
+    let (recorded, policy) = (explained["recorded"].as_str()?, explained["policy"].as_str()?);
+    let source = explained["source"].as_str().unwrap_or("its policy");
+    (recorded != policy).then(|| {
+        format!(
+            "warning: {}: encoded with '{recorded}', while {source} gives '{policy}'; it is read with '{recorded}', as the file records (`plyfs policy apply` re-encodes it)",
+            rel.display()
+        )
+    })
 }
 
 /// What `fsck` found.

@@ -381,6 +381,46 @@ fn decode_keeps_the_times_of_files_symlinks_directories_and_fifos() {
     assert!(fs::symlink_metadata(dec.join("docs/fifo")).unwrap().file_type().is_fifo());
 }
 
+/// A lower tree written by `zstd` and opened with `--stack gzip`: each file records its chain and
+/// is read with it, by a mount as by fsck, which says so in a warning; a file that lost its
+/// record (copied without attributes) is refused by both with EIO (#32).
+#[test]
+fn a_file_written_by_another_codec_is_read_with_its_own_and_fsck_warns() {
+    let dir = tempfile::tempdir().unwrap();
+    let (lower, mnt) = (dir.path().join("lower"), dir.path().join("mnt"));
+    fs::create_dir(&lower).unwrap();
+    fs::create_dir(&mnt).unwrap();
+    drop({
+        let m = Mount::start(tempfile::tempdir().unwrap(), lower.clone(), mnt.clone(), "zstd", &[]);
+        fs::write(m.path("a.txt"), text(50_000)).unwrap();
+        m
+    });
+    let fsck = |stack: &str| run(plyfs().arg("fsck").arg(&lower).args(["--stack", stack]));
+    let out = fsck("gzip");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("plyfs: warning: a.txt: encoded with 'zstd', while the mount's default (the data layers of --stack) gives 'gzip'; it is read with 'zstd'"),
+        "{err}"
+    );
+    let out = fsck("zstd");
+    assert!(out.status.success() && !String::from_utf8_lossy(&out.stderr).contains("warning"), "{}", String::from_utf8_lossy(&out.stderr));
+    // The copy has no record: its header says zstd, and a gzip mount cannot take it for its own.
+    fs::copy(lower.join("a.txt"), lower.join("copy.txt")).unwrap();
+    let stored: Vec<Vec<u8>> = ["a.txt", "copy.txt"].iter().map(|f| fs::read(lower.join(f)).unwrap()).collect();
+    let out = fsck("gzip");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("copy.txt: verifying: ") && err.contains("encoded by 'zstd', not by this 'gzip' layer"), "{err}");
+    {
+        let m = Mount::start(tempfile::tempdir().unwrap(), lower.clone(), mnt.clone(), "gzip", &[]);
+        assert_eq!(fs::read(m.path("a.txt")).unwrap(), text(50_000));
+        assert_eq!(fs::read(m.path("copy.txt")).unwrap_err().raw_os_error(), Some(libc::EIO));
+    }
+    let after: Vec<Vec<u8>> = ["a.txt", "copy.txt"].iter().map(|f| fs::read(lower.join(f)).unwrap()).collect();
+    assert!(after == stored, "fsck and the mount left the lower files as they were");
+}
+
 /// `echo >> log` in a loop: every append opens and closes the file, and the kernel sends each
 /// `release` asynchronously, so it often races with the next `open`. The two must share one
 /// state: a second one loaded from a file still being closed once lost data here.
