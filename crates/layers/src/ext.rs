@@ -169,7 +169,8 @@ impl Peer {
     fn ended_at_start(&self) -> Option<String> {
         let deadline = Instant::now() + Duration::from_secs(2);
         let status = loop {
-            match self.child.lock().as_mut().map(|c| c.try_wait()) {
+            let ended = self.child.lock().as_mut().map(|c| c.try_wait());
+            match ended {
                 Some(Ok(Some(status))) => break status,
                 Some(Ok(None)) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
                 _ => return None,
