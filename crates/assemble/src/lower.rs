@@ -110,7 +110,7 @@ impl Lower {
             }
             Lower::Remote { addr, name, timeout, psk, sync } => {
                 let connector = connector(addr, psk.as_deref())?;
-                let remote = plyfs_layers::remote::Remote::connect(name, connector, *timeout).map_err(|e| format!("{addr}: {e}"))?;
+                let remote = plyfs_layers::remote::Remote::connect(name, connector, *timeout).map_err(|e| crate::Error::Below(Box::new(e)))?;
                 Ok(remote.sync_writes(*sync).level())
             }
         }
@@ -124,7 +124,16 @@ impl Lower {
             return Ok(None);
         }
         let bottom = self.bottom()?;
-        let config = plyfs_layers::crypt::config_below(&bottom).map_err(|e| format!("{self}: {e}"));
+        let config = plyfs_layers::crypt::config_below(&bottom).map_err(|e| {
+            let name = plyfs_layers::crypt::keys::CONFIG_NAME;
+            match e {
+                // A server not started with --as-stored acts as the client's ids (root as nobody).
+                plyfs_stack::Error::Os(libc::EACCES) => format!(
+                    "{self}: reading {name}: {e}: the server does not let this client read the volume's configuration; serve the volume with `plyfs serve --as-stored`"
+                ),
+                e => format!("{self}: reading {name}: {e}"),
+            }
+        });
         bottom.layer().shutdown();
         let name = format!("the crypt volume served at {self}");
         Ok(config?.map(|c| (name.clone(), name, c)))

@@ -340,11 +340,22 @@ fn set_plain_attrs(path: &Path, a: &PlainAttrs, is_link: bool) -> Res<()> {
     }
     if !is_link {
         fs::set_permissions(path, fs::Permissions::from_mode(a.mode)).map_err(at)?;
-        let f = fs::File::options().read(true).open(path).or_else(|_| fs::File::open(path)).map_err(at)?;
-        let times = fs::FileTimes::new().set_accessed(a.atime).set_modified(a.mtime);
-        if let Err(e) = f.set_times(times) {
-            return Err(at(e));
-        }
+    }
+    // By path, without opening: a symlink keeps its own times (not its target's), and a FIFO
+    // or a device is not opened.
+    set_times_nofollow(path, a.atime, a.mtime).map_err(at)
+}
+
+/// `utimensat(2)` with `AT_SYMLINK_NOFOLLOW`.
+fn set_times_nofollow(path: &Path, atime: SystemTime, mtime: SystemTime) -> std::io::Result<()> {
+    let timespec = |t: SystemTime| {
+        let (secs, nanos) = plyfs_stack::unix_time(t);
+        libc::timespec { tv_sec: secs, tv_nsec: i64::from(nanos) }
+    };
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    let times = [timespec(atime), timespec(mtime)];
+    if unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) } != 0 {
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }
@@ -439,6 +450,11 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool, bar: &d
                 }
             }
             let v = top.extended(&cx(), e.node, "verify", &[]);
+            if v.is_ok() {
+                if let Some(warning) = other_chain(&top, e.node, rel) {
+                    bar.note(&warning);
+                }
+            }
             top.forget(&cx(), e.node, 1);
             match v {
                 // A file that no size-changing layer encodes (its chain is `none`): nothing to check.
@@ -487,6 +503,24 @@ fn damage_line(rel: &Path, lower_file: &Path, verified: &serde_json::Value) -> S
     };
     let rebuilt = if verified.get("index_rebuilt").is_some_and(|w| w.is_string()) { "; its index was rebuilt" } else { "" };
     format!("{}: {first}{more}{rebuilt}", rel.display())
+}
+
+/// A warning line when the file at `node` is encoded with other layers than its policy gives
+/// (written under another `--stack` or rule): the mount reads it with the chain it records, and
+/// so `fsck` checks it, but the user may think it is in another format.
+fn other_chain(top: &Level, node: NodeId, rel: &Path) -> Option<String> {
+    let explained = top.extended(&cx(), node, "policy-explain", &[]).ok()?;
+    let (recorded, policy) = (explained["recorded"].as_str()?, explained["policy"].as_str()?);
+    let source = explained["source"].as_str().unwrap_or("its policy");
+    // Only another codec or cipher is worth a word: a file written with other parameters of the
+    // same layers (a chunk size, a level) is simply read with them.
+    let kinds = |chain: &str| chain.split(',').map(|layer| layer.split(':').next().unwrap_or("").to_owned()).collect::<Vec<_>>();
+    (kinds(recorded) != kinds(policy)).then(|| {
+        format!(
+            "warning: {}: encoded with '{recorded}', while {source} gives '{policy}'; it is read with '{recorded}', as the file records (`plyfs policy apply` re-encodes it)",
+            rel.display()
+        )
+    })
 }
 
 /// What `fsck` found.

@@ -62,6 +62,8 @@ pub fn run(plan: ServePlan, signals: SigSet) -> crate::Result<()> {
     };
     let stack = Arc::new(stack);
     let lower = Lower::Dir(lower);
+    // Every client of a volume served as stored needs its configuration to unlock it.
+    let options = ServerOptions { readable_by_all: as_stored.then_some(plyfs_layers::crypt::keys::CONFIG_NAME), ..options };
     let server = Server::for_stack(&stack, options);
     let names: Vec<String> = stack.named_levels().into_iter().map(|n| n.name).collect();
 

@@ -90,6 +90,8 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             in_flight_bytes: args.limits.in_flight as usize,
             allow_devices: args.allow_devices,
             allow_privileged_xattrs: args.allow_privileged_xattrs,
+            // Set for --as-stored where the server is run.
+            readable_by_all: None,
         },
         allow_uids: args.allow_uids.clone(),
         identity: if args.no_root_squash { Identity::AsSent } else { Identity::RootSquash },

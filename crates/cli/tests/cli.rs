@@ -55,7 +55,7 @@ fn bad_input_gets_one_clear_line_and_mounts_nothing() {
     assert_refused(&mount(&[l, m, "-o", "turbo"]), "unknown mount option 'turbo'");
     let config = dir.path().join("bad.toml");
     fs::write(&config, "[[layer]]\ntype = \"null\"\n[[layer\n").unwrap();
-    assert_refused(&mount(&[l, m, "--config", config.to_str().unwrap()]), "bad.toml: line 3:");
+    assert_refused(&mount(&[l, m, "--config", config.to_str().unwrap()]), "bad.toml:3: ");
     assert_refused(&mount(&[l, m, "--config", "/nonexistent.toml"]), "/nonexistent.toml: No such file or directory");
 
     let file_mnt = dir.path().join("file");
@@ -68,6 +68,41 @@ fn bad_input_gets_one_clear_line_and_mounts_nothing() {
     assert!(mounted_fstype(&mnt).is_none());
     assert_eq!(fs::read(lower.join("keep.txt")).unwrap(), b"precious");
     assert_eq!(fs::read_dir(&lower).unwrap().count(), 1);
+}
+
+/// A mistake in a `--config` or `--rules` file is one line, `FILE:LINE: cause`, as a compiler
+/// says it, and nothing is mounted (#32).
+#[test]
+fn a_mistake_in_a_config_or_rules_file_names_the_file_and_its_line() {
+    let (dir, lower, mnt) = scratch();
+    let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let mount = |args: &[&str]| run(plyfs().arg("mount").arg(l).arg(m).args(args));
+    let config = file("unknown-key.toml", "[[layer]]\ntype = \"trace\"\nio = true\ncolour = \"red\"\n\n[[layer]]\ntype = \"null\"\n");
+    assert_refused(&mount(&["--config", &config]), &format!("{config}:4: layer 'trace': unknown parameter 'colour'"));
+    let config = file(
+        "branch.toml",
+        "[[layer]]\ntype = \"union\"\n[[layer.branch]]\ndir = \"/tmp\"\n[[layer.branch.layer]]\ntype = \"zstd\"\nlevle = 3\n",
+    );
+    assert_refused(&mount(&["--config", &config]), &format!("{config}:7: layer 'zstd': unknown parameter 'levle'"));
+    let config = file("top-level.toml", "colour = 1\n[[layer]]\ntype = \"null\"\n");
+    assert_refused(&mount(&["--config", &config]), &format!("{config}:1: unknown field `colour`"));
+
+    let rules = "[[rule]]\nglob = \"*.log\"\nlayers = \"zstd\"\n\n[[rule]]\n";
+    let syntax = file("syntax.toml", &format!("{rules}glob = \"*.txt\nlayers = \"gzip\"\n"));
+    assert_refused(&mount(&["--stack", "zstd", "--rules", &syntax]), &format!("{syntax}:6: "));
+    let glob = file("glob.toml", &format!("{rules}glob = \"[x\"\nlayers = \"gzip\"\n"));
+    assert_refused(&mount(&["--stack", "zstd", "--rules", &glob]), &format!("{glob}:5: rule 2: glob \"[x\": '[' without ']'"));
+    let layer = file("layer.toml", &format!("{rules}glob = \"*.txt\"\nlayers = \"gzipp\"\n"));
+    assert_refused(&mount(&["--stack", "zstd", "--rules", &layer]), &format!("{layer}:5: rule 2: unknown layer 'gzipp'"));
+
+    assert!(mounted_fstype(&mnt).is_none());
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1);
+    assert_eq!(fs::read(lower.join("keep.txt")).unwrap(), b"precious");
 }
 
 /// A reader that goes away (`plyfs layers | head -1`) ends a reporting command as it ends `ls`:
@@ -429,6 +464,58 @@ impl Drop for Unmounter {
         if mounted_fstype(&self.0).is_some() {
             let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
         }
+    }
+}
+
+/// A Python layer whose interpreter lacks the plyfs package says so on standard error, in one
+/// line, with the script's own last words; the interpreter of an active virtual environment is
+/// found without being named, and `python=` names one (#32).
+#[test]
+fn a_python_layer_that_cannot_start_says_why_and_a_virtual_environment_is_found() {
+    let (dir, lower, mnt) = scratch();
+    let rot13 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/python/rot13.py").canonicalize().unwrap();
+    let mount = |stack: &str, env: &[(&str, &std::ffi::OsStr)]| {
+        let mut cmd = plyfs();
+        cmd.arg("mount").arg(&lower).arg(&mnt).args(["--stack", stack]).env_remove("PLYFS_PYTHON").env_remove("VIRTUAL_ENV");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        run(&mut cmd)
+    };
+    // An interpreter without site-packages: no plyfs package there.
+    let bare = dir.path().join("bare-python");
+    fs::write(&bare, "#!/bin/sh\nexec python3 -S \"$@\"\n").unwrap();
+    fs::set_permissions(&bare, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let stack = format!("py:script={}:python={}", rot13.display(), bare.display());
+    assert_refused(&mount(&stack, &[]), &format!("layer 'py' ({}): {} ended at start: exit status: 1: ", rot13.display(), bare.display()));
+    let err = stderr_of(&mount(&stack, &[]));
+    assert!(err.contains("ModuleNotFoundError: No module named 'plyfs' (install the plyfs package"), "{err}");
+    // A script that fails its own way: its last line is the cause.
+    let broken = dir.path().join("broken.py");
+    fs::write(&broken, "import sys\nprint('some noise', file=sys.stderr)\nraise SystemExit('broken.py: no layer today')\n").unwrap();
+    let stack = format!("py:script={}:python={}", broken.display(), bare.display());
+    assert_refused(&mount(&stack, &[]), "ended at start: exit status: 1: broken.py: no layer today");
+    assert!(mounted_fstype(&mnt).is_none());
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1);
+
+    // The interpreter with the package, as the test suite is given it (scripts/test.sh).
+    let Some(python) = std::env::var_os("PLYFS_PYTHON") else {
+        eprintln!("skipped the rest: PLYFS_PYTHON names no interpreter with the plyfs package");
+        return;
+    };
+    let venv = Path::new(&python).parent().and_then(Path::parent).unwrap().to_owned();
+    assert!(venv.join("pyvenv.cfg").is_file(), "PLYFS_PYTHON={python:?} is not in a virtual environment");
+    let by_venv = format!("py:script={}", rot13.display());
+    let by_param = format!("py:script={}:python={}", rot13.display(), python.to_string_lossy());
+    for (stack, env) in [(&by_venv, vec![("VIRTUAL_ENV", venv.as_os_str())]), (&by_param, vec![])] {
+        let out = mount(stack, &env);
+        let _unmount = scopeguard(&mnt);
+        assert!(out.status.success(), "{stack}: {}", stderr_of(&out));
+        fs::write(mnt.join("note"), "Hello").unwrap();
+        assert_eq!(fs::read_to_string(mnt.join("note")).unwrap(), "Hello");
+        assert!(run(plyfs().arg("umount").arg(&mnt)).status.success());
+        assert!(!fs::read(lower.join("note")).unwrap().windows(5).any(|w| w == b"Hello"), "rot13 rotated it");
+        fs::remove_file(lower.join("note")).unwrap();
     }
 }
 

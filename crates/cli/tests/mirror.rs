@@ -100,6 +100,39 @@ fn file_attribute_flags_are_set_on_both_branches() {
     }
 }
 
+/// An operation that only levels below the fan-out layer handle is refused with the addresses
+/// that reach them (#32: it used to say only that no layer of the stack handles it).
+#[test]
+fn an_operation_handled_only_below_the_mirror_names_where_it_is_handled() {
+    let op = |m: &Mount, op: &str| run(plyfs().arg("op").arg(&m.mnt).arg(op));
+    let refused = |out: std::process::Output, expect: &str| {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.contains(expect), "{err:?} should contain {expect:?}");
+        assert!(out.stdout.is_empty());
+    };
+    let (m, _b) = mirror("mirror[|fault]");
+    op_json(&m.mnt, &["fault-add@mirror.1.fault", "op=unlink", "error=EIO"]);
+    refused(
+        op(&m, "fault-clear"),
+        "unsupported operation 'fault-clear': no layer of the stack (mirror) handles it; a level below a fan-out layer does: fault-clear@mirror.1.fault",
+    );
+    // Nothing was cleared.
+    assert_eq!(op_json(&m.mnt, &["fault-list@mirror.1.fault"]).as_array().unwrap().len(), 1);
+    drop(m);
+    // Two levels handle it: the mirror would pick its reading branch's without a word.
+    let (m, _b) = mirror("trace,mirror[fault|fault]");
+    op_json(&m.mnt, &["fault-add@mirror.0.fault", "op=unlink", "error=EIO"]);
+    refused(
+        op(&m, "fault-clear"),
+        "ambiguous operation 'fault-clear': no layer of the stack (trace, mirror) handles it, and levels below a fan-out layer do, each for itself: fault-clear@mirror.0.fault, fault-clear@mirror.1.fault; name one",
+    );
+    assert_eq!(op_json(&m.mnt, &["fault-list@mirror.0.fault"]).as_array().unwrap().len(), 1);
+    op_json(&m.mnt, &["fault-clear@mirror.0.fault"]);
+    assert_eq!(op_json(&m.mnt, &["fault-list@mirror.0.fault"]).as_array().unwrap().len(), 0);
+}
+
 #[test]
 fn a_branch_failed_mid_workload_costs_the_application_nothing_and_resync_restores_it() {
     let (m, b) = mirror("mirror[|fault]");

@@ -240,6 +240,47 @@ fn bad_remote_arguments_get_one_clear_line() {
     let _ = Path::new("");
 }
 
+/// A server that is not there, or that answers TLS with nonsense, is one line naming its address
+/// once, then the cause (#32: the address used to come two or three times).
+#[test]
+fn a_failed_connection_names_the_address_once() {
+    let s = setup();
+    let mnt = s.root.join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let key = s.root.join("psk");
+    write_key(&key, [7u8; 32]);
+    let refuse = |lower: &str, args: &[&std::ffi::OsStr], cause: &str| {
+        let out = run(plyfs().arg("mount").arg(lower).arg(&mnt).args(args));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{lower}: {err}");
+        assert_eq!(err.lines().count(), 1, "{lower}: {err}");
+        assert!(err.starts_with(&format!("plyfs: {lower}: {cause}")), "{lower}: {err}");
+        assert_eq!(err.matches(lower).count(), 1, "{err}");
+        assert!(mounted_fstype(&mnt).is_none());
+        assert_eq!(std::fs::read_dir(&mnt).unwrap().count(), 0);
+    };
+    let sock = format!("unix:{}", s.root.join("x.sock").display());
+    refuse(&sock, &[], "connecting: No such file or directory");
+    let psk = [std::ffi::OsStr::new("--psk"), key.as_os_str()];
+    let nobody_there = format!("tcp:127.0.0.1:{}", free_port());
+    refuse(&nobody_there, &psk, "connecting: Connection refused");
+    // Something that is not a plyfs server: it answers the TLS client hello with plain text.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let not_tls = format!("tcp:{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for mut c in listener.incoming().flatten() {
+            let _ = c.write_all(b"HTTP/1.0 400 Bad Request\r\n\r\n");
+        }
+    });
+    refuse(&not_tls, &psk, "TLS handshake: ");
+    // A server with another key refuses the client.
+    let other = s.root.join("other");
+    write_key(&other, [8u8; 32]);
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let _server = Server::start(&s.lower, &addr, &[&format!("--psk={}", other.display())], &s.root.join("server.log"));
+    refuse(&addr, &psk, "refused: ");
+}
+
 /// A raw protocol client connecting from this thread with effective user `uid` (the kernel
 /// reports the connecting thread's credentials); returns the server's first answer.
 fn hello_as(sock: &std::path::Path, uid: u32) -> std::io::Result<String> {
@@ -519,6 +560,49 @@ fn a_crypt_volume_served_as_stored_is_decrypted_only_by_the_client() {
         !out.status.success() && err.contains("wrong password") && err.contains(&addr) && err.trim().lines().count() == 1,
         "{err}"
     );
+}
+
+/// The README's example of end-to-end encryption, as written: a volume made by root, served as
+/// stored over TCP with root squash, mounted by root on the client. The client, `nobody` on the
+/// server, reads the volume's configuration (0400, root's), and nothing else it could not
+/// before (#32: the mount failed with "Permission denied").
+#[test]
+fn a_root_client_mounts_a_volume_served_as_stored_over_tcp_as_the_readme_shows() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let s = setup();
+    let passfile = crypt_init(&s.root, &s.lower, &[]);
+    let config = s.lower.join(".plyfs-crypt.conf");
+    let before = std::fs::metadata(&config).unwrap();
+    assert_eq!((before.mode() & 0o7777, before.uid()), (0o400, 0));
+    let key = s.root.join("plyfs.psk");
+    write_key(&key, [9u8; 32]);
+    let key_arg = format!("--psk={}", key.display());
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let _server = Server::start(&s.lower, &addr, &["--as-stored", &key_arg], &s.root.join("server.log"));
+    {
+        let m = mount(&s, "vault", &addr, "zstd,crypt", &[&key_arg, &format!("--passfile={}", passfile.display())]);
+        assert_eq!(std::fs::read_dir(m.path("")).unwrap().count(), 0);
+        // Root squash, as the README says: nobody may not write into root's directory...
+        let err = std::fs::write(m.path("letter"), "x").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EACCES), "{err}");
+        // ... until the directory is nobody's.
+        std::os::unix::fs::chown(&s.lower, Some(65534), Some(65534)).unwrap();
+        std::thread::sleep(Duration::from_millis(1100));
+        std::fs::write(m.path("letter"), "a secret letter").unwrap();
+        assert_eq!(std::fs::read_to_string(m.path("letter")).unwrap(), "a secret letter");
+    }
+    let after = std::fs::metadata(&config).unwrap();
+    assert_eq!((after.mode() & 0o7777, after.uid(), after.len()), (0o400, 0, before.len()));
+    // Through a mount of the stored tree itself: the configuration is the one file the server
+    // opens for any client; another file of root's stays closed to nobody.
+    let private = s.lower.join("private");
+    std::fs::write(&private, "root's").unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o400)).unwrap();
+    let raw = mount(&s, "raw", &addr, "null", &[&key_arg]);
+    assert_eq!(std::fs::read(raw.path(".plyfs-crypt.conf")).unwrap(), std::fs::read(&config).unwrap());
+    assert_eq!(std::fs::read(raw.path("private")).unwrap_err().raw_os_error(), Some(libc::EACCES));
+    let err = std::fs::OpenOptions::new().append(true).open(raw.path(".plyfs-crypt.conf")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EACCES), "{err}");
 }
 
 fn walk(dir: &Path) -> Vec<PathBuf> {

@@ -7,7 +7,7 @@ mod common;
 use std::fs::{self, File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::io::{Read, Write};
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -372,6 +372,80 @@ fn fsck_says_one_line_per_damaged_file_then_a_summary() {
     // A sound tree: the same summary, and success.
     let out = run(plyfs().arg("fsck").arg(dir.path().join("enc.src")).args(["--stack", "zstd"]));
     assert!(out.status.success() && stderr(&out) == "plyfs: fsck: 0 files checked, 0 damaged, 0 indexes rebuilt (2 plain files, which no layer encodes, need no check)\n", "{}", stderr(&out));
+}
+
+/// `plyfs decode` keeps the modification times of every kind of entry: symlinks their own (not
+/// their targets'), directories theirs after their contents are written, and a FIFO is not
+/// opened to set them (#32: every symlink got the time of the decode).
+#[test]
+fn decode_keeps_the_times_of_files_symlinks_directories_and_fifos() {
+    let dir = tempfile::tempdir().unwrap();
+    let (src, enc, dec) = (dir.path().join("src"), dir.path().join("enc"), dir.path().join("dec"));
+    fs::create_dir_all(src.join("docs/deep")).unwrap();
+    fs::write(src.join("docs/a.txt"), text(10_000)).unwrap();
+    fs::write(src.join("docs/deep/b.txt"), text(100)).unwrap();
+    std::os::unix::fs::symlink("a.txt", src.join("docs/link")).unwrap();
+    std::os::unix::fs::symlink("/nonexistent", src.join("docs/deep/dangling")).unwrap();
+    let out = run(plyfs().arg("encode").arg(&src).arg(&enc).args(["--stack", "zstd"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let fifo = std::ffi::CString::new(enc.join("docs/fifo").to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o640) }, 0);
+    // Times of the encoded tree, each its own, set deepest first so that no later change moves them.
+    let entries = ["docs/deep/b.txt", "docs/deep/dangling", "docs/deep", "docs/a.txt", "docs/link", "docs/fifo", "docs", ""];
+    for (i, rel) in entries.iter().enumerate() {
+        let at = format!("@{}", 1_000_000_000 + i * 86_400);
+        let out = run(std::process::Command::new("touch").args(["-h", "-d", &at]).arg(enc.join(rel)));
+        assert!(out.status.success(), "touch {rel}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let out = run(plyfs().arg("decode").arg(&enc).arg(&dec).args(["--stack", "zstd"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for (i, rel) in entries.iter().enumerate() {
+        let meta = fs::symlink_metadata(dec.join(rel)).unwrap();
+        assert_eq!(meta.mtime(), 1_000_000_000 + i as i64 * 86_400, "mtime of {rel:?}");
+    }
+    assert_eq!(fs::read_link(dec.join("docs/link")).unwrap(), Path::new("a.txt"));
+    assert_eq!(fs::read(dec.join("docs/a.txt")).unwrap(), text(10_000));
+    assert!(fs::symlink_metadata(dec.join("docs/fifo")).unwrap().file_type().is_fifo());
+}
+
+/// A lower tree written by `zstd` and opened with `--stack gzip`: each file records its chain and
+/// is read with it, by a mount as by fsck, which says so in a warning; a file that lost its
+/// record (copied without attributes) is refused by both with EIO (#32).
+#[test]
+fn a_file_written_by_another_codec_is_read_with_its_own_and_fsck_warns() {
+    let dir = tempfile::tempdir().unwrap();
+    let (lower, mnt) = (dir.path().join("lower"), dir.path().join("mnt"));
+    fs::create_dir(&lower).unwrap();
+    fs::create_dir(&mnt).unwrap();
+    drop({
+        let m = Mount::start(tempfile::tempdir().unwrap(), lower.clone(), mnt.clone(), "zstd", &[]);
+        fs::write(m.path("a.txt"), text(50_000)).unwrap();
+        m
+    });
+    let fsck = |stack: &str| run(plyfs().arg("fsck").arg(&lower).args(["--stack", stack]));
+    let out = fsck("gzip");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("plyfs: warning: a.txt: encoded with 'zstd', while the mount's default (the data layers of --stack) gives 'gzip'; it is read with 'zstd'"),
+        "{err}"
+    );
+    let out = fsck("zstd");
+    assert!(out.status.success() && !String::from_utf8_lossy(&out.stderr).contains("warning"), "{}", String::from_utf8_lossy(&out.stderr));
+    // The copy has no record: its header says zstd, and a gzip mount cannot take it for its own.
+    fs::copy(lower.join("a.txt"), lower.join("copy.txt")).unwrap();
+    let stored: Vec<Vec<u8>> = ["a.txt", "copy.txt"].iter().map(|f| fs::read(lower.join(f)).unwrap()).collect();
+    let out = fsck("gzip");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("copy.txt: verifying: ") && err.contains("encoded by 'zstd', not by this 'gzip' layer"), "{err}");
+    {
+        let m = Mount::start(tempfile::tempdir().unwrap(), lower.clone(), mnt.clone(), "gzip", &[]);
+        assert_eq!(fs::read(m.path("a.txt")).unwrap(), text(50_000));
+        assert_eq!(fs::read(m.path("copy.txt")).unwrap_err().raw_os_error(), Some(libc::EIO));
+    }
+    let after: Vec<Vec<u8>> = ["a.txt", "copy.txt"].iter().map(|f| fs::read(lower.join(f)).unwrap()).collect();
+    assert!(after == stored, "fsck and the mount left the lower files as they were");
 }
 
 /// `echo >> log` in a loop: every append opens and closes the file, and the kernel sends each

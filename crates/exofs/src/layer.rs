@@ -418,7 +418,7 @@ impl Layer for Exofs {
             Op::Extended { name: plyfs_stack::shared::LOCK_OP, args, .. } => {
                 plyfs_stack::shared::parse_lock_args(args).map(|_| Reply::Extended(serde_json::Value::Null))
             }
-            Op::Extended { name, .. } => Err(Error::UnsupportedOp { op: name.to_owned(), layers: vec![self.name.clone()] }),
+            Op::Extended { name, .. } => Err(Error::UnsupportedOp { op: name.to_owned(), layers: vec![self.name.clone()], handled_below: vec![] }),
         }
     }
 

@@ -254,6 +254,12 @@ fn handle(stack: &Stack, cx: &Caller, line: &str) -> Result<Value, String> {
         return Ok(Value::Array(ops.into_iter().map(|(layer, o)| json!({ "layer": layer, "op": o.name, "args": o.args, "help": o.help })).collect()));
     }
 
+    // Sent to the whole mount, not to a level or an object in one branch.
+    if components.is_empty() && !from_view && req["layer"].is_null() {
+        if let Some(e) = stack.ambiguous(op) {
+            return Err(e.to_string());
+        }
+    }
     let (node, held) = resolve(level, cx, &components).map_err(|e| format!("{path}: {e}"))?;
     let result = level.extended(cx, node, op, &args);
     for n in held {

@@ -2,7 +2,9 @@
 //!
 //! `ext:socket=PATH` reaches a process that listens on PATH and hosts one layer (`plyfs host`,
 //! or a Python script run with `--socket`). `py:script=FILE` starts `python3 FILE` itself, with a
-//! socket pair. Either way the process says in its welcome what it is:
+//! socket pair; the script's standard error passes through the mount's, and its last line is the
+//! cause given when the script dies at start. Either way the process says in its welcome what it
+//! is:
 //!
 //! - a layer, with the operations it answers: those go to it, every other operation bypasses
 //!   it here, in the mount, at no cost. Its own calls to the level below come back over the
@@ -13,6 +15,7 @@
 //! If the process dies, its operations fail with `EIO` and one log line; the mount lives on, and
 //! the next operation connects again (or starts the script again, at most once a second).
 
+use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
@@ -30,8 +33,11 @@ use plyfs_transport::wire::{CodecOp, Hosted, RequestOp, WireReply};
 
 const SOCKET: ParamSpec = ParamSpec { name: "socket", help: "the Unix socket the layer's process listens on", default: None };
 const SCRIPT: ParamSpec = ParamSpec { name: "script", help: "the Python file that defines the layer or codec", default: None };
-const PYTHON: ParamSpec =
-    ParamSpec { name: "python", help: "the Python interpreter (default: $PLYFS_PYTHON, else python3)", default: None };
+const PYTHON: ParamSpec = ParamSpec {
+    name: "python",
+    help: "the Python interpreter (default: $PLYFS_PYTHON, else an active virtual environment's, else python3)",
+    default: None,
+};
 const TIMEOUT: ParamSpec = ParamSpec { name: "timeout", help: "seconds to wait for the process before EIO", default: Some("60") };
 const SCRIPT_PARAMS: ParamSpec =
     ParamSpec { name: ANY_PARAM, help: "any other parameter goes to the script (plyfs.params)", default: None };
@@ -70,6 +76,10 @@ struct Peer {
     timeout: Duration,
     conn: RwLock<Option<Arc<Connection>>>,
     child: Mutex<Option<Child>>,
+    /// The last lines the script wrote to standard error.
+    said: Arc<Mutex<VecDeque<String>>>,
+    /// Copies the script's standard error to the mount's, keeping the last lines in `said`.
+    stderr_copier: Mutex<Option<std::thread::JoinHandle<()>>>,
     last_start: Mutex<Option<Instant>>,
     /// The loss of the process was logged.
     lost: std::sync::atomic::AtomicBool,
@@ -134,16 +144,53 @@ impl Peer {
             Endpoint::Socket(path) => UnixStream::connect(path).map_err(|e| failed(&format!("connecting to {}", path.display()), &e))?,
             Endpoint::Script { python, script, params } => {
                 let (ours, theirs) = UnixStream::pair().map_err(|e| failed("making a socket pair", &e))?;
-                let child = spawn_script(python, script, params, theirs.into())
+                let (child, copier) = spawn_script(python, script, params, theirs.into(), self.said.clone())
                     .map_err(|e| failed(&format!("cannot run {python} {}", script.display()), &e))?;
                 if let Some(mut old) = self.child.lock().replace(child) {
                     let _ = old.kill();
                     let _ = old.wait();
                 }
+                *self.stderr_copier.lock() = Some(copier);
                 ours
             }
         };
-        Connection::open_with(Box::new(stream), None, self.timeout, Arc::new(|_| {}), incoming).map_err(|e| failed("opening the connection", &e))
+        Connection::open_with(Box::new(stream), None, self.timeout, Arc::new(|_| {}), incoming).map_err(|e| match &self.endpoint {
+            Endpoint::Script { python, .. } => match self.ended_at_start() {
+                Some(why) => failed(&format!("{python} ended at start"), &why),
+                None => failed("opening the connection", &e),
+            },
+            Endpoint::Socket(_) => failed("opening the connection", &e),
+        })
+    }
+
+    /// How the script ended, if it did (waiting a moment for it), with the last line it wrote to
+    /// standard error: for a script that dies at start, the exception that killed it (`No
+    /// module named 'plyfs'`).
+    fn ended_at_start(&self) -> Option<String> {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let status = loop {
+            let ended = self.child.lock().as_mut().map(|c| c.try_wait());
+            match ended {
+                Some(Ok(Some(status))) => break status,
+                Some(Ok(None)) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                _ => return None,
+            }
+        };
+        // Its last words may still be in the pipe.
+        if let Some(copier) = self.stderr_copier.lock().take() {
+            while !copier.is_finished() && Instant::now() < deadline + Duration::from_secs(1) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        let said = self.said.lock();
+        let last = said.iter().rev().map(|l| l.trim()).find(|l| !l.is_empty());
+        Some(match last {
+            Some(line) if line.contains("No module named 'plyfs'") => format!(
+                "{status}: {line} (install the plyfs package for this interpreter, activate a virtual environment that has it, or give py:python=PATH)"
+            ),
+            Some(line) => format!("{status}: {line}"),
+            None => status.to_string(),
+        })
     }
 
     /// Send one request; a lost process is one log line and `EIO`.
@@ -189,17 +236,28 @@ impl Drop for Peer {
     }
 }
 
+/// The lines of a script's standard error kept for the message if it dies at start.
+const SAID_LINES: usize = 20;
+
 /// Start `python script` with the socket as descriptor 3 and the parameters in the environment.
+/// Its standard error goes to the mount's (its log), line by line through a thread that keeps
+/// the last lines in `said`.
 fn spawn_script(
     python: &str,
     script: &std::path::Path,
     params: &[(String, String)],
     sock: OwnedFd,
-) -> std::io::Result<Child> {
+    said: Arc<Mutex<VecDeque<String>>>,
+) -> std::io::Result<(Child, std::thread::JoinHandle<()>)> {
     let params = serde_json::Value::Object(params.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect());
     let raw = sock.as_raw_fd();
     let mut cmd = Command::new(python);
-    cmd.arg(script).env("PLYFS_FD", "3").env("PLYFS_PARAMS", params.to_string()).stdin(Stdio::null()).stdout(Stdio::null());
+    cmd.arg(script)
+        .env("PLYFS_FD", "3")
+        .env("PLYFS_PARAMS", params.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
@@ -211,9 +269,29 @@ fn spawn_script(
             Ok(())
         });
     }
-    let child = cmd.spawn()?;
+    let mut child = cmd.spawn()?;
     drop(sock);
-    Ok(child)
+    said.lock().clear();
+    let stderr = child.stderr.take().expect("piped");
+    let copier = std::thread::Builder::new().name("script-stderr".into()).spawn(move || {
+        use std::io::{BufRead, Write};
+        for line in std::io::BufReader::new(stderr).split(b'\n').map_while(|l| l.ok()) {
+            let _ = std::io::stderr().lock().write_all(&[&line[..], b"\n"].concat());
+            let mut said = said.lock();
+            if said.len() == SAID_LINES {
+                said.pop_front();
+            }
+            said.push_back(String::from_utf8_lossy(&line).into_owned());
+        }
+    });
+    match copier {
+        Ok(copier) => Ok((child, copier)),
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(e)
+        }
+    }
 }
 
 fn timeout(args: &BuildArgs) -> Result<Duration> {
@@ -228,10 +306,15 @@ fn peer(args: &BuildArgs, endpoint: Endpoint, below: Option<Level>) -> Result<(A
         timeout: timeout(args)?,
         conn: RwLock::new(None),
         child: Mutex::new(None),
+        said: Arc::new(Mutex::new(VecDeque::new())),
+        stderr_copier: Mutex::new(None),
         last_start: Mutex::new(None),
         lost: std::sync::atomic::AtomicBool::new(false),
     });
-    let conn = peer.connection().map_err(|_| Error::config(format!("{}: cannot start it (see the log above)", peer.describe())))?;
+    // The first start says why it failed; later ones, if the process dies, are logged.
+    let conn = peer.start().map_err(|e| Error::config(e.to_string()))?;
+    *peer.last_start.lock() = Some(Instant::now());
+    *peer.conn.write() = Some(conn.clone());
     let hosted =
         conn.welcome.hosted.clone().ok_or_else(|| {
             Error::config(format!("{}: the process does not host a layer (it answered as a server)", peer.describe()))
@@ -250,16 +333,31 @@ fn build_ext(args: BuildArgs) -> Result<Arc<dyn Layer>> {
     Ok(Arc::new(Ext::new(args, peer, hosted, ext)))
 }
 
+/// The interpreter with the plyfs package, as a user who installed it would expect:
+/// $PLYFS_PYTHON, else the active virtual environment's (`$VIRTUAL_ENV/bin/python`, which
+/// `sudo -E` keeps), else python3 from PATH.
+fn default_python() -> String {
+    if let Some(p) = std::env::var_os("PLYFS_PYTHON").filter(|p| !p.is_empty()) {
+        return p.to_string_lossy().into_owned();
+    }
+    if let Some(venv) = std::env::var_os("VIRTUAL_ENV").filter(|v| !v.is_empty()) {
+        let python = std::path::Path::new(&venv).join("bin/python");
+        if python.is_file() {
+            return python.to_string_lossy().into_owned();
+        }
+    }
+    "python3".into()
+}
+
 fn build_py(args: BuildArgs) -> Result<Arc<dyn Layer>> {
     let script = args.params.get(SCRIPT.name).ok_or_else(|| Error::config(format!("layer '{}': script=FILE is needed", args.name)))?;
     let script = std::path::absolute(script).map_err(|e| Error::config(format!("script {script}: {e}")))?;
     if !script.is_file() {
         return Err(Error::config(format!("layer '{}': script {}: no such file", args.name, script.display())));
     }
-    // The interpreter with the plyfs package: as given, else $PLYFS_PYTHON, else python3.
     let python = match args.params.get(PYTHON.name) {
         Some(p) => p.to_owned(),
-        None => std::env::var("PLYFS_PYTHON").unwrap_or_else(|_| "python3".into()),
+        None => default_python(),
     };
     let own = [SCRIPT.name, PYTHON.name, TIMEOUT.name, CHUNK_PARAM.name, FAST_TAILS_PARAM.name];
     let params = args.params.all().iter().filter(|(k, _)| !own.contains(&k.as_str())).cloned().collect();

@@ -81,20 +81,42 @@ enum Size {
     Text(String),
 }
 
+/// Why a rules file cannot be used, and the line it is about (1-based) when one is known.
+struct Bad {
+    line: Option<usize>,
+    why: String,
+}
+
 impl Rules {
     /// Read and check a rules file. `check` validates each rule's layers (known layers, valid
     /// parameters), so that a bad rule stops the mount instead of failing later, file by file.
+    /// A mistake reads `FILE:LINE: cause`, as a compiler says it.
     pub fn load(path: &Path, check: impl Fn(&Policy) -> Result<()>) -> Result<Rules> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::config(format!("{}: {e}", path.display())))?;
-        Rules::parse(&text, check).map_err(|e| Error::config(format!("{}: {e}", path.display())))
+        Rules::parse_lines(&text, check).map_err(|b| match b.line {
+            Some(line) => Error::config(format!("{}:{line}: {}", path.display(), b.why)),
+            None => Error::config(format!("{}: {}", path.display(), b.why)),
+        })
     }
 
+    /// Check the rules of `text`; a mistake says its line (`line 3: cause`).
     pub fn parse(text: &str, check: impl Fn(&Policy) -> Result<()>) -> Result<Rules> {
-        let file: RulesFile = toml::from_str(text).map_err(|e| Error::config(e.message().to_owned()))?;
+        Rules::parse_lines(text, check).map_err(|b| match b.line {
+            Some(line) => Error::config(format!("line {line}: {}", b.why)),
+            None => Error::config(b.why),
+        })
+    }
+
+    fn parse_lines(text: &str, check: impl Fn(&Policy) -> Result<()>) -> std::result::Result<Rules, Bad> {
+        let file: RulesFile = toml::from_str(text).map_err(|e| {
+            let (line, why) = plyfs_stack::spec::toml_mistake(text, &e);
+            Bad { line, why }
+        })?;
+        let headers = rule_headers(text);
         let mut rules = Vec::new();
         for (i, t) in file.rules.into_iter().enumerate() {
             let number = i + 1;
-            let bad = |why: String| Error::config(format!("rule {number}: {why}"));
+            let bad = |why: String| Bad { line: headers.get(i).copied(), why: format!("rule {number}: {why}") };
             let policy = Policy::parse(&t.layers).map_err(|e| bad(e.to_string()))?;
             check(&policy).map_err(|e| bad(e.to_string()))?;
             let glob = t.glob.as_deref().map(Glob::new).transpose().map_err(bad)?;
@@ -107,7 +129,7 @@ impl Rules {
             if extensions.iter().any(|e| e.is_empty() || e.contains('/')) {
                 return Err(bad("an extension is empty or contains '/'".into()));
             }
-            let size = |s: Option<Size>, what: &str| -> Result<Option<u64>> {
+            let size = |s: Option<Size>, what: &str| -> std::result::Result<Option<u64>, Bad> {
                 match s {
                     None => Ok(None),
                     Some(Size::Bytes(n)) => Ok(Some(n)),
@@ -154,6 +176,15 @@ impl Rules {
         let name_chars = &path_chars[path_chars.len() - name.chars().count()..];
         self.rules.iter().find(|r| r.matches(&path_chars, name_chars, name, size))
     }
+}
+
+/// The lines of the `[[rule]]` headers, in order: rule N's is the Nth.
+fn rule_headers(text: &str) -> Vec<usize> {
+    let is_header = |line: &str| {
+        let line = line.split('#').next().unwrap_or("").replace([' ', '\t'], "");
+        line == "[[rule]]"
+    };
+    text.lines().enumerate().filter(|(_, l)| is_header(l)).map(|(i, _)| i + 1).collect()
 }
 
 impl Rule {
@@ -210,5 +241,14 @@ mod tests {
         assert!(e.contains("colour"), "{e}");
         let e = Rules::parse("[[rule]]\nlayers = \"zstd\"\n", |_| Err(Error::config("no zstd here"))).unwrap_err().to_string();
         assert!(e.contains("rule 1") && e.contains("no zstd here"), "{e}");
+    }
+
+    #[test]
+    fn a_mistake_names_its_line() {
+        let e = |text: &str| Rules::parse(text, |_| Ok(())).unwrap_err().to_string();
+        let two = "[[rule]]\nglob = \"*.log\"\nlayers = \"zstd\"\n\n# the second\n [[ rule ]] # spaced\n";
+        assert!(e(&format!("{two}glob = \"x\nlayers = \"zstd\"\n")).starts_with("line 7: "), "{}", e(&format!("{two}glob = \"x\n")));
+        assert!(e(&format!("{two}glob = \"[x\"\nlayers = \"zstd\"\n")).starts_with("line 6: rule 2: "));
+        assert!(e(&format!("{two}layers = \"zstd\"\ncolour = 1\n")).starts_with("line 8: unknown field `colour`"));
     }
 }

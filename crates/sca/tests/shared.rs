@@ -268,7 +268,7 @@ fn a_lower_file_that_cannot_be_locked_is_refused_and_left_alone() {
     let refusals: [fn() -> plyfs_stack::Error; 3] = [
         || plyfs_stack::Error::Os(libc::ENOLCK),
         || plyfs_stack::Error::Os(libc::EOPNOTSUPP),
-        || plyfs_stack::Error::UnsupportedOp { op: "lower-lock".into(), layers: vec!["below".into()] },
+        || plyfs_stack::Error::UnsupportedOp { op: "lower-lock".into(), layers: vec!["below".into()], handled_below: vec![] },
     ];
     let unshared = Arc::new(Engine::new("rle", Arc::new(Rle), 12, false));
     let shared = Arc::new(Engine::new("rle", Arc::new(Rle), 12, false).sharing(Some(SharedMode { revalidate: Duration::ZERO })));

@@ -8,8 +8,10 @@ use std::io;
 pub enum Error {
     /// A system error from the lower file system or the kernel.
     Os(i32),
-    /// An extended operation that no layer in the stack handles.
-    UnsupportedOp { op: String, layers: Vec<String> },
+    /// An extended operation that no layer in the stack handles. `layers` are the levels it
+    /// went through; `handled_below` the addresses (`OP@NAME`) of levels below a fan-out layer,
+    /// which it does not reach by itself, that would handle it.
+    UnsupportedOp { op: String, layers: Vec<String>, handled_below: Vec<String> },
     /// A stack specification, layer parameter or configuration file that cannot be used.
     Config(String),
     /// Something a layer found wrong with stored data (corrupt, inconsistent): reads as EIO.
@@ -56,11 +58,14 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Os(e) => write!(f, "{}", io::Error::from_raw_os_error(*e)),
-            Error::UnsupportedOp { op, layers } => write!(
-                f,
-                "unsupported operation '{op}': no layer of the stack ({}) handles it",
-                layers.join(", ")
-            ),
+            Error::UnsupportedOp { op, layers, handled_below } => {
+                write!(f, "unsupported operation '{op}': no layer of the stack ({}) handles it", layers.join(", "))?;
+                match handled_below.as_slice() {
+                    [] => Ok(()),
+                    [one] => write!(f, "; a level below a fan-out layer does: {one}"),
+                    several => write!(f, "; levels below a fan-out layer do, each for itself: {}", several.join(", ")),
+                }
+            }
             Error::Config(m) | Error::Corrupt(m) | Error::BadArgs(m) => f.write_str(m),
         }
     }

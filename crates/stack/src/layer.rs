@@ -136,7 +136,7 @@ pub fn bypass<L: Layer + ?Sized>(layer: &L, cx: &Caller, op: &Op<'_>) -> Result<
 /// The error for an operation that reached the bottom of the stack unanswered.
 pub fn unsupported(op: &Op<'_>) -> Error {
     match op {
-        Op::Extended { name, .. } => Error::UnsupportedOp { op: (*name).to_owned(), layers: vec![] },
+        Op::Extended { name, .. } => Error::UnsupportedOp { op: (*name).to_owned(), layers: vec![], handled_below: vec![] },
         _ => Error::Os(libc::ENOSYS),
     }
 }

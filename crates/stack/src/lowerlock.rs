@@ -52,14 +52,38 @@ pub struct LowerLock {
     /// Whether it removes the file when it is the last holder: a writer does, a reader only if
     /// it made the file (it leaves the lower as it found it).
     removes: bool,
+    /// A reader that made the file: the directory's modification time before it did, which it
+    /// put back then and puts back when it removes the file (`plyfs decode` copies it).
+    dir_mtime: Option<Mtime>,
 }
 
 impl Drop for LowerLock {
     fn drop(&mut self) {
         if self.removes && lock(&self.file, LockKind::Exclusive).is_ok() {
+            let dir = self.path.parent().unwrap_or(Path::new("."));
+            // Only if nothing but this lock changed the directory meanwhile.
+            let untouched = self.dir_mtime.filter(|before| dir_mtime(dir) == Some(*before));
             let _ = std::fs::remove_file(&self.path);
+            if let Some(before) = untouched {
+                set_dir_mtime(dir, before);
+            }
         }
     }
+}
+
+/// A modification time: seconds and nanoseconds.
+type Mtime = (i64, i64);
+
+fn dir_mtime(dir: &Path) -> Option<Mtime> {
+    std::fs::metadata(dir).ok().map(|m| (m.mtime(), m.mtime_nsec()))
+}
+
+/// Set the modification time of `dir`, leaving its access time.
+fn set_dir_mtime(dir: &Path, (secs, nanos): Mtime) {
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else { return };
+    let times = [libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT }, libc::timespec { tv_sec: secs, tv_nsec: nanos }];
+    // SAFETY: a valid path and two timespecs.
+    unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), 0) };
 }
 
 /// How many times a user opens the lock file again when the one it locked was removed by its
@@ -72,6 +96,7 @@ const REOPENS: usize = 100;
 pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, String> {
     let path = dir.join(LOCK_NAME);
     for _ in 0..REOPENS {
+        let before = if claim.writes { None } else { dir_mtime(dir) };
         let Opened { mut file, writable, made } = match open(&path, claim) {
             Ok(opened) => opened,
             Err(e) if may_only_read(claim, &e) => {
@@ -96,7 +121,12 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
         if writable && claim.writes {
             record(&mut file, who);
         }
-        return Ok(Some(LowerLock { file, path, removes: writable && (claim.writes || made) }));
+        // Put back the time the lock file moved (a reader leaves the lower as it found it).
+        let dir_mtime = before.filter(|_| made && !claim.writes);
+        if let Some(before) = dir_mtime {
+            set_dir_mtime(dir, before);
+        }
+        return Ok(Some(LowerLock { file, path, removes: writable && (claim.writes || made), dir_mtime }));
     }
     Err(format!("{}: removed each time it was locked; is another program removing it?", path.display()))
 }

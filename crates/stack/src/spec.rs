@@ -229,29 +229,61 @@ pub struct BranchTable {
     pub layers: Vec<LayerTable>,
 }
 
-/// Read a stack from a TOML configuration file.
-pub fn load_stack_config(path: &Path) -> Result<Vec<LayerSpec>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::config(format!("{}: {e}", path.display())))?;
-    parse_stack_config(&text).map_err(|e| Error::config(format!("{}: {e}", path.display())))
+/// Read a stack from a TOML configuration file, with each layer's parameters checked against
+/// `registry` here, so that a mistake names the file and its line: `FILE:LINE: cause`.
+pub fn load_stack_config(path: &Path, registry: &[crate::LayerFactory]) -> Result<Vec<LayerSpec>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::config(format!("{}: {e}", path.display())))?;
+    let at = |line: Option<usize>, why: String| match line {
+        Some(line) => Error::config(format!("{}:{line}: {why}", path.display())),
+        None => Error::config(format!("{}: {why}", path.display())),
+    };
+    let specs = parse_config(&text).map_err(|(line, why)| at(line, why))?;
+    crate::stack::check_all_params(&specs, registry).map_err(|bad| at(param_line(&text, bad.layer, &bad.key), bad.error.to_string()))?;
+    Ok(specs)
 }
 
+/// A stack from the text of a TOML configuration; a mistake says its line (`line 3: cause`).
 pub fn parse_stack_config(text: &str) -> Result<Vec<LayerSpec>> {
-    let config: StackConfig = toml::from_str(text).map_err(|e| {
-        // toml's message spans several lines; keep the first, which names the problem.
-        let msg = e.message().lines().next().unwrap_or("malformed").to_owned();
-        match e.span() {
-            Some(span) => {
-                let line = text[..span.start].matches('\n').count() + 1;
-                Error::config(format!("line {line}: {msg}"))
-            }
-            None => Error::config(msg),
-        }
-    })?;
+    parse_config(text).map_err(|(line, why)| match line {
+        Some(line) => Error::config(format!("line {line}: {why}")),
+        None => Error::config(why),
+    })
+}
+
+fn parse_config(text: &str) -> std::result::Result<Vec<LayerSpec>, (Option<usize>, String)> {
+    let config: StackConfig = toml::from_str(text).map_err(|e| toml_mistake(text, &e))?;
     if config.layers.is_empty() {
-        return Err(Error::config("no [[layer]] tables: name at least one layer"));
+        return Err((None, "no [[layer]] tables: name at least one layer".into()));
     }
-    layers_of_tables(config.layers)
+    layers_of_tables(config.layers).map_err(|e| (None, e.to_string()))
+}
+
+/// What is wrong in a TOML text: the line (1-based) toml found it on, if it knows, and the first
+/// line of its message, which names the problem.
+pub fn toml_mistake(text: &str, e: &toml::de::Error) -> (Option<usize>, String) {
+    let line = e.span().map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1);
+    (line, e.message().lines().next().unwrap_or("malformed").to_owned())
+}
+
+/// The line of parameter `key` of the `layer`th layer table of a configuration (counted top
+/// first and depth first, branches' layers included, which is the order of the `[[layer]]` and
+/// `[[layer.branch.layer]]` headers in the file), if it can be found.
+fn param_line(text: &str, layer: usize, key: &str) -> Option<usize> {
+    let header = |line: &str| line.trim_start().starts_with('[');
+    // `[[layer]]`, `[[layer.branch.layer]]`, ...
+    let is_layer = |line: &str| {
+        let h = line.split('#').next().unwrap_or("").replace([' ', '\t'], "");
+        let Some(path) = h.strip_prefix("[[").and_then(|h| h.strip_suffix("]]")) else { return false };
+        let parts: Vec<&str> = path.split('.').collect();
+        parts.len() % 2 == 1 && parts.iter().enumerate().all(|(i, p)| *p == if i % 2 == 0 { "layer" } else { "branch" })
+    };
+    let lines: Vec<&str> = text.lines().collect();
+    let start = lines.iter().enumerate().filter(|(_, l)| is_layer(l)).map(|(i, _)| i).nth(layer)?;
+    lines[start + 1..]
+        .iter()
+        .take_while(|l| !header(l))
+        .position(|l| l.split('=').next().is_some_and(|k| k.trim().trim_matches(['"', '\'']) == key))
+        .map(|i| start + 1 + i + 1)
 }
 
 fn layers_of_tables(tables: Vec<LayerTable>) -> Result<Vec<LayerSpec>> {

@@ -320,15 +320,52 @@ impl Stack {
         out
     }
 
-    /// Fill in the layer names of an "unsupported operation" error from the bottom.
+    /// Fill in the layer names of an "unsupported operation" error from the bottom, and the
+    /// addresses of the levels below a fan-out layer that handle it: a fan-out layer passes an
+    /// extended operation to one branch at most, so `OP@NAME` must name the level.
     pub fn explain(&self, err: Error) -> Error {
         match err {
             Error::UnsupportedOp { op, .. } => Error::UnsupportedOp {
-                op,
+                handled_below: self.handled_below(&op),
                 layers: self.levels.iter().map(|l| l.name().to_owned()).collect(),
+                op,
             },
             other => other,
         }
+    }
+
+    /// An error if `op`, sent to the whole mount, is handled by no level of the stack's main line
+    /// but by several levels below a fan-out layer: the fan-out layer would pick one of them (its
+    /// first or reading branch) without saying so.
+    pub fn ambiguous(&self, op: &str) -> Option<Error> {
+        if self.levels.iter().any(|l| l.layer().extended_ops().iter().any(|o| o.name == op)) {
+            return None;
+        }
+        let handled = self.handled_below(op);
+        (handled.len() > 1).then(|| {
+            Error::BadArgs(format!(
+                "ambiguous operation '{op}': no layer of the stack ({}) handles it, and levels below a fan-out layer do, each for itself: {}; name one",
+                self.levels.iter().map(|l| l.name()).collect::<Vec<_>>().join(", "),
+                handled.join(", ")
+            ))
+        })
+    }
+
+    /// `OP@NAME` for each level below a fan-out layer that handles extended operation `op`.
+    fn handled_below(&self, op: &str) -> Vec<String> {
+        // A branch's top level is named twice (`mirror.1`, `mirror.1.fault`): the longer name
+        // says which layer it is.
+        let mut handled: Vec<NamedLevel> = Vec::new();
+        for n in self.named_levels().into_iter().skip(self.levels.len()) {
+            if !n.level.layer().extended_ops().iter().any(|o| o.name == op) {
+                continue;
+            }
+            match handled.iter_mut().find(|h| h.level.same(&n.level)) {
+                Some(h) => h.name = n.name,
+                None => handled.push(n),
+            }
+        }
+        handled.into_iter().map(|n| format!("{op}@{}", n.name)).collect()
     }
 
     /// Flush and stop every layer, top first, branches included.
@@ -488,19 +525,52 @@ fn find_factory<'r>(registry: &'r [LayerFactory], spec: &LayerSpec) -> Result<&'
 }
 
 fn check_params(factory: &LayerFactory, spec: &LayerSpec) -> Result<()> {
-    for (key, _) in &spec.params {
-        let known = factory.params.iter().any(|p| p.name == key || p.name == crate::spec::ANY_PARAM);
-        if key != NAME_PARAM.name && !known {
-            let mut known: Vec<_> = factory.params.iter().map(|p| p.name).collect();
-            known.push(NAME_PARAM.name);
-            return Err(Error::config(format!(
-                "layer '{}': unknown parameter '{key}' (known: {})",
-                spec.kind,
-                known.join(", ")
-            )));
-        }
+    match unknown_param(factory, spec) {
+        Some(bad) => Err(bad.error),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// The first parameter of `spec` that its layer does not take.
+fn unknown_param(factory: &LayerFactory, spec: &LayerSpec) -> Option<BadParam> {
+    let (key, _) = spec.params.iter().find(|(key, _)| {
+        key != NAME_PARAM.name && !factory.params.iter().any(|p| p.name == key || p.name == crate::spec::ANY_PARAM)
+    })?;
+    let mut known: Vec<_> = factory.params.iter().map(|p| p.name).collect();
+    known.push(NAME_PARAM.name);
+    let error = Error::config(format!("layer '{}': unknown parameter '{key}' (known: {})", spec.kind, known.join(", ")));
+    Some(BadParam { layer: 0, key: key.clone(), error })
+}
+
+/// A parameter that its layer does not take, found by [`check_all_params`].
+#[derive(Debug)]
+pub struct BadParam {
+    /// The layer's position, counting top first and depth first (branches' layers included).
+    pub layer: usize,
+    pub key: String,
+    pub error: Error,
+}
+
+/// Check the parameter names of every layer of `specs`, branches included, before anything is
+/// built, so that a configuration file's mistake can be traced to its line. Layers that
+/// `registry` does not have are left for the build to name.
+pub fn check_all_params(specs: &[LayerSpec], registry: &[LayerFactory]) -> std::result::Result<(), BadParam> {
+    fn walk(specs: &[LayerSpec], registry: &[LayerFactory], position: &mut usize) -> std::result::Result<(), BadParam> {
+        for spec in specs {
+            let layer = *position;
+            *position += 1;
+            if let Some(factory) = registry.iter().find(|f| f.kind == spec.kind) {
+                if let Some(bad) = unknown_param(factory, spec) {
+                    return Err(BadParam { layer, ..bad });
+                }
+            }
+            for branch in &spec.branches {
+                walk(&branch.layers, registry, position)?;
+            }
+        }
+        Ok(())
+    }
+    walk(specs, registry, &mut 0)
 }
 
 /// Instance names, top first: the `name=` parameter, else the kind, numbered from the top when

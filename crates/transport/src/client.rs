@@ -35,6 +35,7 @@ pub struct Welcome {
 /// Why a connection could not be made.
 #[derive(Debug)]
 pub struct ConnectError {
+    /// What failed, without the address: the caller names it once (`Connector::describe`).
     pub msg: String,
     /// The server answered and said no (wrong key, version): trying again will not help.
     pub refused: bool,
@@ -53,8 +54,14 @@ impl From<String> for ConnectError {
 }
 
 impl From<Error> for ConnectError {
+    /// The error without the object it names, which is the address being connected to.
     fn from(e: Error) -> ConnectError {
-        ConnectError { msg: e.to_string(), refused: false }
+        let msg = match e {
+            Error::Io { op, source, .. } => format!("{op}: {source}"),
+            Error::Peer { why, .. } => why,
+            e => e.to_string(),
+        };
+        ConnectError { msg, refused: false }
     }
 }
 
@@ -599,7 +606,7 @@ fn _assert_send_sync() {
 
 /// Opens connections to the server: a socket, TLS and the key's proof as configured.
 pub trait Connector: Send + Sync {
-    /// Where it connects, for log lines.
+    /// Where it connects, for log lines and errors (a [`ConnectError`] does not repeat it).
     fn describe(&self) -> String;
     fn connect(&self, timeout: Duration, on_change: OnChange) -> std::result::Result<Arc<Connection>, ConnectError>;
 }

@@ -99,6 +99,12 @@ pub struct ServerOptions {
     pub allow_devices: bool,
     /// Mapped clients may set and remove `security.*` and `trusted.*` attributes.
     pub allow_privileged_xattrs: bool,
+    /// A file at the export's root that every client may open read-only, whatever ids the
+    /// server acts as for it: a crypt volume's configuration, served as stored, which every client
+    /// needs to unlock the volume (a root client is `nobody` here; gocryptfs.conf is likewise
+    /// readable by whoever mounts). Only a regular file with one link, owned by root or by the owner
+    /// of the export's root, so that no client can pass another user's file off as it.
+    pub readable_by_all: Option<&'static str>,
 }
 
 /// The default bound on a connection's requests in flight: four writes of the largest size.
@@ -113,6 +119,7 @@ impl Default for ServerOptions {
             in_flight_bytes: IN_FLIGHT_BYTES,
             allow_devices: false,
             allow_privileged_xattrs: false,
+            readable_by_all: None,
         }
     }
 }
@@ -563,11 +570,17 @@ impl Server {
         if let Op::Extended { node, name: LOCK_OP, args } = *op {
             return self.lower_lock(conn, cx, node, args);
         }
+        let server = Caller { pid: cx.pid, ..Caller::daemon() };
+        let mut cx = cx;
         if conn.identity != Identity::AsSent {
             if let Op::Access { node, mask } = *op {
                 return self.permit(cx, node, mask as u32).map(|()| Reply::Empty);
             }
-            self.check_access(cx, op)?;
+            match self.check_access(cx, op) {
+                // The server opens it: the kernel would refuse the client's ids at the bottom.
+                Err(Error::Os(libc::EACCES)) if self.opens_readable_by_all(op) => cx = &server,
+                checked => checked?,
+            }
             self.check_privileged(cx, op)?;
         }
         let mut reply = self.top.call(cx, op)?;
@@ -607,6 +620,23 @@ impl Server {
             _ => {}
         }
         Ok(reply)
+    }
+
+    /// Whether `op` opens, read-only, the file of [`ServerOptions::readable_by_all`].
+    fn opens_readable_by_all(&self, op: &Op<'_>) -> bool {
+        let (Some(name), Op::Open { node, flags }) = (self.options.readable_by_all, op) else { return false };
+        if flags & libc::O_ACCMODE != libc::O_RDONLY || flags & (libc::O_TRUNC | libc::O_CREAT) != 0 {
+            return false;
+        }
+        let server = Caller::daemon();
+        let Ok(root) = self.top.getattr(&server, NodeId::ROOT) else { return false };
+        match self.top.call(&server, &Op::Lookup { parent: NodeId::ROOT, name: std::ffi::OsStr::new(name) }) {
+            Ok(Reply::Entry(e)) => {
+                self.top.forget(&server, e.node, 1);
+                e.node == *node && e.attr.kind == plyfs_stack::FileKind::File && e.attr.nlink == 1 && (e.attr.uid == 0 || e.attr.uid == root.uid)
+            }
+            _ => false,
+        }
     }
 
     /// Permission checks for a client whose requests run as other ids than it sent (root

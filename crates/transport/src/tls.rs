@@ -209,22 +209,21 @@ impl Connector for TlsConnector {
 
     fn connect(&self, timeout: Duration, on_change: OnChange) -> Result<Arc<Client>, ConnectError> {
         let Addr::Tcp(hostport) = &self.addr else {
-            return Err(ConnectError::refused(format!("{}: TLS needs a tcp: address", self.addr)));
+            return Err(ConnectError::refused(format!("TLS needs a tcp: address, not {}", self.addr)));
         };
         let sock = crate::client::connect_tcp(hostport, timeout)?;
         let name = ServerName::try_from("plyfs").expect("a valid name");
-        let conn = ClientConnection::new(self.config.clone(), name).map_err(|e| format!("{}: TLS: {e}", self.addr))?;
-        let stream = TlsStream::handshake(sock, conn.into(), Deadline::after(timeout)).map_err(|e| format!("{}: TLS handshake: {e}", self.addr))?;
+        let conn = ClientConnection::new(self.config.clone(), name).map_err(|e| format!("TLS: {e}"))?;
+        let stream = TlsStream::handshake(sock, conn.into(), Deadline::after(timeout)).map_err(|e| format!("TLS handshake: {e}"))?;
         let binding = stream.binding.clone();
         let proof = self.psk.proof(b"plyfs client", &binding);
         let client = Client::open(Box::new(stream), Some(proof), timeout, on_change)?;
         let server_proof = client.welcome.auth.clone().unwrap_or_default();
         if !self.psk.verify(b"plyfs server", &binding, &server_proof) {
             client.close("the server did not prove the key");
-            return Err(ConnectError::refused(format!(
-                "{}: the server does not hold the key (a different server, or someone in between)",
-                self.addr
-            )));
+            return Err(ConnectError::refused(
+                "the server does not hold the key (a different server, or someone in between)".into(),
+            ));
         }
         Ok(client)
     }

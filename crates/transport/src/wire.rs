@@ -447,7 +447,7 @@ impl WireError {
     /// client's stack can name its own layers in the message.
     pub fn to_error(&self, op: &str) -> Error {
         match self.class.as_deref() {
-            Some("unsupported") => Error::UnsupportedOp { op: op.to_owned(), layers: vec!["the remote stack".into()] },
+            Some("unsupported") => Error::UnsupportedOp { op: op.to_owned(), layers: vec!["the remote stack".into()], handled_below: vec![] },
             Some("corrupt") => Error::Corrupt(self.msg.clone()),
             Some("args") => Error::BadArgs(self.msg.clone()),
             Some("config") => Error::Config(self.msg.clone()),

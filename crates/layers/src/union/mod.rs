@@ -391,7 +391,7 @@ impl Union {
         if node != NodeId::ROOT {
             return self.on_top(cx, &op, node);
         }
-        let mut last = Error::UnsupportedOp { op: name.to_owned(), layers: vec![] };
+        let mut last = Error::UnsupportedOp { op: name.to_owned(), layers: vec![], handled_below: vec![] };
         for b in self.snapshot() {
             match b.top().call(cx, &op) {
                 Err(e @ Error::UnsupportedOp { .. }) => last = e,
