@@ -110,7 +110,8 @@ impl Lower {
             }
             Lower::Remote { addr, name, timeout, psk, sync } => {
                 let connector = connector(addr, psk.as_deref())?;
-                let remote = plyfs_layers::remote::Remote::connect(name, connector, *timeout).map_err(|e| format!("{addr}: {e}"))?;
+                // The error names the server.
+                let remote = plyfs_layers::remote::Remote::connect(name, connector, *timeout)?;
                 Ok(remote.sync_writes(*sync).level())
             }
         }

@@ -153,7 +153,7 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> cr
         flags: opts.flags.clone(),
         io_uring: opts.io_uring,
     };
-    let mounted = Mounted::mount(stack.clone(), &request).map_err(|e| crate::Error::Run(e.to_string()))?;
+    let mounted = Mounted::mount(stack.clone(), &request)?;
     match (mounted.uring_refused(), opts.io_uring) {
         (Some(why), UringChoice::On) => tracing::warn!("-o io_uring: {why}; requests go through /dev/fuse"),
         (Some(why), _) => tracing::info!("FUSE over io_uring not used: {why}; requests go through /dev/fuse"),

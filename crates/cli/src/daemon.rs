@@ -21,6 +21,7 @@ use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
 use plyfs_assemble::dirs::{existing_dir, storage_dirs};
 use plyfs_assemble::mount::{block_signals, lock_lowers, MountOptions, MountPlan, MountReport};
 
+use crate::failure::{code, Failure};
 use crate::options;
 
 #[derive(Args, Clone)]
@@ -120,26 +121,32 @@ impl StackArgs {
     }
 }
 
-pub fn mount(args: MountArgs) -> Result<(), String> {
+pub fn mount(args: MountArgs) -> Result<(), Failure> {
     if args.reverse {
         return mount_reverse(args);
     }
     // Check what can be checked before going to the background, so mistakes are reported here.
-    let mut specs = args.tree.specs()?;
-    let opts = options::parse(&args.options)?;
+    let mut specs = args.tree.specs().map_err(Failure::usage)?;
+    let opts = options::parse(&args.options).map_err(Failure::usage)?;
     // (A foreground mount logs them as it builds the stack.)
     if !args.foreground {
         for w in plyfs_stack::order_warnings(&specs, plyfs_assemble::registry()) {
             eprintln!("plyfs: warning: {w}");
         }
     }
-    let lower = plyfs_assemble::lower::Lower::parse(&args.lower, &mut specs, args.psk.as_deref())?;
+    let lower = plyfs_assemble::lower::Lower::parse(&args.lower, &mut specs, args.psk.as_deref()).map_err(lower_failure)?;
     let dirs = match lower.dir() {
         Some(dir) => storage_dirs(dir, &args.tree.branches, &specs),
         None => Vec::new(),
     };
+    // A linear stack with crypt needs LOWER to be a volume: said here, with its status, rather
+    // than by the daemon as it builds the stack.
+    let registry = plyfs_assemble::registry();
+    if let Some(dir) = lower.dir().filter(|_| specs.iter().any(|s| s.kind == "crypt") && !specs.iter().any(|s| plyfs_stack::is_fan_out(registry, &s.kind))) {
+        plyfs_layers::crypt::keys::VolumeConfig::load(dir)?;
+    }
     plyfs_assemble::nesting::check_storage_apart(&dirs, &args.mountpoint)?;
-    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
+    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint)?;
     // A lower in use is reported here; the mount's daemon takes the locks for its life.
     if args.ready_fd.is_none() {
         lock_lowers(&args.tree.branches, &specs, &opts, &lower, &mountpoint)?;
@@ -215,13 +222,13 @@ impl MountReport for Ready {
 }
 
 /// `mount --reverse`: the encrypted view of a plaintext tree, always read-only.
-fn mount_reverse(args: MountArgs) -> Result<(), String> {
-    let mut opts = options::parse(&args.options)?;
+fn mount_reverse(args: MountArgs) -> Result<(), Failure> {
+    let mut opts = options::parse(&args.options).map_err(Failure::usage)?;
     opts.read_only = true;
-    let plain = existing_dir("plaintext directory", &args.lower)?;
-    args.excludes()?;
+    let plain = existing_dir("plaintext directory", &args.lower).map_err(lower_failure)?;
+    args.excludes().map_err(Failure::usage)?;
     plyfs_assemble::nesting::check_apart("the plaintext directory", &plain, &args.mountpoint)?;
-    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
+    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint)?;
     let found = [crate::secret::reverse_volume(&plain)?];
     let volumes = match args.key_fd {
         Some(fd) => {
@@ -242,7 +249,7 @@ fn serve(
     opts: MountOptions,
     lower: plyfs_assemble::lower::Lower,
     mountpoint: PathBuf,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let mut ready = Ready(args.ready_fd.map(|fd| unsafe { File::from_raw_fd(fd) }));
     let signals = block_signals();
     init_logging(args.verbose);
@@ -250,17 +257,26 @@ fn serve(
         Ok(reverse) => {
             let (branches, rules) = (args.tree.branches.clone(), args.tree.rules.clone());
             let plan = MountPlan { specs, opts, lower, mountpoint, branches, rules, reverse };
-            plyfs_assemble::mount::run(plan, signals, &mut ready).map_err(String::from)
+            plyfs_assemble::mount::run(plan, signals, &mut ready).map_err(Failure::from)
         }
-        Err(e) => Err(e),
+        Err(e) => Err(Failure::usage(e)),
     };
+    // The parent exits with the same status and message.
     if let Err(e) = &result {
-        ready.send(&format!("ERR {e}"));
+        ready.send(&e.to_report());
     }
     result
 }
 
-fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_layers::crypt::keys::Volume>>) -> Result<(), String> {
+/// LOWER (or a reverse view's plaintext directory) cannot be used: missing, or not a directory.
+pub(crate) fn lower_failure(e: plyfs_assemble::Error) -> Failure {
+    match e {
+        plyfs_assemble::Error::Path { .. } => Failure::new(code::LOWER, e),
+        other => Failure::from(other),
+    }
+}
+
+fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_layers::crypt::keys::Volume>>) -> Result<(), Failure> {
     let uid = unsafe { libc::geteuid() };
     let log = match &args.log {
         Some(l) => std::path::absolute(l).map_err(|e| format!("--log {}: {e}", l.display()))?,
@@ -319,10 +335,10 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_
         Ok(())
     } else if let Some(err) = line.strip_prefix("ERR ") {
         let _ = child.wait();
-        Err(err.to_owned())
+        Err(Failure::from_report(err))
     } else {
         let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
-        Err(format!("the daemon exited before the mount was ready ({status}); see {}", log.display()))
+        Err(format!("the daemon exited before the mount was ready ({status}); see {}", log.display()).into())
     }
 }
 

@@ -47,14 +47,15 @@ fn ignored(opt: &str) -> bool {
 }
 
 /// Whether `argv` (the whole command line) is the helper form: no subcommand, but a source (a
-/// directory, or an address such as `unix:PATH`) and a mount point. Anything else, a mistyped
-/// subcommand included, is left to the ordinary parser and its messages.
+/// path, present or not, or an address such as `unix:PATH`) and a mount point. A missing source
+/// is the helper's to report, as `plyfs mount` does ("lower directory ...: No such file"). A
+/// word that is neither (a mistyped subcommand) is left to the ordinary parser.
 pub fn is_helper_form(argv: &[OsString], subcommands: &[&str]) -> bool {
     let called_as_helper = argv.first().and_then(|a| std::path::Path::new(a).file_name()).is_some_and(|n| n.to_string_lossy().starts_with("mount."));
     let first = argv.get(1).map(|a| a.to_string_lossy().into_owned()).unwrap_or_default();
     // A tag names the lower with `-o source=DIR` (libfuse's examples, test suites).
     let names_source = argv.iter().any(|a| a.to_string_lossy().trim_start_matches("-o").split(',').any(|o| o.starts_with("source=")));
-    let source_like = first.contains(':') || std::path::Path::new(&first).exists() || names_source;
+    let source_like = first.contains(':') || first.contains('/') || std::path::Path::new(&first).exists() || names_source;
     called_as_helper || (argv.len() >= 3 && !first.starts_with('-') && !subcommands.contains(&first.as_str()) && source_like)
 }
 
@@ -267,6 +268,7 @@ mod tests {
         assert!(is_helper_form(&args(&["plyfs", "/tmp", "/m", "-o", "stack=null"]), &["mount"]));
         assert!(is_helper_form(&args(&["plyfs", "unix:/run/s", "/m"]), &["mount"]));
         assert!(!is_helper_form(&args(&["plyfs", "mout", "/tmp", "/m"]), &["mount"]), "a typo is not a source");
+        assert!(is_helper_form(&args(&["plyfs", "/missing", "/m", "-o", "stack=zstd"]), &["mount"]), "a missing lower is the helper's to report");
         assert!(!is_helper_form(&args(&["plyfs", "mount", "/l", "/m"]), &["mount"]));
         assert!(is_helper_form(&args(&["/sbin/mount.fuse.plyfs", "/l", "/m"]), &["mount"]));
         // mount.fuse3 runs `plyfs TAG MNT -o source=DIR,...` for a tag.

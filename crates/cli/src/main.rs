@@ -2,6 +2,7 @@
 
 mod daemon;
 mod exodisk;
+mod failure;
 mod helper;
 mod offline;
 mod options;
@@ -14,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
+use failure::Failure;
 use plyfs_assemble::umount::Umounted;
 use plyfs_fuse::control;
 
@@ -148,7 +150,10 @@ fn main() -> ExitCode {
     if helper::is_helper_form(&argv, &names) {
         return finish(as_mount_helper(&argv));
     }
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse_from(&argv) {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e, &argv),
+    };
     if matches!(
         cli.command,
         Command::Layers | Command::Op { .. } | Command::Du { .. } | Command::Policy { action: PolicyAction::Explain { .. } } | Command::Completions { .. }
@@ -158,13 +163,13 @@ fn main() -> ExitCode {
         // ignored: a closed socket or pipe is an error they handle.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
-    let result = match cli.command {
+    let result: Result<(), Failure> = match cli.command {
         Command::Mount(args) => daemon::mount(args),
         Command::Serve(args) => serve::serve(args),
-        Command::Host(args) => serve::host(args),
-        Command::Exodisk(args) => exodisk::run(args),
-        Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
-        Command::Op { path, name, args } => op(&path, &name, &args),
+        Command::Host(args) => serve::host(args).map_err(Failure::from),
+        Command::Exodisk(args) => exodisk::run(args).map_err(Failure::from),
+        Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy).map_err(Failure::from),
+        Command::Op { path, name, args } => op(&path, &name, &args).map_err(Failure::from),
         Command::Layers => {
             print_layers();
             Ok(())
@@ -189,14 +194,14 @@ fn main() -> ExitCode {
         }),
         Command::Init(args) => secret::init(&args),
         Command::Passwd(args) => secret::passwd(&args),
-        Command::Policy { action: PolicyAction::Explain { path } } => policy::explain(&path),
-        Command::Policy { action: PolicyAction::Apply { path, recursive } } => policy::apply(&path, recursive),
+        Command::Policy { action: PolicyAction::Explain { path } } => policy::explain(&path).map_err(Failure::from),
+        Command::Policy { action: PolicyAction::Apply { path, recursive } } => policy::apply(&path, recursive).map_err(Failure::from),
         Command::Completions { shell } => {
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "plyfs", &mut script);
-            std::io::Write::write_all(&mut std::io::stdout(), &script).map_err(|e| format!("writing the script: {e}"))
+            std::io::Write::write_all(&mut std::io::stdout(), &script).map_err(|e| Failure::from(format!("writing the script: {e}")))
         }
-        Command::Manpages { dir } => manpages(&dir),
+        Command::Manpages { dir } => manpages(&dir).map_err(Failure::from),
     };
     finish(result)
 }
@@ -250,24 +255,64 @@ Control sockets and logs of root's mounts (/tmp/plyfs\-UID/ for other users).
 mount(8), fstab(5), fusermount3(1), and the README of plyfs.
 "#;
 
-fn finish(result: Result<(), String>) -> ExitCode {
+fn finish(result: Result<(), Failure>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(msg) => {
-            eprintln!("plyfs: {msg}");
-            ExitCode::FAILURE
+        Err(failure) => {
+            eprintln!("plyfs: {failure}");
+            ExitCode::from(failure.code)
         }
     }
 }
 
+/// A command line clap cannot parse, in the form of every other error: one line naming what is
+/// wrong and where help is, with the usage status. `--help` and `--version` print as usual.
+fn usage_error(e: clap::Error, argv: &[std::ffi::OsString]) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand) {
+        e.exit();
+    }
+    finish(Err(one_line_usage(&e, argv)))
+}
+
+/// clap's message for `e` on one line: its first line, a suggestion it makes, and the help of
+/// the (sub)command `argv` names.
+fn one_line_usage(e: &clap::Error, argv: &[std::ffi::OsString]) -> Failure {
+    use clap::error::ContextKind;
+    use clap::error::ContextValue;
+    // The first paragraph (a list of missing arguments follows its first line), on one line.
+    let rendered = e.to_string();
+    let what: Vec<&str> = rendered.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
+    let what = what.join(" ");
+    let what = what.trim_start_matches("error: ").trim_end_matches('.');
+    let suggested = [ContextKind::SuggestedArg, ContextKind::SuggestedSubcommand, ContextKind::SuggestedValue]
+        .into_iter()
+        .find_map(|k| match e.get(k)? {
+            ContextValue::String(s) => Some(format!("'{s}'")),
+            ContextValue::Strings(v) if !v.is_empty() => Some(v.iter().map(|s| format!("'{s}'")).collect::<Vec<_>>().join(" or ")),
+            _ => None,
+        })
+        .map(|s| format!("; did you mean {s}?"))
+        .unwrap_or_default();
+    // The deepest subcommand the command line names: its help is the one to read.
+    let mut command = Cli::command();
+    let mut path = vec!["plyfs".to_owned()];
+    for arg in argv.iter().skip(1).map(|a| a.to_string_lossy()) {
+        let Some(sub) = command.find_subcommand(arg.as_ref()).cloned() else { continue };
+        path.push(sub.get_name().to_owned());
+        command = sub;
+    }
+    Failure::usage(format!("{what}{suggested} (see '{} --help')", path.join(" ")))
+}
+
 /// `plyfs LOWER MNT -o stack=SPEC,...`, as mount(8) (through mount.fuse3) and fstab call it.
-fn as_mount_helper(argv: &[std::ffi::OsString]) -> Result<(), String> {
+fn as_mount_helper(argv: &[std::ffi::OsString]) -> Result<(), Failure> {
     let kinds: Vec<&str> = plyfs_assemble::registry().iter().map(|f| f.kind).collect();
-    match helper::translate(helper::parse(argv)?, &kinds)? {
-        helper::Action::Remount { mountpoint, options } => helper::remount(&mountpoint, &options),
+    match helper::translate(helper::parse(argv).map_err(Failure::usage)?, &kinds).map_err(Failure::usage)? {
+        helper::Action::Remount { mountpoint, options } => Ok(helper::remount(&mountpoint, &options)?),
         helper::Action::Mount(args) => {
-            let full = ["plyfs".into(), "mount".into()].into_iter().chain(args);
-            match Cli::try_parse_from(full).map_err(|e| e.to_string().trim().to_owned())?.command {
+            let full: Vec<std::ffi::OsString> = ["plyfs".into(), "mount".into()].into_iter().chain(args).collect();
+            match Cli::try_parse_from(&full).map_err(|e| one_line_usage(&e, &full))?.command {
                 Command::Mount(m) => daemon::mount(m),
                 _ => unreachable!("the helper only mounts"),
             }
@@ -276,12 +321,12 @@ fn as_mount_helper(argv: &[std::ffi::OsString]) -> Result<(), String> {
 }
 
 /// Unlock every crypt volume a stack over `lower` (with `--branch` directories) stores in.
-fn unlock_tree(lower: &Path, spec: &str, branches: &[String], secret: &secret::SecretArgs) -> Result<(), String> {
-    let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| e.to_string())?;
+fn unlock_tree(lower: &Path, spec: &str, branches: &[String], secret: &secret::SecretArgs) -> Result<(), Failure> {
+    let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(Failure::usage)?;
     secret::unlock_volumes(&plyfs_assemble::dirs::storage_dirs(lower, branches, &specs), secret).map(|_| ())
 }
 
-fn offline_run(work: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+fn offline_run(work: impl FnOnce() -> Result<(), Failure>) -> Result<(), Failure> {
     offline::init_logging();
     work()
 }

@@ -19,10 +19,17 @@ fn op(path: &Path, args: &[&str]) -> std::process::Output {
     run(plyfs().arg("op").arg(path).args(args))
 }
 
-/// A failed command: exit status 1, one line on stderr containing `expect`, nothing mounted.
-fn assert_refused(out: &std::process::Output, expect: &str) {
+/// Exit statuses (`man plyfs`, EXIT STATUS).
+const OTHER: i32 = 1;
+const USAGE: i32 = 2;
+const LOWER: i32 = 6;
+const MOUNT_POINT: i32 = 10;
+
+/// A failed command: exit status `status`, one line on stderr containing `expect`, nothing
+/// mounted.
+fn assert_refused(out: &std::process::Output, status: i32, expect: &str) {
     let err = stderr_of(out);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert_eq!(out.status.code(), Some(status), "stderr: {err}");
     assert_eq!(err.lines().count(), 1, "one line: {err:?}");
     assert!(err.starts_with("plyfs: ") && err.contains(expect), "{err:?} should contain {expect:?}");
 }
@@ -43,26 +50,26 @@ fn bad_input_gets_one_clear_line_and_mounts_nothing() {
     let mount = |args: &[&str]| run(plyfs().arg("mount").args(args));
     let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
 
-    assert_refused(&mount(&["/nonexistent/lower", m]), "lower directory /nonexistent/lower: No such file or directory");
-    assert_refused(&mount(&[l, "/nonexistent/mnt"]), "mount point /nonexistent/mnt: No such file or directory");
-    assert_refused(&mount(&[l, m, "--stack", "null,gzipp"]), "unknown layer 'gzipp' (available: null, trace, copy, uuencode, gzip, zstd, lz4, crypt, union, mirror, version, fault, lazy, ext, py)");
-    assert_refused(&mount(&[l, m, "--stack", "zstd:level=99"]), "layer 'zstd': bad value '99' for 'level': expected 1 to 19");
-    assert_refused(&mount(&[l, m, "--stack", "gzip:chunk=3k"]), "bad value '3k' for 'chunk': expected a power of two from 4k to 1m");
-    assert_refused(&mount(&[l, m, "--stack", "lz4:fast_tails=maybe"]), "bad value 'maybe' for 'fast_tails'");
-    assert_refused(&mount(&[l, m, "--stack", "trace:colour=red"]), "layer 'trace': unknown parameter 'colour'");
-    assert_refused(&mount(&[l, m, "--stack", "trace:io=maybe"]), "bad value 'maybe' for 'io'");
-    assert_refused(&mount(&[l, m, "--stack", "trace:log=/nonexistent/dir/t.jsonl"]), "cannot open log /nonexistent/dir/t.jsonl");
-    assert_refused(&mount(&[l, m, "-o", "turbo"]), "unknown mount option 'turbo'");
+    assert_refused(&mount(&["/nonexistent/lower", m]), LOWER, "lower directory /nonexistent/lower: No such file or directory");
+    assert_refused(&mount(&[l, "/nonexistent/mnt"]), MOUNT_POINT, "mount point /nonexistent/mnt: No such file or directory");
+    assert_refused(&mount(&[l, m, "--stack", "null,gzipp"]), USAGE, "unknown layer 'gzipp' (available: null, trace, copy, uuencode, gzip, zstd, lz4, crypt, union, mirror, version, fault, lazy, ext, py)");
+    assert_refused(&mount(&[l, m, "--stack", "zstd:level=99"]), USAGE, "layer 'zstd': bad value '99' for 'level': expected 1 to 19");
+    assert_refused(&mount(&[l, m, "--stack", "gzip:chunk=3k"]), USAGE, "bad value '3k' for 'chunk': expected a power of two from 4k to 1m");
+    assert_refused(&mount(&[l, m, "--stack", "lz4:fast_tails=maybe"]), USAGE, "bad value 'maybe' for 'fast_tails'");
+    assert_refused(&mount(&[l, m, "--stack", "trace:colour=red"]), USAGE, "layer 'trace': unknown parameter 'colour'");
+    assert_refused(&mount(&[l, m, "--stack", "trace:io=maybe"]), USAGE, "bad value 'maybe' for 'io'");
+    assert_refused(&mount(&[l, m, "--stack", "trace:log=/nonexistent/dir/t.jsonl"]), USAGE, "cannot open log /nonexistent/dir/t.jsonl");
+    assert_refused(&mount(&[l, m, "-o", "turbo"]), USAGE, "unknown mount option 'turbo'");
     let config = dir.path().join("bad.toml");
     fs::write(&config, "[[layer]]\ntype = \"null\"\n[[layer\n").unwrap();
-    assert_refused(&mount(&[l, m, "--config", config.to_str().unwrap()]), "bad.toml: line 3:");
-    assert_refused(&mount(&[l, m, "--config", "/nonexistent.toml"]), "/nonexistent.toml: No such file or directory");
+    assert_refused(&mount(&[l, m, "--config", config.to_str().unwrap()]), USAGE, "bad.toml: line 3:");
+    assert_refused(&mount(&[l, m, "--config", "/nonexistent.toml"]), USAGE, "/nonexistent.toml: No such file or directory");
 
     let file_mnt = dir.path().join("file");
     fs::write(&file_mnt, b"").unwrap();
-    assert_refused(&mount(&[l, file_mnt.to_str().unwrap()]), "not a directory");
+    assert_refused(&mount(&[l, file_mnt.to_str().unwrap()]), MOUNT_POINT, "not a directory");
     fs::write(mnt.join("x"), b"").unwrap();
-    assert_refused(&mount(&[l, m]), "is not empty");
+    assert_refused(&mount(&[l, m]), MOUNT_POINT, "is not empty");
     fs::remove_file(mnt.join("x")).unwrap();
 
     assert!(mounted_fstype(&mnt).is_none());
@@ -90,7 +97,7 @@ fn a_closed_output_pipe_ends_a_report_quietly() {
 fn a_busy_mount_point_is_refused() {
     let m = Mount::new("null");
     let out = run(plyfs().arg("mount").arg(&m.lower).arg(&m.mnt));
-    assert_refused(&out, "is busy: fuse.plyfs is already mounted there");
+    assert_refused(&out, MOUNT_POINT, "is busy: fuse.plyfs is already mounted there");
 }
 
 #[test]
@@ -109,7 +116,7 @@ fn background_mount_reports_ready_and_umount_waits_for_the_daemon() {
     assert!(mounted_fstype(&mnt).is_none());
     let log = fs::read_to_string(&log).unwrap();
     assert!(log.contains("unmounted"), "the daemon finished before umount returned: {log}");
-    assert_refused(&run(plyfs().arg("umount").arg(&mnt)), "not mounted");
+    assert_refused(&run(plyfs().arg("umount").arg(&mnt)), OTHER, "not mounted");
 }
 
 /// `plyfs umount` while another process statfs's the mount over and over (as `df` does every
@@ -174,7 +181,7 @@ fn a_busy_mount_is_not_unmounted_unless_lazily() {
     let mut m = Mount::new("null");
     fs::write(m.path("open"), b"in use").unwrap();
     let mut f = fs::File::open(m.path("open")).unwrap();
-    assert_refused(&run(plyfs().arg("umount").arg(&m.mnt)), "busy");
+    assert_refused(&run(plyfs().arg("umount").arg(&m.mnt)), OTHER, "busy");
     assert_eq!(mounted_fstype(&m.mnt).as_deref(), Some("fuse.plyfs"));
     let out = run(plyfs().arg("umount").arg("--lazy").arg(&m.mnt));
     assert!(out.status.success(), "{}", stderr_of(&out));
@@ -275,13 +282,14 @@ fn extended_operations_from_the_command_line() {
 
     assert_refused(
         &op(&m.path("f"), &["frobnicate"]),
+        OTHER,
         "unsupported operation 'frobnicate': no layer of the stack (trace, inner, policy, lower) handles it",
     );
-    assert_refused(&op(&m.path("f"), &["stats@inner"]), "unsupported operation 'stats'");
+    assert_refused(&op(&m.path("f"), &["stats@inner"]), OTHER, "unsupported operation 'stats'");
     assert_eq!(op_json(&m.path("f"), &["describe@inner"])[0]["name"], "inner");
-    assert_refused(&op(&m.path("f"), &["stats@nope"]), "no layer named 'nope' in this stack (trace, inner, policy, lower)");
-    assert_refused(&op(&m.path("nothing"), &["stats"]), "No such file or directory");
-    assert_refused(&op(Path::new("/etc"), &["stats"]), "/etc is not inside a plyfs mount");
+    assert_refused(&op(&m.path("f"), &["stats@nope"]), OTHER, "no layer named 'nope' in this stack (trace, inner, policy, lower)");
+    assert_refused(&op(&m.path("nothing"), &["stats"]), OTHER, "No such file or directory");
+    assert_refused(&op(Path::new("/etc"), &["stats"]), OTHER, "/etc is not inside a plyfs mount");
 }
 
 #[test]
@@ -628,4 +636,55 @@ fn a_mount_whose_log_cannot_be_written_still_serves() {
     assert_eq!(fs::read(lower.join("f")).unwrap(), b"served");
     let out = run(plyfs().arg("umount").arg(&mnt));
     assert!(out.status.success(), "umount: {}", stderr_of(&out));
+}
+
+/// Mistakes the argument parser finds read like every other error: one line naming what is
+/// wrong and the help to read, with the usage status; `--help` and `--version` still print to
+/// standard output and succeed (#32).
+#[test]
+fn argument_errors_are_one_line_with_the_usage_status() {
+    let (_dir, lower, mnt) = scratch();
+    let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
+    for (args, says) in [
+        (&["mount", l, m, "--config", "c.toml", "--stack", "null"][..], "the argument '--config <CONFIG>' cannot be used with '--stack <STACK>' (see 'plyfs mount --help')"),
+        (&["mount", l, m, "--bogus"], "unexpected argument '--bogus' found (see 'plyfs mount --help')"),
+        (&["mount", l], "the following required arguments were not provided: <MOUNTPOINT> (see 'plyfs mount --help')"),
+        (&["mount", l, m, "--stak", "null"], "unexpected argument '--stak' found; did you mean '--stack'? (see 'plyfs mount --help')"),
+        (&["policy", "apply"], "(see 'plyfs policy apply --help')"),
+        (&["moutn", l, m], "unrecognized subcommand 'moutn'; did you mean 'umount' or 'mount'? (see 'plyfs --help')"),
+    ] {
+        assert_refused(&run(plyfs().args(args)), USAGE, says);
+    }
+    assert_eq!(mounted_fstype(&mnt), None);
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1, "nothing written below");
+    for args in [&["--help"][..], &["mount", "--help"], &["--version"]] {
+        let out = run(plyfs().args(args));
+        assert!(out.status.success() && !out.stdout.is_empty() && out.stderr.is_empty(), "{args:?}: {}", stderr_of(&out));
+    }
+}
+
+/// Scripts tell the usual failures apart by the exit status, gocryptfs's where the failure is
+/// the same (`man plyfs`, EXIT STATUS); a background daemon's failure reaches the command that
+/// started it with its status (#32).
+#[test]
+fn exit_statuses_tell_failures_apart() {
+    let (dir, lower, mnt) = scratch();
+    let mount = |args: &[&str]| run(plyfs().arg("mount").args(args));
+    let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
+    const CONFIG: i32 = 8;
+    const UNREACHABLE: i32 = 33;
+    // The server is reached only by the daemon, which reports on its readiness pipe.
+    let addr = format!("unix:{}", dir.path().join("no-server.sock").display());
+    assert_refused(&mount(&[&addr, m]), UNREACHABLE, &format!("{addr}: connecting: No such file or directory"));
+    assert_refused(&mount(&[&addr, m, "--foreground"]), UNREACHABLE, &format!("{addr}: connecting"));
+    assert_refused(&mount(&[l, m, "--stack", "zstd,crypt"]), CONFIG, &format!("{l}: not a crypt volume (.plyfs-crypt.conf is missing)"));
+    assert_refused(&mount(&["/nonexistent/lower", m, "--stack", "zstd"]), LOWER, "lower directory /nonexistent/lower: No such file or directory");
+    assert_refused(&mount(&[l, m, "-o", "turbo"]), USAGE, "unknown mount option 'turbo'");
+    // The form mount(8) uses (through mount.fuse3), with a lower that is not there: the same
+    // line and status as `plyfs mount`, not the parser's "unrecognized subcommand".
+    let out = run(plyfs().args(["/nonexistent/lower", m, "-o", "rw,stack=zstd"]));
+    assert_refused(&out, LOWER, "lower directory /nonexistent/lower: No such file or directory");
+    assert_eq!(mounted_fstype(&mnt), None);
+    assert_eq!(fs::read_dir(&mnt).unwrap().count(), 0);
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1, "nothing written below");
 }
