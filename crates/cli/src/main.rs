@@ -150,6 +150,17 @@ fn main() -> ExitCode {
     if helper::is_helper_form(&argv, &names) {
         return finish(as_mount_helper(&argv));
     }
+    // `plyfs mount -o` takes what the helper form takes (`stack=`, `passfile=`, `nofail`, ...).
+    let argv = match argv.get(1).filter(|a| *a == "mount") {
+        Some(_) => {
+            let kinds: Vec<&str> = plyfs_assemble::registry().iter().map(|f| f.kind).collect();
+            match helper::expand_mount_options(&argv[2..], &kinds) {
+                Ok(rest) => argv[..2].iter().cloned().chain(rest).collect(),
+                Err(e) => return finish(Err(Failure::usage(format!("{e} (see 'plyfs mount --help')")))),
+            }
+        }
+        None => argv,
+    };
     let cli = match Cli::try_parse_from(&argv) {
         Ok(cli) => cli,
         Err(e) => return usage_error(e, &argv),
@@ -234,7 +245,8 @@ const MAN_EXTRA: &str = r#".SH "MOUNT(8) AND FSTAB"
 mount \-t fuse.plyfs LOWER MNT \-o stack=SPEC[,OPTIONS] runs
 .B plyfs LOWER MNT \-o OPTIONS
 through mount.fuse3. Options that name plyfs mount arguments become them (stack=, passfile=, branch=, rules=,
-keyfile=, config=, reverse, exclude=); a stack's own commas stay with it. An /etc/fstab line:
+keyfile=, config=, reverse, exclude=); a stack's own commas stay with it. plyfs mount \-o takes the same
+options. An /etc/fstab line:
 .PP
 .nf
 /srv/data /mnt/data fuse.plyfs stack=zstd,crypt,passfile=/etc/plyfs/data.pw,nofail 0 0

@@ -688,3 +688,26 @@ fn exit_statuses_tell_failures_apart() {
     assert_eq!(fs::read_dir(&mnt).unwrap().count(), 0);
     assert_eq!(fs::read_dir(&lower).unwrap().count(), 1, "nothing written below");
 }
+
+/// `plyfs mount -o` takes what mount(8) and fstab lines take (`stack=`, `passfile=`, `branch=`,
+/// `nofail`, `_netdev`, `defaults`, ...) with the same meaning; an argument given both ways is
+/// refused with one line (#32).
+#[test]
+fn mount_dash_o_takes_what_fstab_takes() {
+    let (dir, lower, mnt) = scratch();
+    let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
+    let mount = |args: &[&str]| run(plyfs().arg("mount").args([l, m]).args(args));
+    assert_refused(&mount(&["--stack", "null", "-o", "stack=zstd"]), USAGE, "-o stack=zstd: --stack is given too; give it once (see 'plyfs mount --help')");
+    assert_refused(&mount(&["--config", "c.toml", "-o", "rw,stack=zstd"]), USAGE, "the argument '--config <CONFIG>' cannot be used with '--stack <STACK>'");
+    assert_refused(&mount(&["-o", "passfile"]), USAGE, "-o passfile: needs a value (passfile=...)");
+    assert_eq!(mounted_fstype(&mnt), None);
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1, "nothing written below");
+
+    let m = Mount::start(dir, lower, mnt, "", &["rw,stack=trace,zstd,nofail,_netdev,defaults,x-systemd.automount,noatime"]);
+    let text = "written through -o stack=trace,zstd\n".repeat(1000);
+    fs::write(m.path("f"), &text).unwrap();
+    assert_eq!(fs::read_to_string(m.path("f")).unwrap(), text);
+    let stored = fs::read(m.lower_path("f")).unwrap();
+    assert!(stored.len() < text.len() / 4, "zstd stores it compressed: {} bytes", stored.len());
+    assert!(op_json(&m.mnt, &["stats"])["ops"].is_object(), "trace is in the stack");
+}
