@@ -55,6 +55,8 @@ pub struct MountOptions {
     pub allow_other: bool,
     pub allow_root: bool,
     pub read_only: bool,
+    /// Mount over a mount point that holds files (`-o nonempty`).
+    pub nonempty: bool,
     /// Other mounts share the lower tree (`-o shared`).
     pub shared: bool,
     /// Unmount after this long without a request and with nothing open (`-o idle=DURATION`).
@@ -78,6 +80,7 @@ impl Default for MountOptions {
             allow_other: false,
             allow_root: false,
             read_only: false,
+            nonempty: false,
             shared: false,
             idle: None,
             fanin: FanIn::Owner,
@@ -150,6 +153,7 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> cr
         allow_other: opts.allow_other,
         allow_root: opts.allow_root,
         read_only: opts.read_only,
+        nonempty: opts.nonempty,
         flags: opts.flags.clone(),
         io_uring: opts.io_uring,
     };

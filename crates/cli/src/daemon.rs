@@ -146,7 +146,7 @@ pub fn mount(args: MountArgs) -> Result<(), Failure> {
         plyfs_layers::crypt::keys::VolumeConfig::load(dir)?;
     }
     plyfs_assemble::nesting::check_storage_apart(&dirs, &args.mountpoint)?;
-    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint)?;
+    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint, opts.nonempty)?;
     // A lower in use is reported here; the mount's daemon takes the locks for its life.
     if args.ready_fd.is_none() {
         lock_lowers(&args.tree.branches, &specs, &opts, &lower, &mountpoint)?;
@@ -228,7 +228,7 @@ fn mount_reverse(args: MountArgs) -> Result<(), Failure> {
     let plain = existing_dir("plaintext directory", &args.lower).map_err(lower_failure)?;
     args.excludes().map_err(Failure::usage)?;
     plyfs_assemble::nesting::check_apart("the plaintext directory", &plain, &args.mountpoint)?;
-    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint)?;
+    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint, opts.nonempty)?;
     let found = [crate::secret::reverse_volume(&plain)?];
     let volumes = match args.key_fd {
         Some(fd) => {

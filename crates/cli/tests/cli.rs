@@ -711,3 +711,26 @@ fn mount_dash_o_takes_what_fstab_takes() {
     assert!(stored.len() < text.len() / 4, "zstd stores it compressed: {} bytes", stored.len());
     assert!(op_json(&m.mnt, &["stats"])["ops"].is_object(), "trace is in the stack");
 }
+
+/// A mount point that holds files is refused, naming `-o nonempty`, which mounts over them
+/// (hiding them until the unmount), from `plyfs mount` and from the mount(8) form alike (#32).
+#[test]
+fn nonempty_mounts_over_files_that_the_refusal_names() {
+    let (_dir, lower, mnt) = scratch();
+    fs::write(mnt.join("hidden"), b"under the mount").unwrap();
+    let refusal = format!("mount point {} is not empty: mounting would hide what it holds (-o nonempty mounts over it)", mnt.display());
+    assert_refused(&run(plyfs().arg("mount").arg(&lower).arg(&mnt)), MOUNT_POINT, &refusal);
+    assert_refused(&run(plyfs().arg(&lower).arg(&mnt).args(["-o", "stack=null"])), MOUNT_POINT, &refusal);
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1, "nothing written below");
+    for (args, form) in [(&["mount", "-o", "nonempty"][..], "plyfs mount"), (&["-o", "stack=null,nonempty"], "mount(8)")] {
+        let (subcommand, options) = args.split_at(if form == "plyfs mount" { 1 } else { 0 });
+        let _guard = scopeguard(&mnt);
+        let out = run(plyfs().args(subcommand).arg(&lower).arg(&mnt).args(options));
+        assert!(out.status.success(), "{form}: {}", stderr_of(&out));
+        assert_eq!(mounted_fstype(&mnt).as_deref(), Some("fuse.plyfs"), "{form}");
+        assert!(mnt.join("keep.txt").exists() && !mnt.join("hidden").exists(), "{form}: the mount shows the lower");
+        let out = run(plyfs().arg("umount").arg(&mnt));
+        assert!(out.status.success(), "{form}: {}", stderr_of(&out));
+        assert_eq!(fs::read(mnt.join("hidden")).unwrap(), b"under the mount", "{form}: the files are back");
+    }
+}
