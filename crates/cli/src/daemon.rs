@@ -169,10 +169,27 @@ pub fn mount(args: MountArgs) -> Result<(), Failure> {
         None if remote_volume.is_empty() => crate::secret::unlock_volumes(&dirs, &args.secret)?,
         None => crate::secret::unlock_configs(&remote_volume, &args.secret)?,
     };
+    let defaults = defaults_taken(&args.tree, &specs, &lower);
     if args.foreground {
+        if let Some(d) = &defaults {
+            eprintln!("plyfs: {d}");
+        }
         return serve(&args, specs, opts, lower, mountpoint);
     }
-    spawn_background(&args, &mountpoint, volumes)
+    spawn_background(&args, &mountpoint, volumes, defaults)
+}
+
+/// What a mount over a directory took by default that its user may not know: said in the
+/// mount message, since the mount works either way and nothing else would tell.
+fn defaults_taken(tree: &StackArgs, specs: &[plyfs_stack::spec::LayerSpec], lower: &plyfs_assemble::lower::Lower) -> Option<String> {
+    let dir = lower.dir()?;
+    if tree.stack.is_none() && tree.config.is_none() {
+        return Some("stack: null, which passes everything through unchanged (no --stack given)".into());
+    }
+    let registry = plyfs_assemble::registry();
+    let fan_out = specs.iter().find(|s| plyfs_stack::is_fan_out(registry, &s.kind))?;
+    (fan_out.branches.is_empty() && tree.branches.is_empty())
+        .then(|| format!("{} has one branch, {} (add more with --branch DIR)", fan_out.kind, dir.display()))
 }
 
 pub(crate) fn init_logging(verbose: u8) {
@@ -240,7 +257,7 @@ fn mount_reverse(args: MountArgs) -> Result<(), Failure> {
     if args.foreground {
         return serve(&args, Vec::new(), opts, plyfs_assemble::lower::Lower::Dir(plain), mountpoint);
     }
-    spawn_background(&args, &mountpoint, volumes)
+    spawn_background(&args, &mountpoint, volumes, None)
 }
 
 fn serve(
@@ -276,7 +293,13 @@ pub(crate) fn lower_failure(e: plyfs_assemble::Error) -> Failure {
     }
 }
 
-fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_layers::crypt::keys::Volume>>) -> Result<(), Failure> {
+/// Start the daemon and wait for its report; `defaults` goes in the mount message.
+fn spawn_background(
+    args: &MountArgs,
+    mountpoint: &Path,
+    volumes: Vec<Arc<plyfs_layers::crypt::keys::Volume>>,
+    defaults: Option<String>,
+) -> Result<(), Failure> {
     let uid = unsafe { libc::geteuid() };
     let log = match &args.log {
         Some(l) => std::path::absolute(l).map_err(|e| format!("--log {}: {e}", l.display()))?,
@@ -331,7 +354,8 @@ fn spawn_background(args: &MountArgs, mountpoint: &Path, volumes: Vec<Arc<plyfs_
         if args.quiet {
             return Ok(());
         }
-        eprintln!("plyfs: mounted {} (pid {}); file I/O: {mode}; log: {}", mountpoint.display(), child.id(), log.display());
+        let defaults = defaults.map(|d| format!("; {d}")).unwrap_or_default();
+        eprintln!("plyfs: mounted {} (pid {}){defaults}; file I/O: {mode}; log: {}", mountpoint.display(), child.id(), log.display());
         Ok(())
     } else if let Some(err) = line.strip_prefix("ERR ") {
         let _ = child.wait();

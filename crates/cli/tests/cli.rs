@@ -734,3 +734,31 @@ fn nonempty_mounts_over_files_that_the_refusal_names() {
         assert_eq!(fs::read(mnt.join("hidden")).unwrap(), b"under the mount", "{form}: the files are back");
     }
 }
+
+/// What a mount took by default is said in its mount message: no `--stack` mounts `null`, and a
+/// `union` without `--branch` has LOWER as its only branch. A stack given in full says neither
+/// (#32).
+#[test]
+fn the_mount_message_says_what_was_taken_by_default() {
+    let (_dir, lower, mnt) = scratch();
+    for (stack, says) in [
+        (&[][..], "stack: null, which passes everything through unchanged (no --stack given)".to_owned()),
+        (&["--stack", "union"], format!("union has one branch, {} (add more with --branch DIR)", lower.display())),
+        (&["--stack", "trace,null"], String::new()),
+    ] {
+        let _guard = scopeguard(&mnt);
+        let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).args(stack));
+        let said = stderr_of(&out);
+        assert!(out.status.success(), "{stack:?}: {said}");
+        assert_eq!(said.lines().count(), 1, "{stack:?}: one line: {said}");
+        let first = format!("plyfs: mounted {} (pid ", mnt.display());
+        assert!(said.starts_with(&first), "{stack:?}: {said}");
+        if says.is_empty() {
+            assert!(!said.contains("no --stack") && !said.contains("one branch"), "{stack:?}: {said}");
+        } else {
+            assert!(said.contains(&format!("); {says}; file I/O: ")), "{stack:?}: {said:?} should say {says:?}");
+        }
+        let out = run(plyfs().arg("umount").arg(&mnt));
+        assert!(out.status.success(), "{}", stderr_of(&out));
+    }
+}
