@@ -41,7 +41,7 @@ pub struct MountArgs {
     options: Vec<String>,
     /// Where a background daemon logs (default: next to its control socket); made 0600, and
     /// refused if it is a symbolic link or another user's file.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     log: Option<PathBuf>,
     /// Log more (debug); repeat for every request (trace).
     #[arg(short, long, action = clap::ArgAction::Count)]
@@ -51,10 +51,10 @@ pub struct MountArgs {
     #[arg(short, long)]
     quiet: bool,
     /// Internal: the pipe to report readiness on.
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, value_name = "FD")]
     ready_fd: Option<i32>,
     /// Internal: the pipe the parent hands an unlocked volume's master key over on.
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, value_name = "FD")]
     key_fd: Option<i32>,
     /// The pre-shared key file of a `tcp:` server (at least 32 bytes, the same as the server's;
     /// mode 0600 and yours, or it is refused).
@@ -95,10 +95,10 @@ impl MountArgs {
 #[derive(Args, Clone)]
 pub struct StackArgs {
     /// Layers from the top down, e.g. `trace:log=t.jsonl,null`.
-    #[arg(long, conflicts_with = "config")]
+    #[arg(long, conflicts_with = "config", value_name = "SPEC")]
     pub stack: Option<String>,
     /// A TOML file describing the stack ([[layer]] tables).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// A further branch for the stack's first fan-out layer (union, mirror), which takes LOWER
     /// as its first branch and these after it, in order: DIR, DIR=rw (the default) or DIR=ro.
@@ -106,7 +106,7 @@ pub struct StackArgs {
     pub branches: Vec<String>,
     /// A TOML file of rules choosing the data layers of files by path, extension and size
     /// ([[rule]] tables); file and directory attributes (user.plyfs.layers) take precedence.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub rules: Option<PathBuf>,
 }
 

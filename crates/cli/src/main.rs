@@ -61,7 +61,7 @@ enum Command {
     Encode {
         src: PathBuf,
         dest: PathBuf,
-        #[arg(long)]
+        #[arg(long, value_name = "SPEC")]
         stack: String,
         #[command(flatten)]
         secret: secret::SecretArgs,
@@ -71,10 +71,10 @@ enum Command {
     Decode {
         lower: PathBuf,
         dest: PathBuf,
-        #[arg(long)]
+        #[arg(long, value_name = "SPEC")]
         stack: String,
         /// Only this file or directory, relative to LOWER.
-        #[arg(long)]
+        #[arg(long, value_name = "PATH")]
         path: Option<PathBuf>,
         /// A further branch of the stack's fan-out layer, as for `mount`.
         #[arg(long = "branch", value_name = "DIR[=ro|rw]")]
@@ -86,7 +86,7 @@ enum Command {
     /// indexes are rebuilt, damaged data is listed.
     Fsck {
         lower: PathBuf,
-        #[arg(long)]
+        #[arg(long, value_name = "SPEC")]
         stack: String,
         /// On a volume made with --bind-paths: bind every file to the place it is at now, before
         /// checking it (after a copy that dropped extended attributes). A file moved or swapped
@@ -103,7 +103,7 @@ enum Command {
     /// a lower directory read through --stack.
     Du {
         path: PathBuf,
-        #[arg(long)]
+        #[arg(long, value_name = "SPEC")]
         stack: Option<String>,
         /// A further branch of the stack's fan-out layer, as for `mount`.
         #[arg(long = "branch", value_name = "DIR[=ro|rw]", requires = "stack")]
@@ -124,8 +124,10 @@ enum Command {
     /// Print the shell completion script for SHELL (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
     /// Write the manual pages (plyfs.1, plyfs-mount.1, ...) into DIR.
-    #[command(hide = true)]
-    Manpages { dir: PathBuf },
+    Manpages {
+        #[arg(value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
+        dir: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -209,7 +211,7 @@ fn main() -> ExitCode {
         Command::Policy { action: PolicyAction::Apply { path, recursive } } => policy::apply(&path, recursive).map_err(Failure::from),
         Command::Completions { shell } => {
             let mut script = Vec::new();
-            clap_complete::generate(shell, &mut Cli::command(), "plyfs", &mut script);
+            clap_complete::generate(shell, &mut completion_command(), "plyfs", &mut script);
             std::io::Write::write_all(&mut std::io::stdout(), &script).map_err(|e| Failure::from(format!("writing the script: {e}")))
         }
         Command::Manpages { dir } => manpages(&dir).map_err(Failure::from),
@@ -226,7 +228,8 @@ fn manpages(dir: &Path) -> Result<(), String> {
     let mut pages = vec![("plyfs".to_owned(), cli.clone())];
     for sub in cli.get_subcommands().filter(|s| !s.is_hide_set() && s.get_name() != "help") {
         let name: &'static str = Box::leak(format!("plyfs-{}", sub.get_name()).into_boxed_str());
-        pages.push((name.to_owned(), sub.clone().name(name)));
+        let synopsis = synopsis(sub, &format!("plyfs {}", sub.get_name()));
+        pages.push((name.to_owned(), sub.clone().name(name).override_usage(synopsis)));
     }
     for (name, cmd) in pages {
         let path = dir.join(format!("{name}.1"));
@@ -238,6 +241,56 @@ fn manpages(dir: &Path) -> Result<(), String> {
         std::fs::write(&path, out).map_err(|e| format!("{}: {e}", path.display()))?;
     }
     Ok(())
+}
+
+/// A manual page's synopsis: every option with its value (`[--stack <SPEC>]`), which
+/// clap_mangen's own leaves out (`[--stack]`). `cmd` is built.
+fn synopsis(cmd: &clap::Command, name: &str) -> String {
+    let value = |a: &clap::Arg| match a.get_value_names() {
+        Some(names) => names.iter().map(|n| format!("<{n}>")).collect::<Vec<_>>().join(" "),
+        None => format!("<{}>", a.get_id().as_str().to_uppercase()),
+    };
+    let mut words = vec![name.to_owned()];
+    for a in cmd.get_arguments().filter(|a| !a.is_hide_set() && !a.is_positional()) {
+        let flag = match (a.get_short(), a.get_long()) {
+            (Some(s), Some(l)) => format!("-{s}|--{l}"),
+            (Some(s), None) => format!("-{s}"),
+            (None, Some(l)) => format!("--{l}"),
+            (None, None) => continue,
+        };
+        let takes_value = a.get_num_args().is_some_and(|n| n.takes_values());
+        let word = if takes_value { format!("{flag} {}", value(a)) } else { flag };
+        let repeats = matches!(a.get_action(), clap::ArgAction::Append | clap::ArgAction::Count);
+        words.push(match (a.is_required_set(), repeats) {
+            (true, _) => word,
+            (false, false) => format!("[{word}]"),
+            (false, true) => format!("[{word}]..."),
+        });
+    }
+    for a in cmd.get_arguments().filter(|a| a.is_positional() && !a.is_hide_set()) {
+        let many = a.get_num_args().is_some_and(|n| n.max_values() > 1);
+        let word = format!("{}{}", value(a), if many { "..." } else { "" });
+        words.push(if a.is_required_set() { word } else { format!("[{word}]") });
+    }
+    if cmd.has_subcommands() {
+        words.push("<COMMAND>".into());
+    }
+    words.join(" ")
+}
+
+/// The command as shell completion sees it: after `--stack`, the names of the layers (the value
+/// is parsed as a comma-separated spec, so this is for completion only).
+fn completion_command() -> clap::Command {
+    fn offer_layers(cmd: clap::Command, kinds: &[&'static str]) -> clap::Command {
+        let cmd = cmd.mut_subcommands(|sub| offer_layers(sub, kinds));
+        if cmd.get_arguments().any(|a| a.get_id() == "stack") {
+            cmd.mut_arg("stack", |a| a.value_parser(clap::builder::PossibleValuesParser::new(kinds.iter().copied())))
+        } else {
+            cmd
+        }
+    }
+    let kinds: Vec<&'static str> = plyfs_assemble::registry().iter().map(|f| f.kind).chain(["remote"]).collect();
+    offer_layers(Cli::command(), &kinds)
 }
 
 /// What `plyfs.1` says beyond the options: the mount(8) form, files, where to read more.
@@ -400,15 +453,42 @@ fn op(path: &Path, name: &str, args: &[String]) -> Result<(), String> {
 
 fn print_layers() {
     for f in plyfs_assemble::registry() {
-        println!("{:<8} {}", f.kind, f.summary);
-        for p in f.params.iter().chain([&plyfs_stack::NAME_PARAM]) {
-            let default = p.default.map(|d| format!(" (default: {d})")).unwrap_or_default();
-            println!("    {}=…{:<width$} {}{default}", p.name, "", p.help, width = 8usize.saturating_sub(p.name.len()));
-        }
-        for o in f.ext_ops {
-            let args = if o.args.is_empty() { String::new() } else { format!(" {}", o.args) };
-            println!("    op {}{args}: {}", o.name, o.help);
-        }
+        print_layer(f.kind, f.summary, f.params, f.ext_ops);
     }
+    // `remote` is a bottom, built apart from the registry's layers.
+    print_layer("remote", plyfs_assemble::lower::REMOTE_SUMMARY, plyfs_assemble::lower::REMOTE_PARAMS, &[]);
     println!("\nEvery mount also answers `op lower-info` (where a file lives in the lower directory).");
+}
+
+fn print_layer(kind: &str, summary: &str, params: &[plyfs_stack::spec::ParamSpec], ext_ops: &[plyfs_stack::ExtOpInfo]) {
+    println!("{kind:<8} {summary}");
+    for p in params.iter().chain([&plyfs_stack::NAME_PARAM]) {
+        let default = p.default.map(|d| format!(" (default: {d})")).unwrap_or_default();
+        println!("    {}=…{:<width$} {}{default}", p.name, "", p.help, width = 8usize.saturating_sub(p.name.len()));
+    }
+    for o in ext_ops {
+        let args = if o.args.is_empty() { String::new() } else { format!(" {}", o.args) };
+        println!("    op {}{args}: {}", o.name, o.help);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every option that takes a value names it (`--stack <SPEC>`), for --help and the manual.
+    #[test]
+    fn every_option_names_its_value() {
+        fn check(cmd: &clap::Command, path: &str) {
+            for a in cmd.get_arguments().filter(|a| !a.is_positional() && a.get_num_args().is_some_and(|n| n.takes_values())) {
+                assert!(a.get_value_names().is_some(), "{path} --{}: no value_name", a.get_id());
+            }
+            for sub in cmd.get_subcommands() {
+                check(sub, &format!("{path} {}", sub.get_name()));
+            }
+        }
+        let mut cli = Cli::command();
+        cli.build();
+        check(&cli, "plyfs");
+    }
 }

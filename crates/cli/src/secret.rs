@@ -249,10 +249,10 @@ pub struct InitArgs {
     /// The directory to make a volume of (empty, unless --plaintext-names).
     lower: PathBuf,
     /// The layer to set up: crypt.
-    #[arg(long, default_value = "crypt")]
+    #[arg(long, default_value = "crypt", value_name = "LAYER")]
     layer: String,
     /// The cipher for file data: aes-256-gcm (default) or xchacha20-poly1305.
-    #[arg(long, default_value = "aes-256-gcm")]
+    #[arg(long, default_value = "aes-256-gcm", value_name = "CIPHER")]
     cipher: String,
     /// Leave file names unencrypted.
     #[arg(long)]
@@ -272,7 +272,7 @@ pub struct InitArgs {
     #[command(flatten)]
     secret: SecretArgs,
     /// Argon2id memory cost in KiB (default 65536). Lower only for tests.
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, value_name = "KIB")]
     kdf_memory: Option<u32>,
 }
 

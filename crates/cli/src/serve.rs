@@ -45,7 +45,7 @@ pub struct ServeArgs {
     #[arg(long)]
     as_stored: bool,
     /// Requests of each client that run at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_name = "N")]
     workers: usize,
     #[command(flatten)]
     limits: LimitArgs,
@@ -157,7 +157,7 @@ pub struct HostArgs {
     /// mount's stack.
     layers: String,
     /// The Unix socket to listen on; mounts reach it with `ext:socket=PATH`.
-    #[arg(long)]
+    #[arg(long, value_name = "PATH")]
     socket: PathBuf,
     /// Log more (debug); repeat for every request (trace).
     #[arg(short, long, action = clap::ArgAction::Count)]

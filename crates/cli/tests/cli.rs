@@ -646,7 +646,7 @@ fn argument_errors_are_one_line_with_the_usage_status() {
     let (_dir, lower, mnt) = scratch();
     let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
     for (args, says) in [
-        (&["mount", l, m, "--config", "c.toml", "--stack", "null"][..], "the argument '--config <CONFIG>' cannot be used with '--stack <STACK>' (see 'plyfs mount --help')"),
+        (&["mount", l, m, "--config", "c.toml", "--stack", "null"][..], "the argument '--config <FILE>' cannot be used with '--stack <SPEC>' (see 'plyfs mount --help')"),
         (&["mount", l, m, "--bogus"], "unexpected argument '--bogus' found (see 'plyfs mount --help')"),
         (&["mount", l], "the following required arguments were not provided: <MOUNTPOINT> (see 'plyfs mount --help')"),
         (&["mount", l, m, "--stak", "null"], "unexpected argument '--stak' found; did you mean '--stack'? (see 'plyfs mount --help')"),
@@ -698,7 +698,7 @@ fn mount_dash_o_takes_what_fstab_takes() {
     let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
     let mount = |args: &[&str]| run(plyfs().arg("mount").args([l, m]).args(args));
     assert_refused(&mount(&["--stack", "null", "-o", "stack=zstd"]), USAGE, "-o stack=zstd: --stack is given too; give it once (see 'plyfs mount --help')");
-    assert_refused(&mount(&["--config", "c.toml", "-o", "rw,stack=zstd"]), USAGE, "the argument '--config <CONFIG>' cannot be used with '--stack <STACK>'");
+    assert_refused(&mount(&["--config", "c.toml", "-o", "rw,stack=zstd"]), USAGE, "the argument '--config <FILE>' cannot be used with '--stack <SPEC>'");
     assert_refused(&mount(&["-o", "passfile"]), USAGE, "-o passfile: needs a value (passfile=...)");
     assert_eq!(mounted_fstype(&mnt), None);
     assert_eq!(fs::read_dir(&lower).unwrap().count(), 1, "nothing written below");
@@ -760,5 +760,42 @@ fn the_mount_message_says_what_was_taken_by_default() {
         }
         let out = run(plyfs().arg("umount").arg(&mnt));
         assert!(out.status.success(), "{}", stderr_of(&out));
+    }
+}
+
+/// What a newcomer reads first names everything: `plyfs --help` lists `manpages`, `plyfs
+/// layers` lists `remote` and its parameters, options show their values (`--stack <SPEC>`) in
+/// --help and the manual's synopsis, and shell completion offers layer names after `--stack`
+/// (#32).
+#[test]
+fn help_layers_manual_and_completion_name_what_they_take() {
+    let stdout = |args: &[&str]| {
+        let out = run(plyfs().args(args));
+        assert!(out.status.success(), "{args:?}: {}", stderr_of(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(stdout(&["--help"]).contains("\n  manpages "), "plyfs --help lists manpages");
+    let layers = stdout(&["layers"]);
+    let remote = layers.split("\nremote ").nth(1).expect("plyfs layers lists remote");
+    for param in ["addr=", "psk=", "timeout=", "sync=", "name="] {
+        assert!(remote.contains(&format!("\n    {param}")), "remote's {param} in {remote}");
+    }
+    let help = stdout(&["mount", "--help"]);
+    for option in ["--stack <SPEC>", "--config <FILE>", "--rules <FILE>", "--log <FILE>", "-o <OPTIONS>"] {
+        assert!(help.contains(option), "{option} in plyfs mount --help");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    stdout(&["manpages", dir.path().to_str().unwrap()]);
+    let page = fs::read_to_string(dir.path().join("plyfs-mount.1")).unwrap();
+    let synopsis = page.split(".SH SYNOPSIS\n").nth(1).and_then(|s| s.lines().next()).unwrap();
+    for option in [r"[\-\-stack <SPEC>]", r"[\-\-config <FILE>]", r"[\-o <OPTIONS>]...", r"[\-\-branch <DIR[=ro|rw]>]...", "<LOWER> <MOUNTPOINT>"] {
+        assert!(synopsis.contains(option), "{option} in {synopsis}");
+    }
+    let kinds = "null trace copy uuencode gzip zstd lz4 crypt union mirror version fault lazy ext py remote";
+    let bash = stdout(&["completions", "bash"]);
+    assert!(bash.contains(&format!("--stack)\n                    COMPREPLY=($(compgen -W \"{kinds}\" -- \"${{cur}}\"))")), "bash offers layer names after --stack");
+    for shell in ["zsh", "fish"] {
+        let script = stdout(&["completions", shell]);
+        assert!(["zstd", "crypt", "union", "remote"].iter().all(|k| script.contains(k)), "{shell} offers layer names");
     }
 }
