@@ -4,6 +4,7 @@ mod daemon;
 mod exodisk;
 mod failure;
 mod helper;
+mod install;
 mod offline;
 mod options;
 mod policy;
@@ -123,6 +124,9 @@ enum Command {
     },
     /// Print the shell completion script for SHELL (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
+    /// Install the mount(8) helper mount.fuse.plyfs for this plyfs, as the Debian package
+    /// does, so that `mount -t fuse.plyfs` and fstab lines find it (for `cargo install`).
+    InstallHelper(install::InstallHelperArgs),
     /// Write the manual pages (plyfs.1, plyfs-mount.1, ...) into DIR.
     Manpages {
         #[arg(value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
@@ -215,6 +219,7 @@ fn main() -> ExitCode {
             std::io::Write::write_all(&mut std::io::stdout(), &script).map_err(|e| Failure::from(format!("writing the script: {e}")))
         }
         Command::Manpages { dir } => manpages(&dir).map_err(Failure::from),
+        Command::InstallHelper(args) => install::install_helper(&args),
     };
     finish(result)
 }
@@ -306,6 +311,8 @@ options. An /etc/fstab line:
 .fi
 .PP
 mount \-o remount,ro MNT makes the mount read-only, for the daemon too; umount MNT unmounts it.
+.B plyfs install\-helper
+writes /sbin/mount.fuse.plyfs for a plyfs installed with cargo (the Debian package has it).
 .SH FILES
 .TP
 LOWER/.plyfs\-crypt.conf

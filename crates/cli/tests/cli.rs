@@ -799,3 +799,44 @@ fn help_layers_manual_and_completion_name_what_they_take() {
         assert!(["zstd", "crypt", "union", "remote"].iter().all(|k| script.contains(k)), "{shell} offers layer names");
     }
 }
+
+/// `plyfs install-helper` writes the mount(8) helper the Debian package installs, for a plyfs
+/// from `cargo install`: a script that runs this plyfs. It replaces its own, leaves another
+/// program's alone, and says what to do without permission, in one line each (#32).
+#[test]
+fn install_helper_writes_the_mount_helper() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let sbin = dir.path().join("sbin");
+    fs::create_dir(&sbin).unwrap();
+    for d in [dir.path(), &sbin] {
+        fs::set_permissions(d, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let helper = sbin.join("mount.fuse.plyfs");
+    let exe = Path::new(env!("CARGO_BIN_EXE_plyfs")).canonicalize().unwrap();
+    for _ in 0..2 {
+        let out = run(plyfs().args(["install-helper", "--dir"]).arg(&sbin));
+        let said = stderr_of(&out);
+        assert!(out.status.success(), "{said}");
+        assert_eq!(said, format!("plyfs: installed {}, which runs {}: `mount -t fuse.plyfs` and fstab lines find it\n", helper.display(), exe.display()));
+    }
+    assert_eq!(fs::metadata(&helper).unwrap().permissions().mode() & 0o7777, 0o755);
+    let script = fs::read_to_string(&helper).unwrap();
+    assert!(script.starts_with("#!/bin/sh\n") && script.ends_with(&format!("exec '{}' \"$@\"\n", exe.display())), "{script}");
+    let out = run(&mut Command::new(&helper).arg("--version"));
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("plyfs "), "the helper runs this plyfs");
+
+    let foreign = "#!/bin/sh\nexec sshfs \"$@\"\n";
+    fs::write(&helper, foreign).unwrap();
+    let out = run(plyfs().args(["install-helper", "--dir"]).arg(&sbin));
+    assert_refused(&out, OTHER, &format!("{}: exists and is not plyfs's helper; remove it first if it should be", helper.display()));
+    assert_eq!(fs::read_to_string(&helper).unwrap(), foreign);
+    fs::remove_file(&helper).unwrap();
+
+    if is_root() {
+        let out = run(Command::new("setpriv").args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"]).arg(&exe).args(["install-helper", "--dir"]).arg(&sbin));
+        assert_refused(&out, OTHER, &format!("{}: Permission denied (os error 13) (run it as root, or give --dir DIR)", helper.display()));
+        assert_eq!(fs::read_dir(&sbin).unwrap().count(), 0, "nothing written");
+    }
+    assert_refused(&run(plyfs().args(["install-helper", "--dir"]).arg(sbin.join("missing"))), OTHER, "missing: No such file or directory");
+}
