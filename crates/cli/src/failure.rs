@@ -170,6 +170,14 @@ mod tests {
     }
 
     #[test]
+    fn the_manual_lists_every_status() {
+        use code::*;
+        for status in [OTHER, USAGE, LOWER, CONFIG, MOUNT_POINT, WRONG_SECRET, FUSE, FSCK, IN_USE, UNREACHABLE] {
+            assert!(crate::MAN_EXTRA.contains(&format!(".B {status}\n")), "man plyfs, EXIT STATUS, lacks {status}");
+        }
+    }
+
+    #[test]
     fn typed_errors_are_classified_and_words_are_general() {
         assert_eq!(Failure::from("anything".to_owned()).code, code::OTHER);
         let nested = plyfs_assemble::Error::Nested("mount point /l/m lies inside lower directory /l".into());

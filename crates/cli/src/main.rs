@@ -311,8 +311,46 @@ options. An /etc/fstab line:
 .fi
 .PP
 mount \-o remount,ro MNT makes the mount read-only, for the daemon too; umount MNT unmounts it.
+.PP
 .B plyfs install\-helper
 writes /sbin/mount.fuse.plyfs for a plyfs installed with cargo (the Debian package has it).
+.SH "EXIT STATUS"
+Every error is one line on standard error. Where gocryptfs has a status for the same failure, plyfs uses its
+number; a background mount exits with the status its daemon reported.
+.TP
+.B 0
+Success.
+.TP
+.B 1
+Any other failure; the message says what.
+.TP
+.B 2
+Usage: an unknown or missing argument, conflicting options, a bad \-\-stack, \-\-config or \-o option.
+.TP
+.B 6
+LOWER (or a reverse view's plaintext directory) is missing or not a directory.
+.TP
+.B 8
+Not a crypt volume, or its configuration is damaged or unknown.
+.TP
+.B 10
+The mount point is missing, not a directory, not empty (see \-o nonempty), mounted on already, or nested with a
+directory the stack stores in.
+.TP
+.B 12
+Wrong password, key file or master key.
+.TP
+.B 19
+The kernel's mount failed (/dev/fuse, mount(2), fusermount3).
+.TP
+.B 26
+fsck found damaged data.
+.TP
+.B 32
+A directory the stack stores in is in use by another mount, server or tool.
+.TP
+.B 33
+The server (unix:, tcp:, exodisk:) cannot be reached or refused the connection.
 .SH FILES
 .TP
 LOWER/.plyfs\-crypt.conf
