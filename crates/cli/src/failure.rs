@@ -143,7 +143,6 @@ fn below_code(e: &(dyn std::error::Error + Send + Sync + 'static)) -> u8 {
     } else if let Some(e) = e.downcast_ref::<plyfs_transport::Error>() {
         match e {
             plyfs_transport::Error::Peer { .. } | plyfs_transport::Error::NotAllowed { .. } => code::UNREACHABLE,
-            plyfs_transport::Error::Io { op, .. } if *op == "connecting" => code::UNREACHABLE,
             _ => code::OTHER,
         }
     } else if let Some(e) = e.downcast_ref::<plyfs_exodisk::Error>() {
