@@ -30,7 +30,7 @@ pub mod code {
     pub const FSCK: u8 = 26;
     /// A directory the stack stores in is in use by another mount or tool.
     pub const IN_USE: u8 = 32;
-    /// The server (`unix:`, `tcp:`, `ext:` or exodisk) cannot be reached or refused us.
+    /// The server (`unix:`, `tcp:`, `ext:` or `exodisk:`) cannot be reached or refused us.
     pub const UNREACHABLE: u8 = 33;
 }
 
@@ -147,7 +147,7 @@ fn below_code(e: &(dyn std::error::Error + Send + Sync + 'static)) -> u8 {
         }
     } else if let Some(e) = e.downcast_ref::<plyfs_exodisk::Error>() {
         match e {
-            plyfs_exodisk::Error::Refused { .. } | plyfs_exodisk::Error::NotAService { .. } | plyfs_exodisk::Error::NotListening { .. } => {
+            plyfs_exodisk::Error::Unreachable { .. } | plyfs_exodisk::Error::Refused { .. } | plyfs_exodisk::Error::NotAService { .. } => {
                 code::UNREACHABLE
             }
             _ => code::OTHER,

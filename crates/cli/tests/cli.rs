@@ -677,6 +677,9 @@ fn exit_statuses_tell_failures_apart() {
     let addr = format!("unix:{}", dir.path().join("no-server.sock").display());
     assert_refused(&mount(&[&addr, m]), UNREACHABLE, &format!("{addr}: connecting: No such file or directory"));
     assert_refused(&mount(&[&addr, m, "--foreground"]), UNREACHABLE, &format!("{addr}: connecting"));
+    let exodisk = dir.path().join("no-service.sock");
+    let source = format!("exodisk:{}", exodisk.display());
+    assert_refused(&mount(&[&source, m]), UNREACHABLE, &format!("{}: connecting: No such file or directory", exodisk.display()));
     assert_refused(&mount(&[l, m, "--stack", "zstd,crypt"]), CONFIG, &format!("{l}: not a crypt volume (.plyfs-crypt.conf is missing)"));
     assert_refused(&mount(&["/nonexistent/lower", m, "--stack", "zstd"]), LOWER, "lower directory /nonexistent/lower: No such file or directory");
     assert_refused(&mount(&[l, m, "-o", "turbo"]), USAGE, "unknown mount option 'turbo'");
