@@ -28,12 +28,7 @@ gzip -9n "$assets"/man/*.1
 target/release/plyfs completions bash > "$assets/completions/plyfs"
 target/release/plyfs completions zsh > "$assets/completions/_plyfs"
 target/release/plyfs completions fish > "$assets/completions/plyfs.fish"
-cat > "$assets/mount.fuse.plyfs" <<'SH'
-#!/bin/sh
-# mount(8) helper for file systems of type fuse.plyfs: `mount -t fuse.plyfs LOWER MNT -o
-# stack=SPEC,...` and /etc/fstab lines run it as `mount.fuse.plyfs LOWER MNT -o OPTIONS`.
-exec /usr/bin/plyfs "$@"
-SH
-chmod 755 "$assets/mount.fuse.plyfs"
+# The same helper `plyfs install-helper` installs for a plyfs from `cargo install`.
+target/release/plyfs install-helper --dir "$assets" --exec /usr/bin/plyfs
 cargo deb -p plyfs --no-build >&2
 ls target/debian/plyfs_*.deb

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use plyfs_stack::spec::LayerSpec;
+use plyfs_stack::spec::{LayerSpec, ParamSpec};
 use plyfs_stack::{Level, LowerDir};
 use plyfs_transport::tls::{Psk, TlsConnector};
 use plyfs_transport::{Addr, Connector, PlainConnector};
@@ -20,6 +20,16 @@ pub enum Lower {
 
 /// How long a `remote` layer waits for its server (reconnecting included) before `EIO`.
 const REMOTE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The `remote` layer is a bottom, built here rather than from the registry: what `plyfs
+/// layers` says of it, and the parameters [`Lower::parse`] takes (besides `name`).
+pub const REMOTE_SUMMARY: &str = "the bottom of a stack served elsewhere (plyfs serve): operations go to the server over a Unix socket or TLS";
+pub const REMOTE_PARAMS: &[ParamSpec] = &[
+    ParamSpec { name: "addr", help: "the server, unix:PATH or tcp:HOST:PORT (or give it as LOWER)", default: None },
+    ParamSpec { name: "psk", help: "the pre-shared key file of a tcp: server (as --psk)", default: None },
+    ParamSpec { name: "timeout", help: "seconds to wait for the server, reconnecting included, before EIO", default: Some("60") },
+    ParamSpec { name: "sync", help: "on: every write waits for the server's reply (as NFS's sync)", default: Some("off") },
+];
 
 impl Lower {
     /// LOWER as given on the command line, with the stack's `remote` layer if it ends in one
@@ -79,7 +89,10 @@ impl Lower {
                         v.parse().ok().filter(|s: &f64| *s > 0.0).ok_or_else(|| format!("remote: timeout={v}: expected seconds"))?;
                     timeout = Duration::from_secs_f64(secs);
                 }
-                _ => return Err(crate::Error::Spec(format!("layer 'remote': unknown parameter '{k}' (known: addr, psk, timeout, sync, name)"))),
+                _ => {
+                    let known: Vec<&str> = REMOTE_PARAMS.iter().chain([&plyfs_stack::NAME_PARAM]).map(|p| p.name).collect();
+                    return Err(crate::Error::Spec(format!("layer 'remote': unknown parameter '{k}' (known: {})", known.join(", "))));
+                }
             }
         }
         let addr = match (addr, given) {
@@ -110,7 +123,8 @@ impl Lower {
             }
             Lower::Remote { addr, name, timeout, psk, sync } => {
                 let connector = connector(addr, psk.as_deref())?;
-                let remote = plyfs_layers::remote::Remote::connect(name, connector, *timeout).map_err(|e| crate::Error::Below(Box::new(e)))?;
+                // The error names the server.
+                let remote = plyfs_layers::remote::Remote::connect(name, connector, *timeout)?;
                 Ok(remote.sync_writes(*sync).level())
             }
         }

@@ -55,6 +55,8 @@ pub struct MountOptions {
     pub allow_other: bool,
     pub allow_root: bool,
     pub read_only: bool,
+    /// Mount over a mount point that holds files (`-o nonempty`).
+    pub nonempty: bool,
     /// Other mounts share the lower tree (`-o shared`).
     pub shared: bool,
     /// Unmount after this long without a request and with nothing open (`-o idle=DURATION`).
@@ -81,6 +83,7 @@ impl Default for MountOptions {
             allow_other: false,
             allow_root: false,
             read_only: false,
+            nonempty: false,
             shared: false,
             idle: None,
             fanin: FanIn::Owner,
@@ -154,10 +157,11 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> cr
         allow_other: opts.allow_other,
         allow_root: opts.allow_root,
         read_only: opts.read_only,
+        nonempty: opts.nonempty,
         flags: opts.flags.clone(),
         io_uring: opts.io_uring,
     };
-    let mounted = Mounted::mount(stack.clone(), &request).map_err(|e| crate::Error::Run(e.to_string()))?;
+    let mounted = Mounted::mount(stack.clone(), &request)?;
     match (mounted.uring_refused(), opts.io_uring) {
         (Some(why), UringChoice::On) => tracing::warn!("-o io_uring: {why}; requests go through /dev/fuse"),
         (Some(why), _) => tracing::info!("FUSE over io_uring not used: {why}; requests go through /dev/fuse"),

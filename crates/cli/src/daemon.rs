@@ -21,6 +21,7 @@ use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
 use plyfs_assemble::dirs::{existing_dir, storage_dirs};
 use plyfs_assemble::mount::{block_signals, lock_lowers, MountOptions, MountPlan, MountReport};
 
+use crate::failure::{code, Failure};
 use crate::options;
 
 #[derive(Args, Clone)]
@@ -40,7 +41,7 @@ pub struct MountArgs {
     options: Vec<String>,
     /// Where a background daemon logs (default: next to its control socket); made 0600, and
     /// refused if it is a symbolic link or another user's file.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     log: Option<PathBuf>,
     /// Log more (debug); repeat for every request (trace).
     #[arg(short, long, action = clap::ArgAction::Count)]
@@ -50,10 +51,10 @@ pub struct MountArgs {
     #[arg(short, long)]
     quiet: bool,
     /// Internal: the pipe to report readiness on.
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, value_name = "FD")]
     ready_fd: Option<i32>,
     /// Internal: the pipe the parent hands an unlocked volume's master key over on.
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, value_name = "FD")]
     key_fd: Option<i32>,
     /// The pre-shared key file of a `tcp:` server (at least 32 bytes, the same as the server's;
     /// mode 0600 and yours, or it is refused).
@@ -94,10 +95,10 @@ impl MountArgs {
 #[derive(Args, Clone)]
 pub struct StackArgs {
     /// Layers from the top down, e.g. `trace:log=t.jsonl,null`.
-    #[arg(long, conflicts_with = "config")]
+    #[arg(long, conflicts_with = "config", value_name = "SPEC")]
     pub stack: Option<String>,
     /// A TOML file describing the stack ([[layer]] tables).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// A further branch for the stack's first fan-out layer (union, mirror), which takes LOWER
     /// as its first branch and these after it, in order: DIR, DIR=rw (the default) or DIR=ro.
@@ -105,7 +106,7 @@ pub struct StackArgs {
     pub branches: Vec<String>,
     /// A TOML file of rules choosing the data layers of files by path, extension and size
     /// ([[rule]] tables); file and directory attributes (user.plyfs.layers) take precedence.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub rules: Option<PathBuf>,
 }
 
@@ -120,26 +121,32 @@ impl StackArgs {
     }
 }
 
-pub fn mount(args: MountArgs) -> Result<(), String> {
+pub fn mount(args: MountArgs) -> Result<(), Failure> {
     if args.reverse {
         return mount_reverse(args);
     }
     // Check what can be checked before going to the background, so mistakes are reported here.
-    let mut specs = args.tree.specs()?;
-    let opts = options::parse(&args.options)?;
+    let mut specs = args.tree.specs().map_err(Failure::usage)?;
+    let opts = options::parse(&args.options).map_err(Failure::usage)?;
     // (A foreground mount logs them as it builds the stack.)
     if !args.foreground {
         for w in plyfs_stack::order_warnings(&specs, plyfs_assemble::registry()) {
             eprintln!("plyfs: warning: {w}");
         }
     }
-    let lower = plyfs_assemble::lower::Lower::parse(&args.lower, &mut specs, args.psk.as_deref())?;
+    let lower = plyfs_assemble::lower::Lower::parse(&args.lower, &mut specs, args.psk.as_deref()).map_err(lower_failure)?;
     let dirs = match lower.dir() {
         Some(dir) => storage_dirs(dir, &args.tree.branches, &specs),
         None => Vec::new(),
     };
+    // A linear stack with crypt needs LOWER to be a volume: said here, with its status, rather
+    // than by the daemon as it builds the stack.
+    let registry = plyfs_assemble::registry();
+    if let Some(dir) = lower.dir().filter(|_| specs.iter().any(|s| s.kind == "crypt") && !specs.iter().any(|s| plyfs_stack::is_fan_out(registry, &s.kind))) {
+        plyfs_layers::crypt::keys::VolumeConfig::load(dir)?;
+    }
     plyfs_assemble::nesting::check_storage_apart(&dirs, &args.mountpoint)?;
-    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
+    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint, opts.nonempty)?;
     // A lower in use is reported here; the mount's daemon takes the locks for its life.
     if args.ready_fd.is_none() {
         lock_lowers(&args.tree.branches, &specs, &opts, &lower, &mountpoint)?;
@@ -162,10 +169,27 @@ pub fn mount(args: MountArgs) -> Result<(), String> {
         None if remote_volume.is_empty() => crate::secret::unlock_volumes(&dirs, &args.secret)?,
         None => crate::secret::unlock_configs(&remote_volume, &args.secret)?,
     };
+    let defaults = defaults_taken(&args.tree, &specs, &lower);
     if args.foreground {
+        if let Some(d) = &defaults {
+            eprintln!("plyfs: {d}");
+        }
         return serve(&args, specs, opts, lower, mountpoint);
     }
-    spawn_background(&args, &mountpoint, volumes, opts.syslog)
+    spawn_background(&args, &mountpoint, volumes, opts.syslog, defaults)
+}
+
+/// What a mount over a directory took by default that its user may not know: said in the
+/// mount message, since the mount works either way and nothing else would tell.
+fn defaults_taken(tree: &StackArgs, specs: &[plyfs_stack::spec::LayerSpec], lower: &plyfs_assemble::lower::Lower) -> Option<String> {
+    let dir = lower.dir()?;
+    if tree.stack.is_none() && tree.config.is_none() {
+        return Some("stack: null, which passes everything through unchanged (no --stack given)".into());
+    }
+    let registry = plyfs_assemble::registry();
+    let fan_out = specs.iter().find(|s| plyfs_stack::is_fan_out(registry, &s.kind))?;
+    (fan_out.branches.is_empty() && tree.branches.is_empty())
+        .then(|| format!("{} has one branch, {} (add more with --branch DIR)", fan_out.kind, dir.display()))
 }
 
 pub(crate) fn init_logging(verbose: u8) {
@@ -240,13 +264,13 @@ impl MountReport for Ready {
 }
 
 /// `mount --reverse`: the encrypted view of a plaintext tree, always read-only.
-fn mount_reverse(args: MountArgs) -> Result<(), String> {
-    let mut opts = options::parse(&args.options)?;
+fn mount_reverse(args: MountArgs) -> Result<(), Failure> {
+    let mut opts = options::parse(&args.options).map_err(Failure::usage)?;
     opts.read_only = true;
-    let plain = existing_dir("plaintext directory", &args.lower)?;
-    args.excludes()?;
+    let plain = existing_dir("plaintext directory", &args.lower).map_err(lower_failure)?;
+    args.excludes().map_err(Failure::usage)?;
     plyfs_assemble::nesting::check_apart("the plaintext directory", &plain, &args.mountpoint)?;
-    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint).map_err(|e| e.to_string())?;
+    let mountpoint = plyfs_fuse::check_mountpoint(&args.mountpoint, opts.nonempty)?;
     let found = [crate::secret::reverse_volume(&plain)?];
     let volumes = match args.key_fd {
         Some(fd) => {
@@ -259,7 +283,7 @@ fn mount_reverse(args: MountArgs) -> Result<(), String> {
         return serve(&args, Vec::new(), opts, plyfs_assemble::lower::Lower::Dir(plain), mountpoint);
     }
     let syslog = opts.syslog;
-    spawn_background(&args, &mountpoint, volumes, syslog)
+    spawn_background(&args, &mountpoint, volumes, syslog, None)
 }
 
 fn serve(
@@ -268,7 +292,7 @@ fn serve(
     opts: MountOptions,
     lower: plyfs_assemble::lower::Lower,
     mountpoint: PathBuf,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let mut ready = Ready(args.ready_fd.map(|fd| unsafe { File::from_raw_fd(fd) }));
     let signals = block_signals();
     init_logging_to(args.verbose, opts.syslog);
@@ -276,22 +300,34 @@ fn serve(
         Ok(reverse) => {
             let (branches, rules) = (args.tree.branches.clone(), args.tree.rules.clone());
             let plan = MountPlan { specs, opts, lower, mountpoint, branches, rules, reverse };
-            plyfs_assemble::mount::run(plan, signals, &mut ready).map_err(String::from)
+            plyfs_assemble::mount::run(plan, signals, &mut ready).map_err(Failure::from)
         }
-        Err(e) => Err(e),
+        Err(e) => Err(Failure::usage(e)),
     };
+    // The parent exits with the same status and message.
     if let Err(e) = &result {
-        ready.send(&format!("ERR {e}"));
+        ready.send(&e.to_report());
     }
     result
 }
 
+/// LOWER (or a reverse view's plaintext directory) cannot be used: missing, or not a directory.
+pub(crate) fn lower_failure(e: plyfs_assemble::Error) -> Failure {
+    match e {
+        plyfs_assemble::Error::Path { .. } => Failure::new(code::LOWER, e),
+        other => Failure::from(other),
+    }
+}
+
+/// Start the daemon and wait for its report; `defaults` goes in the mount message. With
+/// `syslog`, the daemon logs to the system log and writes no log file.
 fn spawn_background(
     args: &MountArgs,
     mountpoint: &Path,
     volumes: Vec<Arc<plyfs_layers::crypt::keys::Volume>>,
     syslog: bool,
-) -> Result<(), String> {
+    defaults: Option<String>,
+) -> Result<(), Failure> {
     let uid = unsafe { libc::geteuid() };
     // With `-o syslog` the daemon writes no file: what it prints besides its log goes nowhere.
     let (log, log_file) = match (&args.log, syslog) {
@@ -356,14 +392,15 @@ fn spawn_background(
         if args.quiet {
             return Ok(());
         }
-        eprintln!("plyfs: mounted {} (pid {}); file I/O: {mode}; log: {}", mountpoint.display(), child.id(), log.display());
+        let defaults = defaults.map(|d| format!("; {d}")).unwrap_or_default();
+        eprintln!("plyfs: mounted {} (pid {}){defaults}; file I/O: {mode}; log: {}", mountpoint.display(), child.id(), log.display());
         Ok(())
     } else if let Some(err) = line.strip_prefix("ERR ") {
         let _ = child.wait();
-        Err(err.to_owned())
+        Err(Failure::from_report(err))
     } else {
         let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
-        Err(format!("the daemon exited before the mount was ready ({status}); see {}", log.display()))
+        Err(format!("the daemon exited before the mount was ready ({status}); see {}", log.display()).into())
     }
 }
 

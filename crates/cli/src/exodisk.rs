@@ -17,7 +17,7 @@ enum Action {
     Format {
         volume: PathBuf,
         /// The volume's size (e.g. 256M, 4G); the whole file or device when not given.
-        #[arg(long, value_parser = size)]
+        #[arg(long, value_parser = size, value_name = "SIZE")]
         size: Option<u64>,
         #[command(flatten)]
         key: KeyArg,
@@ -76,25 +76,25 @@ enum Action {
         /// small, large, two, insert, ddio or persist.
         group: String,
         /// Files (small, two, persist).
-        #[arg(long, default_value_t = 1000)]
+        #[arg(long, default_value_t = 1000, value_name = "N")]
         files: usize,
         /// Bytes per file (small, two, persist), or of the one file (large).
-        #[arg(long, value_parser = size, default_value = "10000")]
+        #[arg(long, value_parser = size, default_value = "10000", value_name = "BYTES")]
         size: u64,
     },
     /// Allocate an extent (or, with --exonode, an exonode) and print its capabilities.
     Alloc {
         socket: PathBuf,
         /// Sectors (512 bytes; an extent's first holds its header).
-        #[arg(long)]
+        #[arg(long, value_name = "N")]
         sectors: u64,
         /// Where (a free sector); the first free run large enough by default.
-        #[arg(long)]
+        #[arg(long, value_name = "SECTOR")]
         at: Option<u64>,
         #[arg(long)]
         exonode: bool,
         /// memory, metadata or data.
-        #[arg(long, default_value = "metadata")]
+        #[arg(long, default_value = "metadata", value_name = "KIND")]
         persistence: String,
     },
     /// Deallocate the extent (or --exonode) at AT, given its write capability.
@@ -110,9 +110,9 @@ enum Action {
     /// --rcap.
     Ls {
         socket: PathBuf,
-        #[arg(long)]
+        #[arg(long, value_name = "NAME")]
         root: Option<String>,
-        #[arg(long)]
+        #[arg(long, value_name = "SECTOR")]
         at: Option<u64>,
         #[arg(long, value_name = "HEX")]
         rcap: Option<String>,

@@ -47,14 +47,15 @@ fn ignored(opt: &str) -> bool {
 }
 
 /// Whether `argv` (the whole command line) is the helper form: no subcommand, but a source (a
-/// directory, or an address such as `unix:PATH`) and a mount point. Anything else, a mistyped
-/// subcommand included, is left to the ordinary parser and its messages.
+/// path, present or not, or an address such as `unix:PATH`) and a mount point. A missing source
+/// is the helper's to report, as `plyfs mount` does ("lower directory ...: No such file"). A
+/// word that is neither (a mistyped subcommand) is left to the ordinary parser.
 pub fn is_helper_form(argv: &[OsString], subcommands: &[&str]) -> bool {
     let called_as_helper = argv.first().and_then(|a| std::path::Path::new(a).file_name()).is_some_and(|n| n.to_string_lossy().starts_with("mount."));
     let first = argv.get(1).map(|a| a.to_string_lossy().into_owned()).unwrap_or_default();
     // A tag names the lower with `-o source=DIR` (libfuse's examples, test suites).
     let names_source = argv.iter().any(|a| a.to_string_lossy().trim_start_matches("-o").split(',').any(|o| o.starts_with("source=")));
-    let source_like = first.contains(':') || std::path::Path::new(&first).exists() || names_source;
+    let source_like = first.contains(':') || first.contains('/') || std::path::Path::new(&first).exists() || names_source;
     called_as_helper || (argv.len() >= 3 && !first.starts_with('-') && !subcommands.contains(&first.as_str()) && source_like)
 }
 
@@ -156,29 +157,92 @@ pub fn translate(call: HelperCall, layer_kinds: &[&str]) -> Result<Action, Strin
     if let Some(name) = shown.filter(|_| !options.iter().any(|o| o.starts_with("fsname="))) {
         rest.push(format!("fsname={name}"));
     }
-    for o in options {
-        if o.starts_with("source=") {
-            continue;
-        }
-        let (key, value) = match o.split_once('=') {
-            Some((k, v)) => (k, Some(v)),
-            None => (o.as_str(), None),
-        };
-        if let Some((_, arg)) = ARGUMENTS.iter().find(|(k, _)| *k == key) {
-            let v = value.ok_or_else(|| format!("-o {key}: needs a value ({key}=...)"))?;
-            args.push(arg.into());
-            args.push(v.into());
-        } else if let Some((_, flag)) = FLAGS.iter().find(|(k, _)| *k == key) {
-            args.push(flag.into());
-        } else if !ignored(&o) {
-            rest.push(o.clone());
-        }
-    }
+    let options: Vec<String> = options.into_iter().filter(|o| !o.starts_with("source=")).collect();
+    let (arguments, mount_options) = arguments_of(options)?;
+    args.extend(arguments.into_iter().flat_map(|a| a.argv()));
+    rest.extend(mount_options);
     if !rest.is_empty() {
         args.push("-o".into());
         args.push(rest.join(",").into());
     }
     Ok(Action::Mount(args))
+}
+
+/// An option that names an argument of `plyfs mount`: `stack=zstd` is `--stack zstd`.
+pub struct OptionArgument {
+    /// As given in `-o`, for messages.
+    pub option: String,
+    pub flag: &'static str,
+    pub value: Option<String>,
+}
+
+impl OptionArgument {
+    fn argv(self) -> Vec<OsString> {
+        std::iter::once(self.flag.into()).chain(self.value.map(OsString::from)).collect()
+    }
+}
+
+/// Split options (already split at commas) into those that name arguments of `plyfs mount`
+/// and the mount options proper; what only mount(8) and systemd read is dropped.
+fn arguments_of(options: Vec<String>) -> Result<(Vec<OptionArgument>, Vec<String>), String> {
+    let mut arguments = Vec::new();
+    let mut rest = Vec::new();
+    for o in options {
+        let (key, value) = match o.split_once('=') {
+            Some((k, v)) => (k, Some(v)),
+            None => (o.as_str(), None),
+        };
+        if let Some((_, flag)) = ARGUMENTS.iter().find(|(k, _)| *k == key) {
+            let v = value.ok_or_else(|| format!("-o {key}: needs a value ({key}=...)"))?.to_owned();
+            arguments.push(OptionArgument { flag, value: Some(v), option: o.clone() });
+        } else if let Some((_, flag)) = FLAGS.iter().find(|(k, _)| *k == key) {
+            arguments.push(OptionArgument { flag, value: None, option: o.clone() });
+        } else if !ignored(&o) {
+            rest.push(o);
+        }
+    }
+    Ok((arguments, rest))
+}
+
+/// Arguments of `plyfs mount` that may be given more than once.
+const REPEATABLE: &[&str] = &["--branch", "--exclude"];
+
+/// `plyfs mount ... -o OPTIONS` takes every option the helper form takes, with the same
+/// meaning, as mount(8) and fstab users write them: those that name arguments (`stack=`,
+/// `passfile=`, `reverse`, ...) become them, what only mount(8) reads (`nofail`, `_netdev`,
+/// `defaults`, ...) is dropped, and the rest stay `-o`. `argv` is the command line after
+/// `plyfs mount`. An argument given both ways is refused, as two `--stack` would be.
+pub fn expand_mount_options(argv: &[OsString], layer_kinds: &[&str]) -> Result<Vec<OsString>, String> {
+    let mut others = Vec::new();
+    let mut given = Vec::new();
+    let mut args = argv.iter();
+    while let Some(a) = args.next() {
+        let s = a.to_string_lossy();
+        match s.strip_prefix("-o") {
+            Some("") => match args.next() {
+                Some(v) => given.push(v.to_string_lossy().into_owned()),
+                None => others.push(a.clone()),
+            },
+            Some(v) if !s.starts_with("--") => given.push(v.strip_prefix('=').unwrap_or(v).to_owned()),
+            _ => others.push(a.clone()),
+        }
+    }
+    if given.is_empty() {
+        return Ok(argv.to_vec());
+    }
+    let (arguments, rest) = arguments_of(split_options(&given, layer_kinds))?;
+    for a in &arguments {
+        let twice = others.iter().any(|o| o.to_str().is_some_and(|o| o == a.flag || o.strip_prefix(a.flag).is_some_and(|v| v.starts_with('='))));
+        if twice && !REPEATABLE.contains(&a.flag) && a.value.is_some() {
+            return Err(format!("-o {}: {} is given too; give it once", a.option, a.flag));
+        }
+    }
+    others.extend(arguments.into_iter().flat_map(OptionArgument::argv));
+    if !rest.is_empty() {
+        others.push("-o".into());
+        others.push(rest.join(",").into());
+    }
+    Ok(others)
 }
 
 /// `mount -o remount,...`: set the mount's flags (read-only or not, nosuid, nodev, noexec,
@@ -267,10 +331,24 @@ mod tests {
         assert!(is_helper_form(&args(&["plyfs", "/tmp", "/m", "-o", "stack=null"]), &["mount"]));
         assert!(is_helper_form(&args(&["plyfs", "unix:/run/s", "/m"]), &["mount"]));
         assert!(!is_helper_form(&args(&["plyfs", "mout", "/tmp", "/m"]), &["mount"]), "a typo is not a source");
+        assert!(is_helper_form(&args(&["plyfs", "/missing", "/m", "-o", "stack=zstd"]), &["mount"]), "a missing lower is the helper's to report");
         assert!(!is_helper_form(&args(&["plyfs", "mount", "/l", "/m"]), &["mount"]));
         assert!(is_helper_form(&args(&["/sbin/mount.fuse.plyfs", "/l", "/m"]), &["mount"]));
         // mount.fuse3 runs `plyfs TAG MNT -o source=DIR,...` for a tag.
         assert!(is_helper_form(&args(&["plyfs", "scratch", "/m", "-o", "rw,source=/srv/s"]), &["mount"]));
+    }
+
+    #[test]
+    fn plyfs_mount_takes_the_helpers_options() {
+        let expand = |a: &[&str]| expand_mount_options(&args(a), KINDS);
+        assert_eq!(
+            expand(&["/l", "/m", "-o", "rw,stack=zstd,crypt,passfile=/p,nofail,_netdev,defaults,noexec", "-obranch=/b=ro", "-v"]).unwrap(),
+            args(&["/l", "/m", "-v", "--stack", "zstd,crypt", "--passfile", "/p", "--branch", "/b=ro", "-o", "rw,noexec"])
+        );
+        assert_eq!(expand(&["/l", "/m", "--stack", "null"]).unwrap(), args(&["/l", "/m", "--stack", "null"]));
+        assert_eq!(expand(&["/l", "/m", "-o", "reverse,exclude=*.tmp", "--exclude", "x"]).unwrap(), args(&["/l", "/m", "--exclude", "x", "--reverse", "--exclude", "*.tmp"]));
+        assert_eq!(expand(&["/l", "/m", "--stack=null", "-o", "stack=zstd"]).unwrap_err(), "-o stack=zstd: --stack is given too; give it once");
+        assert!(expand(&["/l", "/m", "-o", "stack"]).unwrap_err().contains("needs a value"));
     }
 
     #[test]

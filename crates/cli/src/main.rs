@@ -2,7 +2,9 @@
 
 mod daemon;
 mod exodisk;
+mod failure;
 mod helper;
+mod install;
 mod offline;
 mod options;
 mod policy;
@@ -17,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
+use failure::Failure;
 use plyfs_assemble::umount::Umounted;
 use plyfs_fuse::control;
 
@@ -71,7 +74,7 @@ enum Command {
     Encode {
         src: PathBuf,
         dest: PathBuf,
-        #[arg(long)]
+        #[arg(long, value_name = "SPEC")]
         stack: String,
         #[command(flatten)]
         secret: secret::SecretArgs,
@@ -81,10 +84,10 @@ enum Command {
     Decode {
         lower: PathBuf,
         dest: PathBuf,
-        #[arg(long)]
+        #[arg(long, value_name = "SPEC")]
         stack: String,
         /// Only this file or directory, relative to LOWER.
-        #[arg(long)]
+        #[arg(long, value_name = "PATH")]
         path: Option<PathBuf>,
         /// A further branch of the stack's fan-out layer, as for `mount`.
         #[arg(long = "branch", value_name = "DIR[=ro|rw]")]
@@ -96,7 +99,7 @@ enum Command {
     /// indexes are rebuilt, damaged data is listed.
     Fsck {
         lower: PathBuf,
-        #[arg(long)]
+        #[arg(long, value_name = "SPEC")]
         stack: String,
         /// On a volume made with --bind-paths: bind every file to the place it is at now, before
         /// checking it (after a copy that dropped extended attributes). A file moved or swapped
@@ -116,7 +119,7 @@ enum Command {
     /// a lower directory read through --stack.
     Du {
         path: PathBuf,
-        #[arg(long)]
+        #[arg(long, value_name = "SPEC")]
         stack: Option<String>,
         /// A further branch of the stack's fan-out layer, as for `mount`.
         #[arg(long = "branch", value_name = "DIR[=ro|rw]", requires = "stack")]
@@ -136,9 +139,14 @@ enum Command {
     },
     /// Print the shell completion script for SHELL (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
+    /// Install the mount(8) helper mount.fuse.plyfs for this plyfs, as the Debian package
+    /// does, so that `mount -t fuse.plyfs` and fstab lines find it (for `cargo install`).
+    InstallHelper(install::InstallHelperArgs),
     /// Write the manual pages (plyfs.1, plyfs-mount.1, ...) into DIR.
-    #[command(hide = true)]
-    Manpages { dir: PathBuf },
+    Manpages {
+        #[arg(value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
+        dir: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -169,7 +177,21 @@ fn main() -> ExitCode {
     if helper::is_helper_form(&argv, &names) {
         return finish(as_mount_helper(&argv));
     }
-    let cli = Cli::parse();
+    // `plyfs mount -o` takes what the helper form takes (`stack=`, `passfile=`, `nofail`, ...).
+    let argv = match argv.get(1).filter(|a| *a == "mount") {
+        Some(_) => {
+            let kinds: Vec<&str> = plyfs_assemble::registry().iter().map(|f| f.kind).collect();
+            match helper::expand_mount_options(&argv[2..], &kinds) {
+                Ok(rest) => argv[..2].iter().cloned().chain(rest).collect(),
+                Err(e) => return finish(Err(Failure::usage(format!("{e} (see 'plyfs mount --help')")))),
+            }
+        }
+        None => argv,
+    };
+    let cli = match Cli::try_parse_from(&argv) {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e, &argv),
+    };
     if matches!(
         cli.command,
         Command::Layers | Command::Status { .. } | Command::Op { .. } | Command::Du { .. } | Command::Policy { action: PolicyAction::Explain { .. } } | Command::Completions { .. }
@@ -179,14 +201,14 @@ fn main() -> ExitCode {
         // ignored: a closed socket or pipe is an error they handle.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
-    let result = match cli.command {
+    let result: Result<(), Failure> = match cli.command {
         Command::Mount(args) => daemon::mount(args),
         Command::Serve(args) => serve::serve(args),
-        Command::Host(args) => serve::host(args),
-        Command::Exodisk(args) => exodisk::run(args),
-        Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
-        Command::Status { json } => status::status(json),
-        Command::Op { path, name, args } => op(&path, &name, &args),
+        Command::Host(args) => serve::host(args).map_err(Failure::from),
+        Command::Exodisk(args) => exodisk::run(args).map_err(Failure::from),
+        Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy).map_err(Failure::from),
+        Command::Status { json } => status::status(json).map_err(Failure::from),
+        Command::Op { path, name, args } => op(&path, &name, &args).map_err(Failure::from),
         Command::Layers => {
             print_layers();
             Ok(())
@@ -211,14 +233,15 @@ fn main() -> ExitCode {
         }),
         Command::Init(args) => secret::init(&args),
         Command::Passwd(args) => secret::passwd(&args),
-        Command::Policy { action: PolicyAction::Explain { path } } => policy::explain(&path),
-        Command::Policy { action: PolicyAction::Apply { path, recursive } } => policy::apply(&path, recursive),
+        Command::Policy { action: PolicyAction::Explain { path } } => policy::explain(&path).map_err(Failure::from),
+        Command::Policy { action: PolicyAction::Apply { path, recursive } } => policy::apply(&path, recursive).map_err(Failure::from),
         Command::Completions { shell } => {
             let mut script = Vec::new();
-            clap_complete::generate(shell, &mut Cli::command(), "plyfs", &mut script);
-            std::io::Write::write_all(&mut std::io::stdout(), &script).map_err(|e| format!("writing the script: {e}"))
+            clap_complete::generate(shell, &mut completion_command(), "plyfs", &mut script);
+            std::io::Write::write_all(&mut std::io::stdout(), &script).map_err(|e| Failure::from(format!("writing the script: {e}")))
         }
-        Command::Manpages { dir } => manpages(&dir),
+        Command::Manpages { dir } => manpages(&dir).map_err(Failure::from),
+        Command::InstallHelper(args) => install::install_helper(&args),
     };
     finish(result)
 }
@@ -232,7 +255,8 @@ fn manpages(dir: &Path) -> Result<(), String> {
     let mut pages = vec![("plyfs".to_owned(), cli.clone())];
     for sub in cli.get_subcommands().filter(|s| !s.is_hide_set() && s.get_name() != "help") {
         let name: &'static str = Box::leak(format!("plyfs-{}", sub.get_name()).into_boxed_str());
-        pages.push((name.to_owned(), sub.clone().name(name)));
+        let synopsis = synopsis(sub, &format!("plyfs {}", sub.get_name()));
+        pages.push((name.to_owned(), sub.clone().name(name).override_usage(synopsis)));
     }
     for (name, cmd) in pages {
         let path = dir.join(format!("{name}.1"));
@@ -246,18 +270,109 @@ fn manpages(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// A manual page's synopsis: every option with its value (`[--stack <SPEC>]`), which
+/// clap_mangen's own leaves out (`[--stack]`). `cmd` is built.
+fn synopsis(cmd: &clap::Command, name: &str) -> String {
+    let value = |a: &clap::Arg| match a.get_value_names() {
+        Some(names) => names.iter().map(|n| format!("<{n}>")).collect::<Vec<_>>().join(" "),
+        None => format!("<{}>", a.get_id().as_str().to_uppercase()),
+    };
+    let mut words = vec![name.to_owned()];
+    for a in cmd.get_arguments().filter(|a| !a.is_hide_set() && !a.is_positional()) {
+        let flag = match (a.get_short(), a.get_long()) {
+            (Some(s), Some(l)) => format!("-{s}|--{l}"),
+            (Some(s), None) => format!("-{s}"),
+            (None, Some(l)) => format!("--{l}"),
+            (None, None) => continue,
+        };
+        let takes_value = a.get_num_args().is_some_and(|n| n.takes_values());
+        let word = if takes_value { format!("{flag} {}", value(a)) } else { flag };
+        let repeats = matches!(a.get_action(), clap::ArgAction::Append | clap::ArgAction::Count);
+        words.push(match (a.is_required_set(), repeats) {
+            (true, _) => word,
+            (false, false) => format!("[{word}]"),
+            (false, true) => format!("[{word}]..."),
+        });
+    }
+    for a in cmd.get_arguments().filter(|a| a.is_positional() && !a.is_hide_set()) {
+        let many = a.get_num_args().is_some_and(|n| n.max_values() > 1);
+        let word = format!("{}{}", value(a), if many { "..." } else { "" });
+        words.push(if a.is_required_set() { word } else { format!("[{word}]") });
+    }
+    if cmd.has_subcommands() {
+        words.push("<COMMAND>".into());
+    }
+    words.join(" ")
+}
+
+/// The command as shell completion sees it: after `--stack`, the names of the layers (the value
+/// is parsed as a comma-separated spec, so this is for completion only).
+fn completion_command() -> clap::Command {
+    fn offer_layers(cmd: clap::Command, kinds: &[&'static str]) -> clap::Command {
+        let cmd = cmd.mut_subcommands(|sub| offer_layers(sub, kinds));
+        if cmd.get_arguments().any(|a| a.get_id() == "stack") {
+            cmd.mut_arg("stack", |a| a.value_parser(clap::builder::PossibleValuesParser::new(kinds.iter().copied())))
+        } else {
+            cmd
+        }
+    }
+    let kinds: Vec<&'static str> = plyfs_assemble::registry().iter().map(|f| f.kind).chain(["remote"]).collect();
+    offer_layers(Cli::command(), &kinds)
+}
+
 /// What `plyfs.1` says beyond the options: the mount(8) form, files, where to read more.
 const MAN_EXTRA: &str = r#".SH "MOUNT(8) AND FSTAB"
 mount \-t fuse.plyfs LOWER MNT \-o stack=SPEC[,OPTIONS] runs
 .B plyfs LOWER MNT \-o OPTIONS
 through mount.fuse3. Options that name plyfs mount arguments become them (stack=, passfile=, branch=, rules=,
-keyfile=, config=, reverse, exclude=); a stack's own commas stay with it. An /etc/fstab line:
+keyfile=, config=, reverse, exclude=); a stack's own commas stay with it. plyfs mount \-o takes the same
+options. An /etc/fstab line:
 .PP
 .nf
 /srv/data /mnt/data fuse.plyfs stack=zstd,crypt,passfile=/etc/plyfs/data.pw,nofail 0 0
 .fi
 .PP
 mount \-o remount,ro MNT makes the mount read-only, for the daemon too; umount MNT unmounts it.
+.PP
+.B plyfs install\-helper
+writes /sbin/mount.fuse.plyfs for a plyfs installed with cargo (the Debian package has it).
+.SH "EXIT STATUS"
+Every error is one line on standard error. Where gocryptfs has a status for the same failure, plyfs uses its
+number; a background mount exits with the status its daemon reported.
+.TP
+.B 0
+Success.
+.TP
+.B 1
+Any other failure; the message says what.
+.TP
+.B 2
+Usage: an unknown or missing argument, conflicting options, a bad \-\-stack, \-\-config or \-o option.
+.TP
+.B 6
+LOWER (or a reverse view's plaintext directory) is missing or not a directory.
+.TP
+.B 8
+Not a crypt volume, or its configuration is damaged or unknown.
+.TP
+.B 10
+The mount point is missing, not a directory, not empty (see \-o nonempty), mounted on already, or nested with a
+directory the stack stores in.
+.TP
+.B 12
+Wrong password, key file or master key.
+.TP
+.B 19
+The kernel's mount failed (/dev/fuse, mount(2), fusermount3).
+.TP
+.B 26
+fsck found damaged data.
+.TP
+.B 32
+A directory the stack stores in is in use by another mount, server or tool.
+.TP
+.B 33
+The server (unix:, tcp:, exodisk:) cannot be reached or refused the connection.
 .SH FILES
 .TP
 LOWER/.plyfs\-crypt.conf
@@ -272,24 +387,64 @@ Control sockets and logs of root's mounts (/tmp/plyfs\-UID/ for other users).
 mount(8), fstab(5), fusermount3(1), and the README of plyfs.
 "#;
 
-fn finish(result: Result<(), String>) -> ExitCode {
+fn finish(result: Result<(), Failure>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(msg) => {
-            eprintln!("plyfs: {msg}");
-            ExitCode::FAILURE
+        Err(failure) => {
+            eprintln!("plyfs: {failure}");
+            ExitCode::from(failure.code)
         }
     }
 }
 
+/// A command line clap cannot parse, in the form of every other error: one line naming what is
+/// wrong and where help is, with the usage status. `--help` and `--version` print as usual.
+fn usage_error(e: clap::Error, argv: &[std::ffi::OsString]) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand) {
+        e.exit();
+    }
+    finish(Err(one_line_usage(&e, argv)))
+}
+
+/// clap's message for `e` on one line: its first line, a suggestion it makes, and the help of
+/// the (sub)command `argv` names.
+fn one_line_usage(e: &clap::Error, argv: &[std::ffi::OsString]) -> Failure {
+    use clap::error::ContextKind;
+    use clap::error::ContextValue;
+    // The first paragraph (a list of missing arguments follows its first line), on one line.
+    let rendered = e.to_string();
+    let what: Vec<&str> = rendered.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
+    let what = what.join(" ");
+    let what = what.trim_start_matches("error: ").trim_end_matches('.');
+    let suggested = [ContextKind::SuggestedArg, ContextKind::SuggestedSubcommand, ContextKind::SuggestedValue]
+        .into_iter()
+        .find_map(|k| match e.get(k)? {
+            ContextValue::String(s) => Some(format!("'{s}'")),
+            ContextValue::Strings(v) if !v.is_empty() => Some(v.iter().map(|s| format!("'{s}'")).collect::<Vec<_>>().join(" or ")),
+            _ => None,
+        })
+        .map(|s| format!("; did you mean {s}?"))
+        .unwrap_or_default();
+    // The deepest subcommand the command line names: its help is the one to read.
+    let mut command = Cli::command();
+    let mut path = vec!["plyfs".to_owned()];
+    for arg in argv.iter().skip(1).map(|a| a.to_string_lossy()) {
+        let Some(sub) = command.find_subcommand(arg.as_ref()).cloned() else { continue };
+        path.push(sub.get_name().to_owned());
+        command = sub;
+    }
+    Failure::usage(format!("{what}{suggested} (see '{} --help')", path.join(" ")))
+}
+
 /// `plyfs LOWER MNT -o stack=SPEC,...`, as mount(8) (through mount.fuse3) and fstab call it.
-fn as_mount_helper(argv: &[std::ffi::OsString]) -> Result<(), String> {
+fn as_mount_helper(argv: &[std::ffi::OsString]) -> Result<(), Failure> {
     let kinds: Vec<&str> = plyfs_assemble::registry().iter().map(|f| f.kind).collect();
-    match helper::translate(helper::parse(argv)?, &kinds)? {
-        helper::Action::Remount { mountpoint, options } => helper::remount(&mountpoint, &options),
+    match helper::translate(helper::parse(argv).map_err(Failure::usage)?, &kinds).map_err(Failure::usage)? {
+        helper::Action::Remount { mountpoint, options } => Ok(helper::remount(&mountpoint, &options)?),
         helper::Action::Mount(args) => {
-            let full = ["plyfs".into(), "mount".into()].into_iter().chain(args);
-            match Cli::try_parse_from(full).map_err(|e| e.to_string().trim().to_owned())?.command {
+            let full: Vec<std::ffi::OsString> = ["plyfs".into(), "mount".into()].into_iter().chain(args).collect();
+            match Cli::try_parse_from(&full).map_err(|e| one_line_usage(&e, &full))?.command {
                 Command::Mount(m) => daemon::mount(m),
                 _ => unreachable!("the helper only mounts"),
             }
@@ -298,12 +453,12 @@ fn as_mount_helper(argv: &[std::ffi::OsString]) -> Result<(), String> {
 }
 
 /// Unlock every crypt volume a stack over `lower` (with `--branch` directories) stores in.
-fn unlock_tree(lower: &Path, spec: &str, branches: &[String], secret: &secret::SecretArgs) -> Result<(), String> {
-    let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| e.to_string())?;
+fn unlock_tree(lower: &Path, spec: &str, branches: &[String], secret: &secret::SecretArgs) -> Result<(), Failure> {
+    let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(Failure::usage)?;
     secret::unlock_volumes(&plyfs_assemble::dirs::storage_dirs(lower, branches, &specs), secret).map(|_| ())
 }
 
-fn offline_run(work: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+fn offline_run(work: impl FnOnce() -> Result<(), Failure>) -> Result<(), Failure> {
     offline::init_logging();
     work()
 }
@@ -372,15 +527,42 @@ fn op(path: &Path, name: &str, args: &[String]) -> Result<(), String> {
 
 fn print_layers() {
     for f in plyfs_assemble::registry() {
-        println!("{:<8} {}", f.kind, f.summary);
-        for p in f.params.iter().chain([&plyfs_stack::NAME_PARAM]) {
-            let default = p.default.map(|d| format!(" (default: {d})")).unwrap_or_default();
-            println!("    {}=…{:<width$} {}{default}", p.name, "", p.help, width = 8usize.saturating_sub(p.name.len()));
-        }
-        for o in f.ext_ops {
-            let args = if o.args.is_empty() { String::new() } else { format!(" {}", o.args) };
-            println!("    op {}{args}: {}", o.name, o.help);
-        }
+        print_layer(f.kind, f.summary, f.params, f.ext_ops);
     }
+    // `remote` is a bottom, built apart from the registry's layers.
+    print_layer("remote", plyfs_assemble::lower::REMOTE_SUMMARY, plyfs_assemble::lower::REMOTE_PARAMS, &[]);
     println!("\nEvery mount also answers `op lower-info` (where a file lives in the lower directory).");
+}
+
+fn print_layer(kind: &str, summary: &str, params: &[plyfs_stack::spec::ParamSpec], ext_ops: &[plyfs_stack::ExtOpInfo]) {
+    println!("{kind:<8} {summary}");
+    for p in params.iter().chain([&plyfs_stack::NAME_PARAM]) {
+        let default = p.default.map(|d| format!(" (default: {d})")).unwrap_or_default();
+        println!("    {}=…{:<width$} {}{default}", p.name, "", p.help, width = 8usize.saturating_sub(p.name.len()));
+    }
+    for o in ext_ops {
+        let args = if o.args.is_empty() { String::new() } else { format!(" {}", o.args) };
+        println!("    op {}{args}: {}", o.name, o.help);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every option that takes a value names it (`--stack <SPEC>`), for --help and the manual.
+    #[test]
+    fn every_option_names_its_value() {
+        fn check(cmd: &clap::Command, path: &str) {
+            for a in cmd.get_arguments().filter(|a| !a.is_positional() && a.get_num_args().is_some_and(|n| n.takes_values())) {
+                assert!(a.get_value_names().is_some(), "{path} --{}: no value_name", a.get_id());
+            }
+            for sub in cmd.get_subcommands() {
+                check(sub, &format!("{path} {}", sub.get_name()));
+            }
+        }
+        let mut cli = Cli::command();
+        cli.build();
+        check(&cli, "plyfs");
+    }
 }

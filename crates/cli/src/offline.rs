@@ -9,6 +9,8 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use plyfs_assemble::offline::{self, Progress};
 
+use crate::failure::{code, Failure};
+
 /// A bar over the bytes of the work, on standard error when it is a terminal.
 pub struct Bar(ProgressBar);
 
@@ -96,22 +98,22 @@ fn init_logging_at(default: &str) {
 }
 
 /// `plyfs encode`.
-pub fn encode(src: &Path, dest: &Path, spec: &str) -> Result<(), String> {
+pub fn encode(src: &Path, dest: &Path, spec: &str) -> Result<(), Failure> {
     let total = offline::encode(src, dest, spec, &Bar::new())?;
     eprintln!("plyfs: encoded {} ({}) into {}", src.display(), human(total), dest.display());
     Ok(())
 }
 
 /// `plyfs decode`.
-pub fn decode(lower: &Path, dest: &Path, spec: &str, branches: &[String], sub: Option<&Path>) -> Result<(), String> {
+pub fn decode(lower: &Path, dest: &Path, spec: &str, branches: &[String], sub: Option<&Path>) -> Result<(), Failure> {
     let total = offline::decode(lower, dest, spec, branches, sub, &Bar::new())?;
     eprintln!("plyfs: decoded {} into {}", human(total), dest.display());
     Ok(())
 }
 
 /// `plyfs fsck`: a line for each damaged file as it is found, then one that sums up; any
-/// damage makes the result an error.
-pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool) -> Result<(), String> {
+/// damage makes the result an error (exit status [`code::FSCK`]).
+pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool) -> Result<(), Failure> {
     let found = offline::fsck(lower, spec, branches, rebind, &Bar::new())?;
     let plain_note = match found.plain {
         0 => String::new(),
@@ -129,12 +131,12 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool) -> Resu
         eprintln!("plyfs: {summary}");
         Ok(())
     } else {
-        Err(summary)
+        Err(Failure::new(code::FSCK, summary))
     }
 }
 
 /// `plyfs du`: a table of decoded bytes against the space used, with the total.
-pub fn du(path: &Path, spec: Option<&str>, branches: &[String]) -> Result<(), String> {
+pub fn du(path: &Path, spec: Option<&str>, branches: &[String]) -> Result<(), Failure> {
     let rows = offline::du(path, spec, branches)?;
     let (decoded, stored) = rows.iter().fold((0, 0), |(a, b), r| (a + r.1, b + r.2));
     println!("{:>10} {:>10} {:>7}  path", "decoded", "stored", "ratio");

@@ -8,7 +8,7 @@ use plyfs_fuse::{FanIn, UringChoice};
 
 pub const HELP: &str = "comma-separated: passthrough=on|off, io_uring=auto|on|off (auto: where the kernel allows it), entry_timeout=SECS, attr_timeout=SECS, threads=N, readahead=KIB, \
 idle=DURATION (unmount after that long unused: 90s, 10m, 1h30m), fanin=owner|all|none (who may use MNT/.plyfs/: the mount's owner and root, the default; \
-every user the mount lets in; no one), shared, allow_other, allow_root, ro, fsname=NAME (the source the mount shows), syslog (the daemon logs to syslog, not a file), and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
+every user the mount lets in; no one), shared, allow_other, allow_root, ro, nonempty (mount over files, hiding them), fsname=NAME (the source the mount shows), syslog (the daemon logs to syslog, not a file), and the kernel flags (nosuid, nodev, noexec, noatime, ...)";
 
 /// A source name the kernel shows in /proc/mounts: printable, without the blanks and backslashes
 /// that tools splitting its fields would misread.
@@ -93,6 +93,7 @@ pub fn parse(args: &[String]) -> Result<MountOptions, String> {
             ("idle", Some(v)) => o.idle = Some(duration(key, v)?),
             ("shared", None) => o.shared = true,
             ("syslog", None) => o.syslog = true,
+            ("nonempty", None) => o.nonempty = true,
             ("fanin", Some(v)) => {
                 o.fanin = FanIn::parse(v).ok_or(format!("-o fanin={v}: expected owner, all or none"))?
             }

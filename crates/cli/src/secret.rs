@@ -11,6 +11,8 @@ use plyfs_layers::crypt::keys::{self, CipherKind, MasterKey, Secret, Volume, Vol
 use plyfs_layers::crypt::reverse::REVERSE_CONFIG_NAME;
 use zeroize::Zeroizing;
 
+use crate::failure::{code, Failure};
+
 /// Where the secret of a crypt volume comes from; without any of these, a prompt.
 #[derive(Args, Clone, Default, Debug)]
 pub struct SecretArgs {
@@ -156,19 +158,19 @@ fn prompt_for(text: &str, what: &str, instead: &str) -> Result<Zeroizing<String>
 
 /// Unlock the crypt volume at `lower`, if it is one, and put its key in the keyring for the
 /// crypt layers built after this. `Ok(None)` when `lower` is not a crypt volume.
-pub fn unlock_if_volume(lower: &Path, secret: &SecretArgs) -> Result<Option<Volume>, String> {
+pub fn unlock_if_volume(lower: &Path, secret: &SecretArgs) -> Result<Option<Volume>, Failure> {
     if !keys::config_path(lower).exists() {
         if secret.given() {
-            return Err(format!("{}: not a crypt volume, so it takes no password or key file", lower.display()));
+            return Err(Failure::new(code::CONFIG, format!("{}: not a crypt volume, so it takes no password or key file", lower.display())));
         }
         return Ok(None);
     }
     let s = secret.get(&format!("Password for {}", lower.display()), false)?;
-    keys::unlock(lower, &s).map(Some).map_err(String::from)
+    Ok(Some(keys::unlock(lower, &s)?))
 }
 
 /// Unlock as [`unlock_if_volume`] and register the key.
-pub fn unlock_and_register(lower: &Path, secret: &SecretArgs) -> Result<(), String> {
+pub fn unlock_and_register(lower: &Path, secret: &SecretArgs) -> Result<(), Failure> {
     if let Some(v) = unlock_if_volume(lower, secret)? {
         keys::register(v);
     }
@@ -178,11 +180,11 @@ pub fn unlock_and_register(lower: &Path, secret: &SecretArgs) -> Result<(), Stri
 /// Unlock and register every crypt volume among `dirs` (a stack's LOWER first, then its other
 /// branches), asking for each one's password. A password given when none is a volume is an
 /// error, as for a single directory.
-pub fn unlock_volumes(dirs: &[std::path::PathBuf], secret: &SecretArgs) -> Result<Vec<std::sync::Arc<Volume>>, String> {
+pub fn unlock_volumes(dirs: &[std::path::PathBuf], secret: &SecretArgs) -> Result<Vec<std::sync::Arc<Volume>>, Failure> {
     let configs = dir_configs(dirs)?;
     if configs.is_empty() {
         return match (secret.given(), dirs.first()) {
-            (true, Some(lower)) => Err(format!("{}: not a crypt volume, so it takes no password or key file", lower.display())),
+            (true, Some(lower)) => Err(Failure::new(code::CONFIG, format!("{}: not a crypt volume, so it takes no password or key file", lower.display()))),
             _ => Ok(Vec::new()),
         };
     }
@@ -192,7 +194,7 @@ pub fn unlock_volumes(dirs: &[std::path::PathBuf], secret: &SecretArgs) -> Resul
 pub use plyfs_assemble::FoundVolume;
 
 /// The crypt volumes among `dirs`.
-fn dir_configs(dirs: &[std::path::PathBuf]) -> Result<Vec<FoundVolume>, String> {
+fn dir_configs(dirs: &[std::path::PathBuf]) -> Result<Vec<FoundVolume>, Failure> {
     dirs.iter()
         .filter(|d| keys::config_path(d).exists())
         .map(|d| Ok((d.display().to_string(), keys::config_path(d).display().to_string(), VolumeConfig::load(d)?)))
@@ -200,18 +202,18 @@ fn dir_configs(dirs: &[std::path::PathBuf]) -> Result<Vec<FoundVolume>, String> 
 }
 
 /// Unlock the volumes of `configs`.
-pub fn unlock_configs(configs: &[FoundVolume], secret: &SecretArgs) -> Result<Vec<std::sync::Arc<Volume>>, String> {
+pub fn unlock_configs(configs: &[FoundVolume], secret: &SecretArgs) -> Result<Vec<std::sync::Arc<Volume>>, Failure> {
     configs
         .iter()
         .map(|(name, file, config)| {
             let s = secret.get(&format!("Password for {name}"), false)?;
-            keys::unlock_config(config, file, &s).map(keys::register).map_err(String::from)
+            Ok(keys::register(keys::unlock_config(config, file, &s)?))
         })
         .collect()
 }
 
 /// The volume of the reverse view of `plain`.
-pub fn reverse_volume(plain: &Path) -> Result<FoundVolume, String> {
+pub fn reverse_volume(plain: &Path) -> Result<FoundVolume, Failure> {
     let path = plain.join(REVERSE_CONFIG_NAME);
     let config = VolumeConfig::load_file(plain, &path, " --reverse")?;
     Ok((plain.display().to_string(), path.display().to_string(), config))
@@ -219,12 +221,12 @@ pub fn reverse_volume(plain: &Path) -> Result<FoundVolume, String> {
 
 /// Register the master keys the parent process handed over on a pipe: one for each crypt
 /// volume among `dirs`, in order.
-pub fn register_keys_from_fd(dirs: &[std::path::PathBuf], fd: i32) -> Result<(), String> {
+pub fn register_keys_from_fd(dirs: &[std::path::PathBuf], fd: i32) -> Result<(), Failure> {
     register_configs_from_fd(&dir_configs(dirs)?, fd)
 }
 
 /// Register the master keys of the volumes of `configs`, handed over on a pipe in that order.
-pub fn register_configs_from_fd(configs: &[FoundVolume], fd: i32) -> Result<(), String> {
+pub fn register_configs_from_fd(configs: &[FoundVolume], fd: i32) -> Result<(), Failure> {
     use std::os::fd::FromRawFd;
     let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
     for (name, _, config) in configs {
@@ -247,10 +249,10 @@ pub struct InitArgs {
     /// The directory to make a volume of (empty, unless --plaintext-names).
     lower: PathBuf,
     /// The layer to set up: crypt.
-    #[arg(long, default_value = "crypt")]
+    #[arg(long, default_value = "crypt", value_name = "LAYER")]
     layer: String,
     /// The cipher for file data: aes-256-gcm (default) or xchacha20-poly1305.
-    #[arg(long, default_value = "aes-256-gcm")]
+    #[arg(long, default_value = "aes-256-gcm", value_name = "CIPHER")]
     cipher: String,
     /// Leave file names unencrypted.
     #[arg(long)]
@@ -270,17 +272,17 @@ pub struct InitArgs {
     #[command(flatten)]
     secret: SecretArgs,
     /// Argon2id memory cost in KiB (default 65536). Lower only for tests.
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, value_name = "KIB")]
     kdf_memory: Option<u32>,
 }
 
-pub fn init(args: &InitArgs) -> Result<(), String> {
+pub fn init(args: &InitArgs) -> Result<(), Failure> {
     if args.layer != "crypt" {
-        return Err(format!("--layer {}: only the crypt layer needs setting up", args.layer));
+        return Err(Failure::usage(format!("--layer {}: only the crypt layer needs setting up", args.layer)));
     }
-    let meta = std::fs::metadata(&args.lower).map_err(|e| format!("{}: {e}", args.lower.display()))?;
+    let meta = std::fs::metadata(&args.lower).map_err(|e| Failure::new(code::LOWER, format!("{}: {e}", args.lower.display())))?;
     if !meta.is_dir() {
-        return Err(format!("{}: not a directory", args.lower.display()));
+        return Err(Failure::new(code::LOWER, format!("{}: not a directory", args.lower.display())));
     }
     let settings = VolumeSettings {
         cipher: CipherKind::parse(&args.cipher)?,
@@ -348,7 +350,7 @@ pub struct PasswdArgs {
     new: NewSecretArgs,
 }
 
-pub fn passwd(args: &PasswdArgs) -> Result<(), String> {
+pub fn passwd(args: &PasswdArgs) -> Result<(), Failure> {
     // Check it is a volume before asking anything.
     let path = if args.reverse { args.lower.join(REVERSE_CONFIG_NAME) } else { keys::config_path(&args.lower) };
     VolumeConfig::load_file(&args.lower, &path, if args.reverse { " --reverse" } else { " --layer crypt" })?;

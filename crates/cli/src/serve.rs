@@ -45,7 +45,7 @@ pub struct ServeArgs {
     #[arg(long)]
     as_stored: bool,
     /// Requests of each client that run at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_name = "N")]
     workers: usize,
     #[command(flatten)]
     limits: LimitArgs,
@@ -56,13 +56,15 @@ pub struct ServeArgs {
     secret: crate::secret::SecretArgs,
 }
 
-pub fn serve(args: ServeArgs) -> Result<(), String> {
+pub fn serve(args: ServeArgs) -> Result<(), crate::failure::Failure> {
+    use crate::failure::Failure;
     let signals = plyfs_assemble::mount::block_signals();
     crate::daemon::init_logging(args.verbose);
-    let specs = args.tree.specs()?;
-    let addr =
-        Addr::parse(&args.listen).unwrap_or_else(|| Err(format!("--listen {}: expected unix:PATH or tcp:HOST:PORT", args.listen)))?;
-    let lower = plyfs_assemble::dirs::existing_dir("lower directory", &args.lower)?;
+    let specs = args.tree.specs().map_err(Failure::usage)?;
+    let addr = Addr::parse(&args.listen)
+        .unwrap_or_else(|| Err(format!("--listen {}: expected unix:PATH or tcp:HOST:PORT", args.listen)))
+        .map_err(Failure::usage)?;
+    let lower = plyfs_assemble::dirs::existing_dir("lower directory", &args.lower).map_err(crate::daemon::lower_failure)?;
     let tls = plyfs_assemble::serve::tls_for(&addr, args.psk.as_deref())?;
     let dirs = plyfs_assemble::dirs::storage_dirs(&lower, &args.tree.branches, &specs);
     // Held while the server runs.
@@ -157,7 +159,7 @@ pub struct HostArgs {
     /// mount's stack.
     layers: String,
     /// The Unix socket to listen on; mounts reach it with `ext:socket=PATH`.
-    #[arg(long)]
+    #[arg(long, value_name = "PATH")]
     socket: PathBuf,
     /// Log more (debug); repeat for every request (trace).
     #[arg(short, long, action = clap::ArgAction::Count)]

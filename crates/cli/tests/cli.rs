@@ -19,10 +19,17 @@ fn op(path: &Path, args: &[&str]) -> std::process::Output {
     run(plyfs().arg("op").arg(path).args(args))
 }
 
-/// A failed command: exit status 1, one line on stderr containing `expect`, nothing mounted.
-fn assert_refused(out: &std::process::Output, expect: &str) {
+/// Exit statuses (`man plyfs`, EXIT STATUS).
+const OTHER: i32 = 1;
+const USAGE: i32 = 2;
+const LOWER: i32 = 6;
+const MOUNT_POINT: i32 = 10;
+
+/// A failed command: exit status `status`, one line on stderr containing `expect`, nothing
+/// mounted.
+fn assert_refused(out: &std::process::Output, status: i32, expect: &str) {
     let err = stderr_of(out);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert_eq!(out.status.code(), Some(status), "stderr: {err}");
     assert_eq!(err.lines().count(), 1, "one line: {err:?}");
     assert!(err.starts_with("plyfs: ") && err.contains(expect), "{err:?} should contain {expect:?}");
 }
@@ -43,26 +50,26 @@ fn bad_input_gets_one_clear_line_and_mounts_nothing() {
     let mount = |args: &[&str]| run(plyfs().arg("mount").args(args));
     let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
 
-    assert_refused(&mount(&["/nonexistent/lower", m]), "lower directory /nonexistent/lower: No such file or directory");
-    assert_refused(&mount(&[l, "/nonexistent/mnt"]), "mount point /nonexistent/mnt: No such file or directory");
-    assert_refused(&mount(&[l, m, "--stack", "null,gzipp"]), "unknown layer 'gzipp' (available: null, trace, copy, uuencode, gzip, zstd, lz4, crypt, union, mirror, version, fault, lazy, ext, py)");
-    assert_refused(&mount(&[l, m, "--stack", "zstd:level=99"]), "layer 'zstd': bad value '99' for 'level': expected 1 to 19");
-    assert_refused(&mount(&[l, m, "--stack", "gzip:chunk=3k"]), "bad value '3k' for 'chunk': expected a power of two from 4k to 1m");
-    assert_refused(&mount(&[l, m, "--stack", "lz4:fast_tails=maybe"]), "bad value 'maybe' for 'fast_tails'");
-    assert_refused(&mount(&[l, m, "--stack", "trace:colour=red"]), "layer 'trace': unknown parameter 'colour'");
-    assert_refused(&mount(&[l, m, "--stack", "trace:io=maybe"]), "bad value 'maybe' for 'io'");
-    assert_refused(&mount(&[l, m, "--stack", "trace:log=/nonexistent/dir/t.jsonl"]), "cannot open log /nonexistent/dir/t.jsonl");
-    assert_refused(&mount(&[l, m, "-o", "turbo"]), "unknown mount option 'turbo'");
+    assert_refused(&mount(&["/nonexistent/lower", m]), LOWER, "lower directory /nonexistent/lower: No such file or directory");
+    assert_refused(&mount(&[l, "/nonexistent/mnt"]), MOUNT_POINT, "mount point /nonexistent/mnt: No such file or directory");
+    assert_refused(&mount(&[l, m, "--stack", "null,gzipp"]), USAGE, "unknown layer 'gzipp' (available: null, trace, copy, uuencode, gzip, zstd, lz4, crypt, union, mirror, version, fault, lazy, ext, py)");
+    assert_refused(&mount(&[l, m, "--stack", "zstd:level=99"]), USAGE, "layer 'zstd': bad value '99' for 'level': expected 1 to 19");
+    assert_refused(&mount(&[l, m, "--stack", "gzip:chunk=3k"]), USAGE, "bad value '3k' for 'chunk': expected a power of two from 4k to 1m");
+    assert_refused(&mount(&[l, m, "--stack", "lz4:fast_tails=maybe"]), USAGE, "bad value 'maybe' for 'fast_tails'");
+    assert_refused(&mount(&[l, m, "--stack", "trace:colour=red"]), USAGE, "layer 'trace': unknown parameter 'colour'");
+    assert_refused(&mount(&[l, m, "--stack", "trace:io=maybe"]), USAGE, "bad value 'maybe' for 'io'");
+    assert_refused(&mount(&[l, m, "--stack", "trace:log=/nonexistent/dir/t.jsonl"]), USAGE, "cannot open log /nonexistent/dir/t.jsonl");
+    assert_refused(&mount(&[l, m, "-o", "turbo"]), USAGE, "unknown mount option 'turbo'");
     let config = dir.path().join("bad.toml");
     fs::write(&config, "[[layer]]\ntype = \"null\"\n[[layer\n").unwrap();
-    assert_refused(&mount(&[l, m, "--config", config.to_str().unwrap()]), "bad.toml:3: ");
-    assert_refused(&mount(&[l, m, "--config", "/nonexistent.toml"]), "/nonexistent.toml: No such file or directory");
+    assert_refused(&mount(&[l, m, "--config", config.to_str().unwrap()]), USAGE, "bad.toml:3: ");
+    assert_refused(&mount(&[l, m, "--config", "/nonexistent.toml"]), USAGE, "/nonexistent.toml: No such file or directory");
 
     let file_mnt = dir.path().join("file");
     fs::write(&file_mnt, b"").unwrap();
-    assert_refused(&mount(&[l, file_mnt.to_str().unwrap()]), "not a directory");
+    assert_refused(&mount(&[l, file_mnt.to_str().unwrap()]), MOUNT_POINT, "not a directory");
     fs::write(mnt.join("x"), b"").unwrap();
-    assert_refused(&mount(&[l, m]), "is not empty");
+    assert_refused(&mount(&[l, m]), MOUNT_POINT, "is not empty");
     fs::remove_file(mnt.join("x")).unwrap();
 
     assert!(mounted_fstype(&mnt).is_none());
@@ -83,22 +90,22 @@ fn a_mistake_in_a_config_or_rules_file_names_the_file_and_its_line() {
     };
     let mount = |args: &[&str]| run(plyfs().arg("mount").arg(l).arg(m).args(args));
     let config = file("unknown-key.toml", "[[layer]]\ntype = \"trace\"\nio = true\ncolour = \"red\"\n\n[[layer]]\ntype = \"null\"\n");
-    assert_refused(&mount(&["--config", &config]), &format!("{config}:4: layer 'trace': unknown parameter 'colour'"));
+    assert_refused(&mount(&["--config", &config]), USAGE, &format!("{config}:4: layer 'trace': unknown parameter 'colour'"));
     let config = file(
         "branch.toml",
         "[[layer]]\ntype = \"union\"\n[[layer.branch]]\ndir = \"/tmp\"\n[[layer.branch.layer]]\ntype = \"zstd\"\nlevle = 3\n",
     );
-    assert_refused(&mount(&["--config", &config]), &format!("{config}:7: layer 'zstd': unknown parameter 'levle'"));
+    assert_refused(&mount(&["--config", &config]), USAGE, &format!("{config}:7: layer 'zstd': unknown parameter 'levle'"));
     let config = file("top-level.toml", "colour = 1\n[[layer]]\ntype = \"null\"\n");
-    assert_refused(&mount(&["--config", &config]), &format!("{config}:1: unknown field `colour`"));
+    assert_refused(&mount(&["--config", &config]), USAGE, &format!("{config}:1: unknown field `colour`"));
 
     let rules = "[[rule]]\nglob = \"*.log\"\nlayers = \"zstd\"\n\n[[rule]]\n";
     let syntax = file("syntax.toml", &format!("{rules}glob = \"*.txt\nlayers = \"gzip\"\n"));
-    assert_refused(&mount(&["--stack", "zstd", "--rules", &syntax]), &format!("{syntax}:6: "));
+    assert_refused(&mount(&["--stack", "zstd", "--rules", &syntax]), USAGE, &format!("{syntax}:6: "));
     let glob = file("glob.toml", &format!("{rules}glob = \"[x\"\nlayers = \"gzip\"\n"));
-    assert_refused(&mount(&["--stack", "zstd", "--rules", &glob]), &format!("{glob}:5: rule 2: glob \"[x\": '[' without ']'"));
+    assert_refused(&mount(&["--stack", "zstd", "--rules", &glob]), USAGE, &format!("{glob}:5: rule 2: glob \"[x\": '[' without ']'"));
     let layer = file("layer.toml", &format!("{rules}glob = \"*.txt\"\nlayers = \"gzipp\"\n"));
-    assert_refused(&mount(&["--stack", "zstd", "--rules", &layer]), &format!("{layer}:5: rule 2: unknown layer 'gzipp'"));
+    assert_refused(&mount(&["--stack", "zstd", "--rules", &layer]), USAGE, &format!("{layer}:5: rule 2: unknown layer 'gzipp'"));
 
     assert!(mounted_fstype(&mnt).is_none());
     assert_eq!(fs::read_dir(&lower).unwrap().count(), 1);
@@ -125,7 +132,7 @@ fn a_closed_output_pipe_ends_a_report_quietly() {
 fn a_busy_mount_point_is_refused() {
     let m = Mount::new("null");
     let out = run(plyfs().arg("mount").arg(&m.lower).arg(&m.mnt));
-    assert_refused(&out, "is busy: fuse.plyfs is already mounted there");
+    assert_refused(&out, MOUNT_POINT, "is busy: fuse.plyfs is already mounted there");
 }
 
 #[test]
@@ -144,7 +151,7 @@ fn background_mount_reports_ready_and_umount_waits_for_the_daemon() {
     assert!(mounted_fstype(&mnt).is_none());
     let log = fs::read_to_string(&log).unwrap();
     assert!(log.contains("unmounted"), "the daemon finished before umount returned: {log}");
-    assert_refused(&run(plyfs().arg("umount").arg(&mnt)), "not mounted");
+    assert_refused(&run(plyfs().arg("umount").arg(&mnt)), OTHER, "not mounted");
 }
 
 /// `plyfs umount` while another process statfs's the mount over and over (as `df` does every
@@ -209,7 +216,7 @@ fn a_busy_mount_is_not_unmounted_unless_lazily() {
     let mut m = Mount::new("null");
     fs::write(m.path("open"), b"in use").unwrap();
     let mut f = fs::File::open(m.path("open")).unwrap();
-    assert_refused(&run(plyfs().arg("umount").arg(&m.mnt)), "busy");
+    assert_refused(&run(plyfs().arg("umount").arg(&m.mnt)), OTHER, "busy");
     assert_eq!(mounted_fstype(&m.mnt).as_deref(), Some("fuse.plyfs"));
     let out = run(plyfs().arg("umount").arg("--lazy").arg(&m.mnt));
     assert!(out.status.success(), "{}", stderr_of(&out));
@@ -310,13 +317,14 @@ fn extended_operations_from_the_command_line() {
 
     assert_refused(
         &op(&m.path("f"), &["frobnicate"]),
+        OTHER,
         "unsupported operation 'frobnicate': no layer of the stack (trace, inner, policy, lower) handles it",
     );
-    assert_refused(&op(&m.path("f"), &["stats@inner"]), "unsupported operation 'stats'");
+    assert_refused(&op(&m.path("f"), &["stats@inner"]), OTHER, "unsupported operation 'stats'");
     assert_eq!(op_json(&m.path("f"), &["describe@inner"])[0]["name"], "inner");
-    assert_refused(&op(&m.path("f"), &["stats@nope"]), "no layer named 'nope' in this stack (trace, inner, policy, lower)");
-    assert_refused(&op(&m.path("nothing"), &["stats"]), "No such file or directory");
-    assert_refused(&op(Path::new("/etc"), &["stats"]), "/etc is not inside a plyfs mount");
+    assert_refused(&op(&m.path("f"), &["stats@nope"]), OTHER, "no layer named 'nope' in this stack (trace, inner, policy, lower)");
+    assert_refused(&op(&m.path("nothing"), &["stats"]), OTHER, "No such file or directory");
+    assert_refused(&op(Path::new("/etc"), &["stats"]), OTHER, "/etc is not inside a plyfs mount");
 }
 
 #[test]
@@ -487,14 +495,14 @@ fn a_python_layer_that_cannot_start_says_why_and_a_virtual_environment_is_found(
     fs::write(&bare, "#!/bin/sh\nexec python3 -S \"$@\"\n").unwrap();
     fs::set_permissions(&bare, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let stack = format!("py:script={}:python={}", rot13.display(), bare.display());
-    assert_refused(&mount(&stack, &[]), &format!("layer 'py' ({}): {} ended at start: exit status: 1: ", rot13.display(), bare.display()));
+    assert_refused(&mount(&stack, &[]), USAGE, &format!("layer 'py' ({}): {} ended at start: exit status: 1: ", rot13.display(), bare.display()));
     let err = stderr_of(&mount(&stack, &[]));
     assert!(err.contains("ModuleNotFoundError: No module named 'plyfs' (install the plyfs package"), "{err}");
     // A script that fails its own way: its last line is the cause.
     let broken = dir.path().join("broken.py");
     fs::write(&broken, "import sys\nprint('some noise', file=sys.stderr)\nraise SystemExit('broken.py: no layer today')\n").unwrap();
     let stack = format!("py:script={}:python={}", broken.display(), bare.display());
-    assert_refused(&mount(&stack, &[]), "ended at start: exit status: 1: broken.py: no layer today");
+    assert_refused(&mount(&stack, &[]), USAGE, "ended at start: exit status: 1: broken.py: no layer today");
     assert!(mounted_fstype(&mnt).is_none());
     assert_eq!(fs::read_dir(&lower).unwrap().count(), 1);
 
@@ -845,3 +853,208 @@ fn syslog_option_sends_the_daemon_log_to_dev_log() {
     assert!(lines.iter().any(|l| l.starts_with("<30>") && l.contains(&format!("mounted {} on {}", lower.display(), mnt.display()))), "{lines:#?}");
 }
 
+/// Mistakes the argument parser finds read like every other error: one line naming what is
+/// wrong and the help to read, with the usage status; `--help` and `--version` still print to
+/// standard output and succeed (#32).
+#[test]
+fn argument_errors_are_one_line_with_the_usage_status() {
+    let (_dir, lower, mnt) = scratch();
+    let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
+    for (args, says) in [
+        (&["mount", l, m, "--config", "c.toml", "--stack", "null"][..], "the argument '--config <FILE>' cannot be used with '--stack <SPEC>' (see 'plyfs mount --help')"),
+        (&["mount", l, m, "--bogus"], "unexpected argument '--bogus' found (see 'plyfs mount --help')"),
+        (&["mount", l], "the following required arguments were not provided: <MOUNTPOINT> (see 'plyfs mount --help')"),
+        (&["mount", l, m, "--stak", "null"], "unexpected argument '--stak' found; did you mean '--stack'? (see 'plyfs mount --help')"),
+        (&["policy", "apply"], "(see 'plyfs policy apply --help')"),
+        (&["moutn", l, m], "unrecognized subcommand 'moutn'; did you mean 'umount' or 'mount'? (see 'plyfs --help')"),
+    ] {
+        assert_refused(&run(plyfs().args(args)), USAGE, says);
+    }
+    assert_eq!(mounted_fstype(&mnt), None);
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1, "nothing written below");
+    for args in [&["--help"][..], &["mount", "--help"], &["--version"]] {
+        let out = run(plyfs().args(args));
+        assert!(out.status.success() && !out.stdout.is_empty() && out.stderr.is_empty(), "{args:?}: {}", stderr_of(&out));
+    }
+}
+
+/// Scripts tell the usual failures apart by the exit status, gocryptfs's where the failure is
+/// the same (`man plyfs`, EXIT STATUS); a background daemon's failure reaches the command that
+/// started it with its status (#32).
+#[test]
+fn exit_statuses_tell_failures_apart() {
+    let (dir, lower, mnt) = scratch();
+    let mount = |args: &[&str]| run(plyfs().arg("mount").args(args));
+    let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
+    const CONFIG: i32 = 8;
+    const UNREACHABLE: i32 = 33;
+    // The server is reached only by the daemon, which reports on its readiness pipe.
+    let addr = format!("unix:{}", dir.path().join("no-server.sock").display());
+    assert_refused(&mount(&[&addr, m]), UNREACHABLE, &format!("{addr}: connecting: No such file or directory"));
+    assert_refused(&mount(&[&addr, m, "--foreground"]), UNREACHABLE, &format!("{addr}: connecting"));
+    let exodisk = dir.path().join("no-service.sock");
+    let source = format!("exodisk:{}", exodisk.display());
+    assert_refused(&mount(&[&source, m]), UNREACHABLE, &format!("{}: connecting: No such file or directory", exodisk.display()));
+    assert_refused(&mount(&[l, m, "--stack", "zstd,crypt"]), CONFIG, &format!("{l}: not a crypt volume (.plyfs-crypt.conf is missing)"));
+    assert_refused(&mount(&["/nonexistent/lower", m, "--stack", "zstd"]), LOWER, "lower directory /nonexistent/lower: No such file or directory");
+    assert_refused(&mount(&[l, m, "-o", "turbo"]), USAGE, "unknown mount option 'turbo'");
+    // The form mount(8) uses (through mount.fuse3), with a lower that is not there: the same
+    // line and status as `plyfs mount`, not the parser's "unrecognized subcommand".
+    let out = run(plyfs().args(["/nonexistent/lower", m, "-o", "rw,stack=zstd"]));
+    assert_refused(&out, LOWER, "lower directory /nonexistent/lower: No such file or directory");
+    assert_eq!(mounted_fstype(&mnt), None);
+    assert_eq!(fs::read_dir(&mnt).unwrap().count(), 0);
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1, "nothing written below");
+}
+
+/// `plyfs mount -o` takes what mount(8) and fstab lines take (`stack=`, `passfile=`, `branch=`,
+/// `nofail`, `_netdev`, `defaults`, ...) with the same meaning; an argument given both ways is
+/// refused with one line (#32).
+#[test]
+fn mount_dash_o_takes_what_fstab_takes() {
+    let (dir, lower, mnt) = scratch();
+    let (l, m) = (lower.to_str().unwrap(), mnt.to_str().unwrap());
+    let mount = |args: &[&str]| run(plyfs().arg("mount").args([l, m]).args(args));
+    assert_refused(&mount(&["--stack", "null", "-o", "stack=zstd"]), USAGE, "-o stack=zstd: --stack is given too; give it once (see 'plyfs mount --help')");
+    assert_refused(&mount(&["--config", "c.toml", "-o", "rw,stack=zstd"]), USAGE, "the argument '--config <FILE>' cannot be used with '--stack <SPEC>'");
+    assert_refused(&mount(&["-o", "passfile"]), USAGE, "-o passfile: needs a value (passfile=...)");
+    assert_eq!(mounted_fstype(&mnt), None);
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1, "nothing written below");
+
+    let m = Mount::start(dir, lower, mnt, "", &["rw,stack=trace,zstd,nofail,_netdev,defaults,x-systemd.automount,noatime"]);
+    let text = "written through -o stack=trace,zstd\n".repeat(1000);
+    fs::write(m.path("f"), &text).unwrap();
+    assert_eq!(fs::read_to_string(m.path("f")).unwrap(), text);
+    let stored = fs::read(m.lower_path("f")).unwrap();
+    assert!(stored.len() < text.len() / 4, "zstd stores it compressed: {} bytes", stored.len());
+    assert!(op_json(&m.mnt, &["stats"])["ops"].is_object(), "trace is in the stack");
+}
+
+/// A mount point that holds files is refused, naming `-o nonempty`, which mounts over them
+/// (hiding them until the unmount), from `plyfs mount` and from the mount(8) form alike (#32).
+#[test]
+fn nonempty_mounts_over_files_that_the_refusal_names() {
+    let (_dir, lower, mnt) = scratch();
+    fs::write(mnt.join("hidden"), b"under the mount").unwrap();
+    let refusal = format!("mount point {} is not empty: mounting would hide what it holds (-o nonempty mounts over it)", mnt.display());
+    assert_refused(&run(plyfs().arg("mount").arg(&lower).arg(&mnt)), MOUNT_POINT, &refusal);
+    assert_refused(&run(plyfs().arg(&lower).arg(&mnt).args(["-o", "stack=null"])), MOUNT_POINT, &refusal);
+    assert_eq!(fs::read_dir(&lower).unwrap().count(), 1, "nothing written below");
+    for (args, form) in [(&["mount", "-o", "nonempty"][..], "plyfs mount"), (&["-o", "stack=null,nonempty"], "mount(8)")] {
+        let (subcommand, options) = args.split_at(if form == "plyfs mount" { 1 } else { 0 });
+        let _guard = scopeguard(&mnt);
+        let out = run(plyfs().args(subcommand).arg(&lower).arg(&mnt).args(options));
+        assert!(out.status.success(), "{form}: {}", stderr_of(&out));
+        assert_eq!(mounted_fstype(&mnt).as_deref(), Some("fuse.plyfs"), "{form}");
+        assert!(mnt.join("keep.txt").exists() && !mnt.join("hidden").exists(), "{form}: the mount shows the lower");
+        let out = run(plyfs().arg("umount").arg(&mnt));
+        assert!(out.status.success(), "{form}: {}", stderr_of(&out));
+        assert_eq!(fs::read(mnt.join("hidden")).unwrap(), b"under the mount", "{form}: the files are back");
+    }
+}
+
+/// What a mount took by default is said in its mount message: no `--stack` mounts `null`, and a
+/// `union` without `--branch` has LOWER as its only branch. A stack given in full says neither
+/// (#32).
+#[test]
+fn the_mount_message_says_what_was_taken_by_default() {
+    let (_dir, lower, mnt) = scratch();
+    for (stack, says) in [
+        (&[][..], "stack: null, which passes everything through unchanged (no --stack given)".to_owned()),
+        (&["--stack", "union"], format!("union has one branch, {} (add more with --branch DIR)", lower.display())),
+        (&["--stack", "trace,null"], String::new()),
+    ] {
+        let _guard = scopeguard(&mnt);
+        let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).args(stack));
+        let said = stderr_of(&out);
+        assert!(out.status.success(), "{stack:?}: {said}");
+        assert_eq!(said.lines().count(), 1, "{stack:?}: one line: {said}");
+        let first = format!("plyfs: mounted {} (pid ", mnt.display());
+        assert!(said.starts_with(&first), "{stack:?}: {said}");
+        if says.is_empty() {
+            assert!(!said.contains("no --stack") && !said.contains("one branch"), "{stack:?}: {said}");
+        } else {
+            assert!(said.contains(&format!("); {says}; file I/O: ")), "{stack:?}: {said:?} should say {says:?}");
+        }
+        let out = run(plyfs().arg("umount").arg(&mnt));
+        assert!(out.status.success(), "{}", stderr_of(&out));
+    }
+}
+
+/// What a newcomer reads first names everything: `plyfs --help` lists `manpages`, `plyfs
+/// layers` lists `remote` and its parameters, options show their values (`--stack <SPEC>`) in
+/// --help and the manual's synopsis, and shell completion offers layer names after `--stack`
+/// (#32).
+#[test]
+fn help_layers_manual_and_completion_name_what_they_take() {
+    let stdout = |args: &[&str]| {
+        let out = run(plyfs().args(args));
+        assert!(out.status.success(), "{args:?}: {}", stderr_of(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(stdout(&["--help"]).contains("\n  manpages "), "plyfs --help lists manpages");
+    let layers = stdout(&["layers"]);
+    let remote = layers.split("\nremote ").nth(1).expect("plyfs layers lists remote");
+    for param in ["addr=", "psk=", "timeout=", "sync=", "name="] {
+        assert!(remote.contains(&format!("\n    {param}")), "remote's {param} in {remote}");
+    }
+    let help = stdout(&["mount", "--help"]);
+    for option in ["--stack <SPEC>", "--config <FILE>", "--rules <FILE>", "--log <FILE>", "-o <OPTIONS>"] {
+        assert!(help.contains(option), "{option} in plyfs mount --help");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    stdout(&["manpages", dir.path().to_str().unwrap()]);
+    let page = fs::read_to_string(dir.path().join("plyfs-mount.1")).unwrap();
+    let synopsis = page.split(".SH SYNOPSIS\n").nth(1).and_then(|s| s.lines().next()).unwrap();
+    for option in [r"[\-\-stack <SPEC>]", r"[\-\-config <FILE>]", r"[\-o <OPTIONS>]...", r"[\-\-branch <DIR[=ro|rw]>]...", "<LOWER> <MOUNTPOINT>"] {
+        assert!(synopsis.contains(option), "{option} in {synopsis}");
+    }
+    let kinds = "null trace copy uuencode gzip zstd lz4 crypt union mirror version fault lazy ext py remote";
+    let bash = stdout(&["completions", "bash"]);
+    assert!(bash.contains(&format!("--stack)\n                    COMPREPLY=($(compgen -W \"{kinds}\" -- \"${{cur}}\"))")), "bash offers layer names after --stack");
+    for shell in ["zsh", "fish"] {
+        let script = stdout(&["completions", shell]);
+        assert!(["zstd", "crypt", "union", "remote"].iter().all(|k| script.contains(k)), "{shell} offers layer names");
+    }
+}
+
+/// `plyfs install-helper` writes the mount(8) helper the Debian package installs, for a plyfs
+/// from `cargo install`: a script that runs this plyfs. It replaces its own, leaves another
+/// program's alone, and says what to do without permission, in one line each (#32).
+#[test]
+fn install_helper_writes_the_mount_helper() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let sbin = dir.path().join("sbin");
+    fs::create_dir(&sbin).unwrap();
+    for d in [dir.path(), &sbin] {
+        fs::set_permissions(d, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let helper = sbin.join("mount.fuse.plyfs");
+    let exe = Path::new(env!("CARGO_BIN_EXE_plyfs")).canonicalize().unwrap();
+    for _ in 0..2 {
+        let out = run(plyfs().args(["install-helper", "--dir"]).arg(&sbin));
+        let said = stderr_of(&out);
+        assert!(out.status.success(), "{said}");
+        assert_eq!(said, format!("plyfs: installed {}, which runs {}: `mount -t fuse.plyfs` and fstab lines find it\n", helper.display(), exe.display()));
+    }
+    assert_eq!(fs::metadata(&helper).unwrap().permissions().mode() & 0o7777, 0o755);
+    let script = fs::read_to_string(&helper).unwrap();
+    assert!(script.starts_with("#!/bin/sh\n") && script.ends_with(&format!("exec '{}' \"$@\"\n", exe.display())), "{script}");
+    let out = run(&mut Command::new(&helper).arg("--version"));
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("plyfs "), "the helper runs this plyfs");
+
+    let foreign = "#!/bin/sh\nexec sshfs \"$@\"\n";
+    fs::write(&helper, foreign).unwrap();
+    let out = run(plyfs().args(["install-helper", "--dir"]).arg(&sbin));
+    assert_refused(&out, OTHER, &format!("{}: exists and is not plyfs's helper; remove it first if it should be", helper.display()));
+    assert_eq!(fs::read_to_string(&helper).unwrap(), foreign);
+    fs::remove_file(&helper).unwrap();
+
+    if is_root() {
+        let out = run(Command::new("setpriv").args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"]).arg(&exe).args(["install-helper", "--dir"]).arg(&sbin));
+        assert_refused(&out, OTHER, &format!("{}: Permission denied (os error 13) (run it as root, or give --dir DIR)", helper.display()));
+        assert_eq!(fs::read_dir(&sbin).unwrap().count(), 0, "nothing written");
+    }
+    assert_refused(&run(plyfs().args(["install-helper", "--dir"]).arg(sbin.join("missing"))), OTHER, "missing: No such file or directory");
+}

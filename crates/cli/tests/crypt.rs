@@ -99,10 +99,17 @@ fn header_file_id(bytes: &[u8]) -> Option<String> {
     (bytes.len() >= 64 && bytes.starts_with(b"PLYSCA\x00\x01")).then(|| bytes[20..36].iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// The first line of a command's standard error, after checking it is the only one.
-fn one_line_error(out: &Output, what: &str) -> String {
+/// The exit statuses of `man plyfs` (EXIT STATUS) these tests meet.
+const OTHER: i32 = 1;
+const BAD_CONFIG: i32 = 8;
+const WRONG_SECRET: i32 = 12;
+const FSCK_DAMAGE: i32 = 26;
+
+/// The first line of a command's standard error, after checking it is the only one and the
+/// exit status is `status`.
+fn one_line_error(out: &Output, status: i32, what: &str) -> String {
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(1), "{what}: exit status {:?}, stderr: {stderr}", out.status);
+    assert_eq!(out.status.code(), Some(status), "{what}: exit status {:?}, stderr: {stderr}", out.status);
     assert_eq!(stderr.lines().count(), 1, "{what}: one line of error, not:\n{stderr}");
     assert!(stderr.starts_with("plyfs: "), "{what}: {stderr}");
     stderr.trim_end().to_owned()
@@ -110,7 +117,7 @@ fn one_line_error(out: &Output, what: &str) -> String {
 
 /// Mount with `plyfs mount` as a user would (a background daemon), expecting it to fail:
 /// returns its one-line error after checking that nothing got mounted.
-fn refused_mount(lower: &Path, mnt: &Path, args: &[&str], what: &str) -> String {
+fn refused_mount(lower: &Path, mnt: &Path, args: &[&str], status: i32, what: &str) -> String {
     let out = run(plyfs().arg("mount").arg(lower).arg(mnt).args(args));
     if out.status.success() {
         let _ = run(plyfs().arg("umount").arg(mnt));
@@ -120,7 +127,7 @@ fn refused_mount(lower: &Path, mnt: &Path, args: &[&str], what: &str) -> String 
     let mountpoint = Command::new("mountpoint").arg("-q").arg(mnt).status().unwrap();
     assert!(!mountpoint.success(), "{what}: mountpoint(1) says {} is a mount point", mnt.display());
     assert_eq!(fs::read_dir(mnt).unwrap().count(), 0, "{what}: the mount point is not left empty");
-    one_line_error(&out, what)
+    one_line_error(&out, status, what)
 }
 
 /// Names, sizes, contents and modification times of everything in a directory tree.
@@ -505,7 +512,7 @@ fn a_wrong_password_mounts_nothing_and_touches_nothing() {
         vec!["--stack", "zstd,crypt", "--passfile", &wrong_arg],
         vec!["--stack", "crypt", "--passfile", &wrong_arg, "--foreground"],
     ] {
-        assert_eq!(refused_mount(&lower, &mnt, &args, &format!("{args:?}")), expected, "{args:?}");
+        assert_eq!(refused_mount(&lower, &mnt, &args, WRONG_SECRET, &format!("{args:?}")), expected, "{args:?}");
     }
     assert!(snapshot(&lower) == before, "a refused mount changed the lower directory");
     // The right password, from a command this time, still opens it.
@@ -526,17 +533,17 @@ fn a_corrupt_or_missing_configuration_is_refused_clearly() {
     fs::set_permissions(&config, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
 
     fs::write(&config, "this is not a configuration file at all {{{\n").unwrap();
-    let err = refused_mount(&lower, &mnt, &args, "garbage configuration");
+    let err = refused_mount(&lower, &mnt, &args, BAD_CONFIG, "garbage configuration");
     assert!(err.starts_with(&format!("plyfs: {shown}: corrupt")), "{err}");
 
     fs::write(&config, good.lines().filter(|l| !l.starts_with("wrapped_key")).collect::<Vec<_>>().join("\n")).unwrap();
-    let err = refused_mount(&lower, &mnt, &args, "configuration without its key");
+    let err = refused_mount(&lower, &mnt, &args, BAD_CONFIG, "configuration without its key");
     assert!(err.starts_with(&format!("plyfs: {shown}: corrupt")) && err.contains("wrapped_key"), "{err}");
 
     // A setting changed behind the owner's back: the key no longer unwraps.
     assert!(good.contains("plaintext_names = false"), "{good}");
     fs::write(&config, good.replace("plaintext_names = false", "plaintext_names = true")).unwrap();
-    let err = refused_mount(&lower, &mnt, &args, "edited setting");
+    let err = refused_mount(&lower, &mnt, &args, WRONG_SECRET, "edited setting");
     assert_eq!(err, format!("plyfs: {shown}: wrong password (or the file was altered)"));
 
     fs::write(&config, &good).unwrap();
@@ -549,7 +556,7 @@ fn a_corrupt_or_missing_configuration_is_refused_clearly() {
     fs::create_dir(&plain).unwrap();
     fs::write(plain.join("file"), b"plain").unwrap();
     for args in [&["--stack", "crypt"][..], &args[..], &["--stack", "zstd,crypt", "--foreground"][..]] {
-        let err = refused_mount(&plain, &mnt, args, &format!("plain directory, {args:?}"));
+        let err = refused_mount(&plain, &mnt, args, BAD_CONFIG, &format!("plain directory, {args:?}"));
         assert!(err.contains("not a crypt volume"), "{args:?}: {err}");
         assert!(err.contains(&plain.display().to_string()) || err.contains(CONFIG), "{args:?}: the error names what is missing: {err}");
     }
@@ -569,7 +576,7 @@ fn without_a_password_or_a_terminal_mount_says_how_to_give_one() {
         .output()
         .unwrap();
     assert_eq!(mounted_fstype(&mnt), None);
-    let err = one_line_error(&out, "no password, no terminal");
+    let err = one_line_error(&out, OTHER, "no password, no terminal");
     assert!(err.contains("no terminal") && err.contains("--passfile"), "{err}");
 }
 
@@ -606,11 +613,11 @@ fn passwd_rewraps_the_key_and_keeps_the_data() {
     assert_ne!(line(&config_before, "wrapped_key"), line(&config_after, "wrapped_key"), "the key is wrapped anew");
 
     let old_arg = old.display().to_string();
-    let err = refused_mount(&lower, &mnt, &["--stack", "crypt", "--passfile", &old_arg], "the old password");
+    let err = refused_mount(&lower, &mnt, &["--stack", "crypt", "--passfile", &old_arg], WRONG_SECRET, "the old password");
     assert!(err.ends_with("wrong password (or the file was altered)"), "{err}");
     // The old password cannot change it back either.
     let out = run(plyfs().arg("passwd").arg(&lower).arg("--passfile").arg(&old).arg("--new-passfile").arg(&old));
-    assert!(one_line_error(&out, "passwd with the old password").contains("wrong password"));
+    assert!(one_line_error(&out, WRONG_SECRET, "passwd with the old password").contains("wrong password"));
 
     let m = Mount::start(dir, lower, mnt, "crypt", &[&passfile_opt(&new)]);
     assert_eq!(fs::read(m.path("f")).unwrap(), data);
@@ -632,7 +639,7 @@ fn a_key_file_volume() {
     fs::write(&short, b"0123456789").unwrap();
 
     let out = run(plyfs().arg("init").arg(&lower).arg("--keyfile").arg(&short));
-    assert!(one_line_error(&out, "a short key file").contains("at least 32"));
+    assert!(one_line_error(&out, OTHER, "a short key file").contains("at least 32"));
     let out = run(plyfs().arg("init").arg(&lower).arg("--keyfile").arg(&keyfile));
     assert!(out.status.success(), "init --keyfile: {}", String::from_utf8_lossy(&out.stderr));
 
@@ -649,10 +656,10 @@ fn a_key_file_volume() {
 
     let passfile = crypt_passfile(&root);
     let pass = passfile.display().to_string();
-    let err = refused_mount(&lower, &mnt, &["--stack", "crypt", "--passfile", &pass], "a password for a key file volume");
+    let err = refused_mount(&lower, &mnt, &["--stack", "crypt", "--passfile", &pass], WRONG_SECRET, "a password for a key file volume");
     assert!(err.contains("key file"), "{err}");
     let other = other.display().to_string();
-    let err = refused_mount(&lower, &mnt, &["--stack", "crypt", "--keyfile", &other], "another key file");
+    let err = refused_mount(&lower, &mnt, &["--stack", "crypt", "--keyfile", &other], WRONG_SECRET, "another key file");
     assert_eq!(err, format!("plyfs: {}/{CONFIG}: wrong key file (or the file was altered)", lower.display()));
     for p in lower_files(&lower) {
         assert!(!contains(&fs::read(p).unwrap(), MARKER));
@@ -893,7 +900,7 @@ fn fsck_and_decode_with_a_password() {
 
     let wrong = m.dir.path().join("wrong");
     fs::write(&wrong, "nope\n").unwrap();
-    assert!(one_line_error(&fsck(&wrong), "fsck with a wrong password").ends_with("wrong password (or the file was altered)"));
+    assert!(one_line_error(&fsck(&wrong), WRONG_SECRET, "fsck with a wrong password").ends_with("wrong password (or the file was altered)"));
 
     edit_lower(&m, "sub/b", |b| {
         let r = data_records(b)[9];
@@ -902,7 +909,7 @@ fn fsck_and_decode_with_a_password() {
     });
     let out = fsck(&passfile);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "fsck must fail on damaged data: {stderr}");
+    assert_eq!(out.status.code(), Some(FSCK_DAMAGE), "fsck must fail on damaged data: {stderr}");
     let damage: Vec<&str> = stderr.lines().filter(|l| l.starts_with("plyfs: sub/")).collect();
     assert!(!damage.is_empty() && damage.iter().all(|l| l.starts_with("plyfs: sub/b:")), "only sub/b is damaged:\n{stderr}");
     assert!(stderr.contains("3 files checked, 1 damaged"), "{stderr}");

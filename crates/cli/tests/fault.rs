@@ -91,7 +91,7 @@ fn a_bad_rules_file_refuses_the_mount_with_its_line() {
     fs::create_dir(&mnt).unwrap();
     let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).arg("--stack").arg(format!("fault:rules={}", rules.display())));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(out.status.code(), Some(2), "a bad stack is a usage error: {err}");
     assert!(err.contains("line 2: error=EWHAT: unknown error") && err.lines().count() == 1, "{err}");
     assert!(mounted_fstype(&mnt).is_none());
 }

@@ -40,7 +40,7 @@ fn mount_in_background(lower: &Path, mnt: &Path, stack: &str, args: &[&str]) -> 
     (out, guard)
 }
 
-/// The refusal of a mount of `m`'s lower: exit status 1 and one line naming `m`'s daemon.
+/// The refusal of a mount of `m`'s lower: exit status 32 (in use) and one line naming `m`'s daemon.
 fn assert_refused_by(out: &Output, m: &Mount, advice: &str) {
     let text = stderr(out);
     let want = format!(
@@ -50,7 +50,7 @@ fn assert_refused_by(out: &Output, m: &Mount, advice: &str) {
         hostname(),
         m.mnt.display()
     );
-    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert_eq!(out.status.code(), Some(32), "in use: {text}");
     assert_eq!(text, want);
 }
 
@@ -108,7 +108,7 @@ fn an_unshared_mount_does_not_join_shared_ones_and_shared_ones_share() {
     fs::create_dir(&mnt3).unwrap();
     let (out, _guard) = mount_in_background(&m.lower, &mnt3, "zstd", &[]);
     let text = stderr(&out);
-    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert_eq!(out.status.code(), Some(32), "in use: {text}");
     assert!(text.starts_with(&format!("plyfs: lower {} is in use by another plyfs (pid ", m.lower.display())), "{text}");
     assert!(text.ends_with(&format!("); {MOUNT_ADVICE}\n")) && text.lines().count() == 1, "{text}");
 }
@@ -144,7 +144,7 @@ fn a_read_only_branch_is_shared_by_unions() {
     let mnt_x = ma.dir.path().join("mnt-x");
     fs::create_dir(&mnt_x).unwrap();
     let (out, _guard) = mount_in_background(&ro, &mnt_x, "null", &[]);
-    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(32), "in use: {}", stderr(&out));
 }
 
 /// What a mount shows of the lock file: nothing, and nothing can be made or moved to its name.
@@ -224,7 +224,7 @@ fn serve_and_a_mount_of_one_lower_refuse_each_other() {
     let server = Server::start(&lower, &format!("unix:{}", sock.display()), &["--stack", "zstd"], &root.join("serve.log"));
     let (out, _guard) = mount_in_background(&lower, &mnt, "zstd", &[]);
     let text = stderr(&out);
-    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert_eq!(out.status.code(), Some(32), "in use: {text}");
     let want = format!(
         "plyfs: lower {} is in use by another plyfs (pid {} on {}, serving on unix:{}); {MOUNT_ADVICE}\n",
         lower.display(),

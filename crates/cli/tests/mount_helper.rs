@@ -178,3 +178,38 @@ fn mount_t_fuse_plyfs_takes_the_sources_test_suites_give() {
     // Through zstd: the lower file is not the plain text.
     assert_ne!(fs::read(other.join("g")).unwrap(), b"two\n");
 }
+
+/// `mount -t fuse.plyfs` with a lower that is not there says what `plyfs mount` says, in one
+/// line with its exit status (6), not the argument parser's "unrecognized subcommand"; a mount
+/// point that holds files is refused naming `-o nonempty`, which mounts over them (#32).
+#[test]
+fn mount_t_fuse_plyfs_says_what_plyfs_mount_says() {
+    let (_dir, root, [lower, mnt]) = scratch_dirs(["lower", "mnt"]);
+    fs::write(mnt.join("hidden"), b"under the mount").unwrap();
+    let (l, m, missing) = (lower.display(), mnt.display(), root.join("missing"));
+    let out = in_namespace(
+        &root,
+        "",
+        &format!(
+            "status=0; timeout 60 mount -t fuse.plyfs {missing} {m} -o stack=zstd 2>/tmp/plyfs-err.$$ || status=$?\n\
+             echo \"status $status\"; cat /tmp/plyfs-err.$$\n\
+             status=0; timeout 60 mount -t fuse.plyfs {l} {m} -o stack=zstd 2>/tmp/plyfs-err.$$ || status=$?\n\
+             echo \"status $status\"; cat /tmp/plyfs-err.$$; rm -f /tmp/plyfs-err.$$\n\
+             echo \"mounts: $(grep -c ' {m} ' /proc/self/mounts || true)\"\n\
+             mount -t fuse.plyfs {l} {m} -o stack=zstd,nonempty\n\
+             ls {m}; echo written > {m}/f\n\
+             umount {m}\n\
+             ls {m}\n",
+            missing = missing.display()
+        ),
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "status 6", "{out}");
+    assert_eq!(lines[1], format!("plyfs: lower directory {}: No such file or directory (os error 2)", missing.display()), "{out}");
+    assert_eq!(lines[2], "status 10", "{out}");
+    assert_eq!(lines[3], format!("plyfs: mount point {m} is not empty: mounting would hide what it holds (-o nonempty mounts over it)"), "{out}");
+    assert_eq!(lines[4], "mounts: 0", "{out}");
+    assert_eq!(&lines[5..], ["hidden"], "the mount showed the empty lower, and the files are back after it: {out}");
+    assert_ne!(fs::read(lower.join("f")).unwrap(), b"written\n", "written through zstd");
+    assert_eq!(fs::read(mnt.join("hidden")).unwrap(), b"under the mount");
+}

@@ -59,7 +59,7 @@ impl Drop for BindMount {
 }
 
 /// Run `plyfs mount ARGS` (with `--foreground` if asked) and check it is refused with one line
-/// saying `expect`, exit status 1, and nothing mounted at `mnt`.
+/// saying `expect`, exit status 10 (a bad mount point), and nothing mounted at `mnt`.
 fn refused(args: &[&Path], extra: &[&str], mnt: &Path, foreground: bool, expect: &str) {
     let _cleanup = NothingLeftAt(mnt.to_owned());
     let mut cmd = plyfs();
@@ -81,7 +81,8 @@ fn refused(args: &[&Path], extra: &[&str], mnt: &Path, foreground: bool, expect:
         std::thread::sleep(Duration::from_millis(20));
     };
     let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
-    assert_eq!(status.code(), Some(1), "{args:?} {extra:?}: {err}");
+    // The status of a bad mount point (`man plyfs`, EXIT STATUS).
+    assert_eq!(status.code(), Some(10), "{args:?} {extra:?}: {err}");
     assert!(err.starts_with("plyfs: ") && err.lines().count() == 1 && err.contains(expect), "{args:?} {extra:?}: {err:?} should say {expect:?}");
     assert!(!fs::read_to_string("/proc/mounts").unwrap().contains(&format!(" {} ", mnt.display())), "{} is mounted", mnt.display());
 }

@@ -312,25 +312,28 @@ fn bad_branches_are_refused_with_one_line_and_nothing_mounted() {
         fs::create_dir(d).unwrap();
     }
     fs::create_dir(lower.join("inner")).unwrap();
-    let refuse = |stack: &str, branches: &[String], expect: &str| {
+    // Exit statuses (`man plyfs`, EXIT STATUS): a bad command line, a bad mount point.
+    const USAGE: i32 = 2;
+    const MOUNT_POINT: i32 = 10;
+    let refuse = |stack: &str, branches: &[String], status: i32, expect: &str| {
         let out = run(plyfs().arg("mount").arg(&lower).arg(&mnt).arg("--stack").arg(stack).args(branches.iter().flat_map(|b| ["--branch", b.as_str()])));
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert_eq!(out.status.code(), Some(1), "{stack} {branches:?}: {err}");
+        assert_eq!(out.status.code(), Some(status), "{stack} {branches:?}: {err}");
         assert!(err.starts_with("plyfs: ") && err.lines().count() == 1 && err.contains(expect), "{stack} {branches:?}: {err:?} should say {expect:?}");
         assert!(mounted_fstype(&mnt).is_none());
     };
     let o = other.display().to_string();
-    refuse("union", &[format!("{}/missing=ro", o)], "branch 'union.1': ");
-    refuse("union", &[format!("{}/missing=ro", o)], "No such file or directory");
-    refuse("union", &[lower.display().to_string()], "is already branch 'union.0'");
-    refuse("union", &[format!("{}/inner", lower.display())], "lies inside branch 'union.0'");
-    refuse("union", &[mnt.display().to_string()], "is the branch");
-    refuse("union", &[format!("{o}=rx")], "expected DIR, DIR=ro or DIR=rw");
-    refuse("null", std::slice::from_ref(&o), "--branch needs a fan-out layer");
-    refuse("union,null", std::slice::from_ref(&o), "layers below a fan-out layer go in its branches");
-    refuse("zstd,union", std::slice::from_ref(&o), "cannot sit above the fan-out layer 'union'");
-    refuse("union[null|null|null]", std::slice::from_ref(&o), "branch 2: no directory");
-    refuse("union[nosuch|null]", std::slice::from_ref(&o), "branch 'union.0': unknown layer 'nosuch'");
+    refuse("union", &[format!("{}/missing=ro", o)], USAGE, "branch 'union.1': ");
+    refuse("union", &[format!("{}/missing=ro", o)], USAGE, "No such file or directory");
+    refuse("union", &[lower.display().to_string()], USAGE, "is already branch 'union.0'");
+    refuse("union", &[format!("{}/inner", lower.display())], USAGE, "lies inside branch 'union.0'");
+    refuse("union", &[mnt.display().to_string()], MOUNT_POINT, "is the branch");
+    refuse("union", &[format!("{o}=rx")], USAGE, "expected DIR, DIR=ro or DIR=rw");
+    refuse("null", std::slice::from_ref(&o), USAGE, "--branch needs a fan-out layer");
+    refuse("union,null", std::slice::from_ref(&o), USAGE, "layers below a fan-out layer go in its branches");
+    refuse("zstd,union", std::slice::from_ref(&o), USAGE, "cannot sit above the fan-out layer 'union'");
+    refuse("union[null|null|null]", std::slice::from_ref(&o), USAGE, "branch 2: no directory");
+    refuse("union[nosuch|null]", std::slice::from_ref(&o), USAGE, "branch 'union.0': unknown layer 'nosuch'");
     assert!(fs::read_dir(&lower).unwrap().count() == 1, "nothing written below");
 }
 

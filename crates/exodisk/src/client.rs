@@ -64,7 +64,7 @@ impl Client {
 
     /// Connect to the service at `socket`, with `shm` bytes of shared memory for data.
     pub fn connect(socket: &Path, shm: usize) -> std::result::Result<Client, Error> {
-        let stream = UnixStream::connect(socket).map_err(io("connecting", socket))?;
+        let stream = UnixStream::connect(socket).map_err(|source| Error::Unreachable { socket: socket.to_owned(), source })?;
         let shm = Shm::create(shm.max(SLOT)).map_err(io("making the shared memory", socket))?;
         let mut w = stream.try_clone().map_err(io("cloning the connection", socket))?;
         let hello = Message::Req { id: 0, req: Request::Hello { version: proto::VERSION, shm: shm.len() as u64 } };

@@ -46,6 +46,9 @@ pub enum Error {
     WriteLog { path: PathBuf, why: String },
     /// The volume at `path` has `sectors`, the write log at `log` was taken of `logged`.
     LogOfAnotherVolume { path: PathBuf, sectors: u64, log: PathBuf, logged: u64 },
+    /// Connecting to the service at `socket` failed: nothing listens there, or the socket is
+    /// missing.
+    Unreachable { socket: PathBuf, source: io::Error },
     /// Connecting to the service at `socket`: it refused, saying `why`.
     Refused { socket: PathBuf, why: String },
     /// Connecting to `socket`: what answered is not an exodisk service.
@@ -129,6 +132,7 @@ impl fmt::Display for Error {
                 path.display(),
                 log.display()
             ),
+            Error::Unreachable { socket, source } => write!(f, "{}: connecting: {source}", socket.display()),
             Error::Refused { socket, why } => write!(f, "{}: refused: {why}", socket.display()),
             Error::NotAService { socket } => write!(f, "{}: not an exodisk service", socket.display()),
             Error::SocketInUse { socket } => write!(f, "{}: another service listens there", socket.display()),
@@ -140,7 +144,9 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::Io { source, .. } | Error::Sector { source, .. } | Error::Reserve { source, .. } => Some(source),
+            Error::Io { source, .. } | Error::Sector { source, .. } | Error::Reserve { source, .. } | Error::Unreachable { source, .. } => {
+                Some(source)
+            }
             Error::Exo { source, .. } => Some(source),
             _ => None,
         }

@@ -36,7 +36,7 @@ impl fmt::Display for Error {
             Error::MountPoint { path, why } => write!(f, "mount point {}: {why}", path.display()),
             Error::MountPointBusy { path, fstype } => write!(f, "mount point {} is busy: {fstype} is already mounted there", path.display()),
             Error::MountPointNotEmpty { path } => {
-                write!(f, "mount point {} is not empty: mounting would hide what it holds", path.display())
+                write!(f, "mount point {} is not empty: mounting would hide what it holds (-o nonempty mounts over it)", path.display())
             }
             Error::UnknownOption { flag } => write!(f, "unknown mount option '{flag}'"),
             Error::Device { why } => write!(f, "/dev/fuse: {why}"),

@@ -31,6 +31,8 @@ pub struct MountRequest {
     pub allow_other: bool,
     pub allow_root: bool,
     pub read_only: bool,
+    /// Mount over a mount point that holds files, hiding them (`-o nonempty`).
+    pub nonempty: bool,
     /// Other kernel mount flags (`noexec`, `nosuid`, `noatime`, ...), by their usual names.
     pub flags: Vec<String>,
     /// Whether requests travel over io_uring, one queue per CPU.
@@ -109,8 +111,9 @@ fn flag_option(name: &str) -> Option<MountOption> {
 }
 
 /// Check that `mountpoint` can take a mount: it exists, is a directory, is not mounted on, and is
-/// empty (mounting would hide what it holds).
-pub fn check_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountError> {
+/// empty (mounting would hide what it holds) unless `nonempty` (`-o nonempty`, as fuse2 tools
+/// and sshfs users write it; fuse3's own tools mount over files silently).
+pub fn check_mountpoint(mountpoint: &Path, nonempty: bool) -> Result<PathBuf, MountError> {
     let path = || mountpoint.to_owned();
     // Checking the mount point is the operation; the system's reason says the rest.
     let failed = |e: io::Error| Error::MountPoint { path: path(), why: e.to_string() };
@@ -123,7 +126,7 @@ pub fn check_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountError> {
         return Err(Error::MountPointBusy { path: path(), fstype: m.fstype });
     }
     let mut entries = std::fs::read_dir(&canonical).map_err(failed)?;
-    if entries.next().is_some() {
+    if !nonempty && entries.next().is_some() {
         return Err(Error::MountPointNotEmpty { path: path() });
     }
     Ok(canonical)
@@ -133,7 +136,7 @@ impl Mounted {
     /// Mount `stack` as the request says. Returns once the kernel has agreed on features and
     /// the mount serves requests (after `run` starts).
     pub fn mount(stack: Arc<Stack>, req: &MountRequest) -> Result<Mounted, MountError> {
-        let mountpoint = check_mountpoint(&req.mountpoint)?;
+        let mountpoint = check_mountpoint(&req.mountpoint, req.nonempty)?;
         let mut options = vec![
             MountOption::FSName(req.fsname.clone()),
             MountOption::Subtype("plyfs".into()),

@@ -118,8 +118,9 @@ struct Inner {
 pub struct Remote(Arc<Inner>);
 
 impl Remote {
-    /// Connect (the first connection must succeed) and make the layer.
-    pub fn connect(name: &str, connector: Box<dyn Connector>, timeout: Duration) -> Result<Remote> {
+    /// Connect (the first connection must succeed) and make the layer. A server that cannot be
+    /// reached or refuses is `Error::Connect`, which callers tell from other failures.
+    pub fn connect(name: &str, connector: Box<dyn Connector>, timeout: Duration) -> std::result::Result<Remote, crate::Error> {
         let mut table = Table { next_own: OWN_IDS, ..Default::default() };
         table.nodes.insert(
             NodeId::ROOT.0,
@@ -161,9 +162,9 @@ impl Remote {
                     }
                 }
             })
-            .map_err(|e| Error::config(format!("{}: starting the thread that passes on invalidations: {e}", inner.name)))?;
+            .map_err(crate::Error::io("starting the thread that passes on invalidations for", &inner.name))?;
         // One try: a server that is not there at mount time is a mistake to report, not wait out.
-        let conn = inner.reconnect(None, Instant::now()).map_err(|e| Error::Config(e.to_string()))?;
+        let conn = inner.reconnect(None, Instant::now())?;
         // The server's extended operations, leaked once: layers describe theirs statically.
         let ext: Vec<ExtOpInfo> =
             conn.welcome.ext_ops.iter().map(|o| o.to_static(&format!("{} (on the server's '{}')", o.help, o.level))).collect();
