@@ -603,6 +603,15 @@ fn a_root_client_mounts_a_volume_served_as_stored_over_tcp_as_the_readme_shows()
     assert_eq!(std::fs::read(raw.path("private")).unwrap_err().raw_os_error(), Some(libc::EACCES));
     let err = std::fs::OpenOptions::new().append(true).open(raw.path(".plyfs-crypt.conf")).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EACCES), "{err}");
+    // Where any client may rename entries of the export's root (world-writable, not sticky), one
+    // could give another file of root's that name: the exception stands aside there.
+    std::fs::set_permissions(&s.lower, std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::fs::rename(raw.path("private"), raw.path(".plyfs-crypt.conf")).unwrap();
+    assert_eq!(std::fs::read(s.lower.join(".plyfs-crypt.conf")).unwrap(), b"root's", "the client renamed it");
+    assert_eq!(std::fs::read(raw.path(".plyfs-crypt.conf")).unwrap_err().raw_os_error(), Some(libc::EACCES));
+    // Sticky, others' entries stay where their owners put them, and it is served again.
+    std::fs::set_permissions(&s.lower, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    assert_eq!(std::fs::read(raw.path(".plyfs-crypt.conf")).unwrap(), b"root's");
 }
 
 fn walk(dir: &Path) -> Vec<PathBuf> {
