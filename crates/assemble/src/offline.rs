@@ -5,7 +5,7 @@
 //! - `plyfs fsck LOWER --stack SPEC`: verify every file, rebuilding damaged indexes;
 //! - `plyfs du PATH [--stack SPEC]`: decoded size against space used, per entry.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsStr;
 use std::fs;
 use std::os::unix::ffi::OsStrExt;
@@ -431,6 +431,9 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool, bar: &d
     // The layers name a lower file by its absolute path.
     let lower_abs = lower.canonicalize().unwrap_or_else(|_| lower.to_owned());
     let mut damaged = Vec::new();
+    // Files encoded with other layers than the stack gives: (recorded, policy, its source) →
+    // (how many, the first found), said once per kind after the check.
+    let mut other_chains: BTreeMap<(String, String, String), (usize, PathBuf)> = BTreeMap::new();
     let mut plain = 0usize;
     let mut repaired = 0usize;
     let mut rebound = 0usize;
@@ -451,8 +454,8 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool, bar: &d
             }
             let v = top.extended(&cx(), e.node, "verify", &[]);
             if v.is_ok() {
-                if let Some(warning) = other_chain(&top, e.node, rel) {
-                    bar.note(&warning);
+                if let Some(chains) = other_chain(&top, e.node) {
+                    other_chains.entry(chains).or_insert((0, rel.to_path_buf())).0 += 1;
                 }
             }
             top.forget(&cx(), e.node, 1);
@@ -486,6 +489,15 @@ pub fn fsck(lower: &Path, spec: &str, branches: &[String], rebind: bool, bar: &d
         bar.advance(*size);
     }
     stack.shutdown();
+    for ((recorded, policy, source), (count, first)) in &other_chains {
+        let (which, read) = match count {
+            1 => (format!("{}: encoded", first.display()), "it is read with"),
+            n => (format!("{n} files (the first: {}) are encoded", first.display()), "each is read with"),
+        };
+        bar.note(&format!(
+            "warning: {which} with '{recorded}', while {source} gives '{policy}'; {read} '{recorded}', as it records (`plyfs policy apply` re-encodes it)"
+        ));
+    }
     bar.finish();
     Ok(Checked { checked: files.len() - plain, plain, repaired, rebound, damaged })
 }
@@ -505,22 +517,18 @@ fn damage_line(rel: &Path, lower_file: &Path, verified: &serde_json::Value) -> S
     format!("{}: {first}{more}{rebuilt}", rel.display())
 }
 
-/// A warning line when the file at `node` is encoded with other layers than its policy gives
-/// (written under another `--stack` or rule): the mount reads it with the chain it records, and
-/// so `fsck` checks it, but the user may think it is in another format.
-fn other_chain(top: &Level, node: NodeId, rel: &Path) -> Option<String> {
+/// The chain the file at `node` is encoded with, the one its policy gives and where that comes
+/// from, when their layers differ (it was written under another `--stack` or rule): the mount
+/// reads it with the chain it records, and so `fsck` checks it, but the user may think it is in
+/// another format.
+fn other_chain(top: &Level, node: NodeId) -> Option<(String, String, String)> {
     let explained = top.extended(&cx(), node, "policy-explain", &[]).ok()?;
     let (recorded, policy) = (explained["recorded"].as_str()?, explained["policy"].as_str()?);
     let source = explained["source"].as_str().unwrap_or("its policy");
     // Only another codec or cipher is worth a word: a file written with other parameters of the
     // same layers (a chunk size, a level) is simply read with them.
     let kinds = |chain: &str| chain.split(',').map(|layer| layer.split(':').next().unwrap_or("").to_owned()).collect::<Vec<_>>();
-    (kinds(recorded) != kinds(policy)).then(|| {
-        format!(
-            "warning: {}: encoded with '{recorded}', while {source} gives '{policy}'; it is read with '{recorded}', as the file records (`plyfs policy apply` re-encodes it)",
-            rel.display()
-        )
-    })
+    (kinds(recorded) != kinds(policy)).then(|| (recorded.to_owned(), policy.to_owned(), source.to_owned()))
 }
 
 /// What `fsck` found.

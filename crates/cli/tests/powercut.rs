@@ -396,7 +396,8 @@ impl Volume<'_> {
         let mut damaged = BTreeSet::new();
         let mut repaired = BTreeSet::new();
         for line in stderr.lines().filter_map(|l| l.strip_prefix("plyfs: ")) {
-            if line.starts_with("fsck:") {
+            // The summary, and the warning that the files record `lazy`, which the stack lacks.
+            if line.starts_with("fsck:") || line.starts_with("warning:") {
                 continue;
             }
             let Some((path, what)) = line.split_once(": ") else { continue };

@@ -356,7 +356,7 @@ fn fsck_says_one_line_per_damaged_file_then_a_summary() {
     let enc = common::damaged_zstd_tree(dir.path(), "enc");
     let out = run(plyfs().arg("fsck").arg(&enc).args(["--stack", "zstd"]));
     let said = stderr(&out);
-    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert_eq!(out.status.code(), Some(26), "{said}");
     let lines: Vec<&str> = said.lines().collect();
     assert_eq!(lines.len(), 2, "{said}");
     assert!(lines[0].starts_with("plyfs: damaged.txt: corrupt data at offset "), "{said}");
@@ -432,12 +432,27 @@ fn a_file_written_by_another_codec_is_read_with_its_own_and_fsck_warns() {
     );
     let out = fsck("zstd");
     assert!(out.status.success() && !String::from_utf8_lossy(&out.stderr).contains("warning"), "{}", String::from_utf8_lossy(&out.stderr));
+    // Many such files make one line, not one each.
+    drop({
+        let m = Mount::start(tempfile::tempdir().unwrap(), lower.clone(), mnt.clone(), "zstd", &[]);
+        for i in 0..5 {
+            fs::write(m.path(&format!("more-{i}.txt")), text(1000)).unwrap();
+        }
+        m
+    });
+    let out = fsck("gzip");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().filter(|l| l.contains("warning")).count(), 1, "{err}");
+    assert!(err.contains("plyfs: warning: 6 files (the first: ") && err.contains(") are encoded with 'zstd', while"), "{err}");
+    for i in 0..5 {
+        fs::remove_file(lower.join(format!("more-{i}.txt"))).unwrap();
+    }
     // The copy has no record: its header says zstd, and a gzip mount cannot take it for its own.
     fs::copy(lower.join("a.txt"), lower.join("copy.txt")).unwrap();
     let stored: Vec<Vec<u8>> = ["a.txt", "copy.txt"].iter().map(|f| fs::read(lower.join(f)).unwrap()).collect();
     let out = fsck("gzip");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(out.status.code(), Some(26), "{err}");
     assert!(err.contains("copy.txt: verifying: ") && err.contains("encoded by 'zstd', not by this 'gzip' layer"), "{err}");
     {
         let m = Mount::start(tempfile::tempdir().unwrap(), lower.clone(), mnt.clone(), "gzip", &[]);
