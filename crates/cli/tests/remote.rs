@@ -252,7 +252,8 @@ fn a_failed_connection_names_the_address_once() {
     let refuse = |lower: &str, args: &[&std::ffi::OsStr], cause: &str| {
         let out = run(plyfs().arg("mount").arg(lower).arg(&mnt).args(args));
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{lower}: {err}");
+        // The status of a server that cannot be reached (README, *Exit statuses*).
+        assert_eq!(out.status.code(), Some(33), "{lower}: {err}");
         assert_eq!(err.lines().count(), 1, "{lower}: {err}");
         assert!(err.starts_with(&format!("plyfs: {lower}: {cause}")), "{lower}: {err}");
         assert_eq!(err.matches(lower).count(), 1, "{err}");
