@@ -21,6 +21,10 @@ pub enum Lower {
 /// How long a `remote` layer waits for its server (reconnecting included) before `EIO`.
 const REMOTE_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The layers that are not in the registry because the assembly makes them, at the bottom of a
+/// stack: a configuration file may name them.
+pub const BOTTOM_KINDS: &[&str] = &["remote"];
+
 /// The `remote` layer is a bottom, built here rather than from the registry: what `plyfs
 /// layers` says of it, and the parameters [`Lower::parse`] takes (besides `name`).
 pub const REMOTE_SUMMARY: &str = "the bottom of a stack served elsewhere (plyfs serve): operations go to the server over a Unix socket or TLS";

@@ -114,7 +114,7 @@ impl StackArgs {
     /// The layer specifications: `--config`, `--stack`, or `null`.
     pub fn specs(&self) -> Result<Vec<plyfs_stack::spec::LayerSpec>, String> {
         match (&self.stack, &self.config) {
-            (_, Some(config)) => load_stack_config(config, plyfs_assemble::registry()).map_err(|e| e.to_string()),
+            (_, Some(config)) => load_stack_config(config, plyfs_assemble::registry(), plyfs_assemble::lower::BOTTOM_KINDS).map_err(|e| e.to_string()),
             (Some(spec), None) => parse_stack_spec(spec).map_err(|e| e.to_string()),
             (None, None) => parse_stack_spec("null").map_err(|e| e.to_string()),
         }

@@ -96,6 +96,18 @@ fn a_mistake_in_a_config_or_rules_file_names_the_file_and_its_line() {
         "[[layer]]\ntype = \"union\"\n[[layer.branch]]\ndir = \"/tmp\"\n[[layer.branch.layer]]\ntype = \"zstd\"\nlevle = 3\n",
     );
     assert_refused(&mount(&["--config", &config]), USAGE, &format!("{config}:7: layer 'zstd': unknown parameter 'levle'"));
+    // An unknown kind, in a branch too, names its `type` line.
+    let config = file("unknown-type.toml", "[[layer]]\ntype = \"null\"\n\n[[layer]]\ntype = \"gzipp\"\n");
+    assert_refused(&mount(&["--config", &config]), USAGE, &format!("{config}:5: unknown layer 'gzipp' (available: "));
+    let config = file(
+        "unknown-branch-type.toml",
+        "[[layer]]\ntype = \"union\"\n[[layer.branch]]\ndir = \"/tmp\"\n[[layer.branch.layer]]\ntype = \"zstdd\"\n",
+    );
+    assert_refused(&mount(&["--config", &config]), USAGE, &format!("{config}:6: unknown layer 'zstdd'"));
+    // `remote` is made by the assembly, not the registry: a file may name it, and its own
+    // parameters are checked where it is made.
+    let config = file("remote.toml", "[[layer]]\ntype = \"null\"\n[[layer]]\ntype = \"remote\"\nadress = \"x\"\n");
+    assert_refused(&mount(&["--config", &config]), USAGE, "layer 'remote': unknown parameter 'adress'");
     let config = file("top-level.toml", "colour = 1\n[[layer]]\ntype = \"null\"\n");
     assert_refused(&mount(&["--config", &config]), USAGE, &format!("{config}:1: unknown field `colour`"));
 

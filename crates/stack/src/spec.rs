@@ -229,16 +229,17 @@ pub struct BranchTable {
     pub layers: Vec<LayerTable>,
 }
 
-/// Read a stack from a TOML configuration file, with each layer's parameters checked against
-/// `registry` here, so that a mistake names the file and its line: `FILE:LINE: cause`.
-pub fn load_stack_config(path: &Path, registry: &[crate::LayerFactory]) -> Result<Vec<LayerSpec>> {
+/// Read a stack from a TOML configuration file, with each layer's kind and parameters checked
+/// against `registry` (and `bottoms`, see [`crate::check_all_params`]) here, so that a mistake
+/// names the file and its line: `FILE:LINE: cause`.
+pub fn load_stack_config(path: &Path, registry: &[crate::LayerFactory], bottoms: &[&str]) -> Result<Vec<LayerSpec>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::config(format!("{}: {e}", path.display())))?;
     let at = |line: Option<usize>, why: String| match line {
         Some(line) => Error::config(format!("{}:{line}: {why}", path.display())),
         None => Error::config(format!("{}: {why}", path.display())),
     };
     let specs = parse_config(&text).map_err(|(line, why)| at(line, why))?;
-    crate::stack::check_all_params(&specs, registry).map_err(|bad| at(param_line(&text, bad.layer, &bad.key), bad.error.to_string()))?;
+    crate::stack::check_all_params(&specs, registry, bottoms).map_err(|bad| at(param_line(&text, bad.layer, &bad.key), bad.error.to_string()))?;
     Ok(specs)
 }
 

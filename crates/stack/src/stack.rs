@@ -551,26 +551,31 @@ pub struct BadParam {
     pub error: Error,
 }
 
-/// Check the parameter names of every layer of `specs`, branches included, before anything is
-/// built, so that a configuration file's mistake can be traced to its line. Layers that
-/// `registry` does not have are left for the build to name.
-pub fn check_all_params(specs: &[LayerSpec], registry: &[LayerFactory]) -> std::result::Result<(), BadParam> {
-    fn walk(specs: &[LayerSpec], registry: &[LayerFactory], position: &mut usize) -> std::result::Result<(), BadParam> {
+/// Check the kind and the parameter names of every layer of `specs`, branches included, before
+/// anything is built, so that a configuration file's mistake can be traced to its line. Kinds
+/// that `registry` does not have are refused (as the `type` key), except `bottoms`: the layers
+/// that the assembly makes itself at the bottom of a stack (`remote`), which check their own.
+pub fn check_all_params(specs: &[LayerSpec], registry: &[LayerFactory], bottoms: &[&str]) -> std::result::Result<(), BadParam> {
+    fn walk(specs: &[LayerSpec], registry: &[LayerFactory], bottoms: &[&str], position: &mut usize) -> std::result::Result<(), BadParam> {
         for spec in specs {
             let layer = *position;
             *position += 1;
-            if let Some(factory) = registry.iter().find(|f| f.kind == spec.kind) {
-                if let Some(bad) = unknown_param(factory, spec) {
-                    return Err(BadParam { layer, ..bad });
+            match find_factory(registry, spec) {
+                Ok(factory) => {
+                    if let Some(bad) = unknown_param(factory, spec) {
+                        return Err(BadParam { layer, ..bad });
+                    }
                 }
+                Err(_) if bottoms.contains(&spec.kind.as_str()) => {}
+                Err(error) => return Err(BadParam { layer, key: "type".into(), error }),
             }
             for branch in &spec.branches {
-                walk(&branch.layers, registry, position)?;
+                walk(&branch.layers, registry, bottoms, position)?;
             }
         }
         Ok(())
     }
-    walk(specs, registry, &mut 0)
+    walk(specs, registry, bottoms, &mut 0)
 }
 
 /// Instance names, top first: the `name=` parameter, else the kind, numbered from the top when
