@@ -26,12 +26,17 @@ const MAX_LINE: usize = 8000;
 pub struct Syslog {
     /// Connected on first use, and again after a send fails (the syslog daemon restarted).
     socket: Mutex<Option<UnixDatagram>>,
+    path: &'static str,
     pid: u32,
 }
 
 impl Syslog {
     pub fn new() -> Syslog {
-        Syslog { socket: Mutex::new(None), pid: std::process::id() }
+        Syslog::at(SOCKET)
+    }
+
+    fn at(path: &'static str) -> Syslog {
+        Syslog { socket: Mutex::new(None), path, pid: std::process::id() }
     }
 
     fn send(&self, severity: u8, message: &str) {
@@ -39,10 +44,15 @@ impl Syslog {
         let mut socket = self.socket.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for _attempt in 0..2 {
             if socket.is_none() {
-                *socket = UnixDatagram::unbound().and_then(|s| s.connect(SOCKET).map(|()| s)).ok();
+                // Non-blocking: a syslog daemon that stops reading (restarting, stalled) fills the
+                // socket's queue, and a blocking send would then stop every thread that logs,
+                // the mount's request threads among them.
+                *socket = UnixDatagram::unbound().and_then(|s| s.connect(self.path).and(s.set_nonblocking(true)).map(|()| s)).ok();
             }
             match socket.as_ref().map(|s| s.send(datagram.as_bytes())) {
                 Some(Ok(_)) => return,
+                // The queue is full: the line is lost, as syslog(3)'s are, rather than the mount.
+                Some(Err(e)) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Some(Err(_)) => *socket = None,
                 None => return,
             }
@@ -67,7 +77,16 @@ fn severity(level: &Level) -> u8 {
 /// One datagram: `<PRI>TIMESTAMP plyfs[PID]: MESSAGE`, the message on one line and cut to
 /// [`MAX_LINE`] bytes.
 fn format_line(severity: u8, pid: u32, timestamp: &str, message: &str) -> String {
-    let mut line: String = message.trim_end().chars().map(|c| if c == '\n' { ' ' } else { c }).collect();
+    // One line, with no control character that a log reader would show raw (`\r`, ESC...).
+    let mut line: String = message
+        .trim_end()
+        .chars()
+        .map(|c| match c {
+            '\n' => " ".to_owned(),
+            c if c.is_control() && c != '\t' => c.escape_default().to_string(),
+            c => c.to_string(),
+        })
+        .collect();
     if line.len() > MAX_LINE {
         let mut cut = MAX_LINE;
         while !line.is_char_boundary(cut) {
@@ -118,6 +137,31 @@ impl<'a> MakeWriter<'a> for Syslog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_syslog_daemon_that_stops_reading_loses_lines_not_the_mount() {
+        let dir = tempfile::tempdir().unwrap();
+        let path: &'static str = Box::leak(dir.path().join("log").to_str().unwrap().to_owned().into_boxed_str());
+        let reader = UnixDatagram::bind(path).unwrap();
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let log = Syslog::at(path);
+            for i in 0..1000 {
+                log.send(6, &format!("line {i}"));
+            }
+            let _ = done.send(());
+        });
+        // A blocking send would stop after the socket's queue (about ten datagrams) was full.
+        assert!(finished.recv_timeout(std::time::Duration::from_secs(10)).is_ok(), "sending blocked");
+        let mut first = [0u8; 100];
+        let n = reader.recv(&mut first).unwrap();
+        assert!(first[..n].ends_with(b": line 0"), "{}", String::from_utf8_lossy(&first[..n]));
+    }
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(format_line(6, 1, "t", "a\rb\u{1b}[2Jc\td"), "<30>t plyfs[1]: a\\rb\\u{1b}[2Jc\td");
+    }
 
     #[test]
     fn lines_are_rfc3164_datagrams_of_the_daemon_facility() {

@@ -18,8 +18,9 @@ pub fn draw(value: &Value) -> String {
         Value::Array(items) if items.is_empty() => out.push_str("(none)\n"),
         Value::Array(items) => items.iter().for_each(|v| _ = writeln!(out, "{}", cell("", v))),
         Value::Object(fields) => object(&mut out, fields),
-        // A message, as the layer wrote it (its lines are not a table's cells).
-        Value::String(text) => _ = writeln!(out, "{text}"),
+        // A message, as the layer wrote it (its lines are not a table's cells), less what would
+        // drive the terminal: a layer's answer may come from a script or another machine.
+        Value::String(text) => _ = writeln!(out, "{}", text.chars().map(|c| if c == '\n' || c == '\t' { c.to_string() } else { visible(c) }).collect::<String>()),
         other => _ = writeln!(out, "{}", cell("", other)),
     }
     out
@@ -33,11 +34,11 @@ fn object(out: &mut String, fields: &Map<String, Value>) {
     for (key, v) in fields {
         match v {
             Value::Array(rows) if !rows.is_empty() && rows.iter().all(Value::is_object) => tables.push((key, rows)),
-            _ => _ = writeln!(out, "{:<width$} {}", format!("{key}:"), cell(key, v)),
+            _ => _ = writeln!(out, "{:<width$} {}", format!("{}:", printable(key)), cell(key, v)),
         }
     }
     for (key, rows) in tables {
-        let _ = writeln!(out, "{key}:");
+        let _ = writeln!(out, "{}:", printable(key));
         table(out, "  ", rows);
     }
 }
@@ -87,7 +88,7 @@ fn columns_table(out: &mut String, indent: &str, rows: &[Value], keys: &[&str]) 
         }
         let _ = writeln!(out, "{}", l.trim_end());
     };
-    line(out, &keys.iter().map(|k| k.to_uppercase()).collect::<Vec<_>>());
+    line(out, &keys.iter().map(|k| printable(k).to_uppercase()).collect::<Vec<_>>());
     for row in &cells {
         line(out, row);
     }
@@ -115,7 +116,7 @@ fn cell(key: &str, v: &Value) -> String {
     }
     match v {
         Value::Null => "-".into(),
-        Value::String(s) => s.escape_debug().to_string().replace("\\'", "'").replace("\\\"", "\""),
+        Value::String(s) => printable(s),
         Value::Array(items) if items.iter().all(|i| !i.is_object() && !i.is_array()) => {
             if items.is_empty() {
                 "-".into()
@@ -124,6 +125,19 @@ fn cell(key: &str, v: &Value) -> String {
             }
         }
         other => other.to_string(),
+    }
+}
+
+/// `text` with its control characters (and other invisible ones) written as escapes, so that an
+/// answer cannot move the cursor, retitle or clear the terminal, or split a line.
+pub fn printable(text: &str) -> String {
+    text.chars().map(visible).collect()
+}
+
+fn visible(c: char) -> String {
+    match c {
+        '\'' | '"' => c.to_string(),
+        c => c.escape_debug().to_string(),
     }
 }
 
@@ -185,5 +199,15 @@ mod tests {
         assert!(text.contains("branches:\n  NAME  STALE_PATHS  STATE\n  a               0  in-sync\n  b               3  failed\n"), "{text}");
         assert_eq!(draw(&json!([])), "(none)\n");
         assert_eq!(draw(&json!({"repaired": ["x", "y\u{1b}"]})), "repaired: x, y\\u{1b}\n");
+    }
+
+    #[test]
+    fn nothing_an_answer_holds_reaches_the_terminal_as_a_control_character() {
+        let hostile = "\u{1b}]0;owned\u{7}\u{1b}[2J";
+        for answer in [json!({hostile: 1}), json!([{hostile: 1}]), json!(format!("restored {hostile}\nline two")), json!({"k": {hostile: hostile}})] {
+            let text = draw(&answer);
+            assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text:?}");
+        }
+        assert_eq!(draw(&json!("two\nlines\ttabbed")), "two\nlines\ttabbed\n", "a message keeps its lines");
     }
 }

@@ -610,8 +610,11 @@ fn a_root_client_mounts_a_volume_served_as_stored_over_tcp_as_the_readme_shows()
     std::fs::rename(raw.path("private"), raw.path(".plyfs-crypt.conf")).unwrap();
     assert_eq!(std::fs::read(s.lower.join(".plyfs-crypt.conf")).unwrap(), b"root's", "the client renamed it");
     assert_eq!(std::fs::read(raw.path(".plyfs-crypt.conf")).unwrap_err().raw_os_error(), Some(libc::EACCES));
-    // Sticky, others' entries stay where their owners put them, and it is served again.
+    // Sticky does not do: anyone may still move a file of root's in from a directory of theirs.
     std::fs::set_permissions(&s.lower, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    assert_eq!(std::fs::read(raw.path(".plyfs-crypt.conf")).unwrap_err().raw_os_error(), Some(libc::EACCES));
+    // Writable by its owner alone, it is served again.
+    std::fs::set_permissions(&s.lower, std::fs::Permissions::from_mode(0o755)).unwrap();
     assert_eq!(std::fs::read(raw.path(".plyfs-crypt.conf")).unwrap(), b"root's");
 }
 

@@ -331,9 +331,17 @@ pub fn call_op_with_progress(path: &Path, op: &str, args: &[String], progress: &
 /// A connection to the daemon of `owner`'s mount at `mountpoint`, served by that owner (or
 /// root), not by someone who took the socket's place.
 fn connect(owner: u32, mountpoint: &Path) -> Result<UnixStream, String> {
+    connect_with(owner, mountpoint, false)
+}
+
+/// [`connect`]; with `at_once`, a listener that does not take the connection now (its queue
+/// full: nothing accepts) is an error rather than a wait, since the socket lies in its owner's
+/// directory and the owner may put anything there.
+fn connect_with(owner: u32, mountpoint: &Path, at_once: bool) -> Result<UnixStream, String> {
     let shown = mountpoint.display();
     let socket = socket_path(owner, mountpoint).map_err(|e| format!("cannot reach the daemon of {shown}: {e}"))?;
-    let conn = UnixStream::connect(&socket).map_err(|e| {
+    let connected = if at_once { connect_at_once(&socket) } else { UnixStream::connect(&socket) };
+    let conn = connected.map_err(|e| {
         format!("cannot reach the daemon of {shown} ({}: {e}); if it was killed, `plyfs umount {shown}` cleans up", socket.display())
     })?;
     match peer(&conn) {
@@ -342,15 +350,124 @@ fn connect(owner: u32, mountpoint: &Path) -> Result<UnixStream, String> {
     }
 }
 
+/// The longest answer [`about`] reads: a daemon's description is well under 1 KiB.
+const ABOUT_MAX: usize = 64 << 10;
+
 /// What the daemon of `owner`'s mount at `mountpoint` says it is (`plyfs status`): lower,
-/// stack, pid, transport, log. An error when no daemon answers within `wait`.
+/// stack, pid, transport, log. An error when no daemon answers in full within `wait`: root asks
+/// every user's daemon, over sockets those users control, so no answer may hold it longer, or
+/// make it read without end.
 pub fn about(owner: u32, mountpoint: &Path, wait: std::time::Duration) -> Result<Value, String> {
-    let conn = connect(owner, mountpoint)?;
-    let _ = conn.set_read_timeout(Some(wait));
+    let deadline = std::time::Instant::now() + wait;
+    let conn = connect_with(owner, mountpoint, true)?;
+    let silent = || format!("the daemon of {} does not answer", mountpoint.display());
+    let _ = conn.set_write_timeout(Some(wait));
     let mut out = &conn;
     writeln!(out, "{}", json!({ "op": ABOUT_OP })).map_err(|e| format!("control socket: {e}"))?;
-    let mut line = String::new();
-    BufReader::new(&conn).read_line(&mut line).map_err(|e| format!("the daemon of {} does not answer: {e}", mountpoint.display()))?;
-    let reply: Value = serde_json::from_str(&line).map_err(|_| "the daemon closed the connection without answering".to_owned())?;
+    let mut line = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !line.contains(&b'\n') {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(format!("{} within {wait:?}", silent()));
+        }
+        let _ = conn.set_read_timeout(Some(left));
+        match std::io::Read::read(&mut &conn, &mut chunk) {
+            Ok(0) => break,
+            Ok(n) => line.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("{}: {e}", silent())),
+        }
+        if line.len() > ABOUT_MAX {
+            return Err(format!("the daemon of {} answers at more length than a daemon does ({ABOUT_MAX} bytes)", mountpoint.display()));
+        }
+    }
+    let reply: Value = serde_json::from_slice(&line).map_err(|_| "the daemon closed the connection without answering".to_owned())?;
     reply.get("ok").cloned().ok_or_else(|| reply["error"].as_str().unwrap_or("malformed answer from the daemon").to_owned())
+}
+
+/// Connect to the Unix socket `path` without waiting: a stream socket's connect waits while its
+/// listener's queue is full; non-blocking, it fails with EAGAIN instead. The stream returned
+/// blocks again.
+fn connect_at_once(path: &Path) -> std::io::Result<UnixStream> {
+    use nix::sys::socket::{socket, AddressFamily, SockFlag, SockType, UnixAddr};
+    let fd = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
+    nix::sys::socket::connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &UnixAddr::new(path)?)?;
+    let stream = UnixStream::from(fd);
+    stream.set_nonblocking(false)?;
+    Ok(stream)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// A listener in the place of the control socket of a (pretend) mount of ours, removed when
+    /// dropped.
+    struct Place(PathBuf, PathBuf);
+
+    impl Place {
+        fn new(name: &str) -> Place {
+            let uid = unsafe { libc::geteuid() };
+            ensure_runtime_dir(uid).unwrap();
+            let mountpoint = PathBuf::from(format!("/nonexistent/plyfs-about-test-{}-{name}", std::process::id()));
+            let socket = socket_path(uid, &mountpoint).unwrap();
+            let _ = std::fs::remove_file(&socket);
+            Place(mountpoint, socket)
+        }
+
+        fn ask(&self) -> (Result<Value, String>, Duration) {
+            let start = Instant::now();
+            (about(unsafe { libc::geteuid() }, &self.0, Duration::from_millis(800)), start.elapsed())
+        }
+    }
+
+    impl Drop for Place {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.1);
+        }
+    }
+
+    /// `plyfs status` run by root asks every user's daemon over a socket that user controls: a
+    /// listener that accepts nothing, answers a byte at a time, or never ends its line holds
+    /// it no longer than its wait, and makes it read no more than a daemon says.
+    #[test]
+    fn about_is_bounded_in_time_and_length_whatever_listens() {
+        // Nothing accepts, and the queue is full: connect would wait for ever.
+        let place = Place::new("full");
+        let listener = UnixListener::bind(&place.1).unwrap();
+        let mut queued = Vec::new();
+        while let Ok(s) = connect_at_once(&place.1) {
+            queued.push(s);
+            assert!(queued.len() < 10_000, "the queue never fills");
+        }
+        let (answer, took) = place.ask();
+        assert!(answer.is_err() && took < Duration::from_secs(2), "{answer:?} after {took:?}");
+        drop((listener, queued));
+
+        // A byte every 200 ms: each read is in time, the whole answer is not.
+        let place = Place::new("dribble");
+        let listener = UnixListener::bind(&place.1).unwrap();
+        std::thread::spawn(move || {
+            if let Ok((mut c, _)) = listener.accept() {
+                while c.write_all(b" ").is_ok() {
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        });
+        let (answer, took) = place.ask();
+        assert!(answer.unwrap_err().contains("does not answer within") && took < Duration::from_secs(2), "after {took:?}");
+
+        // A line without end.
+        let place = Place::new("endless");
+        let listener = UnixListener::bind(&place.1).unwrap();
+        std::thread::spawn(move || {
+            if let Ok((mut c, _)) = listener.accept() {
+                while c.write_all(&[b'x'; 4096]).is_ok() {}
+            }
+        });
+        let (answer, _) = place.ask();
+        assert!(answer.unwrap_err().contains("answers at more length"));
+    }
 }

@@ -103,8 +103,8 @@ pub struct ServerOptions {
     /// server acts as for it: a crypt volume's configuration, served as stored, which every client
     /// needs to unlock the volume (a root client is `nobody` here; gocryptfs.conf is likewise
     /// readable by whoever mounts). Only a regular file with one link, owned by root or by the owner
-    /// of the export's root, in an export root that only its owner may rename entries in (not
-    /// group- or world-writable, or sticky), so that no client can pass another file off as it.
+    /// of the export's root, in an export root that only its owner may make entries in (neither
+    /// group- nor world-writable), so that no client can pass another file off as it.
     pub readable_by_all: Option<&'static str>,
 }
 
@@ -631,9 +631,11 @@ impl Server {
         }
         let server = Caller::daemon();
         let Ok(root) = self.top.getattr(&server, NodeId::ROOT) else { return false };
-        // Where other users may rename entries (group- or world-writable, not sticky), a client
-        // could rename a file of root's to that name: only its owner (or root) must be able to.
-        if root.perm & 0o022 != 0 && root.perm & 0o1000 == 0 {
+        // Where other users may make entries (group- or world-writable, sticky or not: the sticky
+        // bit keeps others' entries in place, but anyone may still move in a file of root's from
+        // a directory of their own), a client could give another file of root's that name: only
+        // the root's owner (or root) must be able to put a file there.
+        if root.perm & 0o022 != 0 {
             return false;
         }
         match self.top.call(&server, &Op::Lookup { parent: NodeId::ROOT, name: std::ffi::OsStr::new(name) }) {
