@@ -29,6 +29,6 @@ target/release/plyfs completions bash > "$assets/completions/plyfs"
 target/release/plyfs completions zsh > "$assets/completions/_plyfs"
 target/release/plyfs completions fish > "$assets/completions/plyfs.fish"
 # The same helper `plyfs install-helper` installs for a plyfs from `cargo install`.
-target/release/plyfs install-helper --dir "$assets" --exec /usr/bin/plyfs
+target/release/plyfs install-helper --dir "$assets" --exec /usr/bin/plyfs --for-package
 cargo deb -p plyfs --no-build >&2
 ls target/debian/plyfs_*.deb

@@ -1069,4 +1069,31 @@ fn install_helper_writes_the_mount_helper() {
         assert_eq!(fs::read_dir(&sbin).unwrap().count(), 0, "nothing written");
     }
     assert_refused(&run(plyfs().args(["install-helper", "--dir"]).arg(sbin.join("missing"))), OTHER, "missing: No such file or directory");
+
+    // The program it is to run: absolute, there, executable.
+    let install = |exec: &Path| run(plyfs().args(["install-helper", "--dir"]).arg(&sbin).arg("--exec").arg(exec));
+    assert_refused(&install(Path::new("target/release/plyfs")), USAGE, "--exec target/release/plyfs: give an absolute path");
+    assert_refused(&install(&dir.path().join("nowhere")), OTHER, "nowhere: No such file or directory");
+    assert_refused(&install(&sbin), OTHER, "sbin: not an executable file");
+    assert_eq!(fs::read_dir(&sbin).unwrap().count(), 0, "nothing written");
+    if is_root() {
+        // Root's mounts would run it: a program another user could change is refused, as is
+        // one in a directory others may write (a user's `cargo install`).
+        let theirs = dir.path().join("home");
+        fs::create_dir(&theirs).unwrap();
+        fs::copy(&exe, theirs.join("plyfs")).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+        assert_refused(&install(&theirs.join("plyfs")), OTHER, &format!("{} belongs to uid 65534, and root's mounts would run it", theirs.display()));
+        std::os::unix::fs::chown(&theirs, Some(0), Some(0)).unwrap();
+        fs::set_permissions(&theirs, fs::Permissions::from_mode(0o777)).unwrap();
+        assert_refused(&install(&theirs.join("plyfs")), OTHER, "is writable by others (mode 777)");
+        fs::set_permissions(&theirs, fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(install(&theirs.join("plyfs")).status.success());
+        fs::remove_file(&helper).unwrap();
+    }
+    // The Debian package's helper stays the package's.
+    let package = format!("#!/bin/sh\n# mount(8) helper for file systems of type fuse.plyfs: `mount -t fuse.plyfs LOWER MNT -o\nexec '/usr/bin/plyfs' \"$@\"\n");
+    fs::write(&helper, &package).unwrap();
+    assert_refused(&run(plyfs().args(["install-helper", "--dir"]).arg(&sbin)), OTHER, "the plyfs package's helper, which runs /usr/bin/plyfs");
+    assert_eq!(fs::read_to_string(&helper).unwrap(), package);
 }
