@@ -52,7 +52,8 @@ impl Failure {
 
     /// The line a background daemon sends its parent (`ERR CODE MESSAGE`), and back.
     pub fn to_report(&self) -> String {
-        format!("ERR {} {}", self.code, self.msg)
+        // One line: the parent reads the report up to its newline.
+        format!("ERR {} {}", self.code, self.msg.trim_end().replace('\n', "; "))
     }
 
     pub fn from_report(rest: &str) -> Failure {
@@ -166,6 +167,8 @@ mod tests {
         let f = Failure::new(code::WRONG_SECRET, "volume /l: wrong password");
         assert_eq!(Failure::from_report(f.to_report().strip_prefix("ERR ").unwrap()), f);
         assert_eq!(Failure::from_report("an older daemon's message"), Failure::new(code::OTHER, "an older daemon's message"));
+        let two = Failure::new(code::OTHER, "first\nsecond\n");
+        assert_eq!(two.to_report(), "ERR 1 first; second", "one line");
     }
 
     #[test]

@@ -37,14 +37,16 @@ impl Progress for Bar {
     fn advance(&self, bytes: u64) {
         self.0.inc(bytes);
     }
+    // File names are the tree's, whatever they hold: a newline would split a file's one line,
+    // an escape sequence would drive the terminal.
     fn note(&self, line: &str) {
-        self.0.suspend(|| eprintln!("plyfs: {line}"));
+        self.0.suspend(|| eprintln!("plyfs: {}", crate::table::printable(line)));
     }
     fn item(&self, name: &str) {
-        self.0.set_message(name.to_owned());
+        self.0.set_message(crate::table::printable(name));
     }
     fn result(&self, line: &str) {
-        self.0.suspend(|| println!("{line}"));
+        self.0.suspend(|| println!("{}", crate::table::printable(line)));
     }
     fn finish(&self) {
         self.0.finish_and_clear();

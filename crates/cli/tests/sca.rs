@@ -369,6 +369,13 @@ fn fsck_says_one_line_per_damaged_file_then_a_summary() {
     let said = stderr(&run(plyfs().arg("fsck").arg(&enc).args(["--stack", "zstd", "-v"])));
     assert!(said.lines().any(|l| l.contains("WARN") && l.contains("rebuilding it from the data")), "{said}");
     assert!(said.lines().last().unwrap().ends_with("1 damaged, 1 index rebuilt"), "{said}");
+    // A name holding a newline and an escape sequence is still one line, and drives nothing.
+    let enc = common::damaged_zstd_tree(dir.path(), "enc-names");
+    fs::rename(enc.join("damaged.txt"), enc.join("bad\nname\u{1b}[2J.txt")).unwrap();
+    let said = stderr(&run(plyfs().arg("fsck").arg(&enc).args(["--stack", "zstd"])));
+    assert_eq!(said.lines().count(), 2, "{said}");
+    assert!(said.starts_with("plyfs: bad\\nname\\u{1b}[2J.txt: corrupt data at offset "), "{said}");
+    assert!(!said.contains('\u{1b}'), "{said:?}");
     // A sound tree: the same summary, and success.
     let out = run(plyfs().arg("fsck").arg(dir.path().join("enc.src")).args(["--stack", "zstd"]));
     assert!(out.status.success() && stderr(&out) == "plyfs: fsck: 0 files checked, 0 damaged, 0 indexes rebuilt (2 plain files, which no layer encodes, need no check)\n", "{}", stderr(&out));
