@@ -124,7 +124,12 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
         // Put back the time the lock file moved (a reader leaves the lower as it found it).
         let dir_mtime = before.filter(|_| made && !claim.writes);
         if let Some(before) = dir_mtime {
-            set_dir_mtime(dir, before);
+            // Only if making the lock file was the directory's last change: another program's
+            // entry made since then keeps the time it gave the directory.
+            let made_at = file.metadata().ok().map(|m| (m.ctime(), m.ctime_nsec()));
+            if made_at.is_some() && self::dir_mtime(dir) == made_at {
+                set_dir_mtime(dir, before);
+            }
         }
         return Ok(Some(LowerLock { file, path, removes: writable && (claim.writes || made), dir_mtime }));
     }
