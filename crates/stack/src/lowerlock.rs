@@ -105,6 +105,8 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
             }
             Err(e) => return Err(format!("{}: {e} (the lower lock, which a user that writes the lower must hold)", path.display())),
         };
+        // The directory's time as making the lock file left it (see below).
+        let made_at = if made && !claim.writes { self::dir_mtime(dir) } else { None };
         let kind = if writable { claim.kind } else { LockKind::Shared };
         if let Err(e) = lock_or_wait_for_leaver(&mut file, kind) {
             return Err(match e.raw_os_error() {
@@ -126,7 +128,6 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
         if let Some(before) = dir_mtime {
             // Only if making the lock file was the directory's last change: another program's
             // entry made since then keeps the time it gave the directory.
-            let made_at = file.metadata().ok().map(|m| (m.ctime(), m.ctime_nsec()));
             if made_at.is_some() && self::dir_mtime(dir) == made_at {
                 set_dir_mtime(dir, before);
             }
