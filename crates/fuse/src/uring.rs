@@ -514,6 +514,12 @@ pub fn can_make_rings() -> Result<(), Error> {
         .map_err(|e| Error::Uring { why: format!("cannot make an io_uring with 128-byte entries ({e})") })
 }
 
+/// Whether this kernel has FUSE over io_uring but it is turned off (the `fuse` module's
+/// `enable_uring`, off by default on most distributions' kernels): what a user can change.
+pub fn turned_off() -> bool {
+    std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring").is_ok_and(|v| v.trim() == "N" || v.trim() == "0")
+}
+
 /// Whether the kernel allows FUSE over io_uring (`/sys/module/fuse/parameters/enable_uring`).
 pub fn kernel_allows() -> Result<(), Error> {
     let refused = |why: &str| Error::Uring { why: why.to_owned() };
