@@ -186,7 +186,7 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> cr
         // how to have it, and what it gives (docs/benchmarks.md: metadata in 55–70% of the
         // time), since nothing else would tell them.
         Transport::DevFuse if opts.io_uring == UringChoice::Auto && plyfs_fuse::uring::turned_off() => format!(
-            "{io_mode}; requests over /dev/fuse: this kernel has FUSE over io_uring turned off, which would make metadata 1.4–1.8× faster (as root: echo Y > /sys/module/fuse/parameters/enable_uring, then mount again)"
+            "{io_mode}; requests over /dev/fuse: this kernel has FUSE over io_uring turned off, which would make metadata 1.4–1.8× faster (as root: echo 1 > /sys/module/fuse/parameters/enable_uring, then mount again)"
         ),
         Transport::DevFuse => io_mode,
         uring => format!("{io_mode}; requests over {uring}"),

@@ -192,7 +192,7 @@ fn without_the_kernels_permission_requests_go_through_dev_fuse() {
     assert!(!auto.contains("requests over io_uring"), "{auto}");
     // The mount message says how to have it, and what it gives, unless asked not to use it (or
     // asked for it: then the warning says so).
-    let hint = "requests over /dev/fuse: this kernel has FUSE over io_uring turned off, which would make metadata 1.4–1.8× faster (as root: echo Y > /sys/module/fuse/parameters/enable_uring, then mount again)";
+    let hint = "requests over /dev/fuse: this kernel has FUSE over io_uring turned off, which would make metadata 1.4–1.8× faster (as root: echo 1 > /sys/module/fuse/parameters/enable_uring, then mount again)";
     assert!(auto.contains(hint), "{auto}");
     assert!(!on.contains(hint) && !off.contains(hint), "{on}\n{off}");
 }
