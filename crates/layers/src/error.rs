@@ -93,8 +93,7 @@ impl fmt::Display for Error {
                 "{}: not empty: with encrypted names the names already there would not decrypt (use an empty directory, or --plaintext-names)",
                 dir.display()
             ),
-            // The transport's reason often names the peer already.
-            Error::Connect { peer, why } if why.starts_with(peer.as_str()) => f.write_str(why),
+            // The transport's reason leaves the peer out (`ConnectError`): it is named here, once.
             Error::Connect { peer, why } => write!(f, "{peer}: {why}"),
             Error::BadRule { why } => f.write_str(why),
             Error::BadArgument { op, why } => write!(f, "{op}: {why}"),
