@@ -527,7 +527,11 @@ fn other_chain(top: &Level, node: NodeId) -> Option<(String, String, String)> {
     let source = explained["source"].as_str().unwrap_or("its policy");
     // Only another codec or cipher is worth a word: a file written with other parameters of the
     // same layers (a chunk size, a level) is simply read with them.
-    let kinds = |chain: &str| chain.split(',').map(|layer| layer.split(':').next().unwrap_or("").to_owned()).collect::<Vec<_>>();
+    // (A text that does not parse is compared whole.)
+    let kinds = |chain: &str| match plyfs_policy::Policy::parse(chain) {
+        Ok(p) => p.specs().iter().map(|s| s.kind.clone()).collect(),
+        Err(_) => vec![chain.to_owned()],
+    };
     (kinds(recorded) != kinds(policy)).then(|| (recorded.to_owned(), policy.to_owned(), source.to_owned()))
 }
 
