@@ -105,8 +105,9 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
             }
             Err(e) => return Err(format!("{}: {e} (the lower lock, which a user that writes the lower must hold)", path.display())),
         };
-        // The directory's time as making the lock file left it (see below).
-        let made_at = if made && !claim.writes { self::dir_mtime(dir) } else { None };
+        // A reader that made the lock file puts back the time that moved (below): the time before,
+        // and the one making the file left.
+        let moved = before.filter(|_| made).map(|before| (before, dir_mtime(dir)));
         let kind = if writable { claim.kind } else { LockKind::Shared };
         if let Err(e) = lock_or_wait_for_leaver(&mut file, kind) {
             return Err(match e.raw_os_error() {
@@ -123,16 +124,16 @@ pub fn take(dir: &Path, claim: Claim, who: &str) -> Result<Option<LowerLock>, St
         if writable && claim.writes {
             record(&mut file, who);
         }
-        // Put back the time the lock file moved (a reader leaves the lower as it found it).
-        let dir_mtime = before.filter(|_| made && !claim.writes);
-        if let Some(before) = dir_mtime {
-            // Only if making the lock file was the directory's last change: another program's
-            // entry made since then keeps the time it gave the directory.
-            if made_at.is_some() && self::dir_mtime(dir) == made_at {
+        // Put back the time the lock file moved (a reader leaves the lower as it found it), only
+        // if making the lock file was the directory's last change: another program's entry made
+        // since then keeps the time it gave the directory.
+        if let Some((before, made_at @ Some(_))) = moved {
+            if dir_mtime(dir) == made_at {
                 set_dir_mtime(dir, before);
             }
         }
-        return Ok(Some(LowerLock { file, path, removes: writable && (claim.writes || made), dir_mtime }));
+        let removes = writable && (claim.writes || made);
+        return Ok(Some(LowerLock { file, path, removes, dir_mtime: moved.map(|(before, _)| before) }));
     }
     Err(format!("{}: removed each time it was locked; is another program removing it?", path.display()))
 }
