@@ -43,10 +43,9 @@ fn describe(m: &mountinfo::MountEntry) -> Value {
         }
         Err(why) => {
             let log = control::log_path_of(owner, &m.mountpoint).filter(|p| p.exists()).map(|p| p.display().to_string());
-            let state = if why.contains("does not answer") {
-                "not answering".to_owned()
-            } else {
-                format!("daemon dead: stale mount (`plyfs umount {mountpoint}` cleans it up)")
+            let state = match why {
+                control::NoAbout::Silent(_) => "not answering".to_owned(),
+                control::NoAbout::Gone(_) => format!("daemon dead: stale mount (`plyfs umount {mountpoint}` cleans it up)"),
             };
             json!({ "mountpoint": mountpoint, "lower": m.source, "stack": null, "pid": null, "transport": null, "log": log, "state": state })
         }

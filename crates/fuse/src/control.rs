@@ -350,6 +350,23 @@ fn connect_with(owner: u32, mountpoint: &Path, at_once: bool) -> Result<UnixStre
     }
 }
 
+/// Why [`about`] has no description of a mount.
+#[derive(Debug)]
+pub enum NoAbout {
+    /// A daemon took the connection but did not answer in time.
+    Silent(String),
+    /// No daemon to ask, or none that answers as a daemon does.
+    Gone(String),
+}
+
+impl std::fmt::Display for NoAbout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NoAbout::Silent(why) | NoAbout::Gone(why) => f.write_str(why),
+        }
+    }
+}
+
 /// The longest answer [`about`] reads: a daemon's description is well under 1 KiB.
 const ABOUT_MAX: usize = 64 << 10;
 
@@ -357,33 +374,33 @@ const ABOUT_MAX: usize = 64 << 10;
 /// stack, pid, transport, log. An error when no daemon answers in full within `wait`: root asks
 /// every user's daemon, over sockets those users control, so no answer may hold it longer, or
 /// make it read without end.
-pub fn about(owner: u32, mountpoint: &Path, wait: std::time::Duration) -> Result<Value, String> {
+pub fn about(owner: u32, mountpoint: &Path, wait: std::time::Duration) -> Result<Value, NoAbout> {
     let deadline = std::time::Instant::now() + wait;
-    let conn = connect_with(owner, mountpoint, true)?;
+    let conn = connect_with(owner, mountpoint, true).map_err(NoAbout::Gone)?;
     let silent = || format!("the daemon of {} does not answer", mountpoint.display());
     let _ = conn.set_write_timeout(Some(wait));
     let mut out = &conn;
-    writeln!(out, "{}", json!({ "op": ABOUT_OP })).map_err(|e| format!("control socket: {e}"))?;
+    writeln!(out, "{}", json!({ "op": ABOUT_OP })).map_err(|e| NoAbout::Gone(format!("control socket: {e}")))?;
     let mut line = Vec::new();
     let mut chunk = [0u8; 4096];
     while !line.contains(&b'\n') {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
-            return Err(format!("{} within {wait:?}", silent()));
+            return Err(NoAbout::Silent(format!("{} within {wait:?}", silent())));
         }
         let _ = conn.set_read_timeout(Some(left));
         match std::io::Read::read(&mut &conn, &mut chunk) {
             Ok(0) => break,
             Ok(n) => line.extend_from_slice(&chunk[..n]),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(format!("{}: {e}", silent())),
+            Err(e) => return Err(NoAbout::Silent(format!("{}: {e}", silent()))),
         }
         if line.len() > ABOUT_MAX {
-            return Err(format!("the daemon of {} answers at more length than a daemon does ({ABOUT_MAX} bytes)", mountpoint.display()));
+            return Err(NoAbout::Gone(format!("the daemon of {} answers at more length than a daemon does ({ABOUT_MAX} bytes)", mountpoint.display())));
         }
     }
-    let reply: Value = serde_json::from_slice(&line).map_err(|_| "the daemon closed the connection without answering".to_owned())?;
-    reply.get("ok").cloned().ok_or_else(|| reply["error"].as_str().unwrap_or("malformed answer from the daemon").to_owned())
+    let reply: Value = serde_json::from_slice(&line).map_err(|_| NoAbout::Gone("the daemon closed the connection without answering".to_owned()))?;
+    reply.get("ok").cloned().ok_or_else(|| NoAbout::Gone(reply["error"].as_str().unwrap_or("malformed answer from the daemon").to_owned()))
 }
 
 /// Connect to the Unix socket `path` without waiting: a stream socket's connect waits while its
@@ -417,7 +434,7 @@ mod tests {
             Place(mountpoint, socket)
         }
 
-        fn ask(&self) -> (Result<Value, String>, Duration) {
+        fn ask(&self) -> (Result<Value, NoAbout>, Duration) {
             let start = Instant::now();
             (about(unsafe { libc::geteuid() }, &self.0, Duration::from_millis(800)), start.elapsed())
         }
@@ -457,7 +474,7 @@ mod tests {
             }
         });
         let (answer, took) = place.ask();
-        assert!(answer.unwrap_err().contains("does not answer within") && took < Duration::from_secs(2), "after {took:?}");
+        assert!(matches!(&answer, Err(NoAbout::Silent(_))) && answer.unwrap_err().to_string().contains("does not answer within") && took < Duration::from_secs(2), "after {took:?}");
 
         // A line without end.
         let place = Place::new("endless");
@@ -468,6 +485,6 @@ mod tests {
             }
         });
         let (answer, _) = place.ask();
-        assert!(answer.unwrap_err().contains("answers at more length"));
+        assert!(answer.unwrap_err().to_string().contains("answers at more length"));
     }
 }
