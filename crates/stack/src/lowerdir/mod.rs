@@ -639,7 +639,7 @@ impl LowerDir {
             if n.kind == FileKind::Symlink {
                 return Err(Error::Os(libc::EOPNOTSUPP));
             }
-            check(unsafe { libc::chmod(proc_path(fd).as_ptr(), mode & 0o7777) })?;
+            check(sys::chmod_fd(fd, mode & 0o7777))?;
         }
         let mut mtime = set.mtime;
         if let Some(size) = set.size {
@@ -658,11 +658,7 @@ impl LowerDir {
         }
         if set.atime.is_some() || mtime.is_some() {
             let times = [timespec(set.atime), timespec(mtime)];
-            if n.kind == FileKind::Symlink {
-                check(unsafe { libc::utimensat(fd, empty.as_ptr(), times.as_ptr(), libc::AT_EMPTY_PATH) })?;
-            } else {
-                check(unsafe { libc::utimensat(libc::AT_FDCWD, proc_path(fd).as_ptr(), times.as_ptr(), 0) })?;
-            }
+            check(unsafe { libc::utimensat(fd, empty.as_ptr(), times.as_ptr(), libc::AT_EMPTY_PATH) })?;
         }
         Ok(Self::attr(&fstat(fd)?))
     }
