@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use plyfs_stack::{Caller, Error, Groups, Level, NodeId, Op, Reply, XattrReply};
 
-use crate::stream::{spin_time, wait_readable, Control, Duplex, FrameRead};
+use crate::stream::{wait_readable, Control, Duplex, FrameRead, Gaps};
 use crate::wire::{
     self, Change, CompoundOp, FrameError, FrameLimits, JustId, Message, OpHeader, RequestOp, WireCaller, WireExtOp, WireLayer, WireListing,
     WireReply,
@@ -361,8 +361,9 @@ impl Server {
         // A frame's bytes are taken from the budget before they are read: when the requests in
         // flight hold it all, reading waits, and so does the client.
         let budget = ByteBudget::new(self.options.in_flight_bytes);
+        let gaps = Gaps::default();
         while !conn.closed.load(Ordering::Relaxed) {
-            let frame = match wait_readable(&*reader, spin_time(), None) {
+            let frame = match wait_readable(&*reader, &gaps, None) {
                 Ok(_) => wire::read_lengths(&mut reader, FrameLimits::SESSION).and_then(|(header, payload)| {
                     let held = budget.take(header + payload);
                     wire::read_body(&mut reader, header, payload).map(|f| (f, held))
