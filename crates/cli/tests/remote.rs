@@ -211,6 +211,86 @@ fn changes_made_through_another_client_reach_the_kernel_caches() {
     wait_for(|| get(&b.path("g")).as_deref() == Some(&b"v"[..]), "b sees the new attribute");
 }
 
+/// A directory read entry by entry through libc (readdir(3)), for tests that act while it is
+/// open.
+struct DirStream(*mut libc::DIR);
+
+impl DirStream {
+    fn open(path: &Path) -> DirStream {
+        let d = unsafe { libc::opendir(cpath(path).as_ptr()) };
+        assert!(!d.is_null(), "opendir {}", path.display());
+        DirStream(d)
+    }
+
+    fn next_name(&mut self) -> Option<String> {
+        let e = unsafe { libc::readdir(self.0) };
+        (!e.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr((*e).d_name.as_ptr()) }.to_string_lossy().into_owned())
+    }
+}
+
+impl Drop for DirStream {
+    fn drop(&mut self) {
+        unsafe { libc::closedir(self.0) };
+    }
+}
+
+/// A directory of `n` files in the server's lower directory, and the name its listing gives
+/// at `at` (readdir order).
+fn long_dir(s: &Setup, name: &str, n: usize, at: usize) -> String {
+    std::fs::create_dir(s.lower.join(name)).unwrap();
+    for i in 0..n {
+        std::fs::write(s.lower.join(name).join(format!("f{i}")), b"x").unwrap();
+    }
+    let order: Vec<_> = std::fs::read_dir(s.lower.join(name)).unwrap().map(|e| e.unwrap().file_name()).collect();
+    order[at].to_string_lossy().into_owned()
+}
+
+/// A directory's entries come with its opening and are handed to the readdirs that follow
+/// (`listdir`). An entry removed while the directory is open, through another client or this
+/// one, must not come back from what was listed before: readdirplus would give the kernel a
+/// name that no longer exists, for the entry timeout.
+#[test]
+fn a_directory_open_while_its_entries_change_lists_no_entry_that_is_gone() {
+    let s = setup();
+    let (_server, addr) = unix(&s);
+    let opts = ["attr_timeout=60", "entry_timeout=60"];
+    let a = mount(&s, "a", &addr, "null", &opts);
+    let b = mount(&s, "b", &addr, "null", &opts);
+    std::fs::write(s.lower.join("probe"), b"").unwrap();
+    let mode = |p: &Path| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).unwrap().permissions()) & 0o777;
+    assert_eq!(mode(&b.path("probe")), 0o644);
+    for (dir, removed_by) in [("by-a", &a), ("by-b", &b)] {
+        // The kernel reads with attributes at the start, and on after a lookup in the
+        // directory: the second readdir (the front end hands on at most 128 entries a time)
+        // gets this entry with attributes, which would make a name for it.
+        let gone = long_dir(&s, dir, 600, 150);
+        let mut stream = DirStream::open(&b.path(dir));
+        let first = std::iter::from_fn(|| stream.next_name()).find(|n| n != "." && n != "..").unwrap();
+        std::fs::symlink_metadata(b.path(&format!("{dir}/{first}"))).unwrap();
+        std::fs::remove_file(removed_by.path(&format!("{dir}/{gone}"))).unwrap();
+        if dir == "by-a" {
+            // The server's notices come in order: once b sees the probe change, it heard of
+            // the removal too.
+            std::fs::set_permissions(a.path("probe"), std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+            wait_for(|| mode(&b.path("probe")) == 0o600, "b hears of a's changes");
+        }
+        let mut names = 0;
+        while stream.next_name().is_some() {
+            names += 1;
+        }
+        drop(stream);
+        assert!(names >= 400, "{dir}: {names} more entries read");
+        assert_eq!(
+            std::fs::symlink_metadata(b.path(&format!("{dir}/{gone}"))).map_err(|e| e.raw_os_error()).err(),
+            Some(Some(libc::ENOENT)),
+            "{dir}: {gone} was removed while the directory was open, and came back"
+        );
+    }
+    // A name made on the server's side, behind every client, shows at the next opening.
+    std::fs::write(s.lower.join("by-a/new"), b"").unwrap();
+    assert!(std::fs::read_dir(b.path("by-a")).unwrap().any(|e| e.unwrap().file_name() == "new"));
+}
+
 fn wait_for(mut cond: impl FnMut() -> bool, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(3);
     while !cond() {

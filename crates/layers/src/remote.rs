@@ -19,11 +19,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
-use plyfs_stack::{Caller, DirEntry, Error, ExtOpInfo, Invalidator, Layer, Level, NodeId, Op, Reply, Result};
+use plyfs_stack::{Caller, DirEntry, Error, ExtOpInfo, Invalidator, Layer, Level, NodeId, Op, Opened, Reply, Result};
 
 use plyfs_transport::client::{CallError, Connection, OnChange, Ticket};
 use plyfs_transport::Connector;
-use plyfs_transport::wire::{Change, OpHeader, WireCaller, WireReply};
+use plyfs_transport::wire::{Change, CompoundOp, OpHeader, WireCaller, WireReply};
 
 /// Nodes (with a name: an entry of the directory) whose cached state must go.
 type Notices = Vec<(u64, Option<OsString>)>;
@@ -53,6 +53,24 @@ struct RFile {
     /// The server asked to hear of every close (`flush`).
     server_flush: bool,
 }
+
+/// A directory's entries, read with its opening (`listdir`) and handed to the readdirs that
+/// follow in order: a directory costs one crossing rather than an opendir and two readdirs.
+/// Each entry holds one lookup of its node until it is handed on.
+struct Listing {
+    entries: VecDeque<DirEntry>,
+    /// The offset the next readdir asks for, when it reads on in order.
+    offset: u64,
+    /// The entries reach the end of the directory.
+    complete: bool,
+    /// Something changed since the listing was read (through this mount, or a server's
+    /// notice): what is left is not handed on, and readdirs read on from the server's handle,
+    /// which gives what is still there (with `plus`) with its attributes now.
+    stale: bool,
+}
+
+/// The most entries a listing holds; a larger directory is read on from the server.
+const LISTING_ENTRIES: u32 = 1024;
 
 #[derive(Default)]
 struct Table {
@@ -109,6 +127,10 @@ struct Inner {
     deferred: Mutex<HashMap<u64, Error>>,
     settling: Mutex<()>,
     sync_writes: std::sync::atomic::AtomicBool,
+    /// Listings of open directories, by handle.
+    listings: Mutex<HashMap<u64, Listing>>,
+    /// The server answers `listdir` (until it says it does not know it).
+    lists: std::sync::atomic::AtomicBool,
     /// Changes to invalidate, for the thread that does it: the kernel may make that thread wait
     /// for a directory that a request in flight holds, and that request's reply must not wait
     /// behind it.
@@ -145,6 +167,8 @@ impl Remote {
             deferred: Mutex::new(HashMap::new()),
             settling: Mutex::new(()),
             sync_writes: std::sync::atomic::AtomicBool::new(false),
+            listings: Mutex::new(HashMap::new()),
+            lists: std::sync::atomic::AtomicBool::new(true),
             notices: Mutex::new(notices),
         });
         let weak = Arc::downgrade(&inner);
@@ -251,6 +275,8 @@ impl Inner {
                 Ok(conn) => {
                     let epoch = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
                     self.absent_xattrs.lock().clear();
+                    // Perhaps another server, which may list directories.
+                    self.lists.store(true, Ordering::Relaxed);
                     {
                         let mut t = self.table.lock();
                         t.by_server.clear();
@@ -282,6 +308,7 @@ impl Inner {
     }
 
     fn changed(&self, changes: Vec<Change>) {
+        self.listings_stale();
         self.forget_xattrs(changes.iter().filter_map(|c| match c {
             Change::Node { node } => Some(*node),
             Change::Entry { .. } => None,
@@ -658,6 +685,9 @@ impl Inner {
     }
 
     fn call(self: &Arc<Self>, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        if plyfs_stack::readonly::changes_storage(op) {
+            self.listings_stale();
+        }
         if let Op::Write { node, fh, offset, data } = *op {
             if let Some(e) = self.deferred.lock().remove(&fh.0) {
                 return Err(e);
@@ -673,7 +703,8 @@ impl Inner {
             // server runs data requests side by side.
             match *op {
                 Op::Forget { .. } => {}
-                Op::Lookup { .. } | Op::ReadDir { .. } => self.settle_all(),
+                // A listing carries the attributes of the directory's entries.
+                Op::Lookup { .. } | Op::ReadDir { .. } | Op::OpenDir { .. } => self.settle_all(),
                 _ => self.settle(op.node().0, usize::MAX),
             }
         }
@@ -694,8 +725,21 @@ impl Inner {
             }
             Op::Release { fh, .. } | Op::ReleaseDir { fh, .. } => {
                 self.deferred.lock().remove(&fh.0);
+                if let Some(left) = self.listings.lock().remove(&fh.0) {
+                    self.forget_listed(left);
+                }
                 self.release(cx, fh.0);
                 return Ok(Reply::Empty);
+            }
+            Op::OpenDir { node } => {
+                if let Some(opened) = self.open_listed(cx, node) {
+                    return opened;
+                }
+            }
+            Op::ReadDir { fh, offset, max_entries, plus, .. } => {
+                if let Some(entries) = self.from_listing(fh.0, offset, max_entries, plus) {
+                    return Ok(Reply::Dir(entries));
+                }
             }
             _ => {}
         }
@@ -726,6 +770,100 @@ impl Inner {
             _ => {}
         }
         result
+    }
+
+    /// `opendir` as `listdir`: the directory's entries come with its opening, for the
+    /// readdirs that follow (see [`Listing`]). `None` when the server cannot list, or the
+    /// connection broke: the caller then opens the directory as usual.
+    fn open_listed(self: &Arc<Self>, cx: &Caller, node: NodeId) -> Option<Result<Reply>> {
+        if !self.lists.load(Ordering::Relaxed) {
+            return None;
+        }
+        let deadline = Instant::now() + self.timeout;
+        let conn = self.connection(deadline).ok()?;
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let wcx = WireCaller::from(cx);
+        let server_node = match self.server_node(&conn, epoch, wcx, node.0, deadline) {
+            Ok(n) => n,
+            Err(e) => return Some(Err(e)),
+        };
+        let listing = match conn.call(wcx, CompoundOp::ListDir { node: server_node, max_entries: LISTING_ENTRIES }, &[], deadline) {
+            Ok((WireReply::Listing(l), _)) => l,
+            Ok((WireReply::Error(e), _)) if e.errno == libc::ENOSYS => {
+                tracing::debug!("{}: the server does not list directories ({}); reading them entry by entry", self.name, e.msg);
+                self.lists.store(false, Ordering::Relaxed);
+                return None;
+            }
+            Ok((WireReply::Error(e), _)) => return Some(Err(e.to_error("opendir"))),
+            Ok(_) => return Some(Err(self.eio("a listdir got the wrong reply"))),
+            Err(CallError::Lost { .. }) => return None,
+            Err(e) => return Some(Err(self.call_failed(e))),
+        };
+        let entries = listing.entries.iter().map(|d| self.dir_entry(epoch, node.0, DirEntry::from(d))).collect();
+        self.note_bare(listing.entries.iter().filter_map(|d| d.entry.as_ref()).filter(|e| e.xattrs == Some(false)).map(|e| e.node));
+        let fh = self.own_fh(node.0, listing.fh, epoch, 0, true, false);
+        self.listings.lock().insert(fh.0, Listing { entries, offset: 0, complete: listing.complete, stale: false });
+        Some(Ok(Reply::Opened(Opened { fh, backing: None, direct_io: false, flush_on_close: false })))
+    }
+
+    /// What a readdir of handle `fh` at `offset` gets from its listing: `None` when the
+    /// listing is gone, stale with entries left, or read to its end short of the directory's,
+    /// or the reader went elsewhere; the readdir then goes to the server. A listing read to
+    /// the directory's end has nothing left to be stale: whether names made since the
+    /// directory was opened are read is unspecified (POSIX `readdir`).
+    fn from_listing(&self, fh: u64, offset: u64, max_entries: u32, plus: bool) -> Option<Vec<DirEntry>> {
+        let mut listings = self.listings.lock();
+        let listing = listings.get_mut(&fh)?;
+        let serves = offset == listing.offset
+            && if listing.entries.is_empty() { listing.complete } else { !listing.stale };
+        if !serves {
+            let left = listings.remove(&fh).expect("just seen");
+            drop(listings);
+            self.forget_listed(left);
+            return None;
+        }
+        let n = listing.entries.len().min(max_entries as usize);
+        let mut batch: Vec<DirEntry> = listing.entries.drain(..n).collect();
+        if let Some(last) = batch.last() {
+            listing.offset = last.next_offset;
+        }
+        drop(listings);
+        if !plus {
+            for e in batch.iter_mut().filter_map(|d| d.entry.take()) {
+                self.forget(e.node.0, 1);
+            }
+        }
+        Some(batch)
+    }
+
+    /// Give back the lookups that the entries of a listing still hold.
+    fn forget_listed(&self, listing: Listing) {
+        for e in listing.entries.iter().filter_map(|d| d.entry.as_ref()) {
+            self.forget(e.node.0, 1);
+        }
+    }
+
+    /// Keep no listing's entries from now on: something may have changed them.
+    fn listings_stale(&self) {
+        for listing in self.listings.lock().values_mut() {
+            listing.stale = true;
+        }
+    }
+
+    /// Remember that these nodes (server ids) have no extended attributes, as the server said.
+    fn note_bare(&self, server_nodes: impl Iterator<Item = u64>) {
+        let mine: Vec<u64> = {
+            let t = self.table.lock();
+            server_nodes.filter_map(|s| t.by_server.get(&s).copied()).collect()
+        };
+        if mine.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut absent = self.absent_xattrs.lock();
+        for n in mine {
+            absent.insert((n, Vec::new()), now);
+        }
     }
 
     /// Give the server's handle back without waiting for its reply: nobody would hear of a
@@ -929,17 +1067,7 @@ impl Inner {
                     _ => {}
                 }
                 let reply = self.adopt_reply(epoch, op, reply);
-                if !bare.is_empty() {
-                    let mine: Vec<u64> = {
-                        let t = self.table.lock();
-                        bare.iter().filter_map(|s| t.by_server.get(s).copied()).collect()
-                    };
-                    let now = Instant::now();
-                    let mut absent = self.absent_xattrs.lock();
-                    for n in mine {
-                        absent.insert((n, Vec::new()), now);
-                    }
-                }
+                self.note_bare(bare.into_iter());
                 Ok(reply)
             }
             Err(e) => {

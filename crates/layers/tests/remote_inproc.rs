@@ -10,7 +10,7 @@ use std::time::Duration;
 use plyfs_stack::{Caller, Error, Level, LowerDir, NodeId, Op, Reply};
 use plyfs_transport::listen::{bind_unix, serve_unix, UnixPolicy};
 use plyfs_transport::server::{Server, ServerOptions};
-use plyfs_transport::wire::{self, Message, OpHeader, WireCaller, WireReply};
+use plyfs_transport::wire::{self, CompoundOp, Message, OpHeader, RequestOp, WireCaller, WireReply};
 use plyfs_layers::remote::Remote;
 use plyfs_transport::{Addr, PlainConnector};
 
@@ -77,7 +77,7 @@ fn raw(socket: &Path) -> UnixStream {
     s
 }
 
-fn request(s: &mut UnixStream, op: OpHeader) -> WireReply {
+fn request(s: &mut UnixStream, op: impl Into<RequestOp>) -> WireReply {
     let req = Message::Req { id: 9, caller: WireCaller { uid: 0, gid: 0, pid: 1 }, op: op.into() };
     wire::write_frame(s, &wire::encode(&req), &[]).unwrap();
     let f = wire::read_frame(s).unwrap();
@@ -193,6 +193,109 @@ fn a_wrong_version_is_refused_with_a_reason() {
     match wire::decode(&f.header).unwrap() {
         Message::Refused { reason } => assert!(reason.contains("version"), "{reason}"),
         other => panic!("{other:?}"),
+    }
+}
+
+/// `listdir` opens a directory and reads it with attributes in one request; a directory longer
+/// than asked for is read on with `readdir`; its entries count as lookups.
+#[test]
+fn listdir_reads_a_directory_in_one_request() {
+    let s = serve();
+    std::fs::create_dir(s.lower.join("d")).unwrap();
+    for n in ["a", "b", "c"] {
+        std::fs::write(s.lower.join("d").join(n), n).unwrap();
+    }
+    let mut c = raw(&s.socket);
+    let name = |n: &str| serde_bytes::ByteBuf::from(n.as_bytes().to_vec());
+    let d = match request(&mut c, OpHeader::Lookup { parent: 1, name: name("d") }) {
+        WireReply::Entry(e) => e.node,
+        other => panic!("{other:?}"),
+    };
+    let listed = |l: &wire::WireListing| -> Vec<String> {
+        let mut names: Vec<String> = l.entries.iter().map(|e| String::from_utf8_lossy(&e.name).into_owned()).filter(|n| n != "." && n != "..").collect();
+        names.sort();
+        names
+    };
+    let whole = match request(&mut c, CompoundOp::ListDir { node: d, max_entries: 100 }) {
+        WireReply::Listing(l) => l,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(listed(&whole), ["a", "b", "c"]);
+    assert!(whole.complete);
+    assert!(matches!(request(&mut c, OpHeader::ReleaseDir { node: d, fh: whole.fh }), WireReply::Empty));
+    let a = whole.entries.iter().find(|e| &e.name[..] == b"a").and_then(|e| e.entry).expect("with its attributes");
+    assert_eq!(a.attr.size, 1);
+    // The entry is held: the connection may name it.
+    assert!(matches!(request(&mut c, OpHeader::GetAttr { node: a.node, fh: None }), WireReply::Attr(_)));
+    // Two entries of five: the rest is read on the handle the listing leaves open.
+    let first = match request(&mut c, CompoundOp::ListDir { node: d, max_entries: 2 }) {
+        WireReply::Listing(l) => l,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(first.entries.len(), 2);
+    assert!(!first.complete);
+    let fh = first.fh;
+    let offset = first.entries.last().unwrap().next;
+    let rest = match request(&mut c, OpHeader::ReadDir { node: d, fh, offset, max_entries: 100, plus: false }) {
+        WireReply::Dir(rest) => rest,
+        other => panic!("{other:?}"),
+    };
+    let mut all: Vec<String> = first.entries.iter().chain(&rest).map(|e| String::from_utf8_lossy(&e.name).into_owned()).collect();
+    all.sort();
+    assert_eq!(all, [".", "..", "a", "b", "c"]);
+    assert!(matches!(request(&mut c, OpHeader::ReleaseDir { node: d, fh }), WireReply::Empty));
+    // What opendir refuses, listdir refuses.
+    assert_eq!(errno(request(&mut c, CompoundOp::ListDir { node: a.node, max_entries: 100 })), libc::ENOTDIR);
+    assert_eq!(errno(request(&mut c, CompoundOp::ListDir { node: 999_999, max_entries: 100 })), libc::ESTALE);
+}
+
+/// Through the layer, a directory reads the same whether its listing holds all of it, or
+/// less and the rest comes from the server, and whether it is read with attributes or not.
+#[test]
+fn directories_read_through_the_layer_as_on_the_server() {
+    let s = serve();
+    let r = remote(&s.socket);
+    for (dir, files) in [("empty", 0), ("small", 3), ("large", 2500)] {
+        std::fs::create_dir(s.lower.join(dir)).unwrap();
+        for i in 0..files {
+            std::fs::write(s.lower.join(dir).join(format!("f{i}")), b"").unwrap();
+        }
+        let mut want: Vec<_> = std::fs::read_dir(s.lower.join(dir)).unwrap().map(|e| e.unwrap().file_name()).collect();
+        want.sort();
+        let d = r.lookup(&cx(), NodeId::ROOT, OsStr::new(dir)).unwrap();
+        let mut plain: Vec<_> = r.list_dir(&cx(), d.node).unwrap().into_iter().map(|e| e.name).collect();
+        plain.sort();
+        assert_eq!(plain, want, "{dir}, without attributes");
+        let fh = match r.call(&cx(), &Op::OpenDir { node: d.node }).unwrap() {
+            Reply::Opened(o) => o.fh,
+            other => panic!("{other:?}"),
+        };
+        let mut plus = Vec::new();
+        let mut offset = 0;
+        loop {
+            let batch = match r.call(&cx(), &Op::ReadDir { node: d.node, fh, offset, max_entries: 128, plus: true }).unwrap() {
+                Reply::Dir(b) if b.is_empty() => break,
+                Reply::Dir(b) => b,
+                other => panic!("{other:?}"),
+            };
+            offset = batch.last().unwrap().next_offset;
+            for e in batch.into_iter().filter(|e| e.name != "." && e.name != "..") {
+                let entry = e.entry.expect("readdirplus gives every entry its attributes");
+                assert_eq!(r.getattr(&cx(), entry.node).unwrap().size, 0);
+                r.forget(&cx(), entry.node, 1);
+                plus.push(e.name);
+            }
+        }
+        // Read again from the start on the same handle (rewinddir): the server's entries again.
+        let again = match r.call(&cx(), &Op::ReadDir { node: d.node, fh, offset: 0, max_entries: 4096, plus: false }).unwrap() {
+            Reply::Dir(b) => b.len(),
+            other => panic!("{other:?}"),
+        };
+        r.call(&cx(), &Op::ReleaseDir { node: d.node, fh }).unwrap();
+        plus.sort();
+        assert_eq!(plus, want, "{dir}, with attributes");
+        assert_eq!(again, want.len().min(4096 - 2) + 2, "{dir}, read again");
+        r.forget(&cx(), d.node, 1);
     }
 }
 

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::stream::{spin_time, wait_readable, Control, Duplex, FrameRead};
+use crate::stream::{wait_readable, Control, Duplex, FrameRead, Gaps};
 use crate::wire::{self, Change, Frame, Message, WireCaller, WireExtOp, WireLayer, RequestOp, WireReply};
 use crate::Error;
 
@@ -172,6 +172,8 @@ pub struct Connection {
     /// The socket, for the background thread to poll without the read half.
     fd: std::os::fd::RawFd,
     on_change: OnChange,
+    /// How closely frames follow each other here: whether waiting for one polls first.
+    gaps: Gaps,
 }
 
 impl Connection {
@@ -292,6 +294,7 @@ impl Connection {
             inline: if inline_incoming { incoming.clone() } else { None },
             fd,
             on_change,
+            gaps: Gaps::default(),
         });
         if let Some(handler) = incoming {
             let (tx, rx) = std::sync::mpsc::channel::<Frame>();
@@ -403,7 +406,7 @@ impl Connection {
     /// connection fails.
     fn lead(&self, reader: &mut Box<dyn FrameRead>, mine: &Slot, deadline: Instant) {
         while mine.reply.lock().is_none() && !self.is_dead() {
-            match wait_readable(&**reader, spin_time(), Some(deadline)) {
+            match wait_readable(&**reader, &self.gaps, Some(deadline)) {
                 Ok(true) => {}
                 Ok(false) => return,
                 Err(e) => return self.close(&e.to_string()),
@@ -502,15 +505,16 @@ fn read_when_idle(conn: std::sync::Weak<Connection>) {
             continue;
         }
         let fd = c.fd;
+        let spin = c.gaps.spin();
         drop(c);
         // Wait for the socket without holding anything (and without keeping the connection):
         // a little polling first, as the leaders do, then sleeping.
         let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        let spin_until = Instant::now() + spin_time();
+        let spin_until = Instant::now() + spin;
         let mut readable = false;
         while !readable && Instant::now() < spin_until {
             readable = unsafe { libc::poll(&mut pfd, 1, 0) } > 0;
-            std::hint::spin_loop();
+            crate::stream::yield_now();
         }
         if !readable {
             readable = unsafe { libc::poll(&mut pfd, 1, 50) } > 0;

@@ -25,8 +25,11 @@ use std::time::Instant;
 
 use plyfs_stack::{Caller, Error, Groups, Level, NodeId, Op, Reply, XattrReply};
 
-use crate::stream::{spin_time, wait_readable, Control, Duplex, FrameRead};
-use crate::wire::{self, Change, FrameError, FrameLimits, JustId, Message, WireCaller, WireExtOp, WireLayer, OpHeader, RequestOp, WireReply};
+use crate::stream::{wait_readable, Control, Duplex, FrameRead, Gaps};
+use crate::wire::{
+    self, Change, CompoundOp, FrameError, FrameLimits, JustId, Message, OpHeader, RequestOp, WireCaller, WireExtOp, WireLayer, WireListing,
+    WireReply,
+};
 
 /// A request read from a connection.
 struct Request {
@@ -358,8 +361,9 @@ impl Server {
         // A frame's bytes are taken from the budget before they are read: when the requests in
         // flight hold it all, reading waits, and so does the client.
         let budget = ByteBudget::new(self.options.in_flight_bytes);
+        let gaps = Gaps::default();
         while !conn.closed.load(Ordering::Relaxed) {
-            let frame = match wait_readable(&*reader, spin_time(), None) {
+            let frame = match wait_readable(&*reader, &gaps, None) {
                 Ok(_) => wire::read_lengths(&mut reader, FrameLimits::SESSION).and_then(|(header, payload)| {
                     let held = budget.take(header + payload);
                     wire::read_body(&mut reader, header, payload).map(|f| (f, held))
@@ -445,13 +449,18 @@ impl Server {
         // `_held` keeps the request's bytes counted until it is answered.
         let Request { id, caller, op, payload, held: _held } = req;
         let cx = self.caller(conn.identity, caller);
-        let result = op.stack_op(&payload).and_then(|op| self.dispatch(conn, &cx, &op));
-        let changes = match &result {
-            Ok(_) => changes_of(&op),
-            Err(_) => Vec::new(),
+        let (mut reply, payload) = match &op {
+            RequestOp::Compound(CompoundOp::ListDir { node, max_entries }) => match self.list_dir(conn, &cx, NodeId(*node), *max_entries) {
+                Ok(listing) => (WireReply::Listing(listing), Vec::new()),
+                Err(e) => WireReply::from_result(Err(e)),
+            },
+            _ => WireReply::from_result(op.stack_op(&payload).and_then(|op| self.dispatch(conn, &cx, &op))),
+        };
+        let changes = match reply {
+            WireReply::Error(_) => Vec::new(),
+            _ => changes_of(&op),
         };
         if id != 0 {
-            let (mut reply, payload) = WireReply::from_result(result);
             self.hint_xattrs(&cx, &mut reply);
             self.send(conn, id, reply, payload)?;
         }
@@ -459,6 +468,42 @@ impl Server {
             self.broadcast(conn.id, &changes);
         }
         Ok(())
+    }
+
+    /// `listdir`: the directory opened and read with attributes from the start until its end
+    /// or `max_entries`. Each step is checked as it would be asked alone, and the handle and
+    /// entries are held as those of `opendir` and `readdir` with `plus` are.
+    fn list_dir(&self, conn: &Conn, cx: &Caller, node: NodeId, max_entries: u32) -> Result<WireListing, Error> {
+        let fh = match self.dispatch(conn, cx, &Op::OpenDir { node })? {
+            Reply::Opened(o) => o.fh,
+            _ => return Err(Error::Os(libc::EIO)),
+        };
+        let most = max_entries.min(wire::limits::MAX_DIR_ENTRIES) as usize;
+        let mut entries: Vec<plyfs_stack::DirEntry> = Vec::new();
+        let read = loop {
+            if entries.len() >= most {
+                break Ok(false);
+            }
+            let offset = entries.last().map_or(0, |e| e.next_offset);
+            let left = (most - entries.len()) as u32;
+            match self.dispatch(conn, cx, &Op::ReadDir { node, fh, offset, max_entries: left, plus: true }) {
+                Ok(Reply::Dir(batch)) if batch.is_empty() => break Ok(true),
+                Ok(Reply::Dir(batch)) => entries.extend(batch),
+                Ok(_) => break Err(Error::Os(libc::EIO)),
+                Err(e) => break Err(e),
+            }
+        };
+        let at_end = match read {
+            Ok(at_end) => at_end,
+            Err(e) => {
+                for held in entries.iter().filter_map(|d| d.entry.as_ref()) {
+                    let _ = self.dispatch(conn, cx, &Op::Forget { node: held.node, nlookup: 1 });
+                }
+                let _ = self.dispatch(conn, cx, &Op::ReleaseDir { node, fh });
+                return Err(e);
+            }
+        };
+        Ok(WireListing { fh: fh.0, entries: entries.iter().map(Into::into).collect(), complete: at_end })
     }
 
     /// Mark the entries of a reply that have no extended attributes: asking here is a local
@@ -912,6 +957,7 @@ fn readable_now(fd: std::os::fd::RawFd) -> bool {
 fn op_node(op: &RequestOp) -> u64 {
     match op {
         RequestOp::Stack(op) => op.node(),
+        RequestOp::Compound(CompoundOp::ListDir { node, .. }) => *node,
         RequestOp::Codec(_) => 0,
     }
 }
@@ -947,7 +993,7 @@ fn changes_of(op: &RequestOp) -> Vec<Change> {
 }
 
 fn is_known(op: &str) -> bool {
-    plyfs_stack::OpKind::ALL.iter().any(|k| k.name() == op)
+    plyfs_stack::OpKind::ALL.iter().any(|k| k.name() == op) || CompoundOp::NAMES.contains(&op)
 }
 
 fn message_type(m: &Message) -> &'static str {

@@ -105,12 +105,30 @@ pub enum CodecOp {
     Decode { chunk: u64, decoded_len: u64 },
 }
 
+/// What a server composes from stack operations, to spare a client the crossings it would
+/// make one by one. A server that does not know one answers `ENOSYS`, and the client asks
+/// for the stack operations instead.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", content = "args", rename_all = "lowercase")]
+pub enum CompoundOp {
+    /// `opendir`, then `readdir` with `plus` from the start until the end or `max_entries`:
+    /// a directory opened and listed in one crossing.
+    ListDir { node: u64, max_entries: u32 },
+}
+
+impl CompoundOp {
+    /// Their names on the wire.
+    pub const NAMES: &[&str] = &["listdir"];
+}
+
 /// The operation of a request, by name with named arguments: one of the stack's (its
-/// [`OpHeader`]) or a hosted codec's. Both spell the name as `op` and the arguments as `args`.
+/// [`OpHeader`]), a compound one, or a hosted codec's. All spell the name as `op` and the
+/// arguments as `args`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum RequestOp {
     Stack(OpHeader),
+    Compound(CompoundOp),
     Codec(CodecOp),
 }
 
@@ -126,11 +144,18 @@ impl From<CodecOp> for RequestOp {
     }
 }
 
+impl From<CompoundOp> for RequestOp {
+    fn from(op: CompoundOp) -> RequestOp {
+        RequestOp::Compound(op)
+    }
+}
+
 impl RequestOp {
     /// The operation's name on the wire.
     pub fn name(&self) -> &str {
         match self {
             RequestOp::Stack(op) => op.name(),
+            RequestOp::Compound(CompoundOp::ListDir { .. }) => "listdir",
             RequestOp::Codec(CodecOp::Encode { .. }) => "encode",
             RequestOp::Codec(CodecOp::Decode { .. }) => "decode",
         }
@@ -141,6 +166,7 @@ impl RequestOp {
     pub fn stack_op<'a>(&'a self, payload: &'a [u8]) -> Result<Op<'a>, Error> {
         match self {
             RequestOp::Stack(op) => checked_op(op, payload),
+            RequestOp::Compound(_) => Err(Error::BadArgs(format!("'{}' is for a server, not a stack", self.name()))),
             RequestOp::Codec(_) => Err(Error::BadArgs(format!("'{}' is for a hosted codec, not a stack", self.name()))),
         }
     }
@@ -388,6 +414,41 @@ pub struct WireDirEntry {
     pub entry: Option<WireEntry>,
 }
 
+impl From<&DirEntry> for WireDirEntry {
+    fn from(d: &DirEntry) -> WireDirEntry {
+        WireDirEntry {
+            name: bytes(d.name.as_bytes()),
+            node: d.node.0,
+            kind: d.kind.into(),
+            next: d.next_offset,
+            entry: d.entry.as_ref().map(Into::into),
+        }
+    }
+}
+
+impl From<&WireDirEntry> for DirEntry {
+    fn from(d: &WireDirEntry) -> DirEntry {
+        DirEntry {
+            name: OsStr::from_bytes(&d.name).to_owned(),
+            node: NodeId(d.node),
+            kind: d.kind.into(),
+            next_offset: d.next,
+            entry: d.entry.as_ref().map(Into::into),
+        }
+    }
+}
+
+/// The reply to `listdir`: the directory's handle, as `opendir` gives it, and its entries
+/// from the start, each with its entry (one lookup), as `readdir` with `plus` gives them;
+/// `complete` when they reach the end. Reading on from the last entry's `next` with that
+/// handle gives what a `readdir` would.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireListing {
+    pub fh: u64,
+    pub entries: Vec<WireDirEntry>,
+    pub complete: bool,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WireStatFs {
     pub blocks: u64,
@@ -469,6 +530,7 @@ pub enum WireReply {
     Opened(WireOpened),
     Created(WireEntry, WireOpened),
     Dir(Vec<WireDirEntry>),
+    Listing(WireListing),
     StatFs(WireStatFs),
     Xattr,
     XattrSize(u32),
@@ -482,7 +544,9 @@ impl WireReply {
     pub fn entries_mut(&mut self) -> Vec<&mut WireEntry> {
         match self {
             WireReply::Entry(e) | WireReply::Created(e, _) => vec![e],
-            WireReply::Dir(d) => d.iter_mut().filter_map(|x| x.entry.as_mut()).collect(),
+            WireReply::Dir(d) | WireReply::Listing(WireListing { entries: d, .. }) => {
+                d.iter_mut().filter_map(|x| x.entry.as_mut()).collect()
+            }
             _ => Vec::new(),
         }
     }
@@ -501,18 +565,7 @@ impl WireReply {
             Reply::Written(n) => WireReply::Written(n),
             Reply::Opened(o) => WireReply::Opened((&o).into()),
             Reply::Created(e, o) => WireReply::Created((&e).into(), (&o).into()),
-            Reply::Dir(entries) => WireReply::Dir(
-                entries
-                    .iter()
-                    .map(|d| WireDirEntry {
-                        name: bytes(d.name.as_bytes()),
-                        node: d.node.0,
-                        kind: d.kind.into(),
-                        next: d.next_offset,
-                        entry: d.entry.as_ref().map(Into::into),
-                    })
-                    .collect(),
-            ),
+            Reply::Dir(entries) => WireReply::Dir(entries.iter().map(Into::into).collect()),
             Reply::StatFs(s) => WireReply::StatFs(WireStatFs::from(s)),
             Reply::Xattr(XattrReply::Data(d)) => return (WireReply::Xattr, d),
             Reply::Xattr(XattrReply::Size(n)) => WireReply::XattrSize(n),
@@ -532,23 +585,14 @@ impl WireReply {
             WireReply::Written(n) => Reply::Written(n),
             WireReply::Opened(o) => Reply::Opened((&o).into()),
             WireReply::Created(e, o) => Reply::Created((&e).into(), (&o).into()),
-            WireReply::Dir(entries) => Reply::Dir(
-                entries
-                    .into_iter()
-                    .map(|d| DirEntry {
-                        name: OsStr::from_bytes(&d.name).to_owned(),
-                        node: NodeId(d.node),
-                        kind: d.kind.into(),
-                        next_offset: d.next,
-                        entry: d.entry.as_ref().map(Into::into),
-                    })
-                    .collect(),
-            ),
+            WireReply::Dir(entries) => Reply::Dir(entries.iter().map(Into::into).collect()),
             WireReply::StatFs(s) => Reply::StatFs(s.into()),
             WireReply::Xattr => Reply::Xattr(XattrReply::Data(payload)),
             WireReply::XattrSize(n) => Reply::Xattr(XattrReply::Size(n)),
             WireReply::Offset(o) => Reply::Offset(o),
             WireReply::Extended(v) => Reply::Extended(v),
+            // Only `listdir`, which is no stack operation, is answered with a listing.
+            WireReply::Listing(_) => return Err(Error::BadArgs(format!("{op}: a listing is no reply of a stack"))),
             WireReply::Error(e) => return Err(e.to_error(op)),
         })
     }
