@@ -129,6 +129,9 @@ struct Inner {
     sync_writes: std::sync::atomic::AtomicBool,
     /// Listings of open directories, by handle.
     listings: Mutex<HashMap<u64, Listing>>,
+    /// How many times listings were made stale (under the `listings` lock): a listing whose
+    /// `listdir` was in flight across a change starts stale.
+    listing_changes: AtomicU64,
     /// The server answers `listdir` (until it says it does not know it).
     lists: std::sync::atomic::AtomicBool,
     /// Changes to invalidate, for the thread that does it: the kernel may make that thread wait
@@ -168,6 +171,7 @@ impl Remote {
             settling: Mutex::new(()),
             sync_writes: std::sync::atomic::AtomicBool::new(false),
             listings: Mutex::new(HashMap::new()),
+            listing_changes: AtomicU64::new(0),
             lists: std::sync::atomic::AtomicBool::new(true),
             notices: Mutex::new(notices),
         });
@@ -275,8 +279,10 @@ impl Inner {
                 Ok(conn) => {
                     let epoch = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
                     self.absent_xattrs.lock().clear();
-                    // Perhaps another server, which may list directories.
+                    // Perhaps another server, which may list directories; no notice came while
+                    // the connection was down, so what the listings hold may be old.
                     self.lists.store(true, Ordering::Relaxed);
+                    self.listings_stale();
                     {
                         let mut t = self.table.lock();
                         t.by_server.clear();
@@ -685,9 +691,19 @@ impl Inner {
     }
 
     fn call(self: &Arc<Self>, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
-        if plyfs_stack::readonly::changes_storage(op) {
-            self.listings_stale();
+        if !plyfs_stack::readonly::changes_storage(op) {
+            return self.call_unchanging(cx, op);
         }
+        // Before, for the listings read already; after, for a listdir that was in flight and
+        // read the directory before the change reached it.
+        self.listings_stale();
+        let result = self.call_unchanging(cx, op);
+        self.listings_stale();
+        result
+    }
+
+    /// [`Self::call`], the listings' staleness aside.
+    fn call_unchanging(self: &Arc<Self>, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         if let Op::Write { node, fh, offset, data } = *op {
             if let Some(e) = self.deferred.lock().remove(&fh.0) {
                 return Err(e);
@@ -725,7 +741,10 @@ impl Inner {
             }
             Op::Release { fh, .. } | Op::ReleaseDir { fh, .. } => {
                 self.deferred.lock().remove(&fh.0);
-                if let Some(left) = self.listings.lock().remove(&fh.0) {
+                // Not under the lock: forgets write to the socket, and the reader takes the
+                // lock for a server's notice.
+                let left = self.listings.lock().remove(&fh.0);
+                if let Some(left) = left {
                     self.forget_listed(left);
                 }
                 self.release(cx, fh.0);
@@ -787,6 +806,7 @@ impl Inner {
             Ok(n) => n,
             Err(e) => return Some(Err(e)),
         };
+        let changes_before = self.listing_changes.load(Ordering::Acquire);
         let listing = match conn.call(wcx, CompoundOp::ListDir { node: server_node, max_entries: LISTING_ENTRIES }, &[], deadline) {
             Ok((WireReply::Listing(l), _)) => l,
             Ok((WireReply::Error(e), _)) if e.errno == libc::ENOSYS => {
@@ -802,7 +822,12 @@ impl Inner {
         let entries = listing.entries.iter().map(|d| self.dir_entry(epoch, node.0, DirEntry::from(d))).collect();
         self.note_bare(listing.entries.iter().filter_map(|d| d.entry.as_ref()).filter(|e| e.xattrs == Some(false)).map(|e| e.node));
         let fh = self.own_fh(node.0, listing.fh, epoch, 0, true, false);
-        self.listings.lock().insert(fh.0, Listing { entries, offset: 0, complete: listing.complete, stale: false });
+        let mut listings = self.listings.lock();
+        // A change through this mount or a server's notice while the listdir was in flight
+        // may have come after the server read the directory.
+        let stale = self.listing_changes.load(Ordering::Acquire) != changes_before;
+        listings.insert(fh.0, Listing { entries, offset: 0, complete: listing.complete, stale });
+        drop(listings);
         Some(Ok(Reply::Opened(Opened { fh, backing: None, direct_io: false, flush_on_close: false })))
     }
 
@@ -845,7 +870,9 @@ impl Inner {
 
     /// Keep no listing's entries from now on: something may have changed them.
     fn listings_stale(&self) {
-        for listing in self.listings.lock().values_mut() {
+        let mut listings = self.listings.lock();
+        self.listing_changes.fetch_add(1, Ordering::AcqRel);
+        for listing in listings.values_mut() {
             listing.stale = true;
         }
     }

@@ -487,7 +487,11 @@ impl Server {
             let offset = entries.last().map_or(0, |e| e.next_offset);
             let left = (most - entries.len()) as u32;
             match self.dispatch(conn, cx, &Op::ReadDir { node, fh, offset, max_entries: left, plus: true }) {
-                Ok(Reply::Dir(batch)) if batch.is_empty() => break Ok(true),
+                // A layer that hides names (crypt's companions) may answer a small window with
+                // nothing before the end: only an empty answer to a window as large as the
+                // kernel's smallest is taken for the end, as a plain readdir would; otherwise
+                // the client reads on.
+                Ok(Reply::Dir(batch)) if batch.is_empty() => break Ok(left >= END_WINDOW),
                 Ok(Reply::Dir(batch)) => entries.extend(batch),
                 Ok(_) => break Err(Error::Os(libc::EIO)),
                 Err(e) => break Err(e),
@@ -948,6 +952,10 @@ fn permitted(cx: &Caller, a: &plyfs_stack::Attr, want: u32) -> Result<(), Error>
 }
 
 /// Whether `fd` has bytes to read now.
+/// The smallest readdir window whose empty answer `listdir` takes for the directory's end: the
+/// kernel's smallest (`max_entries` of a FUSE readdir of one page).
+const END_WINDOW: u32 = 128;
+
 fn readable_now(fd: std::os::fd::RawFd) -> bool {
     let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
     unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
