@@ -32,6 +32,13 @@ impl EncoderPool {
     }
 }
 
+/// Start the encoder pool if it is not running yet. [`Engine::new`] calls it, on the thread that
+/// builds the layer: threads run on the CPUs their creator may use, and a transport thread
+/// pinned to one CPU (an io_uring queue's) would leave the pool none but its own.
+pub(super) fn start_encoder_pool() {
+    encoder_pool();
+}
+
 /// The pool: one thread fewer than the CPUs this process may run on, at most three; none on a
 /// single CPU.
 fn encoder_pool() -> Option<&'static EncoderPool> {
