@@ -27,7 +27,7 @@ fn a_write_on_a_thread_pinned_to_one_cpu_is_encoded_on_the_others_too() {
     if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
         return; // one CPU: no pool to use
     }
-    let probe = Arc::new(PoolProbe { pool_chunks: AtomicUsize::new(0) });
+    let probe = Arc::new(PoolProbe { pool_chunks: AtomicUsize::new(0), panic_on: None });
     let engine = Arc::new(Engine::new("rle", probe.clone(), 12, false));
     let data: Vec<u8> = (0..64u32 << 12).map(|i| (i / 4096 + i % 7) as u8).collect();
     let lower = MemLower::default();

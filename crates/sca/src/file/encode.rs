@@ -2,9 +2,10 @@
 //! encoded once; and the encoder pool that encodes the whole chunks of large writes on several
 //! threads.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use plyfs_stack::{Error, Result};
 
 use crate::chunks::{chunk_start, whole_chunks};
@@ -13,11 +14,14 @@ use crate::Error as CodecError;
 
 use super::{Engine, LowerIo, ScaFile};
 
-/// Writes covering at least this much in whole chunks may encode them on several threads...
-const PARALLEL_ENCODE_BYTES: u64 = 256 << 10;
-/// ...when encoding them all on one would take at least this long. A cipher's chunks encode
-/// too fast for it: handing half of them over costs more than it saves.
-const PARALLEL_ENCODE_TIME: std::time::Duration = std::time::Duration::from_millis(1);
+/// Writes covering at least this much in whole chunks (`cp` writes 128 KiB at a time) may
+/// encode them on several threads...
+const PARALLEL_ENCODE_BYTES: u64 = 128 << 10;
+/// ...when encoding them all on one would take at least this long. Handing chunks over (a copy
+/// of them, a pool thread woken, the encodings gathered) costs tens of microseconds, which a
+/// cipher's chunks (about 50 µs for 128 KiB) do not repay, and a compressor's (250 µs for
+/// `lz4`, 550 µs for `zstd`) do.
+const PARALLEL_ENCODE_TIME: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Long-lived threads that encode chunks of large writes beside the thread that got the write,
 /// so that what codecs keep per thread (compression contexts, nonce pools) is made once.
@@ -55,7 +59,7 @@ fn encoder_pool() -> Option<&'static EncoderPool> {
             let spawned = std::thread::Builder::new().name(format!("sca-encode-{i}")).spawn(move || loop {
                 let job = queue.lock().recv();
                 let Ok(job) = job else { return };
-                // A panicking codec loses its group (the write fails), not the thread.
+                // A job that panics ends itself, not the thread (a batch reports its chunk failed).
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
             });
             if spawned.is_err() {
@@ -75,9 +79,46 @@ pub(super) struct EncodedChunk {
 /// Chunks encoded ahead of the loop that stores them: `(chunk, encoding)`, in order.
 pub(super) type Encoded = Vec<(u64, EncodedChunk)>;
 
-/// What an encoder thread sends back for its group: the encodings, or the chunk the codec
-/// failed on and why.
-type GroupResult = std::result::Result<Encoded, (u64, CodecError)>;
+/// The whole chunks of one large write, shared between the thread that got the write and the
+/// encoder pool. Each thread claims the next chunk nobody has claimed until none is left, so a
+/// pool thread that starts late (its CPU busy with other work) takes fewer, and one that starts
+/// after the last claim takes none: the write never waits for a thread that has not begun.
+struct Batch {
+    engine: Arc<Engine>,
+    /// The place of the batch's chunks but for the chunk number.
+    place: Place,
+    first: u64,
+    chunk_bytes: usize,
+    /// The chunks' bytes, copied for the pool (the write's own buffer is only borrowed).
+    data: Vec<u8>,
+    count: u64,
+    /// The next chunk to claim, counted from `first`.
+    next: AtomicU64,
+    /// What the pool encoded: `(chunk, encoding or failure)`.
+    helped: Mutex<Vec<(u64, std::result::Result<EncodedChunk, CodecError>)>>,
+    helper_done: Condvar,
+}
+
+impl Batch {
+    fn claim(&self) -> Option<u64> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        (i < self.count).then_some(i)
+    }
+
+    /// A pool thread's part: encode chunks until none is left unclaimed. A codec that panics
+    /// fails its chunk, so the write still hears about every chunk claimed.
+    fn help(&self) {
+        while let Some(i) = self.claim() {
+            let c = self.first + i;
+            let bytes = &self.data[i as usize * self.chunk_bytes..(i as usize + 1) * self.chunk_bytes];
+            let place = Place { chunk: c, ..self.place };
+            let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.engine.encode(&place, bytes)))
+                .unwrap_or_else(|_| Err(CodecError::encode("the codec panicked")));
+            self.helped.lock().push((c, encoded));
+            self.helper_done.notify_one();
+        }
+    }
+}
 
 impl<L: LowerIo> ScaFile<L> {
     /// The chunks that `data`, written at `off`, covers whole and that [`Self::write_chunks`]
@@ -99,39 +140,39 @@ impl<L: LowerIo> ScaFile<L> {
         if started.elapsed() * ((last - first) as u32) < PARALLEL_ENCODE_TIME {
             return Ok(all);
         }
-        // Contiguous groups: the first for this thread, one for each pool thread.
         let rest = first + 1..last;
         if rest.is_empty() {
             return Ok(all);
         }
-        let groups = pool.threads + 1;
-        let per = (rest.end - rest.start).div_ceil(groups as u64);
-        let ranges: Vec<std::ops::Range<u64>> =
-            rest.clone().step_by(per as usize).map(|start| start..(start + per).min(rest.end)).collect();
-        let (done, results) = std::sync::mpsc::channel();
-        for (i, range) in ranges.iter().enumerate().skip(1) {
-            let (engine, done, range) = (self.engine.clone(), done.clone(), range.clone());
-            let copy = data[bytes_of(range.start).start..bytes_of(range.end - 1).end].to_vec();
-            pool.run(Box::new(move || {
-                let encoded: GroupResult = range
-                    .clone()
-                    .zip(copy.chunks(cs as usize))
-                    .map(|(c, chunk)| Ok((c, engine.encode(&Place { chunk: c, ..place }, chunk).map_err(|e| (c, e))?)))
-                    .collect();
-                let _ = done.send((i, encoded));
-            }));
+        let batch = Arc::new(Batch {
+            engine: self.engine.clone(),
+            place,
+            first: rest.start,
+            chunk_bytes: cs as usize,
+            data: data[bytes_of(rest.start).start..bytes_of(rest.end - 1).end].to_vec(),
+            count: rest.end - rest.start,
+            next: AtomicU64::new(0),
+            helped: Mutex::new(Vec::new()),
+            helper_done: Condvar::new(),
+        });
+        for _ in 0..pool.threads {
+            let batch = batch.clone();
+            pool.run(Box::new(move || batch.help()));
         }
-        drop(done);
-        for c in ranges[0].clone() {
-            all.push((c, self.engine.encode(&Place { chunk: c, ..place }, &data[bytes_of(c)]).map_err(|e| self.encode_failed(c, e))?));
+        let mut own = Vec::new();
+        while let Some(i) = batch.claim() {
+            let c = batch.first + i;
+            own.push((c, self.engine.encode(&Place { chunk: c, ..place }, &data[bytes_of(c)])));
         }
-        let mut theirs: Vec<(usize, GroupResult)> = results.iter().collect();
-        if theirs.len() != ranges.len() - 1 {
-            return Err(Error::Corrupt(format!("{}: an encoder thread failed ({})", self.lower.describe(), self.engine.kind)));
+        let mut helped = batch.helped.lock();
+        while own.len() + helped.len() < batch.count as usize {
+            batch.helper_done.wait(&mut helped);
         }
-        theirs.sort_by_key(|(i, _)| *i);
-        for (_, encoded) in theirs {
-            all.extend(encoded.map_err(|(c, e)| self.encode_failed(c, e))?);
+        own.append(&mut helped);
+        drop(helped);
+        own.sort_unstable_by_key(|(c, _)| *c);
+        for (c, encoded) in own {
+            all.push((c, encoded.map_err(|e| self.encode_failed(c, e))?));
         }
         Ok(all)
     }
