@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, RwLock};
 use plyfs_stack::{Error, Result};
 
 use crate::chunks::{chunk_start, whole_chunks};
@@ -79,6 +79,9 @@ pub(super) struct EncodedChunk {
 /// Chunks encoded ahead of the loop that stores them: `(chunk, encoding)`, in order.
 pub(super) type Encoded = Vec<(u64, EncodedChunk)>;
 
+/// A chunk of a batch, and its encoding or why the codec failed on it.
+type Outcome = (u64, std::result::Result<EncodedChunk, CodecError>);
+
 /// The whole chunks of one large write, shared between the thread that got the write and the
 /// encoder pool. Each thread claims the next chunk nobody has claimed until none is left, so a
 /// pool thread that starts late (its CPU busy with other work) takes fewer, and one that starts
@@ -89,13 +92,15 @@ struct Batch {
     place: Place,
     first: u64,
     chunk_bytes: usize,
-    /// The chunks' bytes, copied for the pool (the write's own buffer is only borrowed).
-    data: Vec<u8>,
+    /// The chunks' bytes, copied for the pool (the write's own buffer is only borrowed). The
+    /// write empties it when every chunk is encoded, so that the jobs a busy pool thread has
+    /// not reached yet hold no copy.
+    data: RwLock<Vec<u8>>,
     count: u64,
     /// The next chunk to claim, counted from `first`.
     next: AtomicU64,
-    /// What the pool encoded: `(chunk, encoding or failure)`.
-    helped: Mutex<Vec<(u64, std::result::Result<EncodedChunk, CodecError>)>>,
+    /// What the pool encoded.
+    helped: Mutex<Vec<Outcome>>,
     helper_done: Condvar,
 }
 
@@ -110,13 +115,30 @@ impl Batch {
     fn help(&self) {
         while let Some(i) = self.claim() {
             let c = self.first + i;
-            let bytes = &self.data[i as usize * self.chunk_bytes..(i as usize + 1) * self.chunk_bytes];
             let place = Place { chunk: c, ..self.place };
-            let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.engine.encode(&place, bytes)))
-                .unwrap_or_else(|_| Err(CodecError::encode("the codec panicked")));
+            let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let data = self.data.read();
+                self.engine.encode(&place, &data[i as usize * self.chunk_bytes..(i as usize + 1) * self.chunk_bytes])
+            }))
+            .unwrap_or_else(|_| Err(CodecError::encode("the codec panicked")));
             self.helped.lock().push((c, encoded));
             self.helper_done.notify_one();
         }
+    }
+
+    /// The write's part once nothing is left to claim: `own`, the chunks it encoded itself,
+    /// with those the pool claimed (waited for), in chunk order. The copy of the chunks is
+    /// dropped: no thread needs it any more.
+    fn gather(&self, mut own: Vec<Outcome>) -> Vec<Outcome> {
+        let mut helped = self.helped.lock();
+        while own.len() + helped.len() < self.count as usize {
+            self.helper_done.wait(&mut helped);
+        }
+        own.append(&mut helped);
+        drop(helped);
+        *self.data.write() = Vec::new();
+        own.sort_unstable_by_key(|(c, _)| *c);
+        own
     }
 }
 
@@ -149,7 +171,7 @@ impl<L: LowerIo> ScaFile<L> {
             place,
             first: rest.start,
             chunk_bytes: cs as usize,
-            data: data[bytes_of(rest.start).start..bytes_of(rest.end - 1).end].to_vec(),
+            data: RwLock::new(data[bytes_of(rest.start).start..bytes_of(rest.end - 1).end].to_vec()),
             count: rest.end - rest.start,
             next: AtomicU64::new(0),
             helped: Mutex::new(Vec::new()),
@@ -164,14 +186,7 @@ impl<L: LowerIo> ScaFile<L> {
             let c = batch.first + i;
             own.push((c, self.engine.encode(&Place { chunk: c, ..place }, &data[bytes_of(c)])));
         }
-        let mut helped = batch.helped.lock();
-        while own.len() + helped.len() < batch.count as usize {
-            batch.helper_done.wait(&mut helped);
-        }
-        own.append(&mut helped);
-        drop(helped);
-        own.sort_unstable_by_key(|(c, _)| *c);
-        for (c, encoded) in own {
+        for (c, encoded) in batch.gather(own) {
             all.push((c, encoded.map_err(|e| self.encode_failed(c, e))?));
         }
         Ok(all)
@@ -221,5 +236,60 @@ impl Engine {
         let z = Arc::new(self.encode(&anywhere, &vec![0; 1 << chunk_shift])?);
         self.zero_chunks.lock().insert(chunk_shift, z.clone());
         Ok(z)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A codec that stores chunks as they are.
+    struct Stored;
+
+    impl crate::Codec for Stored {
+        fn tag(&self) -> [u8; 4] {
+            *b"test"
+        }
+        fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
+            out.extend_from_slice(chunk);
+            Ok(())
+        }
+        fn decode(&self, encoded: &[u8], _: usize, out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
+            out.extend_from_slice(encoded);
+            Ok(())
+        }
+    }
+
+    fn batch(count: u64) -> Batch {
+        Batch {
+            engine: Arc::new(Engine::new("test", Arc::new(Stored), 12, false)),
+            place: Place { file_id: [0; 16], chunk: 0, count: 1 },
+            first: 10,
+            chunk_bytes: 4,
+            data: RwLock::new((0..count as u8 * 4).collect()),
+            count,
+            next: AtomicU64::new(0),
+            helped: Mutex::new(Vec::new()),
+            helper_done: Condvar::new(),
+        }
+    }
+
+    /// The write and a helper split the chunks between them, every chunk exactly once, and the
+    /// write gets them all back in order; the copy is dropped then, and a helper that comes
+    /// later finds nothing to do.
+    #[test]
+    fn a_batch_gives_every_chunk_once_in_order_then_lets_go_of_its_copy() {
+        let b = batch(6);
+        let own: Vec<_> = [b.claim(), b.claim()].into_iter().flatten().map(|i| (b.first + i, Err(CodecError::encode("mine")))).collect();
+        b.help();
+        let all = b.gather(own);
+        assert_eq!(all.iter().map(|(c, _)| *c).collect::<Vec<_>>(), (10..16).collect::<Vec<_>>());
+        for (c, encoded) in &all[2..] {
+            let start = (c - 10) as u8 * 4;
+            assert_eq!(encoded.as_ref().map(|e| e.payload.clone()).ok(), Some((start..start + 4).collect()));
+        }
+        assert!(b.data.read().is_empty());
+        b.help();
+        assert!(b.helped.lock().is_empty());
     }
 }
