@@ -72,6 +72,11 @@ impl ChunkMap {
     }
 
     fn remove_range(&mut self, start: u64, end: u64) -> Displaced {
+        // Nothing mapped from `start` on (a file written from start to end, one chunk after
+        // another): the last extent says so without a search.
+        if self.extents.last_key_value().is_none_or(|(first, (count, _))| first + count <= start) {
+            return Vec::new();
+        }
         let mut displaced = Vec::new();
         let overlapping: Vec<u64> = self
             .extents

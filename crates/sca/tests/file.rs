@@ -13,7 +13,7 @@ use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 
 mod common;
-use common::{Rle, SlowRle};
+use common::{PoolProbe, Rle, SlowRle};
 
 fn engine(shift: u8, fast_tails: bool) -> Arc<Engine> {
     Arc::new(Engine::new("rle", Arc::new(Rle), shift, fast_tails))
@@ -188,6 +188,30 @@ fn sample_file(fast_tails: bool) -> (MemLower, Vec<u8>) {
     model.resize(100_000, 0);
     f.close().unwrap();
     (lower, model)
+}
+
+/// A codec that panics on an encoder thread fails the write, naming the chunk, and the file
+/// keeps what it held before: the write neither hangs waiting for the chunk nor stores the rest.
+#[test]
+fn a_codec_panicking_on_the_encoder_pool_fails_the_write() {
+    let probe = Arc::new(PoolProbe { pool_chunks: std::sync::atomic::AtomicUsize::new(0), panic_on: Some(0xEE) });
+    let e = Arc::new(Engine::new("rle", probe.clone(), 12, false));
+    let lower = MemLower::default();
+    let mut f = ScaFile::open(e.clone(), lower.clone()).unwrap();
+    let before = data(10_000, 3, true);
+    f.write(0, &before).unwrap();
+    // 64 chunks: the write's thread takes 2 ms over each, the pool claims the rest at once.
+    let mut big = vec![1u8; 64 << 12];
+    big[63 << 12] = 0xEE;
+    let written = f.write(0, &big);
+    if probe.pool_chunks.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        // No pool (one CPU), or it never got to run: the write's own thread did every chunk.
+        assert!(written.is_ok());
+        return;
+    }
+    let e = written.expect_err("a chunk failed");
+    assert!(e.to_string().contains("the codec panicked") && e.to_string().contains(&format!("offset {}", 63 << 12)), "{e}");
+    assert_eq!(read_all(&f), before);
 }
 
 #[test]

@@ -2,9 +2,10 @@
 //! encoded once; and the encoder pool that encodes the whole chunks of large writes on several
 //! threads.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex, RwLock};
 use plyfs_stack::{Error, Result};
 
 use crate::chunks::{chunk_start, whole_chunks};
@@ -13,11 +14,14 @@ use crate::Error as CodecError;
 
 use super::{Engine, LowerIo, ScaFile};
 
-/// Writes covering at least this much in whole chunks may encode them on several threads...
-const PARALLEL_ENCODE_BYTES: u64 = 256 << 10;
-/// ...when encoding them all on one would take at least this long. A cipher's chunks encode
-/// too fast for it: handing half of them over costs more than it saves.
-const PARALLEL_ENCODE_TIME: std::time::Duration = std::time::Duration::from_millis(1);
+/// Writes covering at least this much in whole chunks (`cp` writes 128 KiB at a time) may
+/// encode them on several threads...
+const PARALLEL_ENCODE_BYTES: u64 = 128 << 10;
+/// ...when encoding them all on one would take at least this long. Handing chunks over (a copy
+/// of them, a pool thread woken, the encodings gathered) costs tens of microseconds, which a
+/// cipher's chunks (about 50 µs for 128 KiB) do not repay, and a compressor's (250 µs for
+/// `lz4`, 550 µs for `zstd`) do.
+const PARALLEL_ENCODE_TIME: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Long-lived threads that encode chunks of large writes beside the thread that got the write,
 /// so that what codecs keep per thread (compression contexts, nonce pools) is made once.
@@ -30,6 +34,13 @@ impl EncoderPool {
     fn run(&self, job: Box<dyn FnOnce() + Send>) {
         let _ = self.jobs.lock().send(job);
     }
+}
+
+/// Start the encoder pool if it is not running yet. [`Engine::new`] calls it, on the thread that
+/// builds the layer: threads run on the CPUs their creator may use, and a transport thread
+/// pinned to one CPU (an io_uring queue's) would leave the pool none but its own.
+pub(super) fn start_encoder_pool() {
+    encoder_pool();
 }
 
 /// The pool: one thread fewer than the CPUs this process may run on, at most three; none on a
@@ -48,7 +59,7 @@ fn encoder_pool() -> Option<&'static EncoderPool> {
             let spawned = std::thread::Builder::new().name(format!("sca-encode-{i}")).spawn(move || loop {
                 let job = queue.lock().recv();
                 let Ok(job) = job else { return };
-                // A panicking codec loses its group (the write fails), not the thread.
+                // A job that panics ends itself, not the thread (a batch reports its chunk failed).
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
             });
             if spawned.is_err() {
@@ -68,9 +79,68 @@ pub(super) struct EncodedChunk {
 /// Chunks encoded ahead of the loop that stores them: `(chunk, encoding)`, in order.
 pub(super) type Encoded = Vec<(u64, EncodedChunk)>;
 
-/// What an encoder thread sends back for its group: the encodings, or the chunk the codec
-/// failed on and why.
-type GroupResult = std::result::Result<Encoded, (u64, CodecError)>;
+/// A chunk of a batch, and its encoding or why the codec failed on it.
+type Outcome = (u64, std::result::Result<EncodedChunk, CodecError>);
+
+/// The whole chunks of one large write, shared between the thread that got the write and the
+/// encoder pool. Each thread claims the next chunk nobody has claimed until none is left, so a
+/// pool thread that starts late (its CPU busy with other work) takes fewer, and one that starts
+/// after the last claim takes none: the write never waits for a thread that has not begun.
+struct Batch {
+    engine: Arc<Engine>,
+    /// The place of the batch's chunks but for the chunk number.
+    place: Place,
+    first: u64,
+    chunk_bytes: usize,
+    /// The chunks' bytes, copied for the pool (the write's own buffer is only borrowed). The
+    /// write empties it when every chunk is encoded, so that the jobs a busy pool thread has
+    /// not reached yet hold no copy.
+    data: RwLock<Vec<u8>>,
+    count: u64,
+    /// The next chunk to claim, counted from `first`.
+    next: AtomicU64,
+    /// What the pool encoded.
+    helped: Mutex<Vec<Outcome>>,
+    helper_done: Condvar,
+}
+
+impl Batch {
+    fn claim(&self) -> Option<u64> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        (i < self.count).then_some(i)
+    }
+
+    /// A pool thread's part: encode chunks until none is left unclaimed. A codec that panics
+    /// fails its chunk, so the write still hears about every chunk claimed.
+    fn help(&self) {
+        while let Some(i) = self.claim() {
+            let c = self.first + i;
+            let place = Place { chunk: c, ..self.place };
+            let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let data = self.data.read();
+                self.engine.encode(&place, &data[i as usize * self.chunk_bytes..(i as usize + 1) * self.chunk_bytes])
+            }))
+            .unwrap_or_else(|_| Err(CodecError::encode("the codec panicked")));
+            self.helped.lock().push((c, encoded));
+            self.helper_done.notify_one();
+        }
+    }
+
+    /// The write's part once nothing is left to claim: `own`, the chunks it encoded itself,
+    /// with those the pool claimed (waited for), in chunk order. The copy of the chunks is
+    /// dropped: no thread needs it any more.
+    fn gather(&self, mut own: Vec<Outcome>) -> Vec<Outcome> {
+        let mut helped = self.helped.lock();
+        while own.len() + helped.len() < self.count as usize {
+            self.helper_done.wait(&mut helped);
+        }
+        own.append(&mut helped);
+        drop(helped);
+        *self.data.write() = Vec::new();
+        own.sort_unstable_by_key(|(c, _)| *c);
+        own
+    }
+}
 
 impl<L: LowerIo> ScaFile<L> {
     /// The chunks that `data`, written at `off`, covers whole and that [`Self::write_chunks`]
@@ -92,39 +162,32 @@ impl<L: LowerIo> ScaFile<L> {
         if started.elapsed() * ((last - first) as u32) < PARALLEL_ENCODE_TIME {
             return Ok(all);
         }
-        // Contiguous groups: the first for this thread, one for each pool thread.
         let rest = first + 1..last;
         if rest.is_empty() {
             return Ok(all);
         }
-        let groups = pool.threads + 1;
-        let per = (rest.end - rest.start).div_ceil(groups as u64);
-        let ranges: Vec<std::ops::Range<u64>> =
-            rest.clone().step_by(per as usize).map(|start| start..(start + per).min(rest.end)).collect();
-        let (done, results) = std::sync::mpsc::channel();
-        for (i, range) in ranges.iter().enumerate().skip(1) {
-            let (engine, done, range) = (self.engine.clone(), done.clone(), range.clone());
-            let copy = data[bytes_of(range.start).start..bytes_of(range.end - 1).end].to_vec();
-            pool.run(Box::new(move || {
-                let encoded: GroupResult = range
-                    .clone()
-                    .zip(copy.chunks(cs as usize))
-                    .map(|(c, chunk)| Ok((c, engine.encode(&Place { chunk: c, ..place }, chunk).map_err(|e| (c, e))?)))
-                    .collect();
-                let _ = done.send((i, encoded));
-            }));
+        let batch = Arc::new(Batch {
+            engine: self.engine.clone(),
+            place,
+            first: rest.start,
+            chunk_bytes: cs as usize,
+            data: RwLock::new(data[bytes_of(rest.start).start..bytes_of(rest.end - 1).end].to_vec()),
+            count: rest.end - rest.start,
+            next: AtomicU64::new(0),
+            helped: Mutex::new(Vec::new()),
+            helper_done: Condvar::new(),
+        });
+        for _ in 0..pool.threads {
+            let batch = batch.clone();
+            pool.run(Box::new(move || batch.help()));
         }
-        drop(done);
-        for c in ranges[0].clone() {
-            all.push((c, self.engine.encode(&Place { chunk: c, ..place }, &data[bytes_of(c)]).map_err(|e| self.encode_failed(c, e))?));
+        let mut own = Vec::new();
+        while let Some(i) = batch.claim() {
+            let c = batch.first + i;
+            own.push((c, self.engine.encode(&Place { chunk: c, ..place }, &data[bytes_of(c)])));
         }
-        let mut theirs: Vec<(usize, GroupResult)> = results.iter().collect();
-        if theirs.len() != ranges.len() - 1 {
-            return Err(Error::Corrupt(format!("{}: an encoder thread failed ({})", self.lower.describe(), self.engine.kind)));
-        }
-        theirs.sort_by_key(|(i, _)| *i);
-        for (_, encoded) in theirs {
-            all.extend(encoded.map_err(|(c, e)| self.encode_failed(c, e))?);
+        for (c, encoded) in batch.gather(own) {
+            all.push((c, encoded.map_err(|e| self.encode_failed(c, e))?));
         }
         Ok(all)
     }
@@ -173,5 +236,60 @@ impl Engine {
         let z = Arc::new(self.encode(&anywhere, &vec![0; 1 << chunk_shift])?);
         self.zero_chunks.lock().insert(chunk_shift, z.clone());
         Ok(z)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A codec that stores chunks as they are.
+    struct Stored;
+
+    impl crate::Codec for Stored {
+        fn tag(&self) -> [u8; 4] {
+            *b"test"
+        }
+        fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
+            out.extend_from_slice(chunk);
+            Ok(())
+        }
+        fn decode(&self, encoded: &[u8], _: usize, out: &mut Vec<u8>) -> std::result::Result<(), CodecError> {
+            out.extend_from_slice(encoded);
+            Ok(())
+        }
+    }
+
+    fn batch(count: u64) -> Batch {
+        Batch {
+            engine: Arc::new(Engine::new("test", Arc::new(Stored), 12, false)),
+            place: Place { file_id: [0; 16], chunk: 0, count: 1 },
+            first: 10,
+            chunk_bytes: 4,
+            data: RwLock::new((0..count as u8 * 4).collect()),
+            count,
+            next: AtomicU64::new(0),
+            helped: Mutex::new(Vec::new()),
+            helper_done: Condvar::new(),
+        }
+    }
+
+    /// The write and a helper split the chunks between them, every chunk exactly once, and the
+    /// write gets them all back in order; the copy is dropped then, and a helper that comes
+    /// later finds nothing to do.
+    #[test]
+    fn a_batch_gives_every_chunk_once_in_order_then_lets_go_of_its_copy() {
+        let b = batch(6);
+        let own: Vec<_> = [b.claim(), b.claim()].into_iter().flatten().map(|i| (b.first + i, Err(CodecError::encode("mine")))).collect();
+        b.help();
+        let all = b.gather(own);
+        assert_eq!(all.iter().map(|(c, _)| *c).collect::<Vec<_>>(), (10..16).collect::<Vec<_>>());
+        for (c, encoded) in &all[2..] {
+            let start = (c - 10) as u8 * 4;
+            assert_eq!(encoded.as_ref().map(|e| e.payload.clone()).ok(), Some((start..start + 4).collect()));
+        }
+        assert!(b.data.read().is_empty());
+        b.help();
+        assert!(b.helped.lock().is_empty());
     }
 }

@@ -98,6 +98,7 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(kind: &'static str, codec: Arc<dyn Codec>, chunk_shift: u8, fast_tails: bool) -> Engine {
+        encode::start_encoder_pool();
         Engine { kind, codec, chunk_shift, fast_tails, shared: None, pad: false, zero_chunks: Mutex::new(HashMap::new()) }
     }
 

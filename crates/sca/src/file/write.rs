@@ -9,7 +9,7 @@ use plyfs_stack::Result;
 
 use crate::chunks::{chunk_count, chunk_of, chunk_start, chunks_touched, offset_in_chunk, span_in_chunk};
 use crate::codec::Place;
-use crate::format::{Kind, RecordHeader, DATA_START, FLAG_RAW, RECORD_HEADER_BYTES};
+use crate::format::{record_bytes, Kind, RecordHeader, DATA_START, FLAG_RAW};
 
 use super::encode::EncodedChunk;
 use super::{Fault, LowerIo, ScaFile};
@@ -50,7 +50,10 @@ impl<L: LowerIo> ScaFile<L> {
         let end = off + data.len() as u64;
         let touched = chunks_touched(shift, off, data.len() as u64);
         let chunks = touched.end - touched.start;
-        self.pending.reserve(DATA_START as usize + data.len() + chunks as usize * (RECORD_HEADER_BYTES as usize + 8));
+        // Room for every record at once: growing the buffer midway would copy it, and leave it
+        // too large to keep for the next write.
+        let record_bound = record_bytes(self.engine.codec.max_payload(cs as usize) as u32) as usize;
+        self.pending.reserve(DATA_START as usize + chunks as usize * record_bound);
         let mut ready = self.encode_whole_chunks(off, data)?.into_iter();
         for chunk in touched {
             let start = chunk_start(shift, chunk);

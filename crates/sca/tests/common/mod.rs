@@ -62,3 +62,40 @@ impl Codec for SlowRle {
         true
     }
 }
+
+/// Whether this thread is one of the encoder pool's.
+#[allow(dead_code)]
+pub fn on_encoder_pool() -> bool {
+    std::thread::current().name().is_some_and(|n| n.starts_with("sca-encode"))
+}
+
+/// [`Rle`], slow (2 ms a chunk) on the thread that got the write, quick on the encoder pool's,
+/// so that a large write leaves most of its chunks to the pool. It counts the chunks the pool
+/// encoded, and panics there on chunks that begin with `panic_on`.
+#[allow(dead_code)]
+pub struct PoolProbe {
+    pub pool_chunks: std::sync::atomic::AtomicUsize,
+    pub panic_on: Option<u8>,
+}
+
+impl Codec for PoolProbe {
+    fn tag(&self) -> [u8; 4] {
+        Rle.tag()
+    }
+
+    fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), plyfs_sca::Error> {
+        if on_encoder_pool() {
+            self.pool_chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if self.panic_on.is_some() && chunk.first() == self.panic_on.as_ref() {
+                panic!("a codec failing on the encoder pool");
+            }
+        } else {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        Rle.encode(chunk, out)
+    }
+
+    fn decode(&self, encoded: &[u8], len: usize, out: &mut Vec<u8>) -> std::result::Result<(), plyfs_sca::Error> {
+        Rle.decode(encoded, len, out)
+    }
+}
