@@ -110,8 +110,9 @@ impl Batch {
         (i < self.count).then_some(i)
     }
 
-    /// A pool thread's part: encode chunks until none is left unclaimed. A codec that panics
-    /// fails its chunk, so the write still hears about every chunk claimed.
+    /// A pool thread's part: encode chunks until none is left unclaimed. Whatever panics (the
+    /// codec's own panics fail their chunk in [`Engine::encode_into`]) still fails its chunk,
+    /// so the write hears about every chunk claimed.
     fn help(&self) {
         while let Some(i) = self.claim() {
             let c = self.first + i;
@@ -120,7 +121,7 @@ impl Batch {
                 let data = self.data.read();
                 self.engine.encode(&place, &data[i as usize * self.chunk_bytes..(i as usize + 1) * self.chunk_bytes])
             }))
-            .unwrap_or_else(|_| Err(CodecError::encode("the codec panicked")));
+            .unwrap_or_else(|panic| Err(CodecError::encode(format!("encoding panicked: {}", panic_text(&*panic)))));
             self.helped.lock().push((c, encoded));
             self.helper_done.notify_one();
         }
@@ -198,6 +199,11 @@ impl<L: LowerIo> ScaFile<L> {
     }
 }
 
+/// What a panic said, if it said it in words.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("(no message)")
+}
+
 impl Engine {
     pub(super) fn encode(&self, place: &Place, chunk: &[u8]) -> std::result::Result<EncodedChunk, CodecError> {
         let mut payload = Vec::with_capacity(chunk.len() / 2 + 64);
@@ -214,7 +220,11 @@ impl Engine {
             return Ok(true);
         }
         let start = out.len();
-        if let Err(e) = self.codec.encode_at(place, chunk, out) {
+        // A codec that panics fails its chunk, on whichever thread encodes it (a pool thread,
+        // or the request's own, which must still answer).
+        let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.codec.encode_at(place, chunk, out)))
+            .unwrap_or_else(|panic| Err(CodecError::encode(format!("the {} codec panicked: {}", self.kind, panic_text(&*panic)))));
+        if let Err(e) = encoded {
             out.truncate(start);
             return Err(e);
         }

@@ -84,11 +84,11 @@ impl Codec for PoolProbe {
     }
 
     fn encode(&self, chunk: &[u8], out: &mut Vec<u8>) -> std::result::Result<(), plyfs_sca::Error> {
+        if self.panic_on.is_some() && chunk.first() == self.panic_on.as_ref() {
+            panic!("a codec failing on purpose");
+        }
         if on_encoder_pool() {
             self.pool_chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            if self.panic_on.is_some() && chunk.first() == self.panic_on.as_ref() {
-                panic!("a codec failing on the encoder pool");
-            }
         } else {
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
