@@ -98,6 +98,7 @@ struct Saved {
 }
 
 /// A version taken when a file was opened for writing; dropped at release if nothing changed.
+#[derive(Clone)]
 struct Pending {
     path: String,
     number: u32,
@@ -218,7 +219,12 @@ impl Version {
         let mut out = Vec::new();
         for e in self.below().list_dir(&cx, dir)? {
             let Some(number) = version_number(&e.name) else { continue };
-            let entry = self.below().lookup(&cx, dir, &e.name)?;
+            let entry = match self.below().lookup(&cx, dir, &e.name) {
+                Ok(entry) => entry,
+                // Dropped since the listing (a release finding its file unchanged, pruning).
+                Err(Error::Os(libc::ENOENT)) => continue,
+                Err(e) => return Err(e),
+            };
             self.below().forget(&cx, entry.node, 1);
             out.push(Saved { number, attr: entry.attr });
         }
@@ -435,13 +441,16 @@ impl Version {
     }
 
     fn release(&self, cx: &Caller, op: &Op<'_>, node: NodeId, fh: FileHandle) -> Result<Reply> {
-        let pending = self.pending.lock().remove(&(node, fh));
+        // The version stays pending until it is dropped: `versions` hides a pending version of an
+        // unchanged file, so a listing while the release runs never names one about to vanish.
+        let pending = self.pending.lock().get(&(node, fh)).cloned();
         let reply = bypass(self, cx, op);
         if let Some(p) = pending {
             if self.below().getattr(&daemon(), node).is_ok_and(|a| p.unchanged(&a)) {
                 self.drop_version(&p.path, p.number, p.space);
             }
         }
+        self.pending.lock().remove(&(node, fh));
         reply
     }
 
