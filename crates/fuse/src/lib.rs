@@ -4,8 +4,10 @@
 //!
 //! - [`fs`] turns kernel requests into stack operations, chooses the passthrough fast path or
 //!   the cached path for each open, and exposes every level under `.plyfs/` (fan-in).
-//! - Two transports carry the requests: [`classic`] (fuser's `/dev/fuse` loop, which also
-//!   agrees on features with the kernel) and [`uring`] (FUSE over io_uring, one queue per CPU).
+//! - [`classic`] agrees on features with the kernel (fuser's handshake). Two transports then
+//!   carry the requests: [`devloop`] (plyfs's own `/dev/fuse` loop) and [`uring`] (FUSE over
+//!   io_uring, one queue per CPU); both decode them alike ([`uring::dispatch`]) and check who
+//!   may use the mount ([`devloop::Access`]).
 //! - [`mount`] mounts and unmounts, directly or through `fusermount3`.
 //! - [`control`] is the socket that carries extended operations from `plyfs op` to the stack.
 //! - [`mountinfo`] finds the mount a path is on.
@@ -14,6 +16,7 @@
 
 pub mod classic;
 pub mod control;
+pub mod devloop;
 mod error;
 pub mod fs;
 pub mod mount;

@@ -16,7 +16,12 @@ use plyfs_stack::Stack;
 
 use crate::classic::{Classic, MAX_WRITE};
 use crate::fs::{FrontOptions, FrontStatus, FuseFs, IoMode, KernelCache};
+use crate::devloop::{self, Access, Others};
 use crate::{mountinfo, uring, Error};
+
+/// Room for the headers before a request's data in the `/dev/fuse` read buffer (the kernel
+/// wants at least 8 KiB beyond the largest write).
+const REQUEST_HEADROOM: usize = 8192;
 
 /// Everything `plyfs mount` decides before mounting.
 #[derive(Clone, Debug)]
@@ -75,6 +80,9 @@ impl std::fmt::Display for Transport {
 /// A mounted stack, ready to serve.
 pub struct Mounted {
     session: Session<Classic>,
+    fs: Arc<FuseFs>,
+    access: Access,
+    threads: usize,
     rings: Option<uring::Rings>,
     /// Why io_uring was asked for and not used.
     uring_refused: Option<String>,
@@ -196,6 +204,13 @@ impl Mounted {
         };
         let uring_agreed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let classic = Classic { fs: fs.clone(), want_uring, uring_agreed: uring_agreed.clone() };
+        let access = Access::new(if req.allow_other {
+            Others::All
+        } else if req.allow_root {
+            Others::Root
+        } else {
+            Others::None
+        });
         let session = Session::from_fd(classic, fd, config.acl, config.clone()).map_err(|e| {
             let _ = unmount(&mountpoint, true);
             Error::Mount { mountpoint: mountpoint.clone(), why: format!("FUSE handshake failed: {e}") }
@@ -207,7 +222,7 @@ impl Mounted {
         if want_uring && !uring_agreed.load(std::sync::atomic::Ordering::Relaxed) {
             uring_refused = Some("the kernel did not offer it at INIT".into());
         } else if want_uring {
-            match uring::start(fs, dev, ring_payload_size(), can_yield) {
+            match uring::start(fs.clone(), access, dev, ring_payload_size(), can_yield) {
                 Ok(r) => rings = Some(r),
                 Err(why) => uring_refused = Some(why.to_string()),
             }
@@ -216,7 +231,7 @@ impl Mounted {
         if let (Some(kb), Some(dev)) = (req.readahead_kb, &dev) {
             set_readahead(dev, kb);
         }
-        Ok(Mounted { session, rings, uring_refused, status, mountpoint, dev })
+        Ok(Mounted { session, fs, access, threads: req.threads, rings, uring_refused, status, mountpoint, dev })
     }
 
     /// How requests reach the daemon.
@@ -281,7 +296,10 @@ impl Mounted {
     /// mount being gone.
     pub fn run(self) -> io::Result<()> {
         let (mountpoint, dev, rings) = (self.mountpoint, self.dev, self.rings);
-        let result = self.session.run();
+        let fd = self.session.as_fd().as_raw_fd();
+        let result = devloop::run(self.fs.clone(), self.access, fd, self.threads, ring_payload_size() + REQUEST_HEADROOM);
+        // Dropping the session ends the stack (`Classic::destroy`).
+        drop(self.session);
         if let Some(rings) = rings {
             // The kernel hands every ring entry back when the connection ends.
             rings.join(std::time::Duration::from_secs(5));

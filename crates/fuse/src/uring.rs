@@ -4,8 +4,9 @@
 //! answer from when the daemon commits it (`FUSE_IO_URING_CMD_COMMIT_AND_FETCH`, which also
 //! waits for the next request). See `fs/fuse/dev_uring.c` in the kernel.
 //!
-//! The classic `/dev/fuse` loop keeps running beside the rings: it carries INIT, FORGET and
-//! INTERRUPT, and the notifications the daemon sends.
+//! The `/dev/fuse` loop ([`crate::devloop`]) keeps running beside the rings: it carries FORGET
+//! and INTERRUPT, and fuser's channel sends the daemon's notifications. [`dispatch`] decodes
+//! the requests of both.
 //!
 //! The layouts below are those of `include/uapi/linux/fuse.h`, ABI 7.40, without the
 //! extensions plyfs does not negotiate (security contexts, supplementary groups, extended
@@ -26,6 +27,7 @@ use parking_lot::Mutex;
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use plyfs_stack::{from_unix_time, unix_time, Attr, Caller, FileKind, SetAttr, TimeSet, XattrReply};
 
+use crate::devloop::Access;
 use crate::fs::{DirSink, FuseFs, NodeOut, OpenOut, Res};
 use crate::Error;
 
@@ -38,8 +40,9 @@ const THREADS_PER_QUEUE: usize = 2;
 /// Queue entries each thread registers.
 const ENTRIES_PER_THREAD: usize = 2;
 
-mod op {
+pub(crate) mod op {
     pub const LOOKUP: u32 = 1;
+    pub const FORGET: u32 = 2;
     pub const GETATTR: u32 = 3;
     pub const SETATTR: u32 = 4;
     pub const READLINK: u32 = 5;
@@ -61,14 +64,18 @@ mod op {
     pub const LISTXATTR: u32 = 23;
     pub const REMOVEXATTR: u32 = 24;
     pub const FLUSH: u32 = 25;
+    pub const INIT: u32 = 26;
     pub const OPENDIR: u32 = 27;
     pub const READDIR: u32 = 28;
     pub const RELEASEDIR: u32 = 29;
     pub const FSYNCDIR: u32 = 30;
     pub const ACCESS: u32 = 34;
     pub const CREATE: u32 = 35;
+    pub const INTERRUPT: u32 = 36;
     pub const DESTROY: u32 = 38;
     pub const IOCTL: u32 = 39;
+    pub const NOTIFY_REPLY: u32 = 41;
+    pub const BATCH_FORGET: u32 = 42;
     pub const FALLOCATE: u32 = 43;
     pub const READDIRPLUS: u32 = 44;
     pub const RENAME2: u32 = 45;
@@ -107,24 +114,27 @@ struct QueueEntry {
     iov: Box<[libc::iovec; 2]>,
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
+pub(crate) fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_ne_bytes(b[at..at + 4].try_into().unwrap())
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
+pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_ne_bytes(b[at..at + 8].try_into().unwrap())
 }
 
 /// `struct fuse_in_header`.
-struct InHeader {
-    opcode: u32,
-    unique: u64,
-    nodeid: u64,
-    caller: Caller,
+pub(crate) struct InHeader {
+    pub opcode: u32,
+    pub unique: u64,
+    pub nodeid: u64,
+    pub caller: Caller,
 }
 
+/// The size of `struct fuse_in_header`.
+pub(crate) const IN_HEADER_SIZE: usize = 40;
+
 impl InHeader {
-    fn parse(b: &[u8]) -> InHeader {
+    pub(crate) fn parse(b: &[u8]) -> InHeader {
         InHeader {
             opcode: u32_at(b, 4),
             unique: u64_at(b, 8),
@@ -257,7 +267,10 @@ impl DirSink for RingDir<'_> {
 /// Answer one request: decode it from the operation header `h` and the payload's first
 /// `in_len` bytes, call the handler, and write the answer over the payload. Returns the
 /// answer's length, or the errno.
-fn dispatch(fs: &FuseFs, h: &InHeader, op_in: &[u8], payload: &mut [u8], in_len: usize) -> Res<usize> {
+pub(crate) fn dispatch(fs: &FuseFs, access: &Access, h: &InHeader, op_in: &[u8], payload: &mut [u8], in_len: usize) -> Res<usize> {
+    if !access.allows(h) {
+        return Err(libc::EACCES);
+    }
     let cx = &h.caller;
     let ino = h.nodeid;
     let entry_ttl = fs.options.entry_ttl;
@@ -534,7 +547,7 @@ pub fn kernel_allows() -> Result<(), Error> {
 /// the threads yield their CPU to callers when `can_yield` (see [`can_yield`]). Returns once
 /// every queue is registered, or the reason it could not be; then the kernel has gone back to
 /// `/dev/fuse` for this connection.
-pub fn start(fs: Arc<FuseFs>, dev: Arc<OwnedFd>, payload_size: usize, can_yield: bool) -> Result<Rings, Error> {
+pub fn start(fs: Arc<FuseFs>, access: Access, dev: Arc<OwnedFd>, payload_size: usize, can_yield: bool) -> Result<Rings, Error> {
     let queues = possible_cpus();
     let yielding = if can_yield {
         Yielding::start(queues * THREADS_PER_QUEUE)
@@ -549,7 +562,7 @@ pub fn start(fs: Arc<FuseFs>, dev: Arc<OwnedFd>, payload_size: usize, can_yield:
             let (fs, ring_dev, tx, y) = (fs.clone(), dev.clone(), tx.clone(), yielding.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("plyfs-uring-{qid}.{n}"))
-                .spawn(move || serve(&fs, ring_dev.as_raw_fd(), qid as u16, payload_size, y, tx));
+                .spawn(move || serve(&fs, &access, ring_dev.as_raw_fd(), qid as u16, payload_size, y, tx));
             match spawned {
                 Ok(t) => threads.push(t),
                 Err(e) => {
@@ -649,6 +662,7 @@ fn pin_to(cpu: usize) {
 /// Serve one thread's entries of queue `qid` until the connection ends.
 fn serve(
     fs: &FuseFs,
+    access: &Access,
     dev: RawFd,
     qid: u16,
     payload_size: usize,
@@ -726,7 +740,7 @@ fn serve(
                 continue;
             }
             let entry = &mut entries[i as usize];
-            let commit_id = answer(fs, entry);
+            let commit_id = answer(fs, access, entry);
             let sqe = command(dev, CMD_COMMIT_AND_FETCH, qid, commit_id, entry, i);
             // SAFETY: as above.
             unsafe {
@@ -868,11 +882,11 @@ fn watch(weak: Weak<Yielding>) {
 }
 
 /// Answer the request in `entry`, in place. Returns the commit id to hand it back with.
-fn answer(fs: &FuseFs, entry: &mut QueueEntry) -> u64 {
+fn answer(fs: &FuseFs, access: &Access, entry: &mut QueueEntry) -> u64 {
     let h = InHeader::parse(&entry.headers.in_out);
     let commit_id = u64_at(&entry.headers.ent_in_out, 8);
     let in_len = (u32_at(&entry.headers.ent_in_out, 16) as usize).min(entry.payload.len());
-    let result = dispatch(fs, &h, &entry.headers.op_in, &mut entry.payload, in_len);
+    let result = dispatch(fs, access, &h, &entry.headers.op_in, &mut entry.payload, in_len);
     let (error, len) = match result {
         Ok(len) => (0, len),
         Err(e) => (-e, 0),

@@ -2,8 +2,8 @@
 //! the level a `.plyfs/NAME` path selects), and the answer goes back to the kernel.
 //!
 //! The handlers here know nothing of how requests arrive: they take plain arguments and return
-//! plain answers ([`NodeOut`], [`OpenOut`], ...). Two transports carry them: the classic
-//! `/dev/fuse` loop of fuser ([`crate::classic`]) and FUSE over io_uring ([`crate::uring`]).
+//! plain answers ([`NodeOut`], [`OpenOut`], ...). Two transports carry them: plyfs's
+//! `/dev/fuse` loop ([`crate::devloop`]) and FUSE over io_uring ([`crate::uring`]).
 //!
 //! - `options` holds what the front end is told and tells back;
 //! - `inode`, how a node of one view packs into an inode number;
