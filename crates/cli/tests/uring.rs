@@ -78,6 +78,16 @@ fn the_default_uses_the_rings_where_allowed_and_off_does_not() {
     assert_eq!(ring_wakeups(m.pid()), 0);
 }
 
+/// The rings are served by threads of their own: they too turn away users other than root and
+/// the owner on an `allow_root` mount (the kernel is told `allow_other`).
+#[test]
+fn allow_root_turns_other_users_away_over_the_rings() {
+    if !uring_allowed() || !is_root() {
+        return;
+    }
+    assert_allow_root_refuses_others(&["io_uring=on"]);
+}
+
 #[test]
 fn data_metadata_and_directories_round_trip() {
     if !uring_allowed() {

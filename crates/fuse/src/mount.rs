@@ -168,8 +168,6 @@ impl Mounted {
         } else {
             SessionACL::Owner
         };
-        config.n_threads = Some(req.threads.max(1));
-        config.clone_fd = true;
 
         let fd = match mount_directly(&mountpoint, &config)? {
             Some(fd) => fd,

@@ -552,3 +552,41 @@ impl Drop for SmallTmpfs {
         let _ = std::process::Command::new("umount").arg("-l").arg(self.0.path()).status();
     }
 }
+
+/// The mount's directory, made reachable by other users (a test's own is private).
+pub fn open_to_all(m: &Mount) {
+    use std::os::unix::fs::PermissionsExt;
+    for p in [m.dir.path(), &m.mnt, &m.lower] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+}
+
+/// With `-o allow_root` (and `extra` options) the kernel lets every user reach the daemon, which
+/// must turn away all but root and the owner (root here); with `-o allow_other`, everyone may.
+/// Needs root.
+pub fn assert_allow_root_refuses_others(extra: &[&str]) {
+    use std::os::unix::fs::PermissionsExt;
+    let options: Vec<&str> = ["allow_root"].iter().chain(extra).copied().collect();
+    let m = Mount::with("null", &options);
+    open_to_all(&m);
+    std::fs::write(m.path("f"), b"hello").unwrap();
+    std::fs::set_permissions(m.path("f"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mnt = m.mnt.to_str().unwrap().to_owned();
+    let f = m.path("f").to_str().unwrap().to_owned();
+    let new = format!("{mnt}/new");
+    for argv in [vec!["ls", mnt.as_str()], vec!["cat", f.as_str()], vec!["touch", new.as_str()]] {
+        let (ok, err) = as_nobody(&argv);
+        assert!(!ok, "{argv:?} as nobody succeeded on an allow_root mount ({options:?})");
+        assert!(err.contains("Permission denied"), "{argv:?}: {err}");
+    }
+    assert!(!m.lower_path("new").exists());
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), b"hello");
+
+    let options: Vec<&str> = ["allow_other"].iter().chain(extra).copied().collect();
+    let m = Mount::with("null", &options);
+    open_to_all(&m);
+    std::fs::write(m.path("f"), b"hello").unwrap();
+    std::fs::set_permissions(m.path("f"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let (ok, err) = as_nobody(&["cat", m.path("f").to_str().unwrap()]);
+    assert!(ok, "allow_other ({options:?}): {err}");
+}
