@@ -78,7 +78,7 @@ impl Default for MountOptions {
             io_uring: UringChoice::Auto,
             entry_ttl: Duration::from_secs(1),
             attr_ttl: Duration::from_secs(1),
-            threads: 16,
+            threads: 4,
             readahead_kb: None,
             allow_other: false,
             allow_root: false,

@@ -23,7 +23,7 @@ fn a_long_request_does_not_hold_up_the_others() {
         eprintln!("skipped: passthrough needs root");
         return;
     }
-    for threads in ["threads=16", "threads=2"] {
+    for threads in ["threads=4", "threads=2"] {
         let m = Mount::with("null", &[threads, "io_uring=off"]);
         if !m.daemon_log().contains("file I/O: passthrough") {
             eprintln!("skipped: no passthrough here: {}", m.daemon_log());

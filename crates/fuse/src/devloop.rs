@@ -5,9 +5,8 @@
 //!
 //! Every thread waits in `read`; the kernel hands each request to the thread that has waited
 //! longest. Measured on 2 CPUs (docs/benchmarks.md, *Where a metadata request's time goes*):
-//! more threads than CPUs pay (16 against 4: about a tenth less time for an untar, `ls -lR` and
-//! `rm -rf`), and keeping one thread hot, the others parked until requests queue or one runs
-//! long, costs up to a fifth more on an idle machine (it only paid on a loaded one).
+//! keeping one thread hot and the others parked until requests queue or one runs long cost up to
+//! a fifth more on an idle machine (it paid only on a loaded one), so every thread reads.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
