@@ -236,6 +236,13 @@ impl Version {
     /// when `moving`, else copied. Returns the version's number.
     fn save(&self, parent: NodeId, name: &OsStr, node: NodeId, attr: &Attr, moving: bool) -> Result<u32> {
         let path = self.paths.child_path(parent, name).ok_or(Error::Os(libc::ESTALE))?;
+        self.save_as(&path, (parent, name), node, attr, moving)
+    }
+
+    /// [`Self::save`] of the object at `from` as a version of the file at `path`, which may be
+    /// another name (a rename over a file exchanges the two first).
+    fn save_as(&self, path: &str, (parent, name): (NodeId, &OsStr), node: NodeId, attr: &Attr, moving: bool) -> Result<u32> {
+        let path = path.to_owned();
         let _one = self.saving.lock();
         let dir = self.store_dir(&path, true)?.ok_or(Error::Os(libc::EIO))?;
         let result = (|| {
@@ -395,22 +402,44 @@ impl Version {
 
     // --- Events ---------------------------------------------------------------------------------
 
+    /// The file `name` in `parent`, if its going (unlink, or a rename over it) keeps a version:
+    /// a regular file with no other link, and something in it.
+    fn to_keep(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Option<Entry> {
+        let e = self.below().lookup(cx, parent, name).ok()?;
+        self.below().forget(cx, e.node, 1);
+        // Another link keeps the data; an empty file has nothing to keep.
+        let keep = e.attr.kind == FileKind::File && e.attr.nlink == 1 && e.attr.size > 0 && self.paths.path_of(parent).is_some();
+        keep.then_some(e)
+    }
+
     /// Before `name` in `parent` goes (unlink, or a rename over it): move a regular file with no
     /// other link into the store instead. Returns whether it was moved.
     fn keep_removed(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Result<bool> {
-        let e = match self.below().lookup(cx, parent, name) {
-            Ok(e) => e,
-            Err(_) => return Ok(false),
-        };
-        self.below().forget(cx, e.node, 1);
-        // Another link keeps the data; an empty file has nothing to keep.
-        if e.attr.kind != FileKind::File || e.attr.nlink > 1 || e.attr.size == 0 {
-            return Ok(false);
-        }
-        if self.paths.path_of(parent).is_none() {
-            return Ok(false);
-        }
+        let Some(e) = self.to_keep(cx, parent, name) else { return Ok(false) };
         self.save(parent, name, e.node, &e.attr, true)?;
+        self.prune_if_over();
+        Ok(true)
+    }
+
+    /// A rename of the file `from` over the file `to` that keeps what `to` held, without `to`'s
+    /// name ever missing (as `rename(2)` promises): the two are exchanged, then what `to` held
+    /// is moved into the store from `from`'s name. Returns whether it was done; when the level
+    /// below cannot exchange, `false`, and the caller moves `to` into the store and renames.
+    /// (A crash between the two steps leaves what `to` held under `from`'s name, not lost.)
+    fn rename_over_keeping(&self, cx: &Caller, from: (NodeId, &OsStr), to: (NodeId, &OsStr)) -> Result<bool> {
+        let Some(target) = self.to_keep(cx, to.0, to.1) else { return Ok(false) };
+        let path = self.paths.child_path(to.0, to.1).ok_or(Error::Os(libc::ESTALE))?;
+        let exchange = Op::Rename { parent: from.0, name: from.1, new_parent: to.0, new_name: to.1, flags: libc::RENAME_EXCHANGE };
+        match self.below().call(cx, &exchange) {
+            Ok(_) => {}
+            Err(Error::Os(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => return Ok(false),
+            Err(e) => return Err(e),
+        }
+        if let Err(e) = self.save_as(&path, from, target.node, &target.attr, true) {
+            // Undone: the rename fails as a whole.
+            let _ = self.below().call(cx, &exchange);
+            return Err(e);
+        }
         self.prune_if_over();
         Ok(true)
     }
@@ -699,8 +728,9 @@ impl Layer for Version {
                 if store_name(parent, name) || store_name(new_parent, new_name) || self.in_store(parent) || self.in_store(new_parent) {
                     return Err(Error::Os(libc::EROFS));
                 }
+                let mut renamed = false;
                 if flags & (libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE) == 0 {
-                    // What the target held is kept; the rename then lands on a free name.
+                    // What the target held is kept.
                     let src = self.below().lookup(cx, parent, name)?;
                     self.below().forget(cx, src.node, 1);
                     let same = self.below().lookup(cx, new_parent, new_name).map(|d| {
@@ -708,10 +738,14 @@ impl Layer for Version {
                         d.node == src.node
                     });
                     if src.attr.kind == FileKind::File && matches!(same, Ok(false)) {
-                        self.keep_removed(cx, new_parent, new_name)?;
+                        renamed = self.rename_over_keeping(cx, (parent, name), (new_parent, new_name))?;
+                        if !renamed {
+                            // Moved into the store; the rename then lands on a free name.
+                            self.keep_removed(cx, new_parent, new_name)?;
+                        }
                     }
                 }
-                let reply = bypass(self, cx, op)?;
+                let reply = if renamed { Reply::Empty } else { bypass(self, cx, op)? };
                 if let Ok(e) = self.below().lookup(&daemon(), new_parent, new_name) {
                     self.below().forget(&daemon(), e.node, 1);
                     self.paths.moved(e.node, new_parent, new_name);

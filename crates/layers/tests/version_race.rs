@@ -1,0 +1,288 @@
+//! `version` under concurrency, in process (issue #33): writers overwrite files every way the
+//! layer keeps a version, while listers ask `versions` of the same files without pause and read
+//! every version they are given.
+//!
+//! The race this guards: a release (which the kernel sends after close has returned) drops the
+//! version its open took when the file did not change. A listing running meanwhile must neither
+//! fail nor lose a version; a version it names may be gone when read, and must then be
+//! reported as gone (`ENOENT`), never as something else.
+
+use std::collections::HashSet;
+use std::ffi::OsStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use plyfs_stack::spec::parse_stack_spec;
+use plyfs_stack::{Caller, Error, Level, LowerDir, NodeId, Op, SetAttr, Stack};
+
+const FILES: usize = 3;
+/// Rounds per writer; `PLYFS_VERSION_RACE_ROUNDS` sets more (or fewer).
+const ROUNDS: usize = 400;
+/// Every content a writer writes has this length, so a write at 0 replaces all of a file.
+const CONTENT_BYTES: usize = 16;
+/// What a truncate leaves.
+const TRUNCATED_BYTES: u64 = 5;
+
+fn cx() -> Caller {
+    Caller::daemon()
+}
+
+fn content(file: usize, round: usize) -> Vec<u8> {
+    let c = format!("f{file}-round{round:08}").into_bytes();
+    assert_eq!(c.len(), CONTENT_BYTES);
+    c
+}
+
+/// Each way of overwriting a file, and whether it keeps a version.
+#[derive(Clone, Copy, Debug)]
+enum Overwrite {
+    /// Opened for writing, closed unchanged: the version taken at open is dropped at release.
+    OpenUnchanged,
+    /// Opened for writing (no `O_TRUNC`), written from the start.
+    OpenWrite,
+    /// Opened with `O_TRUNC`, then written.
+    TruncOpenWrite,
+    /// Truncated by `setattr` (the `truncate(2)` of a file not open).
+    Truncate,
+    /// Another file written and renamed over it.
+    RenameOver,
+}
+
+const OVERWRITES: [Overwrite; 5] =
+    [Overwrite::OpenUnchanged, Overwrite::OpenWrite, Overwrite::TruncOpenWrite, Overwrite::Truncate, Overwrite::RenameOver];
+
+/// What listers saw, summed over all of them.
+#[derive(Default)]
+struct Seen {
+    listings: AtomicU64,
+    versions_listed: AtomicU64,
+    versions_read: AtomicU64,
+    /// Named by a listing, gone when read: a version dropped by its release meanwhile.
+    versions_gone: AtomicU64,
+    /// The file's name missing (a rename over it is not atomic if this is ever above 0).
+    file_missing: AtomicU64,
+    /// The file looked up, then renamed over and so a version, before its listing: a clean
+    /// refusal, as for any version named as a file.
+    renamed_over: AtomicU64,
+    failures: Mutex<Vec<String>>,
+}
+
+impl Seen {
+    fn fail(&self, what: String) {
+        let mut f = self.failures.lock();
+        if f.len() < 20 {
+            f.push(what);
+        }
+    }
+}
+
+/// A version read through the top of the stack by the path `versions` gave:
+/// `Ok(None)` when it is gone.
+fn read_version(top: &Level, path: &str) -> plyfs_stack::Result<Option<Vec<u8>>> {
+    let mut held: Vec<NodeId> = Vec::new();
+    let result = (|| {
+        let mut at = NodeId::ROOT;
+        for part in path.split('/') {
+            match top.lookup(&cx(), at, OsStr::new(part)) {
+                Ok(e) => {
+                    held.push(e.node);
+                    at = e.node;
+                }
+                Err(Error::Os(libc::ENOENT)) => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
+        let o = top.open(&cx(), at, libc::O_RDONLY)?;
+        let data = top.read(&cx(), at, o.fh, 0, 4096);
+        top.release(&cx(), at, o.fh)?;
+        data.map(Some)
+    })();
+    for n in held {
+        top.forget(&cx(), n, 1);
+    }
+    result
+}
+
+/// The versions of `name`, read: (number, content) each, `None` for one gone since listed.
+fn versions_of(top: &Level, name: &str) -> Result<Vec<(u64, Option<Vec<u8>>)>, String> {
+    let e = top.lookup(&cx(), NodeId::ROOT, OsStr::new(name)).map_err(|e| format!("lookup {name}: {e}"))?;
+    let listed = top.extended(&cx(), e.node, "versions", &[]);
+    top.forget(&cx(), e.node, 1);
+    let listed = listed.map_err(|e| format!("versions of {name}: {e}"))?;
+    let mut out = Vec::new();
+    for v in listed.as_array().ok_or_else(|| format!("versions of {name}: not a list: {listed}"))? {
+        let number = v["number"].as_u64().ok_or_else(|| format!("versions of {name}: no number in {v}"))?;
+        let path = v["path"].as_str().ok_or_else(|| format!("versions of {name}: no path in {v}"))?;
+        let data = read_version(top, path).map_err(|e| format!("{path}: listed, then read: {e}"))?;
+        out.push((number, data));
+    }
+    Ok(out)
+}
+
+/// One writer's file: what it held before each version-keeping overwrite, in order.
+struct Writer {
+    name: String,
+    /// Every content the file has held, for listers to check versions against.
+    held: Mutex<HashSet<Vec<u8>>>,
+    kept: Mutex<Vec<Vec<u8>>>,
+}
+
+fn overwrite(top: &Level, w: &Writer, file: usize, round: usize, how: Overwrite, now: &mut Vec<u8>) {
+    let name = OsStr::new(&w.name);
+    let new = content(file, round);
+    let f = top.lookup(&cx(), NodeId::ROOT, name).unwrap();
+    let write_all = |flags: i32| {
+        w.held.lock().insert(new.clone());
+        let o = top.open(&cx(), f.node, flags).unwrap();
+        assert_eq!(top.write(&cx(), f.node, o.fh, 0, &new).unwrap() as usize, CONTENT_BYTES);
+        top.release(&cx(), f.node, o.fh).unwrap();
+    };
+    let previous = now.clone();
+    match how {
+        Overwrite::OpenUnchanged => {
+            let o = top.open(&cx(), f.node, libc::O_RDWR).unwrap();
+            top.release(&cx(), f.node, o.fh).unwrap();
+        }
+        Overwrite::OpenWrite => {
+            write_all(libc::O_WRONLY);
+            *now = new;
+        }
+        Overwrite::TruncOpenWrite => {
+            write_all(libc::O_WRONLY | libc::O_TRUNC);
+            *now = new;
+        }
+        Overwrite::Truncate => {
+            now.truncate(TRUNCATED_BYTES as usize);
+            w.held.lock().insert(now.clone());
+            let set = SetAttr { size: Some(TRUNCATED_BYTES), ..Default::default() };
+            top.call(&cx(), &Op::SetAttr { node: f.node, fh: None, set }).unwrap();
+        }
+        Overwrite::RenameOver => {
+            let temp = format!("{}.new", w.name);
+            w.held.lock().insert(new.clone());
+            let (t, o) = top.create(&cx(), NodeId::ROOT, OsStr::new(&temp), 0o644, libc::O_WRONLY).unwrap();
+            top.write(&cx(), t.node, o.fh, 0, &new).unwrap();
+            top.release(&cx(), t.node, o.fh).unwrap();
+            top.forget(&cx(), t.node, 1);
+            let op = Op::Rename { parent: NodeId::ROOT, name: OsStr::new(&temp), new_parent: NodeId::ROOT, new_name: name, flags: 0 };
+            top.call(&cx(), &op).unwrap();
+            *now = new;
+        }
+    }
+    top.forget(&cx(), f.node, 1);
+    if !matches!(how, Overwrite::OpenUnchanged) {
+        w.kept.lock().push(previous);
+    }
+}
+
+fn lister(top: &Level, writers: &[Writer], done: &AtomicBool, seen: &Seen) {
+    while !done.load(Ordering::SeqCst) {
+        for w in writers {
+            let listed = match versions_of(top, &w.name) {
+                Ok(listed) => listed,
+                Err(e) if e.starts_with("lookup") && e.contains("No such file") => {
+                    seen.file_missing.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                Err(e) if e.contains("this is a version already") => {
+                    seen.renamed_over.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                Err(e) => {
+                    seen.fail(e);
+                    continue;
+                }
+            };
+            seen.listings.fetch_add(1, Ordering::Relaxed);
+            let numbers: Vec<u64> = listed.iter().map(|v| v.0).collect();
+            if numbers.windows(2).any(|p| p[0] >= p[1]) {
+                seen.fail(format!("{}: versions out of order or twice: {numbers:?}", w.name));
+            }
+            for (number, data) in listed {
+                seen.versions_listed.fetch_add(1, Ordering::Relaxed);
+                match data {
+                    None => {
+                        seen.versions_gone.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Some(data) => {
+                        seen.versions_read.fetch_add(1, Ordering::Relaxed);
+                        if !w.held.lock().contains(&data) {
+                            seen.fail(format!("{} @{number}: {:?} was never the file's content", w.name, String::from_utf8_lossy(&data)));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A stack of `version` (no pruning) over a fresh directory.
+fn version_stack() -> (tempfile::TempDir, Stack) {
+    let dir = tempfile::tempdir().unwrap();
+    let specs = parse_stack_spec("version:keep=0:max_space=0").unwrap();
+    let stack = Stack::build(&specs, plyfs_layers::registry(), Arc::new(LowerDir::open(dir.path()).unwrap())).unwrap();
+    (dir, stack)
+}
+
+#[test]
+fn listings_racing_overwrites_and_releases_never_fail_nor_lose_a_version() {
+    let rounds = std::env::var("PLYFS_VERSION_RACE_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(ROUNDS);
+    let (_dir, stack) = version_stack();
+    let top = stack.top();
+    let writers: Vec<Writer> = (0..FILES)
+        .map(|i| Writer { name: format!("f{i}"), held: Mutex::new(HashSet::new()), kept: Mutex::new(Vec::new()) })
+        .collect();
+    let first: Vec<Vec<u8>> = (0..FILES).map(|i| content(i, 0)).collect();
+    for (w, data) in writers.iter().zip(&first) {
+        w.held.lock().insert(data.clone());
+        let (e, o) = top.create(&cx(), NodeId::ROOT, OsStr::new(&w.name), 0o644, libc::O_WRONLY).unwrap();
+        top.write(&cx(), e.node, o.fh, 0, data).unwrap();
+        top.release(&cx(), e.node, o.fh).unwrap();
+        top.forget(&cx(), e.node, 1);
+    }
+    let (done, seen) = (AtomicBool::new(false), Seen::default());
+    std::thread::scope(|s| {
+        let listers: Vec<_> = (0..FILES).map(|_| s.spawn(|| lister(top, &writers, &done, &seen))).collect();
+        let writing: Vec<_> = writers
+            .iter()
+            .zip(first)
+            .enumerate()
+            .map(|(i, (w, mut now))| {
+                s.spawn(move || {
+                    for round in 1..=rounds {
+                        overwrite(top, w, i, round, OVERWRITES[(round + i) % OVERWRITES.len()], &mut now);
+                    }
+                })
+            })
+            .collect();
+        for w in writing {
+            w.join().unwrap();
+        }
+        done.store(true, Ordering::SeqCst);
+        for l in listers {
+            l.join().unwrap();
+        }
+    });
+    eprintln!(
+        "{} listings naming {} versions: {} read, {} gone when read; the file's name missing {} times, renamed over before its listing {}",
+        seen.listings.load(Ordering::Relaxed),
+        seen.versions_listed.load(Ordering::Relaxed),
+        seen.versions_read.load(Ordering::Relaxed),
+        seen.versions_gone.load(Ordering::Relaxed),
+        seen.file_missing.load(Ordering::Relaxed),
+        seen.renamed_over.load(Ordering::Relaxed),
+    );
+    let failures = seen.failures.lock();
+    assert!(failures.is_empty(), "{} failures, the first: {:#?}", failures.len(), &failures[..]);
+    assert_eq!(seen.file_missing.load(Ordering::Relaxed), 0, "a rename over the file left its name missing");
+    // Once the writers are done, each file has exactly the versions they made, in order.
+    for w in &writers {
+        let got: Vec<Vec<u8>> = versions_of(top, &w.name).unwrap().into_iter().map(|(n, d)| d.unwrap_or_else(|| panic!("{} @{n} gone", w.name))).collect();
+        let want = w.kept.lock();
+        assert_eq!(got.len(), want.len(), "{}: version count", w.name);
+        for (i, (g, k)) in got.iter().zip(want.iter()).enumerate() {
+            assert_eq!(String::from_utf8_lossy(g), String::from_utf8_lossy(k), "{}: version {} of {}", w.name, i + 1, want.len());
+        }
+    }
+}
