@@ -487,13 +487,15 @@ impl Version {
         if self.in_store(node) {
             return Err(Error::Os(libc::EROFS));
         }
-        // A version taken when the file was opened for writing covers this truncate (the kernel
-        // truncates for O_TRUNC after the open, without naming the handle).
-        let opened_with_version = self.pending.lock().keys().any(|(n, _)| *n == node);
-        if let (Some(size), false) = (set.size, opened_with_version) {
+        if let Some(size) = set.size {
             let attr = self.below().getattr(cx, node)?;
+            // A version taken at an open of the file that has changed nothing since holds what
+            // the file holds now, and covers this truncate (the kernel truncates for O_TRUNC
+            // after the open, without naming the handle). One whose file changed since does not:
+            // its release may simply not have come yet (the kernel sends it after close returns).
+            let covered = self.pending.lock().iter().any(|((n, _), p)| *n == node && p.unchanged(&attr));
             let parent = self.paths.parent_of(node);
-            if attr.kind == FileKind::File && attr.size > 0 && size != attr.size {
+            if !covered && attr.kind == FileKind::File && attr.size > 0 && size != attr.size {
                 if let Some((parent, name)) = parent {
                     self.save(parent, &name, node, &attr, false)?;
                 }
