@@ -22,6 +22,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -124,6 +125,8 @@ pub struct Version {
     /// Nodes inside the store, which nothing may change.
     store_nodes: Mutex<HashSet<NodeId>>,
     pending: Mutex<HashMap<(NodeId, FileHandle), Pending>>,
+    /// Keys for the versions of opens still under way, which have no handle yet.
+    opening: AtomicU64,
     /// Versions are numbered and pruned one file at a time.
     saving: Mutex<()>,
     temps: TempNames,
@@ -452,17 +455,36 @@ impl Version {
         let keep = writes && flags & libc::O_APPEND == 0;
         let before = if keep { Some(self.below().getattr(cx, node)?) } else { None };
         let seen = self.paths.parent_of(node);
-        let saved = match (before, seen) {
+        // The version is pending under this key until the open has its handle.
+        let opening = (node, FileHandle(u64::MAX - self.opening.fetch_add(1, Ordering::Relaxed)));
+        let taken = match (before, seen) {
             (Some(attr), Some((parent, name))) if attr.kind == FileKind::File && attr.size > 0 => {
-                Some((self.save(parent, &name, node, &attr, false)?, attr, self.paths.child_path(parent, &name).unwrap_or_default()))
+                let path = self.paths.child_path(parent, &name).unwrap_or_default();
+                // An open not yet released whose version is the file as it is now shares it
+                // with this one. Another would be a copy, and kept too: that open's release may
+                // come after this open has changed the file (the kernel sends it after close
+                // returns), and find the file changed.
+                let shared = {
+                    let mut pending = self.pending.lock();
+                    let same = pending.values().find(|p| p.path == path && p.unchanged(&attr)).cloned();
+                    same.map(|p| pending.insert(opening, p)).is_some()
+                };
+                if !shared {
+                    let number = self.save(parent, &name, node, &attr, false)?;
+                    let p = Pending { path, number, space: space_of(&attr), size: attr.size, mtime: attr.mtime };
+                    self.pending.lock().insert(opening, p);
+                }
+                true
             }
-            _ => None,
+            _ => false,
         };
         let reply = self.below().call(cx, &Op::Open { node, flags });
-        if let (Ok(Reply::Opened(o)), Some((number, attr, path))) = (&reply, saved) {
-            // Dropped at release if the file is then what it was.
-            if flags & libc::O_TRUNC == 0 {
-                self.pending.lock().insert((node, o.fh), Pending { path, number, space: space_of(&attr), size: attr.size, mtime: attr.mtime });
+        if taken {
+            let mut pending = self.pending.lock();
+            let p = pending.remove(&opening);
+            // Dropped at release if the file is then what it was (never, once truncated).
+            if let (Ok(Reply::Opened(o)), Some(p), 0) = (&reply, p, flags & libc::O_TRUNC) {
+                pending.insert((node, o.fh), p);
             }
         }
         self.prune_if_over();
@@ -470,16 +492,18 @@ impl Version {
     }
 
     fn release(&self, cx: &Caller, op: &Op<'_>, node: NodeId, fh: FileHandle) -> Result<Reply> {
-        // The version stays pending until it is dropped: `versions` hides a pending version of an
-        // unchanged file, so a listing while the release runs never names one about to vanish.
-        let pending = self.pending.lock().get(&(node, fh)).cloned();
         let reply = bypass(self, cx, op);
-        if let Some(p) = pending {
-            if self.below().getattr(&daemon(), node).is_ok_and(|a| p.unchanged(&a)) {
+        // Decided and done under the lock, the version pending until it is dropped: an open
+        // cannot share it meanwhile, and `versions`, which hides a pending version of an
+        // unchanged file, never names one about to vanish.
+        let mut pending = self.pending.lock();
+        if let Some(p) = pending.get(&(node, fh)).cloned() {
+            let shared = pending.iter().any(|(key, q)| *key != (node, fh) && q.path == p.path && q.number == p.number);
+            if !shared && self.below().getattr(&daemon(), node).is_ok_and(|a| p.unchanged(&a)) {
                 self.drop_version(&p.path, p.number, p.space);
             }
+            pending.remove(&(node, fh));
         }
-        self.pending.lock().remove(&(node, fh));
         reply
     }
 
@@ -815,6 +839,7 @@ fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
         paths: PathTable::new(),
         store_nodes: Mutex::new(HashSet::new()),
         pending: Mutex::new(HashMap::new()),
+        opening: AtomicU64::new(0),
         saving: Mutex::new(()),
         temps: TempNames::new(".plyfs-version-copy."),
         store_space: Mutex::new(None),

@@ -286,3 +286,45 @@ fn listings_racing_overwrites_and_releases_never_fail_nor_lose_a_version() {
         }
     }
 }
+
+/// The kernel sends a release after close returns, so it may come after the next open of the
+/// file has changed it. An open that changed nothing then keeps no version of its own: it
+/// shares the one the next open took, which is kept once.
+#[test]
+fn a_late_release_of_an_unchanged_open_leaves_no_copy_of_the_next_version() {
+    let (_dir, stack) = version_stack();
+    let top = stack.top();
+    let (e, o) = top.create(&cx(), NodeId::ROOT, OsStr::new("f"), 0o644, libc::O_WRONLY).unwrap();
+    top.write(&cx(), e.node, o.fh, 0, b"one").unwrap();
+    top.release(&cx(), e.node, o.fh).unwrap();
+    let count = || top.extended(&cx(), e.node, "versions", &[]).unwrap().as_array().unwrap().len();
+    for flags in [libc::O_WRONLY, libc::O_WRONLY | libc::O_TRUNC] {
+        let before = count();
+        // Opened for writing and closed unchanged; its release still to come.
+        let unchanged = top.open(&cx(), e.node, libc::O_RDWR).unwrap();
+        let next = top.open(&cx(), e.node, flags).unwrap();
+        top.write(&cx(), e.node, next.fh, 0, b"two").unwrap();
+        top.release(&cx(), e.node, next.fh).unwrap();
+        top.release(&cx(), e.node, unchanged.fh).unwrap();
+        assert_eq!(count(), before + 1, "flags {flags:#o}: one version for one change");
+    }
+    // Both unchanged, released in either order: none. One changes after the other's release:
+    // the version stays.
+    for first_released_unchanged in [true, false] {
+        let before = count();
+        let a = top.open(&cx(), e.node, libc::O_RDWR).unwrap();
+        let b = top.open(&cx(), e.node, libc::O_RDWR).unwrap();
+        let (first, second) = if first_released_unchanged { (a, b) } else { (b, a) };
+        top.release(&cx(), e.node, first.fh).unwrap();
+        assert_eq!(count(), before, "an open that changed nothing shows no version");
+        top.release(&cx(), e.node, second.fh).unwrap();
+        assert_eq!(count(), before);
+        let a = top.open(&cx(), e.node, libc::O_RDWR).unwrap();
+        let b = top.open(&cx(), e.node, libc::O_RDWR).unwrap();
+        top.release(&cx(), e.node, a.fh).unwrap();
+        top.write(&cx(), e.node, b.fh, 0, b"new").unwrap();
+        top.release(&cx(), e.node, b.fh).unwrap();
+        assert_eq!(count(), before + 1, "what the file held before b wrote is kept");
+    }
+    top.forget(&cx(), e.node, 1);
+}
