@@ -104,8 +104,15 @@ fn read_version(top: &Level, path: &str) -> plyfs_stack::Result<Option<Vec<u8>>>
     result
 }
 
-/// The versions of `name`, read: (number, content) each, `None` for one gone since listed.
-fn versions_of(top: &Level, name: &str) -> Result<Vec<(u64, Option<Vec<u8>>)>, String> {
+/// A version as a listing named it, and what reading it found.
+struct Listed {
+    number: u64,
+    /// `None`: gone since listed.
+    content: Option<Vec<u8>>,
+}
+
+/// The versions of `name`, each read.
+fn versions_of(top: &Level, name: &str) -> Result<Vec<Listed>, String> {
     let e = top.lookup(&cx(), NodeId::ROOT, OsStr::new(name)).map_err(|e| format!("lookup {name}: {e}"))?;
     let listed = top.extended(&cx(), e.node, "versions", &[]);
     top.forget(&cx(), e.node, 1);
@@ -114,8 +121,8 @@ fn versions_of(top: &Level, name: &str) -> Result<Vec<(u64, Option<Vec<u8>>)>, S
     for v in listed.as_array().ok_or_else(|| format!("versions of {name}: not a list: {listed}"))? {
         let number = v["number"].as_u64().ok_or_else(|| format!("versions of {name}: no number in {v}"))?;
         let path = v["path"].as_str().ok_or_else(|| format!("versions of {name}: no path in {v}"))?;
-        let data = read_version(top, path).map_err(|e| format!("{path}: listed, then read: {e}"))?;
-        out.push((number, data));
+        let content = read_version(top, path).map_err(|e| format!("{path}: listed, then read: {e}"))?;
+        out.push(Listed { number, content });
     }
     Ok(out)
 }
@@ -195,13 +202,13 @@ fn lister(top: &Level, writers: &[Writer], done: &AtomicBool, seen: &Seen) {
                 }
             };
             seen.listings.fetch_add(1, Ordering::Relaxed);
-            let numbers: Vec<u64> = listed.iter().map(|v| v.0).collect();
+            let numbers: Vec<u64> = listed.iter().map(|v| v.number).collect();
             if numbers.windows(2).any(|p| p[0] >= p[1]) {
                 seen.fail(format!("{}: versions out of order or twice: {numbers:?}", w.name));
             }
-            for (number, data) in listed {
+            for Listed { number, content } in listed {
                 seen.versions_listed.fetch_add(1, Ordering::Relaxed);
-                match data {
+                match content {
                     None => {
                         seen.versions_gone.fetch_add(1, Ordering::Relaxed);
                     }
@@ -278,7 +285,8 @@ fn listings_racing_overwrites_and_releases_never_fail_nor_lose_a_version() {
     assert_eq!(seen.file_missing.load(Ordering::Relaxed), 0, "a rename over the file left its name missing");
     // Once the writers are done, each file has exactly the versions they made, in order.
     for w in &writers {
-        let got: Vec<Vec<u8>> = versions_of(top, &w.name).unwrap().into_iter().map(|(n, d)| d.unwrap_or_else(|| panic!("{} @{n} gone", w.name))).collect();
+        let got: Vec<Vec<u8>> =
+            versions_of(top, &w.name).unwrap().into_iter().map(|v| v.content.unwrap_or_else(|| panic!("{} @{} gone", w.name, v.number))).collect();
         let want = w.kept.lock();
         assert_eq!(got.len(), want.len(), "{}: version count", w.name);
         for (i, (g, k)) in got.iter().zip(want.iter()).enumerate() {
