@@ -125,7 +125,8 @@ pub struct Version {
     /// Nodes inside the store, which nothing may change.
     store_nodes: Mutex<HashSet<NodeId>>,
     pending: Mutex<HashMap<(NodeId, FileHandle), Pending>>,
-    /// Keys for the versions of opens still under way, which have no handle yet.
+    /// Keys for the versions held by opens still under way, which have no handle yet, and by
+    /// truncates under way that a pending version covers.
     opening: AtomicU64,
     /// Versions are numbered and pruned one file at a time.
     saving: Mutex<()>,
@@ -464,9 +465,11 @@ impl Version {
                 // with this one. Another would be a copy, and kept too: that open's release may
                 // come after this open has changed the file (the kernel sends it after close
                 // returns), and find the file changed.
+                // Only an open of this file: another now at its path (the file renamed away or
+                // removed, another put there) may look the same, and hold other content.
                 let shared = {
                     let mut pending = self.pending.lock();
-                    let same = pending.values().find(|p| p.path == path && p.unchanged(&attr)).cloned();
+                    let same = pending.iter().find(|((n, _), p)| *n == node && p.path == path && p.unchanged(&attr)).map(|(_, p)| p.clone());
                     same.map(|p| pending.insert(opening, p)).is_some()
                 };
                 if !shared {
@@ -517,9 +520,22 @@ impl Version {
             // the file holds now, and covers this truncate (the kernel truncates for O_TRUNC
             // after the open, without naming the handle). One whose file changed since does not:
             // its release may simply not have come yet (the kernel sends it after close returns).
-            let covered = self.pending.lock().iter().any(|((n, _), p)| *n == node && p.unchanged(&attr));
+            // The version that covers it is held under a key of this truncate's until it is
+            // done, as an open holds one it shares: a release of that open meanwhile, finding
+            // the file not yet truncated, would drop it.
+            let held = (node, FileHandle(u64::MAX - self.opening.fetch_add(1, Ordering::Relaxed)));
+            let covered = {
+                let mut pending = self.pending.lock();
+                let cover = pending.iter().find(|((n, _), p)| *n == node && p.unchanged(&attr)).map(|(_, p)| p.clone());
+                cover.map(|p| pending.insert(held, p)).is_some()
+            };
             let parent = self.paths.parent_of(node);
-            if !covered && attr.kind == FileKind::File && attr.size > 0 && size != attr.size {
+            if covered {
+                let reply = bypass(self, cx, op);
+                self.pending.lock().remove(&held);
+                return reply;
+            }
+            if attr.kind == FileKind::File && attr.size > 0 && size != attr.size {
                 if let Some((parent, name)) = parent {
                     self.save(parent, &name, node, &attr, false)?;
                 }

@@ -9,12 +9,12 @@
 
 use std::collections::HashSet;
 use std::ffi::OsStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
 
 use parking_lot::Mutex;
 use plyfs_stack::spec::parse_stack_spec;
-use plyfs_stack::{Caller, Error, Level, LowerDir, NodeId, Op, SetAttr, Stack};
+use plyfs_stack::{bypass, Caller, Error, Layer, Level, LowerDir, NodeId, Op, Reply, SetAttr, Stack, TimeSet};
 
 const FILES: usize = 3;
 /// Rounds per writer; `PLYFS_VERSION_RACE_ROUNDS` sets more (or fewer).
@@ -335,4 +335,171 @@ fn a_late_release_of_an_unchanged_open_leaves_no_copy_of_the_next_version() {
         assert_eq!(count(), before + 1, "what the file held before b wrote is kept");
     }
     top.forget(&cx(), e.node, 1);
+}
+
+/// The bottom of a stack for the tests below: a directory, with a level that can refuse
+/// `RENAME_EXCHANGE` (as NFS and many FUSE file systems do), fail the making of directories (a
+/// store that cannot be made), and hold a truncate on its way down until the test lets it go.
+struct Gate {
+    lower: [Level; 1],
+    /// Refuse `RENAME_EXCHANGE` with this errno (0: do it).
+    refuse_exchange: AtomicI32,
+    /// Fail `mkdir` with this errno (0: do it).
+    fail_mkdir: AtomicI32,
+    /// The next truncate says it arrived, then waits to be let go.
+    hold_truncate: Mutex<Option<(mpsc::Sender<()>, mpsc::Receiver<()>)>>,
+}
+
+impl Layer for Gate {
+    fn name(&self) -> &str {
+        "gate"
+    }
+    fn kind(&self) -> &'static str {
+        "gate"
+    }
+    fn lower(&self) -> &[Level] {
+        &self.lower
+    }
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> plyfs_stack::Result<Reply> {
+        match *op {
+            Op::Rename { flags, .. } if flags & libc::RENAME_EXCHANGE != 0 => match self.refuse_exchange.load(Ordering::SeqCst) {
+                0 => {}
+                errno => return Err(Error::Os(errno)),
+            },
+            Op::MkDir { .. } => match self.fail_mkdir.load(Ordering::SeqCst) {
+                0 => {}
+                errno => return Err(Error::Os(errno)),
+            },
+            Op::SetAttr { ref set, .. } if set.size.is_some() => {
+                let held = self.hold_truncate.lock().take();
+                if let Some((arrived, go)) = held {
+                    arrived.send(()).unwrap();
+                    go.recv().unwrap();
+                }
+            }
+            _ => {}
+        }
+        bypass(self, cx, op)
+    }
+}
+
+/// `version` (no pruning) over a [`Gate`].
+fn gated_version_stack() -> (tempfile::TempDir, Stack, Arc<Gate>) {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate {
+        lower: [Level::new(Arc::new(LowerDir::open(dir.path()).unwrap()))],
+        refuse_exchange: AtomicI32::new(0),
+        fail_mkdir: AtomicI32::new(0),
+        hold_truncate: Mutex::new(None),
+    });
+    let specs = parse_stack_spec("version:keep=0:max_space=0").unwrap();
+    let stack = Stack::build(&specs, plyfs_layers::registry(), gate.clone()).unwrap();
+    (dir, stack, gate)
+}
+
+fn make_file(top: &Level, name: &str, data: &[u8]) -> NodeId {
+    let (e, o) = top.create(&cx(), NodeId::ROOT, OsStr::new(name), 0o644, libc::O_WRONLY).unwrap();
+    top.write(&cx(), e.node, o.fh, 0, data).unwrap();
+    top.release(&cx(), e.node, o.fh).unwrap();
+    e.node
+}
+
+fn read_file(top: &Level, name: &str) -> Option<Vec<u8>> {
+    read_version(top, name).unwrap()
+}
+
+/// What each version of `name` holds, oldest first.
+fn contents_of_versions(top: &Level, name: &str) -> Vec<String> {
+    versions_of(top, name).unwrap().into_iter().map(|v| String::from_utf8_lossy(&v.content.expect("listed, then gone")).into_owned()).collect()
+}
+
+/// A level below that cannot exchange: the rename over a file still keeps what it held, by
+/// moving it into the store and then renaming.
+#[test]
+fn a_rename_over_a_file_keeps_it_when_the_level_below_cannot_exchange() {
+    for errno in [libc::EINVAL, libc::ENOSYS, libc::EOPNOTSUPP] {
+        let (_dir, stack, gate) = gated_version_stack();
+        let top = stack.top();
+        gate.refuse_exchange.store(errno, Ordering::SeqCst);
+        let f = make_file(top, "f", b"old");
+        let n = make_file(top, "f.new", b"new");
+        let op = Op::Rename { parent: NodeId::ROOT, name: OsStr::new("f.new"), new_parent: NodeId::ROOT, new_name: OsStr::new("f"), flags: 0 };
+        top.call(&cx(), &op).unwrap_or_else(|e| panic!("errno {errno}: the rename: {e}"));
+        assert_eq!(read_file(top, "f").as_deref(), Some(&b"new"[..]), "errno {errno}");
+        assert_eq!(read_file(top, "f.new"), None, "errno {errno}");
+        assert_eq!(contents_of_versions(top, "f"), ["old"], "errno {errno}");
+        top.forget(&cx(), f, 1);
+        top.forget(&cx(), n, 1);
+    }
+}
+
+/// When what the target held cannot be kept after the exchange, the exchange is undone and the
+/// rename fails as a whole: both names hold what they held.
+#[test]
+fn a_rename_over_a_file_whose_version_cannot_be_kept_changes_nothing() {
+    let (_dir, stack, gate) = gated_version_stack();
+    let top = stack.top();
+    let f = make_file(top, "f", b"old");
+    let n = make_file(top, "f.new", b"new");
+    gate.fail_mkdir.store(libc::ENOSPC, Ordering::SeqCst);
+    let op = Op::Rename { parent: NodeId::ROOT, name: OsStr::new("f.new"), new_parent: NodeId::ROOT, new_name: OsStr::new("f"), flags: 0 };
+    assert!(matches!(top.call(&cx(), &op), Err(Error::Os(libc::ENOSPC))));
+    gate.fail_mkdir.store(0, Ordering::SeqCst);
+    assert_eq!(read_file(top, "f").as_deref(), Some(&b"old"[..]));
+    assert_eq!(read_file(top, "f.new").as_deref(), Some(&b"new"[..]));
+    assert!(contents_of_versions(top, "f").is_empty());
+    top.forget(&cx(), f, 1);
+    top.forget(&cx(), n, 1);
+}
+
+/// An open shares the version of an unreleased open only of the same file: another file now at
+/// the same path, of the same size and modification time, is other content, and keeps its own.
+#[test]
+fn an_open_shares_no_version_of_another_file_that_had_its_path() {
+    let (_dir, stack, _gate) = gated_version_stack();
+    let top = stack.top();
+    let first = make_file(top, "f", b"first file");
+    let a = top.open(&cx(), first, libc::O_RDWR).unwrap();
+    let op = Op::Rename { parent: NodeId::ROOT, name: OsStr::new("f"), new_parent: NodeId::ROOT, new_name: OsStr::new("g"), flags: 0 };
+    top.call(&cx(), &op).unwrap();
+    // Another file at f, as long, and modified when the first was (as `cp -p` or `tar` leave it).
+    let second = make_file(top, "f", b"other file");
+    let mtime = top.getattr(&cx(), first).unwrap().mtime;
+    let set = SetAttr { mtime: Some(TimeSet::At(mtime)), ..Default::default() };
+    top.call(&cx(), &Op::SetAttr { node: second, fh: None, set }).unwrap();
+    let b = top.open(&cx(), second, libc::O_WRONLY).unwrap();
+    top.write(&cx(), second, b.fh, 0, b"third data").unwrap();
+    top.release(&cx(), second, b.fh).unwrap();
+    top.release(&cx(), first, a.fh).unwrap();
+    let kept = contents_of_versions(top, "f");
+    assert!(kept.iter().any(|k| k == "other file"), "what the second file held before it was written is lost: {kept:?}");
+    top.forget(&cx(), first, 1);
+    top.forget(&cx(), second, 1);
+}
+
+/// A truncate that a version taken at an unreleased open covers, and that open's release
+/// (which finds the file as it was, the truncate not yet done): the version stays.
+#[test]
+fn a_truncate_covered_by_an_open_keeps_its_version_when_the_open_is_released_meanwhile() {
+    let (_dir, stack, gate) = gated_version_stack();
+    let top = stack.top();
+    let f = make_file(top, "f", b"what f held");
+    let a = top.open(&cx(), f, libc::O_RDWR).unwrap();
+    let (arrived_tx, arrived) = mpsc::channel();
+    let (go, go_rx) = mpsc::channel();
+    *gate.hold_truncate.lock() = Some((arrived_tx, go_rx));
+    std::thread::scope(|s| {
+        let truncate = s.spawn(|| {
+            let set = SetAttr { size: Some(0), ..Default::default() };
+            top.call(&cx(), &Op::SetAttr { node: f, fh: None, set }).unwrap();
+        });
+        arrived.recv().unwrap();
+        // The open closed (its release) while the truncate is on its way down.
+        top.release(&cx(), f, a.fh).unwrap();
+        go.send(()).unwrap();
+        truncate.join().unwrap();
+    });
+    assert_eq!(read_file(top, "f").as_deref(), Some(&b""[..]));
+    assert_eq!(contents_of_versions(top, "f"), ["what f held"], "what the truncate cut is lost");
+    top.forget(&cx(), f, 1);
 }
