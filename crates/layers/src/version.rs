@@ -107,6 +107,8 @@ struct Pending {
     space: u64,
     size: u64,
     mtime: SystemTime,
+    /// Its release is deciding whether to drop it: no open shares it, no truncate counts on it.
+    dropping: bool,
 }
 
 impl Pending {
@@ -469,12 +471,15 @@ impl Version {
                 // removed, another put there) may look the same, and hold other content.
                 let shared = {
                     let mut pending = self.pending.lock();
-                    let same = pending.iter().find(|((n, _), p)| *n == node && p.path == path && p.unchanged(&attr)).map(|(_, p)| p.clone());
+                    let same = pending
+                        .iter()
+                        .find(|((n, _), p)| *n == node && !p.dropping && p.path == path && p.unchanged(&attr))
+                        .map(|(_, p)| p.clone());
                     same.map(|p| pending.insert(opening, p)).is_some()
                 };
                 if !shared {
                     let number = self.save(parent, &name, node, &attr, false)?;
-                    let p = Pending { path, number, space: space_of(&attr), size: attr.size, mtime: attr.mtime };
+                    let p = Pending { path, number, space: space_of(&attr), size: attr.size, mtime: attr.mtime, dropping: false };
                     self.pending.lock().insert(opening, p);
                 }
                 true
@@ -496,16 +501,32 @@ impl Version {
 
     fn release(&self, cx: &Caller, op: &Op<'_>, node: NodeId, fh: FileHandle) -> Result<Reply> {
         let reply = bypass(self, cx, op);
-        // Decided and done under the lock, the version pending until it is dropped: an open
-        // cannot share it meanwhile, and `versions`, which hides a pending version of an
-        // unchanged file, never names one about to vanish.
-        let mut pending = self.pending.lock();
-        if let Some(p) = pending.get(&(node, fh)).cloned() {
-            let shared = pending.iter().any(|(key, q)| *key != (node, fh) && q.path == p.path && q.number == p.number);
-            if !shared && self.below().getattr(&daemon(), node).is_ok_and(|a| p.unchanged(&a)) {
+        // Decided under the lock, done outside it (dropping a version waits for any save in
+        // progress, which may copy a large file): the version stays pending, marked, until it is
+        // dropped, so no open shares it and no truncate counts on it meanwhile, and `versions`,
+        // which hides a pending version of an unchanged file, never names one about to vanish.
+        let to_drop = {
+            let mut pending = self.pending.lock();
+            let shared = pending.get(&(node, fh)).is_some_and(|p| {
+                pending.iter().any(|(key, q)| *key != (node, fh) && q.path == p.path && q.number == p.number)
+            });
+            match pending.get_mut(&(node, fh)) {
+                Some(p) if !shared => {
+                    p.dropping = true;
+                    Some(p.clone())
+                }
+                Some(_) => {
+                    pending.remove(&(node, fh));
+                    None
+                }
+                None => None,
+            }
+        };
+        if let Some(p) = to_drop {
+            if self.below().getattr(&daemon(), node).is_ok_and(|a| p.unchanged(&a)) {
                 self.drop_version(&p.path, p.number, p.space);
             }
-            pending.remove(&(node, fh));
+            self.pending.lock().remove(&(node, fh));
         }
         reply
     }
@@ -526,7 +547,7 @@ impl Version {
             let held = (node, FileHandle(u64::MAX - self.opening.fetch_add(1, Ordering::Relaxed)));
             let covered = {
                 let mut pending = self.pending.lock();
-                let cover = pending.iter().find(|((n, _), p)| *n == node && p.unchanged(&attr)).map(|(_, p)| p.clone());
+                let cover = pending.iter().find(|((n, _), p)| *n == node && !p.dropping && p.unchanged(&attr)).map(|(_, p)| p.clone());
                 cover.map(|p| pending.insert(held, p)).is_some()
             };
             let parent = self.paths.parent_of(node);

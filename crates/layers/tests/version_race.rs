@@ -348,6 +348,8 @@ struct Gate {
     fail_mkdir: AtomicI32,
     /// The next truncate says it arrived, then waits to be let go.
     hold_truncate: Mutex<Option<(mpsc::Sender<()>, mpsc::Receiver<()>)>>,
+    /// The next copy a save makes says it arrived, then waits to be let go.
+    hold_copy: Mutex<Option<(mpsc::Sender<()>, mpsc::Receiver<()>)>>,
 }
 
 impl Layer for Gate {
@@ -377,6 +379,13 @@ impl Layer for Gate {
                     go.recv().unwrap();
                 }
             }
+            Op::Create { name, .. } if name.to_string_lossy().starts_with(".plyfs-version-copy.") => {
+                let held = self.hold_copy.lock().take();
+                if let Some((arrived, go)) = held {
+                    arrived.send(()).unwrap();
+                    go.recv().unwrap();
+                }
+            }
             _ => {}
         }
         bypass(self, cx, op)
@@ -391,6 +400,7 @@ fn gated_version_stack() -> (tempfile::TempDir, Stack, Arc<Gate>) {
         refuse_exchange: AtomicI32::new(0),
         fail_mkdir: AtomicI32::new(0),
         hold_truncate: Mutex::new(None),
+        hold_copy: Mutex::new(None),
     });
     let specs = parse_stack_spec("version:keep=0:max_space=0").unwrap();
     let stack = Stack::build(&specs, plyfs_layers::registry(), gate.clone()).unwrap();
@@ -502,4 +512,42 @@ fn a_truncate_covered_by_an_open_keeps_its_version_when_the_open_is_released_mea
     assert_eq!(read_file(top, "f").as_deref(), Some(&b""[..]));
     assert_eq!(contents_of_versions(top, "f"), ["what f held"], "what the truncate cut is lost");
     top.forget(&cx(), f, 1);
+}
+
+/// Dropping a version waits for any save in progress (a copy of a large file), and is done
+/// outside the lock every open for writing, truncate, release and listing takes: a release of an
+/// unrelated file, opened only to read, does not wait for that copy.
+#[test]
+fn a_release_does_not_wait_for_a_save_of_another_file() {
+    let (_dir, stack, gate) = gated_version_stack();
+    let top = stack.top();
+    let (x, y, z) = (make_file(top, "x", b"xxxx"), make_file(top, "y", b"yyyy"), make_file(top, "z", b"zzzz"));
+    // y's version is pending and goes at release (y unchanged); z is open only to read.
+    let oy = top.open(&cx(), y, libc::O_RDWR).unwrap();
+    let oz = top.open(&cx(), z, libc::O_RDONLY).unwrap();
+    let (arrived_tx, arrived) = mpsc::channel();
+    let (go, go_rx) = mpsc::channel();
+    *gate.hold_copy.lock() = Some((arrived_tx, go_rx));
+    std::thread::scope(|s| {
+        // The save of x's version is held in its copy.
+        let open_x = s.spawn(|| top.open(&cx(), x, libc::O_WRONLY).unwrap());
+        arrived.recv().unwrap();
+        let release_y = s.spawn(|| top.release(&cx(), y, oy.fh).unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let release_z = s.spawn(|| top.release(&cx(), z, oz.fh).unwrap());
+        let start = std::time::Instant::now();
+        while !release_z.is_finished() && start.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let finished = release_z.is_finished();
+        go.send(()).unwrap();
+        let ox = open_x.join().unwrap();
+        release_y.join().unwrap();
+        release_z.join().unwrap();
+        top.write(&cx(), x, ox.fh, 0, b"XXXX").unwrap();
+        top.release(&cx(), x, ox.fh).unwrap();
+        assert!(finished, "the release of z waited for the save of x's version");
+    });
+    assert!(contents_of_versions(top, "y").is_empty(), "y's unchanged version was kept");
+    assert_eq!(contents_of_versions(top, "x"), ["xxxx"]);
 }
