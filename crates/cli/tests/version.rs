@@ -231,3 +231,91 @@ fn versions_and_deleted_are_tables_on_a_terminal() {
     assert_eq!(fs::read_to_string(m.path(".plyfs-versions/f/@3")).unwrap(), "three");
 }
 
+
+/// Listings racing overwrites through a real mount (issue #33): the kernel sends a release after
+/// close has returned, so a `versions` right after a close meets the release that drops the
+/// version its open took. A writer overwrites a file every way that keeps a version (and opens
+/// it without changing it, which keeps none) while listers ask `versions` without pause and
+/// read what they are given. No listing fails; a version listed and then gone reads `ENOENT`;
+/// at the end the file has exactly the versions the writer made. (The same in process, with
+/// more threads and rounds: `crates/layers/tests/version_race.rs`.)
+#[test]
+fn listings_racing_overwrites_through_the_mount_never_fail_nor_lose_a_version() {
+    use std::collections::HashSet;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Mutex;
+    let m = Mount::new("version:keep=0:max_space=0");
+    let content = |round: usize| format!("round {round:010}").into_bytes();
+    let held = Mutex::new(HashSet::from([content(0)]));
+    fs::write(m.path("f"), content(0)).unwrap();
+    let (done, listings, gone) = (AtomicBool::new(false), AtomicU64::new(0), AtomicU64::new(0));
+    let failures = Mutex::new(Vec::<String>::new());
+    let kept = std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                while !done.load(Ordering::SeqCst) {
+                    let out = op(&m.path("f"), &["versions"]);
+                    if !out.status.success() {
+                        failures.lock().unwrap().push(String::from_utf8_lossy(&out.stderr).into_owned());
+                        continue;
+                    }
+                    listings.fetch_add(1, Ordering::Relaxed);
+                    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                    for v in listed.as_array().unwrap() {
+                        let path = m.path(v["path"].as_str().unwrap());
+                        match fs::read(&path) {
+                            Ok(data) if held.lock().unwrap().contains(&data) => {}
+                            Ok(data) => failures.lock().unwrap().push(format!("{}: {:?} never was the file's", path.display(), String::from_utf8_lossy(&data))),
+                            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                                gone.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => failures.lock().unwrap().push(format!("{}: listed, then read: {e}", path.display())),
+                        }
+                    }
+                }
+            });
+        }
+        let writer = s.spawn(|| {
+            let (mut now, mut kept) = (content(0), Vec::new());
+            for round in 1..=300 {
+                let new = content(round);
+                held.lock().unwrap().insert(new.clone());
+                let before = now.clone();
+                match round % 5 {
+                    // Opened for writing and closed unchanged: no version.
+                    0 => drop(fs::OpenOptions::new().write(true).open(m.path("f")).unwrap()),
+                    1 => {
+                        fs::OpenOptions::new().write(true).open(m.path("f")).unwrap().write_all_at(&new, 0).unwrap();
+                        now = new;
+                    }
+                    2 => {
+                        fs::write(m.path("f"), &new).unwrap();
+                        now = new;
+                    }
+                    3 => {
+                        now.truncate(5);
+                        held.lock().unwrap().insert(now.clone());
+                        assert_eq!(unsafe { libc::truncate(cpath(&m.path("f")).as_ptr(), 5) }, 0);
+                    }
+                    _ => {
+                        fs::write(m.path("f.new"), &new).unwrap();
+                        fs::rename(m.path("f.new"), m.path("f")).unwrap();
+                        now = new;
+                    }
+                }
+                if round % 5 != 0 {
+                    kept.push(before);
+                }
+            }
+            kept
+        });
+        let kept = writer.join().unwrap();
+        done.store(true, Ordering::SeqCst);
+        kept
+    });
+    eprintln!("{} listings, {} versions gone when read", listings.load(Ordering::Relaxed), gone.load(Ordering::Relaxed));
+    let failures = failures.into_inner().unwrap();
+    assert!(failures.is_empty(), "{} failures: {:#?}", failures.len(), &failures[..failures.len().min(10)]);
+    let want: Vec<String> = kept.iter().map(|k| String::from_utf8_lossy(k).into_owned()).collect();
+    assert_eq!(versions(&m, "f"), want, "a version lost, or one made twice");
+}

@@ -22,6 +22,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -106,6 +107,8 @@ struct Pending {
     space: u64,
     size: u64,
     mtime: SystemTime,
+    /// Its release is deciding whether to drop it: no open shares it, no truncate counts on it.
+    dropping: bool,
 }
 
 impl Pending {
@@ -124,6 +127,9 @@ pub struct Version {
     /// Nodes inside the store, which nothing may change.
     store_nodes: Mutex<HashSet<NodeId>>,
     pending: Mutex<HashMap<(NodeId, FileHandle), Pending>>,
+    /// Keys for the versions held by opens still under way, which have no handle yet, and by
+    /// truncates under way that a pending version covers.
+    opening: AtomicU64,
     /// Versions are numbered and pruned one file at a time.
     saving: Mutex<()>,
     temps: TempNames,
@@ -236,6 +242,13 @@ impl Version {
     /// when `moving`, else copied. Returns the version's number.
     fn save(&self, parent: NodeId, name: &OsStr, node: NodeId, attr: &Attr, moving: bool) -> Result<u32> {
         let path = self.paths.child_path(parent, name).ok_or(Error::Os(libc::ESTALE))?;
+        self.save_as(&path, (parent, name), node, attr, moving)
+    }
+
+    /// [`Self::save`] of the object at `from` as a version of the file at `path`, which may be
+    /// another name (a rename over a file exchanges the two first).
+    fn save_as(&self, path: &str, (parent, name): (NodeId, &OsStr), node: NodeId, attr: &Attr, moving: bool) -> Result<u32> {
+        let path = path.to_owned();
         let _one = self.saving.lock();
         let dir = self.store_dir(&path, true)?.ok_or(Error::Os(libc::EIO))?;
         let result = (|| {
@@ -395,22 +408,44 @@ impl Version {
 
     // --- Events ---------------------------------------------------------------------------------
 
+    /// The file `name` in `parent`, if its going (unlink, or a rename over it) keeps a version:
+    /// a regular file with no other link, and something in it.
+    fn to_keep(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Option<Entry> {
+        let e = self.below().lookup(cx, parent, name).ok()?;
+        self.below().forget(cx, e.node, 1);
+        // Another link keeps the data; an empty file has nothing to keep.
+        let keep = e.attr.kind == FileKind::File && e.attr.nlink == 1 && e.attr.size > 0 && self.paths.path_of(parent).is_some();
+        keep.then_some(e)
+    }
+
     /// Before `name` in `parent` goes (unlink, or a rename over it): move a regular file with no
     /// other link into the store instead. Returns whether it was moved.
     fn keep_removed(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Result<bool> {
-        let e = match self.below().lookup(cx, parent, name) {
-            Ok(e) => e,
-            Err(_) => return Ok(false),
-        };
-        self.below().forget(cx, e.node, 1);
-        // Another link keeps the data; an empty file has nothing to keep.
-        if e.attr.kind != FileKind::File || e.attr.nlink > 1 || e.attr.size == 0 {
-            return Ok(false);
-        }
-        if self.paths.path_of(parent).is_none() {
-            return Ok(false);
-        }
+        let Some(e) = self.to_keep(cx, parent, name) else { return Ok(false) };
         self.save(parent, name, e.node, &e.attr, true)?;
+        self.prune_if_over();
+        Ok(true)
+    }
+
+    /// A rename of the file `from` over the file `to` that keeps what `to` held, without `to`'s
+    /// name ever missing (as `rename(2)` promises): the two are exchanged, then what `to` held
+    /// is moved into the store from `from`'s name. Returns whether it was done; when the level
+    /// below cannot exchange, `false`, and the caller moves `to` into the store and renames.
+    /// (A crash between the two steps leaves what `to` held under `from`'s name, not lost.)
+    fn rename_over_keeping(&self, cx: &Caller, from: (NodeId, &OsStr), to: (NodeId, &OsStr)) -> Result<bool> {
+        let Some(target) = self.to_keep(cx, to.0, to.1) else { return Ok(false) };
+        let path = self.paths.child_path(to.0, to.1).ok_or(Error::Os(libc::ESTALE))?;
+        let exchange = Op::Rename { parent: from.0, name: from.1, new_parent: to.0, new_name: to.1, flags: libc::RENAME_EXCHANGE };
+        match self.below().call(cx, &exchange) {
+            Ok(_) => {}
+            Err(Error::Os(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => return Ok(false),
+            Err(e) => return Err(e),
+        }
+        if let Err(e) = self.save_as(&path, from, target.node, &target.attr, true) {
+            // Undone: the rename fails as a whole.
+            let _ = self.below().call(cx, &exchange);
+            return Err(e);
+        }
         self.prune_if_over();
         Ok(true)
     }
@@ -423,17 +458,41 @@ impl Version {
         let keep = writes && flags & libc::O_APPEND == 0;
         let before = if keep { Some(self.below().getattr(cx, node)?) } else { None };
         let seen = self.paths.parent_of(node);
-        let saved = match (before, seen) {
+        // The version is pending under this key until the open has its handle.
+        let opening = (node, FileHandle(u64::MAX - self.opening.fetch_add(1, Ordering::Relaxed)));
+        let taken = match (before, seen) {
             (Some(attr), Some((parent, name))) if attr.kind == FileKind::File && attr.size > 0 => {
-                Some((self.save(parent, &name, node, &attr, false)?, attr, self.paths.child_path(parent, &name).unwrap_or_default()))
+                let path = self.paths.child_path(parent, &name).unwrap_or_default();
+                // An open not yet released whose version is the file as it is now shares it
+                // with this one. Another would be a copy, and kept too: that open's release may
+                // come after this open has changed the file (the kernel sends it after close
+                // returns), and find the file changed.
+                // Only an open of this file: another now at its path (the file renamed away or
+                // removed, another put there) may look the same, and hold other content.
+                let shared = {
+                    let mut pending = self.pending.lock();
+                    let same = pending
+                        .iter()
+                        .find(|((n, _), p)| *n == node && !p.dropping && p.path == path && p.unchanged(&attr))
+                        .map(|(_, p)| p.clone());
+                    same.map(|p| pending.insert(opening, p)).is_some()
+                };
+                if !shared {
+                    let number = self.save(parent, &name, node, &attr, false)?;
+                    let p = Pending { path, number, space: space_of(&attr), size: attr.size, mtime: attr.mtime, dropping: false };
+                    self.pending.lock().insert(opening, p);
+                }
+                true
             }
-            _ => None,
+            _ => false,
         };
         let reply = self.below().call(cx, &Op::Open { node, flags });
-        if let (Ok(Reply::Opened(o)), Some((number, attr, path))) = (&reply, saved) {
-            // Dropped at release if the file is then what it was.
-            if flags & libc::O_TRUNC == 0 {
-                self.pending.lock().insert((node, o.fh), Pending { path, number, space: space_of(&attr), size: attr.size, mtime: attr.mtime });
+        if taken {
+            let mut pending = self.pending.lock();
+            let p = pending.remove(&opening);
+            // Dropped at release if the file is then what it was (never, once truncated).
+            if let (Ok(Reply::Opened(o)), Some(p), 0) = (&reply, p, flags & libc::O_TRUNC) {
+                pending.insert((node, o.fh), p);
             }
         }
         self.prune_if_over();
@@ -441,16 +500,34 @@ impl Version {
     }
 
     fn release(&self, cx: &Caller, op: &Op<'_>, node: NodeId, fh: FileHandle) -> Result<Reply> {
-        // The version stays pending until it is dropped: `versions` hides a pending version of an
-        // unchanged file, so a listing while the release runs never names one about to vanish.
-        let pending = self.pending.lock().get(&(node, fh)).cloned();
         let reply = bypass(self, cx, op);
-        if let Some(p) = pending {
+        // Decided under the lock, done outside it (dropping a version waits for any save in
+        // progress, which may copy a large file): the version stays pending, marked, until it is
+        // dropped, so no open shares it and no truncate counts on it meanwhile, and `versions`,
+        // which hides a pending version of an unchanged file, never names one about to vanish.
+        let to_drop = {
+            let mut pending = self.pending.lock();
+            let shared = pending.get(&(node, fh)).is_some_and(|p| {
+                pending.iter().any(|(key, q)| *key != (node, fh) && q.path == p.path && q.number == p.number)
+            });
+            match pending.get_mut(&(node, fh)) {
+                Some(p) if !shared => {
+                    p.dropping = true;
+                    Some(p.clone())
+                }
+                Some(_) => {
+                    pending.remove(&(node, fh));
+                    None
+                }
+                None => None,
+            }
+        };
+        if let Some(p) = to_drop {
             if self.below().getattr(&daemon(), node).is_ok_and(|a| p.unchanged(&a)) {
                 self.drop_version(&p.path, p.number, p.space);
             }
+            self.pending.lock().remove(&(node, fh));
         }
-        self.pending.lock().remove(&(node, fh));
         reply
     }
 
@@ -458,12 +535,27 @@ impl Version {
         if self.in_store(node) {
             return Err(Error::Os(libc::EROFS));
         }
-        // A version taken when the file was opened for writing covers this truncate (the kernel
-        // truncates for O_TRUNC after the open, without naming the handle).
-        let opened_with_version = self.pending.lock().keys().any(|(n, _)| *n == node);
-        if let (Some(size), false) = (set.size, opened_with_version) {
+        if let Some(size) = set.size {
             let attr = self.below().getattr(cx, node)?;
+            // A version taken at an open of the file that has changed nothing since holds what
+            // the file holds now, and covers this truncate (the kernel truncates for O_TRUNC
+            // after the open, without naming the handle). One whose file changed since does not:
+            // its release may simply not have come yet (the kernel sends it after close returns).
+            // The version that covers it is held under a key of this truncate's until it is
+            // done, as an open holds one it shares: a release of that open meanwhile, finding
+            // the file not yet truncated, would drop it.
+            let held = (node, FileHandle(u64::MAX - self.opening.fetch_add(1, Ordering::Relaxed)));
+            let covered = {
+                let mut pending = self.pending.lock();
+                let cover = pending.iter().find(|((n, _), p)| *n == node && !p.dropping && p.unchanged(&attr)).map(|(_, p)| p.clone());
+                cover.map(|p| pending.insert(held, p)).is_some()
+            };
             let parent = self.paths.parent_of(node);
+            if covered {
+                let reply = bypass(self, cx, op);
+                self.pending.lock().remove(&held);
+                return reply;
+            }
             if attr.kind == FileKind::File && attr.size > 0 && size != attr.size {
                 if let Some((parent, name)) = parent {
                     self.save(parent, &name, node, &attr, false)?;
@@ -699,8 +791,9 @@ impl Layer for Version {
                 if store_name(parent, name) || store_name(new_parent, new_name) || self.in_store(parent) || self.in_store(new_parent) {
                     return Err(Error::Os(libc::EROFS));
                 }
+                let mut renamed = false;
                 if flags & (libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE) == 0 {
-                    // What the target held is kept; the rename then lands on a free name.
+                    // What the target held is kept.
                     let src = self.below().lookup(cx, parent, name)?;
                     self.below().forget(cx, src.node, 1);
                     let same = self.below().lookup(cx, new_parent, new_name).map(|d| {
@@ -708,10 +801,14 @@ impl Layer for Version {
                         d.node == src.node
                     });
                     if src.attr.kind == FileKind::File && matches!(same, Ok(false)) {
-                        self.keep_removed(cx, new_parent, new_name)?;
+                        renamed = self.rename_over_keeping(cx, (parent, name), (new_parent, new_name))?;
+                        if !renamed {
+                            // Moved into the store; the rename then lands on a free name.
+                            self.keep_removed(cx, new_parent, new_name)?;
+                        }
                     }
                 }
-                let reply = bypass(self, cx, op)?;
+                let reply = if renamed { Reply::Empty } else { bypass(self, cx, op)? };
                 if let Ok(e) = self.below().lookup(&daemon(), new_parent, new_name) {
                     self.below().forget(&daemon(), e.node, 1);
                     self.paths.moved(e.node, new_parent, new_name);
@@ -779,6 +876,7 @@ fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
         paths: PathTable::new(),
         store_nodes: Mutex::new(HashSet::new()),
         pending: Mutex::new(HashMap::new()),
+        opening: AtomicU64::new(0),
         saving: Mutex::new(()),
         temps: TempNames::new(".plyfs-version-copy."),
         store_space: Mutex::new(None),

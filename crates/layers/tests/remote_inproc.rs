@@ -251,6 +251,145 @@ fn listdir_reads_a_directory_in_one_request() {
     assert_eq!(errno(request(&mut c, CompoundOp::ListDir { node: 999_999, max_entries: 100 })), libc::ESTALE);
 }
 
+fn name(n: &str) -> serde_bytes::ByteBuf {
+    serde_bytes::ByteBuf::from(n.as_bytes().to_vec())
+}
+
+fn entry_of(r: WireReply) -> wire::WireEntry {
+    match r {
+        WireReply::Entry(e) => e,
+        other => panic!("expected an entry, got {other:?}"),
+    }
+}
+
+fn listing_of(r: WireReply) -> wire::WireListing {
+    match r {
+        WireReply::Listing(l) => l,
+        other => panic!("expected a listing, got {other:?}"),
+    }
+}
+
+fn dir_of(r: WireReply) -> Vec<wire::WireDirEntry> {
+    match r {
+        WireReply::Dir(d) => d,
+        other => panic!("expected directory entries, got {other:?}"),
+    }
+}
+
+/// `listdir`'s handle against a hostile client (issue #33): another connection's handle, a
+/// handle given back, a file's handle, windows of nothing and of everything, and offsets past
+/// the end. Each gets a clear error or an empty, correct answer, and the listing the first
+/// connection has in progress reads on undisturbed, to the last name, after the other
+/// connection has tried all this and gone.
+#[test]
+fn a_hostile_client_cannot_disturb_another_connections_listing() {
+    let s = serve();
+    const FILES: usize = 4200;
+    std::fs::create_dir(s.lower.join("d")).unwrap();
+    for i in 0..FILES {
+        std::fs::write(s.lower.join("d").join(format!("f{i}")), b"").unwrap();
+    }
+    let mut want: Vec<String> = (0..FILES).map(|i| format!("f{i}")).chain([".".into(), "..".into()]).collect();
+    want.sort();
+    let names = |entries: &[wire::WireDirEntry]| -> Vec<String> {
+        let mut n: Vec<String> = entries.iter().map(|e| String::from_utf8_lossy(&e.name).into_owned()).collect();
+        n.sort();
+        n
+    };
+
+    // The listing in progress: connection a, two entries read.
+    let mut a = raw(&s.socket);
+    let d = entry_of(request(&mut a, OpHeader::Lookup { parent: 1, name: name("d") })).node;
+    let listing = listing_of(request(&mut a, CompoundOp::ListDir { node: d, max_entries: 2 }));
+    assert_eq!(listing.entries.len(), 2);
+    assert!(!listing.complete);
+    let a_fh = listing.fh;
+    let mut a_read = listing.entries;
+
+    let mut b = raw(&s.socket);
+    let bd = entry_of(request(&mut b, OpHeader::Lookup { parent: 1, name: name("d") })).node;
+    assert_eq!(bd, d);
+    // a's handle, named by b: refused, whatever b asks of it.
+    assert_eq!(errno(request(&mut b, OpHeader::ReadDir { node: d, fh: a_fh, offset: 0, max_entries: 100, plus: true })), libc::EBADF);
+    assert_eq!(errno(request(&mut b, OpHeader::ReadDir { node: d, fh: a_fh, offset: 2, max_entries: 100, plus: false })), libc::EBADF);
+    assert_eq!(errno(request(&mut b, OpHeader::FsyncDir { node: d, fh: a_fh, datasync: false })), libc::EBADF);
+    assert_eq!(errno(request(&mut b, OpHeader::ReleaseDir { node: d, fh: a_fh })), libc::EBADF);
+    assert_eq!(errno(request(&mut b, OpHeader::Release { node: d, fh: a_fh })), libc::EBADF);
+
+    // A handle given back is no handle.
+    let given_back = listing_of(request(&mut b, CompoundOp::ListDir { node: d, max_entries: 10 })).fh;
+    assert!(matches!(request(&mut b, OpHeader::ReleaseDir { node: d, fh: given_back }), WireReply::Empty));
+    assert_eq!(errno(request(&mut b, OpHeader::ReadDir { node: d, fh: given_back, offset: 10, max_entries: 10, plus: true })), libc::EBADF);
+    assert_eq!(errno(request(&mut b, OpHeader::ReleaseDir { node: d, fh: given_back })), libc::EBADF);
+
+    // A file's handle is no directory's, on the file or on the directory; a file is not listed.
+    let f0 = entry_of(request(&mut b, OpHeader::Lookup { parent: d, name: name("f0") })).node;
+    let file_fh = match request(&mut b, OpHeader::Open { node: f0, flags: libc::O_RDONLY }) {
+        WireReply::Opened(o) => o.fh,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(errno(request(&mut b, OpHeader::ReadDir { node: f0, fh: file_fh, offset: 0, max_entries: 10, plus: true })), libc::EBADF);
+    assert_eq!(errno(request(&mut b, OpHeader::ReadDir { node: d, fh: file_fh, offset: 0, max_entries: 10, plus: true })), libc::EBADF);
+    assert_eq!(errno(request(&mut b, OpHeader::ReleaseDir { node: f0, fh: file_fh })), libc::EBADF);
+    assert_eq!(errno(request(&mut b, CompoundOp::ListDir { node: f0, max_entries: 10 })), libc::ENOTDIR);
+    // Nor is a directory's handle a file's, even to the connection that holds it.
+    assert_eq!(errno(request(&mut a, OpHeader::Read { node: d, fh: a_fh, offset: 0, size: 10 })), libc::EBADF);
+    assert_eq!(errno(request(&mut a, OpHeader::Release { node: d, fh: a_fh })), libc::EBADF);
+
+    // A window of nothing: no entries, not complete, and the handle reads the whole directory.
+    let empty = listing_of(request(&mut b, CompoundOp::ListDir { node: d, max_entries: 0 }));
+    assert!(empty.entries.is_empty());
+    assert!(!empty.complete, "a window of nothing says nothing of the end");
+    let mut all = Vec::new();
+    let mut offset = 0;
+    loop {
+        let batch = dir_of(request(&mut b, OpHeader::ReadDir { node: d, fh: empty.fh, offset, max_entries: 4096, plus: false }));
+        let Some(last) = batch.last() else { break };
+        offset = last.next;
+        all.extend(batch);
+    }
+    assert_eq!(names(&all), want);
+    assert!(matches!(request(&mut b, OpHeader::ReleaseDir { node: d, fh: empty.fh }), WireReply::Empty));
+
+    // A window of everything: at most 4096 entries, and not complete when there are more.
+    let most = listing_of(request(&mut b, CompoundOp::ListDir { node: d, max_entries: u32::MAX }));
+    assert_eq!(most.entries.len(), wire::limits::MAX_DIR_ENTRIES as usize);
+    assert!(!most.complete);
+    let rest = dir_of(request(&mut b, OpHeader::ReadDir {
+        node: d,
+        fh: most.fh,
+        offset: most.entries.last().unwrap().next,
+        max_entries: u32::MAX,
+        plus: false,
+    }));
+    assert_eq!(most.entries.len() + rest.len(), FILES + 2);
+    // Offsets past the end read nothing, at any distance.
+    for offset in [(FILES + 2) as u64, (FILES + 3) as u64, 1 << 40, i64::MAX as u64, u64::MAX] {
+        for plus in [false, true] {
+            let past = dir_of(request(&mut b, OpHeader::ReadDir { node: d, fh: most.fh, offset, max_entries: 10, plus }));
+            assert!(past.is_empty(), "offset {offset}: {} entries", past.len());
+        }
+    }
+    // b goes without giving back what it holds; the server gives it back.
+    drop(b);
+
+    // a reads on from where it was, to the end, each name once.
+    loop {
+        let offset = a_read.last().unwrap().next;
+        let batch = dir_of(request(&mut a, OpHeader::ReadDir { node: d, fh: a_fh, offset, max_entries: 1000, plus: true }));
+        if batch.is_empty() {
+            break;
+        }
+        a_read.extend(batch);
+    }
+    assert_eq!(names(&a_read), want, "a's listing, after b");
+    assert!(matches!(request(&mut a, OpHeader::ReleaseDir { node: d, fh: a_fh }), WireReply::Empty));
+    // And the server serves on.
+    let r = remote(&s.socket);
+    let de = r.lookup(&cx(), NodeId::ROOT, OsStr::new("d")).unwrap();
+    assert_eq!(r.list_dir(&cx(), de.node).unwrap().len(), FILES, "(without . and ..)");
+}
+
 /// Through the layer, a directory reads the same whether its listing holds all of it, or
 /// less and the rest comes from the server, and whether it is read with attributes or not.
 #[test]
