@@ -148,6 +148,9 @@ fn serve(fs: &FuseFs, access: &Access, fd: RawFd, buffer_size: usize) -> io::Res
                 _ => return Err(e),
             }
         }
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "/dev/fuse gave an empty read"));
+        }
         serve_one(fs, access, fd, &mut buf, n as usize);
     }
 }
@@ -169,7 +172,10 @@ fn serve_one(fs: &FuseFs, access: &Access, fd: RawFd, buf: &mut [u8], n: usize) 
         }
         // struct fuse_batch_forget_in: count; then count × struct fuse_forget_one.
         op::BATCH_FORGET => {
-            let count = if n >= IN_HEADER_SIZE + 8 { u32_at(buf, IN_HEADER_SIZE) as usize } else { 0 };
+            if n < IN_HEADER_SIZE + 8 {
+                return;
+            }
+            let count = u32_at(buf, IN_HEADER_SIZE) as usize;
             let ones = &buf[IN_HEADER_SIZE + 8..n];
             for one in ones.chunks_exact(16).take(count) {
                 fs.forget(u64_at(one, 0), u64_at(one, 8));
