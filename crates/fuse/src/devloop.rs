@@ -44,7 +44,8 @@ impl Access {
     }
 
     /// Whether the request in `h` may be served. Requests the kernel sends on its own behalf
-    /// (page-cache reads and writes, releases, forgets) may carry any user and always are.
+    /// (page-cache reads and writes, releases) may carry any user and always are; forgets and
+    /// interrupts are never answered as requests (see `serve_one`).
     pub(crate) fn allows(&self, h: &InHeader) -> bool {
         let uid = h.caller.uid;
         let user_ok = match self.others {
@@ -63,9 +64,6 @@ impl Access {
                     | op::FSYNCDIR
                     | op::RELEASE
                     | op::RELEASEDIR
-                    | op::FORGET
-                    | op::BATCH_FORGET
-                    | op::INTERRUPT
                     | op::DESTROY
             )
     }

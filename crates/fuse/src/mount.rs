@@ -202,12 +202,10 @@ impl Mounted {
         };
         let uring_agreed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let classic = Classic { fs: fs.clone(), want_uring, uring_agreed: uring_agreed.clone() };
-        let access = Access::new(if req.allow_other {
-            Others::All
-        } else if req.allow_root {
-            Others::Root
-        } else {
-            Others::None
+        let access = Access::new(match config.acl {
+            SessionACL::All => Others::All,
+            SessionACL::RootAndOwner => Others::Root,
+            SessionACL::Owner => Others::None,
         });
         let session = Session::from_fd(classic, fd, config.acl, config.clone()).map_err(|e| {
             let _ = unmount(&mountpoint, true);
@@ -295,7 +293,7 @@ impl Mounted {
     pub fn run(self) -> io::Result<()> {
         let (mountpoint, dev, rings) = (self.mountpoint, self.dev, self.rings);
         let fd = self.session.as_fd().as_raw_fd();
-        let result = devloop::run(self.fs.clone(), self.access, fd, self.threads, ring_payload_size() + REQUEST_HEADROOM);
+        let result = devloop::run(self.fs, self.access, fd, self.threads, ring_payload_size() + REQUEST_HEADROOM);
         // Dropping the session ends the stack (`Classic::destroy`).
         drop(self.session);
         if let Some(rings) = rings {

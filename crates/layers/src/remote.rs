@@ -334,12 +334,15 @@ impl Inner {
         }
     }
 
+    /// This mount's nodes for these server ids (those it knows).
+    fn known_nodes(&self, server_nodes: impl Iterator<Item = u64>) -> Vec<u64> {
+        let t = self.table.lock();
+        server_nodes.filter_map(|s| t.by_server.get(&s).copied()).collect()
+    }
+
     /// Forget what is known of the extended attributes of these nodes (server ids).
     fn forget_xattrs(&self, server_nodes: impl Iterator<Item = u64>) {
-        let nodes: Vec<u64> = {
-            let t = self.table.lock();
-            server_nodes.filter_map(|s| t.by_server.get(&s).copied()).collect()
-        };
+        let nodes = self.known_nodes(server_nodes);
         if nodes.is_empty() {
             return;
         }
@@ -879,10 +882,7 @@ impl Inner {
 
     /// Remember that these nodes (server ids) have no extended attributes, as the server said.
     fn note_bare(&self, server_nodes: impl Iterator<Item = u64>) {
-        let mine: Vec<u64> = {
-            let t = self.table.lock();
-            server_nodes.filter_map(|s| t.by_server.get(&s).copied()).collect()
-        };
+        let mine = self.known_nodes(server_nodes);
         if mine.is_empty() {
             return;
         }
