@@ -391,3 +391,99 @@ fn bad_settings_are_one_line_errors() {
         assert!(!out.status.success() && err.contains(says), "{stack}: {err}");
     }
 }
+
+/// Threads that read and rewrite their own files and read shared ones, at once, under a size
+/// limit that keeps evicting, with write-back every few milliseconds: every read is what was
+/// last written, and at unmount the slow branch holds every file's last version.
+fn stress(stack: &str) {
+    let (_d, slow) = slow_dir();
+    const THREADS: u64 = 4;
+    const FILES: u64 = 6;
+    const SHARED: u64 = 8;
+    for s in 0..SHARED {
+        std::fs::write(slow.join(format!("shared{s}")), random(1000 + s, 150_000 + 10_000 * s as usize)).unwrap();
+    }
+    let mut m = cache_over(stack, &slow, &std::env::var("STRESS_OPTS").map(|o| vec![o]).unwrap_or_default().iter().map(String::as_str).collect::<Vec<_>>());
+    let seed = common::rng::seed("PLYFS_STRESS_SEED");
+    eprintln!("cache stress [{stack}]: seed {seed} (PLYFS_STRESS_SEED={seed} repeats it)");
+    let finals: Vec<Vec<(String, Vec<u8>)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let mnt = m.mnt.clone();
+                let slow = slow.clone();
+                scope.spawn(move || {
+                    let mut rng = Rng(seed ^ (t + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                    let mut mine: Vec<Vec<u8>> = vec![Vec::new(); FILES as usize];
+                    let mut log: Vec<Vec<String>> = vec![Vec::new(); FILES as usize];
+                    for f in 0..FILES {
+                        let p = mnt.join(format!("t{t}f{f}"));
+                        std::fs::write(&p, b"").unwrap();
+                    }
+                    for i in 0..150u64 {
+                        let f = rng.below(FILES) as usize;
+                        let p = mnt.join(format!("t{t}f{f}"));
+                        match rng.below(10) {
+                            0..=2 => {
+                                let data = random(seed ^ (t << 32) ^ (i << 8) ^ f as u64, rng.below(200_000) as usize);
+                                let mut w = File::create(&p).unwrap();
+                                w.write_all(&data).unwrap();
+                                if rng.below(4) == 0 {
+                                    w.sync_all().unwrap();
+                                }
+                                log[f].push(format!("#{i} create {}", data.len()));
+                                mine[f] = data;
+                            }
+                            3 => {
+                                let extra = random(seed ^ i ^ (t << 40), rng.below(20_000) as usize);
+                                let mut w = OpenOptions::new().append(true).open(&p).unwrap();
+                                w.write_all(&extra).unwrap();
+                                mine[f].extend_from_slice(&extra);
+                                log[f].push(format!("#{i} append {} -> {}", extra.len(), mine[f].len()));
+                            }
+                            4..=6 => {
+                                let got = std::fs::read(&p).unwrap();
+                                if got != mine[f] {
+                                    std::thread::sleep(Duration::from_millis(300));
+                                    let again = std::fs::read(&p).unwrap();
+                                    let st = std::fs::metadata(&p).unwrap().len();
+                                    let out = run(plyfs().arg("op").arg(&p).arg("cache-status"));
+                                    let on_slow = std::fs::metadata(slow.join(format!("t{t}f{f}"))).map(|m| m.len()).unwrap_or(0);
+                                    eprintln!("history of t{t}f{f}: {:?}; on the slow branch {on_slow} bytes", log[f]);
+                                    panic!(
+                                        "thread {t} file {f} op {i}: {} bytes read, {} written; again {} (right: {}), stat {st}; {}",
+                                        got.len(),
+                                        mine[f].len(),
+                                        again.len(),
+                                        again == mine[f],
+                                        String::from_utf8_lossy(&out.stdout).replace('\n', " ")
+                                    );
+                                }
+                            }
+                            _ => {
+                                let s = rng.below(SHARED);
+                                let want = random(1000 + s, 150_000 + 10_000 * s as usize);
+                                assert!(std::fs::read(mnt.join(format!("shared{s}"))).unwrap() == want, "shared{s}");
+                            }
+                        }
+                    }
+                    mine.into_iter().enumerate().map(|(f, d)| (format!("t{t}f{f}"), d)).collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join()).collect::<Vec<_>>()
+    }).into_iter().map(|r| r.unwrap_or_else(|_| panic!("a thread failed; the daemon's log:\n{}", m.daemon_log()))).collect();
+    m.unmount();
+    for (name, data) in finals.into_iter().flatten() {
+        assert!(std::fs::read(slow.join(&name)).unwrap() == data, "{name} on the slow branch after unmount");
+    }
+}
+
+#[test]
+fn concurrent_readers_and_writers_under_eviction_write_through() {
+    stress("cache:max_size=600k:range=64k");
+}
+
+#[test]
+fn concurrent_readers_and_writers_under_eviction_write_back() {
+    stress("cache:mode=write-back:delay=10ms:max_size=600k:range=64k");
+}

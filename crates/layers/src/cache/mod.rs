@@ -901,6 +901,8 @@ impl Cache {
 
     fn set_attr(&self, cx: &Caller, node: NodeId, fh: Option<FileHandle>, set: SetAttr) -> Result<Reply> {
         let key = node.0;
+        // Not while a write-back decides whether the copy is clean (see `write_back_now`).
+        let _open = self.open_lock(key).lock();
         let copy = self.copy_of(key);
         let dirty = is_dirty(copy.as_ref());
         if dirty {
@@ -1192,6 +1194,9 @@ impl Cache {
             self.slow().forget(&daemon(), n, 1);
         }
         let attr = result?;
+        // Decided under the file's open lock: an open for writing in progress has marked the
+        // copy dirty but is not counted as a writer yet.
+        let _open = self.open_lock(key).lock();
         let clean = {
             let mut ch = self.changes.lock();
             let unchanged = ch.get(&key).map_or(0, |c| c.seq) == seq && self.writers(key) == 0;
@@ -1328,6 +1333,8 @@ impl Cache {
             if !over && !aged {
                 continue;
             }
+            // An open of the file in progress holds its lock: not now.
+            let Some(_open) = self.open_lock(key).try_lock() else { continue };
             if self.in_use(key) {
                 continue;
             }
@@ -1735,38 +1742,47 @@ impl Layer for Cache {
                 r
             }
             Op::Open { node, flags } => self.open(cx, node, flags),
-            Op::Create { name, mode, flags, .. } => {
+            Op::Create { name, flags, .. } => {
                 let reply = self.slow().call(cx, op)?;
                 self.paths.learn(op, &reply);
                 let Reply::Created(mut entry, opened) = reply else { return Err(Error::Os(libc::EIO)) };
-                let key = entry.node.0;
-                // A copy of an earlier file with this inode number is not this file's.
-                self.drop_copy(key, true);
-                let cached = self.caches_for(cx, entry.node);
-                if self.cfg.mode == Mode::WriteBack && cached {
-                    let _ = self.slow().release(cx, entry.node, opened.fh);
-                    let made = self.new_copy(key, &entry.attr).and_then(|gen| {
-                        let file = self.store.open_copy(key, gen, true)?;
-                        self.mark_dirty(key, gen, entry.node)?;
-                        self.serve_copy(entry.node, gen, file, true, false)
-                    });
-                    self.patch(entry.node, &mut entry.attr);
-                    return match made {
-                        Ok(Reply::Opened(o)) => Ok(Reply::Created(entry, o)),
-                        Ok(_) => Err(Error::Os(libc::EIO)),
-                        Err(e) => {
-                            tracing::warn!("cache '{}': '{}': cannot make a copy ({e}); written to the slow branch", self.name, name.to_string_lossy());
-                            self.open_slow(cx, entry.node, (flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC)) | libc::O_WRONLY, false)
-                                .map(|r| match r {
-                                    Reply::Opened(o) => Reply::Created(entry, o),
-                                    other => other,
-                                })
-                        }
-                    };
-                }
-                let _ = mode;
+                let (node, key) = (entry.node, entry.node.0);
                 let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
-                match self.wrap_slow(entry.node, opened, writes, false, false)? {
+                let _open = self.open_lock(key).lock();
+                let served = self.served(key);
+                // A create may open a file that exists (without O_EXCL). A clean copy whose stamp
+                // is not this file's is an earlier file's with the same inode number.
+                if served.is_none() && self.copy_of(key).is_some_and(|c| !c.dirty && c.stamp != Stamp::of(&entry.attr)) {
+                    self.drop_copy(key, false);
+                }
+                let cached = self.caches_for(cx, node);
+                let result = match served {
+                    _ if !cached => self.wrap_slow(node, opened, writes, false, false),
+                    Some(Side::Slow) => self.wrap_slow(node, opened, writes, false, false),
+                    Some(Side::Fast(gen)) => {
+                        let _ = self.slow().release(cx, node, opened.fh);
+                        self.open_next_to_copy(cx, node, flags, &entry.attr, gen)
+                    }
+                    _ if self.cfg.mode == Mode::WriteBack => {
+                        let _ = self.slow().release(cx, node, opened.fh);
+                        let made = if self.has_copy(key) {
+                            self.open_dirty(cx, node, flags, &entry.attr, false)
+                        } else {
+                            self.new_copy(key, &entry.attr).and_then(|gen| {
+                                let file = self.store.open_copy(key, gen, true)?;
+                                self.mark_dirty(key, gen, node)?;
+                                self.serve_copy(node, gen, file, true, false)
+                            })
+                        };
+                        made.or_else(|e| {
+                            tracing::warn!("cache '{}': '{}': cannot make a copy ({e}); written to the slow branch", self.name, name.to_string_lossy());
+                            self.open_slow(cx, node, (flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC)) | libc::O_WRONLY, false)
+                        })
+                    }
+                    _ => self.wrap_slow(node, opened, writes, true, flags & libc::O_TRUNC != 0),
+                };
+                self.patch(node, &mut entry.attr);
+                match result? {
                     Reply::Opened(o) => Ok(Reply::Created(entry, o)),
                     _ => Err(Error::Os(libc::EIO)),
                 }
