@@ -58,7 +58,7 @@ pub fn take_all(lower: &Path, branches: &[String], specs: &[LayerSpec], how: Use
 fn storage_modes(lower: &Path, branches: &[String], specs: &[LayerSpec]) -> Vec<(PathBuf, BranchMode)> {
     let mut assigned = specs.to_vec();
     let cli = branches.iter().filter_map(|b| crate::tree::parse_branch_arg(b).ok()).collect();
-    let modes = match plyfs_stack::assign_branch_dirs(&mut assigned, crate::registry(), lower.to_owned(), cli) {
+    let modes = match plyfs_stack::assign_branch_dirs(&mut assigned, crate::registry(), crate::lower::BOTTOM_KINDS, lower.to_owned(), cli) {
         Ok(_) => crate::dirs::spec_branch_dirs(&assigned),
         Err(_) => Vec::new(),
     };

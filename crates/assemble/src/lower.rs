@@ -26,8 +26,9 @@ const REMOTE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const BOTTOM_KINDS: &[&str] = &["remote"];
 
 /// The `remote` layer is a bottom, built here rather than from the registry: what `plyfs
-/// layers` says of it, and the parameters [`Lower::parse`] takes (besides `name`).
-pub const REMOTE_SUMMARY: &str = "the bottom of a stack served elsewhere (plyfs serve): operations go to the server over a Unix socket or TLS";
+/// layers` says of it, and the parameters [`Lower::parse`] and [`Lower::of_branch`] take
+/// (besides `name`).
+pub const REMOTE_SUMMARY: &str = "the bottom of a stack, or of a branch, served elsewhere (plyfs serve): operations go to the server over a Unix socket or TLS";
 pub const REMOTE_PARAMS: &[ParamSpec] = &[
     ParamSpec { name: "addr", help: "the server, unix:PATH or tcp:HOST:PORT (or give it as LOWER)", default: None },
     ParamSpec { name: "psk", help: "the pre-shared key file of a tcp: server (as --psk)", default: None },
@@ -35,27 +36,68 @@ pub const REMOTE_PARAMS: &[ParamSpec] = &[
     ParamSpec { name: "sync", help: "on: every write waits for the server's reply (as NFS's sync)", default: Some("off") },
 ];
 
+/// The parameters of a `remote` layer: its server's address, if it names one, and how to reach
+/// it.
+struct RemoteParams {
+    addr: Option<Addr>,
+    name: String,
+    timeout: Duration,
+    psk: Option<PathBuf>,
+    sync: bool,
+}
+
+impl RemoteParams {
+    /// `spec`'s parameters; `psk` is the key file given with `--psk`, which `psk=` overrides.
+    fn parse(spec: &LayerSpec, psk: Option<&Path>) -> crate::Result<RemoteParams> {
+        let mut params =
+            RemoteParams { addr: None, name: "remote".to_owned(), timeout: REMOTE_TIMEOUT, psk: psk.map(Path::to_owned), sync: false };
+        for (k, v) in &spec.params {
+            match k.as_str() {
+                "psk" => params.psk = Some(PathBuf::from(v)),
+                "addr" => {
+                    params.addr =
+                        Some(Addr::parse(v).unwrap_or_else(|| Err(format!("remote: addr={v}: expected unix:PATH or tcp:HOST:PORT"))).map_err(crate::Error::Spec)?)
+                }
+                "name" => params.name = v.clone(),
+                "sync" => {
+                    params.sync = match v.as_str() {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(crate::Error::Spec(format!("remote: sync={v}: expected on or off"))),
+                    }
+                }
+                "timeout" => {
+                    let secs: f64 =
+                        v.parse().ok().filter(|s: &f64| *s > 0.0).ok_or_else(|| format!("remote: timeout={v}: expected seconds"))?;
+                    params.timeout = Duration::from_secs_f64(secs);
+                }
+                _ => {
+                    let known: Vec<&str> = REMOTE_PARAMS.iter().chain([&plyfs_stack::NAME_PARAM]).map(|p| p.name).collect();
+                    return Err(crate::Error::Spec(format!("layer 'remote': unknown parameter '{k}' (known: {})", known.join(", "))));
+                }
+            }
+        }
+        Ok(params)
+    }
+
+    fn at(self, addr: Addr) -> Lower {
+        Lower::Remote { addr, name: self.name, timeout: self.timeout, psk: self.psk, sync: self.sync }
+    }
+}
+
 impl Lower {
     /// LOWER as given on the command line, with the stack's `remote` layer if it ends in one
     /// (which is taken out of `specs`: it is the bottom, not a layer above it).
     /// `psk` is the key file given with `--psk`, for a TCP server.
     pub fn parse(arg: &Path, specs: &mut Vec<LayerSpec>, psk: Option<&Path>) -> crate::Result<Lower> {
-        if let Some(i) = specs.iter().position(|s| s.kind == "remote") {
-            if i + 1 != specs.len() {
-                return Err(crate::Error::Spec("layer 'remote' is a bottom layer: it must come last in the stack".into()));
-            }
-        }
+        let remote = plyfs_stack::spec::split_bottom(specs, BOTTOM_KINDS).map_err(|e| crate::Error::Spec(e.to_string()))?.1.cloned();
         if let Some(socket) = arg.to_str().and_then(|a| a.strip_prefix("exodisk:")) {
-            if specs.iter().any(|s| s.kind == "remote") {
+            if remote.is_some() {
                 return Err(crate::Error::Spec("exodisk:SOCKET is the bottom: no 'remote' layer over it".into()));
             }
             return Ok(Lower::Exodisk(PathBuf::from(socket)));
         }
         let given = arg.to_str().and_then(Addr::parse).transpose().map_err(crate::Error::Spec)?;
-        let remote = match specs.last() {
-            Some(s) if s.kind == "remote" => specs.pop(),
-            _ => None,
-        };
         let Some(spec) = remote else {
             return match given {
                 Some(addr) => Ok(Lower::Remote {
@@ -68,38 +110,9 @@ impl Lower {
                 None => crate::dirs::existing_dir("lower directory", arg).map(Lower::Dir),
             };
         };
-        let mut addr = None;
-        let mut name = "remote".to_owned();
-        let mut timeout = REMOTE_TIMEOUT;
-        let mut psk = psk.map(Path::to_owned);
-        let mut sync = false;
-        for (k, v) in &spec.params {
-            match k.as_str() {
-                "psk" => psk = Some(PathBuf::from(v)),
-                "addr" => {
-                    addr =
-                        Some(Addr::parse(v).unwrap_or_else(|| Err(format!("remote: addr={v}: expected unix:PATH or tcp:HOST:PORT"))).map_err(crate::Error::Spec)?)
-                }
-                "name" => name = v.clone(),
-                "sync" => {
-                    sync = match v.as_str() {
-                        "on" => true,
-                        "off" => false,
-                        _ => return Err(crate::Error::Spec(format!("remote: sync={v}: expected on or off"))),
-                    }
-                }
-                "timeout" => {
-                    let secs: f64 =
-                        v.parse().ok().filter(|s: &f64| *s > 0.0).ok_or_else(|| format!("remote: timeout={v}: expected seconds"))?;
-                    timeout = Duration::from_secs_f64(secs);
-                }
-                _ => {
-                    let known: Vec<&str> = REMOTE_PARAMS.iter().chain([&plyfs_stack::NAME_PARAM]).map(|p| p.name).collect();
-                    return Err(crate::Error::Spec(format!("layer 'remote': unknown parameter '{k}' (known: {})", known.join(", "))));
-                }
-            }
-        }
-        let addr = match (addr, given) {
+        specs.pop();
+        let params = RemoteParams::parse(&spec, psk)?;
+        let addr = match (params.addr.clone(), given) {
             (Some(a), None) if arg == Path::new("-") => a,
             (Some(a), Some(g)) if a == g => a,
             (None, Some(g)) => g,
@@ -113,7 +126,21 @@ impl Lower {
                 )))
             }
         };
-        Ok(Lower::Remote { addr, name, timeout, psk, sync })
+        Ok(params.at(addr))
+    }
+
+    /// The server a fan-out layer's branch stands on when its layers end in `remote`
+    /// (`mirror[@/a | remote:addr=unix:/run/s.sock]`), which names it with `addr=`, and its key
+    /// with `psk=` (`--psk` is LOWER's).
+    pub fn of_branch(remote: &LayerSpec) -> crate::Result<Lower> {
+        let params = RemoteParams::parse(remote, None)?;
+        match params.addr.clone() {
+            Some(addr @ Addr::Tcp(_)) if params.psk.is_none() => {
+                Err(crate::Error::Spec(format!("{addr}: a TCP server needs its key: remote:psk=FILE")))
+            }
+            Some(addr) => Ok(params.at(addr)),
+            None => Err(crate::Error::Spec("layer 'remote' needs an address: remote:addr=unix:PATH or tcp:HOST:PORT".into())),
+        }
     }
 
     /// The bottom level: the directory's, or a connection to the server.
