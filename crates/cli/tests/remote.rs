@@ -736,6 +736,10 @@ fn a_mirror_branch_on_a_server_takes_every_change_and_is_resynced_after_it_was_a
     op_json(&m.mnt, &["resync"]);
     assert_eq!(std::fs::read_to_string(s.lower.join("while-away")).unwrap(), "later");
     assert_eq!(op_json(&m.mnt, &["mirror-status"])["degraded"], false);
+    // Mounted again, the mirror reads its log on the server too (in pieces a transport carries).
+    let m = m.remount();
+    assert_eq!(op_json(&m.mnt, &["mirror-status"])["degraded"], false);
+    assert_eq!(std::fs::read_to_string(m.path("while-away")).unwrap(), "later");
 }
 
 /// A union whose upper branch is a server: copy-up, whiteouts and opaque directories are made
