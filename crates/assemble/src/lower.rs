@@ -9,13 +9,17 @@ use plyfs_stack::{Level, LowerDir};
 use plyfs_transport::tls::{Psk, TlsConnector};
 use plyfs_transport::{Addr, Connector, PlainConnector};
 
-/// What a stack stands on: a lower directory, a stack served elsewhere (`remote`), or exofs on
-/// an exodisk service (`exodisk:SOCKET`).
+/// What a stack stands on: a lower directory, a stack served elsewhere (`remote`), exofs on an
+/// exodisk service (`exodisk:SOCKET`), or, with LOWER `-`, whatever its fan-out layer's branches
+/// say they stand on.
 #[derive(Clone, Debug)]
 pub enum Lower {
     Dir(PathBuf),
     Exodisk(PathBuf),
     Remote { addr: Addr, name: String, timeout: Duration, psk: Option<PathBuf>, sync: bool },
+    /// No LOWER: every branch names its directory (`@DIR`, `--branch`) or its server
+    /// (`remote:addr=...`); `places` are those, in order, for messages and `plyfs status`.
+    Branches { places: Vec<String> },
 }
 
 /// How long a `remote` layer waits for its server (reconnecting included) before `EIO`.
@@ -87,9 +91,10 @@ impl RemoteParams {
 
 impl Lower {
     /// LOWER as given on the command line, with the stack's `remote` layer if it ends in one
-    /// (which is taken out of `specs`: it is the bottom, not a layer above it).
-    /// `psk` is the key file given with `--psk`, for a TCP server.
-    pub fn parse(arg: &Path, specs: &mut Vec<LayerSpec>, psk: Option<&Path>) -> crate::Result<Lower> {
+    /// (which is taken out of `specs`: it is the bottom, not a layer above it), and the
+    /// `--branch` arguments (for LOWER `-`). `psk` is the key file given with `--psk`, for a
+    /// TCP server.
+    pub fn parse(arg: &Path, specs: &mut Vec<LayerSpec>, branches: &[String], psk: Option<&Path>) -> crate::Result<Lower> {
         let remote = plyfs_stack::spec::split_bottom(specs, BOTTOM_KINDS).map_err(|e| crate::Error::Spec(e.to_string()))?.1.cloned();
         if let Some(socket) = arg.to_str().and_then(|a| a.strip_prefix("exodisk:")) {
             if remote.is_some() {
@@ -98,6 +103,9 @@ impl Lower {
             return Ok(Lower::Exodisk(PathBuf::from(socket)));
         }
         let given = arg.to_str().and_then(Addr::parse).transpose().map_err(crate::Error::Spec)?;
+        if remote.is_none() && arg == Path::new("-") {
+            return Lower::of_branches(specs, branches);
+        }
         let Some(spec) = remote else {
             return match given {
                 Some(addr) => Ok(Lower::Remote {
@@ -129,6 +137,32 @@ impl Lower {
         Ok(params.at(addr))
     }
 
+    /// LOWER `-` without a `remote` layer: the stack's fan-out layer, which must be there, says
+    /// where each branch stands, with the `--branch` directories (checked here, before a mount
+    /// goes to the background).
+    fn of_branches(specs: &[LayerSpec], branches: &[String]) -> crate::Result<Lower> {
+        let registry = crate::registry();
+        let is_fan_out = |s: &&LayerSpec| plyfs_stack::is_fan_out(registry, &s.kind);
+        if !specs.iter().any(|s| is_fan_out(&s)) {
+            return Err(crate::Error::Spec(
+                "LOWER '-' needs a stack that says where it stands: one that ends in remote:addr=..., or a fan-out layer whose branches each name a directory (@DIR, --branch) or a server (remote:addr=...)".into(),
+            ));
+        }
+        let cli = branches.iter().map(|b| crate::tree::parse_branch_arg(b)).collect::<crate::Result<Vec<_>>>()?;
+        let mut placed = specs.to_vec();
+        plyfs_stack::assign_branch_dirs(&mut placed, registry, BOTTOM_KINDS, None, cli).map_err(|e| crate::Error::Spec(e.to_string()))?;
+        let fan = placed.iter().find(is_fan_out).expect("a fan-out layer, checked above");
+        let places = fan
+            .branches
+            .iter()
+            .map(|b| match b.bottom(BOTTOM_KINDS) {
+                Ok(Some(remote)) => remote.params.iter().find(|(k, _)| k == "addr").map_or("remote".to_owned(), |(_, addr)| addr.clone()),
+                _ => b.dir.as_ref().map_or(String::new(), |d| d.display().to_string()),
+            })
+            .collect();
+        Ok(Lower::Branches { places })
+    }
+
     /// The server a fan-out layer's branch stands on when its layers end in `remote`
     /// (`mirror[@/a | remote:addr=unix:/run/s.sock]`), which names it with `addr=`, and its key
     /// with `psk=` (`--psk` is LOWER's).
@@ -146,6 +180,7 @@ impl Lower {
     /// The bottom level: the directory's, or a connection to the server.
     pub fn bottom(&self) -> crate::Result<Level> {
         match self {
+            Lower::Branches { .. } => Err(crate::Error::Spec(format!("{self}: a tree's branches are its bottoms"))),
             Lower::Dir(dir) => LowerDir::level(dir).map_err(|e| crate::Error::Spec(e.to_string())),
             Lower::Exodisk(socket) => {
                 let client = plyfs_exodisk::client::Client::connect(socket, 32 << 20)?;
@@ -187,8 +222,23 @@ impl Lower {
     pub fn dir(&self) -> Option<&Path> {
         match self {
             Lower::Dir(d) => Some(d),
-            Lower::Remote { .. } | Lower::Exodisk(_) => None,
+            Lower::Remote { .. } | Lower::Exodisk(_) | Lower::Branches { .. } => None,
         }
+    }
+
+    /// Whether the stack stands on directories of this machine, which hold the files that
+    /// passthrough hands to the kernel: LOWER's, or its branches'.
+    pub fn local(&self) -> bool {
+        matches!(self, Lower::Dir(_) | Lower::Branches { .. })
+    }
+
+    /// Every directory the stack stores in (see [`crate::dirs::storage_dirs`]): none on a
+    /// server or exofs.
+    pub fn storage_dirs(&self, branches: &[String], specs: &[LayerSpec]) -> Vec<PathBuf> {
+        if !self.local() {
+            return Vec::new();
+        }
+        crate::dirs::storage_dirs(self.dir(), branches, specs)
     }
 }
 
@@ -198,6 +248,7 @@ impl std::fmt::Display for Lower {
             Lower::Dir(d) => write!(f, "{}", d.display()),
             Lower::Remote { addr, .. } => write!(f, "{addr}"),
             Lower::Exodisk(socket) => write!(f, "exodisk:{}", socket.display()),
+            Lower::Branches { places } => write!(f, "{}", places.join("|")),
         }
     }
 }
@@ -209,5 +260,28 @@ pub fn connector(addr: &Addr, psk: Option<&Path>) -> crate::Result<Box<dyn Conne
         (Addr::Unix(_), _) => Ok(Box::new(PlainConnector(addr.clone()))),
         (Addr::Tcp(_), Some(psk)) => Ok(Box::new(TlsConnector::new(addr.clone(), Psk::load(psk)?)?)),
         (Addr::Tcp(_), None) => Err(crate::Error::Spec(format!("{addr}: a TCP server needs its key: --psk FILE (or remote:psk=FILE)"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Lower;
+
+    /// LOWER `-` and `spec`, with `--branch` arguments: where the branches stand, or why not.
+    fn without_lower(spec: &str, branches: &[&str]) -> Result<String, String> {
+        let mut specs = plyfs_stack::spec::parse_stack_spec(spec).unwrap();
+        let branches: Vec<String> = branches.iter().map(|b| b.to_string()).collect();
+        Lower::parse("-".as_ref(), &mut specs, &branches, None).map(|l| l.to_string()).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn without_lower_the_branches_say_where_they_stand() {
+        assert_eq!(without_lower("trace,mirror[@/srv/a | remote:addr=tcp:nas:7070:psk=/k]", &[]).unwrap(), "/srv/a|tcp:nas:7070");
+        assert_eq!(without_lower("union[zstd|remote:addr=unix:/s]", &["/srv/b=ro"]).unwrap(), "/srv/b|unix:/s");
+        assert_eq!(without_lower("mirror", &["/srv/a", "/srv/b"]).unwrap(), "/srv/a|/srv/b");
+        assert_eq!(without_lower("mirror[@/srv/a|zstd]", &[]).unwrap_err(), "layer 'mirror', branch 1: no directory (give it as @DIR, or one more --branch)");
+        assert!(without_lower("zstd", &[]).unwrap_err().starts_with("LOWER '-' needs a stack that says where it stands"));
+        // A stack that ends in `remote` is the remote stack at its address, as before.
+        assert_eq!(without_lower("zstd,remote:addr=unix:/s", &[]).unwrap(), "unix:/s");
     }
 }

@@ -124,8 +124,9 @@ pub fn build_stack(
     rules: Option<&Path>,
     mountpoint: Option<&Path>,
 ) -> crate::Result<Stack> {
-    let lower = match lower {
-        Lower::Dir(dir) => dir,
+    let lower_dir = match lower {
+        Lower::Dir(dir) => Some(dir),
+        Lower::Branches { .. } => None,
         Lower::Exodisk(_) => {
             if specs.iter().any(|s| plyfs_stack::is_fan_out(crate::registry(), &s.kind))
                 || !branches.is_empty()
@@ -138,7 +139,7 @@ pub fn build_stack(
         }
         Lower::Remote { .. } => {
             if specs.iter().any(|s| plyfs_stack::is_fan_out(crate::registry(), &s.kind)) || !branches.is_empty() {
-                return Err(crate::Error::Spec(format!("{lower}: a fan-out layer over a remote stack is not supported; serve the tree instead (plyfs serve --stack 'union[...]'), or make the server a branch over a directory (--stack 'mirror[ | remote:addr={lower}]')")));
+                return Err(crate::Error::Spec(format!("{lower}: a fan-out layer over a remote stack is not supported; serve the tree instead (plyfs serve --stack 'union[...]'), or make the server a branch (plyfs mount - MNT --stack 'mirror[@DIR | remote:addr={lower}]')")));
             }
             return remote_stack(specs, lower, rules);
         }
@@ -146,8 +147,10 @@ pub fn build_stack(
     let registry = crate::registry();
     let cli = branches.iter().map(|b| parse_branch_arg(b)).collect::<Result<Vec<_>, _>>()?;
     let mut specs = specs.to_vec();
-    plyfs_stack::assign_branch_dirs(&mut specs, registry, crate::lower::BOTTOM_KINDS, lower.to_owned(), cli).map_err(|e| crate::Error::Spec(e.to_string()))?;
+    plyfs_stack::assign_branch_dirs(&mut specs, registry, crate::lower::BOTTOM_KINDS, lower_dir.cloned(), cli).map_err(|e| crate::Error::Spec(e.to_string()))?;
     let Some(pos) = specs.iter().position(|s| plyfs_stack::is_fan_out(registry, &s.kind)) else {
+        // (Lower::parse gives `-` only to a stack with a fan-out layer.)
+        let lower = lower_dir.ok_or_else(|| format!("{lower}: a stack without a fan-out layer needs LOWER"))?;
         let rules = rules.map(|r| crate::dirs::load_rules(r, lower)).transpose()?;
         return linear_stack(&specs, rules, lower, true).map_err(|e| crate::Error::Spec(e.to_string()));
     };

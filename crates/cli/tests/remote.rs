@@ -708,7 +708,8 @@ fn a_mirror_branch_on_a_server_takes_every_change_and_is_resynced_after_it_was_a
     let (mut server, addr) = unix(&s);
     let local = s.root.join("local");
     std::fs::create_dir(&local).unwrap();
-    let m = mount(&s, "mnt", local.to_str().unwrap(), &format!("mirror[|remote:addr={addr}:timeout=1]"), &[]);
+    // No LOWER: the branches say where they stand.
+    let m = mount(&s, "mnt", "-", &format!("mirror[@{} | remote:addr={addr}:timeout=1]", local.display()), &[]);
     std::fs::create_dir_all(m.path("a/b")).unwrap();
     std::fs::write(m.path("a/b/f"), "on both").unwrap();
     std::fs::write(m.path("gone"), "removed").unwrap();
@@ -722,8 +723,10 @@ fn a_mirror_branch_on_a_server_takes_every_change_and_is_resynced_after_it_was_a
     assert_eq!(status["branches"][0]["dir"], local.display().to_string(), "{status}");
     assert_eq!(status["branches"][1]["addr"], addr, "{status}");
     assert_eq!(std::fs::read_to_string(m.path(".plyfs/mirror.1/a/g")).unwrap(), "on both");
-    let listed = run(plyfs().args(["status", "--json"]));
-    assert!(String::from_utf8_lossy(&listed.stdout).contains("mirror.1"), "{}", String::from_utf8_lossy(&listed.stdout));
+    let listed: serde_json::Value = serde_json::from_slice(&run(plyfs().args(["status", "--json"])).stdout).unwrap();
+    let row = listed.as_array().unwrap().iter().find(|r| r["mountpoint"] == m.mnt.display().to_string()).expect("listed");
+    assert_eq!(row["lower"], format!("{}|{addr}", local.display()), "{row}");
+    assert!(row["stack"].as_str().unwrap().split(',').any(|l| l == "mirror.1"), "{row}");
 
     // The server away: the branch fails once its timeout is out, and the mount goes on.
     server.kill();

@@ -464,15 +464,16 @@ pub fn is_fan_out(registry: &[LayerFactory], kind: &str) -> bool {
 }
 
 /// Give the first fan-out layer of `specs` its directories: the branches its spec lists take,
-/// in order, LOWER and the `--branch` directories that lack one; with no branch list, each of
-/// those directories is a branch of its own with no layers. A branch that ends in one of
+/// in order, LOWER (`None` when the mount has none: LOWER `-`) and the `--branch` directories
+/// that lack one; with no branch list, each of those directories is a branch of its own with no
+/// layers. A branch that ends in one of
 /// `bottoms` (a `remote` layer, which reaches a server) stands on that and takes no directory.
 /// `cli` pairs a directory with the mode the command line gave it (`None`: not said).
 pub fn assign_branch_dirs(
     specs: &mut [LayerSpec],
     registry: &[LayerFactory],
     bottoms: &[&str],
-    lower: PathBuf,
+    lower: Option<PathBuf>,
     cli: Vec<(PathBuf, Option<BranchMode>)>,
 ) -> Result<()> {
     let Some(fan) = specs.iter_mut().find(|s| is_fan_out(registry, &s.kind)) else {
@@ -481,7 +482,7 @@ pub fn assign_branch_dirs(
         }
         return Ok(());
     };
-    let mut given = std::iter::once((lower, None)).chain(cli);
+    let mut given = lower.map(|dir| (dir, None)).into_iter().chain(cli);
     if fan.branches.is_empty() {
         fan.branches = given.map(|(dir, mode)| BranchSpec { name: None, dir: Some(dir), mode, layers: Vec::new() }).collect();
         return Ok(());

@@ -337,7 +337,7 @@ fn branch_directories_come_from_lower_and_the_command_line() {
     let assign = |spec: &str, cli: Vec<(&str, Option<BranchMode>)>| {
         let mut specs = parse_stack_spec(spec).unwrap();
         let cli = cli.into_iter().map(|(d, m)| (std::path::PathBuf::from(d), m)).collect();
-        assign_branch_dirs(&mut specs, FANOUT_REGISTRY, &["remote"], "/lower".into(), cli).map(|()| specs).map_err(|e| e.to_string())
+        assign_branch_dirs(&mut specs, FANOUT_REGISTRY, &["remote"], Some("/lower".into()), cli).map(|()| specs).map_err(|e| e.to_string())
     };
     let specs = assign("fan", vec![("/b", Some(BranchMode::ReadOnly)), ("/c", None)]).unwrap();
     let dirs: Vec<_> = specs[0].branches.iter().map(|b| (b.dir.clone().unwrap(), b.mode())).collect();
@@ -371,6 +371,16 @@ fn branch_directories_come_from_lower_and_the_command_line() {
         "/lower: no branch of 'fan' is left to take it (branches that name their own directory with @DIR, or end in 'remote', take none)"
     );
     assert_eq!(assign("null", vec![("/b", None)]).unwrap_err(), "--branch needs a fan-out layer (union or mirror) in the stack");
+    // Without LOWER (`-`), every branch names where it stands, or takes a --branch directory.
+    let unplaced = |spec: &str, cli: Vec<&str>| {
+        let mut specs = parse_stack_spec(spec).unwrap();
+        let cli = cli.into_iter().map(|d| (std::path::PathBuf::from(d), None)).collect();
+        assign_branch_dirs(&mut specs, FANOUT_REGISTRY, &["remote"], None, cli).map(|()| specs).map_err(|e| e.to_string())
+    };
+    let specs = unplaced("fan[@/x|remote:addr=unix:/s|zstd]", vec!["/b"]).unwrap();
+    let b = &specs[0].branches;
+    assert_eq!((b[0].dir.as_deref(), b[1].dir.as_deref(), b[2].dir.as_deref()), (Some("/x".as_ref()), None, Some("/b".as_ref())));
+    assert_eq!(unplaced("fan[@/x|zstd]", vec![]).unwrap_err(), "layer 'fan', branch 1: no directory (give it as @DIR, or one more --branch)");
 }
 
 #[test]
