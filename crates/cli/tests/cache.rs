@@ -487,3 +487,62 @@ fn concurrent_readers_and_writers_under_eviction_write_through() {
 fn concurrent_readers_and_writers_under_eviction_write_back() {
     stress("cache:mode=write-back:delay=10ms:max_size=600k:range=64k");
 }
+
+/// A cache mount whose slow branch is a `plyfs serve` of `slow` over a Unix socket (LOWER `-`).
+fn cache_over_server(stack: &str, slow: &Path, options: &[&str]) -> (common::Server, Mount) {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (fast, mnt) = (root.join("fast"), root.join("mnt"));
+    std::fs::create_dir(&fast).unwrap();
+    std::fs::create_dir(&mnt).unwrap();
+    let sock = root.join("slow.sock");
+    let server = common::Server::start(slow, &format!("unix:{}", sock.display()), &["--stack", "null"], &root.join("server.log"));
+    let spec = format!("{stack}[@{} | remote:addr=unix:{}]", fast.display(), sock.display());
+    let m = Mount::start(dir, PathBuf::from("-"), mnt, &spec, options);
+    (server, m)
+}
+
+#[test]
+fn over_a_server_a_change_made_there_or_by_another_client_is_never_served_old() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("f"), random(60, 1 << 20)).unwrap();
+    let (server, m) = cache_over_server("cache", &slow, &[]);
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), random(60, 1 << 20));
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), random(60, 1 << 20));
+    assert_eq!(status(&m)["hits"].as_u64(), Some(1));
+    // Changed in the server's directory, by the same size.
+    std::fs::write(slow.join("f"), random(61, 1 << 20)).unwrap();
+    assert!(std::fs::read(m.path("f")).unwrap() == random(61, 1 << 20), "a change on the server's side");
+    // Changed by another client of the same server.
+    let other_dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let other_mnt = other_dir.path().canonicalize().unwrap().join("mnt");
+    std::fs::create_dir(&other_mnt).unwrap();
+    let other = Mount::start(other_dir, PathBuf::from(server.listen.clone()), other_mnt, "null", &[]);
+    for round in 0..5u64 {
+        assert!(std::fs::read(m.path("f")).unwrap() == std::fs::read(slow.join("f")).unwrap(), "round {round}");
+        std::fs::write(other.path("f"), random(62 + round, 1 << 20)).unwrap();
+        assert!(std::fs::read(m.path("f")).unwrap() == random(62 + round, 1 << 20), "a change by another client, round {round}");
+    }
+}
+
+#[test]
+fn over_a_server_write_back_reaches_it_and_survives_a_killed_daemon() {
+    let (_d, slow) = slow_dir();
+    let (_server, mut m) = cache_over_server("cache:mode=write-back:delay=1h", &slow, &[]);
+    std::fs::create_dir(m.path("d")).unwrap();
+    std::fs::write(m.path("d/held"), random(70, 300_000)).unwrap();
+    let mut synced = File::create(m.path("d/synced")).unwrap();
+    synced.write_all(&random(71, 200_000)).unwrap();
+    synced.sync_all().unwrap();
+    drop(synced);
+    assert!(std::fs::read(slow.join("d/synced")).unwrap() == random(71, 200_000), "fsync reached the server");
+    assert_eq!(std::fs::metadata(slow.join("d/held")).unwrap().len(), 0, "held back for an hour");
+    m.child().kill().unwrap();
+    m.child().wait().unwrap();
+    let _ = run(plyfs().arg("umount").arg(&m.mnt));
+    let m = m.remount();
+    wait_for("written back after the restart", Duration::from_secs(20), || {
+        std::fs::read(slow.join("d/held")).unwrap() == random(70, 300_000)
+    });
+    assert!(std::fs::read(m.path("d/held")).unwrap() == random(70, 300_000));
+}

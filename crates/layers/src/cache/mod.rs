@@ -40,6 +40,7 @@ use std::ffi::OsStr;
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Weak};
@@ -284,8 +285,13 @@ impl Cache {
         if fast.mode == BranchMode::ReadOnly {
             return Err(Error::config(format!("cache '{}': the fast branch '{}' holds the copies and cannot be read-only", args.name, fast.name)));
         }
-        if let Some(l) = fast.stack.levels().iter().find(|l| !matches!(l.layer().kind(), "lower" | "policy")) {
-            let _ = l;
+        let Some(fast_dir) = fast.lower.dir().map(Path::to_owned) else {
+            return Err(Error::config(format!(
+                "cache '{}': the fast branch '{}' stands on a server ({}); its copies need a directory of this machine",
+                args.name, fast.name, fast.lower
+            )));
+        };
+        if fast.stack.levels().iter().any(|l| !matches!(l.layer().kind(), "lower" | "policy")) {
             return Err(Error::config(format!(
                 "cache '{}': the fast branch '{}' holds plain copies; put layers above the cache, or on the slow branch",
                 args.name, fast.name
@@ -295,7 +301,7 @@ impl Cache {
         if read_only && cfg.mode == Mode::WriteBack {
             return Err(Error::config(format!("cache '{}': mode=write-back over a read-only slow branch writes nothing back", args.name)));
         }
-        let store = Store::open(&args.name, &fast.dir, read_only)?;
+        let store = Store::open(&args.name, &fast_dir, read_only)?;
         let dirty = store.index.lock().copies.values().filter(|c| c.dirty).count();
         if dirty > 0 {
             tracing::info!("cache '{}': {dirty} file(s) from before the restart are not on the slow branch yet; writing them back", args.name);
@@ -1383,7 +1389,7 @@ impl Cache {
         let (free, _) = self.store.space();
         json!({
             "mode": match self.cfg.mode { Mode::WriteThrough => "write-through", Mode::WriteBack => "write-back" },
-            "fast": self.fast.dir.display().to_string(),
+            "fast": self.fast.lower.to_string(),
             "slow": self.slow.name,
             "files": whole.len(),
             "bytes": whole.iter().map(|c| c.bytes).sum::<u64>(),
