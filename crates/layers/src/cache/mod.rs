@@ -81,6 +81,8 @@ const PARAMS: &[ParamSpec] = &[
     ParamSpec { name: "delay", help: "write-back: how long after the last writer closes a file it is written back", default: Some("5s") },
     ParamSpec { name: "range", help: "files are fetched in ranges of this size", default: Some("1M") },
     ParamSpec { name: "ahead", help: "ranges fetched ahead of a reader, in parallel", default: Some("4") },
+    ParamSpec { name: "pin", help: "paths (globs from the mount's root, separated by ;) kept once fetched, as user.plyfs.cache=pin", default: None },
+    ParamSpec { name: "never", help: "paths (globs, separated by ;) never cached, as user.plyfs.cache=never", default: None },
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,6 +105,8 @@ struct Settings {
     delay: Duration,
     range: u64,
     ahead: usize,
+    pin: Vec<plyfs_stack::glob::Glob>,
+    never: Vec<plyfs_stack::glob::Glob>,
 }
 
 /// `30s`, `5m`, `12h`, `7d`, `250ms`; `0` is none.
@@ -152,7 +156,18 @@ impl Settings {
         if !(4096..=(64 << 20)).contains(&range) || range % 4096 != 0 {
             return Err(p.bad("range", p.get("range").unwrap_or_default(), "expected a multiple of 4k from 4k to 64M"));
         }
+        let globs = |key: &str| -> Result<Vec<plyfs_stack::glob::Glob>> {
+            p.get(key)
+                .unwrap_or_default()
+                .split(';')
+                .map(str::trim)
+                .filter(|g| !g.is_empty())
+                .map(|g| plyfs_stack::glob::Glob::new(g.trim_start_matches('/')).map_err(|e| p.bad(key, g, &e)))
+                .collect()
+        };
         Ok(Settings {
+            pin: globs("pin")?,
+            never: globs("never")?,
             mode,
             max_size: size("max_size", "0")?,
             min_free,
@@ -224,7 +239,7 @@ const GATES: usize = 64;
 struct Stats {
     hits: AtomicU64,
     misses: AtomicU64,
-    fetched: AtomicU64,
+    fetched: Arc<AtomicU64>,
     written_back: AtomicU64,
 }
 
@@ -388,7 +403,19 @@ impl Cache {
 
     fn pin_of_node(&self, node: NodeId) -> Option<Pin> {
         let path = self.paths.path_of(node)?;
-        self.store.index.lock().pin_of(&path)
+        let pin = self.store.index.lock().pin_of(&path);
+        pin.or_else(|| self.pin_by_rule(&path))
+    }
+
+    /// What the `pin=` and `never=` globs say about `path`.
+    fn pin_by_rule(&self, path: &str) -> Option<Pin> {
+        if self.cfg.never.iter().any(|g| g.matches(path)) {
+            Some(Pin::Never)
+        } else if self.cfg.pin.iter().any(|g| g.matches(path)) {
+            Some(Pin::Pin)
+        } else {
+            None
+        }
     }
 
     /// Whether opens by `cx` of `node` go through the cache at all.
@@ -464,7 +491,7 @@ impl Cache {
         };
         let file = if complete { self.store.open_copy(key, gen, true)? } else { self.store.create_copy(key, gen)? };
         let size = if complete { file.metadata()?.len() } else { attr.size };
-        let fill = Arc::new(Fill::new(key, gen, file, size, self.cfg.range, self.slow().clone(), stamp, complete));
+        let fill = Arc::new(Fill::new(key, gen, file, size, self.cfg.range, self.slow().clone(), stamp, complete, self.stats.fetched.clone()));
         self.fills.lock().insert(key, Arc::downgrade(&fill));
         Ok(fill)
     }
@@ -1007,13 +1034,10 @@ impl Cache {
                 Ok(Reply::Data(buf))
             }
             Kind::Filling(fill) => {
-                let before = fill.fetched.load(Ordering::Relaxed);
                 let (data, last) = fill.read(offset, size)?;
                 if let Some(last) = last {
                     self.read_ahead(fill, last);
                 }
-                let after = fill.fetched.load(Ordering::Relaxed);
-                self.stats.fetched.fetch_add(after.saturating_sub(before), Ordering::Relaxed);
                 if fill.is_complete() {
                     self.record_complete(fill);
                 }
@@ -1325,7 +1349,7 @@ impl Cache {
             let idx = self.store.index.lock();
             idx.copies
                 .iter()
-                .filter(|(_, c)| c.complete && !c.dirty && idx.pin_of(&c.path) != Some(Pin::Pin))
+                .filter(|(_, c)| c.complete && !c.dirty && idx.pin_of(&c.path).or_else(|| self.pin_by_rule(&c.path)) != Some(Pin::Pin))
                 .map(|(k, c)| (c.used, *k, c.gen, c.bytes))
                 .collect()
         };
