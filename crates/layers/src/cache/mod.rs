@@ -268,10 +268,19 @@ pub struct Cache {
     /// go stale under an open that the kernel would serve every later open from).
     copy_passthrough: bool,
     changes: Mutex<HashMap<u64, Change>>,
+    /// The slow branch's latest attributes of files whose copies hold unwritten changes (what
+    /// a change of their times or size alone answers with, without asking it).
+    slow_attrs: Mutex<HashMap<u64, Attr>>,
+    /// Extended attributes the slow branch said such files do not have (the kernel asks for
+    /// `security.capability` at every write and change of owner): forgotten at any change of
+    /// their attributes through this mount, and once written back.
+    absent_xattrs: Mutex<HashMap<u64, HashSet<std::ffi::OsString>>>,
     flushing: Mutex<HashSet<u64>>,
     flushed: Condvar,
     jobs: Mutex<Option<Sender<Job>>>,
     stop: AtomicBool,
+    /// A fetch finished: the cache may be over its limits.
+    evict_soon: AtomicBool,
     wake: (Mutex<bool>, Condvar),
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     stats: Stats,
@@ -338,10 +347,13 @@ impl Cache {
             open_locks: (0..GATES).map(|_| Mutex::new(())).collect(),
             copy_passthrough: plyfs_stack::shared::mode().is_none(),
             changes: Mutex::new(changes),
+            slow_attrs: Mutex::new(HashMap::new()),
+            absent_xattrs: Mutex::new(HashMap::new()),
             flushing: Mutex::new(HashSet::new()),
             flushed: Condvar::new(),
             jobs: Mutex::new(None),
             stop: AtomicBool::new(false),
+            evict_soon: AtomicBool::new(false),
             wake: (Mutex::new(false), Condvar::new()),
             threads: Mutex::new(Vec::new()),
             stats: Stats::default(),
@@ -456,6 +468,8 @@ impl Cache {
                 if c.dirty {
                     let _ = self.store.log(key, None);
                     self.changes.lock().remove(&key);
+                    self.slow_attrs.lock().remove(&key);
+                    self.absent_xattrs.lock().remove(&key);
                 }
                 self.store.remove_copy(key, c.gen);
                 true
@@ -528,6 +542,7 @@ impl Cache {
                 idx.changed = true;
             }
         }
+        self.evict_soon.store(true, Ordering::Release);
         self.wake_keeper();
     }
 
@@ -549,6 +564,22 @@ impl Cache {
                 }
                 None => job(),
             }
+        }
+    }
+
+    /// Release a slow branch's handle on a fetcher thread.
+    fn release_later(&self, node: NodeId, fh: FileHandle) {
+        let slow = self.slow().clone();
+        let job: Job = Box::new(move || {
+            let _ = slow.release(&daemon(), node, fh);
+        });
+        match self.jobs.lock().as_ref() {
+            Some(tx) => {
+                if let Err(e) = tx.send(job) {
+                    (e.0)();
+                }
+            }
+            None => job(),
         }
     }
 
@@ -863,7 +894,10 @@ impl Cache {
             return;
         }
         let gen = match self.store.index.lock().copies.get(&node.0) {
-            Some(c) if c.dirty => c.gen,
+            Some(c) if c.dirty => {
+                self.slow_attrs.lock().insert(node.0, *attr);
+                c.gen
+            }
             Some(c) => {
                 if let Some(shown) = c.shown_ctime.filter(|_| unix_time(attr.ctime) == c.stamp.ctime) {
                     attr.ctime = from_unix_time(shown.0, shown.1);
@@ -941,8 +975,12 @@ impl Cache {
         if dirty {
             // Size and times are the copy's until it is written back; the rest is the slow file's.
             let rest = SetAttr { size: None, atime: None, mtime: None, ..set };
+            let known = self.slow_attrs.lock().get(&key).copied();
             let mut attr = if rest == SetAttr::default() {
-                self.slow().getattr(cx, node)?
+                match known {
+                    Some(a) => a,
+                    None => self.slow().getattr(cx, node)?,
+                }
             } else {
                 match self.slow().call(cx, &Op::SetAttr { node, fh: None, set: rest })? {
                     Reply::Attr(a) => a,
@@ -1215,7 +1253,12 @@ impl Cache {
             }
             Err(e) => return Err(e),
         };
-        let shown = self.slow().getattr(&daemon(), node).map(|mut a| {
+        let known = self.slow_attrs.lock().get(&key).copied();
+        let shown = match known {
+            Some(a) => Ok(a),
+            None => self.slow().getattr(&daemon(), node),
+        }
+        .map(|mut a| {
             self.patch(node, &mut a);
             unix_time(a.ctime)
         });
@@ -1240,6 +1283,8 @@ impl Cache {
                 let mut idx = self.store.index.lock();
                 match idx.copies.get_mut(&key).filter(|c| c.gen == copy.gen && c.dirty) {
                     Some(c) => {
+                        self.slow_attrs.lock().remove(&key);
+                        self.absent_xattrs.lock().remove(&key);
                         c.dirty = false;
                         c.stamp = Stamp::of(&attr);
                         c.shown_ctime = shown.as_ref().ok().copied();
@@ -1263,7 +1308,7 @@ impl Cache {
         let meta = file.metadata()?;
         let opened = self.slow().open(&cx, node, libc::O_WRONLY)?;
         let fh = opened.fh;
-        let copied = (|| -> Result<()> {
+        let copied = (|| -> Result<Attr> {
             let mut buf = vec![0u8; 1 << 20];
             let mut at = 0u64;
             loop {
@@ -1282,31 +1327,36 @@ impl Cache {
                 at += n as u64;
                 self.stats.written_back.fetch_add(n as u64, Ordering::Relaxed);
             }
-            self.slow().call(&cx, &Op::SetAttr { node, fh: Some(fh), set: SetAttr { size: Some(at), ..SetAttr::default() } })?;
             let mtime = from_unix_time(meta.mtime(), meta.mtime_nsec() as u32);
             let atime = from_unix_time(meta.atime(), meta.atime_nsec() as u32);
-            // Best effort: the slow branch may not let the daemon set times on another's file.
-            let times = SetAttr { mtime: Some(TimeSet::At(mtime)), atime: Some(TimeSet::At(atime)), ..SetAttr::default() };
-            let _ = self.slow().call(&cx, &Op::SetAttr { node, fh: Some(fh), set: times });
+            let size = SetAttr { size: Some(at), ..SetAttr::default() };
+            let with_times = SetAttr { mtime: Some(TimeSet::At(mtime)), atime: Some(TimeSet::At(atime)), ..size };
+            // The times are the copy's; a slow branch that does not let the daemon set them on
+            // another's file gets the size alone.
+            let reply = match self.slow().call(&cx, &Op::SetAttr { node, fh: Some(fh), set: with_times }) {
+                Err(Error::Os(libc::EPERM)) => self.slow().call(&cx, &Op::SetAttr { node, fh: Some(fh), set: size })?,
+                other => other?,
+            };
             self.slow().call(&cx, &Op::Fsync { node, fh, datasync: false })?;
-            Ok(())
+            match reply {
+                Reply::Attr(a) => Ok(a),
+                _ => self.slow().getattr(&cx, node),
+            }
         })();
         let _ = self.slow().release(&cx, node, fh);
-        copied?;
-        self.slow().getattr(&cx, node)
+        copied
     }
 
     /// Write back every copy that waited long enough (or all of them).
     fn write_back_due(&self, all: bool) -> (usize, Vec<String>) {
-        let due: Vec<u64> = {
-            let ch = self.changes.lock();
+        // Every copy with unwritten changes has an entry in `changes`: the keeper looks there
+        // only, not through the whole index at every tick.
+        let due: Vec<u64> = if all {
+            self.store.index.lock().copies.iter().filter(|(_, c)| c.dirty).map(|(k, _)| *k).collect()
+        } else {
+            let waited: Vec<u64> = self.changes.lock().iter().filter(|(_, c)| c.at.elapsed() >= self.cfg.delay).map(|(k, _)| *k).collect();
             let idx = self.store.index.lock();
-            idx.copies
-                .iter()
-                .filter(|(_, c)| c.dirty)
-                .map(|(k, _)| *k)
-                .filter(|k| all || ch.get(k).is_none_or(|c| c.at.elapsed() >= self.cfg.delay))
-                .collect()
+            waited.into_iter().filter(|k| is_dirty(idx.copies.get(k))).collect()
         };
         let mut done = 0;
         let mut errors = Vec::new();
@@ -1618,7 +1668,7 @@ impl Cache {
 
 /// The cache's own thread: writes back what is due, evicts, and saves the index.
 fn keeper(me: Weak<Cache>) {
-    let mut last_evict = Instant::now();
+    let (mut last_evict, mut last_save) = (Instant::now(), Instant::now());
     loop {
         let Some(cache) = me.upgrade() else { return };
         if cache.stop.load(Ordering::Acquire) {
@@ -1627,10 +1677,18 @@ fn keeper(me: Weak<Cache>) {
         // Write-through leaves dirty copies too: those written by passthrough next to readers,
         // when a write-back at close failed, or before a restart.
         cache.write_back_due(false);
-        if last_evict.elapsed() >= Duration::from_secs(2) || *cache.wake.0.lock() {
+        // Eviction soon after a fetch (at most five times a second), else every two seconds;
+        // the index is written every two seconds, whatever happens in between.
+        let soon = cache.evict_soon.swap(false, Ordering::AcqRel);
+        if last_evict.elapsed() >= Duration::from_secs(2) || (soon && last_evict.elapsed() >= Duration::from_millis(200)) {
             cache.evict();
-            let _ = cache.store.save();
             last_evict = Instant::now();
+        } else if soon {
+            cache.evict_soon.store(true, Ordering::Release);
+        }
+        if last_save.elapsed() >= Duration::from_secs(2) {
+            let _ = cache.store.save();
+            last_save = Instant::now();
         }
         let tick = cache.cfg.delay.clamp(Duration::from_millis(100), Duration::from_millis(500));
         let mut woken = cache.wake.0.lock();
@@ -1707,6 +1765,13 @@ impl Layer for Cache {
                 self.slow().call(cx, op)
             }
             Op::GetAttr { node, fh } => {
+                // A file with unwritten changes: its slow attributes change only through this
+                // mount, which saw them last.
+                let known = self.slow_attrs.lock().get(&node.0).copied();
+                if let Some(mut a) = known.filter(|_| is_dirty(self.copy_of(node.0).as_ref())) {
+                    self.patch(node, &mut a);
+                    return Ok(Reply::Attr(a));
+                }
                 let reply = self.slow().call(cx, &Op::GetAttr { node, fh: self.slow_fh(fh) })?;
                 match reply {
                     Reply::Attr(mut a) => {
@@ -1794,7 +1859,9 @@ impl Layer for Cache {
                         self.open_next_to_copy(cx, node, flags, &entry.attr, gen)
                     }
                     _ if self.cfg.mode == Mode::WriteBack => {
-                        let _ = self.slow().release(cx, node, opened.fh);
+                        // The copy takes the writes: the slow branch's handle is let go in the
+                        // background, sparing a round trip per created file (an untar's).
+                        self.release_later(node, opened.fh);
                         let made = if self.has_copy(key) {
                             self.open_dirty(cx, node, flags, &entry.attr, false)
                         } else {
@@ -1881,13 +1948,25 @@ impl Layer for Cache {
                 },
                 None => self.slow().call(cx, op),
             },
+            Op::GetXattr { node, name, .. } if self.absent_xattrs.lock().get(&node.0).is_some_and(|a| a.contains(name)) => {
+                Err(Error::Os(libc::ENODATA))
+            }
+            Op::GetXattr { node, name, .. } => {
+                let r = self.slow().call(cx, op);
+                if matches!(r, Err(Error::Os(libc::ENODATA))) && is_dirty(self.copy_of(node.0).as_ref()) {
+                    self.absent_xattrs.lock().entry(node.0).or_default().insert(name.to_owned());
+                }
+                r
+            }
             Op::SetXattr { node, name, value, .. } if name == PIN_XATTR => {
+                self.absent_xattrs.lock().remove(&node.0);
                 let pin = Pin::parse(value).ok_or(Error::Os(libc::EINVAL))?;
                 self.slow().call(cx, op)?;
                 self.set_pin(cx, node, pin)?;
                 Ok(Reply::Empty)
             }
             Op::RemoveXattr { node, name } if name == PIN_XATTR => {
+                self.absent_xattrs.lock().remove(&node.0);
                 let r = self.slow().call(cx, op);
                 if r.is_ok() || matches!(r, Err(Error::Os(libc::ENODATA))) {
                     self.set_pin(cx, node, None)?;
@@ -1895,6 +1974,7 @@ impl Layer for Cache {
                 r
             }
             Op::SetXattr { node, .. } | Op::RemoveXattr { node, .. } => {
+                self.absent_xattrs.lock().remove(&node.0);
                 let r = self.slow().call(cx, op)?;
                 if self.has_copy(node.0) {
                     if let Ok(a) = self.slow().getattr(&daemon(), node) {
