@@ -571,3 +571,209 @@ fn pin_and_never_rules_choose_by_path() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("pin"), "{err}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// From the review of the layer (branch cachereview): each failed on the first version.
+// ---------------------------------------------------------------------------------------------
+
+/// Kill the daemon of `m` and mount the same fast branch (and `stack`) again over `slow`.
+fn kill_and_restart(mut m: Mount, stack: &str, slow: &Path) -> Mount {
+    m.child().kill().unwrap();
+    m.child().wait().unwrap();
+    let out = run(plyfs().arg("umount").arg(&m.mnt));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (dir, fast, mnt) = (std::mem::replace(&mut m.dir, tempfile::tempdir().unwrap()), m.lower.clone(), m.mnt.clone());
+    drop(m);
+    let branch = format!("--branch={}", slow.display());
+    Mount::start(dir, fast, mnt, stack, &[&branch])
+}
+
+fn utimens_now(p: &Path) {
+    let path = common::cpath(p);
+    assert_eq!(unsafe { libc::utimensat(libc::AT_FDCWD, path.as_ptr(), std::ptr::null(), libc::AT_SYMLINK_NOFOLLOW) }, 0);
+}
+
+/// `set_attr` (mtime) and `kept_bytes` (chmod, chown, xattrs, link, rename) move an old copy's
+/// stamp to the slow file's new attributes without checking that the copy was still the slow
+/// file's bytes: an outside change of the same size is then served from the old copy forever.
+#[test]
+fn review_a_metadata_change_through_the_mount_does_not_bless_an_old_copy() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("t"), random(60, 100_000)).unwrap();
+    std::fs::write(slow.join("c"), random(61, 100_000)).unwrap();
+    let m = cache_over("cache", &slow, &[]);
+    for name in ["t", "c"] {
+        for _ in 0..2 {
+            std::fs::read(m.path(name)).unwrap();
+        }
+        wait_for("the copy is whole", Duration::from_secs(10), || std::fs::read(m.path(name)).is_ok() && status(&m)["files"].as_u64() >= Some(1));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    // Outside changes of the same size; `c` keeps its old mtime (rsync -t).
+    std::fs::write(slow.join("t"), random(62, 100_000)).unwrap();
+    let before = std::fs::metadata(slow.join("c")).unwrap();
+    std::fs::write(slow.join("c"), random(63, 100_000)).unwrap();
+    set_mtime(&slow.join("c"), filetime(&before));
+    // A `touch -h` (utimensat, no open) and a chmod through the mount.
+    utimens_now(&m.path("t"));
+    std::fs::set_permissions(m.path("c"), std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    assert!(std::fs::read(m.path("t")).unwrap() == random(62, 100_000), "touch: the old copy is served");
+    assert!(std::fs::read(m.path("c")).unwrap() == random(63, 100_000), "chmod: the old copy is served");
+}
+
+/// While a write-through writer holds the file open, `fresh_copy` and `record_complete` ignore
+/// the slow file's stamp, and `release` then stamps the copy with whatever the slow file says:
+/// a change made on the slow branch meanwhile is never seen through this mount.
+#[test]
+fn review_an_outside_change_while_a_writer_is_open_is_not_hidden_forever() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("f"), random(64, 200_000)).unwrap();
+    let m = cache_over("cache", &slow, &[]);
+    std::fs::read(m.path("f")).unwrap();
+    wait_for("the copy is whole", Duration::from_secs(10), || status(&m)["files"].as_u64() == Some(1));
+    let writer = OpenOptions::new().append(true).open(m.path("f")).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    std::fs::write(slow.join("f"), random(65, 200_000)).unwrap();
+    drop(writer);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(std::fs::read(m.path("f")).unwrap() == random(65, 200_000), "the mount serves the old copy after the writer closed");
+}
+
+/// Paths in the index and the write-back log are `to_string_lossy`: a name that is not UTF-8 is
+/// looked up as U+FFFD after a restart (or once the kernel forgot the node), is not found, and
+/// the unwritten bytes are moved to orphans while the file stays empty.
+#[test]
+fn review_write_back_of_a_name_that_is_not_utf8_survives_a_restart() {
+    use std::os::unix::ffi::OsStrExt;
+    let (_d, slow) = slow_dir();
+    let stack = "cache:mode=write-back:delay=1h";
+    let m = cache_over(stack, &slow, &[]);
+    let name = std::ffi::OsStr::from_bytes(b"caf\xe9");
+    std::fs::write(m.mnt.join(name), b"precious").unwrap();
+    let m = kill_and_restart(m, stack, &slow);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(std::fs::read(slow.join(name)).unwrap(), b"precious", "log: {}", m.daemon_log());
+}
+
+/// The index keeps one path per copy (the name it was written under); a hard link made through
+/// the mount is not noted, so once the first name is removed a restart finds nothing to write
+/// back to and orphans the bytes, while `b` keeps the old contents.
+#[test]
+fn review_write_back_of_a_hard_linked_file_survives_a_restart_after_its_first_name_is_removed() {
+    let (_d, slow) = slow_dir();
+    let stack = "cache:mode=write-back:delay=1h";
+    let m = cache_over(stack, &slow, &[]);
+    std::fs::write(m.path("a"), b"new contents").unwrap();
+    std::fs::hard_link(m.path("a"), m.path("b")).unwrap();
+    std::fs::remove_file(m.path("a")).unwrap();
+    let m = kill_and_restart(m, stack, &slow);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(std::fs::read(slow.join("b")).unwrap(), b"new contents", "log: {}", m.daemon_log());
+}
+
+/// `open` sends a file that `caches_for` refuses (pin `never`) to `open_slow` before it looks at
+/// how the file's other opens are served: next to a passthrough open of the copy it answers
+/// without passthrough, and the kernel fails the open with EIO.
+#[test]
+fn review_pinning_never_an_open_file_does_not_make_its_next_opens_fail() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("p"), random(66, 50_000)).unwrap();
+    let m = cache_over("cache", &slow, &[]);
+    std::fs::read(m.path("p")).unwrap();
+    wait_for("the copy is whole", Duration::from_secs(10), || status(&m)["files"].as_u64() == Some(1));
+    let held = File::open(m.path("p")).unwrap();
+    setx(&m.path("p"), "user.plyfs.cache", b"never").unwrap();
+    let again = std::fs::read(m.path("p"));
+    drop(held);
+    assert_eq!(again.map(|d| d == random(66, 50_000)).map_err(|e| e.raw_os_error()), Ok(true), "EIO: the open is answered without passthrough next to a passthrough open");
+}
+
+/// `Fill::hold` walks every range from the start to the new size, existing or not: a truncate to
+/// a huge size of a file being filled spins for hours holding the fill's lock (the caller sits in
+/// D state, unkillable, and every reader of the file waits too).
+#[test]
+fn review_a_huge_truncate_of_a_file_being_filled_answers_at_once() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("big"), random(67, 20 << 20)).unwrap();
+    let mut m = cache_over("cache", &slow, &[]);
+    let reader = File::open(m.path("big")).unwrap();
+    let mut b = [0u8; 10];
+    reader.read_exact_at(&mut b, 0).unwrap();
+    let path = m.path("big");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let c = common::cpath(&path);
+        let rc = unsafe { libc::truncate(c.as_ptr(), i64::MAX) };
+        let _ = tx.send((rc, common::errno()));
+    });
+    let got = rx.recv_timeout(Duration::from_secs(10));
+    if got.is_err() {
+        // Free the stuck caller before failing.
+        m.child().kill().unwrap();
+    }
+    drop(reader);
+    let (rc, _) = got.expect("truncate(2) did not return within 10 s");
+    assert_eq!(rc, -1, "ext4 refuses a file that large");
+}
+
+/// A reader that opened while the file was being filled keeps its `Fill`, whose size is the one
+/// the fill started with; a write-back writer opened next to it writes the copy directly
+/// (`Kind::Copy`), so the reader reads EOF at the old size while fstat shows the new one.
+#[test]
+fn review_an_open_reader_sees_what_a_write_back_writer_appends() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("f"), random(68, 100_000)).unwrap();
+    let m = cache_over("cache:mode=write-back:delay=1h", &slow, &[]);
+    let reader = File::open(m.path("f")).unwrap();
+    let mut b = [0u8; 10];
+    reader.read_exact_at(&mut b, 0).unwrap();
+    let mut writer = OpenOptions::new().append(true).open(m.path("f")).unwrap();
+    writer.write_all(b"APPENDED!!").unwrap();
+    assert_eq!(reader.metadata().unwrap().len(), 100_010);
+    let mut tail = vec![0u8; 20];
+    let n = reader.read_at(&mut tail, 100_000).unwrap();
+    assert_eq!(&tail[..n], b"APPENDED!!", "the reader sees EOF at the old size");
+    drop(writer);
+}
+
+/// `fallocate` on a write-through writer goes to the slow branch and drops the copy, but the
+/// readers served from that copy (through the daemon, next to the writer) keep reading it: a
+/// punched hole reads as the old bytes, in the open reader and in the next opens (the kernel's
+/// pages are filled again from the old copy).
+#[test]
+fn review_a_punched_hole_shows_to_readers() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("f"), random(69, 100_000)).unwrap();
+    let m = cache_over("cache", &slow, &[]);
+    std::fs::read(m.path("f")).unwrap();
+    wait_for("the copy is whole", Duration::from_secs(10), || status(&m)["files"].as_u64() == Some(1));
+    let writer = OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+    let reader = File::open(m.path("f")).unwrap();
+    let rc = unsafe { libc::fallocate(writer.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, 8192) };
+    assert_eq!(rc, 0);
+    assert_eq!(std::fs::read(slow.join("f")).unwrap()[..8192], [0u8; 8192], "the slow branch has the hole");
+    let mut got = vec![0xffu8; 8192];
+    reader.read_exact_at(&mut got, 0).unwrap();
+    drop((writer, reader));
+    assert!(got.iter().all(|b| *b == 0), "the open reader reads the old bytes");
+    assert!(std::fs::read(m.path("f")).unwrap()[..8192].iter().all(|b| *b == 0), "a new open reads the old bytes");
+}
+
+/// An outside change that keeps the size and the mtime (rsync -t) is caught by the layer (the
+/// ctime), which fills a new copy; but without `-o shared` the kernel keeps its page cache
+/// across opens (FOPEN_KEEP_CACHE, invalidated on mtime/size only), so the first daemon-served
+/// read's pages are served again and the new fill is never even asked.
+#[test]
+fn review_an_outside_ctime_only_change_is_not_served_from_the_page_cache() {
+    let (_d, slow) = slow_dir();
+    let path = slow.join("k");
+    std::fs::write(&path, random(70, 300_000)).unwrap();
+    let m = cache_over("cache", &slow, &[]);
+    assert_eq!(std::fs::read(m.path("k")).unwrap(), random(70, 300_000));
+    std::thread::sleep(Duration::from_millis(50));
+    let before = std::fs::metadata(&path).unwrap();
+    std::fs::write(&path, random(71, 300_000)).unwrap();
+    set_mtime(&path, filetime(&before));
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(std::fs::read(m.path("k")).unwrap() == random(71, 300_000), "the old bytes are served");
+}
