@@ -5,6 +5,7 @@ mod common;
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -202,8 +203,10 @@ fn write_through_reaches_the_slow_branch_at_once_and_readers_see_it() {
     want[2 << 20..(2 << 20) + 7].copy_from_slice(b"second!");
     assert_eq!(std::fs::read(m.path("f")).unwrap(), want);
     assert_eq!(std::fs::read(slow.join("f")).unwrap(), want);
-    let s = status(&m);
-    assert_eq!((s["files"].as_u64(), s["dirty_files"].as_u64()), (Some(1), Some(0)), "the copy stayed: {s}");
+    // Nothing waits to be written back; the copy, which the writes reached, is fetched again when
+    // next read (a change made on the slow branch meanwhile would not show in its stamp).
+    assert_eq!(status(&m)["dirty_files"].as_u64(), Some(0));
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), want);
 }
 
 #[test]

@@ -56,6 +56,10 @@ fn ranges_for(size: u64, range: u64) -> usize {
     size.div_ceil(range) as usize
 }
 
+/// The most ranges a fill keeps track of (16 TiB at the default range): a larger file (a
+/// sparse one, or a hostile size) is read from the slow branch.
+const MAX_RANGES: u64 = 1 << 24;
+
 impl Fill {
     #[allow(clippy::too_many_arguments)]
     pub fn new(key: u64, gen: u64, file: File, size: u64, range: u64, slow: Level, start: Stamp, complete: bool, total: Arc<AtomicU64>) -> Fill {
@@ -76,6 +80,11 @@ impl Fill {
             detached: AtomicBool::new(false),
             recorded: AtomicBool::new(complete),
         }
+    }
+
+    /// Whether a file of `size` bytes can be filled in ranges of `range`.
+    pub fn fits(size: u64, range: u64) -> bool {
+        size.div_ceil(range) <= MAX_RANGES
     }
 
     pub fn size(&self) -> u64 {
@@ -187,7 +196,10 @@ impl Fill {
         if self.detached.load(Ordering::Acquire) {
             return self.read_slow(offset, size).map(|d| (d, None));
         }
-        let end = (offset + u64::from(size)).min(self.size());
+        // A whole copy is the file: its size is the copy's (a write-back writer may have
+        // written it longer or shorter since this fill began).
+        let known = if self.is_complete() { self.file.metadata()?.len().max(self.size()) } else { self.size() };
+        let end = offset.saturating_add(u64::from(size)).min(known);
         if offset >= end {
             return Ok((Vec::new(), None));
         }
@@ -233,7 +245,7 @@ impl Fill {
             self.cond.wait(&mut st);
         }
         let mut was = Vec::new();
-        for r in first..=last {
+        for r in first..=last.min(st.ranges.len().saturating_sub(1)) {
             if let Some(s) = st.ranges.get_mut(r) {
                 was.push((r, *s));
                 *s = BUSY;
@@ -245,6 +257,9 @@ impl Fill {
     /// The write `data` at `offset` that just reached the slow branch, into the copy (under
     /// [`Fill::hold`]).
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        if !Fill::fits(offset.saturating_add(data.len() as u64), self.range) {
+            return Err(plyfs_stack::Error::Os(libc::EFBIG));
+        }
         self.file.write_all_at(data, offset)?;
         let mut st = self.st.lock();
         let end = offset + data.len() as u64;
@@ -260,6 +275,9 @@ impl Fill {
     /// The file's size changed to `size` on the slow branch (under [`Fill::hold`] of the
     /// ranges between the old and the new end).
     pub fn set_size(&self, size: u64) -> Result<()> {
+        if !Fill::fits(size, self.range) {
+            return Err(plyfs_stack::Error::Os(libc::EFBIG));
+        }
         self.file.set_len(size)?;
         let mut st = self.st.lock();
         let old = st.size;

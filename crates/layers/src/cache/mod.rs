@@ -281,6 +281,8 @@ pub struct Cache {
     stop: AtomicBool,
     /// A fetch finished: the cache may be over its limits.
     evict_soon: AtomicBool,
+    /// The front end's, to drop the kernel's pages of a file whose copy went stale.
+    invalidator: Mutex<Option<Arc<dyn Invalidator>>>,
     wake: (Mutex<bool>, Condvar),
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     stats: Stats,
@@ -354,6 +356,7 @@ impl Cache {
             jobs: Mutex::new(None),
             stop: AtomicBool::new(false),
             evict_soon: AtomicBool::new(false),
+            invalidator: Mutex::new(None),
             wake: (Mutex::new(false), Condvar::new()),
             threads: Mutex::new(Vec::new()),
             stats: Stats::default(),
@@ -388,6 +391,29 @@ impl Cache {
         }
     }
 
+    /// The path of `node` as the index and the log keep it: names that are not UTF-8 escaped
+    /// ([`store::encode_name`]), so a write-back finds them again.
+    fn path_of(&self, node: NodeId) -> Option<String> {
+        let mut parts = Vec::new();
+        let mut at = node;
+        while at != NodeId::ROOT {
+            let (parent, name) = self.paths.parent_of(at)?;
+            parts.push(store::encode_name(&name));
+            at = parent;
+            if parts.len() > 4096 {
+                return None;
+            }
+        }
+        parts.reverse();
+        Some(parts.join("/"))
+    }
+
+    fn child_path(&self, parent: NodeId, name: &OsStr) -> Option<String> {
+        let dir = self.path_of(parent)?;
+        let name = store::encode_name(name);
+        Some(if dir.is_empty() { name } else { format!("{dir}/{name}") })
+    }
+
     fn slow(&self) -> &Level {
         self.slow.top()
     }
@@ -414,7 +440,7 @@ impl Cache {
     }
 
     fn pin_of_node(&self, node: NodeId) -> Option<Pin> {
-        let path = self.paths.path_of(node)?;
+        let path = self.path_of(node)?;
         let pin = self.store.index.lock().pin_of(&path);
         pin.or_else(|| self.pin_by_rule(&path))
     }
@@ -447,7 +473,9 @@ impl Cache {
     /// Give up `key`'s copy (unless it holds unwritten changes): the slow file changed, was
     /// removed, or the copy is evicted. Open descriptors of it keep reading what they read.
     fn drop_copy(&self, key: u64, even_dirty: bool) -> bool {
-        if let Some(fill) = self.fills.lock().get(&key).and_then(Weak::upgrade) {
+        // Locks are never nested here: the fills lock is let go before the index is taken.
+        let fill = self.fills.lock().get(&key).and_then(Weak::upgrade);
+        if let Some(fill) = fill {
             if even_dirty || !is_dirty(self.store.index.lock().copies.get(&key)) {
                 fill.detach();
             }
@@ -481,6 +509,9 @@ impl Cache {
     /// A fill of `key`'s copy for a slow file with attributes `attr`: the one under way, or a
     /// new one.
     fn fill_for(&self, key: u64, attr: &Attr) -> Result<Arc<Fill>> {
+        if !Fill::fits(attr.size, self.cfg.range) {
+            return Err(Error::Os(libc::EFBIG));
+        }
         let stamp = Stamp::of(attr);
         let _gate = self.gate(key).write();
         if let Some(f) = self.live_fill(key) {
@@ -497,7 +528,7 @@ impl Cache {
                 self.drop_copy(key, false);
                 let mut idx = self.store.index.lock();
                 let gen = idx.new_gen();
-                let path = self.paths.path_of(NodeId(key)).unwrap_or_default();
+                let path = self.path_of(NodeId(key)).unwrap_or_default();
                 idx.copies.insert(key, Copy { gen, path, stamp, complete: false, dirty: false, used: now_secs(), bytes: 0, shown_ctime: None });
                 idx.changed = true;
                 (gen, false)
@@ -537,7 +568,7 @@ impl Cache {
                     c.stamp = Stamp::of(attr.as_ref().expect("checked"));
                 }
                 if c.path.is_empty() {
-                    c.path = self.paths.path_of(NodeId(fill.key)).unwrap_or_default();
+                    c.path = self.path_of(NodeId(fill.key)).unwrap_or_default();
                 }
                 idx.changed = true;
             }
@@ -564,6 +595,16 @@ impl Cache {
                 }
                 None => job(),
             }
+        }
+    }
+
+    /// Have the kernel drop what it caches of `node`, from a fetcher thread (never from a
+    /// thread serving a request).
+    fn invalidate_later(&self, node: NodeId) {
+        let Some(inv) = self.invalidator.lock().clone() else { return };
+        let job: Job = Box::new(move || inv.node(node));
+        if let Some(tx) = self.jobs.lock().as_ref() {
+            let _ = tx.send(job);
         }
     }
 
@@ -732,20 +773,27 @@ impl Cache {
 
     fn open(&self, cx: &Caller, node: NodeId, flags: i32) -> Result<Reply> {
         let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        // The slow file's attributes are taken under the open lock: a write-back deciding that
+        // the copy is clean (under the same lock) then cannot come between them and the choice
+        // they make (an old size would fill a new copy short).
+        let _open = self.open_lock(node.0).lock();
         let attr = self.slow().call(cx, &Op::GetAttr { node, fh: None }).and_then(|r| match r {
             Reply::Attr(a) => Ok(a),
             _ => Err(Error::Os(libc::EIO)),
         })?;
-        let _open = self.open_lock(node.0).lock();
-        if attr.kind != FileKind::File || !self.caches_for(cx, node) {
+        if attr.kind != FileKind::File {
             return self.open_slow(cx, node, flags, false);
         }
+        // Every open of a file is served the way its live opens are, whatever pins say.
         match self.served(node.0) {
             // The kernel gives this open the slow file too.
             Some(Side::Slow) => return self.open_slow(cx, node, flags, false),
             // ... or the copy the other opens read.
             Some(Side::Fast(gen)) => return self.open_next_to_copy(cx, node, flags, &attr, gen),
             _ => {}
+        }
+        if !self.caches_for(cx, node) {
+            return self.open_slow(cx, node, flags, false);
         }
         match (self.cfg.mode, writes) {
             (_, false) => self.open_read(cx, node, flags, &attr),
@@ -768,7 +816,7 @@ impl Cache {
                 tracing::warn!(
                     "cache '{}': '{}' changed on the slow branch while open here; it can be opened for writing once its readers close it",
                     self.name,
-                    self.paths.path_of(node).unwrap_or_default()
+                    self.path_of(node).unwrap_or_default()
                 );
                 return Err(Error::Os(libc::ETXTBSY));
             }
@@ -788,6 +836,14 @@ impl Cache {
 
     fn open_read(&self, cx: &Caller, node: NodeId, flags: i32, attr: &Attr) -> Result<Reply> {
         let key = node.0;
+        // A copy that is no longer the file's: the kernel may hold its pages too (kept across
+        // opens, and dropped by the kernel itself only when the mtime or size moved). This open
+        // reads past them, and they are dropped for the next ones.
+        let stale = self.copy_of(key).is_some_and(|c| c.complete && !c.dirty && c.stamp != Stamp::of(attr)) && self.writers(key) == 0;
+        if stale {
+            self.drop_copy(key, false);
+            self.invalidate_later(node);
+        }
         if let Some(c) = self.fresh_copy(key, attr) {
             match self.store.open_copy(key, c.gen, false) {
                 Ok(file) => {
@@ -814,7 +870,7 @@ impl Cache {
         };
         self.count_open(key, Side::Daemon, false, None);
         let fh = self.new_fh(CFile { kind: Kind::Filling(fill), writes: false, side: Side::Daemon, through: false });
-        Ok(Reply::Opened(Opened { fh, backing: None, direct_io: false, flush_on_close: false }))
+        Ok(Reply::Opened(Opened { fh, backing: None, direct_io: stale, flush_on_close: false }))
     }
 
     /// A whole copy to write in, noted in the write-back log before it is written.
@@ -848,7 +904,7 @@ impl Cache {
         self.drop_copy(key, false);
         let gen = self.store.index.lock().new_gen();
         self.store.create_copy(key, gen)?;
-        let path = self.paths.path_of(NodeId(key)).unwrap_or_default();
+        let path = self.path_of(NodeId(key)).unwrap_or_default();
         let mut idx = self.store.index.lock();
         idx.copies.insert(key, Copy { gen, path, stamp: Stamp::of(attr), complete: true, dirty: false, used: now_secs(), bytes: 0, shown_ctime: None });
         idx.changed = true;
@@ -858,7 +914,7 @@ impl Cache {
     /// Note that `key`'s copy is about to hold changes the slow branch does not have: in the
     /// write-back log first.
     fn mark_dirty(&self, key: u64, gen: u64, node: NodeId) -> Result<()> {
-        let path = self.paths.path_of(node);
+        let path = self.path_of(node);
         let log = {
             let mut idx = self.store.index.lock();
             let c = idx.copies.get_mut(&key).ok_or(Error::Os(libc::EIO))?;
@@ -932,12 +988,15 @@ impl Cache {
 
     /// After a change of this mount's that moved the slow file's ctime but not its bytes: the
     /// copy stays fresh.
-    fn kept_bytes(&self, key: u64, attr: &Attr) {
-        let mut idx = self.store.index.lock();
-        if let Some(c) = idx.copies.get_mut(&key).filter(|c| !c.dirty) {
-            let now = Stamp::of(attr);
-            if c.stamp.same_bytes(&now) {
-                c.stamp = now;
+    /// After a change of this mount's that moved the slow file's ctime (and perhaps its mtime)
+    /// but not its bytes, from `before` to `after`: a copy that was the file's bytes before it
+    /// still is. One that was not (the file changed outside since) is left to be found stale.
+    fn kept_bytes(&self, key: u64, before: &Attr, after: &Attr) {
+        let (before, after) = (Stamp::of(before), Stamp::of(after));
+        {
+            let mut idx = self.store.index.lock();
+            if let Some(c) = idx.copies.get_mut(&key).filter(|c| !c.dirty && c.stamp == before && c.stamp.size == after.size) {
+                c.stamp = after;
                 // The ctime is one a user's change gave it now, not a write-back's.
                 c.shown_ctime = None;
                 idx.changed = true;
@@ -945,10 +1004,19 @@ impl Cache {
         }
         if let Some(f) = self.live_fill(key) {
             let mut s = f.start.lock();
-            if s.same_bytes(&Stamp::of(attr)) {
-                *s = Stamp::of(attr);
+            if *s == before && s.size == after.size {
+                *s = after;
             }
         }
+    }
+
+    /// The slow file's attributes before a change of this mount's, when it has a copy whose
+    /// stamp the change would move (see [`Cache::kept_bytes`]).
+    fn before_change(&self, node: NodeId) -> Option<Attr> {
+        if !self.has_copy(node.0) || is_dirty(self.copy_of(node.0).as_ref()) {
+            return None;
+        }
+        self.slow().getattr(&daemon(), node).ok()
     }
 
     fn has_copy(&self, key: u64) -> bool {
@@ -1006,11 +1074,23 @@ impl Cache {
                     times = times.set_modified(t);
                 }
                 file.set_times(times)?;
+                // Once more after the change: a write-back that copied before it must not mark
+                // the copy clean.
+                self.changed(key);
             }
             self.patch(node, &mut attr);
             return Ok(Reply::Attr(attr));
         }
-        let fill = set.size.and_then(|_| self.live_fill(key));
+        let before = self.before_change(node);
+        let mut fill = set.size.and_then(|_| self.live_fill(key));
+        if let (Some(f), Some(size)) = (&fill, set.size) {
+            if !Fill::fits(size, self.cfg.range) {
+                // Too large to follow range by range: given up, and read from the slow branch.
+                f.detach();
+                self.drop_copy(key, false);
+                fill = None;
+            }
+        }
         let held = fill.as_ref().map(|f| f.hold(0, f.size().max(set.size.unwrap_or(0)).max(1)));
         let reply = self.slow().call(cx, &Op::SetAttr { node, fh: self.slow_fh(fh), set })?;
         let Reply::Attr(attr) = reply else { return Err(Error::Os(libc::EIO)) };
@@ -1027,7 +1107,10 @@ impl Cache {
                     *f.start.lock() = Stamp::of(&attr);
                 }
                 // A whole copy (perhaps read by passthrough now) follows the slow file.
-                None => match copy.filter(|c| c.complete).map(|c| self.store.open_copy(key, c.gen, true).and_then(|f| Ok(f.set_len(size)?))) {
+                None => match copy
+                    .filter(|c| c.complete && before.is_some_and(|b| Stamp::of(&b) == c.stamp) && Fill::fits(size, self.cfg.range))
+                    .map(|c| self.store.open_copy(key, c.gen, true).and_then(|f| Ok(f.set_len(size)?)))
+                {
                     Some(Ok(())) => {
                         let mut idx = self.store.index.lock();
                         if let Some(c) = idx.copies.get_mut(&key).filter(|c| !c.dirty) {
@@ -1041,15 +1124,9 @@ impl Cache {
                     }
                 },
             }
-        } else if self.has_copy(key) {
-            if set.mtime.is_some() {
-                // The bytes did not change: only the stamp moves.
-                let mut idx = self.store.index.lock();
-                if let Some(c) = idx.copies.get_mut(&key).filter(|c| !c.dirty && c.stamp.size == attr.size) {
-                    c.stamp.mtime = Stamp::of(&attr).mtime;
-                }
-            }
-            self.kept_bytes(key, &attr);
+        } else if let Some(before) = before {
+            // The bytes did not change: only the stamp moves (mtime too, for a utimes).
+            self.kept_bytes(key, &before, &attr);
         }
         Ok(Reply::Attr(attr))
     }
@@ -1119,18 +1196,11 @@ impl Cache {
         let result = match &f.kind {
             Kind::Slow { fh, fill } => {
                 let r = self.slow().call(cx, &Op::Release { node, fh: *fh });
-                if f.writes && (fill.is_some() || self.has_copy(key)) {
-                    // This mount's writes moved the slow file's stamp; the copy has them.
-                    if let Ok(attr) = self.slow().getattr(&daemon(), node) {
-                        if let Some(fl) = fill.as_ref().filter(|fl| !fl.detached.load(Ordering::Acquire)) {
-                            *fl.start.lock() = Stamp::of(&attr);
-                            let mut idx = self.store.index.lock();
-                            if let Some(c) = idx.copies.get_mut(&key).filter(|c| c.gen == fl.gen && !c.dirty) {
-                                c.stamp = Stamp::of(&attr);
-                                idx.changed = true;
-                            }
-                        }
-                    }
+                if f.writes && self.writers(key) <= 1 && (fill.is_some() || self.has_copy(key)) {
+                    // The copy has this mount's writes, but a change made on the slow branch
+                    // while they went on would not show in its stamp: the copy is fetched again
+                    // when next read rather than trusted.
+                    self.drop_copy(key, false);
                 }
                 r.map(|_| Reply::Empty)
             }
@@ -1186,16 +1256,16 @@ impl Cache {
     /// The slow branch's node of `key` for a write-back: itself while the kernel holds it, else
     /// found by its path (after a restart). Returns the node and the lookups to give back.
     fn slow_node(&self, key: u64, path: &str) -> Result<(NodeId, Vec<NodeId>)> {
-        if self.paths.path_of(NodeId(key)).is_some() {
+        if self.path_of(NodeId(key)).is_some() {
             return Ok((NodeId(key), Vec::new()));
         }
         if path.is_empty() || !store::sane_path(path) {
-            return Err(Error::Os(libc::ESTALE));
+            return Err(Error::Os(libc::ENOENT));
         }
         let mut held = Vec::new();
         let mut at = NodeId::ROOT;
         for part in path.split('/') {
-            match self.slow().lookup(&daemon(), at, OsStr::new(part)) {
+            match self.slow().lookup(&daemon(), at, &store::decode_name(part)) {
                 Ok(e) => {
                     held.push(e.node);
                     at = e.node;
@@ -1212,13 +1282,18 @@ impl Cache {
             for n in held {
                 self.slow().forget(&daemon(), n, 1);
             }
-            return Err(Error::Os(libc::ESTALE));
+            return Err(Error::Os(libc::ENOENT));
         }
         Ok((at, held))
     }
 
     /// Copy `key`'s changes to the slow branch. It stays marked dirty if it changed meanwhile.
     fn write_back(&self, key: u64) -> Result<()> {
+        self.write_back_at(key, None)
+    }
+
+    /// [`Cache::write_back`], to the slow branch's node `node` when the caller holds it.
+    fn write_back_at(&self, key: u64, node: Option<NodeId>) -> Result<()> {
         {
             let mut busy = self.flushing.lock();
             while busy.contains(&key) {
@@ -1226,18 +1301,24 @@ impl Cache {
             }
             busy.insert(key);
         }
-        let result = self.write_back_now(key);
+        let result = self.write_back_now(key, node);
         self.flushing.lock().remove(&key);
         self.flushed.notify_all();
         result
     }
 
-    fn write_back_now(&self, key: u64) -> Result<()> {
+    fn write_back_now(&self, key: u64, known: Option<NodeId>) -> Result<()> {
         let Some(copy) = self.copy_of(key).filter(|c| c.dirty) else { return Ok(()) };
         let seq = self.changes.lock().get(&key).map_or(0, |c| c.seq);
-        let (node, held) = match self.slow_node(key, &copy.path) {
+        let found = match known {
+            Some(n) => Ok((n, Vec::new())),
+            None => self.slow_node(key, &copy.path),
+        };
+        let (node, held) = match found {
             Ok(found) => found,
-            Err(Error::Os(e)) if e == libc::ENOENT || e == libc::ESTALE => {
+            // Its name leads nowhere or to another file: kept aside. (ESTALE from a server is
+            // not this: tried again later.)
+            Err(Error::Os(libc::ENOENT)) => {
                 let kept = self.store.orphan(key, copy.gen);
                 tracing::error!(
                     "cache '{}': '{}' is no longer on the slow branch; its unwritten bytes are kept in {}",
@@ -1403,7 +1484,7 @@ impl Cache {
                 .map(|(k, c)| (c.used, *k, c.gen, c.bytes))
                 .collect()
         };
-        let mut used: u64 = self.store.index.lock().copies.values().map(|c| c.bytes).sum::<u64>() + filling;
+        let mut used: u64 = self.store.index.lock().copies.values().fold(filling, |a, c| a.saturating_add(c.bytes));
         let mut free = free;
         candidates.sort();
         let old = self.cfg.max_age.map(|a| now_secs().saturating_sub(a.as_secs()));
@@ -1437,13 +1518,17 @@ impl Cache {
         }
     }
 
-    /// The slow branch says `key` changed (a remote server's notice).
+    /// The slow branch says `key` changed (a remote server's notice, which also follows this
+    /// mount's own write-backs). The copy is not dropped here: the next open compares it with
+    /// the slow file's attributes, which the notice refreshed, and the kernel's pages are
+    /// dropped by the notice passed on.
     fn outside_change(&self, key: u64) {
-        if is_dirty(self.copy_of(key).as_ref()) {
-            tracing::warn!("cache '{}': node {key} changed on the slow branch while this mount holds unwritten changes to it; this mount's changes win", self.name);
+        if is_dirty(self.copy_of(key).as_ref()) && self.flushing.lock().contains(&key) {
             return;
         }
-        self.drop_copy(key, false);
+        if is_dirty(self.copy_of(key).as_ref()) {
+            tracing::debug!("cache '{}': node {key} changed on the slow branch while this mount holds unwritten changes to it; this mount's changes win", self.name);
+        }
     }
 
     // The extended operations.
@@ -1466,7 +1551,7 @@ impl Cache {
             "fast": self.fast.lower.to_string(),
             "slow": self.slow.name,
             "files": whole.len(),
-            "bytes": whole.iter().map(|c| c.bytes).sum::<u64>(),
+            "bytes": whole.iter().fold(0u64, |a, c| a.saturating_add(c.bytes)),
             "max_size": self.cfg.max_size,
             "fast_free": free,
             "hits": hits,
@@ -1542,7 +1627,7 @@ impl Cache {
             match r {
                 Ok(true) => fetched += 1,
                 Ok(false) => already += 1,
-                Err(e) => failed.push(format!("{}: {e}", self.paths.path_of(*n).unwrap_or_else(|| format!("node {}", n.0)))),
+                Err(e) => failed.push(format!("{}: {e}", self.path_of(*n).unwrap_or_else(|| format!("node {}", n.0)))),
             }
         }
         self.forget_all(held);
@@ -1560,12 +1645,18 @@ impl Cache {
         for (n, _) in &files {
             if is_dirty(self.copy_of(n.0).as_ref()) {
                 if let Err(e) = self.write_back(n.0) {
-                    busy.push(format!("{}: not written back yet ({e})", self.paths.path_of(*n).unwrap_or_default()));
+                    busy.push(format!("{}: not written back yet ({e})", self.path_of(*n).unwrap_or_default()));
                 }
             }
             if self.has_copy(n.0) {
+                // The kernel sends a release after the close has returned: one in flight is
+                // waited for a moment.
+                let deadline = Instant::now() + Duration::from_secs(1);
+                while self.in_use(n.0) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
                 if self.in_use(n.0) {
-                    busy.push(format!("{}: open", self.paths.path_of(*n).unwrap_or_default()));
+                    busy.push(format!("{}: open", self.path_of(*n).unwrap_or_default()));
                 } else if self.drop_copy(n.0, false) {
                     evicted += 1;
                 }
@@ -1576,7 +1667,7 @@ impl Cache {
     }
 
     fn set_pin(&self, cx: &Caller, node: NodeId, pin: Option<Pin>) -> Result<()> {
-        let path = self.paths.path_of(node).ok_or(Error::Os(libc::ESTALE))?;
+        let path = self.path_of(node).ok_or(Error::Os(libc::ESTALE))?;
         {
             let mut idx = self.store.index.lock();
             match pin {
@@ -1634,7 +1725,7 @@ impl Cache {
                 if name == "pin" {
                     self.warm(cx, node)?
                 } else {
-                    json!({"unpinned": self.paths.path_of(node)})
+                    json!({"unpinned": self.path_of(node)})
                 }
             }
             _ => return self.slow().call(cx, op),
@@ -1661,6 +1752,12 @@ impl Cache {
         };
         if gone {
             self.drop_copy(v.0, true);
+        } else if is_dirty(self.copy_of(v.0).as_ref()) {
+            // The name its write-back would find it by may be the one that went (a hard link
+            // removed): written back now, by the node this lookup holds.
+            if let Err(e) = self.write_back_at(v.0, Some(v)) {
+                tracing::warn!("cache '{}': node {}: lost a name before it was written back ({e}); tried again later", self.name, v.0);
+            }
         }
         self.slow().forget(&daemon(), v, 1);
     }
@@ -1752,11 +1849,6 @@ impl Layer for Cache {
             Op::Lookup { .. } | Op::MkNod { .. } | Op::MkDir { .. } | Op::SymLink { .. } | Op::Link { .. } | Op::ReadDir { plus: true, .. } => {
                 let mut reply = self.slow().call(cx, op)?;
                 self.paths.learn(op, &reply);
-                if let (Op::Link { node, .. }, Reply::Entry(e)) = (op, &reply) {
-                    if self.has_copy(node.0) {
-                        self.kept_bytes(node.0, &e.attr);
-                    }
-                }
                 self.patch_reply(&mut reply);
                 Ok(reply)
             }
@@ -1793,8 +1885,8 @@ impl Layer for Cache {
                 r
             }
             Op::Rename { parent, name, new_parent, new_name, flags } => {
-                let from = self.paths.child_path(parent, name);
-                let to = self.paths.child_path(new_parent, new_name);
+                let from = self.child_path(parent, name);
+                let to = self.child_path(new_parent, new_name);
                 let victim = if flags & libc::RENAME_EXCHANGE == 0 { self.victim(cx, new_parent, new_name) } else { None };
                 let r = self.slow().call(cx, op);
                 if r.is_err() {
@@ -1806,9 +1898,6 @@ impl Layer for Cache {
                 self.lost_name(victim);
                 if let Ok(e) = self.slow().lookup(cx, new_parent, new_name) {
                     self.paths.moved(e.node, new_parent, new_name);
-                    if self.has_copy(e.node.0) {
-                        self.kept_bytes(e.node.0, &e.attr);
-                    }
                     self.slow().forget(cx, e.node, 1);
                 }
                 if flags & libc::RENAME_EXCHANGE != 0 {
@@ -1901,11 +1990,26 @@ impl Layer for Cache {
                 let f = self.file(fh)?;
                 match &f.kind {
                     Kind::Slow { fh, .. } => {
-                        let r = self.slow().call(cx, &op.on_open(node, *fh));
-                        if r.is_ok() && self.has_copy(node.0) {
+                        // As a write: on the slow branch, then on the copy that readers read.
+                        let _gate = self.gate(node.0).read();
+                        let Some(fill) = self.live_fill(node.0) else {
+                            let r = self.slow().call(cx, &op.on_open(node, *fh));
+                            if r.is_ok() && self.has_copy(node.0) {
+                                self.drop_copy(node.0, false);
+                            }
+                            return r;
+                        };
+                        let held = fill.hold(offset, length.max(1));
+                        let r = self.slow().call(cx, &op.on_open(node, *fh))?;
+                        // SAFETY: fallocate on a descriptor we own.
+                        let rc = unsafe { libc::fallocate(fill.file.as_raw_fd(), mode, offset as i64, length as i64) };
+                        let grown = mode & libc::FALLOC_FL_KEEP_SIZE == 0;
+                        if rc != 0 || (grown && fill.set_size(fill.size().max(offset.saturating_add(length))).is_err()) {
+                            drop(held);
+                            fill.detach();
                             self.drop_copy(node.0, false);
                         }
-                        r
+                        Ok(r)
                     }
                     Kind::Copy { file, .. } if f.writes => {
                         // SAFETY: fallocate on a descriptor we own.
@@ -1975,10 +2079,11 @@ impl Layer for Cache {
             }
             Op::SetXattr { node, .. } | Op::RemoveXattr { node, .. } => {
                 self.absent_xattrs.lock().remove(&node.0);
+                let before = self.before_change(node);
                 let r = self.slow().call(cx, op)?;
-                if self.has_copy(node.0) {
+                if let Some(before) = before {
                     if let Ok(a) = self.slow().getattr(&daemon(), node) {
-                        self.kept_bytes(node.0, &a);
+                        self.kept_bytes(node.0, &before, &a);
                     }
                 }
                 Ok(r)
@@ -2052,6 +2157,7 @@ impl Layer for CacheHandle {
         ))
     }
     fn set_invalidator(&self, inv: Arc<dyn Invalidator>) {
+        *self.0.invalidator.lock() = Some(inv.clone());
         let wrapped: Arc<dyn Invalidator> = Arc::new(CacheInvalidator { inner: inv, cache: Arc::downgrade(&self.0) });
         self.0.slow().layer().set_invalidator(wrapped);
     }

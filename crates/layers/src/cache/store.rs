@@ -31,6 +31,10 @@ use parking_lot::Mutex;
 use plyfs_stack::{unix_time, Attr, Error, Result};
 use serde::{Deserialize, Serialize};
 
+/// Generations (and byte counts) from the index at or past this are not believed: counting on
+/// from them could wrap.
+const MAX_GEN: u64 = 1 << 62;
+
 /// The directory in the fast branch that holds the cache.
 pub const DIR_NAME: &str = ".plyfs-cache";
 
@@ -190,9 +194,20 @@ fn private_dir(p: &Path) -> std::io::Result<()> {
     match fs::DirBuilder::new().mode(0o700).create(p) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            use std::os::unix::fs::MetadataExt;
             let meta = fs::symlink_metadata(p)?;
             if !meta.is_dir() {
                 return Err(std::io::Error::other(format!("{} is not a directory", p.display())));
+            }
+            // SAFETY: geteuid cannot fail.
+            let me = unsafe { libc::geteuid() };
+            if meta.uid() != me || meta.mode() & 0o077 != 0 {
+                return Err(std::io::Error::other(format!(
+                    "{} belongs to uid {} with mode {:o}; the cache's own directory must be this user's and private (0700)",
+                    p.display(),
+                    meta.uid(),
+                    meta.mode() & 0o7777
+                )));
             }
             Ok(())
         }
@@ -226,7 +241,8 @@ impl Store {
             Err(_) => IndexFile::default(),
         };
         // Partial copies are not kept across restarts, nor anything that is not sane.
-        file.copies.retain(|_, c| c.complete && sane_path(&c.path));
+        file.copies.retain(|_, c| c.complete && sane_path(&c.path) && c.gen < MAX_GEN && c.bytes < MAX_GEN);
+        file.next_gen = file.next_gen.min(MAX_GEN);
         file.pins.retain(|p, _| sane_path(p));
         // The write-back log wins over the index: what it calls dirty is dirty.
         let log_path = root.join("dirty");
@@ -235,7 +251,7 @@ impl Store {
             for line in BufReader::new(f).lines() {
                 let Ok(line) = line else { break };
                 match serde_json::from_str::<LogLine>(&line) {
-                    Ok(LogLine::D { key, gen, path }) if sane_path(&path) => {
+                    Ok(LogLine::D { key, gen, path }) if sane_path(&path) && gen < MAX_GEN => {
                         dirty.insert(key, (gen, path));
                     }
                     Ok(LogLine::C { key }) => {
@@ -277,7 +293,7 @@ impl Store {
                 let name = e.file_name();
                 let keep = parse_copy_name(&name.to_string_lossy())
                     .is_some_and(|(key, gen)| file.copies.get(&key).is_some_and(|c| c.gen == gen));
-                if let Some((_, gen)) = parse_copy_name(&name.to_string_lossy()) {
+                if let Some((_, gen)) = parse_copy_name(&name.to_string_lossy()).filter(|(_, g)| *g < MAX_GEN) {
                     file.next_gen = file.next_gen.max(gen);
                 }
                 if !keep {
@@ -355,7 +371,9 @@ impl Store {
         })
     }
 
+    /// Make the log, and the names of the copies it names, durable.
     pub fn sync_log(&self) -> Result<()> {
+        File::open(&self.data)?.sync_all()?;
         Ok(self.log.lock().sync_data()?)
     }
 
@@ -396,6 +414,48 @@ impl Store {
     }
 }
 
+/// A name as the index and the log keep it: UTF-8 as it is, with `%` and the bytes of a name
+/// that is not UTF-8 written `%XX`, so that [`decode_name`] gives the name's bytes back.
+pub fn encode_name(name: &std::ffi::OsStr) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = name.as_bytes();
+    let mut out = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            if c == '%' {
+                out.push_str("%25");
+            } else {
+                out.push(c);
+            }
+        }
+        for b in chunk.invalid() {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The name [`encode_name`] wrote.
+pub fn decode_name(text: &str) -> std::ffi::OsString {
+    use std::os::unix::ffi::OsStringExt;
+    let b = text.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    std::ffi::OsString::from_vec(out)
+}
+
 fn copy_name(key: u64, gen: u64) -> String {
     format!("{key:016x}-{gen}")
 }
@@ -425,6 +485,15 @@ mod tests {
         assert_eq!(idx.pin_of("q/x"), Some(Pin::Pin));
         assert_eq!(idx.pin_of("q/c/d"), Some(Pin::Never));
         assert_eq!(idx.pin_of("a/b/x"), None);
+    }
+
+    #[test]
+    fn names_that_are_not_utf8_come_back_whole() {
+        use std::os::unix::ffi::OsStrExt;
+        for name in [&b"caf\xe9"[..], b"100%", b"%41", b"plain", b"\xff\xfe%", "é".as_bytes(), "%é%".as_bytes()] {
+            let os = std::ffi::OsStr::from_bytes(name);
+            assert_eq!(decode_name(&encode_name(os)), os, "{name:?}");
+        }
     }
 
     #[test]
