@@ -52,7 +52,7 @@ fn bad_input_gets_one_clear_line_and_mounts_nothing() {
 
     assert_refused(&mount(&["/nonexistent/lower", m]), LOWER, "lower directory /nonexistent/lower: No such file or directory");
     assert_refused(&mount(&[l, "/nonexistent/mnt"]), MOUNT_POINT, "mount point /nonexistent/mnt: No such file or directory");
-    assert_refused(&mount(&[l, m, "--stack", "null,gzipp"]), USAGE, "unknown layer 'gzipp' (available: null, trace, copy, uuencode, gzip, zstd, lz4, crypt, union, mirror, version, fault, lazy, ext, py)");
+    assert_refused(&mount(&[l, m, "--stack", "null,gzipp"]), USAGE, "unknown layer 'gzipp' (available: null, trace, copy, uuencode, gzip, zstd, lz4, crypt, union, mirror, cache, version, fault, lazy, ext, py)");
     assert_refused(&mount(&[l, m, "--stack", "zstd:level=99"]), USAGE, "layer 'zstd': bad value '99' for 'level': expected 1 to 19");
     assert_refused(&mount(&[l, m, "--stack", "gzip:chunk=3k"]), USAGE, "bad value '3k' for 'chunk': expected a power of two from 4k to 1m");
     assert_refused(&mount(&[l, m, "--stack", "lz4:fast_tails=maybe"]), USAGE, "bad value 'maybe' for 'fast_tails'");
@@ -1021,7 +1021,7 @@ fn help_layers_manual_and_completion_name_what_they_take() {
     for option in [r"[\-\-stack <SPEC>]", r"[\-\-config <FILE>]", r"[\-o <OPTIONS>]...", r"[\-\-branch <DIR[=ro|rw]>]...", "<LOWER> <MOUNTPOINT>"] {
         assert!(synopsis.contains(option), "{option} in {synopsis}");
     }
-    let kinds = "null trace copy uuencode gzip zstd lz4 crypt union mirror version fault lazy ext py remote";
+    let kinds = "null trace copy uuencode gzip zstd lz4 crypt union mirror cache version fault lazy ext py remote";
     let bash = stdout(&["completions", "bash"]);
     assert!(bash.contains(&format!("--stack)\n                    COMPREPLY=($(compgen -W \"{kinds}\" -- \"${{cur}}\"))")), "bash offers layer names after --stack");
     for shell in ["zsh", "fish"] {
