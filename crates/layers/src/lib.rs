@@ -7,6 +7,7 @@
 //! another process, or in Python) reach other processes through the `plyfs-transport`
 //! protocol.
 
+pub mod cache;
 pub mod copy;
 pub mod crypt;
 mod error;
@@ -32,7 +33,7 @@ use plyfs_stack::LayerFactory;
 
 /// Every layer this build knows.
 pub fn registry() -> &'static [LayerFactory] {
-    static REGISTRY: [LayerFactory; 15] = [
+    static REGISTRY: [LayerFactory; 16] = [
         null::FACTORY,
         trace::FACTORY,
         copy::FACTORY,
@@ -43,6 +44,7 @@ pub fn registry() -> &'static [LayerFactory] {
         crypt::FACTORY,
         union::FACTORY,
         mirror::FACTORY,
+        cache::FACTORY,
         version::FACTORY,
         fault::FACTORY,
         lazy::FACTORY,

@@ -1,0 +1,1847 @@
+//! `cache`: a fast branch in front of a slow one (an SSD before a disk, a local disk before a
+//! remote stack), and the tier of mergerfs-style setups.
+//!
+//! `--stack 'cache[@/ssd/cache | remote:addr=tcp:nas:7070]'`, or `--stack cache --branch
+//! /hdd/data` with the mount's lower as the fast branch. The first branch is the fast one.
+//!
+//! - **The slow branch is the file system.** Names, directories, attributes and extended
+//!   attributes are its own: every operation on them goes to it, with its node ids, so inode
+//!   numbers are the slow branch's and stay the same across remounts. The fast branch holds
+//!   only copies of file data, in `.plyfs-cache/` ([`store`]), keyed by the slow file's node id
+//!   (hard links share a copy; renames keep it).
+//! - **Reads.** Opening a file whose whole copy is as fresh as the slow file (same size, mtime
+//!   and ctime) is served from the copy by passthrough: the daemon is off the data path. A file
+//!   not cached yet is filled a range at a time as it is read, with the next ranges fetched
+//!   ahead in parallel ([`fill`]); once whole, later opens use passthrough.
+//! - **Writes.** `mode=write-through` (the default): every write reaches the slow branch before
+//!   it is answered, and the copy with it. `mode=write-back`: a file opened for writing is
+//!   written in its copy (by passthrough), noted in the write-back log first, and copied to the
+//!   slow branch after `delay` once no one writes it, at `fsync`, at `cache-flush` and at
+//!   unmount. A restart writes back what the log names before anything else.
+//! - **Coherence.** Every open compares the copy with the slow file's attributes as the slow
+//!   branch gives them now (a remote branch's change notices drop its cached attributes first):
+//!   a change made there by another mount or machine is never served from an old copy.
+//!   A copy that holds unwritten changes wins (last writer wins, as with NFS).
+//! - **Eviction** keeps the copies under `max_size` and the fast file system's free space above
+//!   `min_free`, and drops copies unused for `max_age`, least recently used first; never a copy
+//!   that is open, filling, pinned or not yet written back.
+//! - **Pins.** `user.plyfs.cache=pin|never|auto` on a file or a directory (and everything under
+//!   it), or `plyfs op PATH pin|unpin`: `pin` fetches and keeps, `never` always goes to the slow
+//!   branch.
+//!
+//! A caller confined by `plyfs serve` (checked by the slow branch, not the kernel) is always
+//! served by the slow branch.
+
+mod fill;
+mod store;
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::OsStr;
+use std::fs::File;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+use plyfs_stack::glob::parse_size;
+use plyfs_stack::spec::{BranchMode, ParamSpec};
+use plyfs_stack::{
+    from_unix_time, Attr, Branch, Build, Caller, DataPath, Error, ExtOpInfo, FanOutArgs, FileHandle, FileKind, Invalidator, Layer,
+    LayerFactory, Level, NodeId, Op, Opened, Reply, Result, SetAttr, TimeSet,
+};
+use serde_json::{json, Value};
+
+use crate::paths::PathTable;
+use fill::Fill;
+use store::{now_secs, Copy, Pin, Stamp, Store};
+
+pub use store::DIR_NAME;
+
+/// The extended attribute that pins a file or directory.
+pub const PIN_XATTR: &str = "user.plyfs.cache";
+
+const EXT_OPS: &[ExtOpInfo] = &[
+    ExtOpInfo { name: "cache-status", args: "", help: "size of the cache, hit rate, files and bytes waiting to be written back" },
+    ExtOpInfo { name: "cache-flush", args: "", help: "write back every change the slow branch does not have yet" },
+    ExtOpInfo { name: "cache-evict", args: "", help: "drop the copies of PATH (a file, or everything under a directory), written back first" },
+    ExtOpInfo { name: "cache-warm", args: "", help: "fetch PATH (a file, or everything under a directory) into the cache" },
+    ExtOpInfo { name: "pin", args: "", help: "keep PATH (and what is under it) in the cache: fetched now, never evicted" },
+    ExtOpInfo { name: "unpin", args: "", help: "let PATH be evicted again" },
+];
+
+const PARAMS: &[ParamSpec] = &[
+    ParamSpec { name: "mode", help: "write-through (the slow branch is always complete) or write-back", default: Some("write-through") },
+    ParamSpec { name: "max_size", help: "copies above this size are evicted, least recently used first (0: no limit)", default: Some("0") },
+    ParamSpec { name: "min_free", help: "free space kept on the fast branch's file system (SIZE or N%)", default: Some("5%") },
+    ParamSpec { name: "max_age", help: "copies unused for this long are evicted (e.g. 7d, 12h; 0: never)", default: Some("0") },
+    ParamSpec { name: "delay", help: "write-back: how long after the last writer closes a file it is written back", default: Some("5s") },
+    ParamSpec { name: "range", help: "files are fetched in ranges of this size", default: Some("1M") },
+    ParamSpec { name: "ahead", help: "ranges fetched ahead of a reader, in parallel", default: Some("4") },
+];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    WriteThrough,
+    WriteBack,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Free {
+    Bytes(u64),
+    Percent(u64),
+}
+
+struct Settings {
+    mode: Mode,
+    max_size: u64,
+    min_free: Free,
+    max_age: Option<Duration>,
+    delay: Duration,
+    range: u64,
+    ahead: usize,
+}
+
+/// `30s`, `5m`, `12h`, `7d`, `250ms`; `0` is none.
+fn parse_duration(text: &str) -> Option<Duration> {
+    let t = text.trim();
+    if t == "0" {
+        return Some(Duration::ZERO);
+    }
+    let split = t.find(|c: char| c.is_ascii_alphabetic())?;
+    let value: f64 = t[..split].parse().ok()?;
+    let unit = match &t[split..] {
+        "ms" => 1e-3,
+        "s" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        "d" => 86400.0,
+        _ => return None,
+    };
+    let secs = value * unit;
+    (secs.is_finite() && (0.0..=1e9).contains(&secs)).then(|| Duration::from_secs_f64(secs))
+}
+
+impl Settings {
+    fn from(p: &plyfs_stack::spec::Params) -> Result<Settings> {
+        let mode = match p.get("mode").unwrap_or("write-through") {
+            "write-through" => Mode::WriteThrough,
+            "write-back" => Mode::WriteBack,
+            other => return Err(p.bad("mode", other, "expected write-through or write-back")),
+        };
+        let size = |key: &str, default: &str| -> Result<u64> {
+            let v = p.get(key).unwrap_or(default);
+            parse_size(v).ok_or_else(|| p.bad(key, v, "expected a size such as 10G"))
+        };
+        let min_free = match p.get("min_free").unwrap_or("5%") {
+            v if v.ends_with('%') => match v[..v.len() - 1].trim().parse::<u64>() {
+                Ok(n) if n <= 90 => Free::Percent(n),
+                _ => return Err(p.bad("min_free", v, "expected a size or a percentage from 0% to 90%")),
+            },
+            v => Free::Bytes(parse_size(v).ok_or_else(|| p.bad("min_free", v, "expected a size or a percentage"))?),
+        };
+        let duration = |key: &str, default: &str| -> Result<Duration> {
+            let v = p.get(key).unwrap_or(default);
+            parse_duration(v).ok_or_else(|| p.bad(key, v, "expected a duration such as 30s, 5m, 12h or 7d"))
+        };
+        let max_age = duration("max_age", "0")?;
+        let range = size("range", "1M")?;
+        if !(4096..=(64 << 20)).contains(&range) || range % 4096 != 0 {
+            return Err(p.bad("range", p.get("range").unwrap_or_default(), "expected a multiple of 4k from 4k to 64M"));
+        }
+        Ok(Settings {
+            mode,
+            max_size: size("max_size", "0")?,
+            min_free,
+            max_age: (!max_age.is_zero()).then_some(max_age),
+            delay: duration("delay", "5s")?,
+            range,
+            ahead: p.int_in("ahead", 4, 0..=64)? as usize,
+        })
+    }
+}
+
+/// How the kernel reaches an open file's bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    /// Through the daemon.
+    Daemon,
+    /// Passthrough to a copy, of this generation.
+    Fast(u64),
+    /// Passthrough to the slow branch's own file.
+    Slow,
+}
+
+/// The opens of one file in this mount, by how they are served. The kernel refuses to mix
+/// passthrough and cached opens of one inode, and reuses one backing file for every
+/// passthrough open of it: so a passthrough open is given only when every other open of the
+/// file is a passthrough open of the same file.
+#[derive(Default)]
+struct Opens {
+    fast: u32,
+    fast_gen: u64,
+    slow: u32,
+    daemon: u32,
+    /// Opens for writing.
+    writers: u32,
+}
+
+impl Opens {
+    fn passthrough_to(&self, side: Side) -> bool {
+        match side {
+            Side::Fast(gen) => self.daemon == 0 && self.slow == 0 && (self.fast == 0 || self.fast_gen == gen),
+            Side::Slow => self.daemon == 0 && self.fast == 0,
+            Side::Daemon => false,
+        }
+    }
+
+    fn any(&self) -> bool {
+        self.fast + self.slow + self.daemon > 0
+    }
+}
+
+enum Kind {
+    /// The slow branch's handle; a write-through writer's writes reach the copy too.
+    Slow { fh: FileHandle, fill: Option<Arc<Fill>> },
+    /// A copy being filled (or whole), read through the daemon.
+    Filling(Arc<Fill>),
+    /// A whole copy (write-back writers, and readers of whole copies).
+    Copy { file: Arc<File> },
+}
+
+struct CFile {
+    kind: Kind,
+    writes: bool,
+    side: Side,
+}
+
+/// Handles this layer gives out start here, far from the slow branch's directory handles,
+/// which pass through unchanged.
+const FIRST_FH: u64 = 1 << 62;
+/// Write-through writes and the start of a fill on one file exclude each other by one of these.
+const GATES: usize = 64;
+
+#[derive(Default)]
+struct Stats {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    fetched: AtomicU64,
+    written_back: AtomicU64,
+}
+
+/// A change to a copy not written back: how many, and when the last one was.
+struct Change {
+    seq: u64,
+    at: Instant,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+pub struct Cache {
+    name: String,
+    fast: Branch,
+    slow: Branch,
+    cfg: Settings,
+    store: Store,
+    paths: PathTable,
+    files: Mutex<HashMap<u64, Arc<CFile>>>,
+    next_fh: AtomicU64,
+    opens: Mutex<HashMap<u64, Opens>>,
+    fills: Mutex<HashMap<u64, Weak<Fill>>>,
+    gates: Vec<RwLock<()>>,
+    changes: Mutex<HashMap<u64, Change>>,
+    flushing: Mutex<HashSet<u64>>,
+    flushed: Condvar,
+    jobs: Mutex<Option<Sender<Job>>>,
+    stop: AtomicBool,
+    wake: (Mutex<bool>, Condvar),
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    stats: Stats,
+    /// Keys whose write-back failed, so the failure is said once.
+    failing: Mutex<HashSet<u64>>,
+}
+
+fn daemon() -> Caller {
+    Caller::daemon()
+}
+
+fn is_dirty(copy: Option<&Copy>) -> bool {
+    copy.is_some_and(|c| c.dirty)
+}
+
+impl Cache {
+    fn new(args: FanOutArgs) -> Result<Cache> {
+        let cfg = Settings::from(&args.params)?;
+        let [fast, slow]: [Branch; 2] = args.branches.try_into().map_err(|b: Vec<Branch>| {
+            Error::config(format!(
+                "cache '{}': {} branches; a cache has two, the fast one first (e.g. --stack cache --branch SLOW_DIR, with the lower as the fast one)",
+                args.name,
+                b.len()
+            ))
+        })?;
+        if fast.mode == BranchMode::ReadOnly {
+            return Err(Error::config(format!("cache '{}': the fast branch '{}' holds the copies and cannot be read-only", args.name, fast.name)));
+        }
+        if let Some(l) = fast.stack.levels().iter().find(|l| !matches!(l.layer().kind(), "lower" | "policy")) {
+            let _ = l;
+            return Err(Error::config(format!(
+                "cache '{}': the fast branch '{}' holds plain copies; put layers above the cache, or on the slow branch",
+                args.name, fast.name
+            )));
+        }
+        let read_only = plyfs_stack::readonly::read_only() || slow.mode == BranchMode::ReadOnly;
+        if read_only && cfg.mode == Mode::WriteBack {
+            return Err(Error::config(format!("cache '{}': mode=write-back over a read-only slow branch writes nothing back", args.name)));
+        }
+        let store = Store::open(&args.name, &fast.dir, read_only)?;
+        let dirty = store.index.lock().copies.values().filter(|c| c.dirty).count();
+        if dirty > 0 {
+            tracing::info!("cache '{}': {dirty} file(s) from before the restart are not on the slow branch yet; writing them back", args.name);
+        }
+        let now = Instant::now();
+        let changes = store.index.lock().copies.iter().filter(|(_, c)| c.dirty).map(|(k, _)| (*k, Change { seq: 1, at: now - cfg.delay })).collect();
+        Ok(Cache {
+            name: args.name,
+            fast,
+            slow,
+            cfg,
+            store,
+            paths: PathTable::new(),
+            files: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(FIRST_FH),
+            opens: Mutex::new(HashMap::new()),
+            fills: Mutex::new(HashMap::new()),
+            gates: (0..GATES).map(|_| RwLock::new(())).collect(),
+            changes: Mutex::new(changes),
+            flushing: Mutex::new(HashSet::new()),
+            flushed: Condvar::new(),
+            jobs: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            wake: (Mutex::new(false), Condvar::new()),
+            threads: Mutex::new(Vec::new()),
+            stats: Stats::default(),
+            failing: Mutex::new(HashSet::new()),
+        })
+    }
+
+    fn start(self: &Arc<Self>) {
+        let (tx, rx) = channel::<Job>();
+        let rx = Arc::new(std::sync::Mutex::new(rx));
+        *self.jobs.lock() = Some(tx);
+        let mut threads = self.threads.lock();
+        for i in 0..self.cfg.ahead.max(1) {
+            let rx: Arc<std::sync::Mutex<Receiver<Job>>> = rx.clone();
+            let t = std::thread::Builder::new().name(format!("cache-fetch-{i}")).spawn(move || loop {
+                let job = match rx.lock() {
+                    Ok(r) => r.recv(),
+                    Err(_) => return,
+                };
+                match job {
+                    Ok(job) => job(),
+                    Err(_) => return,
+                }
+            });
+            if let Ok(t) = t {
+                threads.push(t);
+            }
+        }
+        let me = Arc::downgrade(self);
+        if let Ok(t) = std::thread::Builder::new().name("cache-keeper".into()).spawn(move || keeper(me)) {
+            threads.push(t);
+        }
+    }
+
+    fn slow(&self) -> &Level {
+        self.slow.top()
+    }
+
+    fn gate(&self, key: u64) -> &RwLock<()> {
+        &self.gates[(key as usize) % GATES]
+    }
+
+    fn wake_keeper(&self) {
+        *self.wake.0.lock() = true;
+        self.wake.1.notify_all();
+    }
+
+    fn copy_of(&self, key: u64) -> Option<Copy> {
+        self.store.index.lock().copies.get(&key).cloned()
+    }
+
+    fn live_fill(&self, key: u64) -> Option<Arc<Fill>> {
+        self.fills.lock().get(&key).and_then(Weak::upgrade).filter(|f| !f.detached.load(Ordering::Acquire))
+    }
+
+    fn writers(&self, key: u64) -> u32 {
+        self.opens.lock().get(&key).map_or(0, |o| o.writers)
+    }
+
+    fn pin_of_node(&self, node: NodeId) -> Option<Pin> {
+        let path = self.paths.path_of(node)?;
+        self.store.index.lock().pin_of(&path)
+    }
+
+    /// Whether opens by `cx` of `node` go through the cache at all.
+    fn caches_for(&self, cx: &Caller, node: NodeId) -> bool {
+        cx.confined.is_none() && self.pin_of_node(node) != Some(Pin::Never)
+    }
+
+    /// The copy of `key` that may be served for a slow file with attributes `attr`: whole, and
+    /// either holding unwritten changes or as fresh as the slow file.
+    fn fresh_copy(&self, key: u64, attr: &Attr) -> Option<Copy> {
+        let writers = self.writers(key) > 0;
+        let idx = self.store.index.lock();
+        let c = idx.copies.get(&key)?;
+        (c.complete && (c.dirty || writers || c.stamp == Stamp::of(attr))).then(|| c.clone())
+    }
+
+    /// Give up `key`'s copy (unless it holds unwritten changes): the slow file changed, was
+    /// removed, or the copy is evicted. Open descriptors of it keep reading what they read.
+    fn drop_copy(&self, key: u64, even_dirty: bool) -> bool {
+        if let Some(fill) = self.fills.lock().get(&key).and_then(Weak::upgrade) {
+            if even_dirty || !is_dirty(self.store.index.lock().copies.get(&key)) {
+                fill.detach();
+            }
+        }
+        let removed = {
+            let mut idx = self.store.index.lock();
+            match idx.copies.get(&key) {
+                Some(c) if !c.dirty || even_dirty => {
+                    let c = idx.copies.remove(&key).expect("present");
+                    idx.changed = true;
+                    Some(c)
+                }
+                _ => None,
+            }
+        };
+        match removed {
+            Some(c) => {
+                if c.dirty {
+                    let _ = self.store.log(key, None);
+                    self.changes.lock().remove(&key);
+                }
+                self.store.remove_copy(key, c.gen);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A fill of `key`'s copy for a slow file with attributes `attr`: the one under way, or a
+    /// new one.
+    fn fill_for(&self, key: u64, attr: &Attr) -> Result<Arc<Fill>> {
+        let stamp = Stamp::of(attr);
+        let _gate = self.gate(key).write();
+        if let Some(f) = self.live_fill(key) {
+            let current = self.copy_of(key).is_some_and(|c| c.gen == f.gen);
+            if current && (self.writers(key) > 0 || *f.start.lock() == stamp || is_dirty(self.copy_of(key).as_ref())) {
+                return Ok(f);
+            }
+            f.detach();
+        }
+        let (gen, complete) = match self.copy_of(key) {
+            Some(c) if c.complete && (c.dirty || c.stamp == stamp) => (c.gen, true),
+            Some(c) if c.dirty => return Err(Error::Os(libc::EIO)),
+            _ => {
+                self.drop_copy(key, false);
+                let mut idx = self.store.index.lock();
+                let gen = idx.new_gen();
+                let path = self.paths.path_of(NodeId(key)).unwrap_or_default();
+                idx.copies.insert(key, Copy { gen, path, stamp, complete: false, dirty: false, used: now_secs(), bytes: 0 });
+                idx.changed = true;
+                (gen, false)
+            }
+        };
+        let file = if complete { self.store.open_copy(key, gen, true)? } else { self.store.create_copy(key, gen)? };
+        let size = if complete { file.metadata()?.len() } else { attr.size };
+        let fill = Arc::new(Fill::new(key, gen, file, size, self.cfg.range, self.slow().clone(), stamp, complete));
+        self.fills.lock().insert(key, Arc::downgrade(&fill));
+        Ok(fill)
+    }
+
+    /// A fill that has every range: record its copy as whole, if the slow file did not change
+    /// while it filled (or changed only by this mount's writes, which reached the copy too).
+    fn record_complete(&self, fill: &Fill) {
+        if !fill.is_complete() || fill.detached.load(Ordering::Acquire) || fill.recorded.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let attr = self.slow().getattr(&daemon(), NodeId(fill.key));
+        let ok = match &attr {
+            Ok(a) => self.writers(fill.key) > 0 || Stamp::of(a) == *fill.start.lock(),
+            Err(_) => false,
+        };
+        if !ok {
+            tracing::debug!("cache '{}': node {} changed on the slow branch while it was fetched; fetched again when next read", self.name, fill.key);
+            fill.detach();
+            self.drop_copy(fill.key, false);
+            return;
+        }
+        let bytes = fill.file.metadata().map(|m| m.blocks() * 512).unwrap_or(0);
+        {
+            let mut idx = self.store.index.lock();
+            if let Some(c) = idx.copies.get_mut(&fill.key).filter(|c| c.gen == fill.gen) {
+                c.complete = true;
+                c.bytes = bytes;
+                if !c.dirty {
+                    c.stamp = Stamp::of(attr.as_ref().expect("checked"));
+                }
+                if c.path.is_empty() {
+                    c.path = self.paths.path_of(NodeId(fill.key)).unwrap_or_default();
+                }
+                idx.changed = true;
+            }
+        }
+        self.wake_keeper();
+    }
+
+    /// Hand the ranges after `last` to the fetchers.
+    fn read_ahead(&self, fill: &Arc<Fill>, last: usize) {
+        if self.cfg.ahead == 0 {
+            return;
+        }
+        let claimed = fill.claim_ahead(last, self.cfg.ahead);
+        let jobs = self.jobs.lock();
+        for r in claimed {
+            let f = fill.clone();
+            let job: Job = Box::new(move || f.fetch_claimed(r));
+            match jobs.as_ref() {
+                Some(tx) => {
+                    if let Err(e) = tx.send(job) {
+                        (e.0)();
+                    }
+                }
+                None => job(),
+            }
+        }
+    }
+
+    fn new_fh(&self, file: CFile) -> FileHandle {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.files.lock().insert(fh, Arc::new(file));
+        FileHandle(fh)
+    }
+
+    fn file(&self, fh: FileHandle) -> Result<Arc<CFile>> {
+        self.files.lock().get(&fh.0).cloned().ok_or(Error::Os(libc::EBADF))
+    }
+
+    /// Count an open of `key` served from `side` (downgraded to the daemon when the kernel
+    /// would refuse it); returns how it is served and whether it must bypass the page cache.
+    fn count_open(&self, key: u64, side: Side, writes: bool) -> (Side, bool) {
+        let mut opens = self.opens.lock();
+        let o = opens.entry(key).or_default();
+        let side = if o.passthrough_to(side) { side } else { Side::Daemon };
+        match side {
+            Side::Fast(gen) => {
+                o.fast += 1;
+                o.fast_gen = gen;
+            }
+            Side::Slow => o.slow += 1,
+            Side::Daemon => o.daemon += 1,
+        }
+        if writes {
+            o.writers += 1;
+        }
+        (side, side == Side::Daemon && o.fast + o.slow > 0)
+    }
+
+    fn uncount_open(&self, key: u64, side: Side, writes: bool) {
+        let mut opens = self.opens.lock();
+        if let Some(o) = opens.get_mut(&key) {
+            match side {
+                Side::Fast(_) => o.fast = o.fast.saturating_sub(1),
+                Side::Slow => o.slow = o.slow.saturating_sub(1),
+                Side::Daemon => o.daemon = o.daemon.saturating_sub(1),
+            }
+            if writes {
+                o.writers = o.writers.saturating_sub(1);
+            }
+            if !o.any() {
+                opens.remove(&key);
+            }
+        }
+    }
+
+    fn touch(&self, key: u64) {
+        let mut idx = self.store.index.lock();
+        if let Some(c) = idx.copies.get_mut(&key) {
+            c.used = now_secs();
+            idx.changed = true;
+        }
+    }
+
+    /// A whole copy, opened and served: by passthrough when the kernel allows it.
+    fn serve_copy(&self, node: NodeId, gen: u64, file: File, writes: bool) -> Result<Reply> {
+        let file = Arc::new(file);
+        let (side, direct_io) = self.count_open(node.0, Side::Fast(gen), writes);
+        let backing = match side {
+            Side::Fast(_) => Some(Arc::new(OwnedFd::from(file.try_clone()?))),
+            _ => None,
+        };
+        let fh = self.new_fh(CFile { kind: Kind::Copy { file }, writes, side });
+        Ok(Reply::Opened(Opened { fh, backing, direct_io, flush_on_close: false }))
+    }
+
+    /// An open of the slow branch's file itself.
+    fn open_slow(&self, cx: &Caller, node: NodeId, flags: i32, cached: bool) -> Result<Reply> {
+        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        let opened = self.slow().open(cx, node, flags)?;
+        self.wrap_slow(node, opened, writes, cached, flags & libc::O_TRUNC != 0)
+    }
+
+    fn wrap_slow(&self, node: NodeId, opened: Opened, writes: bool, cached: bool, truncated: bool) -> Result<Reply> {
+        let key = node.0;
+        let mut fill = None;
+        if writes && cached {
+            // Writes reach the copy too, through a fill of it.
+            if let Some(c) = self.copy_of(key).filter(|c| c.complete && !c.dirty) {
+                let attr = self.slow().getattr(&daemon(), node)?;
+                if truncated || c.stamp.same_bytes(&Stamp::of(&attr)) {
+                    fill = self.fill_for(key, &attr).ok();
+                } else {
+                    self.drop_copy(key, false);
+                }
+            } else {
+                fill = self.live_fill(key);
+            }
+            if truncated {
+                if let Some(f) = &fill {
+                    let _held = f.hold(0, f.size().max(1));
+                    f.set_size(0)?;
+                }
+            }
+        }
+        let has_copy = fill.is_some() || self.live_fill(key).is_some();
+        let want = if opened.backing.is_some() && !has_copy { Side::Slow } else { Side::Daemon };
+        let (side, direct_io) = self.count_open(key, want, writes);
+        let backing = if side == Side::Slow { opened.backing.clone() } else { None };
+        let fh = self.new_fh(CFile { kind: Kind::Slow { fh: opened.fh, fill }, writes, side });
+        Ok(Reply::Opened(Opened { fh, backing, direct_io: direct_io || opened.direct_io, flush_on_close: opened.flush_on_close }))
+    }
+
+    fn open(&self, cx: &Caller, node: NodeId, flags: i32) -> Result<Reply> {
+        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        let attr = self.slow().call(cx, &Op::GetAttr { node, fh: None }).and_then(|r| match r {
+            Reply::Attr(a) => Ok(a),
+            _ => Err(Error::Os(libc::EIO)),
+        })?;
+        if attr.kind != FileKind::File || !self.caches_for(cx, node) {
+            return self.open_slow(cx, node, flags, false);
+        }
+        match (self.cfg.mode, writes) {
+            (_, false) => self.open_read(cx, node, flags, &attr),
+            (Mode::WriteThrough, true) => self.open_slow(cx, node, flags, true),
+            (Mode::WriteBack, true) => self.open_dirty(cx, node, flags, &attr),
+        }
+    }
+
+    fn open_read(&self, cx: &Caller, node: NodeId, flags: i32, attr: &Attr) -> Result<Reply> {
+        let key = node.0;
+        if let Some(c) = self.fresh_copy(key, attr) {
+            match self.store.open_copy(key, c.gen, false) {
+                Ok(file) => {
+                    self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                    self.touch(key);
+                    return self.serve_copy(node, c.gen, file, false);
+                }
+                Err(e) => {
+                    tracing::warn!("cache '{}': the copy of '{}' is gone from the cache directory ({e}); read from the slow branch", self.name, c.path);
+                    self.drop_copy(key, false);
+                }
+            }
+        }
+        // The slow branch checks the open (and applies its flags) even though the copy serves it.
+        if attr.size == 0 {
+            return self.open_slow(cx, node, flags, false);
+        }
+        self.stats.misses.fetch_add(1, Ordering::Relaxed);
+        let fill = match self.fill_for(key, attr) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!("cache '{}': node {key}: cannot cache ({e}); read from the slow branch", self.name);
+                return self.open_slow(cx, node, flags, false);
+            }
+        };
+        let (side, direct_io) = self.count_open(key, Side::Daemon, false);
+        let fh = self.new_fh(CFile { kind: Kind::Filling(fill), writes: false, side });
+        Ok(Reply::Opened(Opened { fh, backing: None, direct_io, flush_on_close: false }))
+    }
+
+    /// Write-back: a whole copy, marked as holding changes before it is written.
+    fn open_dirty(&self, cx: &Caller, node: NodeId, flags: i32, attr: &Attr) -> Result<Reply> {
+        let key = node.0;
+        let truncate = flags & libc::O_TRUNC != 0;
+        let gen = match self.fresh_copy(key, attr) {
+            Some(c) => c.gen,
+            None if truncate => self.new_copy(key, attr)?,
+            None => {
+                let fill = self.fill_for(key, attr)?;
+                fill.fill_all(&|_| {})?;
+                self.record_complete(&fill);
+                match self.copy_of(key) {
+                    Some(c) if c.complete && c.gen == fill.gen => c.gen,
+                    // It changed on the slow branch while it was fetched: serve this open there.
+                    _ => return self.open_slow(cx, node, flags, false),
+                }
+            }
+        };
+        let file = self.store.open_copy(key, gen, true)?;
+        if truncate {
+            file.set_len(0)?;
+        }
+        self.mark_dirty(key, gen, node)?;
+        self.serve_copy(node, gen, file, true)
+    }
+
+    /// A new, empty, whole copy of `key`.
+    fn new_copy(&self, key: u64, attr: &Attr) -> Result<u64> {
+        self.drop_copy(key, false);
+        let gen = self.store.index.lock().new_gen();
+        self.store.create_copy(key, gen)?;
+        let path = self.paths.path_of(NodeId(key)).unwrap_or_default();
+        let mut idx = self.store.index.lock();
+        idx.copies.insert(key, Copy { gen, path, stamp: Stamp::of(attr), complete: true, dirty: false, used: now_secs(), bytes: 0 });
+        idx.changed = true;
+        Ok(gen)
+    }
+
+    /// Note that `key`'s copy is about to hold changes the slow branch does not have: in the
+    /// write-back log first.
+    fn mark_dirty(&self, key: u64, gen: u64, node: NodeId) -> Result<()> {
+        let path = self.paths.path_of(node);
+        let log = {
+            let mut idx = self.store.index.lock();
+            let c = idx.copies.get_mut(&key).ok_or(Error::Os(libc::EIO))?;
+            if let Some(p) = &path {
+                c.path = p.clone();
+            }
+            let log = (!c.dirty).then(|| c.path.clone());
+            c.dirty = true;
+            c.used = now_secs();
+            idx.changed = true;
+            log
+        };
+        if let Some(p) = log {
+            if path.is_none() {
+                tracing::warn!("cache '{}': node {key} is written with no known path; a restart before it is written back keeps it under {}/orphans", self.name, self.store.root().display());
+            }
+            self.store.log(key, Some((gen, &p)))?;
+        }
+        self.changed(key);
+        Ok(())
+    }
+
+    fn changed(&self, key: u64) {
+        let mut ch = self.changes.lock();
+        let c = ch.entry(key).or_insert(Change { seq: 0, at: Instant::now() });
+        c.seq += 1;
+        c.at = Instant::now();
+    }
+
+    /// `attr` as the user sees it: a copy holding changes gives the size and times.
+    fn patch(&self, node: NodeId, attr: &mut Attr) {
+        if self.cfg.mode != Mode::WriteBack || attr.kind != FileKind::File {
+            return;
+        }
+        let gen = match self.store.index.lock().copies.get(&node.0) {
+            Some(c) if c.dirty => c.gen,
+            _ => return,
+        };
+        if let Ok(m) = std::fs::metadata(self.store.copy_path(node.0, gen)) {
+            attr.size = m.len();
+            attr.blocks = m.blocks();
+            attr.mtime = from_unix_time(m.mtime(), m.mtime_nsec() as u32);
+            attr.ctime = attr.ctime.max(from_unix_time(m.ctime(), m.ctime_nsec() as u32));
+            attr.atime = from_unix_time(m.atime(), m.atime_nsec() as u32);
+        }
+    }
+
+    fn patch_reply(&self, reply: &mut Reply) {
+        match reply {
+            Reply::Entry(e) | Reply::Created(e, _) => self.patch(e.node, &mut e.attr),
+            Reply::Attr(_) => {}
+            Reply::Dir(entries) => {
+                for d in entries.iter_mut() {
+                    if let Some(e) = d.entry.as_mut() {
+                        self.patch(e.node, &mut e.attr);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// After a change of this mount's that moved the slow file's ctime but not its bytes: the
+    /// copy stays fresh.
+    fn kept_bytes(&self, key: u64, attr: &Attr) {
+        let mut idx = self.store.index.lock();
+        if let Some(c) = idx.copies.get_mut(&key).filter(|c| !c.dirty) {
+            let now = Stamp::of(attr);
+            if c.stamp.same_bytes(&now) {
+                c.stamp = now;
+                idx.changed = true;
+            }
+        }
+        if let Some(f) = self.live_fill(key) {
+            let mut s = f.start.lock();
+            if s.same_bytes(&Stamp::of(attr)) {
+                *s = Stamp::of(attr);
+            }
+        }
+    }
+
+    fn has_copy(&self, key: u64) -> bool {
+        self.store.index.lock().copies.contains_key(&key)
+    }
+
+    fn slow_fh(&self, fh: Option<FileHandle>) -> Option<FileHandle> {
+        let fh = fh?;
+        match self.files.lock().get(&fh.0) {
+            Some(f) => match &f.kind {
+                Kind::Slow { fh, .. } => Some(*fh),
+                _ => None,
+            },
+            None => Some(fh),
+        }
+    }
+
+    fn set_attr(&self, cx: &Caller, node: NodeId, fh: Option<FileHandle>, set: SetAttr) -> Result<Reply> {
+        let key = node.0;
+        let dirty = self.cfg.mode == Mode::WriteBack && is_dirty(self.copy_of(key).as_ref());
+        if dirty {
+            // Size and times are the copy's until it is written back; the rest is the slow file's.
+            let rest = SetAttr { size: None, atime: None, mtime: None, ..set };
+            let mut attr = if rest == SetAttr::default() {
+                self.slow().getattr(cx, node)?
+            } else {
+                match self.slow().call(cx, &Op::SetAttr { node, fh: None, set: rest })? {
+                    Reply::Attr(a) => a,
+                    _ => return Err(Error::Os(libc::EIO)),
+                }
+            };
+            if set.size.is_some() || set.atime.is_some() || set.mtime.is_some() {
+                let gen = self.copy_of(key).ok_or(Error::Os(libc::EIO))?.gen;
+                self.mark_dirty(key, gen, node)?;
+                let file = self.store.open_copy(key, gen, true)?;
+                if let Some(size) = set.size {
+                    file.set_len(size)?;
+                }
+                let when = |t: Option<TimeSet>| t.map(|t| match t {
+                    TimeSet::Now => SystemTime::now(),
+                    TimeSet::At(t) => t,
+                });
+                let mut times = std::fs::FileTimes::new();
+                if let Some(t) = when(set.atime) {
+                    times = times.set_accessed(t);
+                }
+                if let Some(t) = when(set.mtime) {
+                    times = times.set_modified(t);
+                }
+                file.set_times(times)?;
+            }
+            self.patch(node, &mut attr);
+            return Ok(Reply::Attr(attr));
+        }
+        let fill = set.size.and_then(|_| self.live_fill(key));
+        let held = fill.as_ref().map(|f| f.hold(0, f.size().max(set.size.unwrap_or(0)).max(1)));
+        let reply = self.slow().call(cx, &Op::SetAttr { node, fh: self.slow_fh(fh), set })?;
+        let Reply::Attr(attr) = reply else { return Err(Error::Os(libc::EIO)) };
+        if let Some(size) = set.size {
+            match &fill {
+                Some(f) => {
+                    f.set_size(size)?;
+                    drop(held);
+                    let mut idx = self.store.index.lock();
+                    if let Some(c) = idx.copies.get_mut(&key).filter(|c| c.gen == f.gen) {
+                        c.stamp = Stamp::of(&attr);
+                        idx.changed = true;
+                    }
+                    *f.start.lock() = Stamp::of(&attr);
+                }
+                None => {
+                    self.drop_copy(key, false);
+                }
+            }
+        } else if self.has_copy(key) {
+            if set.mtime.is_some() {
+                // The bytes did not change: only the stamp moves.
+                let mut idx = self.store.index.lock();
+                if let Some(c) = idx.copies.get_mut(&key).filter(|c| !c.dirty && c.stamp.size == attr.size) {
+                    c.stamp.mtime = Stamp::of(&attr).mtime;
+                }
+            }
+            self.kept_bytes(key, &attr);
+        }
+        Ok(Reply::Attr(attr))
+    }
+
+    fn read(&self, cx: &Caller, node: NodeId, fh: FileHandle, offset: u64, size: u32) -> Result<Reply> {
+        let f = self.file(fh)?;
+        match &f.kind {
+            Kind::Slow { fh, .. } => self.slow().call(cx, &Op::Read { node, fh: *fh, offset, size }),
+            Kind::Copy { file, .. } => {
+                let mut buf = vec![0u8; size as usize];
+                let mut got = 0;
+                while got < buf.len() {
+                    let n = file.read_at(&mut buf[got..], offset + got as u64)?;
+                    if n == 0 {
+                        break;
+                    }
+                    got += n;
+                }
+                buf.truncate(got);
+                Ok(Reply::Data(buf))
+            }
+            Kind::Filling(fill) => {
+                let before = fill.fetched.load(Ordering::Relaxed);
+                let (data, last) = fill.read(offset, size)?;
+                if let Some(last) = last {
+                    self.read_ahead(fill, last);
+                }
+                let after = fill.fetched.load(Ordering::Relaxed);
+                self.stats.fetched.fetch_add(after.saturating_sub(before), Ordering::Relaxed);
+                if fill.is_complete() {
+                    self.record_complete(fill);
+                }
+                Ok(Reply::Data(data))
+            }
+        }
+    }
+
+    fn write(&self, cx: &Caller, node: NodeId, fh: FileHandle, offset: u64, data: &[u8]) -> Result<Reply> {
+        let f = self.file(fh)?;
+        match &f.kind {
+            Kind::Slow { fh, .. } => {
+                let _gate = self.gate(node.0).read();
+                let Some(fill) = self.live_fill(node.0) else {
+                    return self.slow().call(cx, &Op::Write { node, fh: *fh, offset, data });
+                };
+                let _held = fill.hold(offset, data.len() as u64);
+                let reply = self.slow().call(cx, &Op::Write { node, fh: *fh, offset, data })?;
+                if let Reply::Written(n) = reply {
+                    if let Err(e) = fill.write(offset, &data[..(n as usize).min(data.len())]) {
+                        // The slow branch has the write; the copy cannot follow.
+                        tracing::warn!("cache '{}': node {}: the copy cannot take a write ({e}); dropped", self.name, node.0);
+                        fill.detach();
+                        self.drop_copy(node.0, false);
+                    }
+                }
+                Ok(reply)
+            }
+            Kind::Copy { file, .. } if f.writes => {
+                file.write_all_at(data, offset)?;
+                self.changed(node.0);
+                Ok(Reply::Written(data.len() as u32))
+            }
+            _ => Err(Error::Os(libc::EBADF)),
+        }
+    }
+
+    fn release(&self, cx: &Caller, node: NodeId, fh: FileHandle) -> Result<Reply> {
+        let Some(f) = self.files.lock().remove(&fh.0) else { return Err(Error::Os(libc::EBADF)) };
+        let key = node.0;
+        let result = match &f.kind {
+            Kind::Slow { fh, fill } => {
+                let r = self.slow().call(cx, &Op::Release { node, fh: *fh });
+                if f.writes && (fill.is_some() || self.has_copy(key)) {
+                    // This mount's writes moved the slow file's stamp; the copy has them.
+                    if let Ok(attr) = self.slow().getattr(&daemon(), node) {
+                        if let Some(fl) = fill.as_ref().filter(|fl| !fl.detached.load(Ordering::Acquire)) {
+                            *fl.start.lock() = Stamp::of(&attr);
+                            let mut idx = self.store.index.lock();
+                            if let Some(c) = idx.copies.get_mut(&key).filter(|c| c.gen == fl.gen && !c.dirty) {
+                                c.stamp = Stamp::of(&attr);
+                                idx.changed = true;
+                            }
+                        }
+                    }
+                }
+                r.map(|_| Reply::Empty)
+            }
+            Kind::Filling(fill) => {
+                self.record_complete(fill);
+                Ok(Reply::Empty)
+            }
+            Kind::Copy { .. } => {
+                if f.writes {
+                    self.changed(key);
+                }
+                Ok(Reply::Empty)
+            }
+        };
+        self.uncount_open(key, f.side, f.writes);
+        if f.writes {
+            self.wake_keeper();
+        }
+        result
+    }
+
+    fn fsync(&self, cx: &Caller, op: &Op<'_>, node: NodeId, fh: FileHandle, datasync: bool) -> Result<Reply> {
+        let f = self.file(fh)?;
+        match &f.kind {
+            Kind::Slow { fh, .. } => self.slow().call(cx, &op.on_open(node, *fh)),
+            Kind::Filling(_) => Ok(Reply::Empty),
+            Kind::Copy { file, .. } => {
+                if datasync {
+                    file.sync_data()?;
+                } else {
+                    file.sync_all()?;
+                }
+                if is_dirty(self.copy_of(node.0).as_ref()) {
+                    self.store.sync_log()?;
+                    // Durable here; the slow branch gets it now too, or as soon as it can.
+                    if let Err(e) = self.write_back(node.0) {
+                        tracing::warn!("cache '{}': node {}: fsync: not written back yet ({e}); it is safe in the cache and will be", self.name, node.0);
+                    }
+                }
+                Ok(Reply::Empty)
+            }
+        }
+    }
+
+    /// The slow branch's node of `key` for a write-back: itself while the kernel holds it, else
+    /// found by its path (after a restart). Returns the node and the lookups to give back.
+    fn slow_node(&self, key: u64, path: &str) -> Result<(NodeId, Vec<NodeId>)> {
+        if self.paths.path_of(NodeId(key)).is_some() {
+            return Ok((NodeId(key), Vec::new()));
+        }
+        if path.is_empty() || !store::sane_path(path) {
+            return Err(Error::Os(libc::ESTALE));
+        }
+        let mut held = Vec::new();
+        let mut at = NodeId::ROOT;
+        for part in path.split('/') {
+            match self.slow().lookup(&daemon(), at, OsStr::new(part)) {
+                Ok(e) => {
+                    held.push(e.node);
+                    at = e.node;
+                }
+                Err(e) => {
+                    for n in held {
+                        self.slow().forget(&daemon(), n, 1);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        if at.0 != key {
+            for n in held {
+                self.slow().forget(&daemon(), n, 1);
+            }
+            return Err(Error::Os(libc::ESTALE));
+        }
+        Ok((at, held))
+    }
+
+    /// Copy `key`'s changes to the slow branch. It stays marked dirty if it changed meanwhile.
+    fn write_back(&self, key: u64) -> Result<()> {
+        {
+            let mut busy = self.flushing.lock();
+            while busy.contains(&key) {
+                self.flushed.wait(&mut busy);
+            }
+            busy.insert(key);
+        }
+        let result = self.write_back_now(key);
+        self.flushing.lock().remove(&key);
+        self.flushed.notify_all();
+        result
+    }
+
+    fn write_back_now(&self, key: u64) -> Result<()> {
+        let Some(copy) = self.copy_of(key).filter(|c| c.dirty) else { return Ok(()) };
+        let seq = self.changes.lock().get(&key).map_or(0, |c| c.seq);
+        let (node, held) = match self.slow_node(key, &copy.path) {
+            Ok(found) => found,
+            Err(Error::Os(e)) if e == libc::ENOENT || e == libc::ESTALE => {
+                let kept = self.store.orphan(key, copy.gen);
+                tracing::error!(
+                    "cache '{}': '{}' is no longer on the slow branch; its unwritten bytes are kept in {}",
+                    self.name,
+                    copy.path,
+                    kept.display()
+                );
+                self.store.index.lock().copies.remove(&key);
+                self.store.index.lock().changed = true;
+                self.changes.lock().remove(&key);
+                let _ = self.store.log(key, None);
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        let result = self.copy_to_slow(key, node, &copy);
+        for n in held {
+            self.slow().forget(&daemon(), n, 1);
+        }
+        let attr = result?;
+        let clean = {
+            let mut ch = self.changes.lock();
+            let unchanged = ch.get(&key).map_or(0, |c| c.seq) == seq && self.writers(key) == 0;
+            if unchanged {
+                ch.remove(&key);
+            }
+            unchanged
+        };
+        if clean {
+            let logged = {
+                let mut idx = self.store.index.lock();
+                match idx.copies.get_mut(&key).filter(|c| c.gen == copy.gen && c.dirty) {
+                    Some(c) => {
+                        c.dirty = false;
+                        c.stamp = Stamp::of(&attr);
+                        idx.changed = true;
+                        true
+                    }
+                    None => false,
+                }
+            };
+            if logged {
+                self.store.log(key, None)?;
+            }
+        }
+        self.failing.lock().remove(&key);
+        Ok(())
+    }
+
+    fn copy_to_slow(&self, key: u64, node: NodeId, copy: &Copy) -> Result<Attr> {
+        let cx = daemon();
+        let file = self.store.open_copy(key, copy.gen, false)?;
+        let meta = file.metadata()?;
+        let opened = self.slow().open(&cx, node, libc::O_WRONLY)?;
+        let fh = opened.fh;
+        let copied = (|| -> Result<()> {
+            let mut buf = vec![0u8; 1 << 20];
+            let mut at = 0u64;
+            loop {
+                let n = file.read_at(&mut buf, at)?;
+                if n == 0 {
+                    break;
+                }
+                let mut done = 0;
+                while done < n {
+                    let w = self.slow().write(&cx, node, fh, at + done as u64, &buf[done..n])? as usize;
+                    if w == 0 {
+                        return Err(Error::Os(libc::EIO));
+                    }
+                    done += w;
+                }
+                at += n as u64;
+                self.stats.written_back.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            self.slow().call(&cx, &Op::SetAttr { node, fh: Some(fh), set: SetAttr { size: Some(at), ..SetAttr::default() } })?;
+            let mtime = from_unix_time(meta.mtime(), meta.mtime_nsec() as u32);
+            // Best effort: the slow branch may not let the daemon set times on another's file.
+            let _ = self.slow().call(&cx, &Op::SetAttr { node, fh: Some(fh), set: SetAttr { mtime: Some(TimeSet::At(mtime)), ..SetAttr::default() } });
+            self.slow().call(&cx, &Op::Fsync { node, fh, datasync: false })?;
+            Ok(())
+        })();
+        let _ = self.slow().release(&cx, node, fh);
+        copied?;
+        self.slow().getattr(&cx, node)
+    }
+
+    /// Write back every copy that waited long enough (or all of them).
+    fn write_back_due(&self, all: bool) -> (usize, Vec<String>) {
+        let due: Vec<u64> = {
+            let ch = self.changes.lock();
+            let idx = self.store.index.lock();
+            idx.copies
+                .iter()
+                .filter(|(_, c)| c.dirty)
+                .map(|(k, _)| *k)
+                .filter(|k| all || ch.get(k).is_none_or(|c| c.at.elapsed() >= self.cfg.delay))
+                .collect()
+        };
+        let mut done = 0;
+        let mut errors = Vec::new();
+        for key in due {
+            if !all && self.writers(key) > 0 {
+                continue;
+            }
+            match self.write_back(key) {
+                Ok(()) => done += 1,
+                Err(e) => {
+                    let path = self.copy_of(key).map(|c| c.path).unwrap_or_default();
+                    if self.failing.lock().insert(key) {
+                        tracing::warn!("cache '{}': '{path}': cannot write back yet ({e}); it stays in the cache and is tried again", self.name);
+                    }
+                    errors.push(format!("{path}: {e}"));
+                }
+            }
+        }
+        (done, errors)
+    }
+
+    /// Whether `key`'s copy is in use (open, filling, being written back).
+    fn in_use(&self, key: u64) -> bool {
+        self.opens.lock().contains_key(&key)
+            || self.fills.lock().get(&key).is_some_and(|w| w.strong_count() > 0)
+            || self.flushing.lock().contains(&key)
+    }
+
+    /// Evict copies: past `max_age`, then the least recently used while over `max_size` or
+    /// under `min_free`.
+    fn evict(&self) {
+        self.fills.lock().retain(|_, w| w.strong_count() > 0);
+        let (free, total) = self.store.space();
+        let min_free = match self.cfg.min_free {
+            Free::Bytes(b) => b,
+            Free::Percent(p) => total / 100 * p,
+        };
+        let filling: u64 = self.fills.lock().values().filter_map(Weak::upgrade).map(|f| f.fetched.load(Ordering::Relaxed)).sum();
+        let mut candidates: Vec<(u64, u64, u64, u64)> = {
+            let idx = self.store.index.lock();
+            idx.copies
+                .iter()
+                .filter(|(_, c)| c.complete && !c.dirty && idx.pin_of(&c.path) != Some(Pin::Pin))
+                .map(|(k, c)| (c.used, *k, c.gen, c.bytes))
+                .collect()
+        };
+        let mut used: u64 = self.store.index.lock().copies.values().map(|c| c.bytes).sum::<u64>() + filling;
+        let mut free = free;
+        candidates.sort();
+        let old = self.cfg.max_age.map(|a| now_secs().saturating_sub(a.as_secs()));
+        for (when, key, gen, bytes) in candidates {
+            let over = (self.cfg.max_size > 0 && used > self.cfg.max_size) || free < min_free;
+            let aged = old.is_some_and(|o| when < o);
+            if !over && !aged {
+                continue;
+            }
+            if self.in_use(key) {
+                continue;
+            }
+            let removed = {
+                let mut idx = self.store.index.lock();
+                match idx.copies.get(&key) {
+                    Some(c) if c.gen == gen && !c.dirty => {
+                        idx.copies.remove(&key);
+                        idx.changed = true;
+                        true
+                    }
+                    _ => false,
+                }
+            };
+            if removed {
+                self.store.remove_copy(key, gen);
+                used = used.saturating_sub(bytes);
+                free = free.saturating_add(bytes);
+            }
+        }
+    }
+
+    /// The slow branch says `key` changed (a remote server's notice).
+    fn outside_change(&self, key: u64) {
+        if is_dirty(self.copy_of(key).as_ref()) {
+            tracing::warn!("cache '{}': node {key} changed on the slow branch while this mount holds unwritten changes to it; this mount's changes win", self.name);
+            return;
+        }
+        self.drop_copy(key, false);
+    }
+
+    // The extended operations.
+
+    fn status(&self) -> Value {
+        let idx = self.store.index.lock();
+        let whole: Vec<&Copy> = idx.copies.values().filter(|c| c.complete).collect();
+        let dirty: Vec<&Copy> = idx.copies.values().filter(|c| c.dirty).collect();
+        let dirty_bytes: u64 = idx
+            .copies
+            .iter()
+            .filter(|(_, c)| c.dirty)
+            .map(|(k, c)| std::fs::metadata(self.store.copy_path(*k, c.gen)).map_or(0, |m| m.len()))
+            .sum();
+        let hits = self.stats.hits.load(Ordering::Relaxed);
+        let misses = self.stats.misses.load(Ordering::Relaxed);
+        let (free, _) = self.store.space();
+        json!({
+            "mode": match self.cfg.mode { Mode::WriteThrough => "write-through", Mode::WriteBack => "write-back" },
+            "fast": self.fast.dir.display().to_string(),
+            "slow": self.slow.name,
+            "files": whole.len(),
+            "bytes": whole.iter().map(|c| c.bytes).sum::<u64>(),
+            "max_size": self.cfg.max_size,
+            "fast_free": free,
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": if hits + misses == 0 { Value::Null } else { json!((hits as f64) / ((hits + misses) as f64)) },
+            "fetched_bytes": self.stats.fetched.load(Ordering::Relaxed),
+            "dirty_files": dirty.len(),
+            "dirty_bytes": dirty_bytes,
+            "written_back_bytes": self.stats.written_back.load(Ordering::Relaxed),
+            "pins": idx.pins.iter().map(|(p, v)| json!({"path": p, "pin": match v { Pin::Pin => "pin", Pin::Never => "never" }})).collect::<Vec<_>>(),
+        })
+    }
+
+    /// The regular files at and under `node`, with lookups held (given back by the caller).
+    fn files_under(&self, cx: &Caller, node: NodeId, out: &mut Vec<(NodeId, u64)>) -> Result<()> {
+        let attr = self.slow().getattr(cx, node)?;
+        match attr.kind {
+            FileKind::File => {
+                out.push((node, attr.size));
+                Ok(())
+            }
+            FileKind::Dir => {
+                for e in self.slow().list_dir(cx, node)? {
+                    let Ok(entry) = self.slow().lookup(cx, node, &e.name) else { continue };
+                    self.paths.seen(node, &e.name, entry.node);
+                    match entry.attr.kind {
+                        FileKind::File => out.push((entry.node, entry.attr.size)),
+                        FileKind::Dir => {
+                            let r = self.files_under(cx, entry.node, out);
+                            self.forget_held(entry.node);
+                            r?;
+                        }
+                        _ => self.forget_held(entry.node),
+                    }
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn forget_held(&self, node: NodeId) {
+        self.paths.forget(node, 1);
+        self.slow().forget(&daemon(), node, 1);
+    }
+
+    fn warm(&self, cx: &Caller, node: NodeId) -> Result<Value> {
+        let mut files = Vec::new();
+        self.files_under(cx, node, &mut files)?;
+        let total: u64 = files.iter().map(|f| f.1).sum();
+        let progress = plyfs_stack::progress::start("fetching into the cache", "bytes", total);
+        let (mut fetched, mut already, mut failed) = (0u64, 0u64, Vec::new());
+        for (n, _) in &files {
+            let r = (|| -> Result<bool> {
+                let attr = self.slow().getattr(cx, *n)?;
+                if attr.size == 0 || self.fresh_copy(n.0, &attr).is_some() {
+                    progress.add(attr.size);
+                    return Ok(false);
+                }
+                let fill = self.fill_for(n.0, &attr)?;
+                fill.fill_all(&|b| progress.add(b))?;
+                self.record_complete(&fill);
+                Ok(true)
+            })();
+            match r {
+                Ok(true) => fetched += 1,
+                Ok(false) => already += 1,
+                Err(e) => failed.push(format!("{}: {e}", self.paths.path_of(*n).unwrap_or_else(|| format!("node {}", n.0)))),
+            }
+            if *n != node {
+                self.forget_held(*n);
+            }
+        }
+        Ok(json!({"fetched": fetched, "already_cached": already, "failed": failed}))
+    }
+
+    fn evict_path(&self, cx: &Caller, node: NodeId) -> Result<Value> {
+        let mut files = Vec::new();
+        self.files_under(cx, node, &mut files)?;
+        let (mut evicted, mut busy) = (0, Vec::new());
+        for (n, _) in &files {
+            if is_dirty(self.copy_of(n.0).as_ref()) {
+                if let Err(e) = self.write_back(n.0) {
+                    busy.push(format!("{}: not written back yet ({e})", self.paths.path_of(*n).unwrap_or_default()));
+                }
+            }
+            if self.has_copy(n.0) {
+                if self.in_use(n.0) {
+                    busy.push(format!("{}: open", self.paths.path_of(*n).unwrap_or_default()));
+                } else if self.drop_copy(n.0, false) {
+                    evicted += 1;
+                }
+            }
+            if *n != node {
+                self.forget_held(*n);
+            }
+        }
+        Ok(json!({"evicted": evicted, "kept": busy}))
+    }
+
+    fn set_pin(&self, cx: &Caller, node: NodeId, pin: Option<Pin>) -> Result<()> {
+        let path = self.paths.path_of(node).ok_or(Error::Os(libc::ESTALE))?;
+        {
+            let mut idx = self.store.index.lock();
+            match pin {
+                Some(p) => idx.pins.insert(path.clone(), p),
+                None => idx.pins.remove(&path),
+            };
+            idx.changed = true;
+        }
+        if pin == Some(Pin::Never) {
+            let mut files = Vec::new();
+            if self.files_under(cx, node, &mut files).is_ok() {
+                for (n, _) in files {
+                    if !self.in_use(n.0) {
+                        self.drop_copy(n.0, false);
+                    }
+                    if n != node {
+                        self.forget_held(n);
+                    }
+                }
+            }
+        }
+        let _ = self.store.save();
+        Ok(())
+    }
+
+    fn extended(&self, cx: &Caller, op: &Op<'_>, node: NodeId, name: &str, args: &[String]) -> Result<Reply> {
+        let no_args = || if args.is_empty() { Ok(()) } else { Err(Error::BadArgs(format!("{name} takes no arguments"))) };
+        let v = match name {
+            "cache-status" => {
+                no_args()?;
+                self.status()
+            }
+            "cache-flush" => {
+                no_args()?;
+                let n = self.store.index.lock().copies.values().filter(|c| c.dirty).count() as u64;
+                let progress = plyfs_stack::progress::start("writing back", "files", n);
+                let (done, errors) = self.write_back_due(true);
+                progress.add(done as u64);
+                let _ = self.store.save();
+                if !errors.is_empty() {
+                    return Err(Error::BadArgs(format!("cache-flush: {} file(s) not written back: {}", errors.len(), errors.join("; "))));
+                }
+                json!({"written_back": done})
+            }
+            "cache-evict" => {
+                no_args()?;
+                self.evict_path(cx, node)?
+            }
+            "cache-warm" => {
+                no_args()?;
+                self.warm(cx, node)?
+            }
+            "pin" | "unpin" => {
+                no_args()?;
+                let value: &[u8] = if name == "pin" { b"pin" } else { b"auto" };
+                self.call(cx, &Op::SetXattr { node, name: OsStr::new(PIN_XATTR), value, flags: 0 })?;
+                if name == "pin" {
+                    self.warm(cx, node)?
+                } else {
+                    json!({"unpinned": self.paths.path_of(node)})
+                }
+            }
+            _ => return self.slow().call(cx, op),
+        };
+        Ok(Reply::Extended(v))
+    }
+
+    /// Names that are about to mean something else on the slow branch: the node that `name` in
+    /// `parent` is now (to drop its copy if it goes), when write-back copies could be affected.
+    fn victim(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Option<NodeId> {
+        let any_dirty = self.store.index.lock().copies.values().any(|c| c.dirty);
+        if !any_dirty {
+            return None;
+        }
+        self.slow().lookup(cx, parent, name).ok().map(|e| e.node)
+    }
+
+    /// After `victim` lost a name: if it is gone, so is its copy (unwritten changes included).
+    fn lost_name(&self, victim: Option<NodeId>) {
+        let Some(v) = victim else { return };
+        let gone = match self.slow().getattr(&daemon(), v) {
+            Ok(a) => a.nlink == 0,
+            Err(_) => true,
+        };
+        if gone {
+            self.drop_copy(v.0, true);
+        }
+        self.slow().forget(&daemon(), v, 1);
+    }
+}
+
+/// The cache's own thread: writes back what is due, evicts, and saves the index.
+fn keeper(me: Weak<Cache>) {
+    let mut last_evict = Instant::now();
+    loop {
+        let Some(cache) = me.upgrade() else { return };
+        if cache.stop.load(Ordering::Acquire) {
+            return;
+        }
+        if cache.cfg.mode == Mode::WriteBack {
+            cache.write_back_due(false);
+        }
+        if last_evict.elapsed() >= Duration::from_secs(2) || *cache.wake.0.lock() {
+            cache.evict();
+            let _ = cache.store.save();
+            last_evict = Instant::now();
+        }
+        let tick = cache.cfg.delay.clamp(Duration::from_millis(100), Duration::from_millis(500));
+        let mut woken = cache.wake.0.lock();
+        if !*woken {
+            cache.wake.1.wait_for(&mut woken, tick);
+        }
+        *woken = false;
+    }
+}
+
+struct CacheInvalidator {
+    inner: Arc<dyn Invalidator>,
+    cache: Weak<Cache>,
+}
+
+impl Invalidator for CacheInvalidator {
+    fn node(&self, node: NodeId) {
+        if let Some(c) = self.cache.upgrade() {
+            c.outside_change(node.0);
+        }
+        self.inner.node(node);
+    }
+
+    fn entry(&self, parent: NodeId, name: &OsStr) {
+        self.inner.entry(parent, name);
+    }
+}
+
+impl Layer for Cache {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> &'static str {
+        "cache"
+    }
+
+    fn data_path(&self) -> DataPath {
+        DataPath::Transparent
+    }
+
+    fn lower(&self) -> &[Level] {
+        &[]
+    }
+
+    fn branches(&self) -> Vec<Branch> {
+        vec![self.fast.clone(), self.slow.clone()]
+    }
+
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        EXT_OPS
+    }
+
+    fn set_invalidator(&self, inv: Arc<dyn Invalidator>) {
+        // Set once the layer is shared (`build`), through `Arc`; see `CacheHandle`.
+        let _ = inv;
+    }
+
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        match *op {
+            Op::Lookup { .. } | Op::MkNod { .. } | Op::MkDir { .. } | Op::SymLink { .. } | Op::Link { .. } | Op::ReadDir { plus: true, .. } => {
+                let mut reply = self.slow().call(cx, op)?;
+                self.paths.learn(op, &reply);
+                if let (Op::Link { node, .. }, Reply::Entry(e)) = (op, &reply) {
+                    if self.has_copy(node.0) {
+                        self.kept_bytes(node.0, &e.attr);
+                    }
+                }
+                self.patch_reply(&mut reply);
+                Ok(reply)
+            }
+            Op::Forget { node, nlookup } => {
+                self.paths.forget(node, nlookup);
+                self.slow().call(cx, op)
+            }
+            Op::GetAttr { node, fh } => {
+                let reply = self.slow().call(cx, &Op::GetAttr { node, fh: self.slow_fh(fh) })?;
+                match reply {
+                    Reply::Attr(mut a) => {
+                        self.patch(node, &mut a);
+                        Ok(Reply::Attr(a))
+                    }
+                    other => Ok(other),
+                }
+            }
+            Op::SetAttr { node, fh, set } => self.set_attr(cx, node, fh, set),
+            Op::Unlink { parent, name } => {
+                let victim = self.victim(cx, parent, name);
+                let r = self.slow().call(cx, op);
+                if r.is_ok() {
+                    self.lost_name(victim);
+                } else if let Some(v) = victim {
+                    self.slow().forget(&daemon(), v, 1);
+                }
+                r
+            }
+            Op::Rename { parent, name, new_parent, new_name, flags } => {
+                let from = self.paths.child_path(parent, name);
+                let to = self.paths.child_path(new_parent, new_name);
+                let victim = if flags & libc::RENAME_EXCHANGE == 0 { self.victim(cx, new_parent, new_name) } else { None };
+                let r = self.slow().call(cx, op);
+                if r.is_err() {
+                    if let Some(v) = victim {
+                        self.slow().forget(&daemon(), v, 1);
+                    }
+                    return r;
+                }
+                self.lost_name(victim);
+                if let Ok(e) = self.slow().lookup(cx, new_parent, new_name) {
+                    self.paths.moved(e.node, new_parent, new_name);
+                    if self.has_copy(e.node.0) {
+                        self.kept_bytes(e.node.0, &e.attr);
+                    }
+                    self.slow().forget(cx, e.node, 1);
+                }
+                if flags & libc::RENAME_EXCHANGE != 0 {
+                    if let Ok(e) = self.slow().lookup(cx, parent, name) {
+                        self.paths.moved(e.node, parent, name);
+                        self.slow().forget(cx, e.node, 1);
+                    }
+                }
+                if let (Some(from), Some(to)) = (from, to) {
+                    let dirty = if flags & libc::RENAME_EXCHANGE != 0 {
+                        let tmp = format!("\0{from}");
+                        let mut idx = self.store.index.lock();
+                        let mut d = idx.renamed(&from, &tmp);
+                        d.extend(idx.renamed(&to, &from));
+                        d.extend(idx.renamed(&tmp, &to));
+                        d
+                    } else {
+                        self.store.index.lock().renamed(&from, &to)
+                    };
+                    for (key, gen, path) in dirty {
+                        if store::sane_path(&path) {
+                            let _ = self.store.log(key, Some((gen, &path)));
+                        }
+                    }
+                }
+                r
+            }
+            Op::Open { node, flags } => self.open(cx, node, flags),
+            Op::Create { name, mode, flags, .. } => {
+                let reply = self.slow().call(cx, op)?;
+                self.paths.learn(op, &reply);
+                let Reply::Created(entry, opened) = reply else { return Err(Error::Os(libc::EIO)) };
+                let key = entry.node.0;
+                // A copy of an earlier file with this inode number is not this file's.
+                self.drop_copy(key, true);
+                let cached = self.caches_for(cx, entry.node);
+                if self.cfg.mode == Mode::WriteBack && cached {
+                    let _ = self.slow().release(cx, entry.node, opened.fh);
+                    let made = self.new_copy(key, &entry.attr).and_then(|gen| {
+                        let file = self.store.open_copy(key, gen, true)?;
+                        self.mark_dirty(key, gen, entry.node)?;
+                        self.serve_copy(entry.node, gen, file, true)
+                    });
+                    return match made {
+                        Ok(Reply::Opened(o)) => Ok(Reply::Created(entry, o)),
+                        Ok(_) => Err(Error::Os(libc::EIO)),
+                        Err(e) => {
+                            tracing::warn!("cache '{}': '{}': cannot make a copy ({e}); written to the slow branch", self.name, name.to_string_lossy());
+                            self.open_slow(cx, entry.node, (flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC)) | libc::O_WRONLY, false)
+                                .map(|r| match r {
+                                    Reply::Opened(o) => Reply::Created(entry, o),
+                                    other => other,
+                                })
+                        }
+                    };
+                }
+                let _ = mode;
+                let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
+                match self.wrap_slow(entry.node, opened, writes, false, false)? {
+                    Reply::Opened(o) => Ok(Reply::Created(entry, o)),
+                    _ => Err(Error::Os(libc::EIO)),
+                }
+            }
+            Op::Read { node, fh, offset, size } => self.read(cx, node, fh, offset, size),
+            Op::Write { node, fh, offset, data } => self.write(cx, node, fh, offset, data),
+            Op::Flush { node, fh } => match &self.file(fh)?.kind {
+                Kind::Slow { fh, .. } => self.slow().call(cx, &Op::Flush { node, fh: *fh }),
+                _ => Ok(Reply::Empty),
+            },
+            Op::Fsync { node, fh, datasync } => self.fsync(cx, op, node, fh, datasync),
+            Op::Release { node, fh } => self.release(cx, node, fh),
+            Op::Fallocate { node, fh, offset, length, mode } => {
+                let f = self.file(fh)?;
+                match &f.kind {
+                    Kind::Slow { fh, .. } => {
+                        let r = self.slow().call(cx, &op.on_open(node, *fh));
+                        if r.is_ok() && self.has_copy(node.0) {
+                            self.drop_copy(node.0, false);
+                        }
+                        r
+                    }
+                    Kind::Copy { file, .. } if f.writes => {
+                        // SAFETY: fallocate on a descriptor we own.
+                        let rc = unsafe { libc::fallocate(file.as_raw_fd(), mode, offset as i64, length as i64) };
+                        if rc != 0 {
+                            return Err(Error::last_os());
+                        }
+                        self.changed(node.0);
+                        Ok(Reply::Empty)
+                    }
+                    _ => Err(Error::Os(libc::EBADF)),
+                }
+            }
+            Op::Lseek { node, fh, offset, whence } => {
+                let f = self.file(fh)?;
+                let file = match &f.kind {
+                    Kind::Slow { fh, .. } => return self.slow().call(cx, &op.on_open(node, *fh)),
+                    Kind::Copy { file, .. } => file.clone(),
+                    Kind::Filling(fill) if fill.is_complete() => fill.file.clone(),
+                    Kind::Filling(fill) => {
+                        // Not all here yet: the whole file counts as data.
+                        let size = fill.size();
+                        if offset < 0 || offset as u64 >= size {
+                            return Err(Error::Os(libc::ENXIO));
+                        }
+                        return Ok(Reply::Offset(if whence == libc::SEEK_DATA { offset as u64 } else { size }));
+                    }
+                };
+                // SAFETY: lseek on a descriptor we own (our own offset does not matter).
+                let at = unsafe { libc::lseek(file.as_raw_fd(), offset, whence) };
+                if at < 0 {
+                    return Err(Error::last_os());
+                }
+                Ok(Reply::Offset(at as u64))
+            }
+            Op::Ioctl { node, fh, .. } => match self.files.lock().get(&fh.0).cloned() {
+                Some(f) => match &f.kind {
+                    Kind::Slow { fh, .. } => self.slow().call(cx, &op.on_open(node, *fh)),
+                    _ => self.slow().ioctl_opened(cx, op, node, FileKind::File),
+                },
+                None => self.slow().call(cx, op),
+            },
+            Op::SetXattr { node, name, value, .. } if name == PIN_XATTR => {
+                let pin = Pin::parse(value).ok_or(Error::Os(libc::EINVAL))?;
+                self.slow().call(cx, op)?;
+                self.set_pin(cx, node, pin)?;
+                Ok(Reply::Empty)
+            }
+            Op::RemoveXattr { node, name } if name == PIN_XATTR => {
+                let r = self.slow().call(cx, op);
+                if r.is_ok() || matches!(r, Err(Error::Os(libc::ENODATA))) {
+                    self.set_pin(cx, node, None)?;
+                }
+                r
+            }
+            Op::SetXattr { node, .. } | Op::RemoveXattr { node, .. } => {
+                let r = self.slow().call(cx, op)?;
+                if self.has_copy(node.0) {
+                    if let Ok(a) = self.slow().getattr(&daemon(), node) {
+                        self.kept_bytes(node.0, &a);
+                    }
+                }
+                Ok(r)
+            }
+            Op::Extended { node, name, args } => self.extended(cx, op, node, name, args),
+            _ => self.slow().call(cx, op),
+        }
+    }
+
+    fn shutdown(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.wake_keeper();
+        *self.jobs.lock() = None;
+        let threads: Vec<_> = self.threads.lock().drain(..).collect();
+        for t in threads {
+            let _ = t.join();
+        }
+        if self.cfg.mode == Mode::WriteBack {
+            let (_, errors) = self.write_back_due(true);
+            for e in &errors {
+                tracing::error!("cache '{}': at unmount, not written back: {e}; it stays in the cache and is written back at the next mount", self.name);
+            }
+        }
+        let _ = self.store.save();
+        self.fast.stack.shutdown();
+        self.slow.stack.shutdown();
+    }
+}
+
+/// The layer as the stack holds it: the cache, shared with its threads, and the one that
+/// passes the slow branch's change notices up with the copies dropped first.
+struct CacheHandle(Arc<Cache>);
+
+impl Layer for CacheHandle {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn kind(&self) -> &'static str {
+        "cache"
+    }
+    fn data_path(&self) -> DataPath {
+        DataPath::Transparent
+    }
+    fn lower(&self) -> &[Level] {
+        &[]
+    }
+    fn branches(&self) -> Vec<Branch> {
+        self.0.branches()
+    }
+    fn extended_ops(&self) -> &[ExtOpInfo] {
+        EXT_OPS
+    }
+    fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        self.0.call(cx, op)
+    }
+    fn shutdown(&self) {
+        self.0.shutdown()
+    }
+    fn mount_note(&self) -> Option<String> {
+        let c = &self.0;
+        let dirty = c.store.index.lock().copies.values().filter(|c| c.dirty).count();
+        Some(format!(
+            "cache '{}': copies in {}, {}{}",
+            c.name,
+            c.store.root().display(),
+            match c.cfg.mode {
+                Mode::WriteThrough => "write-through".to_owned(),
+                Mode::WriteBack => format!("write-back after {:?}", c.cfg.delay),
+            },
+            if dirty > 0 { format!("; {dirty} file(s) to write back from before") } else { String::new() }
+        ))
+    }
+    fn set_invalidator(&self, inv: Arc<dyn Invalidator>) {
+        let wrapped: Arc<dyn Invalidator> = Arc::new(CacheInvalidator { inner: inv, cache: Arc::downgrade(&self.0) });
+        self.0.slow().layer().set_invalidator(wrapped);
+    }
+}
+
+fn build(args: FanOutArgs) -> Result<Arc<dyn Layer>> {
+    let cache = Arc::new(Cache::new(args)?);
+    cache.start();
+    Ok(Arc::new(CacheHandle(cache)))
+}
+
+pub const FACTORY: LayerFactory = LayerFactory {
+    kind: "cache",
+    summary: "fan-out: a fast branch caching a slow one (whole copies served by passthrough), write-through or write-back, eviction, pins",
+    params: PARAMS,
+    ext_ops: EXT_OPS,
+    build: Build::FanOut(build),
+    absorbs: &[],
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_and_bad_ones_are_refused() {
+        assert_eq!(parse_duration("5s"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("7d"), Some(Duration::from_secs(7 * 86400)));
+        assert_eq!(parse_duration("0"), Some(Duration::ZERO));
+        for bad in ["", "5", "-1s", "1e300s", "NaNs", "5 weeks"] {
+            assert_eq!(parse_duration(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn passthrough_is_given_only_where_the_kernel_takes_it() {
+        let mut o = Opens::default();
+        assert!(o.passthrough_to(Side::Fast(3)));
+        o.fast = 1;
+        o.fast_gen = 3;
+        assert!(o.passthrough_to(Side::Fast(3)));
+        assert!(!o.passthrough_to(Side::Fast(4)), "another copy would be served by the first one's backing");
+        assert!(!o.passthrough_to(Side::Slow));
+        o.fast = 0;
+        o.daemon = 1;
+        assert!(!o.passthrough_to(Side::Fast(3)));
+        assert!(!o.passthrough_to(Side::Slow));
+    }
+}
