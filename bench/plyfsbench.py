@@ -617,8 +617,7 @@ class Report:
             j = self.judge(t, lower)
             missing = [c for c in (t.config, t.against) if self.run.unavailable.get(c)]
             if j is None and missing and self.ran(t.scenario, lower):
-                rows.append(f"| {t.text} | not available yet (`{missing[0]}`: {self.run.unavailable[missing[0]]}) "
-                            f"| {required(t)} | – | |")
+                rows.append(f"| {t.text} | not available yet (`{missing[0]}`, see the configurations) | {required(t)} | – | |")
                 continue
             if j is None and not any(k[0] == lower and k[1] == t.scenario for k in self.med):
                 continue  # its scenario did not run on this lower

@@ -119,7 +119,7 @@ class Harness(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             pb.HISTORY = d
             text = pb.Report(run, charts=False).markdown("bench/bench x")
-        self.assertIn("| later within 2× of a | not available yet (`later`: no such layer) | ≤ 2× | – | |", text)
+        self.assertIn("| later within 2× of a | not available yet (`later`, see the configurations) | ≤ 2× | – | |", text)
         self.assertIn("- `later`: a layer still to come — **not available yet**: no such layer", text)
         self.assertIn("Not available yet, so not measured: `later`", text)
 
