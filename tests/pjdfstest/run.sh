@@ -65,6 +65,7 @@ PJDFSTEST_VERSION=0.2.2
 # io_uring (scripts/test.sh gives its permission), mounts carry their requests over it by default;
 # the `-o io_uring=off` entries use /dev/fuse.
 DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt zstd,crypt union mirror "mirror -o shared" version
+  cache "cache:mode=write-back:delay=0s"
   "crypt --bind-paths" remote "remote --tls" zstd,remote crypt,remote "zstd,ext:socket=@trace,null" exofs zstd,exofs
   "null -o io_uring=off" "zstd -o io_uring=off" "crypt -o io_uring=off")
 
@@ -491,6 +492,11 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
     *,mirror*)
       mkdir -p "$WORK/$i-mirror" && chmod 755 "$WORK/$i-mirror"
       extra+=(--branch "$WORK/$i-mirror")
+      ;;
+    *,cache*)
+      # The lower is the fast branch (the copies); the files themselves live on the slow one.
+      mkdir -p "$WORK/$i-slow" && chmod 755 "$WORK/$i-slow"
+      extra+=(--branch "$WORK/$i-slow")
       ;;
   esac
   # A stack ending in `remote` mounts a stack that `plyfs serve` exports over a Unix socket: the

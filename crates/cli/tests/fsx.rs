@@ -78,6 +78,12 @@ fn run_fsx_crypt(stack: &str, init_args: &[&str], default_ops: usize) {
 /// fsx on `stack` with a second branch (`--branch DIR=MODE`); the file starts there, holding
 /// `initial`, when that is not empty.
 fn run_fsx_fan_out(stack: &str, mode: &str, initial: &[u8], default_ops: usize) {
+    run_fsx_fan_out_with(stack, mode, initial, default_ops, false)
+}
+
+/// The same; with `reader`, a second descriptor, read-only and opened before the writer at
+/// every reopen, serves half of the reads (a cache then serves it from its copy).
+fn run_fsx_fan_out_with(stack: &str, mode: &str, initial: &[u8], default_ops: usize, reader: bool) {
     let mount = || {
         let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
         let root = dir.path().canonicalize().unwrap();
@@ -91,12 +97,16 @@ fn run_fsx_fan_out(stack: &str, mode: &str, initial: &[u8], default_ops: usize) 
         let branch = format!("--branch={}={mode}", second.display());
         Mount::start(dir, lower, mnt, stack, &[&branch])
     };
-    run_fsx_on(&format!("[{stack}] over a {mode} branch"), mount, default_ops, initial);
+    run_fsx_on_with(&format!("[{stack}] over a {mode} branch"), mount, default_ops, initial, reader);
 }
 
 /// fsx: random writes, appends, truncates, reads and mmaps of one file, each checked against
 /// the same done to a reference file, which starts holding `initial`.
 fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, initial: &[u8]) {
+    run_fsx_on_with(what, mount, default_ops, initial, false)
+}
+
+fn run_fsx_on_with(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, initial: &[u8], with_reader: bool) {
     let seed = rng::seed("PLYFS_FSX_SEED");
     let count = ops(default_ops);
     eprintln!("fsx on {what}: {count} operations");
@@ -105,6 +115,8 @@ fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, ini
     let reference_path = reference_dir.path().join("ref");
     let mut mount = mount();
     let mut ours = open_rw(&mount.path("fsx"));
+    let open_reader = |m: &Mount| with_reader.then(|| File::open(m.path("fsx")).unwrap());
+    let mut reader: Option<File> = None;
     let reference = open_rw(&reference_path);
     reference.write_all_at(initial, 0).unwrap();
     let mut size: u64 = initial.len() as u64;
@@ -167,9 +179,10 @@ fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, ini
                 let len = 1 + rng.below(100_000) as usize;
                 let mut a = vec![0u8; len];
                 let mut b = vec![0u8; len];
-                let n = read_at(&ours, &mut a, off);
+                let by_reader = reader.is_some() && rng.below(2) == 0;
+                let n = read_at(if by_reader { reader.as_ref().unwrap() } else { &ours }, &mut a, off);
                 let m = read_at(&reference, &mut b, off);
-                desc = format!("read {off}+{len}");
+                desc = format!("read {off}+{len}{}", if by_reader { " (reader)" } else { "" });
                 check(seed, i, &desc, &history, &a[..n], &b[..m], off);
             }
             76..=81 if size > 0 => {
@@ -194,12 +207,17 @@ fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, ini
                 desc = "fsync".into();
             }
             91..=97 => {
+                drop(ours);
+                drop(reader.take());
+                reader = open_reader(&mount);
                 ours = open_rw(&mount.path("fsx"));
                 desc = "close and reopen".into();
             }
             _ => {
                 drop(ours);
+                drop(reader.take());
                 mount = mount.remount();
+                reader = open_reader(&mount);
                 ours = open_rw(&mount.path("fsx"));
                 desc = "remount".into();
             }
@@ -211,6 +229,7 @@ fn run_fsx_on(what: &str, mount: impl FnOnce() -> Mount, default_ops: usize, ini
     }
     // The whole file, at the end and after a final remount.
     drop(ours);
+    drop(reader);
     let mount = mount.remount();
     let a = std::fs::read(mount.path("fsx")).unwrap();
     let b = std::fs::read(&reference_path).unwrap();
@@ -346,6 +365,21 @@ fn fsx_zstd_crypt_64k() {
 fn fsx_union_file_starting_on_the_read_only_branch() {
     let initial: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
     run_fsx_fan_out("union", "ro", &initial, 300);
+}
+
+// A cache whose file starts on the slow branch, with a reader beside the writer (so the copy is
+// read by passthrough while the writer writes), in both write modes.
+
+#[test]
+fn fsx_cache_write_through() {
+    let initial: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    run_fsx_fan_out_with("cache:range=64k", "rw", &initial, 400, true);
+}
+
+#[test]
+fn fsx_cache_write_back() {
+    let initial: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    run_fsx_fan_out_with("cache:mode=write-back:delay=0s:range=64k", "rw", &initial, 400, true);
 }
 
 #[test]

@@ -49,7 +49,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use plyfs_stack::glob::parse_size;
 use plyfs_stack::spec::{BranchMode, ParamSpec};
 use plyfs_stack::{
-    from_unix_time, Attr, Branch, Build, Caller, DataPath, Error, ExtOpInfo, FanOutArgs, FileHandle, FileKind, Invalidator, Layer,
+    from_unix_time, unix_time, Attr, Branch, Build, Caller, DataPath, Error, ExtOpInfo, FanOutArgs, FileHandle, FileKind, Invalidator, Layer,
     LayerFactory, Level, NodeId, Op, Opened, Reply, Result, SetAttr, TimeSet,
 };
 use serde_json::{json, Value};
@@ -174,14 +174,15 @@ enum Side {
     Slow,
 }
 
-/// The opens of one file in this mount, by how they are served. The kernel refuses to mix
-/// passthrough and cached opens of one inode, and reuses one backing file for every
-/// passthrough open of it: so a passthrough open is given only when every other open of the
-/// file is a passthrough open of the same file.
+/// The opens of one file in this mount, by how they are served. The kernel gives an inode
+/// one backing file while any passthrough open of it lives, refuses an open without
+/// passthrough then, and refuses passthrough while an open through the daemon lives: so every
+/// open of a file is served the way its first live open is.
 #[derive(Default)]
 struct Opens {
     fast: u32,
-    fast_gen: u64,
+    /// The copy the passthrough opens read (what a new open of the file must be given too).
+    fast_copy: Option<(u64, Arc<File>)>,
     slow: u32,
     daemon: u32,
     /// Opens for writing.
@@ -189,14 +190,6 @@ struct Opens {
 }
 
 impl Opens {
-    fn passthrough_to(&self, side: Side) -> bool {
-        match side {
-            Side::Fast(gen) => self.daemon == 0 && self.slow == 0 && (self.fast == 0 || self.fast_gen == gen),
-            Side::Slow => self.daemon == 0 && self.fast == 0,
-            Side::Daemon => false,
-        }
-    }
-
     fn any(&self) -> bool {
         self.fast + self.slow + self.daemon > 0
     }
@@ -215,6 +208,9 @@ struct CFile {
     kind: Kind,
     writes: bool,
     side: Side,
+    /// Write-through by way of the copy (the file was open by passthrough when this writer
+    /// came): written back at every close, `fsync` and release.
+    through: bool,
 }
 
 /// Handles this layer gives out start here, far from the slow branch's directory handles,
@@ -251,6 +247,10 @@ pub struct Cache {
     opens: Mutex<HashMap<u64, Opens>>,
     fills: Mutex<HashMap<u64, Weak<Fill>>>,
     gates: Vec<RwLock<()>>,
+    open_locks: Vec<Mutex<()>>,
+    /// Copies are given to the kernel for passthrough (not with `-o shared`, where a copy can
+    /// go stale under an open that the kernel would serve every later open from).
+    copy_passthrough: bool,
     changes: Mutex<HashMap<u64, Change>>,
     flushing: Mutex<HashSet<u64>>,
     flushed: Condvar,
@@ -314,6 +314,8 @@ impl Cache {
             opens: Mutex::new(HashMap::new()),
             fills: Mutex::new(HashMap::new()),
             gates: (0..GATES).map(|_| RwLock::new(())).collect(),
+            open_locks: (0..GATES).map(|_| Mutex::new(())).collect(),
+            copy_passthrough: plyfs_stack::shared::mode().is_none(),
             changes: Mutex::new(changes),
             flushing: Mutex::new(HashSet::new()),
             flushed: Condvar::new(),
@@ -449,7 +451,7 @@ impl Cache {
                 let mut idx = self.store.index.lock();
                 let gen = idx.new_gen();
                 let path = self.paths.path_of(NodeId(key)).unwrap_or_default();
-                idx.copies.insert(key, Copy { gen, path, stamp, complete: false, dirty: false, used: now_secs(), bytes: 0 });
+                idx.copies.insert(key, Copy { gen, path, stamp, complete: false, dirty: false, used: now_secs(), bytes: 0, shown_ctime: None });
                 idx.changed = true;
                 (gen, false)
             }
@@ -527,16 +529,34 @@ impl Cache {
         self.files.lock().get(&fh.0).cloned().ok_or(Error::Os(libc::EBADF))
     }
 
-    /// Count an open of `key` served from `side` (downgraded to the daemon when the kernel
-    /// would refuse it); returns how it is served and whether it must bypass the page cache.
-    fn count_open(&self, key: u64, side: Side, writes: bool) -> (Side, bool) {
+    /// How the live opens of `key` are served: by passthrough to a copy (which), to the slow
+    /// file, or through the daemon; `None` when it has none.
+    fn served(&self, key: u64) -> Option<Side> {
+        let opens = self.opens.lock();
+        let o = opens.get(&key)?;
+        if o.fast > 0 {
+            o.fast_copy.as_ref().map(|(gen, _)| Side::Fast(*gen))
+        } else if o.slow > 0 {
+            Some(Side::Slow)
+        } else if o.daemon > 0 {
+            Some(Side::Daemon)
+        } else {
+            None
+        }
+    }
+
+    /// Count an open of `key` served from `side`.
+    fn count_open(&self, key: u64, side: Side, writes: bool, copy: Option<&Arc<File>>) {
         let mut opens = self.opens.lock();
         let o = opens.entry(key).or_default();
-        let side = if o.passthrough_to(side) { side } else { Side::Daemon };
         match side {
             Side::Fast(gen) => {
                 o.fast += 1;
-                o.fast_gen = gen;
+                if let Some(f) = copy {
+                    if o.fast_copy.is_none() {
+                        o.fast_copy = Some((gen, f.clone()));
+                    }
+                }
             }
             Side::Slow => o.slow += 1,
             Side::Daemon => o.daemon += 1,
@@ -544,14 +564,18 @@ impl Cache {
         if writes {
             o.writers += 1;
         }
-        (side, side == Side::Daemon && o.fast + o.slow > 0)
     }
 
     fn uncount_open(&self, key: u64, side: Side, writes: bool) {
         let mut opens = self.opens.lock();
         if let Some(o) = opens.get_mut(&key) {
             match side {
-                Side::Fast(_) => o.fast = o.fast.saturating_sub(1),
+                Side::Fast(_) => {
+                    o.fast = o.fast.saturating_sub(1);
+                    if o.fast == 0 {
+                        o.fast_copy = None;
+                    }
+                }
                 Side::Slow => o.slow = o.slow.saturating_sub(1),
                 Side::Daemon => o.daemon = o.daemon.saturating_sub(1),
             }
@@ -572,16 +596,27 @@ impl Cache {
         }
     }
 
-    /// A whole copy, opened and served: by passthrough when the kernel allows it.
-    fn serve_copy(&self, node: NodeId, gen: u64, file: File, writes: bool) -> Result<Reply> {
+    /// The lock that one file's opens and releases take in turn, so that each is served the
+    /// way the kernel allows next to the others.
+    fn open_lock(&self, key: u64) -> &Mutex<()> {
+        &self.open_locks[(key as usize) % GATES]
+    }
+
+    /// A whole copy, served by passthrough (unless this open must go through the daemon).
+    fn serve_copy(&self, node: NodeId, gen: u64, file: File, writes: bool, through: bool) -> Result<Reply> {
         let file = Arc::new(file);
-        let (side, direct_io) = self.count_open(node.0, Side::Fast(gen), writes);
+        let side = match self.served(node.0) {
+            Some(Side::Daemon) => Side::Daemon,
+            _ if !self.copy_passthrough => Side::Daemon,
+            _ => Side::Fast(gen),
+        };
+        self.count_open(node.0, side, writes, Some(&file));
         let backing = match side {
             Side::Fast(_) => Some(Arc::new(OwnedFd::from(file.try_clone()?))),
             _ => None,
         };
-        let fh = self.new_fh(CFile { kind: Kind::Copy { file }, writes, side });
-        Ok(Reply::Opened(Opened { fh, backing, direct_io, flush_on_close: false }))
+        let fh = self.new_fh(CFile { kind: Kind::Copy { file }, writes, side, through });
+        Ok(Reply::Opened(Opened { fh, backing, direct_io: false, flush_on_close: through }))
     }
 
     /// An open of the slow branch's file itself.
@@ -593,8 +628,9 @@ impl Cache {
 
     fn wrap_slow(&self, node: NodeId, opened: Opened, writes: bool, cached: bool, truncated: bool) -> Result<Reply> {
         let key = node.0;
+        let served = self.served(key);
         let mut fill = None;
-        if writes && cached {
+        if writes && cached && served != Some(Side::Slow) {
             // Writes reach the copy too, through a fill of it.
             if let Some(c) = self.copy_of(key).filter(|c| c.complete && !c.dirty) {
                 let attr = self.slow().getattr(&daemon(), node)?;
@@ -614,11 +650,20 @@ impl Cache {
             }
         }
         let has_copy = fill.is_some() || self.live_fill(key).is_some();
-        let want = if opened.backing.is_some() && !has_copy { Side::Slow } else { Side::Daemon };
-        let (side, direct_io) = self.count_open(key, want, writes);
+        let side = match served {
+            Some(Side::Slow) => Side::Slow,
+            Some(_) => Side::Daemon,
+            None if opened.backing.is_some() && !has_copy => Side::Slow,
+            None => Side::Daemon,
+        };
+        if side == Side::Slow && opened.backing.is_none() {
+            let _ = self.slow().release(&daemon(), node, opened.fh);
+            return Err(Error::Os(libc::EIO));
+        }
+        self.count_open(key, side, writes, None);
         let backing = if side == Side::Slow { opened.backing.clone() } else { None };
-        let fh = self.new_fh(CFile { kind: Kind::Slow { fh: opened.fh, fill }, writes, side });
-        Ok(Reply::Opened(Opened { fh, backing, direct_io: direct_io || opened.direct_io, flush_on_close: opened.flush_on_close }))
+        let fh = self.new_fh(CFile { kind: Kind::Slow { fh: opened.fh, fill }, writes, side, through: false });
+        Ok(Reply::Opened(Opened { fh, backing, direct_io: opened.direct_io, flush_on_close: opened.flush_on_close }))
     }
 
     fn open(&self, cx: &Caller, node: NodeId, flags: i32) -> Result<Reply> {
@@ -627,14 +672,54 @@ impl Cache {
             Reply::Attr(a) => Ok(a),
             _ => Err(Error::Os(libc::EIO)),
         })?;
+        let _open = self.open_lock(node.0).lock();
         if attr.kind != FileKind::File || !self.caches_for(cx, node) {
             return self.open_slow(cx, node, flags, false);
+        }
+        match self.served(node.0) {
+            // The kernel gives this open the slow file too.
+            Some(Side::Slow) => return self.open_slow(cx, node, flags, false),
+            // ... or the copy the other opens read.
+            Some(Side::Fast(gen)) => return self.open_next_to_copy(cx, node, flags, &attr, gen),
+            _ => {}
         }
         match (self.cfg.mode, writes) {
             (_, false) => self.open_read(cx, node, flags, &attr),
             (Mode::WriteThrough, true) => self.open_slow(cx, node, flags, true),
-            (Mode::WriteBack, true) => self.open_dirty(cx, node, flags, &attr),
+            (Mode::WriteBack, true) => self.open_dirty(cx, node, flags, &attr, false),
         }
+    }
+
+    /// An open of a file that other opens read by passthrough from copy `gen`: the kernel
+    /// serves it from the same copy. A writer writes in the copy, written back at once
+    /// (write-through) or later (write-back).
+    fn open_next_to_copy(&self, cx: &Caller, node: NodeId, flags: i32, attr: &Attr, gen: u64) -> Result<Reply> {
+        let key = node.0;
+        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        let current = self.fresh_copy(key, attr).is_some_and(|c| c.gen == gen);
+        if writes {
+            if !current {
+                // The copy the others read is older than the slow file: written in and then
+                // written back, it would undo the change made there.
+                tracing::warn!(
+                    "cache '{}': '{}' changed on the slow branch while open here; it can be opened for writing once its readers close it",
+                    self.name,
+                    self.paths.path_of(node).unwrap_or_default()
+                );
+                return Err(Error::Os(libc::ETXTBSY));
+            }
+            return self.open_dirty(cx, node, flags, attr, self.cfg.mode == Mode::WriteThrough);
+        }
+        let file = self.opens.lock().get(&key).and_then(|o| o.fast_copy.as_ref().map(|(_, f)| f.clone()));
+        let file = match file {
+            Some(f) => f.try_clone()?,
+            None => return self.open_read(cx, node, flags, attr),
+        };
+        if current {
+            self.stats.hits.fetch_add(1, Ordering::Relaxed);
+            self.touch(key);
+        }
+        self.serve_copy(node, gen, file, false, false)
     }
 
     fn open_read(&self, cx: &Caller, node: NodeId, flags: i32, attr: &Attr) -> Result<Reply> {
@@ -644,7 +729,7 @@ impl Cache {
                 Ok(file) => {
                     self.stats.hits.fetch_add(1, Ordering::Relaxed);
                     self.touch(key);
-                    return self.serve_copy(node, c.gen, file, false);
+                    return self.serve_copy(node, c.gen, file, false, false);
                 }
                 Err(e) => {
                     tracing::warn!("cache '{}': the copy of '{}' is gone from the cache directory ({e}); read from the slow branch", self.name, c.path);
@@ -652,7 +737,6 @@ impl Cache {
                 }
             }
         }
-        // The slow branch checks the open (and applies its flags) even though the copy serves it.
         if attr.size == 0 {
             return self.open_slow(cx, node, flags, false);
         }
@@ -664,13 +748,13 @@ impl Cache {
                 return self.open_slow(cx, node, flags, false);
             }
         };
-        let (side, direct_io) = self.count_open(key, Side::Daemon, false);
-        let fh = self.new_fh(CFile { kind: Kind::Filling(fill), writes: false, side });
-        Ok(Reply::Opened(Opened { fh, backing: None, direct_io, flush_on_close: false }))
+        self.count_open(key, Side::Daemon, false, None);
+        let fh = self.new_fh(CFile { kind: Kind::Filling(fill), writes: false, side: Side::Daemon, through: false });
+        Ok(Reply::Opened(Opened { fh, backing: None, direct_io: false, flush_on_close: false }))
     }
 
-    /// Write-back: a whole copy, marked as holding changes before it is written.
-    fn open_dirty(&self, cx: &Caller, node: NodeId, flags: i32, attr: &Attr) -> Result<Reply> {
+    /// A whole copy to write in, noted in the write-back log before it is written.
+    fn open_dirty(&self, cx: &Caller, node: NodeId, flags: i32, attr: &Attr, through: bool) -> Result<Reply> {
         let key = node.0;
         let truncate = flags & libc::O_TRUNC != 0;
         let gen = match self.fresh_copy(key, attr) {
@@ -692,7 +776,7 @@ impl Cache {
             file.set_len(0)?;
         }
         self.mark_dirty(key, gen, node)?;
-        self.serve_copy(node, gen, file, true)
+        self.serve_copy(node, gen, file, true, through)
     }
 
     /// A new, empty, whole copy of `key`.
@@ -702,7 +786,7 @@ impl Cache {
         self.store.create_copy(key, gen)?;
         let path = self.paths.path_of(NodeId(key)).unwrap_or_default();
         let mut idx = self.store.index.lock();
-        idx.copies.insert(key, Copy { gen, path, stamp: Stamp::of(attr), complete: true, dirty: false, used: now_secs(), bytes: 0 });
+        idx.copies.insert(key, Copy { gen, path, stamp: Stamp::of(attr), complete: true, dirty: false, used: now_secs(), bytes: 0, shown_ctime: None });
         idx.changed = true;
         Ok(gen)
     }
@@ -747,7 +831,13 @@ impl Cache {
         }
         let gen = match self.store.index.lock().copies.get(&node.0) {
             Some(c) if c.dirty => c.gen,
-            _ => return,
+            Some(c) => {
+                if let Some(shown) = c.shown_ctime.filter(|_| unix_time(attr.ctime) == c.stamp.ctime) {
+                    attr.ctime = from_unix_time(shown.0, shown.1);
+                }
+                return;
+            }
+            None => return,
         };
         if let Ok(m) = std::fs::metadata(self.store.copy_path(node.0, gen)) {
             attr.size = m.len();
@@ -781,6 +871,8 @@ impl Cache {
             let now = Stamp::of(attr);
             if c.stamp.same_bytes(&now) {
                 c.stamp = now;
+                // The ctime is one a user's change gave it now, not a write-back's.
+                c.shown_ctime = None;
                 idx.changed = true;
             }
         }
@@ -809,7 +901,8 @@ impl Cache {
 
     fn set_attr(&self, cx: &Caller, node: NodeId, fh: Option<FileHandle>, set: SetAttr) -> Result<Reply> {
         let key = node.0;
-        let dirty = self.cfg.mode == Mode::WriteBack && is_dirty(self.copy_of(key).as_ref());
+        let copy = self.copy_of(key);
+        let dirty = is_dirty(copy.as_ref());
         if dirty {
             // Size and times are the copy's until it is written back; the rest is the slow file's.
             let rest = SetAttr { size: None, atime: None, mtime: None, ..set };
@@ -860,9 +953,20 @@ impl Cache {
                     }
                     *f.start.lock() = Stamp::of(&attr);
                 }
-                None => {
-                    self.drop_copy(key, false);
-                }
+                // A whole copy (perhaps read by passthrough now) follows the slow file.
+                None => match copy.filter(|c| c.complete).map(|c| self.store.open_copy(key, c.gen, true).and_then(|f| Ok(f.set_len(size)?))) {
+                    Some(Ok(())) => {
+                        let mut idx = self.store.index.lock();
+                        if let Some(c) = idx.copies.get_mut(&key).filter(|c| !c.dirty) {
+                            c.stamp = Stamp::of(&attr);
+                            c.shown_ctime = None;
+                            idx.changed = true;
+                        }
+                    }
+                    _ => {
+                        self.drop_copy(key, false);
+                    }
+                },
             }
         } else if self.has_copy(key) {
             if set.mtime.is_some() {
@@ -971,7 +1075,15 @@ impl Cache {
                 Ok(Reply::Empty)
             }
         };
-        self.uncount_open(key, f.side, f.writes);
+        {
+            let _open = self.open_lock(key).lock();
+            self.uncount_open(key, f.side, f.writes);
+        }
+        if f.through {
+            if let Err(e) = self.write_back(key) {
+                tracing::warn!("cache '{}': node {key}: not written back at release ({e}); it stays in the cache and is tried again", self.name);
+            }
+        }
         if f.writes {
             self.wake_keeper();
         }
@@ -1071,6 +1183,10 @@ impl Cache {
             }
             Err(e) => return Err(e),
         };
+        let shown = self.slow().getattr(&daemon(), node).map(|mut a| {
+            self.patch(node, &mut a);
+            unix_time(a.ctime)
+        });
         let result = self.copy_to_slow(key, node, &copy);
         for n in held {
             self.slow().forget(&daemon(), n, 1);
@@ -1091,6 +1207,7 @@ impl Cache {
                     Some(c) => {
                         c.dirty = false;
                         c.stamp = Stamp::of(&attr);
+                        c.shown_ctime = shown.as_ref().ok().copied();
                         idx.changed = true;
                         true
                     }
@@ -1132,8 +1249,10 @@ impl Cache {
             }
             self.slow().call(&cx, &Op::SetAttr { node, fh: Some(fh), set: SetAttr { size: Some(at), ..SetAttr::default() } })?;
             let mtime = from_unix_time(meta.mtime(), meta.mtime_nsec() as u32);
+            let atime = from_unix_time(meta.atime(), meta.atime_nsec() as u32);
             // Best effort: the slow branch may not let the daemon set times on another's file.
-            let _ = self.slow().call(&cx, &Op::SetAttr { node, fh: Some(fh), set: SetAttr { mtime: Some(TimeSet::At(mtime)), ..SetAttr::default() } });
+            let times = SetAttr { mtime: Some(TimeSet::At(mtime)), atime: Some(TimeSet::At(atime)), ..SetAttr::default() };
+            let _ = self.slow().call(&cx, &Op::SetAttr { node, fh: Some(fh), set: times });
             self.slow().call(&cx, &Op::Fsync { node, fh, datasync: false })?;
             Ok(())
         })();
@@ -1274,8 +1393,9 @@ impl Cache {
         })
     }
 
-    /// The regular files at and under `node`, with lookups held (given back by the caller).
-    fn files_under(&self, cx: &Caller, node: NodeId, out: &mut Vec<(NodeId, u64)>) -> Result<()> {
+    /// The regular files at and under `node`; `held` gets every node looked up on the way
+    /// (directories too, so that paths stay known), for [`Cache::forget_all`].
+    fn files_under(&self, cx: &Caller, node: NodeId, out: &mut Vec<(NodeId, u64)>, held: &mut Vec<NodeId>) -> Result<()> {
         let attr = self.slow().getattr(cx, node)?;
         match attr.kind {
             FileKind::File => {
@@ -1286,19 +1406,22 @@ impl Cache {
                 for e in self.slow().list_dir(cx, node)? {
                     let Ok(entry) = self.slow().lookup(cx, node, &e.name) else { continue };
                     self.paths.seen(node, &e.name, entry.node);
+                    held.push(entry.node);
                     match entry.attr.kind {
                         FileKind::File => out.push((entry.node, entry.attr.size)),
-                        FileKind::Dir => {
-                            let r = self.files_under(cx, entry.node, out);
-                            self.forget_held(entry.node);
-                            r?;
-                        }
-                        _ => self.forget_held(entry.node),
+                        FileKind::Dir => self.files_under(cx, entry.node, out, held)?,
+                        _ => {}
                     }
                 }
                 Ok(())
             }
             _ => Ok(()),
+        }
+    }
+
+    fn forget_all(&self, held: Vec<NodeId>) {
+        for n in held.into_iter().rev() {
+            self.forget_held(n);
         }
     }
 
@@ -1308,8 +1431,12 @@ impl Cache {
     }
 
     fn warm(&self, cx: &Caller, node: NodeId) -> Result<Value> {
-        let mut files = Vec::new();
-        self.files_under(cx, node, &mut files)?;
+        let (mut files, mut held) = (Vec::new(), Vec::new());
+        let found = self.files_under(cx, node, &mut files, &mut held);
+        if let Err(e) = found {
+            self.forget_all(held);
+            return Err(e);
+        }
         let total: u64 = files.iter().map(|f| f.1).sum();
         let progress = plyfs_stack::progress::start("fetching into the cache", "bytes", total);
         let (mut fetched, mut already, mut failed) = (0u64, 0u64, Vec::new());
@@ -1330,16 +1457,18 @@ impl Cache {
                 Ok(false) => already += 1,
                 Err(e) => failed.push(format!("{}: {e}", self.paths.path_of(*n).unwrap_or_else(|| format!("node {}", n.0)))),
             }
-            if *n != node {
-                self.forget_held(*n);
-            }
         }
+        self.forget_all(held);
         Ok(json!({"fetched": fetched, "already_cached": already, "failed": failed}))
     }
 
     fn evict_path(&self, cx: &Caller, node: NodeId) -> Result<Value> {
-        let mut files = Vec::new();
-        self.files_under(cx, node, &mut files)?;
+        let (mut files, mut held) = (Vec::new(), Vec::new());
+        let found = self.files_under(cx, node, &mut files, &mut held);
+        if let Err(e) = found {
+            self.forget_all(held);
+            return Err(e);
+        }
         let (mut evicted, mut busy) = (0, Vec::new());
         for (n, _) in &files {
             if is_dirty(self.copy_of(n.0).as_ref()) {
@@ -1354,10 +1483,8 @@ impl Cache {
                     evicted += 1;
                 }
             }
-            if *n != node {
-                self.forget_held(*n);
-            }
         }
+        self.forget_all(held);
         Ok(json!({"evicted": evicted, "kept": busy}))
     }
 
@@ -1372,17 +1499,15 @@ impl Cache {
             idx.changed = true;
         }
         if pin == Some(Pin::Never) {
-            let mut files = Vec::new();
-            if self.files_under(cx, node, &mut files).is_ok() {
+            let (mut files, mut held) = (Vec::new(), Vec::new());
+            if self.files_under(cx, node, &mut files, &mut held).is_ok() {
                 for (n, _) in files {
                     if !self.in_use(n.0) {
                         self.drop_copy(n.0, false);
                     }
-                    if n != node {
-                        self.forget_held(n);
-                    }
                 }
             }
+            self.forget_all(held);
         }
         let _ = self.store.save();
         Ok(())
@@ -1462,9 +1587,9 @@ fn keeper(me: Weak<Cache>) {
         if cache.stop.load(Ordering::Acquire) {
             return;
         }
-        if cache.cfg.mode == Mode::WriteBack {
-            cache.write_back_due(false);
-        }
+        // Write-through leaves dirty copies too: those written by passthrough next to readers,
+        // when a write-back at close failed, or before a restart.
+        cache.write_back_due(false);
         if last_evict.elapsed() >= Duration::from_secs(2) || *cache.wake.0.lock() {
             cache.evict();
             let _ = cache.store.save();
@@ -1613,7 +1738,7 @@ impl Layer for Cache {
             Op::Create { name, mode, flags, .. } => {
                 let reply = self.slow().call(cx, op)?;
                 self.paths.learn(op, &reply);
-                let Reply::Created(entry, opened) = reply else { return Err(Error::Os(libc::EIO)) };
+                let Reply::Created(mut entry, opened) = reply else { return Err(Error::Os(libc::EIO)) };
                 let key = entry.node.0;
                 // A copy of an earlier file with this inode number is not this file's.
                 self.drop_copy(key, true);
@@ -1623,8 +1748,9 @@ impl Layer for Cache {
                     let made = self.new_copy(key, &entry.attr).and_then(|gen| {
                         let file = self.store.open_copy(key, gen, true)?;
                         self.mark_dirty(key, gen, entry.node)?;
-                        self.serve_copy(entry.node, gen, file, true)
+                        self.serve_copy(entry.node, gen, file, true, false)
                     });
+                    self.patch(entry.node, &mut entry.attr);
                     return match made {
                         Ok(Reply::Opened(o)) => Ok(Reply::Created(entry, o)),
                         Ok(_) => Err(Error::Os(libc::EIO)),
@@ -1647,10 +1773,15 @@ impl Layer for Cache {
             }
             Op::Read { node, fh, offset, size } => self.read(cx, node, fh, offset, size),
             Op::Write { node, fh, offset, data } => self.write(cx, node, fh, offset, data),
-            Op::Flush { node, fh } => match &self.file(fh)?.kind {
-                Kind::Slow { fh, .. } => self.slow().call(cx, &Op::Flush { node, fh: *fh }),
-                _ => Ok(Reply::Empty),
-            },
+            Op::Flush { node, fh } => {
+                let f = self.file(fh)?;
+                match &f.kind {
+                    Kind::Slow { fh, .. } => self.slow().call(cx, &Op::Flush { node, fh: *fh }),
+                    // Write-through by way of the copy: on the slow branch when close returns.
+                    Kind::Copy { .. } if f.through => self.write_back(node.0).map(|()| Reply::Empty),
+                    _ => Ok(Reply::Empty),
+                }
+            }
             Op::Fsync { node, fh, datasync } => self.fsync(cx, op, node, fh, datasync),
             Op::Release { node, fh } => self.release(cx, node, fh),
             Op::Fallocate { node, fh, offset, length, mode } => {
@@ -1828,20 +1959,5 @@ mod tests {
         for bad in ["", "5", "-1s", "1e300s", "NaNs", "5 weeks"] {
             assert_eq!(parse_duration(bad), None, "{bad}");
         }
-    }
-
-    #[test]
-    fn passthrough_is_given_only_where_the_kernel_takes_it() {
-        let mut o = Opens::default();
-        assert!(o.passthrough_to(Side::Fast(3)));
-        o.fast = 1;
-        o.fast_gen = 3;
-        assert!(o.passthrough_to(Side::Fast(3)));
-        assert!(!o.passthrough_to(Side::Fast(4)), "another copy would be served by the first one's backing");
-        assert!(!o.passthrough_to(Side::Slow));
-        o.fast = 0;
-        o.daemon = 1;
-        assert!(!o.passthrough_to(Side::Fast(3)));
-        assert!(!o.passthrough_to(Side::Slow));
     }
 }

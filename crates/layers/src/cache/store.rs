@@ -90,6 +90,10 @@ pub struct Copy {
     pub used: u64,
     /// Space it takes on the fast branch.
     pub bytes: u64,
+    /// The ctime users saw before the copy was written back, shown while the slow file's ctime
+    /// is still the one the write-back gave it (a write-back is not a change users made).
+    #[serde(default)]
+    pub shown_ctime: Option<(i64, u32)>,
 }
 
 #[derive(Default, Serialize, Deserialize)]
@@ -257,6 +261,7 @@ impl Store {
                 dirty: true,
                 used: now_secs(),
                 bytes: 0,
+                shown_ctime: None,
             });
             c.gen = *gen;
             c.path = path.clone();

@@ -1,0 +1,393 @@
+//! The `cache` layer through real mounts: the mount's lower is the fast branch (the copies),
+//! `--branch` the slow one (the files).
+
+mod common;
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::rng::Rng;
+use common::{op_json, plyfs, run, Mount};
+
+/// A cache mount of `stack` over a fresh fast directory, with `slow` (made if missing) as the
+/// slow branch.
+fn cache_over(stack: &str, slow: &Path, options: &[&str]) -> Mount {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (fast, mnt) = (root.join("fast"), root.join("mnt"));
+    std::fs::create_dir(&fast).unwrap();
+    std::fs::create_dir(&mnt).unwrap();
+    std::fs::create_dir_all(slow).unwrap();
+    let branch = format!("--branch={}", slow.display());
+    let mut opts = vec![branch.as_str()];
+    opts.extend_from_slice(options);
+    Mount::start(dir, fast, mnt, stack, &opts)
+}
+
+/// A scratch directory for a slow branch (removed when dropped).
+fn slow_dir() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-slow-").tempdir_in("/tmp").unwrap();
+    let slow = dir.path().canonicalize().unwrap().join("slow");
+    std::fs::create_dir(&slow).unwrap();
+    (dir, slow)
+}
+
+fn random(seed: u64, len: usize) -> Vec<u8> {
+    let mut rng = Rng(seed);
+    (0..len).map(|_| rng.next() as u8).collect()
+}
+
+fn setx(p: &Path, name: &str, value: &[u8]) -> Result<(), i32> {
+    let (path, name) = (common::cpath(p), std::ffi::CString::new(name).unwrap());
+    match unsafe { libc::setxattr(path.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) } {
+        0 => Ok(()),
+        _ => Err(common::errno()),
+    }
+}
+
+fn getx(p: &Path, name: &str) -> Option<Vec<u8>> {
+    let (path, name) = (common::cpath(p), std::ffi::CString::new(name).unwrap());
+    let mut buf = vec![0u8; 256];
+    let n = unsafe { libc::getxattr(path.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    (n >= 0).then(|| buf[..n as usize].to_vec())
+}
+
+fn status(m: &Mount) -> serde_json::Value {
+    op_json(&m.mnt, &["cache-status"])
+}
+
+/// The copies in the fast branch's cache directory.
+fn copies(m: &Mount) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(m.lower.join(".plyfs-cache/data")).unwrap().map(|e| e.unwrap().path()).collect();
+    v.sort();
+    v
+}
+
+fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !ok() {
+        assert!(Instant::now() < deadline, "after {limit:?}: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_read_file_is_copied_to_the_fast_branch_and_served_from_there() {
+    let (_d, slow) = slow_dir();
+    let data = random(1, 5 << 20 | 12345);
+    std::fs::write(slow.join("f"), &data).unwrap();
+    let m = cache_over("cache", &slow, &[]);
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), data);
+    let s = status(&m);
+    assert_eq!((s["misses"].as_u64(), s["files"].as_u64()), (Some(1), Some(1)), "{s}");
+    let [copy] = copies(&m).try_into().unwrap();
+    assert_eq!(std::fs::read(&copy).unwrap(), data, "the copy is the file's bytes");
+    // The second open is served by the copy: a byte changed in it (which only this test does)
+    // shows through the mount, while the slow file is untouched.
+    OpenOptions::new().write(true).open(&copy).unwrap().write_all_at(b"COPY", 100).unwrap();
+    let mut got = vec![0u8; 4];
+    File::open(m.path("f")).unwrap().read_exact_at(&mut got, 100).unwrap();
+    assert_eq!(&got, b"COPY");
+    assert_eq!(status(&m)["hits"].as_u64(), Some(1));
+    assert_eq!(std::fs::read(slow.join("f")).unwrap(), data);
+}
+
+#[test]
+fn reads_of_a_file_being_filled_are_right_anywhere_in_it() {
+    let (_d, slow) = slow_dir();
+    let data = random(2, 9 << 20 | 777);
+    std::fs::write(slow.join("f"), &data).unwrap();
+    let m = cache_over("cache:range=64k:ahead=3", &slow, &["passthrough=off"]);
+    let f = File::open(m.path("f")).unwrap();
+    let mut rng = Rng(3);
+    for _ in 0..300 {
+        let off = rng.below(data.len() as u64 + 1000);
+        let len = 1 + rng.below(300_000) as usize;
+        let mut buf = vec![0u8; len];
+        let mut n = 0;
+        while n < len {
+            match f.read_at(&mut buf[n..], off + n as u64).unwrap() {
+                0 => break,
+                k => n += k,
+            }
+        }
+        let want = &data[(off as usize).min(data.len())..((off as usize) + len).min(data.len())];
+        assert_eq!(&buf[..n], want, "read {off}+{len}");
+    }
+    drop(f);
+    wait_for("the copy is recorded whole", Duration::from_secs(10), || {
+        File::open(m.path("f")).unwrap().read_to_end(&mut Vec::new()).unwrap();
+        status(&m)["files"].as_u64() == Some(1)
+    });
+}
+
+#[test]
+fn a_change_on_the_slow_branch_is_never_served_from_an_old_copy() {
+    let (_d, slow) = slow_dir();
+    let path = slow.join("f");
+    std::fs::write(&path, random(4, 100_000)).unwrap();
+    let m = cache_over("cache", &slow, &["shared"]);
+    let mut rng = Rng(5);
+    for i in 0..40u64 {
+        // Read it (cached, or filled again), then change it behind the mount's back.
+        assert_eq!(std::fs::read(m.path("f")).unwrap(), std::fs::read(&path).unwrap(), "round {i}");
+        let before = std::fs::metadata(&path).unwrap();
+        let len = if rng.below(3) == 0 { 100_000 } else { 1 + rng.below(300_000) as usize };
+        std::fs::write(&path, random(100 + i, len)).unwrap();
+        if i % 4 == 0 && len == 100_000 {
+            // The same size and the old mtime (as `rsync -t` leaves it): only the ctime tells.
+            let mtime = filetime(&before);
+            set_mtime(&path, mtime);
+        }
+    }
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), std::fs::read(&path).unwrap());
+}
+
+fn filetime(m: &std::fs::Metadata) -> std::time::SystemTime {
+    m.modified().unwrap()
+}
+
+fn set_mtime(p: &Path, t: std::time::SystemTime) {
+    File::options().write(true).open(p).unwrap().set_modified(t).unwrap();
+}
+
+#[test]
+fn a_second_mount_sharing_the_slow_branch_never_sees_old_bytes() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("f"), b"first version").unwrap();
+    let a = cache_over("cache", &slow, &["shared"]);
+    let b = cache_over("cache", &slow, &["shared"]);
+    assert_eq!(std::fs::read(a.path("f")).unwrap(), b"first version");
+    assert_eq!(std::fs::read(a.path("f")).unwrap(), b"first version");
+    std::fs::write(b.path("f"), b"second version, longer").unwrap();
+    assert_eq!(std::fs::read(a.path("f")).unwrap(), b"second version, longer");
+    std::fs::write(b.path("f"), b"third").unwrap();
+    assert_eq!(std::fs::read(a.path("f")).unwrap(), b"third");
+    assert_eq!(std::fs::read(slow.join("f")).unwrap(), b"third");
+}
+
+#[test]
+fn write_through_reaches_the_slow_branch_at_once_and_readers_see_it() {
+    let (_d, slow) = slow_dir();
+    let data = random(6, 3 << 20);
+    std::fs::write(slow.join("f"), &data).unwrap();
+    let m = cache_over("cache", &slow, &[]);
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), data);
+    let on_slow = |at: u64| {
+        let mut b = vec![0u8; 7];
+        File::open(slow.join("f")).unwrap().read_exact_at(&mut b, at).unwrap();
+        b
+    };
+    // Alone, a writer writes to the slow branch (and the copy) before each write returns.
+    let writer = OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    writer.write_all_at(b"written", 1 << 20).unwrap();
+    assert_eq!(on_slow(1 << 20), b"written", "on the slow branch before the write returned");
+    drop(writer);
+    // Next to a reader served by the copy (passthrough), the kernel makes every open of the file
+    // use that copy: the writer writes there, and the slow branch has it when close returns.
+    let reader = File::open(m.path("f")).unwrap();
+    let writer = OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    writer.write_all_at(b"second!", 2 << 20).unwrap();
+    let mut seen = vec![0u8; 7];
+    reader.read_exact_at(&mut seen, 2 << 20).unwrap();
+    assert_eq!(&seen, b"second!", "an open reader sees the write");
+    drop(writer);
+    assert_eq!(on_slow(2 << 20), b"second!", "on the slow branch when close returned");
+    drop(reader);
+    let mut want = data.clone();
+    want[1 << 20..(1 << 20) + 7].copy_from_slice(b"written");
+    want[2 << 20..(2 << 20) + 7].copy_from_slice(b"second!");
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), want);
+    assert_eq!(std::fs::read(slow.join("f")).unwrap(), want);
+    let s = status(&m);
+    assert_eq!((s["files"].as_u64(), s["dirty_files"].as_u64()), (Some(1), Some(0)), "the copy stayed: {s}");
+}
+
+#[test]
+fn write_back_waits_then_writes_back_and_fsync_writes_back_at_once() {
+    let (_d, slow) = slow_dir();
+    let m = cache_over("cache:mode=write-back:delay=2s", &slow, &[]);
+    std::fs::write(m.path("late"), b"written back after the delay").unwrap();
+    std::fs::create_dir(m.path("d")).unwrap();
+    let mut f = File::create(m.path("d/synced")).unwrap();
+    f.write_all(b"written back at fsync").unwrap();
+    assert_eq!(std::fs::read(slow.join("late")).unwrap(), b"", "not yet on the slow branch");
+    assert_eq!(std::fs::metadata(m.path("late")).unwrap().len(), 28, "the mount shows the copy's size");
+    f.sync_all().unwrap();
+    assert_eq!(std::fs::read(slow.join("d/synced")).unwrap(), b"written back at fsync");
+    let s = status(&m);
+    assert!(s["dirty_files"].as_u64().unwrap() >= 1, "{s}");
+    drop(f);
+    wait_for("written back after the delay", Duration::from_secs(10), || {
+        std::fs::read(slow.join("late")).unwrap() == b"written back after the delay"
+    });
+    wait_for("nothing left to write back", Duration::from_secs(10), || status(&m)["dirty_files"].as_u64() == Some(0));
+}
+
+#[test]
+fn a_killed_write_back_daemon_loses_nothing_it_was_given() {
+    let (_d, slow) = slow_dir();
+    let mut m = cache_over("cache:mode=write-back:delay=1h", &slow, &[]);
+    let mut want = Vec::new();
+    for i in 0..20u64 {
+        let data = random(10 + i, 1000 + 5000 * i as usize);
+        std::fs::write(m.path(&format!("f{i}")), &data).unwrap();
+        want.push(data);
+    }
+    let mut synced = File::create(m.path("synced")).unwrap();
+    synced.write_all(b"fsynced").unwrap();
+    synced.sync_all().unwrap();
+    drop(synced);
+    std::fs::rename(m.path("f3"), m.path("renamed")).unwrap();
+    assert_eq!(std::fs::read(slow.join("f5")).unwrap(), b"", "held for an hour");
+    assert_eq!(std::fs::read(slow.join("synced")).unwrap(), b"fsynced");
+    m.child().kill().unwrap();
+    m.child().wait().unwrap();
+    let out = run(plyfs().arg("umount").arg(&m.mnt));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The same fast branch again: everything the log names is written back before it is needed.
+    let (dir, fast, mnt) = (std::mem::replace(&mut m.dir, tempfile::tempdir().unwrap()), m.lower.clone(), m.mnt.clone());
+    drop(m);
+    let branch = format!("--branch={}", slow.display());
+    let m = Mount::start(dir, fast, mnt, "cache:mode=write-back:delay=1h", &[&branch]);
+    wait_for("written back after the restart", Duration::from_secs(20), || {
+        (0..20).filter(|i| *i != 3).all(|i| std::fs::read(slow.join(format!("f{i}"))).unwrap() == want[i as usize])
+            && std::fs::read(slow.join("renamed")).unwrap() == want[3]
+    });
+    assert_eq!(std::fs::read(m.path("renamed")).unwrap(), want[3]);
+    assert_eq!(status(&m)["dirty_files"].as_u64(), Some(0));
+}
+
+#[test]
+fn unmount_writes_back_everything() {
+    let (_d, slow) = slow_dir();
+    let mut m = cache_over("cache:mode=write-back:delay=1h", &slow, &[]);
+    std::fs::write(m.path("a"), b"at unmount").unwrap();
+    let mut f = OpenOptions::new().append(true).open(m.path("a")).unwrap();
+    f.write_all(b", appended").unwrap();
+    drop(f);
+    std::fs::write(m.path("gone"), b"removed before it was written back").unwrap();
+    std::fs::remove_file(m.path("gone")).unwrap();
+    m.unmount();
+    assert_eq!(std::fs::read(slow.join("a")).unwrap(), b"at unmount, appended");
+    assert!(!slow.join("gone").exists());
+    assert!(std::fs::read_dir(m.lower.join(".plyfs-cache/orphans")).is_err(), "nothing orphaned");
+}
+
+#[test]
+fn eviction_keeps_the_cache_under_its_size_and_never_drops_an_open_file() {
+    let (_d, slow) = slow_dir();
+    for i in 0..12u64 {
+        std::fs::write(slow.join(format!("f{i}")), random(20 + i, 1 << 20)).unwrap();
+    }
+    let m = cache_over("cache:max_size=4M", &slow, &[]);
+    let held = File::open(m.path("f0")).unwrap();
+    let mut first = Vec::new();
+    (&held).read_to_end(&mut first).unwrap();
+    for i in 1..12u64 {
+        assert_eq!(std::fs::read(m.path(&format!("f{i}"))).unwrap(), random(20 + i, 1 << 20));
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    wait_for("the cache shrinks to its limit", Duration::from_secs(10), || {
+        let s = status(&m);
+        s["bytes"].as_u64().unwrap() <= (4 << 20) + (1 << 20)
+    });
+    // The open file kept its copy (it is still served by it), and reads right.
+    let mut again = vec![0u8; 1 << 20];
+    held.read_exact_at(&mut again, 0).unwrap();
+    assert_eq!(again, random(20, 1 << 20));
+    let idx: serde_json::Value = serde_json::from_slice(&std::fs::read(m.lower.join(".plyfs-cache/index")).unwrap_or_default()).unwrap_or_default();
+    let _ = idx;
+    assert!(copies(&m).len() <= 5, "{:?}", copies(&m));
+    // The most recently read ones are the ones kept.
+    drop(held);
+}
+
+#[test]
+fn pins_fetch_and_keep_and_never_keeps_out() {
+    let (_d, slow) = slow_dir();
+    std::fs::create_dir_all(slow.join("keep/sub")).unwrap();
+    std::fs::create_dir_all(slow.join("skip")).unwrap();
+    std::fs::write(slow.join("keep/a"), random(30, 200_000)).unwrap();
+    std::fs::write(slow.join("keep/sub/b"), random(31, 300_000)).unwrap();
+    std::fs::write(slow.join("skip/c"), random(32, 100_000)).unwrap();
+    let m = cache_over("cache:max_size=1", &slow, &[]);
+    let out = run(plyfs().arg("op").arg(m.path("keep")).arg("pin"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(status(&m)["files"].as_u64(), Some(2), "pinned files are fetched at once");
+    assert_eq!(getx(&m.path("keep"), "user.plyfs.cache").as_deref(), Some(&b"pin"[..]));
+    setx(&m.path("skip"), "user.plyfs.cache", b"never").unwrap();
+    assert_eq!(std::fs::read(m.path("skip/c")).unwrap(), random(32, 100_000));
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(status(&m)["files"].as_u64(), Some(2), "max_size=1 evicts all but the pinned, and never caches skip/");
+    assert_eq!(setx(&m.path("skip"), "user.plyfs.cache", b"bogus"), Err(libc::EINVAL));
+    let out = run(plyfs().arg("op").arg(m.path("keep")).arg("unpin"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    wait_for("unpinned copies are evicted", Duration::from_secs(10), || status(&m)["files"].as_u64() == Some(0));
+}
+
+#[test]
+fn warm_and_evict_and_status_work_on_a_tree() {
+    let (_d, slow) = slow_dir();
+    std::fs::create_dir_all(slow.join("t/u")).unwrap();
+    for i in 0..10u64 {
+        std::fs::write(slow.join(format!("t/u/{i}")), random(40 + i, 50_000)).unwrap();
+    }
+    let m = cache_over("cache", &slow, &[]);
+    let v = op_json(&m.path("t"), &["cache-warm"]);
+    assert_eq!(v["fetched"].as_u64(), Some(10), "{v}");
+    assert_eq!(status(&m)["files"].as_u64(), Some(10));
+    for i in 0..10u64 {
+        assert_eq!(std::fs::read(m.path(&format!("t/u/{i}"))).unwrap(), random(40 + i, 50_000));
+    }
+    assert_eq!(status(&m)["hits"].as_u64(), Some(10));
+    let v = op_json(&m.path("t/u"), &["cache-evict"]);
+    assert_eq!(v["evicted"].as_u64(), Some(10), "{v}");
+    assert_eq!(copies(&m).len(), 0);
+}
+
+#[test]
+fn a_remount_starts_warm() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("f"), random(50, 2 << 20)).unwrap();
+    let m = cache_over("cache", &slow, &[]);
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), random(50, 2 << 20));
+    let m = m.remount();
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), random(50, 2 << 20));
+    let s = status(&m);
+    assert_eq!((s["hits"].as_u64(), s["misses"].as_u64()), (Some(1), Some(0)), "{s}");
+}
+
+#[test]
+fn two_mounts_on_one_fast_branch_are_refused() {
+    let (_d, slow) = slow_dir();
+    let (_d2, slow2) = slow_dir();
+    let m = cache_over("cache", &slow, &["shared"]);
+    let mnt2 = m.dir.path().join("mnt2");
+    std::fs::create_dir(&mnt2).unwrap();
+    // Even when both say their lowers are shared: the copies are one mount's own.
+    let out = run(plyfs().arg("mount").arg(&m.lower).arg(&mnt2).args(["-o", "shared", "--stack", "cache", "--branch"]).arg(&slow2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("in use by another mount"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+#[test]
+fn bad_settings_are_one_line_errors() {
+    for (stack, says) in [
+        ("cache:mode=sometimes", "write-through or write-back"),
+        ("cache:max_age=forever", "duration"),
+        ("cache:range=1000", "multiple of 4k"),
+        ("cache:min_free=99%", "percentage"),
+    ] {
+        let (_d, slow) = slow_dir();
+        let (fast, mnt) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let out = run(plyfs().arg("mount").arg(fast.path()).arg(mnt.path()).args(["--stack", stack, "--branch"]).arg(&slow));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{stack}: {err}");
+    }
+}
