@@ -8,7 +8,8 @@
 # `trace`, `zstd`, `copy`, `null --rules mixed-rules.toml`,
 # `gzip:level=9:fast_tails=on`, `crypt`, `zstd,crypt`, `crypt --bind-paths` (a volume made with `plyfs init
 # --bind-paths`), `union` (a read-write branch over a read-only branch
-# holding files), `mirror` (two branches) and `mirror -o shared`, `version`, and `remote` (a `plyfs serve` over a Unix
+# holding files), `mirror` (two branches) and `mirror -o shared`, `version`, `cache` in both write modes over a
+# slow branch that is a directory (`--branch`) or a `plyfs serve` (`cache[|remote]`), and `remote` (a `plyfs serve` over a Unix
 # socket; `remote --tls` over TLS on loopback; `zstd,remote` compressing in the mount;
 # `crypt,remote` decrypting in the mount a volume served as stored), `exofs` and `zstd,exofs` (on an
 # exodisk volume of their own), and
@@ -65,7 +66,7 @@ PJDFSTEST_VERSION=0.2.2
 # io_uring (scripts/test.sh gives its permission), mounts carry their requests over it by default;
 # the `-o io_uring=off` entries use /dev/fuse.
 DEFAULT_STACKS=(null trace zstd copy "gzip:level=9:fast_tails=on" "null --rules $HERE/mixed-rules.toml" crypt zstd,crypt union mirror "mirror -o shared" version
-  cache "cache:mode=write-back:delay=0s"
+  cache "cache:mode=write-back:delay=0s" "cache[|remote]" "cache:mode=write-back:delay=0s[|remote]"
   "crypt --bind-paths" remote "remote --tls" zstd,remote crypt,remote "zstd,ext:socket=@trace,null" exofs zstd,exofs
   "null -o io_uring=off" "zstd -o io_uring=off" "crypt -o io_uring=off")
 
@@ -493,6 +494,7 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
       mkdir -p "$WORK/$i-mirror" && chmod 755 "$WORK/$i-mirror"
       extra+=(--branch "$WORK/$i-mirror")
       ;;
+    *,cache*\[*) ;;
     *,cache*)
       # The lower is the fast branch (the copies); the files themselves live on the slow one.
       mkdir -p "$WORK/$i-slow" && chmod 755 "$WORK/$i-slow"
@@ -545,6 +547,20 @@ for entry in ${STACKS[@]+"${STACKS[@]}"}; do
     mount_stack=${mount_stack%remote}
     mount_stack=${mount_stack%,}
     mount_stack=${mount_stack:-null}
+  fi
+  # `cache...[|remote]`: the lower is the fast branch, and the slow one a `plyfs serve` of a
+  # directory of its own over a Unix socket.
+  if [[ "$mount_stack" =~ ^(cache[^[]*)\[\|remote\]$ ]]; then
+    cache_spec=${BASH_REMATCH[1]}
+    mkdir -p "$WORK/$i-slow" && chmod 755 "$WORK/$i-slow"
+    sock=$WORK/$i.slow.sock
+    "$PLYFS" serve "$WORK/$i-slow" --listen "unix:$sock" --stack null 2>"$RESULTS/$label.server.log" &
+    server=$!
+    SERVERS+=("$server")
+    for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
+    [ -S "$sock" ] || die "plyfs serve did not make $sock (see $RESULTS/$label.server.log)"
+    mount_stack="$cache_spec[@$lower | remote:addr=unix:$sock]"
+    mount_lower=-
   fi
   # A stack ending in `exofs` mounts exofs on an exodisk volume of its own (an image in the work
   # directory, served by `plyfs exodisk serve`); the layers before `exofs` run in the mount.

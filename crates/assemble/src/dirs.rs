@@ -14,10 +14,10 @@ pub fn existing_dir(what: &str, path: &Path) -> crate::Result<PathBuf> {
     path.canonicalize().map_err(|e| crate::Error::path(what, path, e))
 }
 
-/// Every directory a stack stores in: LOWER, the `--branch` directories and the directories
-/// branches name in the spec (`@DIR`), each once, in that order.
-pub fn storage_dirs(lower: &Path, branches: &[String], specs: &[LayerSpec]) -> Vec<PathBuf> {
-    let mut dirs = vec![lower.to_owned()];
+/// Every directory a stack stores in: LOWER (unless it is `-`), the `--branch` directories and
+/// the directories branches name in the spec (`@DIR`), each once, in that order.
+pub fn storage_dirs(lower: Option<&Path>, branches: &[String], specs: &[LayerSpec]) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = lower.into_iter().map(Path::to_owned).collect();
     dirs.extend(branches.iter().filter_map(|b| crate::tree::parse_branch_arg(b).ok()).map(|(d, _)| d));
     dirs.extend(spec_branch_dirs(specs).into_iter().map(|(d, _)| d));
     let mut out: Vec<PathBuf> = Vec::new();

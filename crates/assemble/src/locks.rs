@@ -43,7 +43,7 @@ impl Use {
 /// Take the lock of every directory a stack over `lower` stores in (see
 /// [`crate::dirs::storage_dirs`]), each in the mode its branch is used in; `who` says what
 /// holds them ("mounted at /mnt/a").
-pub fn take_all(lower: &Path, branches: &[String], specs: &[LayerSpec], how: Use, who: &str) -> crate::Result<Vec<LowerLock>> {
+pub fn take_all(lower: Option<&Path>, branches: &[String], specs: &[LayerSpec], how: Use, who: &str) -> crate::Result<Vec<LowerLock>> {
     let mut held = Vec::new();
     // (A directory that is not there is the stack's to report.)
     for (dir, mode) in storage_modes(lower, branches, specs).into_iter().filter(|(d, _)| d.is_dir()) {
@@ -55,10 +55,10 @@ pub fn take_all(lower: &Path, branches: &[String], specs: &[LayerSpec], how: Use
 /// The directories of [`crate::dirs::storage_dirs`], each with the mode of the branch it is
 /// (LOWER of a stack without fan-out, and a directory no branch takes, are read-write); a
 /// directory that two branches take is read-write if either is.
-fn storage_modes(lower: &Path, branches: &[String], specs: &[LayerSpec]) -> Vec<(PathBuf, BranchMode)> {
+fn storage_modes(lower: Option<&Path>, branches: &[String], specs: &[LayerSpec]) -> Vec<(PathBuf, BranchMode)> {
     let mut assigned = specs.to_vec();
     let cli = branches.iter().filter_map(|b| crate::tree::parse_branch_arg(b).ok()).collect();
-    let modes = match plyfs_stack::assign_branch_dirs(&mut assigned, crate::registry(), lower.to_owned(), cli) {
+    let modes = match plyfs_stack::assign_branch_dirs(&mut assigned, crate::registry(), crate::lower::BOTTOM_KINDS, lower.map(Path::to_owned), cli) {
         Ok(_) => crate::dirs::spec_branch_dirs(&assigned),
         Err(_) => Vec::new(),
     };

@@ -142,9 +142,9 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> cr
         front: FrontOptions {
             entry_ttl: opts.entry_ttl,
             attr_ttl: opts.attr_ttl,
-            passthrough: opts.passthrough && lower.dir().is_some(),
+            passthrough: opts.passthrough && lower.local(),
             no_passthrough_because: match &lower {
-                Lower::Dir(_) => None,
+                Lower::Dir(_) | Lower::Branches { .. } => None,
                 Lower::Remote { .. } => Some("a remote stack has no lower files to hand to the kernel".to_owned()),
                 Lower::Exodisk(_) => Some("exofs has no lower files to hand to the kernel".to_owned()),
             },
@@ -153,7 +153,7 @@ pub fn run(plan: MountPlan, signals: SigSet, report: &mut dyn MountReport) -> cr
         },
         threads: opts.threads,
         // Across a transport, a longer read-ahead keeps several reads in flight.
-        readahead_kb: opts.readahead_kb.or(lower.dir().is_none().then_some(REMOTE_READAHEAD_KB)),
+        readahead_kb: opts.readahead_kb.or((!lower.local()).then_some(REMOTE_READAHEAD_KB)),
         allow_other: opts.allow_other,
         allow_root: opts.allow_root,
         read_only: opts.read_only,
@@ -290,7 +290,7 @@ fn watch_idle(status: Arc<plyfs_fuse::FrontStatus>, mountpoint: PathBuf, idle: s
 }
 
 /// The lower locks of a mount of `lower` at `mountpoint` (none for a remote stack: its server
-/// holds them).
+/// holds them; a branch on a server, likewise).
 pub fn lock_lowers(
     branches: &[String],
     specs: &[LayerSpec],
@@ -298,9 +298,11 @@ pub fn lock_lowers(
     lower: &Lower,
     mountpoint: &Path,
 ) -> crate::Result<Vec<plyfs_stack::lowerlock::LowerLock>> {
-    let Some(dir) = lower.dir() else { return Ok(Vec::new()) };
+    if !lower.local() {
+        return Ok(Vec::new());
+    }
     let how = crate::locks::Use::Mount { shared: opts.shared, read_only: opts.read_only };
-    crate::locks::take_all(dir, branches, specs, how, &format!("mounted at {}", mountpoint.display()))
+    crate::locks::take_all(lower.dir(), branches, specs, how, &format!("mounted at {}", mountpoint.display()))
 }
 
 /// What a user sharing `dir` must know about the file system it lives on, if anything.

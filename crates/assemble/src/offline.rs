@@ -28,7 +28,7 @@ type Res<T> = crate::Result<T>;
 pub fn open_stack(lower: &Path, spec: &str, branches: &[String], command: &str, writes: bool) -> Res<(Stack, Vec<LowerLock>)> {
     let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(|e| Error::Spec(e.to_string()))?;
     let who = format!("running plyfs {command}");
-    let locks = crate::locks::take_all(lower, branches, &specs, crate::locks::Use::Tool { writes }, &who)?;
+    let locks = crate::locks::take_all(Some(lower), branches, &specs, crate::locks::Use::Tool { writes }, &who)?;
     // The same stack as a mount: each file is read through the chain recorded with it, and a
     // tree's branches are built as the mount builds them.
     let stack = crate::tree::build_stack(&specs, &crate::lower::Lower::Dir(lower.to_owned()), branches, None, None)?;

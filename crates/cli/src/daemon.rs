@@ -18,7 +18,7 @@ use std::sync::Arc;
 use clap::Args;
 use plyfs_fuse::control;
 use plyfs_stack::spec::{load_stack_config, parse_stack_spec};
-use plyfs_assemble::dirs::{existing_dir, storage_dirs};
+use plyfs_assemble::dirs::existing_dir;
 use plyfs_assemble::mount::{block_signals, lock_lowers, MountOptions, MountPlan, MountReport};
 
 use crate::failure::{code, Failure};
@@ -27,7 +27,8 @@ use crate::options;
 #[derive(Args, Clone)]
 pub struct MountArgs {
     /// The directory whose contents the stack presents, or a stack served elsewhere: unix:PATH,
-    /// tcp:HOST:PORT (or - when the stack ends in remote:addr=...).
+    /// tcp:HOST:PORT; or - when the stack names where it stands: it ends in remote:addr=..., or
+    /// each branch of its fan-out layer names its directory or server.
     lower: PathBuf,
     /// Where to mount.
     mountpoint: PathBuf,
@@ -134,11 +135,8 @@ pub fn mount(args: MountArgs) -> Result<(), Failure> {
             eprintln!("plyfs: warning: {w}");
         }
     }
-    let lower = plyfs_assemble::lower::Lower::parse(&args.lower, &mut specs, args.psk.as_deref()).map_err(lower_failure)?;
-    let dirs = match lower.dir() {
-        Some(dir) => storage_dirs(dir, &args.tree.branches, &specs),
-        None => Vec::new(),
-    };
+    let lower = plyfs_assemble::lower::Lower::parse(&args.lower, &mut specs, &args.tree.branches, args.psk.as_deref()).map_err(lower_failure)?;
+    let dirs = lower.storage_dirs(&args.tree.branches, &specs);
     // A linear stack with crypt needs LOWER to be a volume: said here, with its status, rather
     // than by the daemon as it builds the stack.
     let registry = plyfs_assemble::registry();

@@ -455,7 +455,7 @@ fn as_mount_helper(argv: &[std::ffi::OsString]) -> Result<(), Failure> {
 /// Unlock every crypt volume a stack over `lower` (with `--branch` directories) stores in.
 fn unlock_tree(lower: &Path, spec: &str, branches: &[String], secret: &secret::SecretArgs) -> Result<(), Failure> {
     let specs = plyfs_stack::spec::parse_stack_spec(spec).map_err(Failure::usage)?;
-    secret::unlock_volumes(&plyfs_assemble::dirs::storage_dirs(lower, branches, &specs), secret).map(|_| ())
+    secret::unlock_volumes(&plyfs_assemble::dirs::storage_dirs(Some(lower), branches, &specs), secret).map(|_| ())
 }
 
 fn offline_run(work: impl FnOnce() -> Result<(), Failure>) -> Result<(), Failure> {

@@ -66,9 +66,9 @@ pub fn serve(args: ServeArgs) -> Result<(), crate::failure::Failure> {
         .map_err(Failure::usage)?;
     let lower = plyfs_assemble::dirs::existing_dir("lower directory", &args.lower).map_err(crate::daemon::lower_failure)?;
     let tls = plyfs_assemble::serve::tls_for(&addr, args.psk.as_deref())?;
-    let dirs = plyfs_assemble::dirs::storage_dirs(&lower, &args.tree.branches, &specs);
+    let dirs = plyfs_assemble::dirs::storage_dirs(Some(&lower), &args.tree.branches, &specs);
     // Held while the server runs.
-    let _locks = plyfs_assemble::locks::take_all(&lower, &args.tree.branches, &specs, plyfs_assemble::locks::Use::Serve, &format!("serving on {addr}"))?;
+    let _locks = plyfs_assemble::locks::take_all(Some(&lower), &args.tree.branches, &specs, plyfs_assemble::locks::Use::Serve, &format!("serving on {addr}"))?;
     let _volumes = if args.as_stored {
         if args.secret.given() {
             return Err("--as-stored serves a crypt volume encrypted: the server takes no password or key file".into());

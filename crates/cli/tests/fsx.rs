@@ -382,6 +382,34 @@ fn fsx_cache_write_back() {
     run_fsx_fan_out_with("cache:mode=write-back:delay=0s:range=64k", "rw", &initial, 400, true);
 }
 
+/// fsx on a cache whose slow branch is a `plyfs serve` over a Unix socket.
+fn run_fsx_cache_over_server(stack: &str) {
+    let dir = tempfile::Builder::new().prefix("plyfs-test-").tempdir_in("/tmp").unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let (slow, fast, mnt) = (root.join("slow"), root.join("fast"), root.join("mnt"));
+    for d in [&slow, &fast, &mnt] {
+        std::fs::create_dir(d).unwrap();
+    }
+    let initial: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(slow.join("fsx"), &initial).unwrap();
+    let sock = root.join("slow.sock");
+    let server = common::Server::start(&slow, &format!("unix:{}", sock.display()), &["--stack", "null"], &root.join("server.log"));
+    let spec = format!("{stack}[@{} | remote:addr=unix:{}]", fast.display(), sock.display());
+    let mount = || Mount::start(dir, std::path::PathBuf::from("-"), mnt, &spec, &[]);
+    run_fsx_on_with(&format!("[{stack}] over a server"), mount, 300, &initial, true);
+    drop(server);
+}
+
+#[test]
+fn fsx_cache_write_through_over_a_server() {
+    run_fsx_cache_over_server("cache:range=64k");
+}
+
+#[test]
+fn fsx_cache_write_back_over_a_server() {
+    run_fsx_cache_over_server("cache:mode=write-back:delay=0s:range=64k");
+}
+
 #[test]
 fn fsx_mirror() {
     run_fsx_fan_out("mirror", "rw", &[], 300);

@@ -698,6 +698,83 @@ fn a_root_client_mounts_a_volume_served_as_stored_over_tcp_as_the_readme_shows()
     assert_eq!(std::fs::read(raw.path(".plyfs-crypt.conf")).unwrap(), b"root's");
 }
 
+/// A mirror whose second branch is a server (issue #34): every change lands in the local
+/// directory and on the server's, the branch is listed by its address and seen under
+/// `.plyfs/`, and when the server goes away the mirror fails that branch and goes on, until a
+/// resync brings it back in line.
+#[test]
+fn a_mirror_branch_on_a_server_takes_every_change_and_is_resynced_after_it_was_away() {
+    let s = setup();
+    let (mut server, addr) = unix(&s);
+    let local = s.root.join("local");
+    std::fs::create_dir(&local).unwrap();
+    // No LOWER: the branches say where they stand.
+    let m = mount(&s, "mnt", "-", &format!("mirror[@{} | remote:addr={addr}:timeout=1]", local.display()), &[]);
+    std::fs::create_dir_all(m.path("a/b")).unwrap();
+    std::fs::write(m.path("a/b/f"), "on both").unwrap();
+    std::fs::write(m.path("gone"), "removed").unwrap();
+    std::fs::rename(m.path("a/b/f"), m.path("a/g")).unwrap();
+    std::fs::remove_file(m.path("gone")).unwrap();
+    for branch in [&local, &s.lower] {
+        assert_eq!(std::fs::read_to_string(branch.join("a/g")).unwrap(), "on both", "{}", branch.display());
+        assert!(!branch.join("a/b/f").exists() && !branch.join("gone").exists(), "{}", branch.display());
+    }
+    let status = op_json(&m.mnt, &["mirror-status"]);
+    assert_eq!(status["branches"][0]["dir"], local.display().to_string(), "{status}");
+    assert_eq!(status["branches"][1]["addr"], addr, "{status}");
+    assert_eq!(std::fs::read_to_string(m.path(".plyfs/mirror.1/a/g")).unwrap(), "on both");
+    let listed: serde_json::Value = serde_json::from_slice(&run(plyfs().args(["status", "--json"])).stdout).unwrap();
+    let row = listed.as_array().unwrap().iter().find(|r| r["mountpoint"] == m.mnt.display().to_string()).expect("listed");
+    assert_eq!(row["lower"], format!("{}|{addr}", local.display()), "{row}");
+    assert!(row["stack"].as_str().unwrap().split(',').any(|l| l == "mirror.1"), "{row}");
+
+    // The server away: the branch fails once its timeout is out, and the mount goes on.
+    server.kill();
+    std::fs::write(m.path("while-away"), "later").unwrap();
+    let status = op_json(&m.mnt, &["mirror-status"]);
+    assert_eq!((status["degraded"].clone(), status["branches"][1]["state"].clone()), (true.into(), "failed".into()), "{status}");
+    assert!(m.daemon_log().contains(&addr), "the failure names the server: {}", m.daemon_log());
+    assert!(!s.lower.join("while-away").exists());
+    server.restart();
+    op_json(&m.mnt, &["resync"]);
+    assert_eq!(std::fs::read_to_string(s.lower.join("while-away")).unwrap(), "later");
+    assert_eq!(op_json(&m.mnt, &["mirror-status"])["degraded"], false);
+    // Mounted again, the mirror reads its log on the server too (in pieces a transport carries).
+    let m = m.remount();
+    assert_eq!(op_json(&m.mnt, &["mirror-status"])["degraded"], false);
+    assert_eq!(std::fs::read_to_string(m.path("while-away")).unwrap(), "later");
+}
+
+/// A union whose upper branch is a server: copy-up, whiteouts and opaque directories are made
+/// there, and hold across a remount (issue #34).
+#[test]
+fn a_union_branch_on_a_server_takes_copies_up_and_whiteouts() {
+    let s = setup();
+    let (_server, addr) = unix(&s);
+    let base = s.root.join("base");
+    std::fs::create_dir_all(base.join("d")).unwrap();
+    std::fs::write(base.join("f"), "base").unwrap();
+    std::fs::write(base.join("d/x"), "x").unwrap();
+    std::fs::write(base.join("hidden"), "h").unwrap();
+    let stack = format!("union[remote:addr={addr}|@=ro]");
+    {
+        let m = mount(&s, "mnt", base.to_str().unwrap(), &stack, &[]);
+        std::fs::OpenOptions::new().append(true).open(m.path("f")).unwrap().write_all(b"+upper").unwrap();
+        std::fs::remove_file(m.path("hidden")).unwrap();
+        std::fs::remove_dir_all(m.path("d")).unwrap();
+        std::fs::create_dir(m.path("d")).unwrap();
+        let branches = op_json(&m.mnt, &["branch-list"]);
+        assert_eq!((branches[0]["addr"].clone(), branches[1]["dir"].clone()), (addr.clone().into(), base.display().to_string().into()), "{branches}");
+    }
+    assert_eq!(std::fs::read_to_string(s.lower.join("f")).unwrap(), "base+upper");
+    assert_eq!(std::fs::read_to_string(base.join("f")).unwrap(), "base");
+    assert!(base.join("hidden").exists() && base.join("d/x").exists());
+    let m = mount(&s, "again", base.to_str().unwrap(), &stack, &[]);
+    assert_eq!(std::fs::read_to_string(m.path("f")).unwrap(), "base+upper");
+    assert!(!m.path("hidden").exists());
+    assert_eq!(std::fs::read_dir(m.path("d")).unwrap().count(), 0);
+}
+
 fn walk(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).unwrap() {

@@ -112,6 +112,10 @@ pub trait Layer: Send + Sync + 'static {
     }
 }
 
+/// The largest read [`Level::read_small_file`] makes: well below what a transport carries in
+/// one message (plyfs-transport's `MAX_IO`, 8 MiB).
+const SMALL_FILE_PIECE_BYTES: u32 = 1 << 20;
+
 /// Drops what the front end caches (the kernel's attributes, names and pages) for objects that
 /// changed behind the stack's back. Called from a thread that serves no request, never while a
 /// request of the same mount waits on the caller.
@@ -282,13 +286,28 @@ impl Level {
     }
 
     /// The first `max` bytes of the file `name` in `dir`, looked up, opened, read and let go
-    /// again: for small files a layer keeps for itself (a configuration, a companion).
+    /// again: for small files a layer keeps for itself (a configuration, a companion, a
+    /// mirror's log). Read in pieces of 1 MiB at most, which a transport carries (a `remote`
+    /// bottom refuses reads over 8 MiB), until a piece comes back short.
     pub fn read_small_file(&self, cx: &Caller, dir: NodeId, name: &OsStr, max: u32) -> Result<Vec<u8>> {
         let entry = self.lookup(cx, dir, name)?;
         let data = self.open(cx, entry.node, libc::O_RDONLY).and_then(|opened| {
-            let data = self.read(cx, entry.node, opened.fh, 0, max);
+            let mut data = Vec::new();
+            let read = loop {
+                let want = (max - data.len() as u32).min(SMALL_FILE_PIECE_BYTES);
+                match self.read(cx, entry.node, opened.fh, data.len() as u64, want) {
+                    Ok(piece) => {
+                        let short = (piece.len() as u32) < want;
+                        data.extend_from_slice(&piece);
+                        if short || data.len() as u32 == max {
+                            break Ok(());
+                        }
+                    }
+                    Err(e) => break Err(e),
+                }
+            };
             let _ = self.release(cx, entry.node, opened.fh);
-            data
+            read.map(|()| data)
         });
         self.forget(cx, entry.node, 1);
         data

@@ -39,7 +39,7 @@ pub use lowerdir::{has_capability, raise_fd_limit, LowerDir};
 pub use op::header as op_header;
 pub use op::{Arg, Op, OpHeader, OpKind, Reply};
 pub use stack::{
-    assign_branch_dirs, check_all_params, check_branch_dirs, collapse_specs, is_fan_out, order_warnings, BadParam, Branch,
-    BranchBuilder, Build, BuildArgs, FanOutArgs, LayerFactory, NamedLevel, Stack, COLLAPSE_PARAM, MAX_VIEWS, NAME_PARAM,
+    assign_branch_dirs, check_all_params, check_branch_lowers, collapse_specs, is_fan_out, order_warnings, BadParam, Branch,
+    BranchBuilder, BranchLower, Build, BuildArgs, FanOutArgs, LayerFactory, NamedLevel, Stack, COLLAPSE_PARAM, MAX_VIEWS, NAME_PARAM,
 };
 pub use types::*;

@@ -6,12 +6,14 @@
 //!
 //! Stacks can be trees (`seeds/000` §3.2): a fan-out layer (`union`, `mirror`) is the last layer
 //! of its list and may be followed by its branches in brackets, separated by `|`. Each branch is
-//! itself a stack over its own lower directory:
+//! itself a stack over its own lower directory, or over a stack served elsewhere when its layers
+//! end in `remote` (which takes no directory):
 //!
 //! ```text
 //! BRANCH := [LAYERS] ['@' [DIR] ['=' ro|rw]]
 //! union[crypt@/srv/private | @/srv/shared=ro]      two branches with their own directories
 //! mirror[zstd|zstd]                                 directories from LOWER and --branch
+//! mirror[@/srv/a | remote:addr=tcp:nas:7070]        a directory and a server
 //! ```
 
 use std::collections::BTreeMap;
@@ -55,12 +57,14 @@ impl BranchMode {
     }
 }
 
-/// One branch of a fan-out layer: a stack of its own over its own lower directory.
+/// One branch of a fan-out layer: a stack of its own over its own lower directory, or over a
+/// stack served elsewhere when its layers end in `remote`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BranchSpec {
     /// The branch's name under `.plyfs/` (default: the fan-out layer's name, a dot, its index).
     pub name: Option<String>,
-    /// The branch's lower directory; `None` until filled from LOWER and `--branch`.
+    /// The branch's lower directory; `None` until filled from LOWER and `--branch`, and for a
+    /// branch that ends in `remote`, which stands on its server.
     pub dir: Option<PathBuf>,
     /// `None` means "as the command line says, else rw".
     pub mode: Option<BranchMode>,
@@ -71,6 +75,23 @@ pub struct BranchSpec {
 impl BranchSpec {
     pub fn mode(&self) -> BranchMode {
         self.mode.unwrap_or(BranchMode::ReadWrite)
+    }
+
+    /// The branch's bottom layer, if it ends in one of `bottoms` (see [`split_bottom`]): it
+    /// stands on that (a `remote` layer's server) instead of a directory.
+    pub fn bottom(&self, bottoms: &[&str]) -> Result<Option<&LayerSpec>> {
+        split_bottom(&self.layers, bottoms).map(|(_, bottom)| bottom)
+    }
+}
+
+/// `specs` without the bottom layer they end in, and that layer: one of `bottoms`, the layers
+/// that the assembly makes itself at the bottom of a stack (`remote`). Such a layer anywhere but
+/// last is refused.
+pub fn split_bottom<'s>(specs: &'s [LayerSpec], bottoms: &[&str]) -> Result<(&'s [LayerSpec], Option<&'s LayerSpec>)> {
+    match specs.iter().position(|s| bottoms.contains(&s.kind.as_str())) {
+        None => Ok((specs, None)),
+        Some(i) if i + 1 == specs.len() => Ok((&specs[..i], Some(&specs[i]))),
+        Some(i) => Err(Error::config(format!("layer '{}' is a bottom layer: it must come last in its stack", specs[i].kind))),
     }
 }
 

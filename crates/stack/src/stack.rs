@@ -3,7 +3,7 @@
 //! A stack is a list of levels ending in a bottom layer or in a fan-out layer. A fan-out layer's
 //! branches are stacks of their own ([`Branch`]), so a whole mount is a tree (`seeds/000` §3.2).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
@@ -36,15 +36,52 @@ pub enum Build {
     FanOut(fn(FanOutArgs) -> Result<Arc<dyn Layer>>),
 }
 
-/// One branch of a fan-out layer: a stack over its own lower directory.
+/// One branch of a fan-out layer: a stack over its own lower directory, or over a stack served
+/// elsewhere.
 #[derive(Clone)]
 pub struct Branch {
     /// Unique in the mount: `.plyfs/NAME/` shows the branch, `OP@NAME` starts there.
     pub name: String,
-    /// The lower directory (canonical).
-    pub dir: PathBuf,
+    pub lower: BranchLower,
     pub mode: BranchMode,
     pub stack: Arc<Stack>,
+}
+
+/// What a branch's stack stands on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BranchLower {
+    /// A lower directory (canonical).
+    Dir(PathBuf),
+    /// A stack served elsewhere, which the `remote` layer at the bottom of the branch reaches
+    /// at `addr` (`unix:PATH`, `tcp:HOST:PORT`).
+    Remote { addr: String },
+}
+
+impl BranchLower {
+    pub fn dir(&self) -> Option<&Path> {
+        match self {
+            BranchLower::Dir(dir) => Some(dir),
+            BranchLower::Remote { .. } => None,
+        }
+    }
+
+    /// The field a listing of branches shows it in (`branch-list`, `mirror-status`): `dir`
+    /// or `addr`, with its value.
+    pub fn field(&self) -> (&'static str, String) {
+        match self {
+            BranchLower::Dir(dir) => ("dir", dir.display().to_string()),
+            BranchLower::Remote { addr } => ("addr", addr.clone()),
+        }
+    }
+}
+
+impl std::fmt::Display for BranchLower {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BranchLower::Dir(dir) => write!(f, "{}", dir.display()),
+            BranchLower::Remote { addr } => write!(f, "{addr}"),
+        }
+    }
 }
 
 impl Branch {
@@ -56,12 +93,19 @@ impl Branch {
     pub fn writable(&self) -> bool {
         self.mode == BranchMode::ReadWrite
     }
+
+    /// Whether a user means this branch by `given`: its name, its directory or its server.
+    pub fn is_called(&self, given: &str) -> bool {
+        self.name == given || self.lower.to_string() == given
+    }
 }
 
-/// Builds a branch's stack over its directory. The mount supplies it (it knows about lower
-/// directories, volumes and per-file policies); fan-out layers keep it to add branches later.
+/// Builds a branch's stack over its directory or its server. The mount supplies it (it knows
+/// about lower directories, servers, volumes and per-file policies); fan-out layers keep it to
+/// add branches later.
 pub trait BranchBuilder: Send + Sync {
-    /// Build `spec`, whose directory is filled in, as the branch `name`.
+    /// Build `spec`, whose directory is filled in (unless it ends in a bottom layer that
+    /// reaches a server), as the branch `name`.
     fn build(&self, name: &str, spec: &BranchSpec) -> Result<Branch>;
 }
 
@@ -179,7 +223,7 @@ impl Stack {
                 return Err(Error::config(format!("layer '{name}': two branches are named '{branch_name}'")));
             }
             let branch = builder.build(&branch_name, b)?;
-            check_branch_dirs(&branches, &branch)?;
+            check_branch_lowers(&branches, &branch)?;
             branches.push(branch);
         }
         let layer = build(FanOutArgs { name: name.to_owned(), params: layer_params(name, spec), branches, builder })?;
@@ -380,26 +424,23 @@ fn layer_params(name: &str, spec: &LayerSpec) -> Params {
     Params::new(name, spec.params.iter().filter(|(k, _)| k != NAME_PARAM.name).cloned().collect())
 }
 
-/// Two branches may not share a directory or hold one another: the fan-out layer would see
-/// the same objects twice, or its own branches inside one.
-pub fn check_branch_dirs(existing: &[Branch], new: &Branch) -> Result<()> {
+/// Two branches may not share a directory or a server, nor hold one another: the fan-out layer
+/// would see the same objects twice, or its own branches inside one.
+pub fn check_branch_lowers(existing: &[Branch], new: &Branch) -> Result<()> {
     for other in existing {
-        if other.dir == new.dir {
-            return Err(Error::config(format!(
-                "branch '{}': {} is already branch '{}'",
-                new.name,
-                new.dir.display(),
-                other.name
-            )));
+        if other.lower == new.lower {
+            return Err(Error::config(format!("branch '{}': {} is already branch '{}'", new.name, new.lower, other.name)));
         }
-        let (inner, outer) = if new.dir.starts_with(&other.dir) { (new, other) } else { (other, new) };
-        if inner.dir.starts_with(&outer.dir) {
+        let (Some(new_dir), Some(other_dir)) = (new.lower.dir(), other.lower.dir()) else { continue };
+        let ((inner, inner_dir), (outer, outer_dir)) =
+            if new_dir.starts_with(other_dir) { ((new, new_dir), (other, other_dir)) } else { ((other, other_dir), (new, new_dir)) };
+        if inner_dir.starts_with(outer_dir) {
             return Err(Error::config(format!(
                 "branch '{}': {} lies inside branch '{}' ({})",
                 inner.name,
-                inner.dir.display(),
+                inner_dir.display(),
                 outer.name,
-                outer.dir.display()
+                outer_dir.display()
             )));
         }
     }
@@ -423,13 +464,16 @@ pub fn is_fan_out(registry: &[LayerFactory], kind: &str) -> bool {
 }
 
 /// Give the first fan-out layer of `specs` its directories: the branches its spec lists take,
-/// in order, LOWER and the `--branch` directories that lack one; with no branch list, each of
-/// those directories is a branch of its own with no layers. `cli` pairs a directory with the
-/// mode the command line gave it (`None`: not said).
+/// in order, LOWER (`None` when the mount has none: LOWER `-`) and the `--branch` directories
+/// that lack one; with no branch list, each of those directories is a branch of its own with no
+/// layers. A branch that ends in one of
+/// `bottoms` (a `remote` layer, which reaches a server) stands on that and takes no directory.
+/// `cli` pairs a directory with the mode the command line gave it (`None`: not said).
 pub fn assign_branch_dirs(
     specs: &mut [LayerSpec],
     registry: &[LayerFactory],
-    lower: PathBuf,
+    bottoms: &[&str],
+    lower: Option<PathBuf>,
     cli: Vec<(PathBuf, Option<BranchMode>)>,
 ) -> Result<()> {
     let Some(fan) = specs.iter_mut().find(|s| is_fan_out(registry, &s.kind)) else {
@@ -438,13 +482,25 @@ pub fn assign_branch_dirs(
         }
         return Ok(());
     };
-    let mut given = std::iter::once((lower, None)).chain(cli);
+    let mut given = lower.map(|dir| (dir, None)).into_iter().chain(cli);
     if fan.branches.is_empty() {
         fan.branches = given.map(|(dir, mode)| BranchSpec { name: None, dir: Some(dir), mode, layers: Vec::new() }).collect();
         return Ok(());
     }
     let kind = fan.kind.clone();
-    for (i, branch) in fan.branches.iter_mut().enumerate().filter(|(_, b)| b.dir.is_none()) {
+    for (i, branch) in fan.branches.iter_mut().enumerate() {
+        let bottom = branch.bottom(bottoms).map_err(|e| Error::config(format!("layer '{kind}', branch {i}: {e}")))?;
+        match (bottom, &branch.dir) {
+            (Some(bottom), Some(dir)) => {
+                return Err(Error::config(format!(
+                    "layer '{kind}', branch {i}: a branch that ends in '{}' stands on its server and takes no directory (@{})",
+                    bottom.kind,
+                    dir.display()
+                )))
+            }
+            (Some(_), None) | (None, Some(_)) => continue,
+            (None, None) => {}
+        }
         let Some((dir, mode)) = given.next() else {
             return Err(Error::config(format!(
                 "layer '{kind}', branch {i}: no directory (give it as @DIR, or one more --branch)"
@@ -454,10 +510,13 @@ pub fn assign_branch_dirs(
         branch.mode = branch.mode.or(mode);
     }
     match given.next() {
-        Some((dir, _)) => Err(Error::config(format!(
-            "{}: no branch of '{kind}' is left to take it (branches that name their own directory with @DIR take none)",
-            dir.display()
-        ))),
+        Some((dir, _)) => {
+            let on_servers: String = bottoms.iter().map(|b| format!(", or end in '{b}',")).collect();
+            Err(Error::config(format!(
+                "{}: no branch of '{kind}' is left to take it (branches that name their own directory with @DIR{on_servers} take none)",
+                dir.display()
+            )))
+        }
         None => Ok(()),
     }
 }

@@ -315,6 +315,8 @@ type = "copy"
 dir = "/srv/b"
 "#;
     assert_eq!(parse_stack_config(text).unwrap(), parse_stack_spec("trace:log=t,union[zstd:level=5,copy@/srv/a=ro|@/srv/b]").unwrap());
+    let remote = text.replace("dir = \"/srv/b\"", "[[layer.branch.layer]]\ntype = \"remote\"\naddr = \"unix:/run/s.sock\"");
+    assert_eq!(parse_stack_config(&remote).unwrap(), parse_stack_spec("trace:log=t,union[zstd:level=5,copy@/srv/a=ro|remote:addr=unix:/run/s.sock]").unwrap());
     let bad = text.replace("mode = \"ro\"", "mode = \"rx\"");
     assert_eq!(parse_stack_config(&bad).unwrap_err().to_string(), "layer 'union', branch 0: bad mode 'rx' (ro or rw)");
     let bad = text.replace("mode = \"ro\"", "color = \"ro\"");
@@ -335,7 +337,7 @@ fn branch_directories_come_from_lower_and_the_command_line() {
     let assign = |spec: &str, cli: Vec<(&str, Option<BranchMode>)>| {
         let mut specs = parse_stack_spec(spec).unwrap();
         let cli = cli.into_iter().map(|(d, m)| (std::path::PathBuf::from(d), m)).collect();
-        assign_branch_dirs(&mut specs, FANOUT_REGISTRY, "/lower".into(), cli).map(|()| specs).map_err(|e| e.to_string())
+        assign_branch_dirs(&mut specs, FANOUT_REGISTRY, &["remote"], Some("/lower".into()), cli).map(|()| specs).map_err(|e| e.to_string())
     };
     let specs = assign("fan", vec![("/b", Some(BranchMode::ReadOnly)), ("/c", None)]).unwrap();
     let dirs: Vec<_> = specs[0].branches.iter().map(|b| (b.dir.clone().unwrap(), b.mode())).collect();
@@ -347,7 +349,38 @@ fn branch_directories_come_from_lower_and_the_command_line() {
     assert_eq!(b[2].mode(), BranchMode::ReadOnly);
     assert_eq!(assign("fan[a|b|c]", vec![("/b", None)]).unwrap_err(), "layer 'fan', branch 2: no directory (give it as @DIR, or one more --branch)");
     assert!(assign("fan[@/x|@/y]", vec![]).unwrap_err().starts_with("/lower: no branch of 'fan' is left to take it"));
+    // A branch that ends in a bottom layer stands on its server: it takes neither LOWER nor a
+    // --branch directory, and one given with @DIR is refused.
+    let specs = assign("fan[zstd,remote:addr=tcp:nas:7070:psk=/k@=ro|@=ro]", vec![]).unwrap();
+    let b = &specs[0].branches;
+    assert_eq!((b[0].dir.as_deref(), b[1].dir.as_deref()), (None, Some("/lower".as_ref())));
+    assert_eq!(b[0].mode(), BranchMode::ReadOnly);
+    let remote = b[0].bottom(&["remote"]).unwrap().unwrap();
+    assert_eq!(remote.params, vec![("addr".into(), "tcp:nas:7070".into()), ("psk".into(), "/k".into())]);
+    assert_eq!(b[1].bottom(&["remote"]).unwrap(), None);
+    assert_eq!(
+        assign("fan[@/x|remote:addr=unix:/s@/y]", vec![]).unwrap_err(),
+        "layer 'fan', branch 1: a branch that ends in 'remote' stands on its server and takes no directory (@/y)"
+    );
+    assert_eq!(
+        assign("fan[|remote:addr=unix:/s,zstd]", vec![]).unwrap_err(),
+        "layer 'fan', branch 1: layer 'remote' is a bottom layer: it must come last in its stack"
+    );
+    assert_eq!(
+        assign("fan[remote:addr=unix:/s]", vec![]).unwrap_err(),
+        "/lower: no branch of 'fan' is left to take it (branches that name their own directory with @DIR, or end in 'remote', take none)"
+    );
     assert_eq!(assign("null", vec![("/b", None)]).unwrap_err(), "--branch needs a fan-out layer (union or mirror) in the stack");
+    // Without LOWER (`-`), every branch names where it stands, or takes a --branch directory.
+    let unplaced = |spec: &str, cli: Vec<&str>| {
+        let mut specs = parse_stack_spec(spec).unwrap();
+        let cli = cli.into_iter().map(|d| (std::path::PathBuf::from(d), None)).collect();
+        assign_branch_dirs(&mut specs, FANOUT_REGISTRY, &["remote"], None, cli).map(|()| specs).map_err(|e| e.to_string())
+    };
+    let specs = unplaced("fan[@/x|remote:addr=unix:/s|zstd]", vec!["/b"]).unwrap();
+    let b = &specs[0].branches;
+    assert_eq!((b[0].dir.as_deref(), b[1].dir.as_deref(), b[2].dir.as_deref()), (Some("/x".as_ref()), None, Some("/b".as_ref())));
+    assert_eq!(unplaced("fan[@/x|zstd]", vec![]).unwrap_err(), "layer 'fan', branch 1: no directory (give it as @DIR, or one more --branch)");
 }
 
 #[test]

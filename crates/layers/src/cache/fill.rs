@@ -43,6 +43,8 @@ pub struct Fill {
     pub start: Mutex<Stamp>,
     /// Bytes fetched so far (for eviction's accounting while it fills).
     pub fetched: AtomicU64,
+    /// Every fill's fetched bytes, for `cache-status`.
+    total: Arc<AtomicU64>,
     /// The copy was given up (the slow file changed, or it was evicted): reads go to the slow
     /// branch.
     pub detached: AtomicBool,
@@ -55,7 +57,8 @@ fn ranges_for(size: u64, range: u64) -> usize {
 }
 
 impl Fill {
-    pub fn new(key: u64, gen: u64, file: File, size: u64, range: u64, slow: Level, start: Stamp, complete: bool) -> Fill {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(key: u64, gen: u64, file: File, size: u64, range: u64, slow: Level, start: Stamp, complete: bool, total: Arc<AtomicU64>) -> Fill {
         let n = ranges_for(size, range);
         let state = if complete { PRESENT } else { ABSENT };
         Fill {
@@ -69,6 +72,7 @@ impl Fill {
             source: Mutex::new(None),
             start: Mutex::new(start),
             fetched: AtomicU64::new(0),
+            total,
             detached: AtomicBool::new(false),
             recorded: AtomicBool::new(complete),
         }
@@ -116,6 +120,7 @@ impl Fill {
             self.file.write_all_at(&data, at)?;
             at += data.len() as u64;
             self.fetched.fetch_add(data.len() as u64, Ordering::Relaxed);
+            self.total.fetch_add(data.len() as u64, Ordering::Relaxed);
         }
         Ok(())
     }

@@ -40,6 +40,7 @@ use std::ffi::OsStr;
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Weak};
@@ -80,6 +81,8 @@ const PARAMS: &[ParamSpec] = &[
     ParamSpec { name: "delay", help: "write-back: how long after the last writer closes a file it is written back", default: Some("5s") },
     ParamSpec { name: "range", help: "files are fetched in ranges of this size", default: Some("1M") },
     ParamSpec { name: "ahead", help: "ranges fetched ahead of a reader, in parallel", default: Some("4") },
+    ParamSpec { name: "pin", help: "paths (globs from the mount's root, separated by ;) kept once fetched, as user.plyfs.cache=pin", default: None },
+    ParamSpec { name: "never", help: "paths (globs, separated by ;) never cached, as user.plyfs.cache=never", default: None },
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,6 +105,8 @@ struct Settings {
     delay: Duration,
     range: u64,
     ahead: usize,
+    pin: Vec<plyfs_stack::glob::Glob>,
+    never: Vec<plyfs_stack::glob::Glob>,
 }
 
 /// `30s`, `5m`, `12h`, `7d`, `250ms`; `0` is none.
@@ -151,7 +156,18 @@ impl Settings {
         if !(4096..=(64 << 20)).contains(&range) || range % 4096 != 0 {
             return Err(p.bad("range", p.get("range").unwrap_or_default(), "expected a multiple of 4k from 4k to 64M"));
         }
+        let globs = |key: &str| -> Result<Vec<plyfs_stack::glob::Glob>> {
+            p.get(key)
+                .unwrap_or_default()
+                .split(';')
+                .map(str::trim)
+                .filter(|g| !g.is_empty())
+                .map(|g| plyfs_stack::glob::Glob::new(g.trim_start_matches('/')).map_err(|e| p.bad(key, g, &e)))
+                .collect()
+        };
         Ok(Settings {
+            pin: globs("pin")?,
+            never: globs("never")?,
             mode,
             max_size: size("max_size", "0")?,
             min_free,
@@ -223,7 +239,7 @@ const GATES: usize = 64;
 struct Stats {
     hits: AtomicU64,
     misses: AtomicU64,
-    fetched: AtomicU64,
+    fetched: Arc<AtomicU64>,
     written_back: AtomicU64,
 }
 
@@ -284,8 +300,13 @@ impl Cache {
         if fast.mode == BranchMode::ReadOnly {
             return Err(Error::config(format!("cache '{}': the fast branch '{}' holds the copies and cannot be read-only", args.name, fast.name)));
         }
-        if let Some(l) = fast.stack.levels().iter().find(|l| !matches!(l.layer().kind(), "lower" | "policy")) {
-            let _ = l;
+        let Some(fast_dir) = fast.lower.dir().map(Path::to_owned) else {
+            return Err(Error::config(format!(
+                "cache '{}': the fast branch '{}' stands on a server ({}); its copies need a directory of this machine",
+                args.name, fast.name, fast.lower
+            )));
+        };
+        if fast.stack.levels().iter().any(|l| !matches!(l.layer().kind(), "lower" | "policy")) {
             return Err(Error::config(format!(
                 "cache '{}': the fast branch '{}' holds plain copies; put layers above the cache, or on the slow branch",
                 args.name, fast.name
@@ -295,7 +316,7 @@ impl Cache {
         if read_only && cfg.mode == Mode::WriteBack {
             return Err(Error::config(format!("cache '{}': mode=write-back over a read-only slow branch writes nothing back", args.name)));
         }
-        let store = Store::open(&args.name, &fast.dir, read_only)?;
+        let store = Store::open(&args.name, &fast_dir, read_only)?;
         let dirty = store.index.lock().copies.values().filter(|c| c.dirty).count();
         if dirty > 0 {
             tracing::info!("cache '{}': {dirty} file(s) from before the restart are not on the slow branch yet; writing them back", args.name);
@@ -382,7 +403,19 @@ impl Cache {
 
     fn pin_of_node(&self, node: NodeId) -> Option<Pin> {
         let path = self.paths.path_of(node)?;
-        self.store.index.lock().pin_of(&path)
+        let pin = self.store.index.lock().pin_of(&path);
+        pin.or_else(|| self.pin_by_rule(&path))
+    }
+
+    /// What the `pin=` and `never=` globs say about `path`.
+    fn pin_by_rule(&self, path: &str) -> Option<Pin> {
+        if self.cfg.never.iter().any(|g| g.matches(path)) {
+            Some(Pin::Never)
+        } else if self.cfg.pin.iter().any(|g| g.matches(path)) {
+            Some(Pin::Pin)
+        } else {
+            None
+        }
     }
 
     /// Whether opens by `cx` of `node` go through the cache at all.
@@ -458,7 +491,7 @@ impl Cache {
         };
         let file = if complete { self.store.open_copy(key, gen, true)? } else { self.store.create_copy(key, gen)? };
         let size = if complete { file.metadata()?.len() } else { attr.size };
-        let fill = Arc::new(Fill::new(key, gen, file, size, self.cfg.range, self.slow().clone(), stamp, complete));
+        let fill = Arc::new(Fill::new(key, gen, file, size, self.cfg.range, self.slow().clone(), stamp, complete, self.stats.fetched.clone()));
         self.fills.lock().insert(key, Arc::downgrade(&fill));
         Ok(fill)
     }
@@ -901,6 +934,8 @@ impl Cache {
 
     fn set_attr(&self, cx: &Caller, node: NodeId, fh: Option<FileHandle>, set: SetAttr) -> Result<Reply> {
         let key = node.0;
+        // Not while a write-back decides whether the copy is clean (see `write_back_now`).
+        let _open = self.open_lock(key).lock();
         let copy = self.copy_of(key);
         let dirty = is_dirty(copy.as_ref());
         if dirty {
@@ -999,13 +1034,10 @@ impl Cache {
                 Ok(Reply::Data(buf))
             }
             Kind::Filling(fill) => {
-                let before = fill.fetched.load(Ordering::Relaxed);
                 let (data, last) = fill.read(offset, size)?;
                 if let Some(last) = last {
                     self.read_ahead(fill, last);
                 }
-                let after = fill.fetched.load(Ordering::Relaxed);
-                self.stats.fetched.fetch_add(after.saturating_sub(before), Ordering::Relaxed);
                 if fill.is_complete() {
                     self.record_complete(fill);
                 }
@@ -1192,6 +1224,9 @@ impl Cache {
             self.slow().forget(&daemon(), n, 1);
         }
         let attr = result?;
+        // Decided under the file's open lock: an open for writing in progress has marked the
+        // copy dirty but is not counted as a writer yet.
+        let _open = self.open_lock(key).lock();
         let clean = {
             let mut ch = self.changes.lock();
             let unchanged = ch.get(&key).map_or(0, |c| c.seq) == seq && self.writers(key) == 0;
@@ -1314,7 +1349,7 @@ impl Cache {
             let idx = self.store.index.lock();
             idx.copies
                 .iter()
-                .filter(|(_, c)| c.complete && !c.dirty && idx.pin_of(&c.path) != Some(Pin::Pin))
+                .filter(|(_, c)| c.complete && !c.dirty && idx.pin_of(&c.path).or_else(|| self.pin_by_rule(&c.path)) != Some(Pin::Pin))
                 .map(|(k, c)| (c.used, *k, c.gen, c.bytes))
                 .collect()
         };
@@ -1328,6 +1363,8 @@ impl Cache {
             if !over && !aged {
                 continue;
             }
+            // An open of the file in progress holds its lock: not now.
+            let Some(_open) = self.open_lock(key).try_lock() else { continue };
             if self.in_use(key) {
                 continue;
             }
@@ -1376,7 +1413,7 @@ impl Cache {
         let (free, _) = self.store.space();
         json!({
             "mode": match self.cfg.mode { Mode::WriteThrough => "write-through", Mode::WriteBack => "write-back" },
-            "fast": self.fast.dir.display().to_string(),
+            "fast": self.fast.lower.to_string(),
             "slow": self.slow.name,
             "files": whole.len(),
             "bytes": whole.iter().map(|c| c.bytes).sum::<u64>(),
@@ -1735,38 +1772,47 @@ impl Layer for Cache {
                 r
             }
             Op::Open { node, flags } => self.open(cx, node, flags),
-            Op::Create { name, mode, flags, .. } => {
+            Op::Create { name, flags, .. } => {
                 let reply = self.slow().call(cx, op)?;
                 self.paths.learn(op, &reply);
                 let Reply::Created(mut entry, opened) = reply else { return Err(Error::Os(libc::EIO)) };
-                let key = entry.node.0;
-                // A copy of an earlier file with this inode number is not this file's.
-                self.drop_copy(key, true);
-                let cached = self.caches_for(cx, entry.node);
-                if self.cfg.mode == Mode::WriteBack && cached {
-                    let _ = self.slow().release(cx, entry.node, opened.fh);
-                    let made = self.new_copy(key, &entry.attr).and_then(|gen| {
-                        let file = self.store.open_copy(key, gen, true)?;
-                        self.mark_dirty(key, gen, entry.node)?;
-                        self.serve_copy(entry.node, gen, file, true, false)
-                    });
-                    self.patch(entry.node, &mut entry.attr);
-                    return match made {
-                        Ok(Reply::Opened(o)) => Ok(Reply::Created(entry, o)),
-                        Ok(_) => Err(Error::Os(libc::EIO)),
-                        Err(e) => {
-                            tracing::warn!("cache '{}': '{}': cannot make a copy ({e}); written to the slow branch", self.name, name.to_string_lossy());
-                            self.open_slow(cx, entry.node, (flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC)) | libc::O_WRONLY, false)
-                                .map(|r| match r {
-                                    Reply::Opened(o) => Reply::Created(entry, o),
-                                    other => other,
-                                })
-                        }
-                    };
-                }
-                let _ = mode;
+                let (node, key) = (entry.node, entry.node.0);
                 let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
-                match self.wrap_slow(entry.node, opened, writes, false, false)? {
+                let _open = self.open_lock(key).lock();
+                let served = self.served(key);
+                // A create may open a file that exists (without O_EXCL). A clean copy whose stamp
+                // is not this file's is an earlier file's with the same inode number.
+                if served.is_none() && self.copy_of(key).is_some_and(|c| !c.dirty && c.stamp != Stamp::of(&entry.attr)) {
+                    self.drop_copy(key, false);
+                }
+                let cached = self.caches_for(cx, node);
+                let result = match served {
+                    _ if !cached => self.wrap_slow(node, opened, writes, false, false),
+                    Some(Side::Slow) => self.wrap_slow(node, opened, writes, false, false),
+                    Some(Side::Fast(gen)) => {
+                        let _ = self.slow().release(cx, node, opened.fh);
+                        self.open_next_to_copy(cx, node, flags, &entry.attr, gen)
+                    }
+                    _ if self.cfg.mode == Mode::WriteBack => {
+                        let _ = self.slow().release(cx, node, opened.fh);
+                        let made = if self.has_copy(key) {
+                            self.open_dirty(cx, node, flags, &entry.attr, false)
+                        } else {
+                            self.new_copy(key, &entry.attr).and_then(|gen| {
+                                let file = self.store.open_copy(key, gen, true)?;
+                                self.mark_dirty(key, gen, node)?;
+                                self.serve_copy(node, gen, file, true, false)
+                            })
+                        };
+                        made.or_else(|e| {
+                            tracing::warn!("cache '{}': '{}': cannot make a copy ({e}); written to the slow branch", self.name, name.to_string_lossy());
+                            self.open_slow(cx, node, (flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC)) | libc::O_WRONLY, false)
+                        })
+                    }
+                    _ => self.wrap_slow(node, opened, writes, true, flags & libc::O_TRUNC != 0),
+                };
+                self.patch(node, &mut entry.attr);
+                match result? {
                     Reply::Opened(o) => Ok(Reply::Created(entry, o)),
                     _ => Err(Error::Os(libc::EIO)),
                 }

@@ -59,7 +59,7 @@ impl Mirror {
             "mirror '{}': branch '{}' ({}) failed: {why}; the mirror is degraded and {serving}; once the branch is back, `plyfs op MOUNT resync` brings it up to date",
             self.name,
             self.branches[b].branch.name,
-            self.branches[b].branch.dir.display()
+            self.branches[b].branch.lower
         );
         self.note(self.log.failed(b));
         if publish && self.sharing.is_some() {

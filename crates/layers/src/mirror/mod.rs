@@ -222,7 +222,7 @@ impl Mirror {
                     "mirror '{}': branch '{}' ({}) failed before and is not in sync ({} paths to copy); it serves nothing until `resync`",
                     mirror.name,
                     b.branch.name,
-                    b.branch.dir.display(),
+                    b.branch.lower,
                     replayed.stale[i].len()
                 );
             }
@@ -497,13 +497,15 @@ impl Mirror {
             .iter()
             .enumerate()
             .map(|(i, b)| {
-                json!({
+                let mut row = json!({
                     "name": b.branch.name,
-                    "dir": b.branch.dir.display().to_string(),
                     "state": if self.is_failed(i) { "failed" } else { "in-sync" },
                     "stale_paths": self.log.stale_count(i),
                     "serves_reads": reader == Some(i),
-                })
+                });
+                let (place, at) = b.branch.lower.field();
+                row[place] = at.into();
+                row
             })
             .collect();
         json!({

@@ -305,7 +305,7 @@ impl Mirror {
             if !self.alive(b) {
                 return Err(Error::BadArgs(format!(
                     "resync: branch '{name}' ({}) is still unreachable",
-                    self.branches[b].branch.dir.display()
+                    self.branches[b].branch.lower
                 )));
             }
             let a = self.reader()?;
@@ -398,7 +398,7 @@ impl Mirror {
     fn skipped_by_scrub(&self, checked: u64, repaired: usize) -> Result<()> {
         let failed: Vec<String> = (0..self.branches.len())
             .filter(|b| self.is_failed(*b))
-            .map(|b| format!("'{}' ({})", self.branches[b].branch.name, self.branches[b].branch.dir.display()))
+            .map(|b| format!("'{}' ({})", self.branches[b].branch.name, self.branches[b].branch.lower))
             .collect();
         if failed.is_empty() {
             return Ok(());

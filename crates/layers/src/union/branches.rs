@@ -19,13 +19,15 @@ impl Union {
             .iter()
             .enumerate()
             .map(|(i, b)| {
-                json!({
+                let mut row = json!({
                     "position": i,
                     "name": b.branch.name,
-                    "dir": b.branch.dir.display().to_string(),
                     "mode": b.branch.mode.as_str(),
                     "open_files": b.opens.load(Ordering::Relaxed),
-                })
+                });
+                let (place, at) = b.branch.lower.field();
+                row[place] = at.into();
+                row
             })
             .collect();
         Value::Array(list)
@@ -51,7 +53,7 @@ impl Union {
         let spec = BranchSpec { name: Some(name.clone()), dir: Some(path.into()), mode: Some(mode), layers: Vec::new() };
         let branch = self.builder.build(&name, &spec).map_err(|e| Error::BadArgs(e.to_string()))?;
         let current: Vec<Branch> = self.snapshot().iter().map(|b| b.branch.clone()).collect();
-        plyfs_stack::check_branch_dirs(&current, &branch).map_err(|e| Error::BadArgs(e.to_string()))?;
+        plyfs_stack::check_branch_lowers(&current, &branch).map_err(|e| Error::BadArgs(e.to_string()))?;
         let state = Arc::new(BranchState::found(branch, number));
         {
             let mut branches = self.branches.write();
@@ -75,7 +77,7 @@ impl Union {
                 .branches
                 .read()
                 .iter()
-                .any(|b| (b.branch.name == *name || b.branch.dir.as_os_str() == name.as_str()) && b.opens.load(Ordering::Relaxed) > 0);
+                .any(|b| b.branch.is_called(name) && b.opens.load(Ordering::Relaxed) > 0);
             if !busy {
                 break;
             }
@@ -85,7 +87,7 @@ impl Union {
             let mut branches = self.branches.write();
             let at = branches
                 .iter()
-                .position(|b| b.branch.name == *name || b.branch.dir.as_os_str() == name.as_str())
+                .position(|b| b.branch.is_called(name))
                 .ok_or_else(|| Error::BadArgs(format!("branch-remove: no branch named '{name}'")))?;
             if branches.len() == 1 {
                 return Err(Error::BadArgs(format!("branch-remove: '{name}' is the last branch")));

@@ -55,7 +55,7 @@ pub const WHITEOUT_TARGET: &str = "(plyfs union whiteout)";
 pub const TEMP_PREFIX: &str = ".plyfs-union.";
 
 const EXT_OPS: &[ExtOpInfo] = &[
-    ExtOpInfo { name: "branch-list", args: "", help: "the branches in priority order: name, directory, mode, open files" },
+    ExtOpInfo { name: "branch-list", args: "", help: "the branches in priority order: name, directory or server, mode, open files" },
     ExtOpInfo {
         name: "branch-add",
         args: "PATH [ro|rw] [POSITION]",

@@ -47,7 +47,7 @@ impl Union {
                 "union '{}': cannot mark branch '{}' ({}): {e}; its whiteouts will not be recognised after a remount",
                 self.name,
                 b.branch.name,
-                b.branch.dir.display()
+                b.branch.lower
             );
         }
     }
