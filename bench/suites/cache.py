@@ -284,7 +284,7 @@ class SlowDisk(Lower):
         sh("mount", "-t", "tmpfs", "-o", "size=4g", "tmpfs", mem)
         fast = sh("stat", "-f", "-c", "%T", self.work).strip()
         type(self).about = (f"the fast branch a fresh directory on {'the disk (ext4)' if fast.startswith('ext') else fast} "
-                            f"({self.work}) or on a tmpfs, the slow branch a fresh directory on ext4 on a loop device over a sparse "
+                            f"or on a tmpfs, the slow branch a fresh directory on ext4 on a loop device over a sparse "
                             f"image on the same disk, with direct I/O (the image is not cached) and slowed by {how}; "
                             f"caches dropped before each measurement")
         log(f"slow disk: {dev} on {top}, slowed by {how.split(' (')[0].split(',')[0]}")
