@@ -97,7 +97,10 @@ class Config:
     scratch directory, and `init` true for a volume made by `plyfs init --layer crypt`, with
     `init_args` added to that command), or
     `custom`, mounted by `start(m)` and unmounted by `stop(m)` (after which a FUSE mount at
-    `m.mnt`, if any, is unmounted). `pin`: a CPU the daemon is started on (`taskset`)."""
+    `m.mnt`, if any, is unmounted). `pin`: a CPU the daemon is started on (`taskset`).
+    `available(run)`, if given, is asked once per run before the configuration is first mounted:
+    None, or why it cannot be measured with this plyfs (a layer or feature not there yet); such
+    a configuration is left out without failing the run, and the report says why."""
 
     name: str
     kind: str
@@ -110,6 +113,7 @@ class Config:
     pin: Optional[int] = None
     start: Optional[Callable] = None
     stop: Optional[Callable] = None
+    available: Optional[Callable] = None
 
     @property
     def uring(self):
@@ -149,9 +153,10 @@ def plyfs(name, stack, *options, about="", args=(), pin=None, init_args=()):
                   args=tuple(args), pin=pin)
 
 
-def custom(name, about, start, stop=None, path_is_lower=False):
+def custom(name, about, start, stop=None, path_is_lower=False, available=None):
     """A configuration a suite mounts itself; with `path_is_lower` the workloads run in the lower."""
-    return Config(name, "native" if path_is_lower else "custom", about=about, start=start, stop=stop)
+    return Config(name, "native" if path_is_lower else "custom", about=about, start=start, stop=stop,
+                  available=available)
 
 
 class Mounted:
@@ -167,7 +172,11 @@ class Mounted:
                timeout=120)
         elif cfg.kind == "gocryptfs":
             sh("gocryptfs", "-init", "-q", "-extpass", f"cat {pw}", "-scryptn", "10", lower, timeout=120)
-        self.up()
+        try:
+            self.up()
+        except BaseException:
+            self.down()  # what `up` started before it failed (a server, a half-made mount)
+            raise
 
     def up(self):
         c, pw = self.cfg, self.run.passfile
@@ -381,6 +390,8 @@ class Run:
         self.suite, self.args = suite, args
         self.mounted = set()
         self.ctx = {"quick": args.quick}
+        self.unavailable = {}  # configuration name -> why it was left out (Config.available)
+        self.ran_on = set()  # (lower, scenario) pairs run
 
     def prepare(self):
         install_missing(("fio", "bindfs", "gocryptfs", "tar") + tuple(self.suite.needs))
@@ -394,7 +405,8 @@ class Run:
             log("building plyfs (cargo build --release)")
             subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=REPO, check=True)
             self.plyfs = os.path.join(self.work, "plyfs")
-            shutil.copy(os.path.join(REPO, "target/release/plyfs"), self.plyfs)
+            target = os.path.join(REPO, os.environ.get("CARGO_TARGET_DIR") or "target")  # an absolute one stays
+            shutil.copy(os.path.join(target, "release/plyfs"), self.plyfs)
         self.passfile = os.path.join(self.work, "password")
         with open(self.passfile, "w") as f:
             f.write(PASSWORD)
@@ -402,7 +414,12 @@ class Run:
             with open(os.path.join(self.work, name), "w") as f:
                 f.write(text)
         if self.suite.prepare:
-            self.suite.prepare(self)
+            try:
+                self.suite.prepare(self)
+            except BaseException:
+                if self.suite.cleanup:
+                    self.suite.cleanup()  # what it started before it failed
+                raise
         self.ctx.update(work=self.work, plyfs=self.plyfs)
 
     def execute(self):
@@ -429,7 +446,13 @@ class Run:
         started = time.time()
         try:
             for lower_kind in lowers:
-                lower = suite.lowers[lower_kind](self.work) if lower_kind in suite.lowers else Lower(lower_kind, self.work)
+                try:
+                    lower = suite.lowers[lower_kind](self.work) if lower_kind in suite.lowers else Lower(lower_kind, self.work)
+                except (BenchError, OSError, subprocess.SubprocessError) as e:
+                    # The lower cleans up after itself; the other lowers' results stand.
+                    failures.append(f"{lower_kind}: the lower could not be made: {e}")
+                    log(f"FAILED {failures[-1]}")
+                    continue
                 opened.append(lower)
                 mnt = os.path.join(self.work, "mnt")
                 for rep in range(runs):
@@ -437,8 +460,11 @@ class Run:
                         if lower_kind not in where(sc):
                             continue
                         n = 1 if sc.together else len(sc.configs)
+                        self.ran_on.add((lower_kind, sc.name))
                         for i in range(n):
                             cfg = sc.configs[(i + rep) % n]
+                            if self.left_out(cfg):
+                                continue
                             try:
                                 got = self.measure(sc, cfg, lower, mnt, first=rep == 0)
                             except (BenchError, OSError, subprocess.SubprocessError, ValueError, KeyError, UnicodeError) as e:
@@ -461,6 +487,20 @@ class Run:
                 open(URING_PARAM, "w").write("1" if uring_was == "Y" else "0")
         self.values, self.failures, self.runs, self.lowers = values, failures, runs, lowers
         self.minutes = (time.time() - started) / 60
+
+    def left_out(self, cfg):
+        """Whether `cfg` cannot be measured with this plyfs (asked once per run)."""
+        if cfg.available is None:
+            return False
+        if cfg.name not in self.unavailable:
+            try:
+                why = cfg.available(self)
+            except (BenchError, OSError, subprocess.SubprocessError) as e:
+                why = f"the check failed: {e}"
+            self.unavailable[cfg.name] = why
+            if why:
+                log(f"{cfg.name}: not available yet: {why}")
+        return bool(self.unavailable[cfg.name])
 
     def measure(self, sc, cfg, lower, mnt, first):
         path = lower.fresh()
@@ -553,7 +593,9 @@ class Report:
         for sc in suite.scenarios:
             for c in sc.configs:
                 seen.setdefault(c.name, c)
-        out += [f"- `{c.name}`: {c.describe()}" for c in seen.values()]
+        out += [f"- `{c.name}`: {c.describe()}" + (f" — **not available yet**: {run.unavailable[c.name]}"
+                                                   if run.unavailable.get(c.name) else "")
+                for c in seen.values()]
         out.append("")
         for lower in run.lowers:
             suffix = f" ({lower} lower)" if len(run.lowers) > 1 else ""
@@ -573,6 +615,10 @@ class Report:
             if t.on and lower not in t.on:
                 continue
             j = self.judge(t, lower)
+            missing = [c for c in (t.config, t.against) if self.run.unavailable.get(c)]
+            if j is None and missing and self.ran(t.scenario, lower):
+                rows.append(f"| {t.text} | not available yet (`{missing[0]}`, see the configurations) | {required(t)} | – | |")
+                continue
             if j is None and not any(k[0] == lower and k[1] == t.scenario for k in self.med):
                 continue  # its scenario did not run on this lower
             if j is None:
@@ -588,11 +634,18 @@ class Report:
                  "| target | measured (median) | required | result | earlier runs |", "| --- | --- | --- | --- | --- |"]
                 + rows + [""])
 
+    def ran(self, scenario, lower):
+        """Whether `scenario` was run on `lower` (if only to find its configurations left out)."""
+        return (lower, scenario) in self.run.ran_on
+
     def scenario_table(self, lower, sc: Scenario, suffix):
         cfgs = [c.name for c in sc.configs if any(k[:3] == (lower, sc.name, c.name) for k in self.med)]
         out = [f"#### {sc.title}{suffix}", ""]
         if sc.note:
             out += [sc.note, ""]
+        left = [c.name for c in sc.configs if self.run.unavailable.get(c.name)]
+        if left:
+            out += ["Not available yet, so not measured: " + ", ".join(f"`{c}`" for c in left) + " (see the configurations).", ""]
         out += [f"Median; in brackets the ratio to `{sc.baseline}`; spread ((max − min) / median) in the last column.", "",
                 "| workload | unit | " + " | ".join(f"`{c}`" for c in cfgs) + " | spread |",
                 "| --- | --- |" + " ---: |" * len(cfgs) + " --- |"]

@@ -100,6 +100,42 @@ class Harness(unittest.TestCase):
             pb.write_doc_section("x", "X", "new\n")
             self.assertEqual(open(doc).read(), "before\n<!-- x:begin -->\nnew\n<!-- x:end -->\nafter\n")
 
+    def test_configurations_not_available_are_left_out_and_reported(self):
+        asked = []
+
+        def available(run):
+            asked.append(1)
+            return "no such layer"
+
+        later = pb.custom("later", "a layer still to come", start=lambda m: None, available=available)
+        sc = pb.Scenario("s", "S", [pb.native("a"), later], [pb.Metric("t", "time", "s")],
+                         run=lambda m, ctx: {"t": 1.0}, lower="plain", baseline="a")
+        suite = pb.Suite("x", "X", "intro", [sc], targets=[pb.Target("later within 2× of a", "s", "t", "later", "a", "<=", 2)],
+                         runs=2, lowers={"plain": PlainLower})
+        run = run_of(suite)
+        self.assertEqual(len(asked), 1, "asked once per run")
+        self.assertEqual(run.failures, [])
+        self.assertNotIn(("plain", "s", "later", "t"), run.values)
+        with tempfile.TemporaryDirectory() as d:
+            pb.HISTORY = d
+            text = pb.Report(run, charts=False).markdown("bench/bench x")
+        self.assertIn("| later within 2× of a | not available yet (`later`, see the configurations) | ≤ 2× | – | |", text)
+        self.assertIn("- `later`: a layer still to come — **not available yet**: no such layer", text)
+        self.assertIn("Not available yet, so not measured: `later`", text)
+
+    def test_a_failed_start_stops_what_it_started(self):
+        stopped = []
+
+        def start(m):
+            raise pb.BenchError("half started")
+
+        cfg = pb.custom("c", "c", start=start, stop=lambda m: stopped.append(m.cfg.name))
+        sc = pb.Scenario("s", "S", [cfg], [pb.Metric("t", "time", "s")], run=lambda m, ctx: {"t": 1.0}, lower="plain",
+                         baseline="c")
+        run = run_of(pb.Suite("x", "X", "", [sc], runs=1, lowers={"plain": PlainLower}))
+        self.assertEqual(stopped, ["c"])
+        self.assertIn("half started", run.failures[0])
+
     def test_every_suite_declares_known_configurations_and_metrics(self):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import importlib

@@ -6,7 +6,7 @@ import os
 from plyfsbench import Metric, Scenario, Suite, Target, bindfs, custom, gocryptfs, native, per_layer, plyfs, sh
 import workloads as w
 from suites.fanout import mirror, mirror_io
-from suites.transport import SSHFS, remote, stop_sshd
+from suites.transport import SSHFS, remote, stop_all
 
 GiB = 1 << 30
 OFF, ON = "io_uring=off", "io_uring=on"
@@ -126,5 +126,5 @@ SUITE = Suite(
         *[Target(f"TLS remote stack {t}: ≤ 0.5× sshfs (#33)", "remote", k, "tls", "sshfs", "<=", 0.5)
           for k, t in (("ls_cold", "ls -lR cold"), ("ls_warm", "ls -lR warm"))],
     ],
-    cleanup=stop_sshd,
+    cleanup=stop_all,
 )

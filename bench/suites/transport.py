@@ -27,41 +27,74 @@ def free_port():
         return s.getsockname()[1]
 
 
+SERVERS = set()  # `plyfs serve` processes still running: stopped by `stop_servers` however the run ends
+
+
+def serve(m, directory, kind="unix", name="serve"):
+    """`plyfs serve DIRECTORY --stack null` on a Unix socket (WORK/NAME.sock) or on TCP with TLS
+    (a pre-shared key), kept in `m.server`; returns the address and the arguments a client needs
+    besides it (`--psk FILE`, for TLS)."""
+    if kind == "unix":
+        sock = os.path.join(m.run.work, f"{name}.sock")
+        addr, args = f"unix:{sock}", []
+        if os.path.exists(sock):
+            os.unlink(sock)
+    else:
+        psk = os.path.join(m.run.work, "psk")
+        if not os.path.exists(psk):
+            with open(psk, "wb") as f:
+                f.write(os.urandom(32))
+            os.chmod(psk, 0o600)
+        port = free_port()
+        addr, args = f"tcp:127.0.0.1:{port}", ["--psk", psk, "--no-root-squash"]
+    log = open(os.path.join(m.run.work, "server.log"), "a")
+    # A session of its own: a Ctrl-C must not end the server before its mounts are gone (a remote
+    # mount whose server is gone retries for ever, and its unmount waits with it).
+    m.server = subprocess.Popen([m.run.plyfs, "serve", directory, "--listen", addr, "--stack", "null", *args],
+                                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    log.close()
+    SERVERS.add(m.server)
+    if kind == "unix":
+        wait_for("plyfs serve", lambda: os.path.exists(sock) or m.server.poll() is not None)
+    else:
+        wait_for("plyfs serve (TLS)", lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0
+                 or m.server.poll() is not None)
+    if m.server.poll() is not None:
+        raise BenchError(f"plyfs serve {directory} ended at once (status {m.server.returncode}; see server.log)")
+    return addr, args[:2]
+
+
+def end_server(server):
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+    SERVERS.discard(server)
+
+
+def stop_server(m):
+    if getattr(m, "server", None):
+        end_server(m.server)
+        m.server = None
+
+
+def stop_servers():
+    for server in list(SERVERS):
+        end_server(server)
+
+
 def remote(name, kind, options=None):
     """`plyfs serve LOWER` on a Unix socket or on TCP with TLS (a pre-shared key), and the mount
     `--stack remote` of it."""
     def start(m):
-        if kind == "unix":
-            addr = f"unix:{m.run.work}/serve.sock"
-            args = []
-        else:
-            psk = os.path.join(m.run.work, "psk")
-            if not os.path.exists(psk):
-                with open(psk, "wb") as f:
-                    f.write(os.urandom(32))
-                os.chmod(psk, 0o600)
-            port = free_port()
-            addr, args = f"tcp:127.0.0.1:{port}", ["--psk", psk, "--no-root-squash"]
-        if os.path.exists(f"{m.run.work}/serve.sock"):
-            os.unlink(f"{m.run.work}/serve.sock")
-        log = open(os.path.join(m.run.work, "server.log"), "a")
-        m.server = subprocess.Popen([m.run.plyfs, "serve", m.lower, "--listen", addr, "--stack", "null", *args],
-                                    stdout=subprocess.DEVNULL, stderr=log)
-        if kind == "unix":
-            wait_for("plyfs serve", lambda: os.path.exists(f"{m.run.work}/serve.sock"))
-        else:
-            wait_for("plyfs serve (TLS)", lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0)
+        addr, args = serve(m, m.lower, kind)
         opts = ["-o", options] if options else []
-        sh(m.run.plyfs, "mount", addr, m.mnt, "--stack", "remote", *opts, *args[:2], timeout=60)
+        sh(m.run.plyfs, "mount", addr, m.mnt, "--stack", "remote", *opts, *args, timeout=60)
 
-    def stop(m):
-        server = getattr(m, "server", None)
-        if server:
-            server.terminate()
-            server.wait(timeout=30)
-            m.server = None
     return custom(name, f"`plyfs serve LOWER` over {'a Unix socket' if kind == 'unix' else 'TLS on loopback'}, "
-                  f"mounted with `--stack remote`{' -o ' + options if options else ''}", start, stop)
+                  f"mounted with `--stack remote`{' -o ' + options if options else ''}", start, stop_server)
 
 
 SSHD = {}
@@ -69,12 +102,14 @@ SSHD = {}
 
 def sshd(work):
     """One sshd on loopback for the run, with keys of its own."""
-    if SSHD.get("work") == work:
+    if SSHD.get("work") == work and SSHD.get("pid"):
         return SSHD
+    stop_sshd()  # one that did not come up in full
     d = tempfile.mkdtemp(prefix="ssh-", dir=work)
     for key in ("host_key", "id"):
         sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", os.path.join(d, key))
     os.makedirs("/run/sshd", exist_ok=True)
+    SSHD.update(work=work, dir=d)  # from here on stop_sshd finds it, by its pid file
     port = free_port()
     with open(os.path.join(d, "sshd_config"), "w") as f:
         f.write(f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d}/host_key\nPidFile {d}/sshd.pid\n"
@@ -87,9 +122,19 @@ def sshd(work):
 
 
 def stop_sshd():
-    if SSHD.get("pid"):
-        end_process(SSHD["pid"])
+    pid = SSHD.get("pid")
+    pidfile = os.path.join(SSHD.get("dir", ""), "sshd.pid")
+    if not pid and SSHD.get("dir") and os.path.exists(pidfile):
+        pid = int(open(pidfile).read() or 0)
+    if pid:
+        end_process(pid)
     SSHD.clear()
+
+
+def stop_all():
+    """The run's cleanup: every server and the sshd, whatever state they were left in."""
+    stop_servers()
+    stop_sshd()
 
 
 def sshfs_start(m):
@@ -191,6 +236,6 @@ SUITE = Suite(
         Target("Python codec write within 2× of gzip", "python", "write", "pyzlib", "gzip", ">=", 0.5),
         Target("Python codec cold read within 2× of gzip", "python", "read_cold", "pyzlib", "gzip", ">=", 0.5),
     ],
-    cleanup=stop_sshd,
+    cleanup=stop_all,
     prepare=python_env,
 )
