@@ -427,6 +427,11 @@ impl Cache {
         self.wake.1.notify_all();
     }
 
+    /// Whether `key`'s copy holds unwritten changes (without copying its entry).
+    fn dirty(&self, key: u64) -> bool {
+        is_dirty(self.store.index.lock().copies.get(&key))
+    }
+
     fn copy_of(&self, key: u64) -> Option<Copy> {
         self.store.index.lock().copies.get(&key).cloned()
     }
@@ -516,7 +521,7 @@ impl Cache {
         let _gate = self.gate(key).write();
         if let Some(f) = self.live_fill(key) {
             let current = self.copy_of(key).is_some_and(|c| c.gen == f.gen);
-            if current && (self.writers(key) > 0 || *f.start.lock() == stamp || is_dirty(self.copy_of(key).as_ref())) {
+            if current && (self.writers(key) > 0 || *f.start.lock() == stamp || self.dirty(key)) {
                 return Ok(f);
             }
             f.detach();
@@ -573,6 +578,9 @@ impl Cache {
                 idx.changed = true;
             }
         }
+        // The pages the filling reads left in the kernel serve no one now (later opens read the
+        // copy by passthrough), and measured to slow those reads down: dropped.
+        self.invalidate_later(NodeId(fill.key));
         self.evict_soon.store(true, Ordering::Release);
         self.wake_keeper();
     }
@@ -1013,7 +1021,7 @@ impl Cache {
     /// The slow file's attributes before a change of this mount's, when it has a copy whose
     /// stamp the change would move (see [`Cache::kept_bytes`]).
     fn before_change(&self, node: NodeId) -> Option<Attr> {
-        if !self.has_copy(node.0) || is_dirty(self.copy_of(node.0).as_ref()) {
+        if !self.has_copy(node.0) || self.dirty(node.0) {
             return None;
         }
         self.slow().getattr(&daemon(), node).ok()
@@ -1241,7 +1249,7 @@ impl Cache {
                 } else {
                     file.sync_all()?;
                 }
-                if is_dirty(self.copy_of(node.0).as_ref()) {
+                if self.dirty(node.0) {
                     self.store.sync_log()?;
                     // Durable here; the slow branch gets it now too, or as soon as it can.
                     if let Err(e) = self.write_back(node.0) {
@@ -1523,10 +1531,10 @@ impl Cache {
     /// the slow file's attributes, which the notice refreshed, and the kernel's pages are
     /// dropped by the notice passed on.
     fn outside_change(&self, key: u64) {
-        if is_dirty(self.copy_of(key).as_ref()) && self.flushing.lock().contains(&key) {
+        if self.dirty(key) && self.flushing.lock().contains(&key) {
             return;
         }
-        if is_dirty(self.copy_of(key).as_ref()) {
+        if self.dirty(key) {
             tracing::debug!("cache '{}': node {key} changed on the slow branch while this mount holds unwritten changes to it; this mount's changes win", self.name);
         }
     }
@@ -1643,7 +1651,7 @@ impl Cache {
         }
         let (mut evicted, mut busy) = (0, Vec::new());
         for (n, _) in &files {
-            if is_dirty(self.copy_of(n.0).as_ref()) {
+            if self.dirty(n.0) {
                 if let Err(e) = self.write_back(n.0) {
                     busy.push(format!("{}: not written back yet ({e})", self.path_of(*n).unwrap_or_default()));
                 }
@@ -1752,7 +1760,7 @@ impl Cache {
         };
         if gone {
             self.drop_copy(v.0, true);
-        } else if is_dirty(self.copy_of(v.0).as_ref()) {
+        } else if self.dirty(v.0) {
             // The name its write-back would find it by may be the one that went (a hard link
             // removed): written back now, by the node this lookup holds.
             if let Err(e) = self.write_back_at(v.0, Some(v)) {
@@ -1860,7 +1868,7 @@ impl Layer for Cache {
                 // A file with unwritten changes: its slow attributes change only through this
                 // mount, which saw them last.
                 let known = self.slow_attrs.lock().get(&node.0).copied();
-                if let Some(mut a) = known.filter(|_| is_dirty(self.copy_of(node.0).as_ref())) {
+                if let Some(mut a) = known.filter(|_| self.dirty(node.0)) {
                     self.patch(node, &mut a);
                     return Ok(Reply::Attr(a));
                 }
@@ -2057,7 +2065,7 @@ impl Layer for Cache {
             }
             Op::GetXattr { node, name, .. } => {
                 let r = self.slow().call(cx, op);
-                if matches!(r, Err(Error::Os(libc::ENODATA))) && is_dirty(self.copy_of(node.0).as_ref()) {
+                if matches!(r, Err(Error::Os(libc::ENODATA))) && self.dirty(node.0) {
                     self.absent_xattrs.lock().entry(node.0).or_default().insert(name.to_owned());
                 }
                 r
