@@ -954,7 +954,9 @@ impl Cache {
 
     /// `attr` as the user sees it: a copy holding changes gives the size and times.
     fn patch(&self, node: NodeId, attr: &mut Attr) {
-        if self.cfg.mode != Mode::WriteBack || attr.kind != FileKind::File {
+        // Write-through has copies with unwritten changes too (written by passthrough next to
+        // readers, until their close).
+        if attr.kind != FileKind::File {
             return;
         }
         let gen = match self.store.index.lock().copies.get(&node.0) {
