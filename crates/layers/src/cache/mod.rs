@@ -264,8 +264,11 @@ pub struct Cache {
     fills: Mutex<HashMap<u64, Weak<Fill>>>,
     gates: Vec<RwLock<()>>,
     open_locks: Vec<Mutex<()>>,
-    /// Copies are given to the kernel for passthrough (not with `-o shared`, where a copy can
-    /// go stale under an open that the kernel would serve every later open from).
+    /// Copies are given to the kernel for passthrough: in write-back only, and not with `-o
+    /// shared`. With `-o shared` a copy can go stale under an open that the kernel would serve
+    /// every later open from. In write-through, writes must reach the slow branch through the
+    /// daemon, and the kernel refuses an open through the daemon next to a passthrough one:
+    /// readers share the kernel's page cache with the writers instead.
     copy_passthrough: bool,
     changes: Mutex<HashMap<u64, Change>>,
     /// The slow branch's latest attributes of files whose copies hold unwritten changes (what
@@ -301,6 +304,7 @@ fn is_dirty(copy: Option<&Copy>) -> bool {
 impl Cache {
     fn new(args: FanOutArgs) -> Result<Cache> {
         let cfg = Settings::from(&args.params)?;
+        let copy_passthrough = plyfs_stack::shared::mode().is_none() && cfg.mode == Mode::WriteBack;
         let [fast, slow]: [Branch; 2] = args.branches.try_into().map_err(|b: Vec<Branch>| {
             Error::config(format!(
                 "cache '{}': {} branches; a cache has two, the fast one first (e.g. --stack cache --branch SLOW_DIR, with the lower as the fast one)",
@@ -347,7 +351,7 @@ impl Cache {
             fills: Mutex::new(HashMap::new()),
             gates: (0..GATES).map(|_| RwLock::new(())).collect(),
             open_locks: (0..GATES).map(|_| Mutex::new(())).collect(),
-            copy_passthrough: plyfs_stack::shared::mode().is_none(),
+            copy_passthrough,
             changes: Mutex::new(changes),
             slow_attrs: Mutex::new(HashMap::new()),
             absent_xattrs: Mutex::new(HashMap::new()),
@@ -729,7 +733,8 @@ impl Cache {
             _ => None,
         };
         let fh = self.new_fh(CFile { kind: Kind::Copy { file }, writes, side, through });
-        Ok(Reply::Opened(Opened { fh, backing, direct_io: false, flush_on_close: through }))
+        let flush_on_close = through || (writes && side == Side::Daemon);
+        Ok(Reply::Opened(Opened { fh, backing, direct_io: false, flush_on_close }))
     }
 
     /// An open of the slow branch's file itself.
@@ -776,7 +781,11 @@ impl Cache {
         self.count_open(key, side, writes, None);
         let backing = if side == Side::Slow { opened.backing.clone() } else { None };
         let fh = self.new_fh(CFile { kind: Kind::Slow { fh: opened.fh, fill }, writes, side, through: false });
-        Ok(Reply::Opened(Opened { fh, backing, direct_io: opened.direct_io, flush_on_close: opened.flush_on_close }))
+        // A writer through the daemon may leave pages written by mmap in the kernel; without a
+        // flush at close they are written back later, and a passthrough open of the copy made
+        // after the close would not see them.
+        let flush_on_close = opened.flush_on_close || (writes && side == Side::Daemon);
+        Ok(Reply::Opened(Opened { fh, backing, direct_io: opened.direct_io, flush_on_close }))
     }
 
     fn open(&self, cx: &Caller, node: NodeId, flags: i32) -> Result<Reply> {
@@ -1209,8 +1218,9 @@ impl Cache {
                 if f.writes && self.writers(key) <= 1 && (fill.is_some() || self.has_copy(key)) {
                     // The copy has this mount's writes, but a change made on the slow branch
                     // while they went on would not show in its stamp: the copy is fetched again
-                    // when next read rather than trusted.
+                    // when next read rather than trusted, and the kernel's pages of it dropped.
                     self.drop_copy(key, false);
+                    self.invalidate_later(node);
                 }
                 r.map(|_| Reply::Empty)
             }
