@@ -377,7 +377,6 @@ fn fsx_cache_write_through() {
 }
 
 #[test]
-#[ignore = "issue #34, open: a reader beside a write-through writer can read old bytes after truncates and writes (PLYFS_FSX_SEED=2 PLYFS_FSX_OPS=1500, run with --ignored)"]
 fn fsx_cache_write_through_with_a_reader() {
     let initial: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
     run_fsx_fan_out_with("cache:range=64k", "rw", &initial, 400, true);
@@ -403,9 +402,7 @@ fn run_fsx_cache_over_server(stack: &str) {
     let server = common::Server::start(&slow, &format!("unix:{}", sock.display()), &["--stack", "null"], &root.join("server.log"));
     let spec = format!("{stack}[@{} | remote:addr=unix:{}]", fast.display(), sock.display());
     let mount = || Mount::start(dir, std::path::PathBuf::from("-"), mnt, &spec, &[]);
-    // Write-through with a reader beside the writer is the open bug of the test above.
-    let reader = !stack.contains("write-through") && stack.contains("write-back");
-    run_fsx_on_with(&format!("[{stack}] over a server"), mount, 300, &initial, reader);
+    run_fsx_on_with(&format!("[{stack}] over a server"), mount, 300, &initial, true);
     drop(server);
 }
 

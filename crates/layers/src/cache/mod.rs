@@ -732,9 +732,32 @@ impl Cache {
             Side::Fast(_) => Some(Arc::new(OwnedFd::from(file.try_clone()?))),
             _ => None,
         };
-        let fh = self.new_fh(CFile { kind: Kind::Copy { file }, writes, side, through });
+        // A reader through the daemon reads by a fill of the whole copy: if the copy is given up
+        // while it is open (a writer found it stale), the fill sends it to the slow branch,
+        // where a descriptor of the copy would go on reading a removed file.
+        let kind = match (side, writes) {
+            (Side::Daemon, false) => Kind::Filling(self.fill_of_copy(node.0, gen, &file)?),
+            _ => Kind::Copy { file },
+        };
+        let fh = self.new_fh(CFile { kind, writes, side, through });
         let flush_on_close = through || (writes && side == Side::Daemon);
         Ok(Reply::Opened(Opened { fh, backing, direct_io: false, flush_on_close }))
+    }
+
+    /// The live fill of whole copy `gen` of `key`, or a new one over `file`.
+    fn fill_of_copy(&self, key: u64, gen: u64, file: &File) -> Result<Arc<Fill>> {
+        let _gate = self.gate(key).write();
+        if let Some(f) = self.live_fill(key).filter(|f| f.gen == gen) {
+            return Ok(f);
+        }
+        let stamp = self.copy_of(key).map(|c| c.stamp).unwrap_or_default();
+        let size = file.metadata()?.len();
+        // Its own descriptor, for writing: a write-through writer's writes and truncates reach
+        // the copy through the fill (the reader's descriptor is read-only).
+        let own = self.store.open_copy(key, gen, true)?;
+        let fill = Arc::new(Fill::new(key, gen, own, size, self.cfg.range, self.slow().clone(), stamp, true, self.stats.fetched.clone()));
+        self.fills.lock().insert(key, Arc::downgrade(&fill));
+        Ok(fill)
     }
 
     /// An open of the slow branch's file itself.
