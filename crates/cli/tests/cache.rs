@@ -233,7 +233,7 @@ fn write_back_waits_then_writes_back_and_fsync_writes_back_at_once() {
 #[test]
 fn a_killed_write_back_daemon_loses_nothing_it_was_given() {
     let (_d, slow) = slow_dir();
-    let mut m = cache_over("cache:mode=write-back:delay=1h", &slow, &[]);
+    let m = cache_over("cache:mode=write-back:delay=1h", &slow, &[]);
     let mut want = Vec::new();
     for i in 0..20u64 {
         let data = random(10 + i, 1000 + 5000 * i as usize);
@@ -247,15 +247,8 @@ fn a_killed_write_back_daemon_loses_nothing_it_was_given() {
     std::fs::rename(m.path("f3"), m.path("renamed")).unwrap();
     assert_eq!(std::fs::read(slow.join("f5")).unwrap(), b"", "held for an hour");
     assert_eq!(std::fs::read(slow.join("synced")).unwrap(), b"fsynced");
-    m.child().kill().unwrap();
-    m.child().wait().unwrap();
-    let out = run(plyfs().arg("umount").arg(&m.mnt));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     // The same fast branch again: everything the log names is written back before it is needed.
-    let (dir, fast, mnt) = (std::mem::replace(&mut m.dir, tempfile::tempdir().unwrap()), m.lower.clone(), m.mnt.clone());
-    drop(m);
-    let branch = format!("--branch={}", slow.display());
-    let m = Mount::start(dir, fast, mnt, "cache:mode=write-back:delay=1h", &[&branch]);
+    let m = kill_and_restart(m, "cache:mode=write-back:delay=1h", &slow);
     wait_for("written back after the restart", Duration::from_secs(20), || {
         (0..20).filter(|i| *i != 3).all(|i| std::fs::read(slow.join(format!("f{i}"))).unwrap() == want[i as usize])
             && std::fs::read(slow.join("renamed")).unwrap() == want[3]
