@@ -249,7 +249,19 @@ struct Change {
     at: Instant,
 }
 
+/// The copies with changes not written back, and a time before which none of them is due: the
+/// keeper looks through them only then. It used to look at every wake-up, and an untar makes
+/// thousands of them while it wakes the keeper at each close: a tenth of the daemon's time.
+#[derive(Default)]
+struct Changes {
+    of: HashMap<u64, Change>,
+    first_due: Option<Instant>,
+}
+
 type Job = Box<dyn FnOnce() + Send>;
+
+/// The keeper's shortest sleep between rounds (its longest is half a second).
+const KEEPER_TICK_MIN: Duration = Duration::from_millis(100);
 
 pub struct Cache {
     name: String,
@@ -270,7 +282,7 @@ pub struct Cache {
     /// daemon, and the kernel refuses an open through the daemon next to a passthrough one:
     /// readers share the kernel's page cache with the writers instead.
     copy_passthrough: bool,
-    changes: Mutex<HashMap<u64, Change>>,
+    changes: Mutex<Changes>,
     /// The slow branch's latest attributes of files whose copies hold unwritten changes (what
     /// a change of their times or size alone answers with, without asking it).
     slow_attrs: Mutex<HashMap<u64, Attr>>,
@@ -337,7 +349,9 @@ impl Cache {
             tracing::info!("cache '{}': {dirty} file(s) from before the restart are not on the slow branch yet; writing them back", args.name);
         }
         let now = Instant::now();
-        let changes = store.index.lock().copies.iter().filter(|(_, c)| c.dirty).map(|(k, _)| (*k, Change { seq: 1, at: now - cfg.delay })).collect();
+        let at = now.checked_sub(cfg.delay).unwrap_or(now);
+        let of: HashMap<u64, Change> = store.index.lock().copies.iter().filter(|(_, c)| c.dirty).map(|(k, _)| (*k, Change { seq: 1, at })).collect();
+        let changes = Changes { first_due: (!of.is_empty()).then_some(now), of };
         Ok(Cache {
             name: args.name,
             fast,
@@ -504,7 +518,7 @@ impl Cache {
             Some(c) => {
                 if c.dirty {
                     let _ = self.store.log(key, None);
-                    self.changes.lock().remove(&key);
+                    self.changes.lock().of.remove(&key);
                     self.slow_attrs.lock().remove(&key);
                     self.absent_xattrs.lock().remove(&key);
                 }
@@ -919,7 +933,11 @@ impl Cache {
         let truncate = flags & libc::O_TRUNC != 0;
         let gen = match self.fresh_copy(key, attr) {
             Some(c) => c.gen,
-            None if truncate => self.new_copy(key, attr)?,
+            None if truncate => {
+                let (gen, file) = self.new_copy(key, attr)?;
+                self.mark_dirty(key, gen, node)?;
+                return self.serve_copy(node, gen, file, true, through);
+            }
             None => {
                 let fill = self.fill_for(key, attr)?;
                 fill.fill_all(&|_| {})?;
@@ -939,16 +957,16 @@ impl Cache {
         self.serve_copy(node, gen, file, true, through)
     }
 
-    /// A new, empty, whole copy of `key`.
-    fn new_copy(&self, key: u64, attr: &Attr) -> Result<u64> {
+    /// A new, empty, whole copy of `key`, opened for reading and writing.
+    fn new_copy(&self, key: u64, attr: &Attr) -> Result<(u64, File)> {
         self.drop_copy(key, false);
         let gen = self.store.index.lock().new_gen();
-        self.store.create_copy(key, gen)?;
+        let file = self.store.create_copy(key, gen)?;
         let path = self.path_of(NodeId(key)).unwrap_or_default();
         let mut idx = self.store.index.lock();
         idx.copies.insert(key, Copy { gen, path, stamp: Stamp::of(attr), complete: true, dirty: false, used: now_secs(), bytes: 0, shown_ctime: None });
         idx.changed = true;
-        Ok(gen)
+        Ok((gen, file))
     }
 
     /// Note that `key`'s copy is about to hold changes the slow branch does not have: in the
@@ -978,10 +996,13 @@ impl Cache {
     }
 
     fn changed(&self, key: u64) {
+        let now = Instant::now();
         let mut ch = self.changes.lock();
-        let c = ch.entry(key).or_insert(Change { seq: 0, at: Instant::now() });
+        let c = ch.of.entry(key).or_insert(Change { seq: 0, at: now });
         c.seq += 1;
-        c.at = Instant::now();
+        c.at = now;
+        let due = now + self.cfg.delay;
+        ch.first_due = Some(ch.first_due.map_or(due, |d| d.min(due)));
     }
 
     /// `attr` as the user sees it: a copy holding changes gives the size and times.
@@ -1267,7 +1288,10 @@ impl Cache {
                 tracing::warn!("cache '{}': node {key}: not written back at release ({e}); it stays in the cache and is tried again", self.name);
             }
         }
-        if f.writes {
+        // The keeper wakes at least every KEEPER_TICK_MIN: woken at each close only when the
+        // delay is shorter than that (a wake-up per created file cost an untar a context switch
+        // each).
+        if f.writes && self.cfg.delay < KEEPER_TICK_MIN {
             self.wake_keeper();
         }
         result
@@ -1352,7 +1376,7 @@ impl Cache {
 
     fn write_back_now(&self, key: u64, known: Option<NodeId>) -> Result<()> {
         let Some(copy) = self.copy_of(key).filter(|c| c.dirty) else { return Ok(()) };
-        let seq = self.changes.lock().get(&key).map_or(0, |c| c.seq);
+        let seq = self.changes.lock().of.get(&key).map_or(0, |c| c.seq);
         let found = match known {
             Some(n) => Ok((n, Vec::new())),
             None => self.slow_node(key, &copy.path),
@@ -1371,7 +1395,7 @@ impl Cache {
                 );
                 self.store.index.lock().copies.remove(&key);
                 self.store.index.lock().changed = true;
-                self.changes.lock().remove(&key);
+                self.changes.lock().of.remove(&key);
                 let _ = self.store.log(key, None);
                 return Ok(());
             }
@@ -1396,9 +1420,9 @@ impl Cache {
         let _open = self.open_lock(key).lock();
         let clean = {
             let mut ch = self.changes.lock();
-            let unchanged = ch.get(&key).map_or(0, |c| c.seq) == seq && self.writers(key) == 0;
+            let unchanged = ch.of.get(&key).map_or(0, |c| c.seq) == seq && self.writers(key) == 0;
             if unchanged {
-                ch.remove(&key);
+                ch.of.remove(&key);
             }
             unchanged
         };
@@ -1478,7 +1502,7 @@ impl Cache {
         let due: Vec<u64> = if all {
             self.store.index.lock().copies.iter().filter(|(_, c)| c.dirty).map(|(k, _)| *k).collect()
         } else {
-            let waited: Vec<u64> = self.changes.lock().iter().filter(|(_, c)| c.at.elapsed() >= self.cfg.delay).map(|(k, _)| *k).collect();
+            let waited = self.due_changes();
             let idx = self.store.index.lock();
             waited.into_iter().filter(|k| is_dirty(idx.copies.get(k))).collect()
         };
@@ -1500,6 +1524,32 @@ impl Cache {
             }
         }
         (done, errors)
+    }
+
+    /// The copies whose last change is `delay` old, when the first due time has come. Those it
+    /// returns that stay (a writer holds them, or writing back failed) are due again a delay
+    /// later.
+    fn due_changes(&self) -> Vec<u64> {
+        let now = Instant::now();
+        let mut ch = self.changes.lock();
+        if ch.first_due.is_none_or(|d| d > now) {
+            return Vec::new();
+        }
+        let (mut due, mut next) = (Vec::new(), None::<Instant>);
+        for (key, c) in &ch.of {
+            let at = c.at + self.cfg.delay;
+            if at <= now {
+                due.push(*key);
+            } else {
+                next = Some(next.map_or(at, |n| n.min(at)));
+            }
+        }
+        if !due.is_empty() {
+            let again = now + self.cfg.delay;
+            next = Some(next.map_or(again, |n| n.min(again)));
+        }
+        ch.first_due = next;
+        due
     }
 
     /// Whether `key`'s copy is in use (open, filling, being written back).
@@ -1830,7 +1880,7 @@ fn keeper(me: Weak<Cache>) {
             let _ = cache.store.save();
             last_save = Instant::now();
         }
-        let tick = cache.cfg.delay.clamp(Duration::from_millis(100), Duration::from_millis(500));
+        let tick = cache.cfg.delay.clamp(KEEPER_TICK_MIN, Duration::from_millis(500));
         let mut woken = cache.wake.0.lock();
         if !*woken {
             cache.wake.1.wait_for(&mut woken, tick);
@@ -1997,8 +2047,7 @@ impl Layer for Cache {
                         let made = if self.has_copy(key) {
                             self.open_dirty(cx, node, flags, &entry.attr, false)
                         } else {
-                            self.new_copy(key, &entry.attr).and_then(|gen| {
-                                let file = self.store.open_copy(key, gen, true)?;
+                            self.new_copy(key, &entry.attr).and_then(|(gen, file)| {
                                 self.mark_dirty(key, gen, node)?;
                                 self.serve_copy(node, gen, file, true, false)
                             })
