@@ -413,11 +413,14 @@ SUITE = Suite(
                       "and the lower of `null` are tmpfs: what is slow is the remote stack."),
         Scenario("tree", "Source tree over a remote slow branch: untar, ls -lR (/usr/include, 8.9k entries)",
                  [remote_alone("remote", no_seed), SSHFS, cache_remote("cache-wb", "write-back", no_seed),
-                  cache_remote("cache-wt", "write-through", no_seed)],
+                  cache_remote("cache-wt", "write-through", no_seed), null_over_fast("null", no_seed)],
                  [Metric("untar", "untar", "s"), Metric("ls", "ls -lR after the untar", "s"),
                   Metric("ls_warm", "ls -lR warm", "s"), Metric("rm", "rm -rf", "s")],
                  run=tree, check=check_tree, baseline="remote",
-                 note="The tarball is read from memory; sshfs exports a tmpfs through an sshd on loopback."),
+                 note="The tarball is read from memory; sshfs exports a tmpfs through an sshd on loopback. `null` is "
+                      "the floor of any FUSE mount here: a plyfs mount that only passes requests on to a local tmpfs, "
+                      "with no server and no cache. A cache that answered every request itself could come near it, "
+                      "no nearer."),
         Scenario("disk", "A large file on a slow disk, the fast branch on the VM's disk: read twice with the caches "
                  "dropped in between (1 GiB)",
                  [fast_alone("fast-disk", seed_big, "the fast branch's directory itself, on the disk"),
