@@ -773,3 +773,26 @@ fn review_an_outside_ctime_only_change_is_not_served_from_the_page_cache() {
     std::thread::sleep(Duration::from_secs(3));
     assert!(std::fs::read(m.path("k")).unwrap() == random(71, 300_000), "the old bytes are served");
 }
+
+/// A write-back writer of a file too large to fetch at its open (here, larger than `max_size`)
+/// writes it through: `> file` and a rewrite fetch none of its old bytes, and the slow branch
+/// has the new ones when close returns.
+#[test]
+fn write_back_of_a_file_too_large_to_fetch_writes_it_through() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("big"), random(7, 300_000)).unwrap();
+    std::fs::write(slow.join("small"), b"old").unwrap();
+    let m = cache_over("cache:mode=write-back:delay=1h:max_size=100k", &slow, &[]);
+    // What a shell's `> big` does: an open for writing, then a truncation.
+    let mut f = OpenOptions::new().write(true).truncate(true).open(m.path("big")).unwrap();
+    f.write_all(b"new bytes").unwrap();
+    drop(f);
+    assert!(std::fs::read(slow.join("big")).unwrap() == b"new bytes", "written through");
+    assert!(std::fs::read(m.path("big")).unwrap() == b"new bytes", "read back through the mount");
+    let s = status(&m);
+    assert_eq!(s["fetched_bytes"].as_u64(), Some(9), "only the new bytes were read back: {s}");
+    // A small file is still written back later.
+    std::fs::write(m.path("small"), b"new").unwrap();
+    assert_eq!(std::fs::read(slow.join("small")).unwrap(), b"old", "not written back yet");
+    assert_eq!(status(&m)["dirty_files"].as_u64(), Some(1));
+}

@@ -260,6 +260,9 @@ struct Changes {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// The largest file a write-back writer's open fetches whole when no whole copy is here.
+const FETCH_TO_WRITE_MAX: u64 = 64 << 20;
+
 /// The keeper's shortest sleep between rounds (its longest is half a second).
 const KEEPER_TICK_MIN: Duration = Duration::from_millis(100);
 
@@ -852,8 +855,20 @@ impl Cache {
         match (self.cfg.mode, writes) {
             (_, false) => self.open_read(cx, node, flags, &attr),
             (Mode::WriteThrough, true) => self.open_slow(cx, node, flags, true),
-            (Mode::WriteBack, true) => self.open_dirty(cx, node, flags, &attr, false),
+            (Mode::WriteBack, true) if self.fetch_to_write(node.0, &attr) => self.open_dirty(cx, node, flags, &attr, false),
+            // Written through for this open, as in write-through.
+            (Mode::WriteBack, true) => self.open_slow(cx, node, flags, true),
         }
+    }
+
+    /// Whether a write-back writer may wait at its open for the whole file to be fetched (it
+    /// writes in a whole copy). Not for a large file with no whole copy here: the open would
+    /// wait for all of it, holding the file's open lock, and `> file` (an open, then a
+    /// truncation of its own) would fetch all the bytes it then throws away. Nor for a file
+    /// the cache could not keep under `max_size`.
+    fn fetch_to_write(&self, key: u64, attr: &Attr) -> bool {
+        let small = attr.size <= FETCH_TO_WRITE_MAX && (self.cfg.max_size == 0 || attr.size <= self.cfg.max_size);
+        small || self.fresh_copy(key, attr).is_some()
     }
 
     /// An open of a file that other opens read by passthrough from copy `gen`: the kernel
