@@ -1922,36 +1922,8 @@ impl Invalidator for CacheInvalidator {
     }
 }
 
-impl Layer for Cache {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn kind(&self) -> &'static str {
-        "cache"
-    }
-
-    fn data_path(&self) -> DataPath {
-        DataPath::Transparent
-    }
-
-    fn lower(&self) -> &[Level] {
-        &[]
-    }
-
-    fn branches(&self) -> Vec<Branch> {
-        vec![self.fast.clone(), self.slow.clone()]
-    }
-
-    fn extended_ops(&self) -> &[ExtOpInfo] {
-        EXT_OPS
-    }
-
-    fn set_invalidator(&self, inv: Arc<dyn Invalidator>) {
-        // Set once the layer is shared (`build`), through `Arc`; see `CacheHandle`.
-        let _ = inv;
-    }
-
+/// The operations, as [`CacheHandle`] (the layer the stack holds) passes them on.
+impl Cache {
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         match *op {
             Op::Lookup { .. } | Op::MkNod { .. } | Op::MkDir { .. } | Op::SymLink { .. } | Op::Link { .. } | Op::ReadDir { plus: true, .. } => {
@@ -2226,7 +2198,7 @@ struct CacheHandle(Arc<Cache>);
 
 impl Layer for CacheHandle {
     fn name(&self) -> &str {
-        self.0.name()
+        &self.0.name
     }
     fn kind(&self) -> &'static str {
         "cache"
@@ -2238,7 +2210,7 @@ impl Layer for CacheHandle {
         &[]
     }
     fn branches(&self) -> Vec<Branch> {
-        self.0.branches()
+        vec![self.0.fast.clone(), self.0.slow.clone()]
     }
     fn extended_ops(&self) -> &[ExtOpInfo] {
         EXT_OPS
