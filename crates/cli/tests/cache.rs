@@ -796,3 +796,68 @@ fn write_back_of_a_file_too_large_to_fetch_writes_it_through() {
     assert_eq!(std::fs::read(slow.join("small")).unwrap(), b"old", "not written back yet");
     assert_eq!(status(&m)["dirty_files"].as_u64(), Some(1));
 }
+
+// ---------------------------------------------------------------------------------------------
+// From the review of the keeper's due times and of write-back writers of large files written
+// through (branch crev): each failed on 0fdfce7.
+// ---------------------------------------------------------------------------------------------
+
+/// A write-back writer of a large file with no whole copy writes it through (`Kind::Slow`); its
+/// writes reach a copy only through a fill alive when it writes, and over a server (no
+/// passthrough to the slow file) it has none. Once `> big` made the file small, a second writer
+/// is given a dirty copy, fetched at its open: the first writer's later writes miss it, and its
+/// write-back then puts the slow file back to that copy.
+#[test]
+fn review_a_write_back_writer_next_to_one_writing_through_loses_none_of_its_writes() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("big"), random(73, 300_000)).unwrap();
+    let (_server, mut m) = cache_over_server("cache:mode=write-back:delay=1h:max_size=100k", &slow, &[]);
+    // `prog > big`: written through (too large to fetch), and small from now on.
+    let mut first = OpenOptions::new().write(true).truncate(true).open(m.path("big")).unwrap();
+    first.write_all(b"first line\n").unwrap();
+    // `echo second >> big` meanwhile.
+    let mut second = OpenOptions::new().append(true).open(m.path("big")).unwrap();
+    second.write_all(b"second\n").unwrap();
+    drop(second);
+    // The first writer goes on, past what the second wrote.
+    first.write_all_at(b"third\n", 100).unwrap();
+    drop(first);
+    let mut want = b"first line\nsecond\n".to_vec();
+    want.resize(100, 0);
+    want.extend_from_slice(b"third\n");
+    let seen = std::fs::read(m.path("big")).unwrap();
+    m.unmount();
+    let on_slow = std::fs::read(slow.join("big")).unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    assert_eq!((text(&seen), text(&on_slow)), (text(&want), text(&want)), "read through the mount, and on the slow branch after unmount");
+}
+
+/// The same writer, with no fill alive: a reader fills a whole copy next to it and closes, the
+/// copy is trusted while a writer is open (`fresh_copy`, `record_complete`), and the writer's
+/// next writes reach the slow branch only: the next reader is served the copy, without them.
+#[test]
+fn review_a_reader_next_to_a_write_back_writer_writing_through_sees_its_writes() {
+    reader_next_to_a_writer_writing_through("cache:mode=write-back:delay=1h:max_size=100k");
+}
+
+/// The same in write-through mode (there before the change under review).
+#[test]
+fn review_a_reader_next_to_a_writer_writing_through_sees_its_writes() {
+    reader_next_to_a_writer_writing_through("cache");
+}
+
+fn reader_next_to_a_writer_writing_through(stack: &str) {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("big"), random(74, 300_000)).unwrap();
+    let (_server, m) = cache_over_server(stack, &slow, &[]);
+    let writer = OpenOptions::new().write(true).open(m.path("big")).unwrap();
+    assert!(std::fs::read(m.path("big")).unwrap() == random(74, 300_000));
+    // The kernel's pages of the fill are dropped once it is whole (from a fetcher thread).
+    std::thread::sleep(Duration::from_millis(300));
+    writer.write_all_at(b"NEW BYTES", 4096).unwrap();
+    assert_eq!(std::fs::read(slow.join("big")).unwrap()[4096..4105], *b"NEW BYTES", "written through");
+    let mut got = vec![0u8; 9];
+    File::open(m.path("big")).unwrap().read_exact_at(&mut got, 4096).unwrap();
+    drop(writer);
+    assert_eq!(String::from_utf8_lossy(&got), "NEW BYTES", "a reader while the writer is open");
+}
