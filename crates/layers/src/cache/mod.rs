@@ -866,7 +866,18 @@ impl Cache {
     /// wait for all of it, holding the file's open lock, and `> file` (an open, then a
     /// truncation of its own) would fetch all the bytes it then throws away. Nor for a file
     /// the cache could not keep under `max_size`.
+    ///
+    /// A copy with unwritten changes is the file: always written in. Next to a writer writing
+    /// through (the only writer of a file in write-back whose copy holds no unwritten changes),
+    /// this one writes through too: the other's writes reach a copy only through a fill alive
+    /// when it writes, and would miss the copy this open makes, whose write-back then undoes them.
     fn fetch_to_write(&self, key: u64, attr: &Attr) -> bool {
+        if self.dirty(key) {
+            return true;
+        }
+        if self.writers(key) > 0 {
+            return false;
+        }
         let small = attr.size <= FETCH_TO_WRITE_MAX && (self.cfg.max_size == 0 || attr.size <= self.cfg.max_size);
         small || self.fresh_copy(key, attr).is_some()
     }
@@ -1245,7 +1256,14 @@ impl Cache {
             Kind::Slow { fh, .. } => {
                 let _gate = self.gate(node.0).read();
                 let Some(fill) = self.live_fill(node.0) else {
-                    return self.slow().call(cx, &Op::Write { node, fh: *fh, offset, data });
+                    let reply = self.slow().call(cx, &Op::Write { node, fh: *fh, offset, data })?;
+                    // No fill takes the write to the copy, which `fresh_copy` trusts while a
+                    // writer is open (a reader may have filled it whole since this one opened):
+                    // it is no longer the file.
+                    if self.has_copy(node.0) {
+                        self.drop_copy(node.0, false);
+                    }
+                    return Ok(reply);
                 };
                 let _held = fill.hold(offset, data.len() as u64);
                 let reply = self.slow().call(cx, &Op::Write { node, fh: *fh, offset, data })?;
@@ -2026,6 +2044,10 @@ impl Cache {
                     Some(Side::Fast(gen)) => {
                         let _ = self.slow().release(cx, node, opened.fh);
                         self.open_next_to_copy(cx, node, flags, &entry.attr, gen)
+                    }
+                    // Next to a writer writing through: see `fetch_to_write`.
+                    _ if self.cfg.mode == Mode::WriteBack && writes && self.writers(key) > 0 && !self.dirty(key) => {
+                        self.wrap_slow(node, opened, writes, true, flags & libc::O_TRUNC != 0)
                     }
                     _ if self.cfg.mode == Mode::WriteBack => {
                         // The copy takes the writes: the slow branch's handle is let go in the
