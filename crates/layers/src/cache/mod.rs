@@ -263,6 +263,10 @@ type Job = Box<dyn FnOnce() + Send>;
 /// The largest file a write-back writer's open fetches whole when no whole copy is here.
 const FETCH_TO_WRITE_MAX: u64 = 64 << 20;
 
+/// How soon a write-back that failed (or that a writer kept from being made) is tried again,
+/// at most.
+const RETRY_AFTER: Duration = Duration::from_secs(2);
+
 /// The keeper's shortest sleep between rounds (its longest is half a second).
 const KEEPER_TICK_MIN: Duration = Duration::from_millis(100);
 
@@ -854,6 +858,10 @@ impl Cache {
         }
         match (self.cfg.mode, writes) {
             (_, false) => self.open_read(cx, node, flags, &attr),
+            // A copy with unwritten changes (its write-back at a close failed, or it is from
+            // before a restart) is the file: written in, and written back at close. Written
+            // around, its later write-back would undo these writes.
+            (Mode::WriteThrough, true) if self.dirty(node.0) => self.open_dirty(cx, node, flags, &attr, true),
             (Mode::WriteThrough, true) => self.open_slow(cx, node, flags, true),
             (Mode::WriteBack, true) if self.fetch_to_write(node.0, &attr) => self.open_dirty(cx, node, flags, &attr, false),
             // Written through for this open, as in write-through.
@@ -1560,8 +1568,8 @@ impl Cache {
     }
 
     /// The copies whose last change is `delay` old, when the first due time has come. Those it
-    /// returns that stay (a writer holds them, or writing back failed) are due again a delay
-    /// later.
+    /// returns that stay (a writer holds them, or writing back failed) are looked at again
+    /// within [`RETRY_AFTER`].
     fn due_changes(&self) -> Vec<u64> {
         let now = Instant::now();
         let mut ch = self.changes.lock();
@@ -1578,7 +1586,7 @@ impl Cache {
             }
         }
         if !due.is_empty() {
-            let again = now + self.cfg.delay;
+            let again = now + self.cfg.delay.clamp(KEEPER_TICK_MIN, RETRY_AFTER);
             next = Some(next.map_or(again, |n| n.min(again)));
         }
         ch.first_due = next;
