@@ -231,14 +231,40 @@ fn versions_and_deleted_are_tables_on_a_terminal() {
     assert_eq!(fs::read_to_string(m.path(".plyfs-versions/f/@3")).unwrap(), "three");
 }
 
+/// The kernel keeps a name it looked up for the entry timeout, and the store changes behind its
+/// back: the number of a version that went (dropped at the release of an open that changed
+/// nothing) is not given to the next, or a read by the path `versions` gives would find the
+/// version that went, or nothing (issue #34).
+#[test]
+fn the_number_of_a_version_that_went_is_not_given_again() {
+    let m = Mount::new("version");
+    fs::write(m.path("f"), "a").unwrap();
+    // Version 1, taken at an open that changes nothing, read by its path meanwhile.
+    let f = fs::OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    assert_eq!(fs::read_to_string(m.path(".plyfs-versions/f/@1")).unwrap(), "a");
+    drop(f);
+    // Its release, which the kernel sends after close returns, drops it.
+    let start = std::time::Instant::now();
+    while m.lower_path(".plyfs-versions/f/@1").exists() {
+        assert!(start.elapsed() < std::time::Duration::from_secs(10), "version 1 never dropped");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    fs::OpenOptions::new().append(true).open(m.path("f")).unwrap().write_all(b"b").unwrap(); // no version
+    fs::write(m.path("f"), "c").unwrap();
+    assert_eq!(versions(&m, "f"), ["ab"]);
+    assert_eq!(op_json(&m.path("f"), &["versions"])[0]["number"], 2);
+}
 
 /// Listings racing overwrites through a real mount (issue #33): the kernel sends a release after
 /// close has returned, so a `versions` right after a close meets the release that drops the
 /// version its open took. A writer overwrites a file every way that keeps a version (and opens
 /// it without changing it, which keeps none) while listers ask `versions` without pause and
-/// read what they are given. No listing fails; a version listed and then gone reads `ENOENT`;
-/// at the end the file has exactly the versions the writer made. (The same in process, with
-/// more threads and rounds: `crates/layers/tests/version_race.rs`.)
+/// read what they are given. No listing fails, and every version listed reads: the writer
+/// removes none, so none listed may go (a release in flight dropped versions that listings
+/// had named, and the kernel then kept their names as absent while new versions took their
+/// numbers, the final listing's included: CI, issue #34). At the end the file has exactly the
+/// versions the writer made. (The same in process, with more threads and rounds:
+/// `crates/layers/tests/version_race.rs`.)
 #[test]
 fn listings_racing_overwrites_through_the_mount_never_fail_nor_lose_a_version() {
     use std::collections::HashSet;
@@ -248,7 +274,7 @@ fn listings_racing_overwrites_through_the_mount_never_fail_nor_lose_a_version() 
     let content = |round: usize| format!("round {round:010}").into_bytes();
     let held = Mutex::new(HashSet::from([content(0)]));
     fs::write(m.path("f"), content(0)).unwrap();
-    let (done, listings, gone) = (AtomicBool::new(false), AtomicU64::new(0), AtomicU64::new(0));
+    let (done, listings) = (AtomicBool::new(false), AtomicU64::new(0));
     let failures = Mutex::new(Vec::<String>::new());
     let kept = std::thread::scope(|s| {
         for _ in 0..2 {
@@ -266,9 +292,6 @@ fn listings_racing_overwrites_through_the_mount_never_fail_nor_lose_a_version() 
                         match fs::read(&path) {
                             Ok(data) if held.lock().unwrap().contains(&data) => {}
                             Ok(data) => failures.lock().unwrap().push(format!("{}: {:?} never was the file's", path.display(), String::from_utf8_lossy(&data))),
-                            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                                gone.fetch_add(1, Ordering::Relaxed);
-                            }
                             Err(e) => failures.lock().unwrap().push(format!("{}: listed, then read: {e}", path.display())),
                         }
                     }
@@ -313,7 +336,7 @@ fn listings_racing_overwrites_through_the_mount_never_fail_nor_lose_a_version() 
         done.store(true, Ordering::SeqCst);
         kept
     });
-    eprintln!("{} listings, {} versions gone when read", listings.load(Ordering::Relaxed), gone.load(Ordering::Relaxed));
+    eprintln!("{} listings", listings.load(Ordering::Relaxed));
     let failures = failures.into_inner().unwrap();
     assert!(failures.is_empty(), "{} failures: {:#?}", failures.len(), &failures[..failures.len().min(10)]);
     let want: Vec<String> = kept.iter().map(|k| String::from_utf8_lossy(k).into_owned()).collect();

@@ -11,6 +11,8 @@
 //!   PATH. The store is never listed, but its path works: `cat MNT/.plyfs-versions/docs/a.txt/@3`
 //!   reads version 3 with ordinary tools. Nothing in it can be changed through the mount. Below
 //!   a compressor or a cipher (`version,zstd`), versions are stored compressed or encrypted too.
+//!   A number that went (a version dropped or pruned) is not given again by the mount: the
+//!   kernel may still hold its name.
 //! - **Pruning.** `keep=N` versions per file and `max_age=` per file, `max_space=` for the whole
 //!   mount (oldest first), after every new version and on `version-prune`. Space is what the
 //!   versions take on disk (a sparse file's holes take none). `keep` alone does not bound the
@@ -107,7 +109,8 @@ struct Pending {
     space: u64,
     size: u64,
     mtime: SystemTime,
-    /// Its release is deciding whether to drop it: no open shares it, no truncate counts on it.
+    /// Its release found the file unchanged and is dropping it: no open shares it, no truncate
+    /// counts on it, no listing names it.
     dropping: bool,
 }
 
@@ -130,8 +133,20 @@ pub struct Version {
     /// Keys for the versions held by opens still under way, which have no handle yet, and by
     /// truncates under way that a pending version covers.
     opening: AtomicU64,
+    /// Held by an open while it saves its version and makes it pending, and by `versions` while
+    /// it reads what is pending and then the store: else a listing could find the version saved
+    /// and not yet pending, and name it, and the release drop it (CI, issue #34). A listing may
+    /// so wait for a copy in progress.
+    taking: Mutex<()>,
     /// Versions are numbered and pruned one file at a time.
     saving: Mutex<()>,
+    /// For each file whose newest version this mount may have removed (dropped at release, or
+    /// pruned) and that has had no version since, the highest number removed: never given
+    /// again. The kernel may still hold the name `@N`, for up to the entry timeout, as the
+    /// removed version or as absent (a read of it after it went); a new version named so would
+    /// read as that, and a listing naming it would give `ENOENT` (a CI failure, issue #34) or
+    /// the removed version's content.
+    retired: Mutex<HashMap<String, u32>>,
     temps: TempNames,
     /// The space the store takes, as far as this mount knows: measured by the last full prune,
     /// plus what was saved since, less what was pruned. `None` until first measured.
@@ -254,8 +269,10 @@ impl Version {
         let result = (|| {
             let below = self.below();
             // The next number, never taking one that exists: another mount sharing the tree
-            // (`-o shared`) may save a version of the same file at the same time.
-            let mut number = self.list_in(dir)?.last().map_or(1, |s| s.number + 1);
+            // (`-o shared`) may save a version of the same file at the same time. Nor one this
+            // mount has removed.
+            let retired = self.retired.lock().get(&path).copied().unwrap_or(0);
+            let mut number = self.list_in(dir)?.last().map_or(0, |s| s.number).max(retired) + 1;
             loop {
                 let vname = OsString::from(format!("{VERSION_MARK}{number}"));
                 let placed = if moving {
@@ -273,6 +290,8 @@ impl Version {
                     other => break other?,
                 }
             }
+            // A higher number is in the store now: the listing gives the next.
+            self.retired.lock().remove(&path);
             // A copy keeps the holes, so it takes what the file does.
             self.stored(space_of(attr) as i64);
             self.prune_dir(dir, &path)?;
@@ -291,9 +310,18 @@ impl Version {
         if let Ok(Some(dir)) = self.store_dir(path, false) {
             if self.below().unlink(&daemon(), dir, OsStr::new(&format!("{VERSION_MARK}{number}"))).is_ok() {
                 self.stored(-(space as i64));
+                self.retire(path, number);
             }
             self.below().forget(&daemon(), dir, 1);
         }
+    }
+
+    /// Never give `number` to another version of `path` (see `retired`): it was removed, and
+    /// may have been the newest.
+    fn retire(&self, path: &str, number: u32) {
+        let mut retired = self.retired.lock();
+        let highest = retired.entry(path.to_owned()).or_default();
+        *highest = (*highest).max(number);
     }
 
     /// Apply `keep` and `max_age` to one file's versions.
@@ -307,6 +335,9 @@ impl Version {
             if i < excess || too_old {
                 self.below().unlink(&daemon(), dir, OsStr::new(&format!("{VERSION_MARK}{}", v.number)))?;
                 self.stored(-(space_of(&v.attr) as i64));
+                if i + 1 == versions.len() {
+                    self.retire(path, v.number);
+                }
                 freed += space_of(&v.attr);
                 tracing::debug!("version '{}': {path}: version {} pruned", self.name, v.number);
             }
@@ -374,6 +405,7 @@ impl Version {
                 if let Some(dir) = self.store_dir(&path, false)? {
                     self.below().unlink(&daemon(), dir, OsStr::new(&format!("{VERSION_MARK}{number}")))?;
                     self.below().forget(&daemon(), dir, 1);
+                    self.retire(&path, number);
                     total -= size;
                     freed += size;
                     removed += 1;
@@ -478,6 +510,7 @@ impl Version {
                     same.map(|p| pending.insert(opening, p)).is_some()
                 };
                 if !shared {
+                    let _taking = self.taking.lock();
                     let number = self.save(parent, &name, node, &attr, false)?;
                     let p = Pending { path, number, space: space_of(&attr), size: attr.size, mtime: attr.mtime, dropping: false };
                     self.pending.lock().insert(opening, p);
@@ -503,15 +536,18 @@ impl Version {
         let reply = bypass(self, cx, op);
         // Decided under the lock, done outside it (dropping a version waits for any save in
         // progress, which may copy a large file): the version stays pending, marked, until it is
-        // dropped, so no open shares it and no truncate counts on it meanwhile, and `versions`,
-        // which hides a pending version of an unchanged file, never names one about to vanish.
+        // dropped, so no open shares it, no truncate counts on it and `versions` never names it
+        // meanwhile. The file is compared under the lock too, so that the mark means the version
+        // goes: a listing must hide it whatever the file holds by then, as a later open may have
+        // changed it already (a listing that hid only versions of an unchanged file named one
+        // about to go: a CI failure, issue #34).
         let to_drop = {
             let mut pending = self.pending.lock();
             let shared = pending.get(&(node, fh)).is_some_and(|p| {
                 pending.iter().any(|(key, q)| *key != (node, fh) && q.path == p.path && q.number == p.number)
             });
             match pending.get_mut(&(node, fh)) {
-                Some(p) if !shared => {
+                Some(p) if !shared && self.below().getattr(&daemon(), node).is_ok_and(|a| p.unchanged(&a)) => {
                     p.dropping = true;
                     Some(p.clone())
                 }
@@ -523,9 +559,7 @@ impl Version {
             }
         };
         if let Some(p) = to_drop {
-            if self.below().getattr(&daemon(), node).is_ok_and(|a| p.unchanged(&a)) {
-                self.drop_version(&p.path, p.number, p.space);
-            }
+            self.drop_version(&p.path, p.number, p.space);
             self.pending.lock().remove(&(node, fh));
         }
         reply
@@ -578,19 +612,24 @@ impl Version {
         let path = self.file_path(node)?;
         // A version taken at an open that has changed nothing yet is the file as it is, and goes
         // at release; not shown, so a listing right after a close (whose release the kernel
-        // sends later) does not name a version about to vanish.
-        let now = self.below().getattr(&daemon(), node).ok();
-        let unchanged: HashSet<u32> = self
+        // sends later) does not name a version about to vanish. Nor one its release is
+        // dropping, whatever the file holds now (a later open may have changed it already).
+        // Found by their path, not by `node`: the versions listed are the path's, and the file
+        // opened may be another than `node` (renamed over it since it was looked up).
+        // Each file is compared under the lock, as a release compares it, so that no release
+        // decides in between.
+        let _taking = self.taking.lock();
+        let hidden: HashSet<u32> = self
             .pending
             .lock()
             .iter()
-            .filter(|((n, _), p)| *n == node && now.as_ref().is_some_and(|a| p.unchanged(a)))
+            .filter(|((n, _), p)| p.path == path && (p.dropping || self.below().getattr(&daemon(), *n).is_ok_and(|a| p.unchanged(&a))))
             .map(|(_, p)| p.number)
             .collect();
         let list: Vec<Value> = self
             .list(&path)?
             .into_iter()
-            .filter(|s| !unchanged.contains(&s.number))
+            .filter(|s| !hidden.contains(&s.number))
             .map(|s| {
                 let secs = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
                 json!({ "number": s.number, "saved": secs(s.attr.ctime), "modified": secs(s.attr.mtime), "size": s.attr.size,
@@ -877,7 +916,9 @@ fn build(args: BuildArgs) -> Result<Arc<dyn Layer>> {
         store_nodes: Mutex::new(HashSet::new()),
         pending: Mutex::new(HashMap::new()),
         opening: AtomicU64::new(0),
+        taking: Mutex::new(()),
         saving: Mutex::new(()),
+        retired: Mutex::new(HashMap::new()),
         temps: TempNames::new(".plyfs-version-copy."),
         store_space: Mutex::new(None),
         defaults,
