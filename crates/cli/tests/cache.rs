@@ -67,6 +67,12 @@ fn copies(m: &Mount) -> Vec<PathBuf> {
     v
 }
 
+/// Read `name` through `m`, the cache's only file, and wait until its copy is whole.
+fn read_until_cached(m: &Mount, name: &str) {
+    std::fs::read(m.path(name)).unwrap();
+    wait_for("the copy is whole", Duration::from_secs(10), || status(m)["files"].as_u64() == Some(1));
+}
+
 fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;
     while !ok() {
@@ -625,8 +631,7 @@ fn review_an_outside_change_while_a_writer_is_open_is_not_hidden_forever() {
     let (_d, slow) = slow_dir();
     std::fs::write(slow.join("f"), random(64, 200_000)).unwrap();
     let m = cache_over("cache", &slow, &[]);
-    std::fs::read(m.path("f")).unwrap();
-    wait_for("the copy is whole", Duration::from_secs(10), || status(&m)["files"].as_u64() == Some(1));
+    read_until_cached(&m, "f");
     let writer = OpenOptions::new().append(true).open(m.path("f")).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     std::fs::write(slow.join("f"), random(65, 200_000)).unwrap();
@@ -675,8 +680,7 @@ fn review_pinning_never_an_open_file_does_not_make_its_next_opens_fail() {
     let (_d, slow) = slow_dir();
     std::fs::write(slow.join("p"), random(66, 50_000)).unwrap();
     let m = cache_over("cache", &slow, &[]);
-    std::fs::read(m.path("p")).unwrap();
-    wait_for("the copy is whole", Duration::from_secs(10), || status(&m)["files"].as_u64() == Some(1));
+    read_until_cached(&m, "p");
     let held = File::open(m.path("p")).unwrap();
     setx(&m.path("p"), "user.plyfs.cache", b"never").unwrap();
     let again = std::fs::read(m.path("p"));
@@ -741,8 +745,7 @@ fn review_a_punched_hole_shows_to_readers() {
     let (_d, slow) = slow_dir();
     std::fs::write(slow.join("f"), random(69, 100_000)).unwrap();
     let m = cache_over("cache", &slow, &[]);
-    std::fs::read(m.path("f")).unwrap();
-    wait_for("the copy is whole", Duration::from_secs(10), || status(&m)["files"].as_u64() == Some(1));
+    read_until_cached(&m, "f");
     let writer = OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
     let reader = File::open(m.path("f")).unwrap();
     let rc = unsafe { libc::fallocate(writer.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, 8192) };

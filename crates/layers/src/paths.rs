@@ -18,6 +18,10 @@ pub struct PathTable {
     names: Mutex<HashMap<NodeId, Seen>>,
 }
 
+fn lossy(name: &OsStr) -> String {
+    name.to_string_lossy().into_owned()
+}
+
 impl PathTable {
     pub fn new() -> PathTable {
         PathTable { names: Mutex::new(HashMap::new()) }
@@ -83,12 +87,23 @@ impl PathTable {
 
     /// The path of `node` from the root ("" for the root), if every directory on the way is known.
     pub fn path_of(&self, node: NodeId) -> Option<String> {
+        self.path_with(node, lossy)
+    }
+
+    /// The path of `name` in directory `parent`.
+    pub fn child_path(&self, parent: NodeId, name: &OsStr) -> Option<String> {
+        self.child_path_with(parent, name, lossy)
+    }
+
+    /// [`PathTable::path_of`], with each name written by `text` (a layer that must find names
+    /// that are not UTF-8 again escapes them).
+    pub fn path_with(&self, node: NodeId, text: impl Fn(&OsStr) -> String) -> Option<String> {
         let names = self.names.lock();
         let mut parts = Vec::new();
         let mut at = node;
         while at != NodeId::ROOT {
             let seen = names.get(&at)?;
-            parts.push(seen.name.to_string_lossy().into_owned());
+            parts.push(text(&seen.name));
             at = seen.parent;
             if parts.len() > 4096 {
                 return None;
@@ -98,10 +113,11 @@ impl PathTable {
         Some(parts.join("/"))
     }
 
-    /// The path of `name` in directory `parent`.
-    pub fn child_path(&self, parent: NodeId, name: &OsStr) -> Option<String> {
-        let dir = self.path_of(parent)?;
-        Some(if dir.is_empty() { name.to_string_lossy().into_owned() } else { format!("{dir}/{}", name.to_string_lossy()) })
+    /// [`PathTable::child_path`], with each name written by `text`.
+    pub fn child_path_with(&self, parent: NodeId, name: &OsStr, text: impl Fn(&OsStr) -> String) -> Option<String> {
+        let dir = self.path_with(parent, &text)?;
+        let name = text(name);
+        Some(if dir.is_empty() { name } else { format!("{dir}/{name}") })
     }
 }
 

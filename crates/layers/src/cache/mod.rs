@@ -419,24 +419,11 @@ impl Cache {
     /// The path of `node` as the index and the log keep it: names that are not UTF-8 escaped
     /// ([`store::encode_name`]), so a write-back finds them again.
     fn path_of(&self, node: NodeId) -> Option<String> {
-        let mut parts = Vec::new();
-        let mut at = node;
-        while at != NodeId::ROOT {
-            let (parent, name) = self.paths.parent_of(at)?;
-            parts.push(store::encode_name(&name));
-            at = parent;
-            if parts.len() > 4096 {
-                return None;
-            }
-        }
-        parts.reverse();
-        Some(parts.join("/"))
+        self.paths.path_with(node, store::encode_name)
     }
 
     fn child_path(&self, parent: NodeId, name: &OsStr) -> Option<String> {
-        let dir = self.path_of(parent)?;
-        let name = store::encode_name(name);
-        Some(if dir.is_empty() { name } else { format!("{dir}/{name}") })
+        self.paths.child_path_with(parent, name, store::encode_name)
     }
 
     fn slow(&self) -> &Level {
@@ -965,28 +952,26 @@ impl Cache {
     fn open_dirty(&self, cx: &Caller, node: NodeId, flags: i32, attr: &Attr, through: bool) -> Result<Reply> {
         let key = node.0;
         let truncate = flags & libc::O_TRUNC != 0;
-        let gen = match self.fresh_copy(key, attr) {
-            Some(c) => c.gen,
-            None if truncate => {
-                let (gen, file) = self.new_copy(key, attr)?;
-                self.mark_dirty(key, gen, node)?;
-                return self.serve_copy(node, gen, file, true, through);
+        let (gen, file) = match self.fresh_copy(key, attr) {
+            Some(c) => {
+                let file = self.store.open_copy(key, c.gen, true)?;
+                if truncate {
+                    file.set_len(0)?;
+                }
+                (c.gen, file)
             }
+            None if truncate => self.new_copy(key, attr)?,
             None => {
                 let fill = self.fill_for(key, attr)?;
                 fill.fill_all(&|_| {})?;
                 self.record_complete(&fill);
                 match self.copy_of(key) {
-                    Some(c) if c.complete && c.gen == fill.gen => c.gen,
+                    Some(c) if c.complete && c.gen == fill.gen => (c.gen, self.store.open_copy(key, c.gen, true)?),
                     // It changed on the slow branch while it was fetched: serve this open there.
                     _ => return self.open_slow(cx, node, flags, false),
                 }
             }
         };
-        let file = self.store.open_copy(key, gen, true)?;
-        if truncate {
-            file.set_len(0)?;
-        }
         self.mark_dirty(key, gen, node)?;
         self.serve_copy(node, gen, file, true, through)
     }
@@ -1083,8 +1068,6 @@ impl Cache {
         }
     }
 
-    /// After a change of this mount's that moved the slow file's ctime but not its bytes: the
-    /// copy stays fresh.
     /// After a change of this mount's that moved the slow file's ctime (and perhaps its mtime)
     /// but not its bytes, from `before` to `after`: a copy that was the file's bytes before it
     /// still is. One that was not (the file changed outside since) is left to be found stale.
