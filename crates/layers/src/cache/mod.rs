@@ -1026,8 +1026,8 @@ impl Cache {
 
     /// `attr` as the user sees it: a copy holding changes gives the size and times.
     fn patch(&self, node: NodeId, attr: &mut Attr) {
-        // Write-through has copies with unwritten changes too (written by passthrough next to
-        // readers, until their close).
+        // Write-through has copies with unwritten changes too (a write-back at close that
+        // failed, or one from before a restart).
         if attr.kind != FileKind::File {
             return;
         }
@@ -1888,8 +1888,8 @@ fn keeper(me: Weak<Cache>) {
         if cache.stop.load(Ordering::Acquire) {
             return;
         }
-        // Write-through leaves dirty copies too: those written by passthrough next to readers,
-        // when a write-back at close failed, or before a restart.
+        // Write-through leaves dirty copies too: when a write-back at close failed, or before a
+        // restart.
         cache.write_back_due(false);
         // Eviction soon after a fetch (at most five times a second), else every two seconds;
         // the index is written every two seconds, whatever happens in between.
