@@ -864,3 +864,46 @@ fn reader_next_to_a_writer_writing_through(stack: &str) {
     drop(writer);
     assert_eq!(String::from_utf8_lossy(&got), "NEW BYTES", "a reader while the writer is open");
 }
+
+/// The cache's own directory is the daemon's. One that others may write in is refused at
+/// mount, in a line that names it. A log line planted in it that points outside the slow
+/// branch (`..`, an absolute path) or past the generations it believes is ignored at restart:
+/// nothing outside is written, and the mount's own unwritten file still reaches the slow branch.
+#[test]
+fn a_cache_directory_others_may_write_in_or_a_planted_log_line_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let (_d, slow) = slow_dir();
+    let (fast, mnt) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let open = fast.path().join(".plyfs-cache");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let out = run(plyfs().arg("mount").arg(fast.path()).arg(mnt.path()).args(["--stack", "cache", "--branch"]).arg(&slow));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "mounted over a cache directory open to all: {err}");
+    assert!(err.lines().any(|l| l.contains(&*open.to_string_lossy()) && l.contains("0700")), "{err}");
+
+    let stack = "cache:mode=write-back:delay=1h";
+    let m = cache_over(stack, &slow, &[]);
+    std::fs::write(m.path("mine"), b"unwritten").unwrap();
+    let cache = m.lower.join(".plyfs-cache");
+    // Write-back only rewrites files that exist: the planted lines name ones that do.
+    let outside = slow.parent().unwrap().join("escape");
+    std::fs::write(&outside, b"outside").unwrap();
+    std::fs::write(slow.join("huge"), b"original").unwrap();
+    for (key, path) in [(1u64, "../escape"), (2, &*outside.to_string_lossy()), (3, "a/../../escape")] {
+        std::fs::write(cache.join("data").join(format!("{key:016x}-1")), b"planted").unwrap();
+        let line = format!("{{\"t\":\"D\",\"key\":{key},\"gen\":1,\"path\":\"{path}\"}}\n");
+        OpenOptions::new().append(true).open(cache.join("dirty")).unwrap().write_all(line.as_bytes()).unwrap();
+    }
+    std::fs::write(cache.join("data").join(format!("{:016x}-{}", 4, 1u64 << 63)), b"planted").unwrap();
+    let line = format!("{{\"t\":\"D\",\"key\":4,\"gen\":{},\"path\":\"huge\"}}\n", 1u64 << 63);
+    OpenOptions::new().append(true).open(cache.join("dirty")).unwrap().write_all(line.as_bytes()).unwrap();
+    let m = kill_and_restart(m, stack, &slow);
+    wait_for("the mount's own file written back", Duration::from_secs(10), || {
+        std::fs::read(slow.join("mine")).is_ok_and(|d| d == b"unwritten")
+    });
+    wait_for("nothing left to write back", Duration::from_secs(10), || status(&m)["dirty_files"].as_u64() == Some(0));
+    assert_eq!(std::fs::read(&outside).unwrap(), b"outside", "a planted log line was written back outside");
+    assert_eq!(std::fs::read(slow.join("huge")).unwrap(), b"original", "a planted generation was believed");
+    drop(m);
+}
