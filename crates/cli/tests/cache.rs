@@ -153,6 +153,40 @@ fn a_change_on_the_slow_branch_is_never_served_from_an_old_copy() {
     assert_eq!(std::fs::read(m.path("f")).unwrap(), std::fs::read(&path).unwrap());
 }
 
+/// A reader kept open holds the file's copy for passthrough, and the kernel then serves every
+/// new open from that copy. A change made on the slow branch meanwhile is fetched into it
+/// again: new opens read the new bytes, and so does the open reader, as with a local file.
+#[test]
+fn a_change_on_the_slow_branch_shows_to_new_opens_while_a_reader_holds_the_copy() {
+    for stack in ["cache", "cache:mode=write-back"] {
+        let (_d, slow) = slow_dir();
+        let path = slow.join("f");
+        std::fs::write(&path, random(90, 200_000)).unwrap();
+        let m = cache_over(stack, &slow, &[]);
+        read_until_cached(&m, "f");
+        let reader = File::open(m.path("f")).unwrap();
+        let mut want = Vec::new();
+        for (round, len) in [200_000usize, 50_000, 700_000, 700_000].into_iter().enumerate() {
+            let before = std::fs::metadata(&path).unwrap();
+            want = random(91 + round as u64, len);
+            std::fs::write(&path, &want).unwrap();
+            if round == 3 {
+                // The same size and the old mtime: only the ctime tells.
+                set_mtime(&path, filetime(&before));
+            }
+            for again in 0..2 {
+                assert!(std::fs::read(m.path("f")).unwrap() == want, "{stack}: round {round}, read {again}: a new open reads old bytes");
+            }
+        }
+        let mut seen = vec![0u8; 4096];
+        reader.read_exact_at(&mut seen, 600_000).unwrap();
+        assert!(seen == want[600_000..604_096], "{stack}: the open reader reads old bytes");
+        drop(reader);
+        assert!(std::fs::read(m.path("f")).unwrap() == want, "{stack}: after the reader closed");
+        assert_eq!(status(&m)["dirty_files"].as_u64(), Some(0), "{stack}");
+    }
+}
+
 fn filetime(m: &std::fs::Metadata) -> std::time::SystemTime {
     m.modified().unwrap()
 }

@@ -14,13 +14,15 @@
 //!   not cached yet is filled a range at a time as it is read, with the next ranges fetched
 //!   ahead in parallel ([`fill`]); once whole, later opens use passthrough.
 //! - **Writes.** `mode=write-through` (the default): every write reaches the slow branch before
-//!   it is answered, and the copy with it. `mode=write-back`: a file opened for writing is
-//!   written in its copy (by passthrough), noted in the write-back log first, and copied to the
-//!   slow branch after `delay` once no one writes it, at `fsync`, at `cache-flush` and at
-//!   unmount. A restart writes back what the log names before anything else.
+//!   it is answered, and the copy with it; a writer next to readers of the copy by passthrough
+//!   (the kernel gives it the same copy) reaches it at close and `fsync`. `mode=write-back`: a
+//!   file opened for writing is written in its copy (by passthrough), noted in the write-back
+//!   log first, and copied to the slow branch after `delay` once no one writes it, at `fsync`,
+//!   at `cache-flush` and at unmount. A restart writes back what the log names before anything else.
 //! - **Coherence.** Every open compares the copy with the slow file's attributes as the slow
 //!   branch gives them now (a remote branch's change notices drop its cached attributes first):
-//!   a change made there by another mount or machine is never served from an old copy.
+//!   a change made there by another mount or machine is never served from an old copy (one that
+//!   live opens read by passthrough is fetched again in place).
 //!   A copy that holds unwritten changes wins (last writer wins, as with NFS).
 //! - **Eviction** keeps the copies under `max_size` and the fast file system's free space above
 //!   `min_free`, and drops copies unused for `max_age`, least recently used first; never a copy
@@ -199,6 +201,8 @@ struct Opens {
     fast: u32,
     /// The copy the passthrough opens read (what a new open of the file must be given too).
     fast_copy: Option<(u64, Arc<File>)>,
+    /// The slow file's stamp that copy was last fetched again for in place, if it was.
+    fast_stamp: Option<Stamp>,
     slow: u32,
     daemon: u32,
     /// Opens for writing.
@@ -283,11 +287,11 @@ pub struct Cache {
     fills: Mutex<HashMap<u64, Weak<Fill>>>,
     gates: Vec<RwLock<()>>,
     open_locks: Vec<Mutex<()>>,
-    /// Copies are given to the kernel for passthrough: in write-back only, and not with `-o
-    /// shared`. With `-o shared` a copy can go stale under an open that the kernel would serve
-    /// every later open from. In write-through, writes must reach the slow branch through the
-    /// daemon, and the kernel refuses an open through the daemon next to a passthrough one:
-    /// readers share the kernel's page cache with the writers instead.
+    /// Copies are given to the kernel for passthrough (not with `-o shared`, where a copy can
+    /// go stale under an open that the kernel would serve every later open from). In
+    /// write-through, a writer that comes while no copy is open by passthrough writes through
+    /// the daemon, and the kernel then refuses passthrough to the file's next opens: readers
+    /// share the kernel's page cache with it until it closes.
     copy_passthrough: bool,
     changes: Mutex<Changes>,
     /// The slow branch's latest attributes of files whose copies hold unwritten changes (what
@@ -323,7 +327,7 @@ fn is_dirty(copy: Option<&Copy>) -> bool {
 impl Cache {
     fn new(args: FanOutArgs) -> Result<Cache> {
         let cfg = Settings::from(&args.params)?;
-        let copy_passthrough = plyfs_stack::shared::mode().is_none() && cfg.mode == Mode::WriteBack;
+        let copy_passthrough = plyfs_stack::shared::mode().is_none();
         let [fast, slow]: [Branch; 2] = args.branches.try_into().map_err(|b: Vec<Branch>| {
             Error::config(format!(
                 "cache '{}': {} branches; a cache has two, the fast one first (e.g. --stack cache --branch SLOW_DIR, with the lower as the fast one)",
@@ -699,6 +703,7 @@ impl Cache {
                     o.fast = o.fast.saturating_sub(1);
                     if o.fast == 0 {
                         o.fast_copy = None;
+                        o.fast_stamp = None;
                     }
                 }
                 Side::Slow => o.slow = o.slow.saturating_sub(1),
@@ -884,6 +889,7 @@ impl Cache {
         let key = node.0;
         let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
         let current = self.fresh_copy(key, attr).is_some_and(|c| c.gen == gen);
+        let refreshed = self.opens.lock().get(&key).and_then(|o| o.fast_stamp) == Some(Stamp::of(attr));
         if writes {
             if !current {
                 // The copy the others read is older than the slow file: written in and then
@@ -898,15 +904,55 @@ impl Cache {
             return self.open_dirty(cx, node, flags, attr, self.cfg.mode == Mode::WriteThrough);
         }
         let file = self.opens.lock().get(&key).and_then(|o| o.fast_copy.as_ref().map(|(_, f)| f.clone()));
-        let file = match file {
-            Some(f) => f.try_clone()?,
-            None => return self.open_read(cx, node, flags, attr),
-        };
-        if current {
+        let Some(file) = file else { return self.open_read(cx, node, flags, attr) };
+        if current || refreshed {
             self.stats.hits.fetch_add(1, Ordering::Relaxed);
             self.touch(key);
+        } else {
+            self.stats.misses.fetch_add(1, Ordering::Relaxed);
+            self.refresh_in_place(node, gen, &file, attr)?;
         }
-        self.serve_copy(node, gen, file, false, false)
+        self.serve_copy(node, gen, file.try_clone()?, false, false)
+    }
+
+    /// Copy `gen`, which the file's live opens read by passthrough, is older than the slow file
+    /// (changed there by another mount or machine). The kernel serves every new open of the file
+    /// from that copy, so its bytes are fetched again, in place: the new open reads the slow
+    /// file as it is now, and the open readers see the new bytes as they arrive, as readers of
+    /// a local file do when another process rewrites it.
+    fn refresh_in_place(&self, node: NodeId, gen: u64, file: &File, attr: &Attr) -> Result<()> {
+        let key = node.0;
+        if !Fill::fits(attr.size, self.cfg.range) {
+            return Err(Error::Os(libc::EFBIG));
+        }
+        // The readers' descriptor is read-only, and the copy may be unlinked already (given up
+        // when a change notice came): reopened by its descriptor, it is the same file.
+        let rw = File::options().read(true).write(true).open(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+        rw.set_len(attr.size)?;
+        let stamp = Stamp::of(attr);
+        let fill = Fill::new(key, gen, rw, attr.size, self.cfg.range, self.slow().clone(), stamp, false, self.stats.fetched.clone());
+        if let Err(e) = fill.fill_all(&|_| {}) {
+            tracing::warn!(
+                "cache '{}': '{}' changed on the slow branch while open here, and could not be fetched again ({e})",
+                self.name,
+                self.path_of(node).unwrap_or_default()
+            );
+            return Err(Error::Os(libc::EIO));
+        }
+        // A change made while it was fetched shows in the stamp taken before: the next open
+        // fetches again.
+        if let Some(o) = self.opens.lock().get_mut(&key) {
+            o.fast_stamp = Some(stamp);
+        }
+        let bytes = fill.file.metadata().map(|m| m.blocks() * 512).unwrap_or(0);
+        let mut idx = self.store.index.lock();
+        if let Some(c) = idx.copies.get_mut(&key).filter(|c| c.gen == gen && !c.dirty) {
+            c.stamp = stamp;
+            c.complete = true;
+            c.bytes = bytes;
+            idx.changed = true;
+        }
+        Ok(())
     }
 
     fn open_read(&self, cx: &Caller, node: NodeId, flags: i32, attr: &Attr) -> Result<Reply> {
