@@ -941,3 +941,41 @@ fn a_cache_directory_others_may_write_in_or_a_planted_log_line_is_refused() {
     assert_eq!(std::fs::read(slow.join("huge")).unwrap(), b"original", "a planted generation was believed");
     drop(m);
 }
+
+/// A removal looks up what it removes on the slow branch only when the name is one a copy with
+/// unwritten changes was written or renamed under; whatever the way to it (a renamed file, a
+/// file in a renamed directory, `rm -rf`, a hard link's first name), a removed file's unwritten
+/// changes go with it, and a file that keeps another name keeps them (written back at once, as
+/// the name the log knows it by is gone): nothing is written back to a removed name after a
+/// restart, nothing orphaned, and the linked file has its bytes.
+#[test]
+fn removing_files_with_unwritten_changes_drops_them_by_whatever_name() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("clean"), b"on the slow branch").unwrap();
+    let stack = "cache:mode=write-back:delay=1h";
+    let m = cache_over(stack, &slow, &[]);
+    std::fs::create_dir(m.path("a")).unwrap();
+    for name in ["a/f1", "a/f2", "g", "h"] {
+        std::fs::write(m.path(name), name.as_bytes()).unwrap();
+    }
+    assert_eq!(status(&m)["dirty_files"].as_u64(), Some(4));
+    std::fs::rename(m.path("g"), m.path("g2")).unwrap();
+    std::fs::remove_file(m.path("g2")).unwrap();
+    std::fs::rename(m.path("a"), m.path("b")).unwrap();
+    std::fs::remove_file(m.path("b/f1")).unwrap();
+    std::fs::hard_link(m.path("h"), m.path("h2")).unwrap();
+    std::fs::remove_file(m.path("h")).unwrap();
+    std::fs::remove_file(m.path("clean")).unwrap();
+    assert!(run(std::process::Command::new("rm").arg("-rf").arg(m.path("b"))).status.success());
+    // h2's file lost the name its write-back would find it by after a restart: written back then.
+    assert_eq!(status(&m)["dirty_files"].as_u64(), Some(0));
+    assert_eq!(std::fs::read(slow.join("h2")).unwrap(), b"h");
+    let m = kill_and_restart(m, stack, &slow);
+    std::thread::sleep(Duration::from_secs(1));
+    let mut left: Vec<String> = std::fs::read_dir(&slow).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).filter(|n| n != ".plyfs.lock").collect();
+    left.sort();
+    assert_eq!(left, ["h2"], "log: {}", m.daemon_log());
+    let orphans = m.lower.join(".plyfs-cache/orphans");
+    assert!(!orphans.exists() || std::fs::read_dir(&orphans).unwrap().next().is_none(), "orphaned: log: {}", m.daemon_log());
+    assert!(!m.daemon_log().contains("no longer on the slow branch"), "log: {}", m.daemon_log());
+}

@@ -294,6 +294,11 @@ pub struct Cache {
     /// share the kernel's page cache with it until it closes.
     copy_passthrough: bool,
     changes: Mutex<Changes>,
+    /// The names under which copies with unwritten changes were written or renamed (more, not
+    /// fewer): a removal of any other name cannot lose such a copy its file, nor the name its
+    /// write-back finds it by, and costs no lookup. Emptied when no copy holds changes; taken
+    /// under `changes`.
+    dirty_names: Mutex<HashSet<std::ffi::OsString>>,
     /// The slow branch's latest attributes of files whose copies hold unwritten changes (what
     /// a change of their times or size alone answers with, without asking it).
     slow_attrs: Mutex<HashMap<u64, Attr>>,
@@ -318,6 +323,11 @@ pub struct Cache {
 
 fn daemon() -> Caller {
     Caller::daemon()
+}
+
+/// The last name of a path the index keeps.
+fn leaf_of(path: &str) -> std::ffi::OsString {
+    store::decode_name(path.rsplit('/').next().unwrap_or_default())
 }
 
 fn is_dirty(copy: Option<&Copy>) -> bool {
@@ -363,6 +373,7 @@ impl Cache {
         let at = now.checked_sub(cfg.delay).unwrap_or(now);
         let of: HashMap<u64, Change> = store.index.lock().copies.iter().filter(|(_, c)| c.dirty).map(|(k, _)| (*k, Change { seq: 1, at })).collect();
         let changes = Changes { first_due: (!of.is_empty()).then_some(now), of };
+        let dirty_names = store.index.lock().copies.values().filter(|c| c.dirty).map(|c| leaf_of(&c.path)).collect();
         Ok(Cache {
             name: args.name,
             fast,
@@ -378,6 +389,7 @@ impl Cache {
             open_locks: (0..GATES).map(|_| Mutex::new(())).collect(),
             copy_passthrough,
             changes: Mutex::new(changes),
+            dirty_names: Mutex::new(dirty_names),
             slow_attrs: Mutex::new(HashMap::new()),
             absent_xattrs: Mutex::new(HashMap::new()),
             flushing: Mutex::new(HashSet::new()),
@@ -1057,7 +1069,15 @@ impl Cache {
             self.store.log(key, Some((gen, &p)))?;
         }
         self.changed(key);
+        let name = self.paths.parent_of(node).map(|(_, name)| name);
+        let logged = self.copy_of(key).map(|c| leaf_of(&c.path));
+        self.note_dirty_names(name.into_iter().chain(logged));
         Ok(())
+    }
+
+    fn note_dirty_names(&self, names: impl IntoIterator<Item = std::ffi::OsString>) {
+        let _changes = self.changes.lock();
+        self.dirty_names.lock().extend(names);
     }
 
     fn changed(&self, key: u64) {
@@ -1899,9 +1919,16 @@ impl Cache {
     /// Names that are about to mean something else on the slow branch: the node that `name` in
     /// `parent` is now (to drop its copy if it goes), when write-back copies could be affected.
     fn victim(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Option<NodeId> {
-        let any_dirty = self.store.index.lock().copies.values().any(|c| c.dirty);
-        if !any_dirty {
-            return None;
+        {
+            let changes = self.changes.lock();
+            let mut names = self.dirty_names.lock();
+            if changes.of.is_empty() {
+                names.clear();
+                return None;
+            }
+            if !names.contains(name) {
+                return None;
+            }
         }
         self.slow().lookup(cx, parent, name).ok().map(|e| e.node)
     }
@@ -2052,6 +2079,8 @@ impl Cache {
                     } else {
                         self.store.index.lock().renamed(&from, &to)
                     };
+                    let names = dirty.iter().map(|(_, _, path)| leaf_of(path)).collect::<Vec<_>>();
+                    self.note_dirty_names(names);
                     for (key, gen, path) in dirty {
                         if store::sane_path(&path) {
                             let _ = self.store.log(key, Some((gen, &path)));
