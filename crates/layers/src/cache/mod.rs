@@ -38,7 +38,7 @@ mod fill;
 mod store;
 
 use std::collections::{HashMap, HashSet};
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -256,10 +256,39 @@ struct Change {
 /// The copies with changes not written back, and a time before which none of them is due: the
 /// keeper looks through them only then. It used to look at every wake-up, and an untar makes
 /// thousands of them while it wakes the keeper at each close: a tenth of the daemon's time.
+///
+/// With them, the names under which those copies were written or renamed (more, not fewer): a
+/// removal of any other name cannot lose such a copy its file, nor the name its write-back
+/// finds it by, and costs no lookup on the slow branch.
 #[derive(Default)]
 struct Changes {
     of: HashMap<u64, Change>,
     first_due: Option<Instant>,
+    names_of: HashMap<u64, Vec<OsString>>,
+    names: HashMap<OsString, u32>,
+}
+
+impl Changes {
+    fn name(&mut self, key: u64, name: OsString) {
+        let mine = self.names_of.entry(key).or_default();
+        if !mine.contains(&name) {
+            mine.push(name.clone());
+            *self.names.entry(name).or_default() += 1;
+        }
+    }
+
+    /// `key`'s copy holds no changes any more (written back, or given up).
+    fn remove(&mut self, key: u64) {
+        self.of.remove(&key);
+        for name in self.names_of.remove(&key).unwrap_or_default() {
+            if let Some(n) = self.names.get_mut(&name) {
+                *n -= 1;
+                if *n == 0 {
+                    self.names.remove(&name);
+                }
+            }
+        }
+    }
 }
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -294,18 +323,13 @@ pub struct Cache {
     /// share the kernel's page cache with it until it closes.
     copy_passthrough: bool,
     changes: Mutex<Changes>,
-    /// The names under which copies with unwritten changes were written or renamed (more, not
-    /// fewer): a removal of any other name cannot lose such a copy its file, nor the name its
-    /// write-back finds it by, and costs no lookup. Emptied when no copy holds changes; taken
-    /// under `changes`.
-    dirty_names: Mutex<HashSet<std::ffi::OsString>>,
     /// The slow branch's latest attributes of files whose copies hold unwritten changes (what
     /// a change of their times or size alone answers with, without asking it).
     slow_attrs: Mutex<HashMap<u64, Attr>>,
     /// Extended attributes the slow branch said such files do not have (the kernel asks for
     /// `security.capability` at every write and change of owner): forgotten at any change of
     /// their attributes through this mount, and once written back.
-    absent_xattrs: Mutex<HashMap<u64, HashSet<std::ffi::OsString>>>,
+    absent_xattrs: Mutex<HashMap<u64, HashSet<OsString>>>,
     flushing: Mutex<HashSet<u64>>,
     flushed: Condvar,
     jobs: Mutex<Option<Sender<Job>>>,
@@ -326,7 +350,7 @@ fn daemon() -> Caller {
 }
 
 /// The last name of a path the index keeps.
-fn leaf_of(path: &str) -> std::ffi::OsString {
+fn leaf_of(path: &str) -> OsString {
     store::decode_name(path.rsplit('/').next().unwrap_or_default())
 }
 
@@ -372,8 +396,10 @@ impl Cache {
         let now = Instant::now();
         let at = now.checked_sub(cfg.delay).unwrap_or(now);
         let of: HashMap<u64, Change> = store.index.lock().copies.iter().filter(|(_, c)| c.dirty).map(|(k, _)| (*k, Change { seq: 1, at })).collect();
-        let changes = Changes { first_due: (!of.is_empty()).then_some(now), of };
-        let dirty_names = store.index.lock().copies.values().filter(|c| c.dirty).map(|c| leaf_of(&c.path)).collect();
+        let mut changes = Changes { first_due: (!of.is_empty()).then_some(now), of, ..Changes::default() };
+        for (key, c) in store.index.lock().copies.iter().filter(|(_, c)| c.dirty) {
+            changes.name(*key, leaf_of(&c.path));
+        }
         Ok(Cache {
             name: args.name,
             fast,
@@ -389,7 +415,6 @@ impl Cache {
             open_locks: (0..GATES).map(|_| Mutex::new(())).collect(),
             copy_passthrough,
             changes: Mutex::new(changes),
-            dirty_names: Mutex::new(dirty_names),
             slow_attrs: Mutex::new(HashMap::new()),
             absent_xattrs: Mutex::new(HashMap::new()),
             flushing: Mutex::new(HashSet::new()),
@@ -528,7 +553,7 @@ impl Cache {
             Some(c) => {
                 if c.dirty {
                     let _ = self.store.log(key, None);
-                    self.changes.lock().of.remove(&key);
+                    self.changes.lock().remove(key);
                     self.slow_attrs.lock().remove(&key);
                     self.absent_xattrs.lock().remove(&key);
                 }
@@ -1071,13 +1096,11 @@ impl Cache {
         self.changed(key);
         let name = self.paths.parent_of(node).map(|(_, name)| name);
         let logged = self.copy_of(key).map(|c| leaf_of(&c.path));
-        self.note_dirty_names(name.into_iter().chain(logged));
+        let mut ch = self.changes.lock();
+        for name in name.into_iter().chain(logged) {
+            ch.name(key, name);
+        }
         Ok(())
-    }
-
-    fn note_dirty_names(&self, names: impl IntoIterator<Item = std::ffi::OsString>) {
-        let _changes = self.changes.lock();
-        self.dirty_names.lock().extend(names);
     }
 
     fn changed(&self, key: u64) {
@@ -1485,7 +1508,7 @@ impl Cache {
                 );
                 self.store.index.lock().copies.remove(&key);
                 self.store.index.lock().changed = true;
-                self.changes.lock().of.remove(&key);
+                self.changes.lock().remove(key);
                 let _ = self.store.log(key, None);
                 return Ok(());
             }
@@ -1512,7 +1535,7 @@ impl Cache {
             let mut ch = self.changes.lock();
             let unchanged = ch.of.get(&key).map_or(0, |c| c.seq) == seq && self.writers(key) == 0;
             if unchanged {
-                ch.of.remove(&key);
+                ch.remove(key);
             }
             unchanged
         };
@@ -1919,16 +1942,8 @@ impl Cache {
     /// Names that are about to mean something else on the slow branch: the node that `name` in
     /// `parent` is now (to drop its copy if it goes), when write-back copies could be affected.
     fn victim(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Option<NodeId> {
-        {
-            let changes = self.changes.lock();
-            let mut names = self.dirty_names.lock();
-            if changes.of.is_empty() {
-                names.clear();
-                return None;
-            }
-            if !names.contains(name) {
-                return None;
-            }
+        if !self.changes.lock().names.contains_key(name) {
+            return None;
         }
         self.slow().lookup(cx, parent, name).ok().map(|e| e.node)
     }
@@ -2079,8 +2094,12 @@ impl Cache {
                     } else {
                         self.store.index.lock().renamed(&from, &to)
                     };
-                    let names = dirty.iter().map(|(_, _, path)| leaf_of(path)).collect::<Vec<_>>();
-                    self.note_dirty_names(names);
+                    {
+                        let mut ch = self.changes.lock();
+                        for (key, _, path) in &dirty {
+                            ch.name(*key, leaf_of(path));
+                        }
+                    }
                     for (key, gen, path) in dirty {
                         if store::sane_path(&path) {
                             let _ = self.store.log(key, Some((gen, &path)));
