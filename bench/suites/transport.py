@@ -30,8 +30,8 @@ def free_port():
 SERVERS = set()  # `plyfs serve` processes still running: stopped by `stop_servers` however the run ends
 
 
-def serve(m, directory, kind="unix", name="serve"):
-    """`plyfs serve DIRECTORY --stack null` on a Unix socket (WORK/NAME.sock) or on TCP with TLS
+def serve(m, directory, kind="unix", name="serve", stack="null"):
+    """`plyfs serve DIRECTORY --stack STACK` on a Unix socket (WORK/NAME.sock) or on TCP with TLS
     (a pre-shared key), kept in `m.server`; returns the address and the arguments a client needs
     besides it (`--psk FILE`, for TLS)."""
     if kind == "unix":
@@ -50,7 +50,7 @@ def serve(m, directory, kind="unix", name="serve"):
     log = open(os.path.join(m.run.work, "server.log"), "a")
     # A session of its own: a Ctrl-C must not end the server before its mounts are gone (a remote
     # mount whose server is gone retries for ever, and its unmount waits with it).
-    m.server = subprocess.Popen([m.run.plyfs, "serve", directory, "--listen", addr, "--stack", "null", *args],
+    m.server = subprocess.Popen([m.run.plyfs, "serve", directory, "--listen", addr, "--stack", stack, *args],
                                 stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     log.close()
     SERVERS.add(m.server)

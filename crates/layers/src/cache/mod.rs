@@ -260,12 +260,17 @@ struct Change {
 /// With them, the names under which those copies were written or renamed (more, not fewer): a
 /// removal of any other name cannot lose such a copy its file, nor the name its write-back
 /// finds it by, and costs no lookup on the slow branch.
+///
+/// And where this mount last saw each of those files (its directory's node and its name): a
+/// removal of that entry needs no lookup to know what it removes.
 #[derive(Default)]
 struct Changes {
     of: HashMap<u64, Change>,
     first_due: Option<Instant>,
     names_of: HashMap<u64, Vec<OsString>>,
     names: HashMap<OsString, u32>,
+    bound_of: HashMap<u64, Vec<(NodeId, OsString)>>,
+    bound: HashMap<(NodeId, OsString), u64>,
 }
 
 impl Changes {
@@ -275,6 +280,22 @@ impl Changes {
             mine.push(name.clone());
             *self.names.entry(name).or_default() += 1;
         }
+    }
+
+    /// `key`'s file is entry `name` of directory `parent`, and no longer `was`.
+    fn bind(&mut self, key: u64, parent: NodeId, name: OsString, was: Option<(NodeId, OsString)>) {
+        if let Some(old) = was {
+            if self.bound.get(&old) == Some(&key) {
+                self.bound.remove(&old);
+            }
+        }
+        self.name(key, name.clone());
+        let mine = self.bound_of.entry(key).or_default();
+        let entry = (parent, name);
+        if !mine.contains(&entry) {
+            mine.push(entry.clone());
+        }
+        self.bound.insert(entry, key);
     }
 
     /// `key`'s copy holds no changes any more (written back, or given up).
@@ -288,7 +309,31 @@ impl Changes {
                 }
             }
         }
+        for entry in self.bound_of.remove(&key).unwrap_or_default() {
+            if self.bound.get(&entry) == Some(&key) {
+                self.bound.remove(&entry);
+            }
+        }
     }
+}
+
+/// What a removal or a rename over a name removes, when that may be a file with unwritten
+/// changes.
+#[derive(Clone, Copy)]
+enum Victim {
+    /// A file with unwritten changes that this mount last saw under that name: its node is
+    /// kept (forgets held back) until it is looked at, after the removal, in the background.
+    Seen(NodeId),
+    /// Looked up on the slow branch before the removal (one lookup to give back).
+    Looked(NodeId),
+}
+
+/// Files a removal took a name from, being looked at in the background: how many such looks
+/// are under way, and the forgets the kernel sent meanwhile (passed on after them).
+#[derive(Default)]
+struct Held {
+    looks: u32,
+    forgets: u64,
 }
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -332,6 +377,10 @@ pub struct Cache {
     absent_xattrs: Mutex<HashMap<u64, HashSet<OsString>>>,
     flushing: Mutex<HashSet<u64>>,
     flushed: Condvar,
+    /// See [`Held`].
+    held: Mutex<HashMap<u64, Held>>,
+    /// The layer itself, for work done in the background.
+    me: std::sync::OnceLock<Weak<Cache>>,
     jobs: Mutex<Option<Sender<Job>>>,
     stop: AtomicBool,
     /// A fetch finished: the cache may be over its limits.
@@ -419,6 +468,8 @@ impl Cache {
             absent_xattrs: Mutex::new(HashMap::new()),
             flushing: Mutex::new(HashSet::new()),
             flushed: Condvar::new(),
+            held: Mutex::new(HashMap::new()),
+            me: std::sync::OnceLock::new(),
             jobs: Mutex::new(None),
             stop: AtomicBool::new(false),
             evict_soon: AtomicBool::new(false),
@@ -431,6 +482,7 @@ impl Cache {
     }
 
     fn start(self: &Arc<Self>) {
+        let _ = self.me.set(Arc::downgrade(self));
         let (tx, rx) = channel::<Job>();
         let rx = Arc::new(std::sync::Mutex::new(rx));
         *self.jobs.lock() = Some(tx);
@@ -1094,10 +1146,13 @@ impl Cache {
             self.store.log(key, Some((gen, &p)))?;
         }
         self.changed(key);
-        let name = self.paths.parent_of(node).map(|(_, name)| name);
+        let seen = self.paths.parent_of(node);
         let logged = self.copy_of(key).map(|c| leaf_of(&c.path));
         let mut ch = self.changes.lock();
-        for name in name.into_iter().chain(logged) {
+        if let Some((parent, name)) = seen {
+            ch.bind(key, parent, name, None);
+        }
+        if let Some(name) = logged {
             ch.name(key, name);
         }
         Ok(())
@@ -1625,6 +1680,10 @@ impl Cache {
             if !all && self.writers(key) > 0 {
                 continue;
             }
+            // A removal took a name from it, and it is being looked at: gone, it is not written.
+            if self.held.lock().contains_key(&key) {
+                continue;
+            }
             match self.write_back(key) {
                 Ok(()) => done += 1,
                 Err(e) => {
@@ -1941,16 +2000,85 @@ impl Cache {
 
     /// Names that are about to mean something else on the slow branch: the node that `name` in
     /// `parent` is now (to drop its copy if it goes), when write-back copies could be affected.
-    fn victim(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Option<NodeId> {
-        if !self.changes.lock().names.contains_key(name) {
-            return None;
+    fn victim(&self, cx: &Caller, parent: NodeId, name: &OsStr) -> Option<Victim> {
+        {
+            let ch = self.changes.lock();
+            if let Some(&key) = ch.bound.get(&(parent, name.to_owned())) {
+                drop(ch);
+                self.held.lock().entry(key).or_default().looks += 1;
+                return Some(Victim::Seen(NodeId(key)));
+            }
+            if !ch.names.contains_key(name) {
+                return None;
+            }
         }
-        self.slow().lookup(cx, parent, name).ok().map(|e| e.node)
+        self.slow().lookup(cx, parent, name).ok().map(|e| Victim::Looked(e.node))
+    }
+
+    /// The removal or rename that `victim` was found for failed.
+    fn spare(&self, victim: Option<Victim>) {
+        match victim {
+            Some(Victim::Seen(v)) => self.unhold(v),
+            Some(Victim::Looked(v)) => self.slow().forget(&daemon(), v, 1),
+            None => {}
+        }
+    }
+
+    /// One look at `node` after a removal is done: the forgets held back meanwhile go on.
+    fn unhold(&self, node: NodeId) {
+        let forgets = {
+            let mut held = self.held.lock();
+            let Some(h) = held.get_mut(&node.0) else { return };
+            h.looks -= 1;
+            if h.looks > 0 {
+                return;
+            }
+            held.remove(&node.0).map_or(0, |h| h.forgets)
+        };
+        if forgets > 0 {
+            self.slow().forget(&daemon(), node, forgets);
+        }
     }
 
     /// After `victim` lost a name: if it is gone, so is its copy (unwritten changes included).
-    fn lost_name(&self, victim: Option<NodeId>) {
-        let Some(v) = victim else { return };
+    fn lost_name(&self, victim: Option<Victim>) {
+        match victim {
+            None => {}
+            Some(Victim::Looked(v)) => {
+                self.look_after_removal(v);
+                self.slow().forget(&daemon(), v, 1);
+            }
+            // A file with other names: its write-back may have to find it by one of them after a
+            // restart, so it is written back before the removal returns.
+            Some(Victim::Seen(v)) if self.slow_attrs.lock().get(&v.0).is_none_or(|a| a.nlink != 1) => {
+                self.look_after_removal(v);
+                self.unhold(v);
+            }
+            // Else in the background: an `rm -rf` of files just written would wait a round trip
+            // per file for it. Meanwhile neither the keeper nor the kernel's forgets can lose the
+            // node, and the file's write-back waits.
+            Some(Victim::Seen(v)) => {
+                let me = self.me.get().and_then(Weak::upgrade);
+                let job: Job = Box::new(move || {
+                    if let Some(me) = me {
+                        me.look_after_removal(v);
+                        me.unhold(v);
+                    }
+                });
+                match self.jobs.lock().as_ref() {
+                    Some(tx) => {
+                        if let Err(e) = tx.send(job) {
+                            (e.0)();
+                        }
+                    }
+                    None => job(),
+                }
+            }
+        }
+    }
+
+    /// `v` lost a name: if it is gone, so is its copy (unwritten changes included).
+    fn look_after_removal(&self, v: NodeId) {
         let gone = match self.slow().getattr(&daemon(), v) {
             Ok(a) => a.nlink == 0,
             Err(_) => true,
@@ -1959,12 +2087,11 @@ impl Cache {
             self.drop_copy(v.0, true);
         } else if self.dirty(v.0) {
             // The name its write-back would find it by may be the one that went (a hard link
-            // removed): written back now, by the node this lookup holds.
+            // removed): written back now, by the node held.
             if let Err(e) = self.write_back_at(v.0, Some(v)) {
                 tracing::warn!("cache '{}': node {}: lost a name before it was written back ({e}); tried again later", self.name, v.0);
             }
         }
-        self.slow().forget(&daemon(), v, 1);
     }
 }
 
@@ -2031,6 +2158,10 @@ impl Cache {
             }
             Op::Forget { node, nlookup } => {
                 self.paths.forget(node, nlookup);
+                if let Some(h) = self.held.lock().get_mut(&node.0) {
+                    h.forgets += nlookup;
+                    return Ok(Reply::Empty);
+                }
                 self.slow().call(cx, op)
             }
             Op::GetAttr { node, fh } => {
@@ -2056,8 +2187,8 @@ impl Cache {
                 let r = self.slow().call(cx, op);
                 if r.is_ok() {
                     self.lost_name(victim);
-                } else if let Some(v) = victim {
-                    self.slow().forget(&daemon(), v, 1);
+                } else {
+                    self.spare(victim);
                 }
                 r
             }
@@ -2067,19 +2198,23 @@ impl Cache {
                 let victim = if flags & libc::RENAME_EXCHANGE == 0 { self.victim(cx, new_parent, new_name) } else { None };
                 let r = self.slow().call(cx, op);
                 if r.is_err() {
-                    if let Some(v) = victim {
-                        self.slow().forget(&daemon(), v, 1);
-                    }
+                    self.spare(victim);
                     return r;
                 }
                 self.lost_name(victim);
                 if let Ok(e) = self.slow().lookup(cx, new_parent, new_name) {
                     self.paths.moved(e.node, new_parent, new_name);
+                    if self.dirty(e.node.0) {
+                        self.changes.lock().bind(e.node.0, new_parent, new_name.to_owned(), Some((parent, name.to_owned())));
+                    }
                     self.slow().forget(cx, e.node, 1);
                 }
                 if flags & libc::RENAME_EXCHANGE != 0 {
                     if let Ok(e) = self.slow().lookup(cx, parent, name) {
                         self.paths.moved(e.node, parent, name);
+                        if self.dirty(e.node.0) {
+                            self.changes.lock().bind(e.node.0, parent, name.to_owned(), None);
+                        }
                         self.slow().forget(cx, e.node, 1);
                     }
                 }
