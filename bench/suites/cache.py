@@ -1,6 +1,6 @@
 """The cache layer (issue #34): a fast branch (a directory) in front of a slow one, a remote plyfs
-server or a local disk made slow for real, against the slow branch alone, the fast branch alone
-and sshfs.
+server (on a local socket, or behind a slow link) or a local disk made slow for real, against the
+slow branch alone, the fast branch alone and sshfs.
 
 The layer: `plyfs mount FAST MNT --stack cache:mode=write-through|write-back --branch SLOW`, or
 with a remote slow branch `plyfs mount - MNT --stack 'cache:mode=...[@FAST|remote:addr=ADDR]'`.
@@ -500,7 +500,8 @@ SUITE = Suite(
     intro="`bench/bench cache` measures the targets of issue #34 for the `cache` layer: reads of a large file over a "
           "remote slow branch (`plyfs serve` on a Unix socket) cold and warm, against the fast branch alone and the "
           "remote stack alone; untar and `ls -lR` over the remote slow branch with write-back, against the remote stack "
-          "alone and sshfs; and the second read of a large file on a slow disk made slow for real (dm-delay where the "
+          "alone and sshfs, and again over a slow link (a round trip of about 1.4 ms, made by `bench/delaylink.py`); "
+          "and the second read of a large file on a slow disk made slow for real (dm-delay where the "
           "kernel has it, the block layer's throttling where it does not), against the fast disk. Configurations this "
           "plyfs cannot mount yet are listed as not available yet, and the baselines measured all the same.",
     needs=("sshfs", "sshd:openssh-server", "losetup:mount", "mkfs.ext4:e2fsprogs", "blockdev:util-linux"),
