@@ -181,6 +181,16 @@ fn a_change_on_the_slow_branch_shows_to_new_opens_while_a_reader_holds_the_copy(
         let mut seen = vec![0u8; 4096];
         reader.read_exact_at(&mut seen, 600_000).unwrap();
         assert!(seen == want[600_000..604_096], "{stack}: the open reader reads old bytes");
+        // A writer that comes after a change there, with no open in between: the copy is fetched
+        // again, and written in.
+        want = random(99, 300_000);
+        std::fs::write(&path, &want).unwrap();
+        let writer = OpenOptions::new().write(true).open(m.path("f")).unwrap_or_else(|e| panic!("{stack}: open for writing: {e}"));
+        writer.write_all_at(b"local", 10).unwrap();
+        drop(writer);
+        want[10..15].copy_from_slice(b"local");
+        op_json(&m.mnt, &["cache-flush"]);
+        assert!(std::fs::read(&path).unwrap() == want, "{stack}: the slow branch after the writer");
         drop(reader);
         assert!(std::fs::read(m.path("f")).unwrap() == want, "{stack}: after the reader closed");
         assert_eq!(status(&m)["dirty_files"].as_u64(), Some(0), "{stack}");

@@ -977,9 +977,15 @@ impl Cache {
     fn open_next_to_copy(&self, cx: &Caller, node: NodeId, flags: i32, attr: &Attr, gen: u64) -> Result<Reply> {
         let key = node.0;
         let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
-        let current = self.fresh_copy(key, attr).is_some_and(|c| c.gen == gen);
+        let mut current = self.fresh_copy(key, attr).is_some_and(|c| c.gen == gen);
         let refreshed = self.opens.lock().get(&key).and_then(|o| o.fast_stamp) == Some(Stamp::of(attr));
+        let file = self.opens.lock().get(&key).and_then(|o| o.fast_copy.as_ref().map(|(_, f)| f.clone()));
         if writes {
+            if let Some(f) = file.as_ref().filter(|_| !current && self.copy_of(key).is_some_and(|c| c.gen == gen && !c.dirty)) {
+                // Fetched again where it is, the copy is the file again, to write in.
+                self.refresh_in_place(node, gen, f, attr)?;
+                current = self.fresh_copy(key, attr).is_some_and(|c| c.gen == gen);
+            }
             if !current {
                 // The copy the others read is older than the slow file: written in and then
                 // written back, it would undo the change made there.
@@ -992,7 +998,6 @@ impl Cache {
             }
             return self.open_dirty(cx, node, flags, attr, self.cfg.mode == Mode::WriteThrough);
         }
-        let file = self.opens.lock().get(&key).and_then(|o| o.fast_copy.as_ref().map(|(_, f)| f.clone()));
         let Some(file) = file else { return self.open_read(cx, node, flags, attr) };
         if current || refreshed {
             self.stats.hits.fetch_add(1, Ordering::Relaxed);
