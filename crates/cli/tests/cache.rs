@@ -990,3 +990,33 @@ fn removing_files_with_unwritten_changes_drops_them_by_whatever_name() {
     assert!(!orphans.exists() || std::fs::read_dir(&orphans).unwrap().next().is_none(), "orphaned: log: {}", m.daemon_log());
     assert!(!m.daemon_log().contains("no longer on the slow branch"), "log: {}", m.daemon_log());
 }
+
+/// An open file with unwritten changes, removed: `fstat` shows no links at once (the look at it
+/// after the removal runs in the background, and its attributes must not be the ones this
+/// mount kept from before), and it can still be written and read (pjdfstest's
+/// `unlink::open_file_not_freed`, which failed over a server).
+#[test]
+fn an_open_file_with_unwritten_changes_removed_shows_no_links_and_still_works() {
+    let (_d, slow) = slow_dir();
+    let local = cache_over("cache:mode=write-back:delay=1h", &slow, &[]);
+    let (_d2, slow2) = slow_dir();
+    let (_server, remote) = cache_over_server("cache:mode=write-back:delay=1h", &slow2, &[]);
+    for (what, m) in [("over a directory", &local), ("over a server", &remote)] {
+        for i in 0..30 {
+            let name = format!("f{i}");
+            let mut f = OpenOptions::new().read(true).write(true).create_new(true).open(m.path(&name)).unwrap();
+            f.write_all(b"before").unwrap();
+            std::fs::remove_file(m.path(&name)).unwrap();
+            let meta = f.metadata().unwrap();
+            assert_eq!(std::os::unix::fs::MetadataExt::nlink(&meta), 0, "{what}: round {i}: links of a removed open file");
+            f.write_all_at(b"Hello, World!", 0).unwrap();
+            let mut buf = [0u8; 13];
+            f.read_exact_at(&mut buf, 0).unwrap();
+            assert_eq!(&buf, b"Hello, World!", "{what}: round {i}");
+        }
+        wait_for("nothing left to write back", Duration::from_secs(10), || status(m)["dirty_files"].as_u64() == Some(0));
+        assert!(!m.daemon_log().contains("no longer on the slow branch"), "{what}: log: {}", m.daemon_log());
+    }
+    let left = |d: &Path| std::fs::read_dir(d).unwrap().filter(|e| !e.as_ref().unwrap().file_name().to_string_lossy().starts_with(".plyfs")).count();
+    assert_eq!((left(&slow), left(&slow2)), (0, 0));
+}

@@ -1272,7 +1272,7 @@ impl Cache {
         if dirty {
             // Size and times are the copy's until it is written back; the rest is the slow file's.
             let rest = SetAttr { size: None, atime: None, mtime: None, ..set };
-            let known = self.slow_attrs.lock().get(&key).copied();
+            let known = self.known_slow_attrs(key);
             let mut attr = if rest == SetAttr::default() {
                 match known {
                     Some(a) => a,
@@ -2020,6 +2020,16 @@ impl Cache {
         self.slow().lookup(cx, parent, name).ok().map(|e| Victim::Looked(e.node))
     }
 
+    /// The slow branch's attributes of a file with unwritten changes, as this mount last saw
+    /// them; not while a removal's look at it is under way (its link count and change time are
+    /// the slow branch's to say: `fstat` of an open file just removed shows no links).
+    fn known_slow_attrs(&self, key: u64) -> Option<Attr> {
+        if self.held.lock().contains_key(&key) {
+            return None;
+        }
+        self.slow_attrs.lock().get(&key).copied()
+    }
+
     /// The removal or rename that `victim` was found for failed.
     fn spare(&self, victim: Option<Victim>) {
         match victim {
@@ -2172,7 +2182,7 @@ impl Cache {
             Op::GetAttr { node, fh } => {
                 // A file with unwritten changes: its slow attributes change only through this
                 // mount, which saw them last.
-                let known = self.slow_attrs.lock().get(&node.0).copied();
+                let known = self.known_slow_attrs(node.0);
                 if let Some(mut a) = known.filter(|_| self.dirty(node.0)) {
                     self.patch(node, &mut a);
                     return Ok(Reply::Attr(a));
