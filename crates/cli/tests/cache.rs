@@ -1019,4 +1019,37 @@ fn an_open_file_with_unwritten_changes_removed_shows_no_links_and_still_works() 
     }
     let left = |d: &Path| std::fs::read_dir(d).unwrap().filter(|e| !e.as_ref().unwrap().file_name().to_string_lossy().starts_with(".plyfs")).count();
     assert_eq!((left(&slow), left(&slow2)), (0, 0));
+
+// ---------------------------------------------------------------------------------------------
+// From the review of 5f90f23 (write-through's passthrough readers, copies fetched again in
+// place; branch rev5).
+// ---------------------------------------------------------------------------------------------
+
+/// A writer writes in the copy that the kernel serves the file's opens from; its name is then
+/// removed (the copy, unwritten changes and all, leaves the index: the file is gone). A new open
+/// of the still-open file (`/proc/self/fd/N`) finds no copy in the index, calls the copy the
+/// others read old, and fetches the slow branch's bytes into it in place: the writer's own
+/// writes are overwritten under it.
+#[test]
+fn review_a_reopen_of_a_removed_file_does_not_overwrite_its_writers_bytes() {
+    for stack in ["cache", "cache:mode=write-back:delay=1h"] {
+        let (_d, slow) = slow_dir();
+        std::fs::write(slow.join("f"), random(92, 200_000)).unwrap();
+        let m = cache_over(stack, &slow, &[]);
+        read_until_cached(&m, "f");
+        // In write-through, a writer writes in the copy only next to readers of it.
+        let reader = File::open(m.path("f")).unwrap();
+        let writer = OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+        writer.write_all_at(b"WRITTEN HERE", 1000).unwrap();
+        std::fs::remove_file(m.path("f")).unwrap();
+        // The removal's look at the file is made in the background.
+        std::thread::sleep(Duration::from_millis(300));
+        let again = File::open(format!("/proc/self/fd/{}", writer.as_raw_fd())).unwrap();
+        let mut got = vec![0u8; 12];
+        again.read_exact_at(&mut got, 1000).unwrap();
+        assert_eq!(String::from_utf8_lossy(&got), "WRITTEN HERE", "{stack}: the new open");
+        writer.read_exact_at(&mut got, 1000).unwrap();
+        assert_eq!(String::from_utf8_lossy(&got), "WRITTEN HERE", "{stack}: the writer reads its own bytes back");
+        drop((reader, writer, again));
+    }
 }

@@ -999,7 +999,11 @@ impl Cache {
             return self.open_dirty(cx, node, flags, attr, self.cfg.mode == Mode::WriteThrough);
         }
         let Some(file) = file else { return self.open_read(cx, node, flags, attr) };
-        if current || refreshed {
+        // A copy that this mount's writers write in, or whose file is gone from the slow branch
+        // (its copy left the index, unwritten changes and all), is the file for the opens that
+        // hold it: the slow branch's bytes fetched into it would overwrite their writes.
+        let own = attr.nlink == 0 || self.writers(key) > 0;
+        if current || refreshed || own {
             self.stats.hits.fetch_add(1, Ordering::Relaxed);
             self.touch(key);
         } else {
