@@ -1053,3 +1053,36 @@ fn review_a_reopen_of_a_removed_file_does_not_overwrite_its_writers_bytes() {
         drop((reader, writer, again));
     }
 }
+
+/// In write-through, a writer's open is the slow branch's to refuse (here an immutable file:
+/// `EPERM`), and it is when the writer comes alone. Next to a reader of the copy by passthrough,
+/// the writer is given the copy without the slow branch being asked: the open succeeds, its
+/// writes land in the copy that readers and new opens are served, and only the close fails —
+/// while the slow branch never has them (the keeper tries again forever).
+#[test]
+fn review_a_writer_next_to_readers_is_refused_what_the_slow_branch_refuses() {
+    let (_d, slow) = slow_dir();
+    let data = random(93, 200_000);
+    std::fs::write(slow.join("f"), &data).unwrap();
+    let m = cache_over("cache", &slow, &[]);
+    read_until_cached(&m, "f");
+    let chattr = |flag: &str| assert!(run(std::process::Command::new("chattr").arg(flag).arg(slow.join("f"))).status.success());
+    let reader = File::open(m.path("f")).unwrap();
+    chattr("+i");
+    let next_to_reader = OpenOptions::new().write(true).open(m.path("f"));
+    if let Ok(w) = &next_to_reader {
+        let _ = w.write_all_at(b"REFUSED BYTES", 0);
+    }
+    let next_to_reader = next_to_reader.map(drop).map_err(|e| e.raw_os_error());
+    let mut seen = vec![0u8; 13];
+    File::open(m.path("f")).unwrap().read_exact_at(&mut seen, 0).unwrap();
+    drop(reader);
+    // The same writer with no reader open is refused at its open.
+    std::thread::sleep(Duration::from_millis(200));
+    let alone = OpenOptions::new().write(true).open(m.path("f")).map(drop).map_err(|e| e.raw_os_error());
+    chattr("-i");
+    let (dirty, log) = (status(&m)["dirty_files"].as_u64(), m.daemon_log());
+    assert_eq!(next_to_reader, Err(Some(libc::EPERM)), "next to a reader");
+    assert!(seen == data[..13], "the mount serves bytes the slow branch refused: {:?}", String::from_utf8_lossy(&seen));
+    assert_eq!((alone, dirty), (Err(Some(libc::EPERM)), Some(0)), "alone, after: log: {log}");
+}

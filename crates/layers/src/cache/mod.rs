@@ -1096,6 +1096,13 @@ impl Cache {
     fn open_dirty(&self, cx: &Caller, node: NodeId, flags: i32, attr: &Attr, through: bool) -> Result<Reply> {
         let key = node.0;
         let truncate = flags & libc::O_TRUNC != 0;
+        if through {
+            // Write-through: the slow branch refuses a writer it would refuse alone (permissions
+            // it checks itself, an immutable or append-only file, a read-only file system), at
+            // its open, before a byte lands in the copy that readers are served.
+            let opened = self.slow().open(cx, node, flags & !(libc::O_TRUNC | libc::O_CREAT | libc::O_EXCL))?;
+            self.release_later(node, opened.fh);
+        }
         let (gen, file) = match self.fresh_copy(key, attr) {
             Some(c) => {
                 let file = self.store.open_copy(key, c.gen, true)?;
