@@ -233,6 +233,48 @@ struct CFile {
     through: bool,
 }
 
+/// The files whose opens, releases or write-back decisions are under way, one lock per file:
+/// an open may fetch a whole file again (see [`Cache::refresh_in_place`]), and the opens and
+/// closes of other files must not wait for it, as they did behind 64 shared locks.
+#[derive(Default)]
+struct OpenLocks {
+    busy: Mutex<HashSet<u64>>,
+    freed: Condvar,
+}
+
+/// One file's open lock (see [`Cache::open_lock`]).
+struct OpenLock<'a> {
+    locks: &'a OpenLocks,
+    key: u64,
+}
+
+impl<'a> OpenLock<'a> {
+    fn lock(self) -> OpenGuard<'a> {
+        let mut busy = self.locks.busy.lock();
+        while busy.contains(&self.key) {
+            self.locks.freed.wait(&mut busy);
+        }
+        busy.insert(self.key);
+        OpenGuard { locks: self.locks, key: self.key }
+    }
+
+    fn try_lock(self) -> Option<OpenGuard<'a>> {
+        self.locks.busy.lock().insert(self.key).then_some(OpenGuard { locks: self.locks, key: self.key })
+    }
+}
+
+struct OpenGuard<'a> {
+    locks: &'a OpenLocks,
+    key: u64,
+}
+
+impl Drop for OpenGuard<'_> {
+    fn drop(&mut self) {
+        self.locks.busy.lock().remove(&self.key);
+        self.locks.freed.notify_all();
+    }
+}
+
 /// Handles this layer gives out start here, far from the slow branch's directory handles,
 /// which pass through unchanged.
 const FIRST_FH: u64 = 1 << 62;
@@ -360,7 +402,7 @@ pub struct Cache {
     opens: Mutex<HashMap<u64, Opens>>,
     fills: Mutex<HashMap<u64, Weak<Fill>>>,
     gates: Vec<RwLock<()>>,
-    open_locks: Vec<Mutex<()>>,
+    open_locks: OpenLocks,
     /// Copies are given to the kernel for passthrough (not with `-o shared`, where a copy can
     /// go stale under an open that the kernel would serve every later open from). In
     /// write-through, a writer that comes while no copy is open by passthrough writes through
@@ -461,7 +503,7 @@ impl Cache {
             opens: Mutex::new(HashMap::new()),
             fills: Mutex::new(HashMap::new()),
             gates: (0..GATES).map(|_| RwLock::new(())).collect(),
-            open_locks: (0..GATES).map(|_| Mutex::new(())).collect(),
+            open_locks: OpenLocks::default(),
             copy_passthrough,
             changes: Mutex::new(changes),
             slow_attrs: Mutex::new(HashMap::new()),
@@ -817,8 +859,8 @@ impl Cache {
 
     /// The lock that one file's opens and releases take in turn, so that each is served the
     /// way the kernel allows next to the others.
-    fn open_lock(&self, key: u64) -> &Mutex<()> {
-        &self.open_locks[(key as usize) % GATES]
+    fn open_lock(&self, key: u64) -> OpenLock<'_> {
+        OpenLock { locks: &self.open_locks, key }
     }
 
     /// A whole copy, served by passthrough (unless this open must go through the daemon).
