@@ -1124,13 +1124,34 @@ fn review_a_writer_next_to_readers_keeps_what_another_machine_wrote_elsewhere() 
 /// inside the open, under the file's open lock — one of 64 shared by every file whose node id
 /// falls on it. However large the file and slow the link, the opens and closes of those other
 /// files wait for the whole fetch.
+///
+/// Over `/dev/fuse` (several daemon threads), so that only the lock is tested.
 #[test]
 fn review_fetching_a_stale_copy_again_does_not_hold_up_other_files() {
+    fetch_again_next_to(&["io_uring=off"], false);
+}
+
+/// The same over io_uring, the other open made on the CPU of the one that fetches: the ring's
+/// one daemon thread answers nothing else until the whole file is fetched.
+#[test]
+fn review_fetching_a_stale_copy_again_does_not_hold_up_other_files_on_its_cpu() {
+    fetch_again_next_to(&[], true);
+}
+
+fn pin_to_cpu0() {
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        assert_eq!(libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set), 0);
+    }
+}
+
+fn fetch_again_next_to(options: &[&str], one_cpu: bool) {
     use std::os::unix::fs::MetadataExt;
     let (_d, slow) = slow_dir();
     let path = slow.join("f");
     std::fs::write(&path, random(95, 4 << 20)).unwrap();
-    let m = cache_over("cache[|fault]", &slow, &[]);
+    let m = cache_over("cache[|fault]", &slow, options);
     read_until_cached(&m, "f");
     let stripe = std::fs::metadata(m.path("f")).unwrap().ino() % 64;
     // Another file whose node id falls on the same lock.
@@ -1145,8 +1166,16 @@ fn review_fetching_a_stale_copy_again_does_not_hold_up_other_files() {
     std::fs::write(&path, random(96, 4 << 20)).unwrap();
     op_json(&m.mnt, &["fault-add", "op=read", "delay=1s"]);
     let p = m.path("f");
-    let refresh = std::thread::spawn(move || File::open(p).map(drop));
+    let refresh = std::thread::spawn(move || {
+        if one_cpu {
+            pin_to_cpu0();
+        }
+        File::open(p).map(drop)
+    });
     std::thread::sleep(Duration::from_millis(500));
+    if one_cpu {
+        pin_to_cpu0();
+    }
     let t = Instant::now();
     File::open(m.path(&other)).unwrap();
     let waited = t.elapsed();
