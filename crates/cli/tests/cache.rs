@@ -1191,4 +1191,60 @@ fn fetch_again_next_to(options: &[&str], one_cpu: bool) {
     drop(reader);
     op_json(&m.mnt, &["fault-clear"]);
     assert!(waited < Duration::from_secs(1), "the open of another file waited {waited:?} for the fetch of f");
+
+fn review_drop_caches() {
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+}
+
+/// Review (issue #34): `renameat2(c, a, RENAME_EXCHANGE)` with unwritten changes in `a`'s file
+/// moves that file to `c`, but the entry `a` stays bound to it. Once the kernel has forgotten
+/// the file (memory pressure; here drop_caches), removing `a` (the other, clean file) is taken
+/// for a removal of the file with changes: its node is unknown to the slow branch, the look
+/// fails, and its unwritten changes are dropped while it still exists as `c`.
+#[test]
+fn review_a_file_exchanged_away_from_a_name_keeps_its_changes_when_that_name_is_removed() {
+    let (_d, slow) = slow_dir();
+    std::fs::write(slow.join("c"), b"clean").unwrap();
+    let m = cache_over("cache:mode=write-back:delay=1h", &slow, &[]);
+    std::fs::write(m.path("a"), b"unwritten changes").unwrap();
+    assert_eq!(status(&m)["dirty_files"].as_u64(), Some(1));
+    let (from, to) = (common::cpath(&m.path("c")), common::cpath(&m.path("a")));
+    assert_eq!(unsafe { libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_EXCHANGE) }, 0);
+    assert_eq!(std::fs::read(m.path("c")).unwrap(), b"unwritten changes");
+    assert_eq!(std::fs::read(m.path("a")).unwrap(), b"clean");
+    review_drop_caches();
+    std::thread::sleep(Duration::from_millis(300));
+    std::fs::remove_file(m.path("a")).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(std::fs::read(m.path("c")).unwrap(), b"unwritten changes", "log: {}", m.daemon_log());
+    drop(m);
+    assert_eq!(std::fs::read(slow.join("c")).unwrap(), b"unwritten changes");
+}
+
+/// Review (issue #34): a file with unwritten changes, open for writing, loses its first name
+/// (a hard link keeps it: written back, but still dirty as a writer holds it) and then its last
+/// one. The last name is neither bound nor one it was written under, so nothing looks at it:
+/// the deleted file's changes stay in the log under the first name and, at the next start,
+/// end up orphaned with an error line.
+#[test]
+fn review_removing_every_name_of_a_file_open_for_writing_leaves_nothing_to_write_back() {
+    let (_d, slow) = slow_dir();
+    let stack = "cache:mode=write-back:delay=1h";
+    let m = cache_over(stack, &slow, &[]);
+    let mut f = File::create(m.path("x")).unwrap();
+    f.write_all(b"being written").unwrap();
+    std::fs::hard_link(m.path("x"), m.path("w")).unwrap();
+    std::fs::remove_file(m.path("x")).unwrap();
+    std::fs::remove_file(m.path("w")).unwrap();
+    f.write_all(b", still").unwrap();
+    drop(f);
+    wait_for("nothing left to write back", Duration::from_secs(5), || status(&m)["dirty_files"].as_u64() == Some(0));
+    let m = kill_and_restart(m, stack, &slow);
+    std::thread::sleep(Duration::from_secs(1));
+    let left: Vec<_> = std::fs::read_dir(&slow).unwrap().map(|e| e.unwrap().file_name()).filter(|n| n != ".plyfs.lock").collect();
+    assert!(left.is_empty(), "{left:?}");
+    let orphans = m.lower.join(".plyfs-cache/orphans");
+    assert!(!orphans.exists() || std::fs::read_dir(&orphans).unwrap().next().is_none(), "orphaned: log: {}", m.daemon_log());
+    assert!(!m.daemon_log().contains("no longer on the slow branch"), "log: {}", m.daemon_log());
 }
