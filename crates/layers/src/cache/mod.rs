@@ -313,6 +313,10 @@ struct Changes {
     names: HashMap<OsString, u32>,
     bound_of: HashMap<u64, Vec<(NodeId, OsString)>>,
     bound: HashMap<(NodeId, OsString), u64>,
+    /// Copies that lost a name and still hold changes (a writer had them open, or writing back
+    /// failed): the name their write-back knows them by may be gone, so a removal of any name
+    /// may take their last one, and is looked up while there are any.
+    loose: HashSet<u64>,
 }
 
 impl Changes {
@@ -340,9 +344,15 @@ impl Changes {
         self.bound.insert(entry, key);
     }
 
+    /// Entry `name` of `parent` was removed or now names another file.
+    fn unbind(&mut self, parent: NodeId, name: &OsStr) {
+        self.bound.remove(&(parent, name.to_owned()));
+    }
+
     /// `key`'s copy holds no changes any more (written back, or given up).
     fn remove(&mut self, key: u64) {
         self.of.remove(&key);
+        self.loose.remove(&key);
         for name in self.names_of.remove(&key).unwrap_or_default() {
             if let Some(n) = self.names.get_mut(&name) {
                 *n -= 1;
@@ -2066,7 +2076,7 @@ impl Cache {
                 self.held.lock().entry(key).or_default().looks += 1;
                 return Some(Victim::Seen(NodeId(key)));
             }
-            if !ch.names.contains_key(name) {
+            if !ch.names.contains_key(name) && ch.loose.is_empty() {
                 return None;
             }
         }
@@ -2158,6 +2168,14 @@ impl Cache {
             // removed): written back now, by the node held.
             if let Err(e) = self.write_back_at(v.0, Some(v)) {
                 tracing::warn!("cache '{}': node {}: lost a name before it was written back ({e}); tried again later", self.name, v.0);
+            }
+            // Still holding changes (a writer has it open): its next removal may be its last,
+            // by a name no copy was written under.
+            if self.dirty(v.0) {
+                let mut ch = self.changes.lock();
+                if ch.of.contains_key(&v.0) {
+                    ch.loose.insert(v.0);
+                }
             }
         }
     }
@@ -2254,6 +2272,7 @@ impl Cache {
                 let victim = self.victim(cx, parent, name);
                 let r = self.slow().call(cx, op);
                 if r.is_ok() {
+                    self.changes.lock().unbind(parent, name);
                     self.lost_name(victim);
                 } else {
                     self.spare(victim);
@@ -2268,6 +2287,13 @@ impl Cache {
                 if r.is_err() {
                     self.spare(victim);
                     return r;
+                }
+                // Neither entry names what it was bound to any more (the dirty files found
+                // under them are bound again below).
+                {
+                    let mut ch = self.changes.lock();
+                    ch.unbind(parent, name);
+                    ch.unbind(new_parent, new_name);
                 }
                 self.lost_name(victim);
                 if let Ok(e) = self.slow().lookup(cx, new_parent, new_name) {
