@@ -1191,6 +1191,7 @@ fn fetch_again_next_to(options: &[&str], one_cpu: bool) {
     drop(reader);
     op_json(&m.mnt, &["fault-clear"]);
     assert!(waited < Duration::from_secs(1), "the open of another file waited {waited:?} for the fetch of f");
+}
 
 fn review_drop_caches() {
     unsafe { libc::sync() };
