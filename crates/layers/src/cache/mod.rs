@@ -748,18 +748,9 @@ impl Cache {
             return;
         }
         let claimed = fill.claim_ahead(last, self.cfg.ahead);
-        let jobs = self.jobs.lock();
         for r in claimed {
             let f = fill.clone();
-            let job: Job = Box::new(move || f.fetch_claimed(r));
-            match jobs.as_ref() {
-                Some(tx) => {
-                    if let Err(e) = tx.send(job) {
-                        (e.0)();
-                    }
-                }
-                None => job(),
-            }
+            self.in_background(Box::new(move || f.fetch_claimed(r)));
         }
     }
 
@@ -776,10 +767,15 @@ impl Cache {
     /// Release a slow branch's handle on a fetcher thread.
     fn release_later(&self, node: NodeId, fh: FileHandle) {
         let slow = self.slow().clone();
-        let job: Job = Box::new(move || {
+        self.in_background(Box::new(move || {
             let _ = slow.release(&daemon(), node, fh);
-        });
-        match self.jobs.lock().as_ref() {
+        }));
+    }
+
+    /// Run `job` on a fetcher thread, or here once they are gone (at unmount).
+    fn in_background(&self, job: Job) {
+        let tx = self.jobs.lock().clone();
+        match tx {
             Some(tx) => {
                 if let Err(e) = tx.send(job) {
                     (e.0)();
@@ -1030,8 +1026,10 @@ impl Cache {
         let key = node.0;
         let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
         let mut current = self.fresh_copy(key, attr).is_some_and(|c| c.gen == gen);
-        let refreshed = self.opens.lock().get(&key).and_then(|o| o.fast_stamp) == Some(Stamp::of(attr));
-        let file = self.opens.lock().get(&key).and_then(|o| o.fast_copy.as_ref().map(|(_, f)| f.clone()));
+        let (refreshed, file) = match self.opens.lock().get(&key) {
+            Some(o) => (o.fast_stamp == Some(Stamp::of(attr)), o.fast_copy.as_ref().map(|(_, f)| f.clone())),
+            None => (false, None),
+        };
         if writes {
             if let Some(f) = file.as_ref().filter(|_| !current && self.copy_of(key).is_some_and(|c| c.gen == gen && !c.dirty)) {
                 // Fetched again where it is, the copy is the file again, to write in.
@@ -2137,20 +2135,12 @@ impl Cache {
             // node, and the file's write-back waits.
             Some(Victim::Seen(v)) => {
                 let me = self.me.get().and_then(Weak::upgrade);
-                let job: Job = Box::new(move || {
+                self.in_background(Box::new(move || {
                     if let Some(me) = me {
                         me.look_after_removal(v);
                         me.unhold(v);
                     }
-                });
-                match self.jobs.lock().as_ref() {
-                    Some(tx) => {
-                        if let Err(e) = tx.send(job) {
-                            (e.0)();
-                        }
-                    }
-                    None => job(),
-                }
+                }));
             }
         }
     }
