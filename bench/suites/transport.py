@@ -138,8 +138,13 @@ def stop_all():
 
 
 def sshfs_start(m):
+    sshfs_mount(m, sshd(m.run.work)["port"])
+
+
+def sshfs_mount(m, port):
+    """sshfs of the lower on the mount point, through `port` on loopback to the run's sshd."""
     s = sshd(m.run.work)
-    sh("sshfs", "-p", str(s["port"]), "-o", f"IdentityFile={s['dir']}/id,StrictHostKeyChecking=no,"
+    sh("sshfs", "-p", str(port), "-o", f"IdentityFile={s['dir']}/id,StrictHostKeyChecking=no,"
        "UserKnownHostsFile=/dev/null,allow_other", f"root@127.0.0.1:{m.lower}", m.mnt, timeout=60)
 
 
