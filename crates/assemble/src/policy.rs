@@ -19,6 +19,8 @@ pub struct Applied {
     pub unchanged: u64,
     /// Leftovers of an interrupted run, removed.
     pub leftovers: u64,
+    /// Files removed or replaced (by a run beside this one) after the walk listed them.
+    pub gone: u64,
     /// Files that could not be re-encoded (each was reported to `progress`).
     pub failed: Vec<PathBuf>,
 }
@@ -47,6 +49,7 @@ pub fn apply(path: &Path, recursive: bool, progress: &dyn Progress) -> crate::Re
         progress.item(&f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
         match control::call_op(f, "policy-apply", &[]) {
             Ok(v) if v.get("removed_leftover").and_then(Value::as_bool) == Some(true) => done.leftovers += 1,
+            Ok(v) if v.get("gone").and_then(Value::as_bool) == Some(true) => done.gone += 1,
             Ok(v) if v.get("changed").and_then(Value::as_bool) == Some(true) => {
                 done.changed += 1;
                 let from = v.get("from").and_then(Value::as_str).unwrap_or("?");
@@ -54,9 +57,8 @@ pub fn apply(path: &Path, recursive: bool, progress: &dyn Progress) -> crate::Re
                 progress.result(&format!("{}: {from} -> {to}", f.display()));
             }
             Ok(_) => done.unchanged += 1,
-            // Removed meanwhile (a file deleted, or the temporary copy of a conversion the
-            // daemon was finishing when the walk listed it): nothing to do, and nothing to count.
-            Err(e) if e.contains("No such file") => {}
+            // Removed meanwhile: nothing to do.
+            Err(e) if e.contains("No such file") => done.gone += 1,
             Err(e) => {
                 progress.note(&format!("{}: {e}", f.display()));
                 done.failed.push(f.clone());

@@ -34,6 +34,9 @@ pub fn explain(path: &Path) -> Result<(), String> {
 pub fn apply(path: &Path, recursive: bool) -> Result<(), String> {
     let done = plyfs_assemble::policy::apply(path, recursive, &crate::offline::Bar::new())?;
     let mut summary = format!("{} re-encoded, {} already as their policy says", done.changed, done.unchanged);
+    if done.gone > 0 {
+        summary.push_str(&format!(", {} removed or replaced meanwhile", done.gone));
+    }
     if done.leftovers > 0 {
         summary.push_str(&format!(", {} leftovers of an interrupted run removed", done.leftovers));
     }

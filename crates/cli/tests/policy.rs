@@ -203,13 +203,8 @@ fn apply_can_be_killed_and_resumed_without_losing_a_byte() {
     let summary = stdout(&out);
     // "N re-encoded, M already as their policy says[, K leftovers of an interrupted run removed]":
     // the last part only when the kill left a half-made copy.
-    let count = |what: &str| -> usize {
-        let last = summary.lines().last().unwrap_or_default();
-        let part = last.split(", ").find(|p| p.contains(what)).unwrap_or_else(|| panic!("no '{what}' in {summary}"));
-        part.split(|c: char| !c.is_ascii_digit()).find_map(|w| w.parse().ok()).unwrap()
-    };
-    let (done, already) = (count("re-encoded"), count("already"));
-    assert_eq!(done + already, files.len(), "{summary}");
+    let (done, already, gone) = summary_counts(&out);
+    assert_eq!(done + already + gone, files.len(), "{summary}");
     assert!(done + 1 >= files.len() - converted && done >= 1, "{summary}");
     for (p, d) in &files {
         assert!(fs::read(m.lower_path(p)).unwrap().starts_with(b"PLYSCA"), "{p} converted");
@@ -224,6 +219,70 @@ fn apply_can_be_killed_and_resumed_without_losing_a_byte() {
     assert_eq!(meta.mode() & 0o777, 0o644);
     let m = m.remount();
     assert_eq!(&fs::read(m.path("data/f03")).unwrap(), &files[3].1);
+}
+
+/// The numbers of a run's summary line: (re-encoded, already as their policy says, removed or
+/// replaced meanwhile).
+fn summary_counts(out: &std::process::Output) -> (usize, usize, usize) {
+    let text = stdout(out);
+    let last = text.lines().last().unwrap_or_default().to_owned();
+    let count = |what: &str| -> usize {
+        let part = last.split(", ").find(|p| p.contains(what));
+        part.map_or(0, |p| p.split(|c: char| !c.is_ascii_digit()).find_map(|w| w.parse().ok()).unwrap())
+    };
+    assert!(last.contains("re-encoded") && last.contains("already"), "{text}");
+    (count("re-encoded"), count("already"), count("meanwhile"))
+}
+
+#[test]
+fn two_runs_at_once_and_listings_meanwhile_never_see_the_temporary_copies() {
+    let m = Mount::new("null");
+    fs::create_dir(m.path("data")).unwrap();
+    let files: Vec<(String, Vec<u8>)> = (0..8)
+        .map(|i| {
+            let mut d = text((3 << 20) + i * 1001);
+            d[i] = b'#';
+            (format!("data/f{i:02}"), d)
+        })
+        .collect();
+    for (p, d) in &files {
+        fs::write(m.path(p), d).unwrap();
+    }
+    set_policy(&m.path("data"), "gzip:level=9").unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let seen: Vec<String> = std::thread::scope(|s| {
+        let lister = s.spawn(|| {
+            let mut seen = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for e in fs::read_dir(m.path("data")).unwrap() {
+                    let name = e.unwrap().file_name().to_string_lossy().into_owned();
+                    if !name.starts_with('f') {
+                        seen.push(name);
+                    }
+                }
+            }
+            seen
+        });
+        let runs: Vec<_> = (0..2)
+            .map(|_| plyfs().args(["policy", "apply", "-r"]).arg(m.path("data")).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
+            .collect();
+        for child in runs {
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+            // Each run accounts for every file once, whichever of the two re-encoded it.
+            let (done, already, gone) = summary_counts(&out);
+            assert_eq!(done + already + gone, files.len(), "{}", stdout(&out));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        lister.join().unwrap()
+    });
+    assert!(seen.is_empty(), "a listing showed names the mount made for itself: {seen:?}");
+    for (p, d) in &files {
+        assert!(fs::read(m.lower_path(p)).unwrap().starts_with(b"PLYSCA"), "{p} converted");
+        assert_eq!(&fs::read(m.path(p)).unwrap(), d, "{p}");
+    }
+    let names: Vec<_> = fs::read_dir(m.lower_path("data")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names.len(), files.len(), "no leftovers: {names:?}");
 }
 
 #[test]

@@ -11,6 +11,10 @@ impl PolicyLayer {
             return Ok(String::new());
         }
         let v = self.below().extended(&daemon(), node, "lower-info", &[])?;
+        // Its path would be its last name with " (deleted)" added: no place to decide by.
+        if v.get("removed").and_then(Value::as_bool) == Some(true) {
+            return Err(Error::Os(libc::ENOENT));
+        }
         v.get("path").and_then(Value::as_str).map(str::to_owned).ok_or(Error::Os(libc::EIO))
     }
 

@@ -37,7 +37,7 @@ use parking_lot::{Mutex, RwLock};
 use plyfs_stack::shared::NoReplace;
 use plyfs_stack::spec::LayerSpec;
 use plyfs_stack::{
-    bypass, Caller, DataPath, DirEntry, Entry, Error, ExtOpInfo, FileHandle, FileKind, Layer, LayerFactory, Level, NodeId, Op,
+    bypass, Caller, DataPath, Entry, Error, ExtOpInfo, FileHandle, FileKind, Layer, LayerFactory, Level, NodeId, Op,
     Reply, Result, SetAttr, Stack, TimeSet, XattrReply, FILE_HEAD_BYTES,
 };
 use serde_json::{json, Value};
@@ -168,6 +168,9 @@ pub struct PolicyLayer {
     /// Opens take it shared; the moment a re-encoded file replaces the old one takes it
     /// exclusively, so that no open can slip between the last check and the switch.
     switch: RwLock<()>,
+    /// Held by each `policy-apply`: two runs (one whose command died while the daemon finished
+    /// its file, and the next) never re-encode the same file at once.
+    applying: Mutex<()>,
     /// Other mounts share the lower tree (`-o shared`): they may record chains at any time.
     shared: bool,
     /// How files made under a temporary name move into place.
@@ -225,6 +228,7 @@ impl PolicyLayer {
             warned_no_xattrs: std::sync::atomic::AtomicBool::new(false),
             records: std::sync::atomic::AtomicBool::new(records),
             switch: RwLock::new(()),
+            applying: Mutex::new(()),
             shared,
             no_replace: NoReplace::default(),
         }))
@@ -306,14 +310,9 @@ impl Layer for PolicyLayer {
 
     fn call(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
         match *op {
+            Op::Lookup { name, .. } if self.own_temp(name) => Err(Error::Os(libc::ENOENT)),
             Op::Lookup { .. } | Op::Link { .. } | Op::MkNod { .. } | Op::MkDir { .. } | Op::SymLink { .. } => self.entry_op(cx, op),
-            Op::ReadDir { plus: true, .. } => {
-                let mut reply = self.below().call(cx, op)?;
-                if let Reply::Dir(entries) = &mut reply {
-                    self.fix_dir_entries(entries)?;
-                }
-                Ok(reply)
-            }
+            Op::ReadDir { .. } => self.read_dir(cx, op),
             Op::Forget { node, nlookup } => self.forget(cx, node, nlookup),
             Op::Create { parent, name, mode, flags } => self.create(cx, parent, name, mode, flags),
             Op::Open { node, .. } => {

@@ -209,12 +209,45 @@ impl PolicyLayer {
         Ok(Reply::Xattr(XattrReply::Data(out)))
     }
 
-    pub(crate) fn fix_dir_entries(&self, entries: &mut [DirEntry]) -> Result<()> {
-        for e in entries.iter_mut().filter_map(|d| d.entry.as_mut()) {
-            self.note_entry(e);
-            self.fix_entry(e)?;
+    /// A name this process is making a file under (a re-encoding, or a recorded create on a
+    /// shared lower): nobody sees it until it is renamed into place. A leftover of another
+    /// process (a killed daemon, another mount) stays visible, for `policy apply` to remove.
+    pub(crate) fn own_temp(&self, name: &OsStr) -> bool {
+        name.as_bytes().starts_with(self.temp_stem.as_bytes())
+    }
+
+    /// `readdir`: the lower directory's entries less this process's temporary names, each file
+    /// shown as its chain does. A batch made only of hidden names is skipped, since an empty
+    /// answer would end the listing.
+    pub(crate) fn read_dir(&self, cx: &Caller, op: &Op<'_>) -> Result<Reply> {
+        let Op::ReadDir { node, fh, mut offset, max_entries, plus } = *op else { unreachable!("called for readdir") };
+        loop {
+            let op = Op::ReadDir { node, fh, offset, max_entries, plus };
+            let mut entries = match self.below().call(cx, &op)? {
+                Reply::Dir(entries) => entries,
+                other => return Ok(other),
+            };
+            let Some(last) = entries.last().map(|d| d.next_offset) else { return Ok(Reply::Dir(entries)) };
+            entries.retain(|d| {
+                if !self.own_temp(&d.name) {
+                    return true;
+                }
+                // A readdirplus entry counts as a lookup: give it back.
+                if let Some(e) = &d.entry {
+                    self.below().forget(&daemon(), e.node, 1);
+                }
+                false
+            });
+            if entries.is_empty() {
+                offset = last;
+                continue;
+            }
+            for e in entries.iter_mut().filter_map(|d| d.entry.as_mut()) {
+                self.note_entry(e);
+                self.fix_entry(e)?;
+            }
+            return Ok(Reply::Dir(entries));
         }
-        Ok(())
     }
 
     pub(crate) fn forget(&self, cx: &Caller, node: NodeId, nlookup: u64) -> Result<Reply> {

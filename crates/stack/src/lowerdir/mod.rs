@@ -760,11 +760,15 @@ impl LowerDir {
     fn lower_info(&self, node: NodeId) -> Result<serde_json::Value> {
         let n = self.node(node)?;
         let path = std::fs::read_link(format!("/proc/self/fd/{}", n.fd.as_raw_fd()))?;
+        // A file with no name left: the kernel shows its last one followed by " (deleted)",
+        // which is also a name a file could have. Say which it is.
+        let removed = n.kind != FileKind::Dir && fstat(n.fd.as_raw_fd())?.st_nlink == 0;
         // The same path relative to the lower directory: what the layers above call it, unless
         // one of them renames things (a crypt volume's names layer translates it).
         let rel = path.strip_prefix(&self.root_real).map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
         Ok(serde_json::json!({
             "path": rel,
+            "removed": removed,
             "lower_path": path.to_string_lossy(),
             "dev": n.key.0,
             "ino": n.key.1,
