@@ -259,7 +259,11 @@ impl<'a> OpenLock<'a> {
     }
 
     fn try_lock(self) -> Option<OpenGuard<'a>> {
-        self.locks.busy.lock().insert(self.key).then_some(OpenGuard { locks: self.locks, key: self.key })
+        // The guard is made only when the key was free, and after `busy` is unlocked: one made
+        // for a busy key would unlock it for its holder when dropped (and dropping it while
+        // `busy` is held would wait for itself).
+        let free = self.locks.busy.lock().insert(self.key);
+        free.then(|| OpenGuard { locks: self.locks, key: self.key })
     }
 }
 
@@ -2596,5 +2600,31 @@ mod tests {
         for bad in ["", "5", "-1s", "1e300s", "NaNs", "5 weeks"] {
             assert_eq!(parse_duration(bad), None, "{bad}");
         }
+    }
+
+    /// The keeper's `try_lock` on a file whose open holds its lock: it gives up, without
+    /// waiting and without freeing the holder's lock (it once did both: it hung the daemon).
+    #[test]
+    fn try_lock_of_a_busy_file_gives_up_and_leaves_it_locked() {
+        let locks = Arc::new(OpenLocks::default());
+        let lock = |key| OpenLock { locks: &locks, key };
+        let held = lock(7).lock();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let other = locks.clone();
+        std::thread::spawn(move || {
+            let tried = OpenLock { locks: &other, key: 7 }.try_lock().is_some();
+            let still_busy = other.busy.lock().contains(&7);
+            let _ = tx.send((tried, still_busy));
+        });
+        let Ok((tried, still_busy)) = rx.recv_timeout(Duration::from_secs(10)) else {
+            // Its drop would wait on the hung thread's lock too.
+            std::mem::forget(held);
+            panic!("try_lock of a busy key hung");
+        };
+        assert!(!tried, "a busy key was locked twice");
+        assert!(still_busy, "try_lock freed the holder's lock");
+        assert!(lock(8).try_lock().is_some(), "another key is free");
+        drop(held);
+        assert!(lock(7).try_lock().is_some(), "free once its holder is done");
     }
 }
