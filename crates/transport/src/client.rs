@@ -573,7 +573,7 @@ struct Peek<'a> {
 }
 
 fn peek(header: &[u8]) -> Option<(&str, u64)> {
-    let p: Peek = rmp_serde::from_slice(header).ok()?;
+    let p: Peek = wire::from_msgpack(header).ok()?;
     Some((p.t, p.id))
 }
 

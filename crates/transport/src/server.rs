@@ -428,7 +428,7 @@ impl Server {
             Ok(Message::Req { id, caller, op }) => Ok(Some(Request { id, caller, op, payload: frame.payload, held })),
             Ok(other) => Err(conn.broke(format!("unexpected message {:?}", message_type(&other)))),
             Err(e) => {
-                let Ok(JustId { t, id, op }) = rmp_serde::from_slice::<JustId>(&frame.header) else {
+                let Ok(JustId { t, id, op }) = wire::from_msgpack::<JustId>(&frame.header) else {
                     return Err(conn.broke(format!("a malformed message: {e}")));
                 };
                 if t != "req" {

@@ -730,6 +730,7 @@ pub fn encode(msg: &Message) -> Vec<u8> {
 
 /// Decode a header.
 pub fn decode(header: &[u8]) -> Result<Message, String> {
+    check_shape(header)?;
     rmp_serde::from_slice(header).map_err(|e| {
         // A request's operation has two forms (`RequestOp` is untagged), so serde's reason is
         // only that neither fits. For a stack operation, the stack's form says what is wrong.
@@ -740,6 +741,73 @@ pub fn decode(header: &[u8]) -> Result<Message, String> {
             _ => e.to_string(),
         }
     })
+}
+
+/// Decode MessagePack `bytes` as a `T`, once [`check_shape`] found them sound.
+pub fn from_msgpack<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, String> {
+    check_shape(bytes)?;
+    rmp_serde::from_slice(bytes).map_err(|e| e.to_string())
+}
+
+/// Refuse MessagePack whose arrays, maps, strings and binaries announce more than the bytes
+/// there are. Decoding reserves room for what a length announces (serde caps it at 1 MiB per
+/// array), so a 60-byte hello saying "2 billion elements" cost the server 1 MiB before the
+/// peer proved anything. Every value takes at least one byte, so here the values still to be
+/// read may never outnumber the bytes left: all that decoding reserves is then bounded by the
+/// size of the input.
+pub fn check_shape(bytes: &[u8]) -> Result<(), String> {
+    let mut at = 0usize;
+    // Values still to be read.
+    let mut pending = 1usize;
+    let take = |at: &mut usize, n: usize| -> Result<usize, String> {
+        let end = at.checked_add(n).filter(|&e| e <= bytes.len()).ok_or("a message cut short")?;
+        let start = *at;
+        *at = end;
+        Ok(start)
+    };
+    let length = |at: &mut usize, n: usize| -> Result<usize, String> {
+        let start = take(at, n)?;
+        Ok(bytes[start..start + n].iter().fold(0usize, |acc, &b| (acc << 8) | usize::from(b)))
+    };
+    while pending > 0 {
+        pending -= 1;
+        let marker = bytes[take(&mut at, 1)?];
+        // (values it holds, bytes it holds)
+        let (values, skip) = match marker {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+            0x80..=0x8f => (2 * usize::from(marker & 0x0f), 0),
+            0x90..=0x9f => (usize::from(marker & 0x0f), 0),
+            0xa0..=0xbf => (0, usize::from(marker & 0x1f)),
+            0xc1 => return Err("a malformed message: byte 0xc1 is no MessagePack".into()),
+            0xc4 | 0xd9 => (0, length(&mut at, 1)?),
+            0xc5 | 0xda => (0, length(&mut at, 2)?),
+            0xc6 | 0xdb => (0, length(&mut at, 4)?),
+            0xc7 => (0, length(&mut at, 1)? + 1),
+            0xc8 => (0, length(&mut at, 2)? + 1),
+            0xc9 => (0, length(&mut at, 4)? + 1),
+            0xca => (0, 4),
+            0xcb => (0, 8),
+            0xcc | 0xd0 => (0, 1),
+            0xcd | 0xd1 => (0, 2),
+            0xce | 0xd2 => (0, 4),
+            0xcf | 0xd3 => (0, 8),
+            0xd4 => (0, 2),
+            0xd5 => (0, 3),
+            0xd6 => (0, 5),
+            0xd7 => (0, 9),
+            0xd8 => (0, 17),
+            0xdc => (length(&mut at, 2)?, 0),
+            0xdd => (length(&mut at, 4)?, 0),
+            0xde => (2 * length(&mut at, 2)?, 0),
+            0xdf => (2 * length(&mut at, 4)?, 0),
+        };
+        take(&mut at, skip)?;
+        pending += values;
+        if pending > bytes.len() - at {
+            return Err(format!("a malformed message: {pending} values announced in the {} bytes left", bytes.len() - at));
+        }
+    }
+    Ok(())
 }
 
 /// A request's stack operation alone, decoded for its error.
@@ -972,5 +1040,36 @@ mod tests {
             let op = OpHeader::Lookup { parent: 1, name: bytes(name) };
             assert!(checked_op(&op, &[]).is_err(), "{name:?}");
         }
+    }
+
+    /// Lengths that announce more values or bytes than follow are refused before decoding;
+    /// every message this side writes passes.
+    #[test]
+    fn messages_announcing_more_than_they_hold_are_refused() {
+        let hello = encode(&Message::Hello { versions: vec![1, 2], software: "x".into(), auth: Some(serde_bytes::ByteBuf::from(vec![7; 40])) });
+        assert!(check_shape(&hello).is_ok());
+        assert!(decode(&hello).is_ok());
+        let bad: &[&[u8]] = &[
+            // An array of 2^31 elements, a map of 65535 entries, in a few bytes.
+            &[0xdd, 0x80, 0, 0, 0, 1, 2, 3],
+            &[0x81, 0xa1, b'v', 0xde, 0xff, 0xff, 1, 2],
+            // A string and a binary longer than the message.
+            &[0xdb, 0, 0, 0x10, 0, b'a'],
+            &[0xc5, 0x01, 0x00, 0],
+            // Arrays each within the bytes left, together over them.
+            &[0x92, 0x9f, 0x9f, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+            // Cut short, and a byte that is no MessagePack.
+            &[0x92, 0x01],
+            &[0xc1],
+            &[],
+        ];
+        for b in bad {
+            assert!(check_shape(b).is_err(), "{b:02x?}");
+            assert!(decode(b).is_err(), "{b:02x?}");
+        }
+        // Right at the limit: 15 values in 15 bytes.
+        let mut full = vec![0x9f];
+        full.extend(1..=15u8);
+        assert!(check_shape(&full).is_ok());
     }
 }
