@@ -1054,9 +1054,44 @@ fn review_a_reopen_of_a_removed_file_does_not_overwrite_its_writers_bytes() {
         let again = File::open(format!("/proc/self/fd/{}", writer.as_raw_fd())).unwrap();
         let mut got = vec![0u8; 12];
         again.read_exact_at(&mut got, 1000).unwrap();
-        assert_eq!(String::from_utf8_lossy(&got), "WRITTEN HERE", "{stack}: the new open");
+        assert_eq!(String::from_utf8_lossy(&got), "WRITTEN HERE", "{stack}: the new open; the daemon's log:\n{}", m.daemon_log());
         writer.read_exact_at(&mut got, 1000).unwrap();
         assert_eq!(String::from_utf8_lossy(&got), "WRITTEN HERE", "{stack}: the writer reads its own bytes back");
+        drop((reader, writer, again));
+    }
+}
+
+/// The same with the file's opens served through the daemon (a reader that came while the copy
+/// was being filled): once the file is removed, its copy, with the writer's bytes, is the file
+/// for those opens and for new ones. A new open used to fetch the removed slow file's old bytes.
+#[test]
+fn a_reopen_of_a_removed_file_read_through_the_daemon_shows_its_writers_bytes() {
+    for stack in ["cache", "cache:mode=write-back:delay=1h"] {
+        let (_d, slow) = slow_dir();
+        std::fs::write(slow.join("f"), random(93, 200_000)).unwrap();
+        let m = cache_over(stack, &slow, &[]);
+        // Opened before the copy is whole: this reader, and the writer after it, go through the
+        // daemon.
+        let reader = File::open(m.path("f")).unwrap();
+        let mut all = Vec::new();
+        (&reader).read_to_end(&mut all).unwrap();
+        wait_for("the copy is whole", Duration::from_secs(10), || status(&m)["files"].as_u64() == Some(1));
+        let writer = OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+        writer.write_all_at(b"WRITTEN HERE", 1000).unwrap();
+        std::fs::remove_file(m.path("f")).unwrap();
+        if stack.contains("write-back") {
+            // The copy goes, with its unwritten changes, once the removal's look (made in the
+            // background) found the file gone.
+            wait_for("the removal looked at", Duration::from_secs(10), || status(&m)["files"].as_u64() == Some(0));
+        } else {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let again = File::open(format!("/proc/self/fd/{}", writer.as_raw_fd())).unwrap();
+        let mut got = vec![0u8; 12];
+        for (who, f) in [("the new open", &again), ("the reader", &reader), ("the writer", &writer)] {
+            f.read_exact_at(&mut got, 1000).unwrap();
+            assert_eq!(String::from_utf8_lossy(&got), "WRITTEN HERE", "{stack}: {who}");
+        }
         drop((reader, writer, again));
     }
 }

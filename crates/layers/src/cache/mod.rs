@@ -201,6 +201,9 @@ struct Opens {
     fast: u32,
     /// The copy the passthrough opens read (what a new open of the file must be given too).
     fast_copy: Option<(u64, Arc<File>)>,
+    /// The copy opens through the daemon use, if any: once the file is removed from the slow
+    /// branch, it is the file for them and for new opens (see [`Cache::open_gone_copy`]).
+    daemon_copy: Option<(u64, Arc<File>)>,
     /// The slow file's stamp that copy was last fetched again for in place, if it was.
     fast_stamp: Option<Stamp>,
     slow: u32,
@@ -636,13 +639,16 @@ impl Cache {
         (c.complete && (c.dirty || writers || c.stamp == Stamp::of(attr))).then(|| c.clone())
     }
 
-    /// Give up `key`'s copy (unless it holds unwritten changes): the slow file changed, was
-    /// removed, or the copy is evicted. Open descriptors of it keep reading what they read.
-    fn drop_copy(&self, key: u64, even_dirty: bool) -> bool {
+    /// Give up `key`'s copy (unless it holds unwritten changes): the slow file changed, or the
+    /// copy is evicted; readers through the daemon then read the slow file. With `gone`, the
+    /// file was removed from the slow branch: the copy goes with its unwritten changes, and the
+    /// file's opens go on reading and writing it, as the file it is for them.
+    fn drop_copy(&self, key: u64, gone: bool) -> bool {
+        let even_dirty = gone;
         // Locks are never nested here: the fills lock is let go before the index is taken.
         let fill = self.fills.lock().get(&key).and_then(Weak::upgrade);
         if let Some(fill) = fill {
-            if even_dirty || !is_dirty(self.store.index.lock().copies.get(&key)) {
+            if !gone && !is_dirty(self.store.index.lock().copies.get(&key)) {
                 fill.detach();
             }
         }
@@ -816,20 +822,26 @@ impl Cache {
     }
 
     /// Count an open of `key` served from `side`.
-    fn count_open(&self, key: u64, side: Side, writes: bool, copy: Option<&Arc<File>>) {
+    fn count_open(&self, key: u64, side: Side, writes: bool, copy: Option<(u64, &Arc<File>)>) {
         let mut opens = self.opens.lock();
         let o = opens.entry(key).or_default();
         match side {
             Side::Fast(gen) => {
                 o.fast += 1;
-                if let Some(f) = copy {
+                if let Some((_, f)) = copy {
                     if o.fast_copy.is_none() {
                         o.fast_copy = Some((gen, f.clone()));
                     }
                 }
             }
             Side::Slow => o.slow += 1,
-            Side::Daemon => o.daemon += 1,
+            Side::Daemon => {
+                o.daemon += 1;
+                // The latest: a copy given up as stale is followed by the slow file's new one.
+                if let Some((gen, f)) = copy {
+                    o.daemon_copy = Some((gen, f.clone()));
+                }
+            }
         }
         if writes {
             o.writers += 1;
@@ -848,7 +860,12 @@ impl Cache {
                     }
                 }
                 Side::Slow => o.slow = o.slow.saturating_sub(1),
-                Side::Daemon => o.daemon = o.daemon.saturating_sub(1),
+                Side::Daemon => {
+                    o.daemon = o.daemon.saturating_sub(1);
+                    if o.daemon == 0 {
+                        o.daemon_copy = None;
+                    }
+                }
             }
             if writes {
                 o.writers = o.writers.saturating_sub(1);
@@ -881,7 +898,7 @@ impl Cache {
             _ if !self.copy_passthrough => Side::Daemon,
             _ => Side::Fast(gen),
         };
-        self.count_open(node.0, side, writes, Some(&file));
+        self.count_open(node.0, side, writes, Some((gen, &file)));
         let backing = match side {
             Side::Fast(_) => Some(Arc::new(OwnedFd::from(file.try_clone()?))),
             _ => None,
@@ -907,8 +924,9 @@ impl Cache {
         let stamp = self.copy_of(key).map(|c| c.stamp).unwrap_or_default();
         let size = file.metadata()?.len();
         // Its own descriptor, for writing: a write-through writer's writes and truncates reach
-        // the copy through the fill (the reader's descriptor is read-only).
-        let own = self.store.open_copy(key, gen, true)?;
+        // the copy through the fill (the reader's descriptor is read-only). Reopened by that
+        // descriptor, since the copy may have no name left (its file was removed).
+        let own = File::options().read(true).write(true).open(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
         let fill = Arc::new(Fill::new(key, gen, own, size, self.cfg.range, self.slow().clone(), stamp, true, self.stats.fetched.clone()));
         self.fills.lock().insert(key, Arc::downgrade(&fill));
         Ok(fill)
@@ -984,7 +1002,14 @@ impl Cache {
             Some(Side::Slow) => return self.open_slow(cx, node, flags, false),
             // ... or the copy the other opens read.
             Some(Side::Fast(gen)) => return self.open_next_to_copy(cx, node, flags, &attr, gen),
-            _ => {}
+            // ... or, once the file is gone from the slow branch, the copy opens through the
+            // daemon use.
+            Some(Side::Daemon) => {
+                if let Some(reply) = self.open_gone_copy(node, flags, &attr)? {
+                    return Ok(reply);
+                }
+            }
+            None => {}
         }
         if !self.caches_for(cx, node) {
             return self.open_slow(cx, node, flags, false);
@@ -1065,6 +1090,24 @@ impl Cache {
             self.refresh_in_place(node, gen, &file, attr)?;
         }
         self.serve_copy(node, gen, file.try_clone()?, false, false)
+    }
+
+    /// A new open of a file removed from the slow branch (`attr`), whose opens through the daemon
+    /// use a copy that left the index with it, unwritten changes and all: that copy is the file
+    /// for them, and for this open too (the slow file's bytes would be older than their
+    /// writes). `None` when that is not the case.
+    fn open_gone_copy(&self, node: NodeId, flags: i32, attr: &Attr) -> Result<Option<Reply>> {
+        let key = node.0;
+        let theirs = self.opens.lock().get(&key).and_then(|o| o.daemon_copy.clone());
+        let Some((gen, file)) = theirs else { return Ok(None) };
+        if attr.nlink != 0 || self.copy_of(key).is_some_and(|c| c.gen == gen) {
+            return Ok(None);
+        }
+        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        // Their descriptor may be read-only, and the copy has no name left.
+        let file = File::options().read(true).write(writes).open(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+        self.stats.hits.fetch_add(1, Ordering::Relaxed);
+        self.serve_copy(node, gen, file, writes, false).map(Some)
     }
 
     /// Copy `gen`, which the file's live opens read by passthrough, is older than the slow file
