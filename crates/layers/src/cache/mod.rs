@@ -1554,7 +1554,8 @@ impl Cache {
                 Ok(Reply::Empty)
             }
             Kind::Copy { .. } => {
-                if f.writes {
+                // (A copy that left the index with its removed file has nothing to write back.)
+                if f.writes && self.dirty(key) {
                     self.changed(key);
                 }
                 Ok(Reply::Empty)
