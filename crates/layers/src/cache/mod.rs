@@ -644,7 +644,6 @@ impl Cache {
     /// file was removed from the slow branch: the copy goes with its unwritten changes, and the
     /// file's opens go on reading and writing it, as the file it is for them.
     fn drop_copy(&self, key: u64, gone: bool) -> bool {
-        let even_dirty = gone;
         // Locks are never nested here: the fills lock is let go before the index is taken.
         let fill = self.fills.lock().get(&key).and_then(Weak::upgrade);
         if let Some(fill) = fill {
@@ -655,7 +654,7 @@ impl Cache {
         let removed = {
             let mut idx = self.store.index.lock();
             match idx.copies.get(&key) {
-                Some(c) if !c.dirty || even_dirty => {
+                Some(c) if !c.dirty || gone => {
                     let c = idx.copies.remove(&key).expect("present");
                     idx.changed = true;
                     Some(c)
