@@ -164,13 +164,13 @@ fn rules_and_attributes_combine_as_documented() {
     assert!(stderr(&out).contains("rule 1") && stderr(&out).contains("level"), "{}", stderr(&out));
 }
 
-#[test]
-fn apply_can_be_killed_and_resumed_without_losing_a_byte() {
-    let m = Mount::new("null");
+/// `count` plain files `data/fNN` of `size + NN * step` bytes each (each with a byte of its own),
+/// in a directory whose policy is now gzip at level 9: work for `policy apply`.
+fn plain_files_to_gzip(m: &Mount, count: usize, size: usize, step: usize) -> Vec<(String, Vec<u8>)> {
     fs::create_dir(m.path("data")).unwrap();
-    let files: Vec<(String, Vec<u8>)> = (0..12)
+    let files: Vec<(String, Vec<u8>)> = (0..count)
         .map(|i| {
-            let mut d = text((2 << 20) + i * 777);
+            let mut d = text(size + i * step);
             d[i] = b'#';
             (format!("data/f{i:02}"), d)
         })
@@ -179,6 +179,13 @@ fn apply_can_be_killed_and_resumed_without_losing_a_byte() {
         fs::write(m.path(p), d).unwrap();
     }
     set_policy(&m.path("data"), "gzip:level=9").unwrap();
+    files
+}
+
+#[test]
+fn apply_can_be_killed_and_resumed_without_losing_a_byte() {
+    let m = Mount::new("null");
+    let files = plain_files_to_gzip(&m, 12, 2 << 20, 777);
     // Kill the first run once it has converted a file or two.
     let mut child = plyfs().args(["policy", "apply", "-r"]).arg(m.path("data")).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -237,18 +244,7 @@ fn summary_counts(out: &std::process::Output) -> (usize, usize, usize) {
 #[test]
 fn two_runs_at_once_and_listings_meanwhile_never_see_the_temporary_copies() {
     let m = Mount::new("null");
-    fs::create_dir(m.path("data")).unwrap();
-    let files: Vec<(String, Vec<u8>)> = (0..8)
-        .map(|i| {
-            let mut d = text((3 << 20) + i * 1001);
-            d[i] = b'#';
-            (format!("data/f{i:02}"), d)
-        })
-        .collect();
-    for (p, d) in &files {
-        fs::write(m.path(p), d).unwrap();
-    }
-    set_policy(&m.path("data"), "gzip:level=9").unwrap();
+    let files = plain_files_to_gzip(&m, 8, 3 << 20, 1001);
     let stop = std::sync::atomic::AtomicBool::new(false);
     let seen: Vec<String> = std::thread::scope(|s| {
         let lister = s.spawn(|| {

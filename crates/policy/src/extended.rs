@@ -91,8 +91,7 @@ impl PolicyLayer {
     /// Re-encode a file to its policy; remove a leftover of an interrupted re-encoding.
     pub(crate) fn apply(&self, node: NodeId) -> Result<Value> {
         let _one_at_a_time = self.applying.lock();
-        // Re-encoded by the run before this one, after this run looked its name up.
-        // Replaced by that run's re-encoding (or removed) after this run looked its name up:
+        // Replaced by another run's re-encoding (or removed) after this run looked its name up:
         // whatever now has the name is another file.
         let superseded = matches!(self.nodes.read().get(&node), Some(Known::File(FileState { superseded: true, .. })));
         if superseded || self.below().getattr(&daemon(), node)?.nlink == 0 {
